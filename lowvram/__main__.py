@@ -1,0 +1,3 @@
+from lowvram.cli import main
+
+main()

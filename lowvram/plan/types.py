@@ -1,0 +1,60 @@
+"""The Plan: every technique resolved to a concrete value, each with its reason.
+
+Training consumes a Plan and never decides techniques itself (STYLE.md). ``lowvram plan`` and
+``lowvram train`` build the same Plan from the same recipe, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Precision = Literal["bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32"]
+Quant = Literal["none", "nf4", "nf4-dq", "fp4", "int8"]
+Optim = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"]
+OffloadKind = Literal[
+    "none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload", "fsdp", "fsdp-offload"
+]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Resolved settings for one run. Memory fields are bytes; None where not predicted."""
+
+    device: Literal["cuda", "mps", "cpu"]
+    mixed_precision: Precision
+    gradient_checkpointing: bool
+    micro_batch_size: int
+    grad_accum: int
+    lora: bool
+    quantization: Quant
+    optimizer: Optim
+    offload: OffloadKind
+    attention: Literal["sdpa", "eager", "flash_attention_2"]
+    loss: Literal["standard", "chunked"]
+    gpus: int = 1
+    reasons: dict[str, str] = field(default_factory=dict)
+    predicted_peak_bytes: int | None = None
+    budget_bytes: int | None = None
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.gpus
+
+    def techniques(self) -> dict[str, object]:
+        """The seven canonical techniques plus attention and loss, as shown to users."""
+        return {
+            "mixed_precision": self.mixed_precision,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "gradient_accumulation": self.grad_accum,
+            "lora": self.lora,
+            "quantization": self.quantization,
+            "optimizer": self.optimizer,
+            "offload": self.offload,
+            "attention": self.attention,
+            "loss": self.loss,
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,446 @@
+"""The recipe: one pydantic schema is the truth for every key, default and help text.
+
+``load_recipe(path, overrides)`` reads YAML safely, applies ``--set key.path=value`` overrides,
+validates, and raises one :class:`RecipeError` listing *every* problem with file, line and key
+path, what was expected, and a did-you-mean for misspelled keys.
+
+No torch, transformers or other heavy imports here: ``lowvram validate`` must be instant.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lowvram.errors import LowvramError, RecipeError
+
+# The seven techniques, one canonical name each (DEVELOPERS.md), plus two first-class knobs.
+TECHNIQUES = (
+    "mixed_precision",
+    "gradient_checkpointing",
+    "gradient_accumulation",
+    "lora",
+    "quantization",
+    "optimizer",
+    "offload",
+)
+KNOBS = ("attention", "loss")
+
+OnOffAuto = Literal["auto", "on", "off"]
+MixedPrecision = Literal["auto", "on", "off", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32"]
+Quantization = Literal["auto", "on", "off", "nf4", "nf4-dq", "fp4", "int8"]
+Optimizer = Literal[
+    "auto", "on", "off", "adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
+    "adafactor", "sgd",
+]
+Offload = Literal[
+    "auto", "on", "off", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
+    "fsdp", "fsdp-offload",
+]
+Attention = Literal["auto", "sdpa", "eager", "flash_attention_2"]
+Loss = Literal["auto", "standard", "chunked"]
+DataFormat = Literal["alpaca", "chat", "completion", "text"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    name_or_path: str = Field(
+        description="Hub id (e.g. Qwen/Qwen2.5-1.5B) or a local folder with config.json."
+    )
+    revision: str | None = Field(None, description="Hub branch, tag or commit to load.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Storage dtype of the weights; auto follows mixed_precision (bf16/fp16 "
+        "keep 16-bit weights, *-mixed and fp32 keep fp32 weights).",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run Python code shipped with the model. Off unless you trust it."
+    )
+    gguf_file: str | None = Field(
+        None, description="Load weights from this GGUF file inside name_or_path (dequantized)."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer id or path if not the model's.")
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
+class DatasetSpec(_Section):
+    path: str = Field(
+        description="Local .json/.jsonl/.csv/.parquet/.txt file (relative to the recipe) or a hub id."
+    )
+    format: DataFormat = Field(
+        "alpaca",
+        description="alpaca (instruction/input/output), chat (messages with roles, rendered by the "
+        "tokenizer's chat template), completion (prompt/completion), text (raw text).",
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="Map the format's field names to your column names, e.g. {output: response}.",
+    )
+    split: str = Field("train", description="Split to read (hub datasets; local files have 'train').")
+    name: str | None = Field(None, description="Hub dataset configuration name.")
+    max_samples: int | None = Field(None, gt=0, description="Use at most this many rows.")
+
+
+class DataSection(_Section):
+    datasets: list[DatasetSpec] = Field(min_length=1, description="One or more datasets, concatenated.")
+    validation: float | str | None = Field(
+        None,
+        description="A fraction (0-0.5) of the training rows held out, or a split name to evaluate on.",
+    )
+    train_on_inputs: bool = Field(
+        False, description="Also train on prompt tokens (default: loss on response tokens only)."
+    )
+    packing: bool = Field(False, description="Pack several samples into each seq_len window.")
+    skip_bad_rows: bool = Field(
+        False, description="Skip and count malformed rows instead of stopping with an error."
+    )
+
+    @field_validator("validation")
+    @classmethod
+    def _fraction(cls, v: float | str | None) -> float | str | None:
+        if isinstance(v, float) and not 0.0 < v <= 0.5:
+            raise ValueError("a validation fraction must be > 0 and <= 0.5")
+        return v
+
+
+class TrainingSection(_Section):
+    epochs: float = Field(1.0, gt=0, description="Passes over the data (ignored if max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    learning_rate: float = Field(2e-4, gt=0, lt=1, description="Peak learning rate.")
+    lr_scheduler: Literal[
+        "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"
+    ] = Field("cosine", description="Learning-rate schedule after warmup.")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps spent warming up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 = off).")
+    batch_size: int = Field(
+        16, gt=0, description="Effective batch: micro_batch_size x gradient_accumulation x GPUs."
+    )
+    micro_batch_size: Union[int, Literal["auto"]] = Field(
+        "auto", description="Samples per forward pass per GPU; auto lets the planner choose."
+    )
+    seq_len: int = Field(1024, gt=0, le=1_048_576, description="Tokens per sample (longer are truncated).")
+    seed: int = Field(42, ge=0, description="Random seed for data order and initialisation.")
+    logging_steps: int = Field(10, gt=0, description="Log loss every N steps.")
+    eval_steps: int | None = Field(None, gt=0, description="Evaluate every N steps (default: at the end).")
+    save_steps: int = Field(200, gt=0, description="Write a checkpoint every N steps.")
+    save_total_limit: int = Field(2, gt=0, description="Keep at most this many checkpoints.")
+    output_dir: str = Field("runs/run", description="Where the adapter/model, metrics and checkpoints go.")
+    report_to: Literal["none", "tensorboard", "wandb"] = Field(
+        "none", description="Experiment tracker for the Trainer's logs."
+    )
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("must be > 0 or 'auto'")
+        return v
+
+
+class LoraSection(_Section):
+    r: int = Field(16, gt=0, le=4096, description="Adapter rank.")
+    alpha: int = Field(32, gt=0, description="Scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]) or all-linear."
+    )
+
+
+class TechniquesSection(_Section):
+    """Each technique is auto (the planner decides), on/off, or a value."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, v: object) -> object:
+        # YAML 1.1 reads on/off/yes/no as booleans; here they mean the words on/off.
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return v
+
+    mixed_precision: MixedPrecision = Field(
+        "auto", description="bf16/fp16 weights (on = bf16 where supported, else fp16); *-mixed keeps fp32 master weights."
+    )
+    gradient_checkpointing: OnOffAuto = Field(
+        "auto", description="on: activations recomputed in backward; much less memory, ~25% slower."
+    )
+    gradient_accumulation: Union[int, OnOffAuto] = Field(
+        "auto", description="Micro-batches per optimizer step (an integer fixes it); same effective batch."
+    )
+    lora: OnOffAuto = Field("auto", description="on: train LoRA adapters (peft) instead of all weights.")
+    quantization: Quantization = Field(
+        "auto", description="Frozen base in 4-bit (nf4, nf4-dq, fp4) or 8-bit (int8); on = nf4-dq. Needs lora."
+    )
+    optimizer: Optimizer = Field(
+        "auto", description="adamw (on: adamw_8bit), paged_*, adafactor or sgd; 8-bit AdamW saves 6 bytes/param."
+    )
+    offload: Offload = Field(
+        "auto", description="Offload/shard optimizer or parameters via DeepSpeed ZeRO or FSDP; slowest, last resort."
+    )
+    attention: Attention = Field("auto", description="Attention kernel; sdpa/flash never store the s x s matrix.")
+    loss: Loss = Field("auto", description="chunked: cross-entropy in chunks, no full fp32 logits copy.")
+
+    @field_validator("gradient_accumulation")
+    @classmethod
+    def _accum_positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("must be a positive integer, on, off or auto")
+        return v
+
+    @model_validator(mode="after")
+    def _quant_needs_lora(self) -> TechniquesSection:
+        if self.quantization not in ("auto", "off") and self.lora == "off":
+            raise ValueError(
+                "quantization needs lora: a quantized base cannot be trained directly "
+                "(set lora: on or quantization: off)"
+            )
+        return self
+
+
+class Recipe(_Section):
+    model: ModelSection
+    data: DataSection
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
+    techniques: TechniquesSection = Field(default_factory=TechniquesSection)
+
+    # Where the recipe came from; relative data paths resolve against it. Not a YAML key.
+    _source: Path | None = None
+
+    @property
+    def source(self) -> Path | None:
+        return self._source
+
+    def base_dir(self) -> Path:
+        return self._source.parent if self._source else Path.cwd()
+
+    def resolve_path(self, p: str) -> Path:
+        """A path from the recipe, relative to the recipe file."""
+        path = Path(p).expanduser()
+        return path if path.is_absolute() else self.base_dir() / path
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading with line numbers
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (yaml silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, "a mapping key must be a plain value", key_node.start_mark
+            ) from None
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+# Alias bombs: a recipe is small; refuse documents whose node graph explodes.
+_MAX_NODES = 100_000
+
+
+def _line_map(node: yaml.Node, path: tuple = (), out: dict | None = None, budget: list | None = None) -> dict:
+    """Map each key path (tuple of str/int) to its 1-based line."""
+    out = {} if out is None else out
+    budget = [_MAX_NODES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise LowvramError("the recipe is too large or uses too many YAML aliases", "a recipe is a small file; remove anchors/aliases that expand into huge structures")
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else str(k.start_mark)
+            out[path + (key,)] = k.start_mark.line + 1
+            _line_map(v, path + (key,), out, budget)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out[path + (i,)] = v.start_mark.line + 1
+            _line_map(v, path + (i,), out, budget)
+    return out
+
+
+def _parse_yaml(text: str, where: str) -> tuple[Any, dict]:
+    try:
+        node = yaml.compose(text, Loader=_LineLoader)
+        lines = _line_map(node) if node is not None else {}
+        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = f":{mark.line + 1}" if mark else ""
+        raise LowvramError(
+            f"{where}{line}: invalid YAML: {e.problem or e}",
+            "check indentation and quoting at that line; only plain YAML is accepted (no Python tags)",
+        ) from None
+    except yaml.YAMLError as e:
+        raise LowvramError(f"{where}: invalid YAML: {e}", "check the file is a plain YAML mapping") from None
+    except RecursionError:
+        raise LowvramError(f"{where}: the recipe nests too deeply", "a recipe has a few levels of keys") from None
+    return data, lines
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Known keys of the section at ``loc`` (for did-you-mean)."""
+    model: Any = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        candidates = [ann, *args]
+        nxt = None
+        for c in candidates:
+            inner = getattr(c, "__args__", ())
+            for cc in (c, *inner):
+                if isinstance(cc, type) and issubclass(cc, BaseModel):
+                    nxt = cc
+        if nxt is None:
+            return []
+        model = nxt
+    return list(getattr(model, "model_fields", {}))
+
+
+def _line_of(loc: tuple, lines: dict) -> int:
+    for n in range(len(loc), 0, -1):
+        if tuple(loc[:n]) in lines:
+            return lines[tuple(loc[:n])]
+    return 10**9
+
+
+def _key_path(loc: tuple) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+def _format_problem(err: dict, where: str, lines: dict, override_keys: dict) -> str:
+    loc = tuple(p for p in err["loc"])
+    key = _key_path(loc)
+    line = _line_of(loc, lines) if _line_of(loc, lines) < 10**9 else None
+    origin = override_keys.get(".".join(str(p) for p in loc))
+    if origin:
+        place = f"--set {origin}"
+    else:
+        place = f"{where}:{line}" if line else where
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        known = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+        msg = f"unknown key '{loc[-1]}'"
+        if close:
+            msg += f"; did you mean '{close[0]}'?"
+        elif known:
+            msg += f" (known: {', '.join(known)})"
+    elif kind == "missing":
+        msg = "required key is missing"
+    else:
+        msg = err["msg"]
+        if "input" in err and not isinstance(err["input"], (dict, list)):
+            shown = repr(err["input"])
+            if len(shown) > 60:
+                shown = shown[:57] + "..."
+            msg += f" (got {shown})"
+    return f"{place}: {key}: {msg}"
+
+
+def _apply_override(data: dict, item: str) -> str:
+    if "=" not in item:
+        raise RecipeError([f"--set {item}: expected KEY.PATH=VALUE, e.g. training.learning_rate=1e-4"])
+    key, _, raw = item.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise RecipeError([f"--set {item}: empty key"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for p in parts[:-1]:
+        if isinstance(node, list) and p.isdigit() and int(p) < len(node):
+            node = node[int(p)]
+            continue
+        if not isinstance(node, dict):
+            raise RecipeError([f"--set {item}: '{p}' is not a section"])
+        node = node.setdefault(p, {})
+    last = parts[-1]
+    if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise RecipeError([f"--set {item}: '{parts[-2] if len(parts) > 1 else last}' is not a section"])
+    return ".".join(parts)
+
+
+def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | tuple = (), source: Path | None = None) -> Recipe:
+    """Validate recipe text; every problem is reported at once."""
+    data, lines = _parse_yaml(text, where)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise LowvramError(
+            f"{where}: a recipe must be a YAML mapping of sections, got {type(data).__name__}",
+            "start from recipes/quickstart.yaml",
+        )
+    override_keys: dict[str, str] = {}
+    for item in overrides:
+        key = _apply_override(data, item)
+        override_keys[key] = item
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        errs = sorted(e.errors(), key=lambda err: _line_of(err["loc"], lines))
+        problems = [_format_problem(err, where, lines, override_keys) for err in errs]
+        raise RecipeError(problems) from None
+    except RecursionError:
+        raise LowvramError(f"{where}: the recipe nests too deeply", "a recipe has a few levels of keys") from None
+    recipe._source = source
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:
+    """Read and validate a recipe file, applying ``--set`` overrides."""
+    p = Path(path)
+    if not p.exists():
+        raise LowvramError(f"recipe file not found: {p}", "pass the path to a .yaml recipe, e.g. recipes/quickstart.yaml")
+    if p.is_dir():
+        raise LowvramError(f"{p} is a folder, not a recipe file", "pass the path to a .yaml recipe inside it")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LowvramError(f"{p}: not UTF-8 text (byte {e.start})", "save the recipe as UTF-8 YAML") from None
+    if "\x00" in text:
+        raise LowvramError(f"{p}: binary data, not a YAML recipe", "pass a text .yaml recipe")
+    return parse_recipe(text, str(p), overrides, source=p.resolve())
