@@ -1,0 +1,32 @@
+"""Shared fixtures: offline environment, a tiny model + tokenizer built locally."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("NO_COLOR", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random-init 2-layer Llama + BPE tokenizer with a ChatML template, saved once per session."""
+    from lowvram.testing import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
