@@ -100,6 +100,16 @@ def train(
 
 @app.command()
 @handle_errors
+def keys(json_: JsonOpt = False) -> None:
+    """List every recipe key with its type, default and meaning (from the schema)."""
+    from lowvram import report
+    from lowvram.recipe import describe_schema
+
+    report.show_keys(describe_schema(), as_json=json_)
+
+
+@app.command()
+@handle_errors
 def env(json_: JsonOpt = False) -> None:
     """Print versions and devices: paste this block into bug reports."""
     from lowvram import report

@@ -444,3 +444,55 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:
     if "\x00" in text:
         raise LowvramError(f"{p}: binary data, not a YAML recipe", "pass a text .yaml recipe")
     return parse_recipe(text, str(p), overrides, source=p.resolve())
+
+
+# --------------------------------------------------------------------------------------------
+# The schema as documentation (`lowvram keys`, the README's recipe reference)
+
+
+def _type_name(ann: Any) -> str:
+    args = getattr(ann, "__args__", None)
+    origin = getattr(ann, "__origin__", None)
+    if origin is Literal:
+        return ", ".join(str(a) for a in args)
+    if args and origin is not None and origin is not list and origin is not dict:
+        return ", ".join(_type_name(a) for a in args if a is not type(None)) + (
+            ", null" if type(None) in args else ""
+        )
+    if origin is list:
+        return f"list[{_type_name(args[0])}]"
+    if origin is dict:
+        return "mapping"
+    if type(None) in (args or ()):
+        return ", ".join(_type_name(a) for a in args if a is not type(None)) + ", null"
+    return getattr(ann, "__name__", str(ann))
+
+
+def describe_schema() -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, help) for every recipe key, from the pydantic schema."""
+    from pydantic_core import PydanticUndefined
+
+    rows: list[tuple[str, str, str, str]] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            key = f"{prefix}{name}"
+            ann = f.annotation
+            inner = [a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if inner and not f.description:
+                walk(inner[0], key + ".")
+                continue
+            if getattr(ann, "__origin__", None) is list and issubclass(ann.__args__[0], BaseModel):
+                rows.append((key, "list", "(required)", f.description or ""))
+                walk(ann.__args__[0], key + "[].")
+                continue
+            if f.default is PydanticUndefined and f.default_factory is None:
+                default = "(required)"
+            elif f.default_factory is not None:
+                default = repr(f.default_factory()) if not inner else ""
+            else:
+                default = "null" if f.default is None else (str(f.default).lower() if isinstance(f.default, bool) else str(f.default))
+            rows.append((key, _type_name(ann), default, f.description or ""))
+
+    walk(Recipe, "")
+    return rows

@@ -103,6 +103,21 @@ def _f(x, nd: int = 4) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def keys_markdown(rows) -> str:
+    """The recipe reference as a Markdown table (also pasted in the README; a test keeps them equal)."""
+    out = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, typ, default, help_ in rows:
+        out.append(f"| `{key}` | {typ} | {default} | {help_} |")
+    return "\n".join(out)
+
+
+def show_keys(rows, as_json: bool = False) -> None:
+    if as_json:
+        print_json([{"key": k, "type": t, "default": d, "help": h} for k, t, d, h in rows])
+        return
+    sys.stdout.write(keys_markdown(rows) + "\n")
+
+
 def show_env(info: dict, as_json: bool = False) -> None:
     if as_json:
         print_json(info)
