@@ -1,0 +1,294 @@
+"""Model architecture facts, from the offline catalog or a config.json (no weights, no torch).
+
+``resolve_model`` answers in milliseconds: ``lowvram plan --model llama-7b`` must be instant.
+Parameter counts are derived from the block structure (``block_linears`` + norms + embeddings)
+and are exact: tests/test_plan_models.py builds the transformers model from the same fields on
+the meta device and compares ``sum(p.numel())``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+
+from lowvram.errors import ModelError
+
+_CATALOG = Path(__file__).with_name("catalog.json")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts of a causal LM that memory depends on."""
+
+    name: str
+    hf_id: str | None
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    mlp: str = "gated"  # "gated" (gate, up, down) or "plain" (fc1, fc2)
+    norm: str = "rms"  # "rms" or "layer" (LayerNorm has weight + bias)
+    qkv_bias: bool = False  # bias on q/k/v (Qwen2, GPT-2, OPT, Bloom, Phi-2)
+    out_bias: bool = False  # bias on the attention output projection
+    mlp_bias: bool = False  # bias on the MLP projections
+    lm_head_bias: bool = False  # Phi-2 has one
+    fused_qkv: bool = False  # one qkv projection (Phi-3 qkv_proj, GPT-2 c_attn, Falcon/Bloom)
+    fused_gate_up: bool = False  # Phi-3 gate_up_proj
+    parallel_attn: bool = False  # attention and MLP read the same normed input (Phi-2, Falcon)
+    norms_per_layer: int = 2
+    embedding_norm: bool = False  # LayerNorm after the embedding (Bloom)
+    learned_positions: int = 0  # rows of a learned position table (GPT-2, OPT)
+    hidden_act: str = "silu"
+    rope_theta: float | None = None
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One projection inside a decoder block: its module name (as peft matches it), shape, bias."""
+
+    name: str
+    d_in: int
+    d_out: int
+    bias: bool
+
+    @property
+    def numel(self) -> int:
+        return self.d_in * self.d_out + (self.d_out if self.bias else 0)
+
+
+# Module names per architecture, as in transformers' modeling files (what peft target_modules
+# match): q, k, v, qkv (fused), o, gate, up, gate_up (fused), down, fc1, fc2.
+_NAMES: dict[str, dict[str, str]] = {
+    "default": dict(q="q_proj", k="k_proj", v="v_proj", o="o_proj", gate="gate_proj",
+                    up="up_proj", down="down_proj", fc1="fc1", fc2="fc2"),
+    "phi3": dict(qkv="qkv_proj", o="o_proj", gate_up="gate_up_proj", down="down_proj"),
+    "phi": dict(q="q_proj", k="k_proj", v="v_proj", o="dense", fc1="fc1", fc2="fc2"),
+    "gpt2": dict(qkv="c_attn", o="c_proj", fc1="c_fc", fc2="c_proj"),
+    "falcon": dict(qkv="query_key_value", o="dense", fc1="dense_h_to_4h", fc2="dense_4h_to_h"),
+    "bloom": dict(qkv="query_key_value", o="dense", fc1="dense_h_to_4h", fc2="dense_4h_to_h"),
+    "opt": dict(q="q_proj", k="k_proj", v="v_proj", o="out_proj", fc1="fc1", fc2="fc2"),
+}
+
+
+def block_linears(spec: ModelSpec) -> list[Linear]:
+    """The projections of one decoder block (the ones LoRA adapts and bitsandbytes quantizes)."""
+    n = _NAMES.get(spec.model_type, _NAMES["default"])
+    h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+    out: list[Linear] = []
+    if spec.fused_qkv:
+        out.append(Linear(n["qkv"], h, q + 2 * kv, spec.qkv_bias))
+    else:
+        out += [Linear(n["q"], h, q, spec.qkv_bias), Linear(n["k"], h, kv, spec.qkv_bias),
+                Linear(n["v"], h, kv, spec.qkv_bias)]
+    out.append(Linear(n["o"], q, h, spec.out_bias))
+    if spec.mlp == "gated":
+        if spec.fused_gate_up:
+            out.append(Linear(n["gate_up"], h, 2 * i, spec.mlp_bias))
+        else:
+            out += [Linear(n["gate"], h, i, spec.mlp_bias), Linear(n["up"], h, i, spec.mlp_bias)]
+        out.append(Linear(n["down"], i, h, spec.mlp_bias))
+    else:
+        out += [Linear(n["fc1"], h, i, spec.mlp_bias), Linear(n["fc2"], i, h, spec.mlp_bias)]
+    return out
+
+
+def norm_numel(spec: ModelSpec) -> int:
+    """Parameters of one norm: RMSNorm has a weight, LayerNorm a weight and a bias."""
+    return spec.hidden_size * (2 if spec.norm == "layer" else 1)
+
+
+def embedding_numel(spec: ModelSpec) -> int:
+    """Token embedding (+ learned positions, + embedding norm)."""
+    n = spec.vocab_size * spec.hidden_size + spec.learned_positions * spec.hidden_size
+    return n + (norm_numel(spec) if spec.embedding_norm else 0)
+
+
+def lm_head_numel(spec: ModelSpec) -> int:
+    """The output projection; 0 when it is tied to the embedding (counted once)."""
+    if spec.tie_word_embeddings:
+        return 0
+    return spec.vocab_size * spec.hidden_size + (spec.vocab_size if spec.lm_head_bias else 0)
+
+
+def block_numel(spec: ModelSpec) -> int:
+    return sum(lin.numel for lin in block_linears(spec)) + spec.norms_per_layer * norm_numel(spec)
+
+
+def count_parameters(spec: ModelSpec) -> int:
+    """Exact parameter count (tied embeddings counted once), as ``sum(p.numel())`` of the HF model."""
+    final_norm = norm_numel(spec)
+    return (embedding_numel(spec) + spec.num_layers * block_numel(spec) + final_norm
+            + lm_head_numel(spec))
+
+
+# --------------------------------------------------------------------------------------------
+# Catalog and config.json
+
+
+@lru_cache(maxsize=1)
+def _catalog() -> dict[str, dict]:
+    return json.loads(_CATALOG.read_text())["models"]
+
+
+@lru_cache(maxsize=1)
+def _aliases() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, entry in _catalog().items():
+        for key in [name, *entry.get("aliases", []), entry.get("hf_id") or ""]:
+            if key:
+                out[key.lower()] = name
+                out[key.lower().rsplit("/", 1)[-1]] = out.get(key.lower().rsplit("/", 1)[-1], name)
+    return out
+
+
+def catalog_names() -> list[str]:
+    """Canonical catalog names (aliases and hub ids resolve to these)."""
+    return sorted(_catalog())
+
+
+_SPEC_FIELDS = {f.name for f in fields(ModelSpec)}
+
+
+def _from_catalog(name: str) -> ModelSpec:
+    entry = {k: v for k, v in _catalog()[name].items() if k in _SPEC_FIELDS}
+    return ModelSpec(name=name, **entry)
+
+
+# Per-architecture defaults that config.json files leave out, from each model's
+# transformers configuration class (configuration_<model>.py).
+_ARCH: dict[str, dict] = {
+    "llama": {}, "mistral": {}, "gemma": {}, "qwen2": dict(qkv_bias=True), "qwen3": {},
+    "phi3": dict(fused_qkv=True, fused_gate_up=True),
+    "phi": dict(mlp="plain", norm="layer", qkv_bias=True, out_bias=True, mlp_bias=True,
+                lm_head_bias=True, norms_per_layer=1, parallel_attn=True),
+    "gpt2": dict(mlp="plain", norm="layer", fused_qkv=True, qkv_bias=True, out_bias=True,
+                 mlp_bias=True),
+    "falcon": dict(mlp="plain", norm="layer", fused_qkv=True, norms_per_layer=1,
+                   parallel_attn=True),
+    "bloom": dict(mlp="plain", norm="layer", fused_qkv=True, qkv_bias=True, out_bias=True,
+                  mlp_bias=True, embedding_norm=True),
+    "opt": dict(mlp="plain", norm="layer", qkv_bias=True, out_bias=True, mlp_bias=True),
+}
+_TIE_DEFAULT = {"gemma": True, "gpt2": True, "falcon": True, "bloom": True, "opt": True}
+
+
+def _first(cfg: dict, *keys: str):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return None
+
+
+def spec_from_config(cfg: dict, name: str) -> ModelSpec:
+    """A ModelSpec from a transformers config.json dict; names every missing field at once."""
+    cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg else cfg
+    mt = cfg.get("model_type", "llama")
+    h = _first(cfg, "hidden_size", "n_embd", "d_model")
+    layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(cfg, "num_attention_heads", "n_head", "num_heads")
+    vocab = _first(cfg, "vocab_size")
+    missing = [k for k, v in [("hidden_size", h), ("num_hidden_layers", layers),
+                              ("num_attention_heads", heads), ("vocab_size", vocab)] if v is None]
+    inter = _first(cfg, "intermediate_size", "n_inner", "ffn_dim")
+    if inter is None and h is not None:
+        if mt in ("gpt2", "falcon", "bloom"):
+            inter = 4 * h  # these configs leave the MLP width implicit (4 x hidden)
+        else:
+            missing.append("intermediate_size")
+    if missing:
+        raise ModelError(
+            f"{name}: config.json lacks {', '.join(missing)}",
+            "lowvram needs these architecture fields; check the file is a causal LM's config.json",
+        )
+    arch = dict(_ARCH.get(mt, {}))
+    kv = _first(cfg, "num_key_value_heads", "num_kv_heads")
+    if kv is None:
+        kv = 1 if cfg.get("multi_query") else heads
+    head_dim = _first(cfg, "head_dim") or h // heads
+    tie = cfg.get("tie_word_embeddings", _TIE_DEFAULT.get(mt, False))
+    if mt == "qwen2" or cfg.get("attention_bias"):
+        arch["qkv_bias"] = True
+        if cfg.get("attention_bias"):
+            arch["out_bias"] = True
+    if cfg.get("mlp_bias"):
+        arch["mlp_bias"] = True
+    if mt == "falcon" and cfg.get("bias"):
+        arch.update(qkv_bias=True, out_bias=True, mlp_bias=True)
+    positions = _first(cfg, "max_position_embeddings", "n_positions", "seq_length") or 2048
+    if mt == "gpt2":
+        arch["learned_positions"] = positions
+    if mt == "opt":
+        arch["learned_positions"] = positions + 2  # OPT offsets positions by 2
+    return ModelSpec(
+        name=name, hf_id=cfg.get("_name_or_path") or None, model_type=mt, hidden_size=h,
+        intermediate_size=inter, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=bool(tie),
+        max_position_embeddings=positions,
+        hidden_act=_first(cfg, "hidden_act", "activation_function") or "silu",
+        rope_theta=cfg.get("rope_theta"),
+        partial_rotary_factor=cfg.get("partial_rotary_factor", 1.0), **arch,
+    )
+
+
+def _read_config(path: Path, name: str) -> ModelSpec:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {path}: {e}", "pass a folder with a valid config.json") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{path} is not a JSON object", "pass a transformers config.json")
+    return spec_from_config(cfg, name)
+
+
+def _hub_cache_config(hub_id: str) -> Path | None:
+    root = Path(os.environ.get("HF_HUB_CACHE") or Path(
+        os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
+    folder = root / ("models--" + hub_id.replace("/", "--"))
+    found = sorted(folder.glob("snapshots/*/config.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def resolve_model(name_or_path: str) -> ModelSpec:
+    """Catalog name/alias/hub id (case-insensitive), a folder or config.json, or a cached hub id."""
+    key = name_or_path.strip()
+    if key.lower() in _aliases():
+        return _from_catalog(_aliases()[key.lower()])
+    path = Path(key).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return _read_config(path / "config.json", path.name)
+        raise ModelError(
+            f"{path} has no config.json",
+            f"files there: {', '.join(sorted(p.name for p in path.iterdir())[:8]) or 'none'}; "
+            "pass the folder that holds the model's config.json",
+        )
+    if path.is_file():
+        return _read_config(path, path.parent.name)
+    if "/" in key:
+        cached = _hub_cache_config(key)
+        if cached is not None:
+            return _read_config(cached, key)
+    close = difflib.get_close_matches(key.lower(), list(_aliases()), n=3, cutoff=0.5)
+    close_names = list(dict.fromkeys(_aliases()[c] for c in close))
+    hint = (f"did you mean {', '.join(close_names)}? " if close_names else "") + (
+        "known models: `lowvram plan --list-models`; or pass a local folder with config.json")
+    raise ModelError(f"unknown model '{name_or_path}'", hint)

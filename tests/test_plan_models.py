@@ -1,0 +1,86 @@
+"""Model catalog and exact parameter counts (no weights, no network)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowvram.errors import LowvramError
+from lowvram.plan.models import catalog_names, count_parameters, resolve_model
+
+# Published parameter counts (model cards / papers; tied embeddings counted once).
+PUBLISHED = {
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320,
+    "llama-3-8b": 8_030_261_248,
+    "llama-3.2-3b": 3_212_749_824,
+    "mistral-7b": 7_241_732_096,
+    "qwen2.5-0.5b": 494_032_768,
+    "gpt2": 124_439_808,
+    "tinyllama": 1_100_048_384,
+    "phi-2": 2_779_683_840,
+}
+
+
+@pytest.mark.parametrize("name,count", sorted(PUBLISHED.items()))
+def test_published_parameter_counts(name, count):
+    assert count_parameters(resolve_model(name)) == count
+
+
+@pytest.mark.parametrize(
+    "alias,name",
+    [("llama-7b", "llama-2-7b"), ("LLaMA-2-7B", "llama-2-7b"), ("meta-llama/Llama-2-7b-hf", "llama-2-7b"),
+     ("Qwen/Qwen2.5-0.5B", "qwen2.5-0.5b"), ("TinyLlama", "tinyllama"), ("Phi-3-mini-4k-instruct", "phi-3-mini")],
+)
+def test_aliases_case_insensitive(alias, name):
+    assert resolve_model(alias).name == name
+
+
+def test_llama31_same_shape_as_llama3():
+    a, b = resolve_model("llama-3.1-8b"), resolve_model("llama-3-8b")
+    assert (a.vocab_size, a.num_kv_heads, a.intermediate_size, a.rope_theta) == (128256, 8, 14336, 500000.0)
+    assert count_parameters(a) == count_parameters(b)
+
+
+def test_unknown_model_suggests_close_names():
+    with pytest.raises(LowvramError) as e:
+        resolve_model("lama-2-7b")
+    assert "unknown model 'lama-2-7b'" in e.value.message
+    assert "llama-2-7b" in e.value.hint
+
+
+def test_local_folder_and_missing_fields(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+           "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    # embed 64000 + 2 x (q 4096 + k 2048 + v 2048 + o 4096 + mlp 3 x 8192 + norms 128) + norm 64 + head 64000
+    assert count_parameters(spec) == 64000 + 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192 + 128) + 64 + 64000
+    assert resolve_model(str(tmp_path / "config.json")) == spec
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(LowvramError) as e:
+        resolve_model(str(tmp_path))
+    assert "num_hidden_layers" in e.value.message and "vocab_size" in e.value.message
+
+
+def test_hub_cache_lookup(tmp_path, monkeypatch):
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "vocab_size": 100}))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    spec = resolve_model("org/tiny")
+    assert spec.qkv_bias and not spec.tie_word_embeddings  # Qwen2Config defaults
+    # embed 3200 + (q,k,v with bias 3 x 1056 + o 1024 + mlp 3 x 2048 + norms 64) + norm 32 + head 3200
+    assert count_parameters(spec) == 3200 + 3 * 1056 + 1024 + 3 * 2048 + 64 + 32 + 3200
+
+
+def test_catalog_names_cover_the_brief():
+    names = set(catalog_names())
+    for n in ["llama-2-7b", "llama-2-13b", "llama-3-8b", "llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b",
+              "mistral-7b", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "gemma-2b", "gemma-7b",
+              "phi-2", "phi-3-mini", "tinyllama", "gpt2"]:
+        assert n in names
