@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -129,7 +129,7 @@ class TrainingSection(_Section):
     batch_size: int = Field(
         16, gt=0, description="Effective batch: micro_batch_size x gradient_accumulation x GPUs."
     )
-    micro_batch_size: Union[int, Literal["auto"]] = Field(
+    micro_batch_size: int | Literal["auto"] = Field(
         "auto", description="Samples per forward pass per GPU; auto lets the planner choose."
     )
     seq_len: int = Field(1024, gt=0, le=1_048_576, description="Tokens per sample (longer are truncated).")
@@ -155,7 +155,7 @@ class LoraSection(_Section):
     r: int = Field(16, gt=0, le=4096, description="Adapter rank.")
     alpha: int = Field(32, gt=0, description="Scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
-    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+    target_modules: Literal["all-linear"] | list[str] = Field(
         "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]) or all-linear."
     )
 
@@ -177,7 +177,7 @@ class TechniquesSection(_Section):
     gradient_checkpointing: OnOffAuto = Field(
         "auto", description="on: activations recomputed in backward; much less memory, ~25% slower."
     )
-    gradient_accumulation: Union[int, OnOffAuto] = Field(
+    gradient_accumulation: int | OnOffAuto = Field(
         "auto", description="Micro-batches per optimizer step (an integer fixes it); same effective batch."
     )
     lora: OnOffAuto = Field("auto", description="on: train LoRA adapters (peft) instead of all weights.")

@@ -8,7 +8,13 @@ import pytest
 
 from lowvram.errors import LowvramError
 from lowvram.plan.types import Plan
-from lowvram.train.launch import LaunchSpec, accelerate_config, launch_command, shell_line, write_config
+from lowvram.train.launch import (
+    LaunchSpec,
+    accelerate_config,
+    launch_command,
+    shell_line,
+    write_config,
+)
 
 BASE = Plan(device="cuda", mixed_precision="bf16", gradient_checkpointing=True, micro_batch_size=2,
             grad_accum=4, lora=True, quantization="none", optimizer="adamw", offload="none",
