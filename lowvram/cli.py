@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -52,7 +52,7 @@ def handle_errors(fn):
 
 RecipeArg = Annotated[Path, typer.Argument(help="Path to a YAML recipe.", show_default=False, metavar="RECIPE")]
 SetOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--set", help="Override a recipe key, e.g. --set training.learning_rate=1e-4 (repeatable)."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")]
@@ -77,7 +77,7 @@ def train(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe and plan, then exit.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint in output_dir.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a finished run in output_dir.")] = False,
-    vram: Annotated[Optional[str], typer.Option("--vram", help="Memory budget, e.g. 24GB (default: detected).")] = None,
+    vram: Annotated[str | None, typer.Option("--vram", help="Memory budget, e.g. 24GB (default: detected).")] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Fine-tune a model as the recipe says, with the memory techniques the plan chose."""
