@@ -1,20 +1,30 @@
-"""Recipe -> Plan. The one entry point `lowvram train` and `lowvram plan` share.
+"""Recipe (+ command-line choices) -> Plan. The one entry point `lowvram train` and `lowvram plan`
+share, so the two never disagree.
 
-Fixed choices in the recipe are respected; ``auto`` ones get a default here. The memory-driven
-automatic choice (planner issue) plugs in at :func:`plan_for_recipe`.
+When the model's architecture can be read (catalog name, a folder with config.json, a cached hub
+id) the memory-driven chooser (:mod:`lowvram.plan.choose`) picks every ``auto`` technique. When it
+cannot (a GGUF-only folder, an unknown name in a recipe) :func:`resolve_fixed` gives fixed
+defaults and the plan says that its memory was not predicted.
+
+No torch here unless the hardware has to be detected (no ``--vram`` / ``LOWVRAM_VRAM``).
 """
 
 from __future__ import annotations
 
+import os
+
 from lowvram.errors import LowvramError
 from lowvram.plan.types import Plan
-from lowvram.recipe import Recipe
+from lowvram.recipe import Recipe, TrainingSection
 
 ON_VALUES = {
     "quantization": "nf4-dq",
     "optimizer": "adamw_8bit",
     "offload": "optimizer",
 }
+
+# `--method` is a shorthand for the lora and quantization techniques.
+METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, "nf4-dq")}
 
 
 def _precision(value: str, kind: str, bf16: bool) -> tuple[str, str]:
@@ -110,10 +120,174 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
     )
 
 
+# --------------------------------------------------------------------------------------------
+# Budget
+
+
+def make_budget(vram: str | None = None, hardware=None):
+    """The memory the plan must fit in.
+
+    - ``--vram`` / ``LOWVRAM_VRAM`` with no ``hardware`` given: a GPU of that free size is assumed
+      (bf16 assumed too, and said so); torch is not imported.
+    - Otherwise the hardware is detected: the first GPU's free memory; on a CPU-only machine the
+      plan is for a CPU run against the available host RAM, and a note says so.
+    """
+    from lowvram.hardware import parse_size
+    from lowvram.plan.choose import Budget
+
+    override = vram or os.environ.get("LOWVRAM_VRAM") or None
+    flag = "--vram" if vram else "LOWVRAM_VRAM"
+    if override and hardware is None:
+        return Budget(parse_size(override), "cuda", bf16=True, bf16_known=False, source=f"{flag} {override}")
+    if hardware is None:
+        from lowvram.hardware import detect_hardware
+
+        hardware = detect_hardware(override)
+    hw = hardware
+    if hw.kind == "cpu":
+        if override:
+            return Budget(parse_size(override), "cpu", bf16=False, bf16_known=True,
+                          host_ram_bytes=hw.host_available_bytes, source=f"{flag} {override} (CPU run)")
+        note = ("no GPU found: planning a CPU run against the available host RAM; "
+                "pass --vram 24GB (or set LOWVRAM_VRAM) to plan for a GPU")
+        return Budget(hw.host_available_bytes, "cpu", bf16=False, bf16_known=True,
+                      host_ram_bytes=hw.host_available_bytes, source="host RAM available", notes=(note,))
+    dev = hw.devices[0] if hw.devices else None
+    source = f"{flag} {override}" if override else (f"{dev.name}: free memory" if dev else hw.kind)
+    return Budget(hw.budget_bytes, hw.kind, bf16=hw.bf16, bf16_known=True,
+                  host_ram_bytes=hw.host_available_bytes or None, source=source,
+                  notes=tuple(hw.notes))
+
+
+# --------------------------------------------------------------------------------------------
+# Request: recipe choices, then command-line choices on top
+
+
+def _on_off(value: str, on, off):
+    return {"on": on, "off": off}.get(value, value)
+
+
+def recipe_choices(recipe: Recipe) -> dict:
+    """The recipe's fixed (non-auto) techniques as PlanRequest fields."""
+    t = recipe.techniques
+    out: dict = {}
+    if t.mixed_precision not in ("auto", "on"):  # on = bf16 where supported: what auto picks
+        out["mixed_precision"] = _on_off(t.mixed_precision, None, "fp32")
+    if t.gradient_checkpointing != "auto":
+        out["gradient_checkpointing"] = t.gradient_checkpointing == "on"
+    if isinstance(t.gradient_accumulation, int):
+        out["grad_accum"] = t.gradient_accumulation
+    elif t.gradient_accumulation == "off":
+        out["grad_accum"] = 1
+    if isinstance(recipe.training.micro_batch_size, int):
+        out["micro_batch_size"] = recipe.training.micro_batch_size
+    if t.lora != "auto":
+        out["lora"] = t.lora == "on"
+    if t.quantization != "auto":
+        out["quantization"] = _on_off(t.quantization, ON_VALUES["quantization"], "none")
+    if t.optimizer != "auto":
+        out["optimizer"] = _on_off(t.optimizer, ON_VALUES["optimizer"], "adamw")
+    if t.offload != "auto":
+        out["offload"] = _on_off(t.offload, ON_VALUES["offload"], "none")
+    if t.attention != "auto":
+        out["attention"] = t.attention
+    if t.loss != "auto":
+        out["loss"] = t.loss
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
+    """Command-line choices as PlanRequest fields, and which flag set each (for the reasons)."""
+    names = {
+        "precision": ("mixed_precision", "--precision"), "quant": ("quantization", "--quant"),
+        "optim": ("optimizer", "--optim"), "loss": ("loss", "--loss"), "attn": ("attention", "--attn"),
+        "grad_accum": ("grad_accum", "--grad-accum"), "offload": ("offload", "--offload"),
+        "gradient_checkpointing": ("gradient_checkpointing", "--gradient-checkpointing"),
+        "seq_len": ("seq_len", "--seq-len"), "batch_size": ("batch_size", "--batch-size"),
+        "gpus": ("gpus", "--gpus"), "lora_r": ("lora_r", "--lora-r"),
+        "lora_targets": ("lora_targets", "--lora-targets"),
+    }
+    out: dict = {}
+    sources: dict = {}
+    if method is not None:
+        if method not in METHODS:
+            raise LowvramError(f"unknown method {method!r}", "use --method full, lora or qlora")
+        out["lora"], quant = METHODS[method]
+        sources["lora"] = f"--method {method}"
+        if flags.get("quant") is None:
+            out["quantization"] = quant
+            sources["quantization"] = f"--method {method}"
+    for key, value in flags.items():
+        if value is None:
+            continue
+        field, flag = names[key]
+        if key == "lora_targets" and isinstance(value, str):
+            value = tuple(x.strip() for x in value.split(",") if x.strip())
+        if key == "gradient_checkpointing":
+            flag = flag if value else "--no-gradient-checkpointing"
+        out[field] = value
+        sources[field] = flag if key in ("lora_targets",) else f"{flag} {_shown(value)}" if key not in ("gradient_checkpointing",) else flag
+    return out, sources
+
+
+def _shown(value) -> str:
+    return ",".join(value) if isinstance(value, tuple) else str(value)
+
+
+def build_request(model, recipe: Recipe | None = None, flags: dict | None = None,
+                  flag_sources: dict | None = None):
+    """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
+    from lowvram.plan.choose import PlanRequest
+
+    training = recipe.training if recipe else TrainingSection()
+    fields: dict = {"seq_len": training.seq_len, "batch_size": training.batch_size}
+    sources: dict = {}
+    if recipe is not None:
+        targets = recipe.lora.target_modules
+        fields["lora_r"] = recipe.lora.r
+        fields["lora_targets"] = (targets,) if isinstance(targets, str) else tuple(targets)
+        fixed = recipe_choices(recipe)
+        fields.update(fixed)
+        sources.update({k: "the recipe" for k in fixed})
+    for key, value in (flags or {}).items():
+        fields[key] = value
+    sources.update(flag_sources or {})
+    # A flag fixing accumulation releases a micro-batch fixed by the recipe (and vice versa).
+    if flags and "grad_accum" in flags and "micro_batch_size" not in flags:
+        fields.pop("micro_batch_size", None)
+    return PlanRequest(model=model, sources=sources, **fields)
+
+
+def recipe_model(recipe: Recipe):
+    """The recipe's model as a ModelSpec (a local folder resolves against the recipe file)."""
+    from lowvram.plan.models import resolve_model
+
+    name = recipe.model.name_or_path
+    local = recipe.resolve_path(name)
+    return resolve_model(str(local) if local.exists() else name)
+
+
+# --------------------------------------------------------------------------------------------
+# The shared entry
+
+
 def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None) -> Plan:
-    """The plan `lowvram train` runs with."""
+    """The plan `lowvram train` runs with (and `lowvram plan RECIPE` shows)."""
     if hardware is None:
         from lowvram.hardware import detect_hardware
 
         hardware = detect_hardware(vram)
-    return resolve_fixed(recipe, hardware.kind, hardware.bf16)
+    try:
+        spec = recipe_model(recipe)
+    except LowvramError as err:
+        return _fixed_with_note(recipe, hardware, err)
+    from lowvram.plan.choose import choose_plan
+
+    budget = make_budget(vram, hardware)
+    return choose_plan(build_request(spec, recipe), budget).plan
+
+
+def _fixed_with_note(recipe: Recipe, hardware, err: LowvramError) -> Plan:
+    plan = resolve_fixed(recipe, hardware.kind, hardware.bf16)
+    plan.reasons["memory"] = f"memory not predicted: {err.message} (fixed defaults used)"
+    return plan

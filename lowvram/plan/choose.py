@@ -1,0 +1,600 @@
+"""Budget + request -> the cheapest plan that fits, every choice with its reason.
+
+The search is exhaustive over the techniques left on ``auto`` (a few hundred memory estimates,
+~10 ms): each candidate gets a peak from :func:`lowvram.plan.memory.estimate_memory`, a ladder
+tier and a step-time factor from :mod:`lowvram.plan.techniques`. Among the candidates that fit,
+the lowest tier wins (cheapest first: free precision/kernels, smaller micro-batch, gradient
+checkpointing, 8-bit optimizer, LoRA, 4-bit base, offload), then the fastest, then the smallest
+peak. A technique fixed by the user is never changed; ``lora: off`` is never turned into LoRA.
+
+Pure: no torch, no CUDA. The caller builds the :class:`Budget` (from ``--vram`` or
+``detect_hardware``); tests pass a fake one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from lowvram.errors import LowvramError
+from lowvram.plan import techniques as tq
+from lowvram.plan.memory import MemoryEstimate, RunSetup, estimate_memory
+from lowvram.plan.models import ModelSpec, catalog_names, count_parameters, resolve_model
+from lowvram.plan.types import Plan
+from lowvram.report import gib
+
+# Safety margin: memory the plan leaves unused for what the model does not see (other processes
+# on the card, fragmentation spikes, the first-step warm-up). 5% of the card, at least 256 MiB.
+MARGIN_FRACTION = 0.05
+MIN_MARGIN_BYTES = 256 * 2**20
+
+# Longest micro-batch the max_micro_batch_size search tries.
+_MAX_MICRO_BATCH = 4096
+
+Estimator = Callable[[RunSetup], MemoryEstimate]
+
+
+def safety_margin_bytes(vram_bytes: int) -> int:
+    return max(MIN_MARGIN_BYTES, int(vram_bytes * MARGIN_FRACTION))
+
+
+def vram_needed_bytes(peak_bytes: int) -> int:
+    """Smallest card (free bytes) whose budget after the margin holds ``peak_bytes``."""
+    return max(peak_bytes + MIN_MARGIN_BYTES, int(peak_bytes / (1 - MARGIN_FRACTION)) + 1)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the plan must fit in. Bytes."""
+
+    vram_bytes: int  # free memory of the card (or the --vram override, or host RAM on CPU)
+    device: str = "cuda"  # "cuda" | "mps" | "cpu"
+    bf16: bool = True  # the card supports bf16
+    bf16_known: bool = True  # False: assumed (a --vram budget with no detected GPU)
+    host_ram_bytes: int | None = None  # available host RAM, when planning for this machine
+    source: str = ""  # where vram_bytes came from, shown to the user
+    notes: tuple[str, ...] = ()
+
+    @property
+    def safety_margin_bytes(self) -> int:
+        return safety_margin_bytes(self.vram_bytes)
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.vram_bytes - self.safety_margin_bytes
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for. ``None`` = auto (the chooser decides); anything else is fixed."""
+
+    model: ModelSpec
+    seq_len: int = 1024
+    batch_size: int = 16  # effective batch: micro_batch_size x grad_accum x gpus
+    gpus: int = 1
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    mixed_precision: str | None = None
+    gradient_checkpointing: bool | None = None
+    grad_accum: int | None = None
+    micro_batch_size: int | None = None
+    lora: bool | None = None
+    quantization: str | None = None
+    optimizer: str | None = None
+    offload: str | None = None
+    attention: str | None = None
+    loss: str | None = None
+    # Where each fixed choice came from ("--optim", "the recipe"), for the reasons.
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def fixed(self, name: str) -> bool:
+        return getattr(self, name) is not None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    setup: RunSetup
+    estimate: MemoryEstimate
+    tier: int
+    slowdown: float  # step time relative to bf16 + SDPA + full fine-tuning, largest micro-batch
+    fits: bool
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.estimate.peak_bytes
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One row of the ladder: the peak after applying one more technique."""
+
+    technique: str
+    value: str
+    peak_bytes: int
+    saved_bytes: int
+    slowdown: float
+    fits: bool
+    fixed: bool = False  # the user fixed this technique otherwise; the rung is skipped
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chooser's answer: the plan and everything the report shows about it."""
+
+    plan: Plan
+    request: PlanRequest
+    budget: Budget
+    chosen: Candidate
+    fits: bool
+    alternatives: tuple[Candidate, ...]
+    ladder: tuple[Rung, ...]
+    max_seq_len: int  # longest seq_len that fits under this plan (0: none)
+    max_micro_batch_size: int  # largest micro-batch that fits at this seq_len (0: none)
+    min_vram_bytes: int  # smallest card that holds the lowest-peak plan allowed
+    suggestion: str | None = None  # when nothing fits: the single change that helps most
+    suggestions: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def validate_request(req: PlanRequest) -> None:
+    """Impossible values -> one LowvramError naming the flag and a fix."""
+    positive = {
+        "seq_len": req.seq_len, "batch_size": req.batch_size, "gpus": req.gpus, "lora_r": req.lora_r,
+    }
+    for name, value in positive.items():
+        if value is None or value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise LowvramError(f"{name} must be a positive integer, got {value}", f"e.g. {flag} {_EXAMPLE[name]}")
+    for name in ("grad_accum", "micro_batch_size"):
+        value = getattr(req, name)
+        if value is not None and value <= 0:
+            raise LowvramError(f"{name} must be a positive integer, got {value}", "leave it out to let the planner choose")
+    if req.quantization not in (None, "none") and req.lora is False:
+        raise LowvramError(
+            f"quantization {req.quantization} needs LoRA: a quantized base cannot be trained directly",
+            "use --method qlora (or lora), or --quant none for full fine-tuning",
+        )
+    if req.batch_size % req.gpus:
+        raise LowvramError(
+            f"batch_size {req.batch_size} is not divisible by {req.gpus} GPUs",
+            f"use a batch size that is a multiple of {req.gpus}",
+        )
+    per_gpu = req.batch_size // req.gpus
+    if req.grad_accum is not None and per_gpu % req.grad_accum:
+        raise LowvramError(
+            f"batch_size {req.batch_size} is not divisible by grad_accum {req.grad_accum} x {req.gpus} GPU(s)",
+            "make batch_size = micro_batch_size x grad_accum x GPUs",
+        )
+    if req.micro_batch_size is not None and per_gpu % req.micro_batch_size:
+        raise LowvramError(
+            f"batch_size {req.batch_size} is not divisible by micro_batch_size {req.micro_batch_size} x {req.gpus} GPU(s)",
+            "make batch_size = micro_batch_size x grad_accum x GPUs",
+        )
+    if req.micro_batch_size is not None and req.grad_accum is not None:
+        if req.micro_batch_size * req.grad_accum != per_gpu:
+            raise LowvramError(
+                f"micro_batch_size {req.micro_batch_size} x grad_accum {req.grad_accum} x {req.gpus} GPU(s) "
+                f"!= batch_size {req.batch_size}",
+                "fix two of the three and let the planner derive the third",
+            )
+
+
+_EXAMPLE = {"seq_len": 1024, "batch_size": 16, "gpus": 1, "lora_r": 16}
+
+
+# --------------------------------------------------------------------------------------------
+# Candidates
+
+
+def auto_precision(budget: Budget) -> str:
+    if budget.device == "cpu":
+        return "fp32"
+    return "bf16" if budget.bf16 else "fp16-mixed"
+
+
+def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
+    per_gpu = req.batch_size // req.gpus
+    if req.micro_batch_size is not None:
+        micros = [req.micro_batch_size]
+    elif req.grad_accum is not None:
+        micros = [per_gpu // req.grad_accum]
+    else:
+        micros = [d for d in range(per_gpu, 0, -1) if per_gpu % d == 0]
+    on_gpu = budget.device != "cpu"
+
+    def pick(name: str, auto: list) -> list:
+        value = getattr(req, name)
+        return [value] if value is not None else auto
+
+    return {
+        "precision": pick("mixed_precision", [auto_precision(budget)]),
+        "attention": pick("attention", ["sdpa"]),
+        "loss": pick("loss", ["standard", "chunked"]),
+        "micro_batch_size": micros,
+        "gradient_checkpointing": pick("gradient_checkpointing", [False, True]),
+        "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
+        "lora": pick("lora", [False, True]),
+        "quantization": pick("quantization", ["none", "nf4-dq"]),
+        "offload": pick("offload", ["none", "optimizer", "full"] if on_gpu else ["none"]),
+    }
+
+
+def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
+    o = _options(req, budget)
+    per_gpu = req.batch_size // req.gpus
+    out = []
+    for precision in o["precision"]:
+        for attention in o["attention"]:
+            for loss in o["loss"]:
+                for micro in o["micro_batch_size"]:
+                    for gc in o["gradient_checkpointing"]:
+                        for optim in o["optimizer"]:
+                            for lora in o["lora"]:
+                                for quant in o["quantization"]:
+                                    if quant != "none" and not lora:
+                                        continue
+                                    for offload in o["offload"]:
+                                        out.append(RunSetup(
+                                            model=req.model, precision=precision, quantization=quant,
+                                            lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
+                                            optimizer=optim, gradient_checkpointing=gc,
+                                            attention=attention, loss=loss, micro_batch_size=micro,
+                                            seq_len=req.seq_len, grad_accum=per_gpu // micro,
+                                            gpus=req.gpus, offload=offload, device=budget.device,
+                                        ))
+    return out
+
+
+def _largest_micro(req: PlanRequest) -> int:
+    return req.batch_size // req.gpus
+
+
+def _fits(est: MemoryEstimate, budget: Budget) -> bool:
+    if est.peak_bytes > budget.usable_bytes:
+        return False
+    # Offload needs the host RAM too, when we know it (planning for this machine).
+    return budget.host_ram_bytes is None or budget.device == "cpu" or est.cpu_ram_bytes <= budget.host_ram_bytes
+
+
+def _candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Estimator) -> Candidate:
+    est = estimate(setup)
+    largest = _largest_micro(req)
+    tier = tq.setup_tier(setup)
+    if setup.micro_batch_size < largest:
+        tier = max(tier, tq.TIER_MICRO_BATCH)
+    return Candidate(setup, est, tier, tq.setup_slowdown(setup, largest), _fits(est, budget))
+
+
+def _rank(c: Candidate) -> tuple:
+    # Ties in speed go to the larger micro-batch (fewer passes), then to the smaller peak.
+    return (c.tier, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# The choice
+
+
+def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate_memory) -> Choice:
+    """The cheapest plan that fits ``budget``; if none does, the closest one and what would help."""
+    validate_request(req)
+    cands = [_candidate(s, req, budget, estimate) for s in _setups(req, budget)]
+    fitting = [c for c in cands if c.fits]
+    lowest = min(cands, key=lambda c: (c.peak_bytes, c.slowdown))
+    chosen = min(fitting, key=_rank) if fitting else lowest
+    fits = bool(fitting)
+    max_seq = _max_seq_len(chosen.setup, budget, estimate)
+    max_micro = _max_micro_batch(chosen.setup, budget, estimate)
+    suggestions: tuple[str, ...] = ()
+    if not fits:
+        suggestions = _suggestions(req, budget, lowest, estimate)
+    notes = list(budget.notes)
+    if req.seq_len > req.model.max_position_embeddings:
+        notes.append(f"seq_len {req.seq_len} is longer than the model's max_position_embeddings "
+                     f"{req.model.max_position_embeddings}")
+    reasons = _reasons(chosen, req, budget, estimate)
+    plan = _to_plan(chosen, budget, reasons)
+    return Choice(
+        plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,
+        alternatives=_alternatives(cands, chosen), ladder=build_ladder(req, budget, estimate),
+        max_seq_len=max_seq, max_micro_batch_size=max_micro,
+        min_vram_bytes=vram_needed_bytes(lowest.peak_bytes),
+        suggestion=suggestions[0] if suggestions else None, suggestions=suggestions,
+        notes=tuple(notes),
+    )
+
+
+def _to_plan(c: Candidate, budget: Budget, reasons: dict[str, str]) -> Plan:
+    s = c.setup
+    return Plan(
+        device=budget.device, mixed_precision=s.precision, gradient_checkpointing=s.gradient_checkpointing,
+        micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
+        quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
+        loss=s.loss, gpus=s.gpus, reasons=reasons, predicted_peak_bytes=c.peak_bytes,
+        budget_bytes=budget.usable_bytes, breakdown=dict(c.estimate.breakdown),
+    )
+
+
+def _alternatives(cands: list[Candidate], chosen: Candidate) -> tuple[Candidate, ...]:
+    """The best candidate of each tier other than the chosen one (fitting first)."""
+    best: dict[int, Candidate] = {}
+    for c in cands:
+        key = (not c.fits, round(c.slowdown, 6), c.peak_bytes)
+        cur = best.get(c.tier)
+        if cur is None or key < (not cur.fits, round(cur.slowdown, 6), cur.peak_bytes):
+            best[c.tier] = c
+    return tuple(best[t] for t in sorted(best) if best[t].setup != chosen.setup)
+
+
+# --------------------------------------------------------------------------------------------
+# Limits under the chosen plan
+
+
+def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+    """Largest n in [lo, hi] with fits(n), assuming fits is monotone; lo - 1 if none."""
+    if not fits(lo):
+        return lo - 1
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _max_seq_len(setup: RunSetup, budget: Budget, estimate: Estimator) -> int:
+    top = max(setup.model.max_position_embeddings, setup.seq_len)
+    return _largest_fitting(1, top, lambda n: _fits(estimate(replace(setup, seq_len=n)), budget))
+
+
+def _max_micro_batch(setup: RunSetup, budget: Budget, estimate: Estimator) -> int:
+    return _largest_fitting(
+        1, _MAX_MICRO_BATCH, lambda n: _fits(estimate(replace(setup, micro_batch_size=n)), budget))
+
+
+# --------------------------------------------------------------------------------------------
+# Nothing fits: what would help
+
+
+def _suggestions(req: PlanRequest, budget: Budget, lowest: Candidate, estimate: Estimator) -> tuple[str, ...]:
+    """Single changes that make it fit, the one that keeps the most of the request first."""
+    out = []
+    # 1. Release a choice the user fixed (the planner could then pick a cheaper setting).
+    for name, flag in _RELEASABLE.items():
+        if not req.fixed(name):
+            continue
+        freed = replace(req, **{name: None})
+        if name == "lora":
+            freed = replace(freed, quantization=None if req.quantization in (None, "none") else req.quantization)
+        fit = [c for c in (_candidate(s, freed, budget, estimate) for s in _setups(freed, budget)) if c.fits]
+        if fit:
+            best = min(fit, key=_rank)
+            source = req.sources.get(name, flag)
+            value = _describe(name, best.setup)
+            out.append(f"drop {source} and let the planner choose {name}: {value} fits "
+                       f"(peak {gib(best.peak_bytes)})")
+    # 2. A shorter sequence under the lowest-peak plan.
+    max_seq = _max_seq_len(lowest.setup, budget, estimate)
+    if max_seq >= 1:
+        out.append(f"shorter sequences: --seq-len {_round_down(max_seq)} fits "
+                   f"(asked {req.seq_len}) with the lowest-memory plan")
+    # 3. A smaller model of the catalog.
+    smaller = _smaller_model(req, budget, lowest, estimate)
+    if smaller:
+        out.append(smaller)
+    out.append(f"a card with at least {gib(vram_needed_bytes(lowest.peak_bytes))} free")
+    return tuple(out)
+
+
+_RELEASABLE = {
+    "lora": "--method", "quantization": "--quant", "offload": "--offload", "optimizer": "--optim",
+    "gradient_checkpointing": "--no-gradient-checkpointing", "mixed_precision": "--precision",
+    "loss": "--loss", "attention": "--attn", "micro_batch_size": "micro_batch_size",
+    "grad_accum": "--grad-accum",
+}
+
+
+def _describe(name: str, s: RunSetup) -> str:
+    value = {
+        "lora": "LoRA" if s.lora else "full fine-tuning", "quantization": s.quantization,
+        "offload": s.offload, "optimizer": s.optimizer, "mixed_precision": s.precision,
+        "gradient_checkpointing": "on" if s.gradient_checkpointing else "off", "loss": s.loss,
+        "attention": s.attention, "micro_batch_size": s.micro_batch_size, "grad_accum": s.grad_accum,
+    }[name]
+    return str(value)
+
+
+def _round_down(n: int) -> int:
+    return n if n < 64 else n - n % 64
+
+
+def _smaller_model(req: PlanRequest, budget: Budget, lowest: Candidate, estimate: Estimator) -> str | None:
+    size = count_parameters(req.model)
+    best: tuple[int, str] | None = None
+    for name in catalog_names():
+        try:
+            spec = resolve_model(name)
+        except LowvramError:
+            continue
+        n = count_parameters(spec)
+        if n >= size or (best and n <= best[0]):
+            continue
+        if _fits(estimate(replace(lowest.setup, model=spec)), budget):
+            best = (n, name)
+    if best is None:
+        return None
+    return f"a smaller model: --model {best[1]} ({best[0] / 1e9:.1f}B parameters) fits"
+
+
+# --------------------------------------------------------------------------------------------
+# The ladder: what each technique saves and costs, applied one after another
+
+
+def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimate_memory) -> tuple[Rung, ...]:
+    """Peaks from the plain run (fp32, eager, full batch, AdamW, full fine-tuning) up the ladder.
+
+    Techniques the user fixed are applied from the start and their rung is marked ``fixed``.
+    """
+    largest = _largest_micro(req)
+    if req.micro_batch_size is not None:
+        largest = req.micro_batch_size
+    elif req.grad_accum is not None:
+        largest = largest // req.grad_accum
+    s = RunSetup(
+        model=req.model, precision=req.mixed_precision or "fp32", quantization=req.quantization or "none",
+        lora=bool(req.lora) or (req.quantization not in (None, "none")), lora_r=req.lora_r,
+        lora_targets=req.lora_targets, optimizer=req.optimizer or "adamw",
+        gradient_checkpointing=bool(req.gradient_checkpointing), attention=req.attention or "eager",
+        loss=req.loss or "standard", micro_batch_size=largest, seq_len=req.seq_len,
+        grad_accum=_largest_micro(req) // largest, gpus=req.gpus, offload=req.offload or "none",
+        device=budget.device,
+    )
+    est = estimate(s)
+    rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, _fits(est, budget))]
+    for t in tq.LADDER:
+        fixed_name = {"mixed_precision": "mixed_precision", "gradient_accumulation": "micro_batch_size"}.get(t.name, t.name)
+        fixed = req.fixed(fixed_name) or (t.name == "gradient_accumulation" and req.fixed("grad_accum"))
+        if t.name == "offload" and budget.device == "cpu":
+            continue
+        if fixed:
+            rungs.append(Rung(t.name, str(t.value), est.peak_bytes, 0, 1.0, _fits(est, budget), fixed=True))
+            continue
+        before = s
+        if t is tq.MIXED_PRECISION:
+            s = replace(s, precision=auto_precision(budget))
+        elif t is tq.MICRO_BATCH:
+            s = replace(s, micro_batch_size=1, grad_accum=_largest_micro(req))
+        else:
+            s = replace(s, **t.settings)
+        new = estimate(s)
+        slowdown = tq.setup_slowdown(s, _largest_micro(req)) / tq.setup_slowdown(before, _largest_micro(req))
+        value = s.precision if t is tq.MIXED_PRECISION else (
+            f"micro-batch 1 x {s.grad_accum}" if t is tq.MICRO_BATCH else str(t.value))
+        rungs.append(Rung(t.name, value, new.peak_bytes, est.peak_bytes - new.peak_bytes, slowdown,
+                          _fits(new, budget)))
+        est = new
+    return tuple(rungs)
+
+
+# --------------------------------------------------------------------------------------------
+# Reasons: one line per technique, with the numbers behind it
+
+
+def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator) -> dict[str, str]:
+    s = c.setup
+    r: dict[str, str] = {}
+    limit = budget.usable_bytes
+
+    def without(component: str | tuple, what: str = "without it the peak", **change) -> str:
+        other = estimate(replace(s, **change))
+        comps = (component,) if isinstance(component, str) else component
+        was = sum(other.breakdown[k] for k in comps)
+        now = sum(c.estimate.breakdown[k] for k in comps)
+        name = "+".join(comps)
+        verdict = ">" if other.peak_bytes > limit else "<="
+        return (f"{what} would be {gib(other.peak_bytes)} {verdict} budget {gib(limit)} "
+                f"({name} {gib(was)} -> {gib(now)})")
+
+    def fixed(name: str) -> str | None:
+        src = req.sources.get(name)
+        return f"set by {src}" if src else None
+
+    # mixed precision
+    if req.fixed("mixed_precision"):
+        r["mixed_precision"] = fixed("mixed_precision") or "set"
+        if s.precision == "fp32" and budget.device != "cpu":
+            r["mixed_precision"] += "; fp32 on a GPU: 4 bytes/weight and no tensor cores (~2.5x slower)"
+    elif budget.device == "cpu":
+        r["mixed_precision"] = "fp32: CPU run (bf16 on CPU is slower here); mixed precision applies on a GPU"
+    elif s.precision == "bf16":
+        how = "the card supports bf16" if budget.bf16_known else "bf16 assumed (no GPU detected; pass --precision fp16-mixed for cards before Ampere)"
+        r["mixed_precision"] = f"bf16: {how}; 2 bytes/weight instead of 4, no speed cost"
+    else:
+        r["mixed_precision"] = "fp16-mixed: the card has no bf16; fp16 autocast, fp32 master weights, loss scaling"
+
+    # attention
+    r["attention"] = fixed("attention") or "sdpa: never stores the s x s attention matrix; fastest kernel in torch"
+    if s.attention == "eager":
+        r["attention"] += "; eager keeps b x a x s x s scores (upcast to fp32)"
+
+    # loss
+    if req.fixed("loss"):
+        r["loss"] = fixed("loss") or "set"
+    elif s.loss == "chunked":
+        r["loss"] = f"chunked: {without('logits', loss='standard')}; {tq.percent(tq.CHUNKED_LOSS.slowdown)}"
+    else:
+        r["loss"] = f"standard: fits without chunking (logits {gib(c.estimate.breakdown['logits'])})"
+
+    # micro-batch and accumulation
+    largest = _largest_micro(req)
+    batch = f"micro-batch {s.micro_batch_size} x {s.grad_accum} steps x {s.gpus} GPU(s) = batch {req.batch_size}"
+    if req.fixed("grad_accum") or req.fixed("micro_batch_size"):
+        src = fixed("grad_accum") or fixed("micro_batch_size") or "set"
+        r["gradient_accumulation"] = f"{batch}; {src}"
+    elif s.micro_batch_size == largest:
+        r["gradient_accumulation"] = f"{batch}: the whole batch fits in one pass"
+    else:
+        bigger = min(d for d in range(s.micro_batch_size + 1, largest + 1) if largest % d == 0)
+        other = estimate(replace(s, micro_batch_size=bigger, grad_accum=largest // bigger))
+        r["gradient_accumulation"] = (
+            f"{batch}: micro-batch {bigger} would peak at {gib(other.peak_bytes)} "
+            f"{'>' if other.peak_bytes > limit else '<='} budget {gib(limit)}; "
+            f"{tq.percent(tq.micro_batch_slowdown(s.micro_batch_size, s.seq_len, largest))}")
+
+    # gradient checkpointing
+    if req.fixed("gradient_checkpointing"):
+        r["gradient_checkpointing"] = fixed("gradient_checkpointing") or "set"
+    elif s.gradient_checkpointing:
+        r["gradient_checkpointing"] = (f"on: {without('activations', gradient_checkpointing=False)}; "
+                                       f"{tq.percent(tq.GRADIENT_CHECKPOINTING.slowdown)}")
+    else:
+        r["gradient_checkpointing"] = f"off: activations {gib(c.estimate.breakdown['activations'])} fit; recomputing would cost {tq.percent(tq.GRADIENT_CHECKPOINTING.slowdown)}"
+
+    # optimizer
+    if req.fixed("optimizer"):
+        r["optimizer"] = fixed("optimizer") or "set"
+    elif s.optimizer != "adamw":
+        r["optimizer"] = f"{s.optimizer}: {without('optimizer', optimizer='adamw')}; {tq.percent(tq.OPTIMIZER_8BIT.slowdown)}"
+    else:
+        r["optimizer"] = f"adamw: optimizer state {gib(c.estimate.breakdown['optimizer'])} fits"
+
+    # LoRA
+    trained = f"{c.estimate.trainable_parameters / 1e6:,.1f}M of {c.estimate.parameters / 1e6:,.1f}M params trained"
+    if req.fixed("lora"):
+        r["lora"] = f"{fixed('lora') or 'set'}; {trained}"
+    elif s.lora:
+        r["lora"] = (f"on (r={s.lora_r}, {','.join(s.lora_targets)}): "
+                     f"{without(('weights', 'gradients', 'optimizer'), 'full fine-tuning', lora=False, quantization='none')}; {trained}")
+    else:
+        r["lora"] = f"off: full fine-tuning fits ({trained})"
+
+    # quantization
+    if req.fixed("quantization"):
+        r["quantization"] = fixed("quantization") or "set"
+    elif s.quantization != "none":
+        r["quantization"] = (f"{s.quantization}: {without('weights', f'a {s.precision} base', quantization='none')}; "
+                             f"{tq.percent(tq.QUANTIZATION_4BIT.slowdown)}")
+    else:
+        r["quantization"] = f"none: {s.precision} base weights {gib(c.estimate.breakdown['weights'])} fit"
+
+    # offload
+    if req.fixed("offload"):
+        r["offload"] = fixed("offload") or "set"
+    elif s.offload != "none":
+        r["offload"] = (f"{s.offload}: {without(('weights', 'optimizer'), offload='none')}; "
+                        f"{tq.percent(tq.OFFLOAD_SLOWDOWN[s.offload])}; needs {gib(c.estimate.cpu_ram_bytes)} CPU RAM")
+    else:
+        r["offload"] = "none: everything stays on the GPU" if budget.device != "cpu" else "none: CPU run"
+    return r
+
+
+__all__ = [
+    "Budget", "Candidate", "Choice", "PlanRequest", "Rung", "build_ladder", "choose_plan",
+    "safety_margin_bytes", "validate_request", "vram_needed_bytes",
+]

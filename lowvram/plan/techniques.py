@@ -1,0 +1,201 @@
+"""The seven memory techniques plus the attention kernel and the loss: one canonical name each,
+the settings each implies, what it saves, and what it costs in step time, with the source.
+
+The chooser (:mod:`lowvram.plan.choose`) climbs these in ``tier`` order: a plan that needs a
+higher tier is only taken when nothing on the lower tiers fits. Within one tier the fastest
+plan wins, using ``slowdown`` (step time relative to not using the technique).
+
+The speed factors are rules of thumb from the cited sources, not measurements of this code; they
+rank plans, they do not predict wall time. No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Canonical names, the same in YAML, --help, plan output and code (recipe.TECHNIQUES + KNOBS).
+CANONICAL = (
+    "mixed_precision",
+    "gradient_checkpointing",
+    "gradient_accumulation",
+    "lora",
+    "quantization",
+    "optimizer",
+    "offload",
+    "attention",
+    "loss",
+)
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One rung of the ladder: the setting it applies and what it costs."""
+
+    name: str  # canonical technique name (one of CANONICAL)
+    value: object  # the value of that technique when this rung is used
+    tier: int  # ladder order; a higher tier is used only when the lower ones do not fit
+    slowdown: float  # step time with / without it (1.0 = free; < 1 = faster)
+    saves: str  # the memory component(s) it shrinks
+    source: str  # where the slowdown figure comes from
+    settings: dict = field(default_factory=dict)  # RunSetup fields it implies
+
+    @property
+    def cost_percent(self) -> int:
+        return round((self.slowdown - 1.0) * 100)
+
+
+# Tiers, cheapest first (issue 4): free precision/kernels < smaller micro-batch < recomputation
+# < 8-bit optimizer state < training adapters only < a quantized base < offload to the CPU.
+TIER_FREE = 0
+TIER_MICRO_BATCH = 1
+TIER_CHECKPOINTING = 2
+TIER_OPTIMIZER = 3
+TIER_LORA = 4
+TIER_QUANTIZATION = 5
+TIER_OFFLOAD = 6
+
+MIXED_PRECISION = Technique(
+    "mixed_precision", "bf16", TIER_FREE, 1.0, "weights, gradients, optimizer, activations",
+    "16-bit tensor-core math is faster than fp32, not slower (NVIDIA, 'Train With Mixed "
+    "Precision' user guide; Micikevicius et al. 2018)",
+    {"precision": "bf16"},
+)
+SDPA = Technique(
+    "attention", "sdpa", TIER_FREE, 1.0, "activations (no s x s attention matrix)",
+    "PyTorch scaled_dot_product_attention (flash / memory-efficient kernels) is faster than "
+    "eager attention (PyTorch 2.0 SDPA docs; Dao et al. 2022, FlashAttention)",
+    {"attention": "sdpa"},
+)
+CHUNKED_LOSS = Technique(
+    "loss", "chunked", TIER_FREE, 1.02, "logits (no full fp32 copy of b x s x V)",
+    "chunked cross-entropy recomputes nothing expensive; Liger Kernel's fused linear "
+    "cross-entropy (Hsu et al. 2024, arXiv:2410.10989) keeps throughput; ~1-3% for a plain "
+    "chunked loop (our estimate)",
+    {"loss": "chunked"},
+)
+MICRO_BATCH = Technique(
+    "gradient_accumulation", "on", TIER_MICRO_BATCH, 1.0, "activations, logits (per micro-batch)",
+    "same effective batch, same maths; only GPU utilisation drops when a micro-batch holds few "
+    "tokens (see micro_batch_slowdown)",
+    {},
+)
+GRADIENT_CHECKPOINTING = Technique(
+    "gradient_checkpointing", True, TIER_CHECKPOINTING, 1.25, "activations",
+    "one extra forward per step: ~20% (Hugging Face 'Efficient training on a single GPU') to "
+    "~33% (Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost')",
+    {"gradient_checkpointing": True},
+)
+OPTIMIZER_8BIT = Technique(
+    "optimizer", "adamw_8bit", TIER_OPTIMIZER, 1.03, "optimizer (2 bytes/param instead of 8)",
+    "block-wise 8-bit Adam matches 32-bit Adam's results at about the same speed (Dettmers et "
+    "al. 2022, '8-bit Optimizers via Block-wise Quantization'); a few % with bitsandbytes",
+    {"optimizer": "adamw_8bit"},
+)
+LORA = Technique(
+    "lora", True, TIER_LORA, 0.8, "gradients, optimizer (adapters only)",
+    "no weight gradients or optimizer state for the base: ~25% faster per step on GPT-3 "
+    "(Hu et al. 2021, LoRA, sec. 4.2); trains adapters, not the model",
+    {"lora": True},
+)
+QUANTIZATION_4BIT = Technique(
+    "quantization", "nf4-dq", TIER_QUANTIZATION, 1.35, "weights (about 4.13 bits/param)",
+    "each 4-bit layer is dequantized in forward and backward: QLoRA is ~30-40% slower than "
+    "LoRA on a bf16 base (Dettmers et al. 2023, QLoRA; Hugging Face bitsandbytes 4-bit blog)",
+    {"quantization": "nf4-dq", "lora": True},
+)
+OFFLOAD_OPTIMIZER = Technique(
+    "offload", "optimizer", TIER_OFFLOAD, 1.7, "optimizer, master weights (moved to CPU RAM)",
+    "optimizer step on the CPU plus PCIe transfers each step (Ren et al. 2021, ZeRO-Offload); "
+    "~1.5-2x at small batch (our estimate)",
+    {"offload": "optimizer"},
+)
+OFFLOAD_FULL = Technique(
+    "offload", "full", TIER_OFFLOAD, 4.0, "weights, optimizer (parameters streamed from CPU)",
+    "every layer's weights cross PCIe twice per step (Rajbhandari et al. 2021, ZeRO-Infinity); "
+    "several times slower (our estimate)",
+    {"offload": "full"},
+)
+
+# The ladder in the order the chooser climbs it (and report.py shows it).
+LADDER = (
+    MIXED_PRECISION, SDPA, CHUNKED_LOSS, MICRO_BATCH, GRADIENT_CHECKPOINTING, OPTIMIZER_8BIT,
+    LORA, QUANTIZATION_4BIT, OFFLOAD_OPTIMIZER, OFFLOAD_FULL,
+)
+
+# Step-time factors of values a user can fix (relative to the default value of that technique).
+OPTIMIZER_SLOWDOWN = {
+    "adamw": 1.0, "adamw_8bit": 1.03, "paged_adamw_8bit": 1.05, "paged_adamw_32bit": 1.03,
+    "adafactor": 1.05, "sgd": 0.98,
+}
+QUANTIZATION_SLOWDOWN = {
+    "none": 1.0, "nf4": 1.35, "nf4-dq": 1.35, "fp4": 1.35,
+    # LLM.int8 mixed-precision decomposition is slow (Dettmers et al. 2022, LLM.int8()).
+    "int8": 1.5,
+}
+OFFLOAD_SLOWDOWN = {
+    "none": 1.0, "optimizer": 1.7, "full": 4.0,
+    # Sharding across GPUs costs communication, offload to CPU costs PCIe (ZeRO papers).
+    "zero2": 1.1, "zero3": 1.2, "fsdp": 1.2, "zero2-offload": 1.8, "zero3-offload": 4.0,
+    "fsdp-offload": 4.0,
+}
+ATTENTION_SLOWDOWN = {"sdpa": 1.0, "flash_attention_2": 1.0, "eager": 1.3}
+PRECISION_SLOWDOWN = {
+    "bf16": 1.0, "fp16": 1.0, "bf16-mixed": 1.05, "fp16-mixed": 1.05,
+    # fp32 has no tensor-core path on most cards (NVIDIA mixed precision guide): ~2-3x slower.
+    "fp32": 2.5,
+}
+
+# Below this many tokens per micro-batch a GPU is not kept busy (our rule of thumb).
+_FULL_UTILISATION_TOKENS = 2048
+
+
+def micro_batch_slowdown(micro_batch_size: int, seq_len: int, largest_micro_batch: int) -> float:
+    """Step-time factor of running ``micro_batch_size`` instead of ``largest_micro_batch``.
+
+    Accumulation keeps the maths; what changes is utilisation, modelled as
+    (tokens / 2048) ** 0.1 below 2048 tokens (our rule of thumb: a halving costs ~7%).
+    """
+
+    def utilisation(tokens: int) -> float:
+        return min(1.0, (max(tokens, 1) / _FULL_UTILISATION_TOKENS) ** 0.1)
+
+    return utilisation(largest_micro_batch * seq_len) / utilisation(micro_batch_size * seq_len)
+
+
+def setup_slowdown(setup, largest_micro_batch: int) -> float:
+    """Step time of a RunSetup relative to bf16 + SDPA + full fine-tuning on the GPU."""
+    factor = PRECISION_SLOWDOWN.get(setup.precision, 1.0)
+    factor *= ATTENTION_SLOWDOWN.get(setup.attention, 1.0)
+    factor *= CHUNKED_LOSS.slowdown if setup.loss == "chunked" else 1.0
+    factor *= micro_batch_slowdown(setup.micro_batch_size, setup.seq_len, largest_micro_batch)
+    factor *= GRADIENT_CHECKPOINTING.slowdown if setup.gradient_checkpointing else 1.0
+    factor *= OPTIMIZER_SLOWDOWN.get(setup.optimizer, 1.0)
+    factor *= LORA.slowdown if setup.lora else 1.0
+    factor *= QUANTIZATION_SLOWDOWN.get(setup.quantization, 1.0)
+    factor *= OFFLOAD_SLOWDOWN.get(setup.offload, 1.0)
+    return factor
+
+
+def setup_tier(setup) -> int:
+    """The highest ladder tier a RunSetup uses (0 = only free techniques)."""
+    tier = TIER_FREE
+    if setup.gradient_checkpointing:
+        tier = TIER_CHECKPOINTING
+    if setup.optimizer != "adamw":
+        tier = TIER_OPTIMIZER
+    if setup.lora:
+        tier = TIER_LORA
+    if setup.quantization != "none":
+        tier = TIER_QUANTIZATION
+    if setup.offload != "none":
+        tier = TIER_OFFLOAD
+    return tier
+
+
+def percent(slowdown: float) -> str:
+    """'~25% slower', '~20% faster', 'no speed cost' (for reasons and the ladder)."""
+    delta = round((slowdown - 1.0) * 100)
+    if delta == 0 or math.isclose(slowdown, 1.0):
+        return "no speed cost"
+    return f"~{abs(delta)}% {'slower' if delta > 0 else 'faster'}"
