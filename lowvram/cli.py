@@ -98,6 +98,69 @@ def train(
     report.show_train_result(result, as_json=json_)
 
 
+def _opt(flag: str, help_: str, metavar: str | None = None):
+    return typer.Option(flag, help=help_, metavar=metavar, show_default=False)
+
+
+@app.command()
+@handle_errors
+def plan(
+    recipe: Annotated[Path | None, typer.Argument(help="Optional YAML recipe; flags override it.", show_default=False, metavar="[RECIPE]")] = None,
+    model: Annotated[str | None, _opt("--model", "Catalog name, hub id or folder with config.json.", "M")] = None,
+    method: Annotated[str | None, _opt("--method", "full | lora | qlora (shorthand for lora + quantization).", "METHOD")] = None,
+    lora_r: Annotated[int | None, _opt("--lora-r", "LoRA rank.", "N")] = None,
+    lora_targets: Annotated[str | None, _opt("--lora-targets", "q_proj,v_proj | all-linear | ...", "LIST")] = None,
+    precision: Annotated[str | None, _opt("--precision", "bf16 | fp16 | fp32 | bf16-mixed | fp16-mixed.", "P")] = None,
+    quant: Annotated[str | None, _opt("--quant", "none | nf4 | nf4-dq | fp4 | int8 (needs LoRA).", "Q")] = None,
+    optim: Annotated[str | None, _opt("--optim", "adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | adafactor | sgd.", "O")] = None,
+    loss: Annotated[str | None, _opt("--loss", "standard | chunked.", "L")] = None,
+    attn: Annotated[str | None, _opt("--attn", "sdpa | eager | flash_attention_2.", "A")] = None,
+    batch_size: Annotated[int | None, _opt("--batch-size", "Effective batch = micro_batch_size x grad_accum x GPUs (default 16).", "N")] = None,
+    seq_len: Annotated[int | None, _opt("--seq-len", "Tokens per sample (default 1024).", "N")] = None,
+    grad_accum: Annotated[int | None, _opt("--grad-accum", "Fix the accumulation steps (micro-batch follows).", "N")] = None,
+    gradient_checkpointing: Annotated[bool | None, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Fix gradient checkpointing on or off.", show_default=False)] = None,
+    gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
+    offload: Annotated[str | None, _opt("--offload", "none | optimizer | full.", "KIND")] = None,
+    vram: Annotated[str | None, _opt("--vram", "Free GPU memory to plan for, e.g. 24GB, 24GiB, 12000MB (default: LOWVRAM_VRAM, else detected).", "SIZE")] = None,
+    set_: SetOpt = None,
+    json_: JsonOpt = False,
+    check: Annotated[bool, typer.Option("--check", help="Exit 0 if the plan fits, 1 if not.")] = False,
+    list_models: Annotated[bool, typer.Option("--list-models", help="List the models known without a download.")] = False,
+) -> None:
+    """Predict peak memory and pick the cheapest memory techniques that fit the budget.
+
+    Every flag given fixes that choice; the rest is chosen so the run fits --vram. Without a GPU
+    and without --vram (or LOWVRAM_VRAM), the plan is for a CPU run in the available host RAM.
+    """
+    from lowvram import report
+    from lowvram.plan import resolve
+
+    if list_models:
+        report.show_models(resolve.list_models(), as_json=json_)
+        return
+    r = None
+    if recipe is not None:
+        from lowvram.recipe import load_recipe
+
+        r = load_recipe(recipe, set_ or [])
+    result = resolve.make_plan(
+        r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
+        precision=precision, quant=quant, optim=optim, loss=loss, attn=attn, batch_size=batch_size,
+        seq_len=seq_len, grad_accum=grad_accum, gradient_checkpointing=gradient_checkpointing,
+        gpus=gpus, offload=offload,
+    )
+    from lowvram.plan.choose import Choice, choice_to_dict
+
+    if not isinstance(result, Choice):
+        report.show_unpredicted_plan(result, r.model.name_or_path if r else str(model), as_json=json_)
+        if check:
+            raise typer.Exit(1)
+        return
+    report.show_plan(choice_to_dict(result), as_json=json_)
+    if check and not result.fits:
+        raise typer.Exit(1)
+
+
 @app.command()
 @handle_errors
 def keys(json_: JsonOpt = False) -> None:

@@ -91,12 +91,22 @@ def show_train_result(result, as_json: bool = False) -> None:
         ("eval loss", _f(m.get("eval_loss"))),
         ("runtime", f"{m['runtime_s']:.1f} s" if m.get("runtime_s") is not None else "-"),
         ("tokens/s", _f(m.get("tokens_per_s"), 1)),
-        ("peak memory (measured)", gib(m.get("peak_memory_bytes"))),
-        ("peak memory (predicted)", gib(m.get("predicted_peak_bytes"))),
+        (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", _mem(m.get("peak_memory_bytes"))),
+        ("peak memory (predicted)", _mem(m.get("predicted_peak_bytes"))),
     ]
+    if m.get("load_s") is not None:
+        cache = {True: " (GGUF cache)", False: " (GGUF converted, cached now)"}.get(m.get("gguf_cache_hit"), "")
+        rows.append(("model load", f"{m['load_s']:.1f} s{cache}"))
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
     console().print(t)
+
+
+def _mem(n: int | None) -> str:
+    """GiB, or MiB below 1 GiB (tiny test models would all read 0.00 GiB)."""
+    if n is None:
+        return "-"
+    return gib(n) if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _f(x, nd: int = 4) -> str:
@@ -136,3 +146,151 @@ def show_env(info: dict, as_json: bool = False) -> None:
         lines.append(f"- host RAM: {gib(hw.get('host_available_bytes'))} available of {gib(hw.get('host_total_bytes'))}")
     lines.append("```")
     sys.stdout.write("\n".join(lines) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# `lowvram plan`: renders the dict from lowvram.plan.choose.choice_to_dict (bytes inside)
+
+_BAR_WIDTH = 30
+
+
+def _bar(part: int, whole: int) -> str:
+    if whole <= 0 or part <= 0:
+        return ""
+    return "█" * max(1, round(_BAR_WIDTH * part / whole))
+
+
+def _setting(value) -> str:
+    return {True: "on", False: "off"}[value] if isinstance(value, bool) else str(value)
+
+
+def _speed(slowdown: float) -> str:
+    from lowvram.plan.techniques import percent
+
+    return percent(slowdown)
+
+
+def show_plan(data: dict, as_json: bool = False) -> None:
+    """The chosen setup with reasons, the breakdown, headroom, ladder and limits."""
+    if as_json:
+        print_json(data)
+        return
+    from rich.table import Table
+
+    c = console()
+    n = data["parameters"]
+    c.print(f"[bold]lowvram plan[/bold]: {data['model']} ({n / 1e9:.2f}B params), seq_len {data['seq_len']}, "
+            f"batch {data['batch_size']}, {data['device']}")
+    c.print(f"budget: {gib(data['vram_bytes'])} ({data['vram_source']}) - safety margin "
+            f"{gib(data['safety_margin_bytes'])} = {gib(data['budget_bytes'])}")
+    for note in data.get("notes", ()):
+        c.print(f"note: {note}", markup=False)
+
+    t = Table(title="Chosen setup")
+    t.add_column("technique")
+    t.add_column("setting")
+    t.add_column("why")
+    for name, value in data["techniques"].items():
+        t.add_row(name, _setting(value), data["reasons"].get(name, ""))
+    c.print(t)
+
+    peak = data["peak_bytes"]
+    b = Table(title=f"Peak memory ({data['peak_phase'].replace('_', ' ')})")
+    b.add_column("component")
+    b.add_column("size", justify="right")
+    b.add_column("")
+    for name, value in data["breakdown"].items():
+        b.add_row(name, gib(value), _bar(value, peak))
+    b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", "")
+    c.print(b)
+    head = data["headroom_bytes"]
+    if data["fits"]:
+        c.print(f"[green]fits[/green]: peak {gib(peak)} of {gib(data['budget_bytes'])} budget, "
+                f"{gib(head)} headroom; CPU RAM needed {gib(data['cpu_ram_bytes'])}")
+    else:
+        c.print(f"[red]does not fit[/red]: the lowest-memory plan peaks at {gib(peak)}, "
+                f"{gib(-head)} over the {gib(data['budget_bytes'])} budget; it needs a card with "
+                f"{gib(data['min_vram_bytes'])} free")
+        if data.get("suggestion"):
+            c.print(f"[bold]most helpful change[/bold]: {data['suggestion']}", markup=True)
+        for other in data.get("suggestions", [])[1:]:
+            c.print(f"  or: {other}", markup=False)
+
+    ladder = Table(title="Ladder: each technique applied on top of the ones above")
+    ladder.add_column("technique")
+    ladder.add_column("setting")
+    ladder.add_column("peak", justify="right")
+    ladder.add_column("saves", justify="right")
+    ladder.add_column("speed")
+    ladder.add_column("fits")
+    for r in data["ladder"]:
+        if r["fixed"]:
+            ladder.add_row(r["technique"], "fixed by you", gib(r["peak_bytes"]), "-", "-", "yes" if r["fits"] else "no")
+            continue
+        speed = "-" if r["technique"] == "baseline" else _speed(r["slowdown"])
+        saves = "-" if r["technique"] == "baseline" else gib(r["saved_bytes"])
+        ladder.add_row(r["technique"], r["value"], gib(r["peak_bytes"]), saves, speed,
+                       "[green]yes[/green]" if r["fits"] else "no")
+    c.print(ladder)
+
+    if data["alternatives"]:
+        a = Table(title="Other plans considered (best of each ladder tier)")
+        a.add_column("plan")
+        a.add_column("peak", justify="right")
+        a.add_column("fits")
+        a.add_column("speed vs chosen", justify="right")
+        for alt in data["alternatives"]:
+            a.add_row(_plan_label(alt), gib(alt["peak_bytes"]), "yes" if alt["fits"] else "no",
+                      f"{alt['relative_speed']:.2f}x")
+        c.print(a)
+
+    c.print(f"under this plan: longest seq_len that fits {data['max_seq_len']:,}; largest micro-batch "
+            f"at seq_len {data['seq_len']}: {data['max_micro_batch_size']}")
+
+
+def _plan_label(alt: dict) -> str:
+    t = alt["techniques"]
+    parts = [str(t["mixed_precision"])]
+    parts.append("LoRA" if t["lora"] else "full")
+    if t["quantization"] != "none":
+        parts.append(t["quantization"])
+    if t["gradient_checkpointing"]:
+        parts.append("checkpointing")
+    if t["optimizer"] != "adamw":
+        parts.append(t["optimizer"])
+    if t["loss"] != "standard":
+        parts.append(f"{t['loss']} loss")
+    if t["offload"] != "none":
+        parts.append(f"offload {t['offload']}")
+    parts.append(f"micro {alt['micro_batch_size']}x{alt['grad_accum']}")
+    return ", ".join(parts)
+
+
+def show_unpredicted_plan(plan, model: str, as_json: bool = False) -> None:
+    """A plan from fixed defaults: the model's architecture could not be read."""
+    if as_json:
+        print_json({
+            "model": model, "fits": None, "peak_bytes": None, "breakdown": None,
+            "techniques": plan.techniques(), "micro_batch_size": plan.micro_batch_size,
+            "grad_accum": plan.grad_accum, "reasons": dict(plan.reasons),
+        })
+        return
+    c = console()
+    c.print(_plan_table(plan))
+    c.print(plan.reasons.get("memory", "memory not predicted"), markup=False)
+
+
+def show_models(rows: list[tuple[str, str, int]], as_json: bool = False) -> None:
+    """`lowvram plan --list-models`: catalog name, hub id, parameters."""
+    if as_json:
+        print_json([{"name": n, "hf_id": h, "parameters": p} for n, h, p in rows])
+        return
+    from rich.table import Table
+
+    t = Table(title="Models lowvram knows without a download")
+    t.add_column("name")
+    t.add_column("hub id")
+    t.add_column("params", justify="right")
+    for n, h, p in rows:
+        t.add_row(n, h or "-", f"{p / 1e9:.2f}B")
+    console().print(t)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from lowvram.errors import LowvramError
+from lowvram.plan import memory
 from lowvram.plan import techniques as tq
 from lowvram.plan.memory import MemoryEstimate, RunSetup, estimate_memory
 from lowvram.plan.models import ModelSpec, catalog_names, count_parameters, resolve_model
@@ -322,9 +323,8 @@ def _alternatives(cands: list[Candidate], chosen: Candidate) -> tuple[Candidate,
     """The best candidate of each tier other than the chosen one (fitting first)."""
     best: dict[int, Candidate] = {}
     for c in cands:
-        key = (not c.fits, round(c.slowdown, 6), c.peak_bytes)
         cur = best.get(c.tier)
-        if cur is None or key < (not cur.fits, round(cur.slowdown, 6), cur.peak_bytes):
+        if cur is None or (not c.fits, _rank(c)) < (not cur.fits, _rank(cur)):
             best[c.tier] = c
     return tuple(best[t] for t in sorted(best) if best[t].setup != chosen.setup)
 
@@ -475,7 +475,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         new = estimate(s)
         slowdown = tq.setup_slowdown(s, _largest_micro(req)) / tq.setup_slowdown(before, _largest_micro(req))
         value = s.precision if t is tq.MIXED_PRECISION else (
-            f"micro-batch 1 x {s.grad_accum}" if t is tq.MICRO_BATCH else str(t.value))
+            f"micro-batch 1 x {s.grad_accum}" if t is tq.MICRO_BATCH else
+            {True: "on", False: "off"}.get(t.value, str(t.value)))
         rungs.append(Rung(t.name, value, new.peak_bytes, est.peak_bytes - new.peak_bytes, slowdown,
                           _fits(new, budget)))
         est = new
@@ -486,16 +487,29 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
 # Reasons: one line per technique, with the numbers behind it
 
 
+_COMPONENTS = {
+    "weights": memory.weight_bytes, "gradients": memory.gradient_bytes,
+    "optimizer": memory.optimizer_bytes, "activations": memory.activation_bytes,
+    "logits": memory.logits_bytes,
+}
+
+
 def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator) -> dict[str, str]:
     s = c.setup
     r: dict[str, str] = {}
     limit = budget.usable_bytes
 
     def without(component: str | tuple, what: str = "without it the peak", **change) -> str:
-        other = estimate(replace(s, **change))
+        changed = replace(s, **change)
+        other = estimate(changed)
         comps = (component,) if isinstance(component, str) else component
-        was = sum(other.breakdown[k] for k in comps)
-        now = sum(c.estimate.breakdown[k] for k in comps)
+        if s.offload == "none" and changed.offload == "none":
+            # Component sizes, not their share at the peak moment (which may be another phase).
+            was = sum(_COMPONENTS[k](changed) for k in comps)
+            now = sum(_COMPONENTS[k](s) for k in comps)
+        else:  # offload moves components off the GPU: what stays there is in the breakdown
+            was = sum(other.breakdown[k] for k in comps)
+            now = sum(c.estimate.breakdown[k] for k in comps)
         name = "+".join(comps)
         verdict = ">" if other.peak_bytes > limit else "<="
         return (f"{what} would be {gib(other.peak_bytes)} {verdict} budget {gib(limit)} "
@@ -595,6 +609,75 @@ def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator
 
 
 __all__ = [
-    "Budget", "Candidate", "Choice", "PlanRequest", "Rung", "build_ladder", "choose_plan",
+    "Budget", "Candidate", "Choice", "PlanRequest", "Rung", "build_ladder", "choice_to_dict", "choose_plan",
     "safety_margin_bytes", "validate_request", "vram_needed_bytes",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# Plain data for `lowvram plan --json` and the report (bytes; report.py formats)
+
+
+def _setup_techniques(s: RunSetup) -> dict:
+    return {
+        "mixed_precision": s.precision, "gradient_checkpointing": s.gradient_checkpointing,
+        "gradient_accumulation": s.grad_accum, "lora": s.lora, "quantization": s.quantization,
+        "optimizer": s.optimizer, "offload": s.offload, "attention": s.attention, "loss": s.loss,
+    }
+
+
+def choice_to_dict(choice: Choice) -> dict:
+    c, b, req = choice.chosen, choice.budget, choice.request
+    est = c.estimate
+    return {
+        "model": req.model.name,
+        "parameters": est.parameters,
+        "trainable_parameters": est.trainable_parameters,
+        "device": b.device,
+        "vram_bytes": b.vram_bytes,
+        "vram_source": b.source,
+        "safety_margin_bytes": b.safety_margin_bytes,
+        "budget_bytes": b.usable_bytes,
+        "fits": choice.fits,
+        "peak_bytes": est.peak_bytes,
+        "headroom_bytes": b.usable_bytes - est.peak_bytes,
+        "peak_phase": est.peak_phase,
+        "breakdown": dict(est.breakdown),
+        "techniques": _setup_techniques(c.setup),
+        "seq_len": req.seq_len,
+        "batch_size": req.batch_size,
+        "micro_batch_size": c.setup.micro_batch_size,
+        "grad_accum": c.setup.grad_accum,
+        "gpus": c.setup.gpus,
+        "lora_r": c.setup.lora_r if c.setup.lora else None,
+        "lora_targets": list(c.setup.lora_targets) if c.setup.lora else None,
+        "cpu_ram_bytes": est.cpu_ram_bytes,
+        "relative_step_time": round(c.slowdown, 3),
+        "reasons": dict(choice.plan.reasons),
+        "max_seq_len": choice.max_seq_len,
+        "max_micro_batch_size": choice.max_micro_batch_size,
+        "min_vram_bytes": choice.min_vram_bytes,
+        "suggestion": choice.suggestion,
+        "suggestions": list(choice.suggestions),
+        "alternatives": [
+            {
+                "techniques": _setup_techniques(a.setup),
+                "micro_batch_size": a.setup.micro_batch_size,
+                "grad_accum": a.setup.grad_accum,
+                "peak_bytes": a.peak_bytes,
+                "fits": a.fits,
+                # > 1: faster than the chosen plan; < 1: slower (techniques.py factors).
+                "relative_speed": round(c.slowdown / a.slowdown, 3),
+            }
+            for a in choice.alternatives
+        ],
+        "ladder": [
+            {
+                "technique": r.technique, "value": r.value, "peak_bytes": r.peak_bytes,
+                "saved_bytes": r.saved_bytes, "slowdown": round(r.slowdown, 3), "fits": r.fits,
+                "fixed": r.fixed,
+            }
+            for r in choice.ladder
+        ],
+        "notes": list(choice.notes),
+    }

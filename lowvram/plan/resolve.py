@@ -280,14 +280,83 @@ def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None) -> P
     try:
         spec = recipe_model(recipe)
     except LowvramError as err:
-        return _fixed_with_note(recipe, hardware, err)
+        return _fixed_with_note(recipe, hardware.kind, hardware.bf16, err)
     from lowvram.plan.choose import choose_plan
 
     budget = make_budget(vram, hardware)
     return choose_plan(build_request(spec, recipe), budget).plan
 
 
-def _fixed_with_note(recipe: Recipe, hardware, err: LowvramError) -> Plan:
-    plan = resolve_fixed(recipe, hardware.kind, hardware.bf16)
+def _fixed_with_note(recipe: Recipe, kind: str, bf16: bool, err: LowvramError) -> Plan:
+    plan = resolve_fixed(recipe, kind, bf16)
     plan.reasons["memory"] = f"memory not predicted: {err.message} (fixed defaults used)"
     return plan
+
+
+# --------------------------------------------------------------------------------------------
+# `lowvram plan`: recipe and/or flags -> Choice (or a fixed Plan when memory cannot be predicted)
+
+_CHOICES = {
+    "method": tuple(METHODS),
+    "precision": ("bf16", "fp16", "fp32", "bf16-mixed", "fp16-mixed"),
+    "quant": ("none", "nf4", "nf4-dq", "fp4", "int8"),
+    "optim": ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"),
+    "loss": ("standard", "chunked"),
+    "attn": ("sdpa", "eager", "flash_attention_2"),
+    "offload": ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
+                "fsdp", "fsdp-offload"),
+}
+
+
+def check_choice(name: str, value: str | None) -> None:
+    """A flag value outside its choices -> UsageError (exit 2) listing them."""
+    from lowvram.errors import UsageError
+
+    allowed = _CHOICES[name]
+    if value is not None and value not in allowed:
+        import difflib
+
+        close = difflib.get_close_matches(value, allowed, n=1)
+        guess = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(f"--{name} {value!r} is not one of: {', '.join(allowed)}",
+                         f"{guess}e.g. --{name} {allowed[0]}")
+
+
+def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,
+              method: str | None = None, hardware=None, **flags):
+    """The plan `lowvram plan` shows: a Choice, or a fixed Plan if the model cannot be read."""
+    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.models import resolve_model
+
+    for name in ("precision", "quant", "optim", "loss", "attn", "offload"):
+        check_choice(name, flags.get(name))
+    check_choice("method", method)
+    if recipe is None and model is None:
+        raise LowvramError("nothing to plan: give a recipe or --model",
+                           "e.g. lowvram plan --model llama-2-7b --vram 24GB, or lowvram plan recipes/quickstart.yaml")
+    fields, sources = flag_choices(method, **flags)
+    if model is not None:
+        spec = resolve_model(model)
+    else:
+        try:
+            spec = recipe_model(recipe)
+        except LowvramError as err:
+            if hardware is None and (vram or os.environ.get("LOWVRAM_VRAM")):
+                return _fixed_with_note(recipe, "cuda", True, err)  # a GPU budget, bf16 assumed
+            if hardware is None:
+                from lowvram.hardware import detect_hardware
+
+                hardware = detect_hardware(vram)
+            return _fixed_with_note(recipe, hardware.kind, hardware.bf16, err)
+    budget = make_budget(vram, hardware)
+    return choose_plan(build_request(spec, recipe, fields, sources), budget)
+
+
+def list_models() -> list[tuple[str, str, int]]:
+    from lowvram.plan.models import catalog_names, count_parameters, resolve_model
+
+    rows = []
+    for name in catalog_names():
+        spec = resolve_model(name)
+        rows.append((name, spec.hf_id or "", count_parameters(spec)))
+    return rows
