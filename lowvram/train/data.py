@@ -442,7 +442,7 @@ class _ChatRenderer:
     def __init__(self, tokenizer, spec: DatasetSpec) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(
-                f"{spec.path}: format chat needs a tokenizer with a chat template, and this one has none",
+                f"{spec.path}: format chat needs a chat template and the tokenizer has no chat template",
                 "use a chat model's tokenizer (model.tokenizer) or format: alpaca",
             )
         self.tokenizer = tokenizer
