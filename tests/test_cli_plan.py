@@ -1,0 +1,173 @@
+"""`lowvram plan` through Typer's CliRunner: exit codes, messages, JSON; and no torch import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from lowvram.cli import app
+from tests.conftest import REPO
+
+runner = CliRunner()
+
+JSON_KEYS = {
+    "model", "parameters", "trainable_parameters", "vram_bytes", "fits", "peak_bytes", "breakdown",
+    "techniques", "micro_batch_size", "grad_accum", "cpu_ram_bytes", "alternatives", "reasons",
+    "safety_margin_bytes", "max_seq_len", "max_micro_batch_size",
+}
+TECHNIQUES = {
+    "mixed_precision", "gradient_checkpointing", "gradient_accumulation", "lora", "quantization",
+    "optimizer", "offload", "attention", "loss",
+}
+
+
+def plan(*args: str, env: dict | None = None):
+    return runner.invoke(app, ["plan", *args], env=env)
+
+
+def plan_json(*args: str) -> dict:
+    r = plan(*args, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_json_object():
+    d = plan_json("--model", "llama-7b", "--vram", "24GB")
+    assert JSON_KEYS <= set(d)
+    assert set(d["techniques"]) == TECHNIQUES
+    assert set(d["breakdown"]) == {"weights", "gradients", "optimizer", "activations", "logits",
+                                   "cuda_context", "allocator"}
+    assert sum(d["breakdown"].values()) == d["peak_bytes"]
+    assert d["vram_bytes"] == 24 * 10**9
+    assert d["fits"] is True
+    assert d["peak_bytes"] <= d["vram_bytes"] - d["safety_margin_bytes"]
+    assert d["micro_batch_size"] * d["grad_accum"] == 16
+    for alt in d["alternatives"]:
+        assert {"peak_bytes", "relative_speed", "techniques", "fits"} <= set(alt)
+    assert set(d["reasons"]) == TECHNIQUES
+
+
+def test_table_output():
+    r = plan("--model", "llama-7b", "--vram", "12GB")
+    assert r.exit_code == 0, r.output
+    for words in ("Chosen setup", "gradient_checkpointing", "Peak memory", "headroom", "Ladder",
+                  "longest seq_len", "largest micro-batch", "safety margin"):
+        assert words in r.stdout
+
+
+@pytest.mark.parametrize("vram, code", [("80GB", 0), ("2GB", 1)])
+def test_check_exit_code(vram, code):
+    r = plan("--model", "llama-7b", "--vram", vram, "--method", "full", "--check")
+    assert r.exit_code == code, r.output
+
+
+def test_nothing_fits_says_what_helps():
+    d = json.loads(plan("--model", "llama-2-70b", "--vram", "4GB", "--offload", "none", "--json").stdout)
+    assert d["fits"] is False
+    assert d["min_vram_bytes"] > 4 * 10**9
+    assert d["suggestion"] and "--offload" in d["suggestion"]
+
+
+def test_flags_fix_choices():
+    d = plan_json("--model", "llama-7b", "--vram", "80GB", "--method", "qlora", "--optim",
+                  "paged_adamw_8bit", "--gradient-checkpointing", "--loss", "chunked",
+                  "--grad-accum", "4", "--seq-len", "2048", "--lora-r", "8",
+                  "--lora-targets", "q_proj,v_proj")
+    t = d["techniques"]
+    assert t["lora"] is True and t["quantization"] == "nf4-dq"
+    assert t["optimizer"] == "paged_adamw_8bit" and t["gradient_checkpointing"] is True
+    assert t["loss"] == "chunked" and d["grad_accum"] == 4 and d["micro_batch_size"] == 4
+    assert d["lora_r"] == 8 and d["lora_targets"] == ["q_proj", "v_proj"]
+    assert "--optim" in d["reasons"]["optimizer"]
+
+
+def test_vram_from_env():
+    r = plan("--model", "llama-7b", "--json", env={"LOWVRAM_VRAM": "12000MB"})
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["vram_bytes"] == 12 * 10**9
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["--model", "llama-7bb"], 1, "unknown model"),
+        (["--model", "llama-7b", "--seq-len", "0"], 1, "seq_len must be a positive"),
+        (["--model", "llama-7b", "--batch-size", "-2"], 1, "batch_size must be a positive"),
+        (["--model", "llama-7b", "--quant", "nf4", "--method", "full"], 1, "needs LoRA"),
+        (["--model", "llama-7b", "--method", "half"], 2, "--method"),
+        (["--model", "llama-7b", "--optim", "adam"], 2, "--optim"),
+        (["--model", "llama-7b", "--vram", "lots"], 1, "cannot read memory size"),
+        ([], 1, "nothing to plan"),
+    ],
+)
+def test_bad_input(args, code, words):
+    r = plan(*args, *([] if "--vram" in args else ["--vram", "24GB"]))
+    assert r.exit_code == code, r.output
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("error:") and words in lines[0]
+    assert lines[-1].startswith("hint:")
+    assert "Traceback" not in r.output
+
+
+def test_unknown_model_suggests_names():
+    r = plan("--model", "llama-7bb", "--vram", "24GB")
+    assert "did you mean" in r.stderr
+
+
+def test_list_models():
+    r = plan("--list-models", "--json")
+    assert r.exit_code == 0
+    names = {m["name"] for m in json.loads(r.stdout)}
+    assert "llama-2-7b" in names
+
+
+def test_recipe_with_config_folder(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    }))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(textwrap.dedent("""\
+        model: {name_or_path: m}
+        data: {datasets: [{path: d.jsonl}]}
+        training: {batch_size: 8, seq_len: 128}
+        techniques: {lora: off, gradient_checkpointing: on}
+    """))
+    d = plan_json(str(recipe), "--vram", "8GB")
+    assert d["techniques"]["lora"] is False and d["techniques"]["gradient_checkpointing"] is True
+    assert "recipe" in d["reasons"]["lora"]
+    # a flag overrides the recipe
+    d = plan_json(str(recipe), "--vram", "8GB", "--no-gradient-checkpointing", "--seq-len", "64")
+    assert d["techniques"]["gradient_checkpointing"] is False
+
+
+def test_gguf_only_recipe_falls_back_with_reason():
+    r = plan(str(REPO / "recipes" / "quickstart.yaml"), "--vram", "8GB", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["fits"] is None and "memory not predicted" in d["reasons"]["memory"]
+
+
+def test_plan_path_does_not_import_torch():
+    code = textwrap.dedent("""\
+        import sys
+        import lowvram.cli
+        assert "torch" not in sys.modules, "import lowvram.cli pulled torch"
+        from typer.testing import CliRunner
+        r = CliRunner().invoke(lowvram.cli.app, ["plan", "--model", "llama-7b", "--vram", "24GB", "--json"])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(lowvram.cli.app, ["plan", "--model", "llama-7b", "--vram", "24GB"])
+        assert r.exit_code == 0, r.output
+        heavy = [m for m in ("torch", "transformers", "peft", "bitsandbytes", "datasets") if m in sys.modules]
+        assert not heavy, heavy
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

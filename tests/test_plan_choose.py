@@ -1,0 +1,210 @@
+"""The automatic technique choice: fake budgets, real memory model, no torch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from lowvram.errors import LowvramError
+from lowvram.plan import techniques as tq
+from lowvram.plan.choose import (
+    Budget,
+    PlanRequest,
+    choice_to_dict,
+    choose_plan,
+    safety_margin_bytes,
+    vram_needed_bytes,
+)
+from lowvram.plan.memory import BREAKDOWN_KEYS, MemoryEstimate, estimate_memory
+from lowvram.plan.models import resolve_model
+
+GB = 10**9
+
+
+@pytest.fixture(scope="module")
+def llama7b():
+    return resolve_model("llama-2-7b")
+
+
+def _plan(spec, gb: float, **fixed):
+    return choose_plan(PlanRequest(spec, **fixed), Budget(int(gb * GB)))
+
+
+@pytest.mark.parametrize(
+    "gb, lora, quant",
+    [
+        (80, False, "none"),  # full fine-tuning fits on an 80 GB card
+        (24, True, "none"),  # LoRA on a bf16 base
+        (12, True, "nf4-dq"),  # QLoRA
+        (8, True, "nf4-dq"),
+    ],
+)
+def test_llama7b_choice_by_card(llama7b, gb, lora, quant):
+    c = _plan(llama7b, gb)
+    assert c.fits
+    assert c.plan.lora is lora
+    assert c.plan.quantization == quant
+    assert c.plan.mixed_precision == "bf16"  # never silent fp32 on a GPU
+    assert c.plan.attention == "sdpa"
+    assert c.plan.offload == "none"
+    assert c.plan.predicted_peak_bytes <= c.budget.usable_bytes
+    assert c.plan.effective_batch == 16
+
+
+def test_cheaper_tiers_first(llama7b):
+    """80 GB: full fine-tuning without checkpointing; 8 GB needs checkpointing on top of QLoRA."""
+    assert _plan(llama7b, 80).plan.gradient_checkpointing is False
+    assert _plan(llama7b, 8).plan.gradient_checkpointing is True
+
+
+def test_budget_margin_is_stated_and_subtracted():
+    b = Budget(24 * GB)
+    assert b.safety_margin_bytes == safety_margin_bytes(24 * GB) == int(24 * GB * 0.05)
+    assert b.usable_bytes == 24 * GB - b.safety_margin_bytes
+    assert Budget(2 * GB).safety_margin_bytes == 256 * 2**20  # floor
+    assert Budget(vram_needed_bytes(10 * GB)).usable_bytes >= 10 * GB
+
+
+def test_forced_full_is_never_turned_into_lora(llama7b):
+    c = _plan(llama7b, 24, lora=False, sources={"lora": "--method full"})
+    assert c.plan.lora is False and c.plan.quantization == "none"
+    assert "--method full" in c.plan.reasons["lora"]
+
+
+@pytest.mark.parametrize(
+    "fixed",
+    [
+        {"gradient_checkpointing": False},
+        {"optimizer": "adamw_8bit"},
+        {"loss": "chunked"},
+        {"attention": "eager"},
+        {"mixed_precision": "fp16-mixed"},
+        {"offload": "none", "lora": True, "quantization": "none"},
+        {"grad_accum": 2},
+    ],
+)
+def test_fixed_choices_are_respected(llama7b, fixed):
+    c = _plan(llama7b, 12, **fixed)
+    s = c.chosen.setup
+    got = {
+        "gradient_checkpointing": s.gradient_checkpointing, "optimizer": s.optimizer,
+        "loss": s.loss, "attention": s.attention, "mixed_precision": s.precision,
+        "offload": s.offload, "lora": s.lora, "quantization": s.quantization,
+        "grad_accum": s.grad_accum,
+    }
+    for k, v in fixed.items():
+        assert got[k] == v
+
+
+@pytest.mark.parametrize("batch, gpus", [(16, 1), (12, 1), (8, 2), (7, 1), (32, 4)])
+def test_effective_batch_is_kept(llama7b, batch, gpus):
+    for gb in (8, 24, 80):
+        c = _plan(llama7b, gb, batch_size=batch, gpus=gpus)
+        assert c.plan.micro_batch_size * c.plan.grad_accum * c.plan.gpus == batch
+
+
+def test_nothing_fits(llama7b):
+    c = _plan(llama7b, 4, lora=False, sources={"lora": "--method full"})
+    assert not c.fits
+    assert c.min_vram_bytes > 4 * GB
+    assert Budget(c.min_vram_bytes).usable_bytes >= c.chosen.peak_bytes
+    assert c.suggestion and "--method full" in c.suggestion  # releasing it is the best change
+    assert c.plan.lora is False
+
+
+def test_nothing_fits_even_fully_auto():
+    c = _plan(resolve_model("llama-2-70b"), 2)
+    assert not c.fits
+    assert c.suggestion
+    assert any("card with at least" in s for s in c.suggestions)
+
+
+def test_reasons_carry_numbers(llama7b):
+    c = _plan(llama7b, 8)
+    assert set(c.plan.reasons) == set(tq.CANONICAL)
+    r = c.plan.reasons["gradient_checkpointing"]
+    assert r.startswith("on:") and "GiB" in r and "> budget" in r and "~25% slower" in r
+    assert "nf4-dq" in c.plan.reasons["quantization"] and "GiB" in c.plan.reasons["quantization"]
+
+
+def test_breakdown_sums_and_limits(llama7b):
+    c = _plan(llama7b, 12)
+    d = choice_to_dict(c)
+    assert sum(d["breakdown"].values()) == d["peak_bytes"]
+    assert set(d["breakdown"]) == set(BREAKDOWN_KEYS)
+    json.dumps(d)  # plain data
+    s = c.chosen.setup
+    assert c.max_seq_len >= s.seq_len
+    fits = lambda est: est.peak_bytes <= c.budget.usable_bytes  # noqa: E731
+    assert fits(estimate_memory(replace(s, seq_len=c.max_seq_len)))
+    if c.max_seq_len < s.model.max_position_embeddings:
+        assert not fits(estimate_memory(replace(s, seq_len=c.max_seq_len + 1)))
+    assert fits(estimate_memory(replace(s, micro_batch_size=c.max_micro_batch_size)))
+    assert not fits(estimate_memory(replace(s, micro_batch_size=c.max_micro_batch_size + 1)))
+
+
+def test_alternatives_and_ladder(llama7b):
+    c = _plan(llama7b, 12)
+    assert c.alternatives and all(a.setup != c.chosen.setup for a in c.alternatives)
+    names = [r.technique for r in c.ladder]
+    assert names[0] == "baseline"
+    order = [t.name for t in tq.LADDER]
+    assert names[1:] == order
+    peaks = [r.peak_bytes for r in c.ladder]
+    assert peaks[-1] < peaks[0]
+
+
+def test_no_bf16_card_gets_fp16_mixed(llama7b):
+    c = choose_plan(PlanRequest(llama7b), Budget(24 * GB, bf16=False))
+    assert c.plan.mixed_precision == "fp16-mixed"
+
+
+def test_cpu_budget_plans_a_cpu_run():
+    spec = resolve_model("qwen2.5-0.5b")
+    c = choose_plan(PlanRequest(spec, seq_len=256), Budget(16 * GB, device="cpu", bf16=False))
+    assert c.plan.device == "cpu"
+    assert c.plan.mixed_precision == "fp32"
+    assert c.plan.offload == "none"
+    assert c.chosen.estimate.breakdown["cuda_context"] == 0
+
+
+@pytest.mark.parametrize(
+    "fixed, words",
+    [
+        ({"seq_len": 0}, "seq_len"),
+        ({"batch_size": -4}, "batch_size"),
+        ({"gpus": 0}, "gpus"),
+        ({"lora": False, "quantization": "nf4"}, "needs LoRA"),
+        ({"batch_size": 10, "gpus": 3}, "not divisible"),
+        ({"grad_accum": 3}, "not divisible"),
+        ({"micro_batch_size": 4, "grad_accum": 2}, "!= batch_size"),
+    ],
+)
+def test_impossible_values(llama7b, fixed, words):
+    with pytest.raises(LowvramError) as e:
+        _plan(llama7b, 24, **fixed)
+    assert words in e.value.message and e.value.hint
+
+
+def test_tier_order_with_a_fake_estimator(llama7b):
+    """Checkpointing (tier 2) beats the 8-bit optimizer (tier 3) when both fit alone."""
+
+    def fake(setup):
+        peak = 100
+        peak -= 40 if setup.gradient_checkpointing else 0
+        peak -= 40 if setup.optimizer == "adamw_8bit" else 0
+        peak -= 50 if setup.lora else 0
+        peak *= GB
+        bd = dict.fromkeys(BREAKDOWN_KEYS, 0) | {"weights": peak}
+        return MemoryEstimate(1, 1, peak, bd, "forward_backward", 0, peak)
+
+    req = PlanRequest(llama7b, batch_size=1)
+    c = choose_plan(req, Budget(1000 * GB, device="cpu"), estimate=fake)  # everything fits
+    assert not c.chosen.setup.gradient_checkpointing and not c.chosen.setup.lora
+    budget = Budget(vram_needed_bytes(60 * GB), device="cpu")  # 60 fits, 100 does not
+    c = choose_plan(req, budget, estimate=fake)
+    s = c.chosen.setup
+    # checkpointing alone, 8-bit alone and LoRA alone all fit: the lowest tier wins
+    assert s.gradient_checkpointing and s.optimizer == "adamw" and not s.lora
