@@ -48,6 +48,8 @@ def _plan_table(plan):
         shown = {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
         t.add_row(name, shown, plan.reasons.get(name, ""))
     t.add_row("micro_batch_size", str(plan.micro_batch_size), f"x {plan.grad_accum} accumulation x {plan.gpus} GPU(s)")
+    if "memory" in plan.reasons:  # the architecture could not be read: no prediction
+        t.add_row("memory", "not predicted", plan.reasons["memory"])
     if plan.predicted_peak_bytes is not None:
         budget = gib(plan.budget_bytes) if plan.budget_bytes else "no budget"
         t.add_row("predicted peak", gib(plan.predicted_peak_bytes), f"budget {budget}")
@@ -275,9 +277,7 @@ def show_unpredicted_plan(plan, model: str, as_json: bool = False) -> None:
             "grad_accum": plan.grad_accum, "reasons": dict(plan.reasons),
         })
         return
-    c = console()
-    c.print(_plan_table(plan))
-    c.print(plan.reasons.get("memory", "memory not predicted"), markup=False)
+    console().print(_plan_table(plan))
 
 
 def show_models(rows: list[tuple[str, str, int]], as_json: bool = False) -> None:
