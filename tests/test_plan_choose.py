@@ -208,3 +208,29 @@ def test_tier_order_with_a_fake_estimator(llama7b):
     s = c.chosen.setup
     # checkpointing alone, 8-bit alone and LoRA alone all fit: the lowest tier wins
     assert s.gradient_checkpointing and s.optimizer == "adamw" and not s.lora
+
+
+def test_plan_for_recipe_uses_the_chooser_and_falls_back(tmp_path):
+    """The entry `lowvram train` uses: predicted when config.json is there, fixed defaults if not."""
+    from lowvram.hardware import Device, Hardware
+    from lowvram.plan.resolve import plan_for_recipe
+    from lowvram.recipe import parse_recipe
+
+    hw = Hardware("cuda", (Device(0, "fake 24GB", 24 * GB, 24 * GB, (8, 6), True),))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "vocab_size": 1000, "max_position_embeddings": 512,
+    }))
+    text = "model: {name_or_path: %s}\ndata: {datasets: [{path: d.jsonl}]}\n"
+    r = parse_recipe(text % "m", "r.yaml", source=tmp_path / "r.yaml")
+    plan = plan_for_recipe(r, hardware=hw)
+    assert plan.predicted_peak_bytes and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.mixed_precision == "bf16" and plan.effective_batch == r.training.batch_size
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "model.gguf").write_bytes(b"GGUF")
+    r = parse_recipe(text % "g", "r.yaml", source=tmp_path / "r.yaml")
+    plan = plan_for_recipe(r, hardware=hw)
+    assert plan.predicted_peak_bytes is None
+    assert plan.reasons["memory"].startswith("memory not predicted")
