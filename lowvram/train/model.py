@@ -1,0 +1,363 @@
+"""Load the model and tokenizer a Plan asks for: local folder, hub id or GGUF file; bitsandbytes
+quantization; LoRA adapters (peft). Training never decides techniques: everything comes from
+the Plan (what) and the recipe (model location, LoRA shape).
+
+GGUF: transformers dequantizes a GGUF file on load (~15 s for SmolLM2-135M here), but the
+loaded model refuses ``save_pretrained`` and the Trainer ("quantized with GGUF"). We copy its
+weights into a fresh model of the same class, drop ``quantization_config`` and cache that folder
+under ``~/.cache/lowvram/gguf/<key>``; the next load reads plain safetensors in < 1 s
+(stack-notes.md, measured).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowvram.errors import LowvramError, ModelError
+
+# A hub id is "name" or "org/name" with these characters (huggingface_hub's validation rule).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+_NOISE = (
+    # bitsandbytes on CPU tries to fetch an optional kernel from the hub, then falls back (harmless).
+    "Failed to load CPU gemm_4bit_forward from kernels-community",
+    # The Trainer sorting checkpoints written within the same second (it then sorts by number).
+    "mtime may not be reliable on this filesystem",
+)
+_NOISY_LOGGERS = ("bitsandbytes", "bitsandbytes.backends.cpu.ops", "transformers.trainer_utils")
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(n in msg for n in _NOISE)
+
+
+def quiet_libraries() -> None:
+    """Drop known-harmless log lines and per-load progress bars; real warnings still show."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in _NOISY_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) for f in log.filters):
+            log.addFilter(_DropNoise())
+    # peft 0.21 reads a model attribute transformers 5 renamed; nothing for the user to change.
+    warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars on every from_pretrained
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # PreTrainedModel or PeftModel
+    tokenizer: Any
+    source: str  # the folder (or hub id) the weights were read from
+    load_s: float
+    gguf_cache_hit: bool | None = None  # None: not a GGUF model
+    trainable_params: int = 0
+    total_params: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# Where the model is
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or not _HUB_ID.match(name)
+
+
+def resolve_model_location(recipe) -> str:
+    """A local folder (recipe's folder first, then the cwd) or a hub id; else ModelError."""
+    name = recipe.model.name_or_path
+    p = Path(name).expanduser()
+    candidates = [p] if p.is_absolute() else [recipe.base_dir() / p, Path.cwd() / p]
+    for c in candidates:
+        if c.is_dir():
+            return str(c.resolve())
+    if _looks_like_path(name) or recipe.model.gguf_file:
+        looked = ", ".join(dict.fromkeys(str(c.resolve()) for c in candidates))
+        hint = "set model.name_or_path to a folder with config.json (or a hub id like HuggingFaceTB/SmolLM2-135M)"
+        if "SmolLM2-135M-Instruct" in name:
+            hint = "run `make demo` (or `python -m lowvram.demo`) once: it links the quickstart model into models/"
+        raise ModelError(f"model not found: {name} (looked in {looked})", hint)
+    return name  # a hub id; from_pretrained reports if it cannot be found
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF -> cached safetensors folder
+
+
+def cache_root() -> Path:
+    base = os.environ.get("LOWVRAM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lowvram"
+    )
+    return Path(base)
+
+
+def _gguf_key(gguf: Path) -> str:
+    import transformers
+
+    st = gguf.stat()
+    raw = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|transformers {transformers.__version__}"
+    return f"{gguf.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _no_gguf_progress():
+    """transformers' GGUF reader uses a bare tqdm bar (not its own switch); hide it while loading."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as g
+    except ImportError:  # pragma: no cover - gguf support moved
+        yield
+        return
+    orig = g.tqdm
+    g.tqdm = lambda it, *a, **k: it
+    try:
+        yield
+    finally:
+        g.tqdm = orig
+
+
+def gguf_folder(folder: str, gguf_file: str, trust_remote_code: bool = False) -> tuple[Path, bool]:
+    """A plain from_pretrained folder with the GGUF model's weights and tokenizer; (path, cache hit)."""
+    gguf = Path(folder) / gguf_file
+    if not gguf.is_file():
+        present = sorted(p.name for p in Path(folder).glob("*.gguf"))
+        raise ModelError(
+            f"GGUF file not found: {gguf}",
+            f"GGUF files in {folder}: {', '.join(present)}" if present
+            else "set model.gguf_file to a .gguf file inside model.name_or_path",
+        )
+    out = cache_root() / "gguf" / _gguf_key(gguf)
+    if (out / "config.json").is_file() and (out / ".complete").is_file():
+        return out, True
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _no_gguf_progress():
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    except ImportError as e:
+        raise ModelError(f"cannot read GGUF files: {e}", "pip install gguf") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ModelError(f"cannot load GGUF file {gguf}: {e}", "check the file is a complete GGUF of a supported architecture") from None
+
+    # The loaded model carries a GGUF quantizer that blocks saving and training: copy the weights
+    # into a fresh model of the same class, without quantization_config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = _fresh_like(loaded, config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        fresh.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / ".complete").write_text(str(gguf.resolve()) + "\n")
+        if out.exists():  # a half-written folder from an interrupted run
+            shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / ".complete").is_file():
+            raise
+    return out, False
+
+
+def _fresh_like(loaded, config):
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older layout
+        from transformers.modeling_utils import no_init_weights
+
+    with no_init_weights():  # every weight is overwritten just below; skip the random init
+        fresh = type(loaded)(config)
+    result = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        fresh.tie_weights()
+    missing = [k for k in result.missing_keys if not (k.endswith("lm_head.weight") and config.tie_word_embeddings)]
+    if missing:
+        raise ModelError(f"GGUF conversion left weights unset: {missing[:3]}", "report this model and file")
+    return fresh
+
+
+# --------------------------------------------------------------------------------------------
+# dtype, quantization, attention from the Plan
+
+
+def weight_dtype(recipe, plan):
+    """Storage dtype: the recipe's model.dtype if set, else what mixed_precision implies."""
+    import torch
+
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if recipe.model.dtype != "auto":
+        return names[recipe.model.dtype]
+    # bf16/fp16 = 16-bit weights; *-mixed keeps fp32 master weights (autocast); fp32 = fp32.
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.mixed_precision, torch.float32)
+
+
+def compute_dtype(plan):
+    import torch
+
+    if plan.mixed_precision.startswith("bf16"):
+        return torch.bfloat16
+    if plan.mixed_precision.startswith("fp16"):
+        return torch.float16
+    return torch.float32
+
+
+def quantization_config(plan):
+    """BitsAndBytesConfig for plan.quantization, or None."""
+    if plan.quantization == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if plan.quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="fp4" if plan.quantization == "fp4" else "nf4",
+        bnb_4bit_use_double_quant=plan.quantization == "nf4-dq",
+        bnb_4bit_compute_dtype=compute_dtype(plan),
+    )
+
+
+def _device_map(plan):
+    if plan.device == "cpu":
+        return {"": "cpu"}
+    if plan.device == "cuda":
+        return {"": int(os.environ.get("LOCAL_RANK", 0))}
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_tokenizer(recipe, source: str):
+    from transformers import AutoTokenizer
+
+    name = recipe.model.tokenizer
+    if name:
+        p = recipe.resolve_path(name)
+        name = str(p) if p.exists() else name
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            name or source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the tokenizer of {name or source}: {_first_line(e)}",
+                         "set model.tokenizer to a folder or hub id with a tokenizer") from None
+    if tok.pad_token is None:
+        # Padding positions carry label -100 and attention 0, so reusing EOS here is safe.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def load_base_model(recipe, plan, source: str):
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {
+        "dtype": weight_dtype(recipe, plan),
+        "attn_implementation": plan.attention,
+        "trust_remote_code": recipe.model.trust_remote_code,
+    }
+    if recipe.model.revision and not Path(source).is_dir():
+        kwargs["revision"] = recipe.model.revision
+    q = quantization_config(plan)
+    if q is not None:
+        kwargs["quantization_config"] = q
+        kwargs["device_map"] = _device_map(plan)
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as e:
+        raise ModelError(f"model not found: {recipe.model.name_or_path} ({_first_line(e)})",
+                         "check model.name_or_path: a local folder with config.json, or a hub id "
+                         "(downloads need network; HF_HUB_OFFLINE=1 only reads the local cache)") from None
+    except ImportError as e:
+        raise ModelError(f"cannot load {recipe.model.name_or_path} with attention={plan.attention} / "
+                         f"quantization={plan.quantization}: {_first_line(e)}",
+                         "install the missing package, or set techniques.attention: sdpa") from None
+    except ValueError as e:
+        raise ModelError(f"cannot load {recipe.model.name_or_path}: {_first_line(e)}",
+                         "check techniques.attention / quantization against this model and device") from None
+
+
+def apply_lora(model, recipe, plan):
+    """k-bit preparation (if quantized) and LoRA adapters from the recipe's lora section."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if plan.quantization != "none":
+        # Casts norms/embeddings to fp32 and, if asked, turns on checkpointing (peft docs).
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=plan.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    lc = recipe.lora
+    config = LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.alpha,
+        lora_dropout=lc.dropout,
+        target_modules=lc.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        raise LowvramError(f"lora.target_modules: {_first_line(e)}",
+                           "use all-linear, or names of Linear modules in this model (e.g. [q_proj, v_proj])") from None
+
+
+def count_params(model) -> tuple[int, int]:
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        # bitsandbytes packs two 4-bit weights per uint8 element.
+        if p.__class__.__name__ == "Params4bit":
+            n *= 2
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def load_model(recipe, plan) -> LoadedModel:
+    """Model (with adapters when plan.lora) and tokenizer, ready for the Trainer."""
+    quiet_libraries()
+    t0 = time.perf_counter()
+    source = resolve_model_location(recipe)
+    cache_hit = None
+    if recipe.model.gguf_file:
+        folder, cache_hit = gguf_folder(source, recipe.model.gguf_file, recipe.model.trust_remote_code)
+        source = str(folder)
+    tokenizer = load_tokenizer(recipe, source)
+    model = load_base_model(recipe, plan, source)
+    if plan.gradient_checkpointing:
+        model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
+    if plan.lora:
+        from transformers import set_seed
+
+        set_seed(recipe.training.seed)  # the adapters' random init: same seed, same run
+        model = apply_lora(model, recipe, plan)
+    trainable, total = count_params(model)
+    return LoadedModel(model, tokenizer, source, time.perf_counter() - t0, cache_hit, trainable, total)

@@ -1,0 +1,106 @@
+"""Progress while training: a rich bar (step, loss, tokens/s, ETA) on a terminal, plain log lines
+otherwise. Also records the loss history and tokens seen for metrics.json.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from transformers import TrainerCallback
+
+
+class ProgressCallback(TrainerCallback):
+    """A TrainerCallback; `losses` is [(step, loss)] as logged, `eval_losses` likewise."""
+
+    def __init__(self, tty: bool | None = None, stream=None) -> None:
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.losses: list[tuple[int, float]] = []
+        self.eval_losses: list[tuple[int, float]] = []
+        self.tokens_seen = 0
+        self._tokens_at_start = 0
+        self._step_at_start = 0
+        self._t0 = 0.0
+        self._progress = None
+        self._task = None
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def tokens_per_s(self) -> float | None:
+        elapsed = time.perf_counter() - self._t0 if self._t0 else 0.0
+        new = self.tokens_seen - self._tokens_at_start
+        return new / elapsed if elapsed > 0 and new > 0 else None
+
+    def _eta(self, step: int, max_steps: int) -> str:
+        done = step - self._step_at_start
+        if done <= 0 or not self._t0:
+            return "?"
+        left = (time.perf_counter() - self._t0) / done * (max_steps - step)
+        return f"{int(left // 60)}:{int(left % 60):02d}"
+
+    def _line(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text, markup=False, highlight=False)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    # -- Trainer events ------------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+        self._step_at_start = state.global_step
+        self.tokens_seen = self._tokens_at_start = int(state.num_input_tokens_seen or 0)
+        if self.tty:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=state.max_steps, completed=state.global_step, info="")
+        else:
+            resumed = f" (resumed at step {state.global_step})" if state.global_step else ""
+            self._line(f"training: {state.max_steps} steps{resumed}")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.tokens_seen = int(state.num_input_tokens_seen or 0)
+        if self._progress is not None:
+            loss = f"loss {self.losses[-1][1]:.4f}  " if self.losses else ""
+            tps = self.tokens_per_s()
+            info = loss + (f"{tps:,.0f} tok/s" if tps else "")
+            self._progress.update(self._task, completed=state.global_step, info=info)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        step = state.global_step
+        if "loss" in logs:
+            self.losses.append((step, float(logs["loss"])))
+            if self._progress is None:
+                tps = self.tokens_per_s()
+                self._line(
+                    f"step {step}/{state.max_steps}  loss {logs['loss']:.4f}  lr {logs.get('learning_rate', 0):.2e}"
+                    + (f"  {tps:,.0f} tok/s" if tps else "") + f"  eta {self._eta(step, state.max_steps)}"
+                )
+        if "eval_loss" in logs:
+            self.eval_losses.append((step, float(logs["eval_loss"])))
+            self._line(f"step {step}/{state.max_steps}  eval loss {logs['eval_loss']:.4f}")
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._progress is None:
+            self._line(f"step {state.global_step}: checkpoint saved")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.tokens_seen = int(state.num_input_tokens_seen or 0)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=state.global_step)
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,246 @@
+"""`lowvram train`: load, build data, train through transformers.Trainer, write the run folder.
+
+A finished run folder holds the adapter (or full model), the tokenizer, ``recipe.yaml`` (the
+resolved recipe), ``plan.json`` and ``metrics.json``; ``checkpoint-*`` folders come from the
+Trainer. ``plan.json`` and ``recipe.yaml`` are written first (they mark the folder as a lowvram
+run), ``metrics.json`` last (it marks the run finished).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from lowvram.errors import LowvramError, UsageError
+from lowvram.train.types import RunResult
+
+METRICS = "metrics.json"
+PLAN = "plan.json"
+RECIPE = "recipe.yaml"
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+
+
+# --------------------------------------------------------------------------------------------
+# The run folder
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder + rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoint folders, oldest first. The Trainer writes trainer_state.json last."""
+    found = []
+    for p in out.glob("checkpoint-*"):
+        m = _CKPT.match(p.name)
+        if m and p.is_dir() and (p / "trainer_state.json").is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def _is_lowvram_run(out: Path) -> bool:
+    return any((out / n).exists() for n in (PLAN, METRICS)) or bool(list(out.glob("checkpoint-*")))
+
+
+def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> Path | None:
+    """Check the folder against --resume/--overwrite; returns the checkpoint to resume from."""
+    if resume and overwrite:
+        raise UsageError("--resume and --overwrite contradict each other", "pass one of them")
+    if out.exists() and not out.is_dir():
+        raise LowvramError(f"training.output_dir {out} is a file", "set training.output_dir to a folder")
+    has_content = out.is_dir() and any(out.iterdir())
+    if resume:
+        ckpts = checkpoints(out) if out.is_dir() else []
+        if not ckpts:
+            raise LowvramError(
+                f"no checkpoint to resume from in {out}",
+                "checkpoints are written every training.save_steps steps; run without --resume to start over",
+            )
+        return ckpts[-1]
+    if not has_content:
+        return None
+    if not _is_lowvram_run(out):
+        raise LowvramError(
+            f"training.output_dir {out} is not empty and holds no lowvram run",
+            "choose an empty or new folder for training.output_dir (nothing was deleted)",
+        )
+    if overwrite:
+        shutil.rmtree(out)
+        return None
+    if (out / METRICS).is_file():
+        raise LowvramError(
+            f"{out} already holds a finished run",
+            "pass --overwrite to replace it, or set training.output_dir (--set training.output_dir=runs/new)",
+        )
+    raise LowvramError(
+        f"{out} holds an unfinished run",
+        "pass --resume to continue from its last checkpoint, or --overwrite to start over",
+    )
+
+
+def _save_final(trainer, tokenizer, out: Path) -> None:
+    """Adapter (or model) + tokenizer, each file moved into place whole."""
+    tmp = Path(tempfile.mkdtemp(prefix=".final-", dir=out))
+    try:
+        trainer.save_model(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        for f in tmp.iterdir():
+            dest = out / f.name
+            if f.is_dir():
+                shutil.rmtree(dest, ignore_errors=True)
+            os.replace(f, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory
+
+
+def _memory_tracker(plan, model):
+    """On CPU: lowvram.measure's live-bytes tracker (exact tensor bytes); on CUDA: reset the peak."""
+    if plan.device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        return None
+    if plan.device != "cpu":
+        return None
+    try:
+        from lowvram.measure import LiveBytes
+    except ImportError:
+        return None
+    tracker = LiveBytes()
+    tracker.register(model)  # weights exist before the mode starts counting
+    return tracker
+
+
+def _peak_memory(plan, tracker) -> dict:
+    if tracker is not None:
+        return {"peak_memory_bytes": int(tracker.peak_bytes), "peak_memory_kind": "live tensor bytes (exact, CPU)",
+                "peak_rss_bytes": _peak_rss()}
+    if plan.device == "cuda":
+        import torch
+
+        return {
+            "peak_memory_bytes": int(torch.cuda.max_memory_allocated()),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+            "peak_memory_kind": "cuda max_memory_allocated",
+        }
+    # Whole-process RSS (Python, libraries, data, allocator caches): an upper bound on tensor
+    # memory, not a measurement of it.
+    return {"peak_memory_bytes": _peak_rss(), "peak_memory_kind": "process peak RSS (not tensor memory)"}
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+
+
+def _loss_history(log_history: list[dict]) -> list[list[float]]:
+    return [[int(e["step"]), float(e["loss"])] for e in log_history if "loss" in e and "step" in e]
+
+
+def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=()) -> RunResult:
+    """Train as the Plan says; returns the metrics also written to output_dir/metrics.json."""
+    from lowvram.train.trainer import output_dir
+
+    out = output_dir(recipe)
+    checkpoint = prepare_output_dir(out, resume, overwrite)
+
+    from lowvram.train.model import load_model, quiet_libraries
+
+    quiet_libraries()
+    loaded = load_model(recipe, plan)
+
+    from lowvram.train.data import build_datasets, make_collator
+
+    bundle = build_datasets(recipe, loaded.tokenizer)
+    if len(bundle.train) == 0:
+        raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
+
+    from lowvram.train.progress import ProgressCallback
+    from lowvram.train.trainer import build_trainer, build_training_args
+
+    args = build_training_args(recipe, plan, has_eval=bundle.eval is not None)
+    progress = ProgressCallback()
+    trainer = build_trainer(
+        loaded, bundle, args, make_collator(loaded.tokenizer), callbacks=[progress, *callbacks]
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / RECIPE, recipe.to_yaml())
+    write_atomic(out / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
+
+    tracker = _memory_tracker(plan, loaded.model)
+    t0 = time.perf_counter()
+    try:
+        with tracker if tracker is not None else contextlib.nullcontext():
+            train_out = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    except _oom_types() as e:
+        raise LowvramError(
+            f"out of memory at step {trainer.state.global_step}: {str(e).splitlines()[0]}",
+            "lower training.micro_batch_size or seq_len, or turn on techniques.gradient_checkpointing; "
+            "`lowvram plan` shows the predicted peak",
+        ) from None
+    runtime = time.perf_counter() - t0
+    eval_loss = None
+    if bundle.eval is not None:
+        eval_loss = float(trainer.evaluate()["eval_loss"])
+    peak = _peak_memory(plan, tracker)
+
+    _save_final(trainer, loaded.tokenizer, out)
+    history = _loss_history(trainer.state.log_history)
+    session_tokens = progress.tokens_seen - progress._tokens_at_start
+    s = bundle.stats
+    metrics = {
+        "first_loss": history[0][1] if history else None,
+        "train_loss": history[-1][1] if history else None,
+        "eval_loss": eval_loss,
+        "steps": int(trainer.state.global_step),
+        "runtime_s": round(runtime, 3),
+        "train_runtime_s": round(float(train_out.metrics.get("train_runtime", runtime)), 3),
+        "tokens_seen": int(progress.tokens_seen),
+        "tokens_per_s": round(session_tokens / runtime, 1) if runtime > 0 and session_tokens else None,
+        **peak,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "train_rows": s.train_rows,
+        "eval_rows": s.eval_rows,
+        "truncated": s.truncated,
+        "skipped_bad_rows": s.skipped_bad_rows,
+        "packed": s.packed,
+        "load_s": round(loaded.load_s, 3),
+        "gguf_cache_hit": loaded.gguf_cache_hit,
+        "trainable_params": loaded.trainable_params,
+        "total_params": loaded.total_params,
+        "resumed_from": str(checkpoint) if checkpoint else None,
+        "loss_history": history,
+    }
+    write_atomic(out / METRICS, json.dumps(metrics, indent=2) + "\n")
+    return RunResult(output_dir=str(out), metrics=metrics, resumed_from=str(checkpoint) if checkpoint else None)
+
+
+def _oom_types() -> tuple[type[BaseException], ...]:
+    import torch
+
+    return (torch.OutOfMemoryError,)

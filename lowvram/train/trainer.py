@@ -1,0 +1,99 @@
+"""(Recipe, Plan) -> TrainingArguments -> transformers.Trainer. No decisions here: each
+technique in the Plan maps to one TrainingArguments setting (or a model setting in model.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lowvram.errors import LowvramError
+
+# Plan optimizer name -> TrainingArguments.optim (transformers OptimizerNames).
+OPTIM_NAMES = {
+    "adamw": "adamw_torch",
+    "adamw_8bit": "adamw_bnb_8bit",
+    "paged_adamw_8bit": "paged_adamw_8bit",
+    "paged_adamw_32bit": "paged_adamw_32bit",
+    "adafactor": "adafactor",
+    "sgd": "sgd",
+}
+
+
+def output_dir(recipe) -> Path:
+    """training.output_dir, relative to the recipe file (like data paths)."""
+    return recipe.resolve_path(recipe.training.output_dir)
+
+
+def precision_flags(plan) -> dict:
+    """bf16/fp16 for the Trainer. bf16 = bf16 weights (model.py) + bf16 autocast; *-mixed = fp32
+    weights + autocast; fp16 weights cannot be trained with the Trainer's GradScaler, so "fp16" also
+    runs as autocast over whatever dtype model.py loaded."""
+    mp = plan.mixed_precision
+    return {"bf16": mp.startswith("bf16"), "fp16": mp.startswith("fp16")}
+
+
+def build_training_args(recipe, plan, has_eval: bool = False):
+    from transformers import TrainingArguments
+
+    if plan.offload != "none":
+        raise LowvramError(
+            f"offload={plan.offload} runs through `lowvram launch` (DeepSpeed/FSDP), not `lowvram train`",
+            "set techniques.offload: off for a single-process run",
+        )
+    t = recipe.training
+    steps = {"max_steps": t.max_steps} if t.max_steps else {"num_train_epochs": t.epochs}
+    if has_eval:
+        # eval_steps unset: evaluate at the end only (run.py calls evaluate()).
+        evals = {"eval_strategy": "steps", "eval_steps": t.eval_steps} if t.eval_steps else {"eval_strategy": "no"}
+    else:
+        evals = {"eval_strategy": "no"}
+    return TrainingArguments(
+        output_dir=str(output_dir(recipe)),
+        per_device_train_batch_size=plan.micro_batch_size,
+        per_device_eval_batch_size=plan.micro_batch_size,
+        gradient_accumulation_steps=plan.grad_accum,
+        # transformers 5 name; gradient_checkpointing is its deprecated alias (removed in v6).
+        activation_checkpointing=plan.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if plan.gradient_checkpointing else None,
+        optim=OPTIM_NAMES[plan.optimizer],
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio,  # a float < 1 is a fraction of the total steps (transformers 5)
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        **steps,
+        **evals,
+        **precision_flags(plan),
+        use_cpu=plan.device == "cpu",
+        logging_strategy="steps",
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        seed=t.seed,
+        data_seed=t.seed,
+        report_to=[] if t.report_to == "none" else [t.report_to],
+        remove_unused_columns=False,  # our columns are exactly what the model takes
+        include_num_input_tokens_seen="non_padding",
+        disable_tqdm=True,  # progress.py draws the bar
+        dataloader_pin_memory=plan.device == "cuda",
+    )
+
+
+def build_trainer(loaded, bundle, args, collator, callbacks=()):
+    """The Hugging Face Trainer over a DataBundle (lowvram.train.data)."""
+    from transformers import PrinterCallback, Trainer
+
+    trainer = Trainer(
+        model=loaded.model,
+        args=args,
+        data_collator=collator,
+        train_dataset=bundle.train,
+        eval_dataset=bundle.eval,
+        processing_class=loaded.tokenizer,
+        callbacks=list(callbacks),
+    )
+    # With disable_tqdm the Trainer prints every log dict; progress.py reports instead.
+    trainer.remove_callback(PrinterCallback)
+    return trainer

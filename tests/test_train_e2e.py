@@ -1,0 +1,179 @@
+"""`lowvram train` end to end on a tiny Llama, through the real CLI: outputs, falling loss,
+--resume, --overwrite, and user errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lowvram.cli import app
+
+RUN_FILES = ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "recipe.yaml", "plan.json", "metrics.json")
+
+
+def write_alpaca(path: Path, n: int = 48, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            f.write(json.dumps({"instruction": f"Add {a} and {b}.", "input": "", "output": f"The answer is {a + b}."}) + "\n")
+    return path
+
+
+def write_recipe(tmp: Path, model_dir: Path | str, *, steps: int = 8, save_steps: int = 100, extra: str = "",
+                 techniques: str = "lora: on", data: str = "data.jsonl", validation: str = "null") -> Path:
+    if not (tmp / "data.jsonl").exists():
+        write_alpaca(tmp / "data.jsonl")
+    recipe = tmp / "recipe.yaml"
+    recipe.write_text(f"""\
+model: {{name_or_path: {model_dir}}}
+data:
+  datasets: [{{path: {data}, format: alpaca}}]
+  validation: {validation}
+training:
+  max_steps: {steps}
+  learning_rate: 3.0e-3
+  lr_scheduler: constant
+  warmup_ratio: 0.0
+  batch_size: 4
+  seq_len: 64
+  logging_steps: 1
+  save_steps: {save_steps}
+  output_dir: out
+lora: {{r: 8, alpha: 16, dropout: 0.0}}
+techniques: {{{techniques}}}
+{extra}""")
+    return recipe
+
+
+def train(*args: str):
+    result = CliRunner().invoke(app, ["train", *args])
+    assert "Traceback" not in (result.output or ""), result.output
+    return result
+
+
+def metrics(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def test_train_cli_writes_run_and_loss_falls(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=8, validation="0.1")
+    result = train(str(recipe))
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    for name in RUN_FILES:
+        assert (out / name).is_file(), name
+    m = metrics(out)
+    assert m["steps"] == 8
+    assert m["train_loss"] < m["first_loss"] - 0.3, m["loss_history"]
+    assert m["eval_loss"] is not None and m["eval_rows"] > 0
+    assert m["train_rows"] == 43 and m["truncated"] == 0 and m["skipped_bad_rows"] == 0
+    assert m["peak_memory_bytes"] > 0 and m["peak_memory_kind"]
+    assert m["tokens_per_s"] > 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["lora"] is True and plan["device"] == "cpu"
+    assert "max_steps: 8" in (out / "recipe.yaml").read_text()
+    assert "Run summary" in result.output and "loss" in result.output
+    assert not list(out.glob(".*")), "temp files left behind"
+
+
+def test_overwrite_protection(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=1)
+    assert train(str(recipe)).exit_code == 0
+    again = train(str(recipe))
+    assert again.exit_code == 1
+    assert "already holds a finished run" in again.output and "--overwrite" in again.output
+    replaced = train(str(recipe), "--overwrite", "--set", "training.max_steps=2")
+    assert replaced.exit_code == 0, replaced.output
+    assert metrics(tmp_path / "out")["steps"] == 2
+
+
+def test_foreign_output_dir_is_never_deleted(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=2)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "precious.txt").write_text("keep me")
+    result = train(str(recipe), "--overwrite")
+    assert result.exit_code == 1 and "holds no lowvram run" in result.output
+    assert (tmp_path / "out" / "precious.txt").read_text() == "keep me"
+
+
+def _interrupt_after(step: int):
+    """A TrainerCallback that simulates Ctrl-C right after `step`."""
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                raise KeyboardInterrupt
+
+    return Interrupt()
+
+
+def test_resume_continues_from_last_checkpoint(tmp_path, tiny_model_dir):
+    from lowvram.plan.resolve import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.run import run_training
+
+    # The uninterrupted reference run.
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ref = write_recipe(ref_dir, tiny_model_dir, steps=4, save_steps=2)
+    assert train(str(ref)).exit_code == 0
+    reference = metrics(ref_dir / "out")["loss_history"]
+
+    recipe_path = write_recipe(tmp_path, tiny_model_dir, steps=4, save_steps=2)
+    recipe = load_recipe(recipe_path)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(recipe, resolve_fixed(recipe), callbacks=[_interrupt_after(3)])
+    out = tmp_path / "out"
+    assert not (out / "metrics.json").exists()
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists()
+
+    fresh = train(str(recipe_path))
+    assert fresh.exit_code == 1 and "unfinished run" in fresh.output and "--resume" in fresh.output
+
+    resumed = train(str(recipe_path), "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    m = metrics(out)
+    assert m["steps"] == 4 and m["resumed_from"].endswith("checkpoint-2")
+    # Same data order, optimizer state and RNG: the steps after the checkpoint match the reference.
+    assert [s for s, _ in m["loss_history"]] == [s for s, _ in reference]
+    assert [x for _, x in m["loss_history"][-2:]] == pytest.approx([x for _, x in reference[-2:]], abs=1e-4)
+    assert m["first_loss"] == pytest.approx(reference[0][1], abs=1e-6)  # history restored too
+
+
+def test_resume_without_checkpoint(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=2)
+    result = train(str(recipe), "--resume")
+    assert result.exit_code == 1
+    assert "no checkpoint to resume from" in result.output and "hint:" in result.output
+
+
+def test_unknown_model_path(tmp_path):
+    recipe = write_recipe(tmp_path, "./no/such/model")
+    result = train(str(recipe))
+    assert result.exit_code == 1
+    assert "error: model not found: ./no/such/model" in result.output
+    assert "hint:" in result.output
+
+
+def test_missing_dataset_file(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir, data="missing.jsonl")
+    result = train(str(recipe))
+    assert result.exit_code == 1, result.output
+    assert "error:" in result.output and "missing.jsonl" in result.output
+    assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+def test_missing_gguf_file(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+    text = recipe.read_text().replace(f"name_or_path: {tiny_model_dir}}}",
+                                      f"name_or_path: {tiny_model_dir}, gguf_file: nope.gguf}}")
+    recipe.write_text(text)
+    result = train(str(recipe))
+    assert result.exit_code == 1, result.output
+    assert "error: GGUF file not found" in result.output and "nope.gguf" in result.output
