@@ -1,0 +1,159 @@
+"""Each technique in the Plan reaches the real Trainer/model settings, and trains on CPU.
+
+A few steps each on the tiny Llama; the captured model and optimizer show that the technique is
+really in use (Linear4bit layers, uint8 optimizer state, a full model saved, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from test_train_e2e import write_recipe
+
+from lowvram.plan.resolve import resolve_fixed
+from lowvram.recipe import load_recipe, parse_recipe
+
+
+def _capture():
+    from transformers import TrainerCallback
+
+    class Capture(TrainerCallback):
+        model = optimizer = None
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.model, self.optimizer = model, optimizer
+
+    return Capture()
+
+
+def _run(tmp_path, tiny_model_dir, techniques: str, steps: int = 3, **kw):
+    from lowvram.train.run import run_training
+
+    path = write_recipe(tmp_path, tiny_model_dir, steps=steps, techniques=techniques, **kw)
+    recipe = load_recipe(path)
+    cap = _capture()
+    result = run_training(recipe, resolve_fixed(recipe), callbacks=[cap])
+    return result.metrics, cap, tmp_path / "out"
+
+
+def _inner_optimizer(opt):
+    return getattr(opt, "optimizer", opt)  # accelerate wraps it
+
+
+def test_adamw_8bit(tmp_path, tiny_model_dir):
+    import torch
+
+    # Full fine-tuning so some tensors reach bnb's min_8bit_size (4096 elements): the tiny
+    # model's LoRA matrices are all smaller, and bnb keeps fp32 state for those.
+    m, cap, out = _run(tmp_path, tiny_model_dir, "lora: off, optimizer: adamw_8bit")
+    opt = _inner_optimizer(cap.optimizer)
+    assert type(opt).__module__.startswith("bitsandbytes"), type(opt)
+    dtypes = {s["state1"].dtype for s in opt.state.values() if "state1" in s}
+    assert torch.uint8 in dtypes, dtypes
+    assert m["steps"] == 3 and m["train_loss"] is not None
+
+
+def test_qlora_nf4_with_checkpointing(tmp_path, tiny_model_dir):
+    import bitsandbytes as bnb
+
+    m, cap, out = _run(tmp_path, tiny_model_dir, "lora: on, quantization: nf4, gradient_checkpointing: on")
+    layers = [mod for mod in cap.model.modules() if isinstance(mod, bnb.nn.Linear4bit)]
+    assert layers, "base layers are not 4-bit"
+    assert all(mod.weight.quant_type == "nf4" for mod in layers)
+    assert cap.model.base_model.model.is_gradient_checkpointing
+    assert m["steps"] == 3 and m["train_loss"] is not None
+    assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_full_finetune_without_lora(tmp_path, tiny_model_dir):
+    m, cap, out = _run(tmp_path, tiny_model_dir, "lora: off", steps=4)
+    assert not hasattr(cap.model, "peft_config")
+    assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+    assert m["trainable_params"] == m["total_params"] > 0
+    assert m["train_loss"] < m["first_loss"]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)  # the saved run is a loadable model
+
+
+def test_chat_format_dataset(tmp_path, tiny_model_dir):
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {a} plus {a}?"},
+                      {"role": "assistant", "content": f"It is {2 * a}."}]}
+        for a in range(24)
+    ]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = write_recipe(tmp_path, tiny_model_dir, steps=4, data="chat.jsonl")
+    path.write_text(path.read_text().replace("format: alpaca", "format: chat"))
+    from lowvram.train.run import run_training
+
+    recipe = load_recipe(path)
+    m = run_training(recipe, resolve_fixed(recipe)).metrics
+    assert m["steps"] == 4 and m["train_rows"] == 24
+    assert m["train_loss"] < m["first_loss"]
+
+
+# ---- the mapping itself, without training ---------------------------------------------------
+
+RECIPE = """
+model: {name_or_path: x}
+data: {datasets: [{path: d.jsonl}]}
+training: {batch_size: 16, micro_batch_size: 2, warmup_ratio: 0.1, max_steps: 50, output_dir: o}
+"""
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("adamw", "adamw_torch"), ("adamw_8bit", "adamw_bnb_8bit"), ("paged_adamw_8bit", "paged_adamw_8bit"),
+     ("paged_adamw_32bit", "paged_adamw_32bit"), ("adafactor", "adafactor"), ("sgd", "sgd")],
+)
+def test_optimizer_names(name, expected):
+    from lowvram.train.trainer import build_training_args
+
+    recipe = parse_recipe(RECIPE)
+    args = build_training_args(recipe, replace(resolve_fixed(recipe), optimizer=name))
+    assert args.optim.value == expected
+
+
+def test_training_args_follow_the_plan(tmp_path):
+    from lowvram.train.trainer import build_training_args
+
+    recipe = parse_recipe(RECIPE, source=tmp_path / "r.yaml")
+    plan = replace(resolve_fixed(recipe), gradient_checkpointing=True, mixed_precision="bf16")
+    args = build_training_args(recipe, plan, has_eval=True)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 8)
+    assert args.bf16 and not args.fp16 and args.use_cpu
+    assert args.activation_checkpointing and args.activation_checkpointing_kwargs == {"use_reentrant": False}
+    assert args.get_warmup_steps(50) == 5 and args.max_steps == 50
+    assert args.remove_unused_columns is False and args.report_to == []
+    assert args.output_dir == str(tmp_path / "o")
+    cpu_fp32 = build_training_args(recipe, resolve_fixed(recipe))
+    assert not cpu_fp32.bf16 and not cpu_fp32.fp16 and not cpu_fp32.activation_checkpointing
+
+
+def test_quantization_configs():
+    import torch
+
+    from lowvram.train.model import quantization_config, weight_dtype
+
+    recipe = parse_recipe(RECIPE)
+    base = resolve_fixed(recipe)
+    assert quantization_config(base) is None
+    q = quantization_config(replace(base, quantization="nf4-dq", mixed_precision="bf16"))
+    assert q.load_in_4bit and q.bnb_4bit_quant_type == "nf4" and q.bnb_4bit_use_double_quant
+    assert q.bnb_4bit_compute_dtype == torch.bfloat16
+    assert quantization_config(replace(base, quantization="fp4")).bnb_4bit_quant_type == "fp4"
+    assert quantization_config(replace(base, quantization="int8")).load_in_8bit
+    assert weight_dtype(recipe, replace(base, mixed_precision="bf16")) == torch.bfloat16
+    assert weight_dtype(recipe, replace(base, mixed_precision="bf16-mixed")) == torch.float32
+
+
+def test_offload_is_not_a_single_process_run():
+    from lowvram.errors import LowvramError
+    from lowvram.train.trainer import build_training_args
+
+    recipe = parse_recipe(RECIPE)
+    with pytest.raises(LowvramError, match="offload"):
+        build_training_args(recipe, replace(resolve_fixed(recipe), offload="zero3"))
