@@ -104,7 +104,7 @@ class _Counts:
     dropped: int = 0
 
 
-class _BadRow(Exception):
+class _BadRow(ValueError):
     """A malformed row; becomes a DataError (or a skip) with the row's location."""
 
 
@@ -183,7 +183,9 @@ class PadCollator:
     input_ids get ``pad_id``, labels ``-100``, attention_mask ``0``. Packed rows (with
     ``position_ids``) get no attention_mask: transformers then reads the sample boundaries from
     the position_ids resets and keeps attention inside each sample; the padding tail gets its
-    own run of positions so it forms a separate block.
+    own run of positions so it forms a separate block. That detection is skipped when the model
+    builds a KV cache, so train packed data with ``model.config.use_cache = False``
+    (transformers 5.24, ``masking_utils._preprocess_mask_arguments``).
     """
 
     pad_id: int
@@ -602,8 +604,9 @@ def _pack(samples: list[tuple[list[int], list[int]]], seq_len: int) -> dict[str,
     """Greedy in-order packing of whole samples into windows of at most ``seq_len`` tokens.
 
     Samples are never split (each is already <= seq_len). ``position_ids`` restart at 0 for each
-    sample; with no attention_mask in the batch (see ``PadCollator``) transformers builds a
-    block-diagonal causal mask from them, so attention does not cross sample boundaries. Each
+    sample; with no attention_mask in the batch (see ``PadCollator``) and ``use_cache`` off,
+    transformers builds a block-diagonal causal mask from them, so attention does not cross
+    sample boundaries (tests/test_data.py checks the logits equal unpacked ones). Each
     sample keeps its own labels, so no loss crosses a boundary either (a sample's first token is
     never a label: it is predicted from nothing of its own).
     """
