@@ -164,69 +164,232 @@ def gradient_bytes(setup: RunSetup) -> int:
     return w * count_parameters(setup.model)
 
 
-def _state_bytes_per_param(setup: RunSetup) -> float:
-    """Optimizer state per trainable param.
+def trainable_tensors(setup: RunSetup) -> list[tuple[int, ...]]:
+    """Shapes of the trainable tensors (optimizer states are allocated per tensor)."""
+    spec = setup.model
+    if setup.lora:
+        per = [s for lin in _target_linears(setup)
+               for s in ((setup.lora_r, lin.d_in), (lin.d_out, setup.lora_r))]
+        return per * spec.num_layers
+    h = spec.hidden_size
+    norm = [(h,)] * (2 if spec.norm == "layer" else 1)
+    per = [s for lin in block_linears(spec)
+           for s in ([(lin.d_out, lin.d_in)] + ([(lin.d_out,)] if lin.bias else []))]
+    per += norm * spec.norms_per_layer
+    out = [(spec.vocab_size, h)] + per * spec.num_layers + norm
+    if spec.learned_positions:
+        out.append((spec.learned_positions, h))
+    if spec.embedding_norm:
+        out += norm
+    if not spec.tie_word_embeddings:
+        out.append((spec.vocab_size, h))
+        if spec.lm_head_bias:
+            out.append((spec.vocab_size,))
+    return out
 
-    AdamW: exp_avg + exp_avg_sq in the param dtype (torch.optim.AdamW). 8-bit AdamW
-    (bitsandbytes, Dettmers et al. 2022): 2 uint8 states + fp32 absmax per 256 (tensors under
-    4096 elements stay 32-bit). Adafactor: factored second moment (Shazeer & Stern 2018), ~0.
-    SGD without momentum: 0.
-    """
-    w = 4 if setup.lora else _dtype_bytes(setup)[0]
-    o = setup.optimizer
-    if o in ("adamw", "paged_adamw_32bit"):
-        return 2 * w
-    if o in ("adamw_8bit", "paged_adamw_8bit"):
-        return 2 + 2 * 4 / 256
-    return 0.0
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def optimizer_bytes(setup: RunSetup) -> int:
-    return int(_state_bytes_per_param(setup) * trainable_parameters(setup))
+    """Optimizer state of the trainable tensors.
+
+    AdamW (torch.optim.AdamW; the Trainer default adamw_torch_fused): exp_avg + exp_avg_sq in
+    the param dtype (fp32 LoRA adapters: 8 bytes/param). bitsandbytes 8-bit AdamW (Dettmers et al.
+    2022, blockwise): two uint8 states + fp32 absmax per 256 elements; tensors under 4096
+    elements (min_8bit_size) keep two fp32 states; plus two shared 256-entry fp32 maps.
+    Paged variants: same bytes, in CUDA unified memory. Adafactor (Shazeer & Stern 2018,
+    transformers.optimization.Adafactor, no momentum): fp32 row + column factors per matrix, a full
+    fp32 second moment per vector. SGD without momentum: 0.
+    """
+    w = 4 if setup.lora else _dtype_bytes(setup)[0]
+    shapes = trainable_tensors(setup)
+    o = setup.optimizer
+    if o in ("adamw", "paged_adamw_32bit"):
+        return 2 * w * sum(_numel(s) for s in shapes)
+    if o in ("adamw_8bit", "paged_adamw_8bit"):
+        total = 2 * 256 * 4
+        for s in shapes:
+            n = _numel(s)
+            total += 8 * n if n < 4096 else 2 * n + 2 * 4 * -(-n // 256)
+        return total
+    if o == "adafactor":
+        return sum(4 * (s[0] + s[1]) if len(s) == 2 else 4 * _numel(s) for s in shapes)
+    return 0
+
+
+def optimizer_step_temp_bytes(setup: RunSetup) -> int:
+    """Temporaries inside optimizer.step(). Fused AdamW and bitsandbytes update in place (0,
+    measured: bench/plan_accuracy.py). transformers' Adafactor works one tensor at a time on
+    fp32 copies (grad.float(), update, p.float()): about 8 bytes x the largest tensor for fp32
+    params, 16 for 16-bit (measured: bench/plan_accuracy.py)."""
+    if setup.optimizer != "adafactor":
+        return 0
+    largest = max(_numel(s) for s in trainable_tensors(setup))
+    return largest * (8 if (setup.lora or _dtype_bytes(setup)[0] == 4) else 16)
 
 
 # --------------------------------------------------------------------------------------------
 # Activations and logits
 
 
-def layer_activation_bytes(setup: RunSetup) -> int:
-    """Bytes autograd keeps for one decoder layer (no recomputation).
+def _dtypes(setup: RunSetup) -> tuple[int, int, bool]:
+    """(r, c, autocast): bytes of the residual stream, of 16/32-bit compute, and whether the
+    forward runs under autocast (the Trainer/accelerate wraps forward in autocast whenever
+    bf16/fp16 is on, also for 16-bit weights). A quantized base after
+    prepare_model_for_kbit_training has fp32 embeddings and norms, so its residual stream is fp32.
+    """
+    w, c = _dtype_bytes(setup)
+    autocast = setup.precision != "fp32"
+    r = w
+    if setup.quantization != "none" and setup.kbit_prepare:
+        r = 4
+    return r, c, autocast
 
-    Llama-style (SwiGLU, GQA, RMSNorm upcast to fp32, SDPA): b*s*(22h + 4h_kv + 8I) at 16-bit,
-    counted from the tensors autograd saves (memory-model.md); eager attention adds the softmax
-    (fp32) and its 16-bit copy: 6*a*s^2*b (Korthikanti et al. 2022 sec. 4.1, plus the upcast).
+
+def _linear_sources(spec: ModelSpec) -> list[str]:
+    """Which tensor feeds each block linear: the attention norm, the attention output, the MLP
+    norm, or the MLP activation (same order as block_linears)."""
+    out = []
+    for lin in block_linears(spec):
+        d_in = lin.d_in
+        if len(out) < (1 if spec.fused_qkv else 3):
+            out.append("norm_attn")
+        elif len(out) == (1 if spec.fused_qkv else 3):
+            out.append("attn_out")
+        elif d_in == spec.intermediate_size:
+            out.append("mlp_act")
+        else:
+            out.append("norm_attn" if spec.parallel_attn else "norm_mlp")
+    return out
+
+
+def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
+    """Bytes autograd saves for one decoder layer (no recomputation).
+
+    Counted tensor by tensor from what autograd saves (PyTorch derivatives.yaml saves only what a
+    backward needs), checked with saved_tensors_hooks and the live-bytes tracker
+    (measured: bench/plan_accuracy.py). Llama block, t tokens, pure bf16 full fine-tuning:
+    t*(20h + 4h_kv + 8I + 4a + 8) at q_dim = h, i.e. the Korthikanti et al. 2022 count without
+    dropout; RMSNorm saves its fp32 upcast (4h) and rsqrt (4); SDPA saves q, k, v, out and an fp32
+    logsumexp per head; SwiGLU saves gate, silu(gate), up and their product.
     """
     spec = setup.model
-    _, c = _dtype_bytes(setup)
+    r, c, autocast = _dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
-    h, kv, i = spec.hidden_size, spec.kv_dim, spec.intermediate_size
-    mlp = 4 * i if spec.mlp == "gated" else 2 * i
-    per_token = c * (11 * h + 2 * kv + mlp)
-    eager = 0
-    if setup.attention == "eager":
-        eager = (4 + c) * spec.num_heads * setup.seq_len**2 * setup.micro_batch_size
-    return t * per_token + eager
+    h, i = spec.hidden_size, spec.intermediate_size
+    full = not setup.lora
+    cc = 2 if autocast else c  # dtype of matmul outputs under autocast
+    per_tok = 0
+    fixed = 0
+    # norms: fp32 upcast of the input + rsqrt; a trainable weight also saves the normalized x
+    for n in range(spec.norms_per_layer):
+        if first and n == 0 and not full:
+            continue  # LoRA: no gradient flows into the embedding output
+        per_tok += 4 * h + 4 + (r * h if full else 0)
+    # attention (SDPA / flash): q, k, v, out + fp32 logsumexp per head
+    per_tok += cc * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
+    # MLP elementwise
+    e = cc if full else (4 if (setup.quantization != "none" and r == 4) or c == 4 else 2)
+    if spec.mlp == "gated":
+        per_tok += 3 * e * i  # gate out (silu input), silu out, up out
+    else:
+        per_tok += e * i  # act input
+    targets = {lin for lin in _target_linears(setup)} if setup.lora else set()
+    shared: set[str] = set()
+    for lin, src in zip(block_linears(spec), _linear_sources(spec), strict=True):
+        src_fp32 = src.startswith("norm") and r == 4
+        if full:
+            if autocast and _dtype_bytes(setup)[0] == 4:
+                fixed += 2 * lin.d_in * lin.d_out  # autocast's bf16 weight copy, saved
+                if src_fp32 and autocast:
+                    per_tok += 2 * lin.d_in  # bf16 cast of the fp32 input, per linear
+                elif src not in shared and src in ("mlp_act", "norm_attn", "norm_mlp"):
+                    per_tok += cc * lin.d_in
+                    shared.add(src)
+            elif src not in shared and src != "attn_out":
+                per_tok += c * lin.d_in  # one input, shared by the linears reading it
+                shared.add(src)
+        else:
+            if autocast and setup.quantization == "none" and _dtype_bytes(setup)[0] == 4:
+                fixed += 2 * lin.d_in * lin.d_out  # frozen fp32 base: bf16 copy for grad input
+            if lin in targets:
+                if autocast:
+                    per_tok += 2 * lin.d_in + 2 * setup.lora_r  # peft casts x; lora_A output
+                    fixed += 2 * setup.lora_r * (lin.d_in + lin.d_out)  # bf16 adapter copies
+                else:
+                    if src not in shared and src != "attn_out":  # SDPA output, counted above
+                        per_tok += c * lin.d_in
+                        shared.add(src)
+                    per_tok += c * setup.lora_r
+    return t * per_tok + fixed + _eager_bytes(setup)
+
+
+def _eager_bytes(setup: RunSetup) -> int:
+    """Eager attention stores the s x s scores: softmax in fp32 (saved) and its 16-bit copy
+    (saved by the matmul with v): (4 + c)*a*s^2*b (Korthikanti et al. 2022 sec. 4.1, with
+    transformers' fp32 softmax upcast)."""
+    if setup.attention != "eager":
+        return 0
+    _, c, autocast = _dtypes(setup)
+    cc = 2 if autocast else c
+    return (4 + cc) * setup.model.num_heads * setup.seq_len**2 * setup.micro_batch_size
+
+
+def _head_activation_bytes(setup: RunSetup) -> int:
+    """Final norm, lm_head input, rotary cos/sin, labels (not the logits: logits_bytes)."""
+    spec = setup.model
+    r, c, autocast = _dtypes(setup)
+    t = setup.micro_batch_size * setup.seq_len
+    h = spec.hidden_size
+    full = not setup.lora
+    per_tok = 4 * h + 4 + (r * h if full else 0) + 8  # final norm; int64 shifted labels
+    per_tok += 2 * spec.head_dim * r  # rotary cos and sin, shared by all layers
+    if full:
+        per_tok += 2 * h if (autocast and r == 4) else c * h
+    fixed = 0
+    w = _dtype_bytes(setup)[0]
+    head_fp32 = w == 4 or (setup.quantization != "none" and setup.kbit_prepare)
+    if autocast and head_fp32:
+        fixed += 2 * spec.vocab_size * h  # autocast's bf16 copy of lm_head, saved for backward
+    return t * per_tok + fixed
 
 
 def activation_bytes(setup: RunSetup) -> int:
     """All layers' saved activations at the start of backward.
 
-    Gradient checkpointing (Chen et al. 2016; transformers checkpoints each decoder layer): the
-    layer inputs (c*t*h per layer) plus one layer's activations recomputed during backward.
+    Gradient checkpointing (Chen et al. 2016; transformers checkpoints each decoder layer,
+    use_reentrant=False): each layer keeps only its input (r*t*h); at the peak one layer is
+    recomputed (its saved tensors alive again).
     """
     spec = setup.model
-    _, c = _dtype_bytes(setup)
+    r, _, _ = _dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
-    layer = layer_activation_bytes(setup)
+    head = _head_activation_bytes(setup)
     if setup.gradient_checkpointing:
-        return spec.num_layers * c * t * spec.hidden_size + layer
-    return spec.num_layers * layer
+        return spec.num_layers * r * t * spec.hidden_size + head
+    return (layer_activation_bytes(setup, first=True)
+            + (spec.num_layers - 1) * layer_activation_bytes(setup) + head)
+
+
+def recompute_bytes(setup: RunSetup) -> int:
+    """With checkpointing: one layer's recomputed activations plus the incoming gradient."""
+    if not setup.gradient_checkpointing:
+        return 0
+    r, _, _ = _dtypes(setup)
+    t = setup.micro_batch_size * setup.seq_len
+    return layer_activation_bytes(setup) + 2 * r * t * setup.model.hidden_size
 
 
 def logits_bytes(setup: RunSetup) -> int:
-    """Logits around the loss: transformers upcasts logits to fp32 for cross-entropy; in its
-    backward the saved log-softmax, its gradient and the input gradient coexist: 12*t*V
-    (memory-model.md "Logits and loss"). Chunked loss keeps one chunk of 1024 tokens."""
+    """Logits around the loss: transformers upcasts logits to fp32 for cross-entropy
+    (ForCausalLMLoss); in its backward the saved log-softmax, the incoming gradient and the
+    input gradient coexist, 12*t*V fp32 bytes (memory-model.md "Logits and loss"; measured:
+    bench/plan_accuracy.py). Chunked loss keeps one chunk of 1024 tokens."""
     spec = setup.model
     t = setup.micro_batch_size * setup.seq_len
     if setup.loss == "chunked":
@@ -265,15 +428,24 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     acts = activation_bytes(setup)
     logits = logits_bytes(setup)
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
+    # Start of backward (the loss backward): every saved activation plus the logits.
     fb = weights + optim + kept_grads + acts + logits
-    step = weights + optim + grads
+    if setup.gradient_checkpointing:
+        # Recomputing the last layer: checkpoints + one layer's activations, logits freed.
+        recompute = acts - _head_activation_bytes(setup) + recompute_bytes(setup)
+        if weights + optim + kept_grads + recompute > fb:
+            acts, logits = recompute, 0
+            fb = weights + optim + kept_grads + recompute
+    step = weights + optim + grads + optimizer_step_temp_bytes(setup)
     if fb >= step:
         phase = "forward_backward"
         parts = dict(weights=weights, gradients=kept_grads, optimizer=optim, activations=acts,
                      logits=logits)
     else:
         phase = "optimizer_step"
-        parts = dict(weights=weights, gradients=grads, optimizer=optim, activations=0, logits=0)
+        # step temporaries are working memory of the optimizer: reported under "optimizer"
+        parts = dict(weights=weights, gradients=grads, optimizer=step - weights - grads,
+                     activations=0, logits=0)
     tensors = sum(parts.values())
     if setup.device == "cuda":
         ov = cuda_overheads()
@@ -307,5 +479,6 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
 __all__ = [
     "BREAKDOWN_KEYS", "CudaOverheads", "MemoryEstimate", "RunSetup", "activation_bytes",
     "cuda_overheads", "embedding_numel", "estimate_memory", "gradient_bytes", "lm_head_numel",
-    "logits_bytes", "lora_parameters", "optimizer_bytes", "quantized_bytes", "weight_bytes",
+    "logits_bytes", "lora_parameters", "optimizer_bytes", "quantized_bytes", "trainable_tensors",
+    "weight_bytes",
 ]

@@ -1,0 +1,47 @@
+"""Predicted vs measured peak memory of real training steps on CPU.
+
+Each case of lowvram.measure.ACCURACY_MATRIX builds a small random-init Llama (transformers,
+peft, bitsandbytes), runs one warm-up step and one measured step the way the Trainer does, and
+compares the exact live tensor bytes (lowvram.measure.LiveBytes) with
+lowvram.plan.memory.estimate_memory(device="cpu").
+
+    HF_HUB_OFFLINE=1 python bench/plan_accuracy.py [> bench/results/plan_accuracy_cpu.txt]
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> int:
+    import torch
+
+    from lowvram.measure import ACCURACY_MATRIX, measure_setup, tiny_llama_spec
+    from lowvram.plan.memory import RunSetup, estimate_memory
+
+    spec = tiny_llama_spec()
+    print(f"# lowvram plan accuracy on CPU ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
+          f"{platform.machine()}); model: Llama h{spec.hidden_size} L{spec.num_layers} "
+          f"a{spec.num_heads}/kv{spec.num_kv_heads} I{spec.intermediate_size} V{spec.vocab_size}; "
+          "default b1 s512, AdamW fused, clip 1.0")
+    print(f"{'case':34} {'predicted':>12} {'measured':>12} {'error':>8}  peak phase")
+    worst = 0.0
+    for name, kw in ACCURACY_MATRIX:
+        setup = RunSetup(spec, device="cpu", **kw)
+        measured = measure_setup(setup)
+        est = estimate_memory(setup)
+        err = (est.peak_bytes - measured.peak_bytes) / measured.peak_bytes * 100
+        worst = max(worst, abs(err))
+        print(f"{name:34} {est.peak_bytes:>12,} {measured.peak_bytes:>12,} {err:>+7.2f}%  "
+              f"{measured.peak_phase}", flush=True)
+    print(f"worst |error|: {worst:.2f}%")
+    return 0 if worst <= 3.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

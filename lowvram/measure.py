@@ -1,0 +1,436 @@
+"""Exact tensor memory on any device: a live-bytes tracker, and a training step measured with it.
+
+:class:`LiveBytes` is a ``TorchDispatchMode`` that records the untyped storage of every tensor an
+op returns (``storage._cdata`` -> ``nbytes``) and subtracts it through ``weakref.finalize`` when
+the storage dies. Tensors that existed before the mode (params, buffers, optimizer state, inputs,
+bitsandbytes quant states) are registered first. On CPU this is the exact tensor memory (it agrees
+to the byte with torch's MemTracker; stack-notes.md); process RSS is useless for it.
+
+An optional ``cap_bytes`` turns it into an emulated card: crossing the cap raises
+``torch.OutOfMemoryError`` exactly where a GPU of that size would.
+
+torch and friends are imported inside functions (importing lowvram stays instant).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowvram.plan.models import ModelSpec
+
+
+def _dispatch_base():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+class _Counter:
+    """Shared state the finalizers update (they must not keep the mode alive)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.phase = "setup"
+        self.peak_phase = "setup"
+
+    def add(self, key: int, nbytes: int) -> None:
+        self.live[key] = nbytes
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_phase = self.phase
+
+    def drop(self, key: int) -> None:
+        n = self.live.pop(key, None)
+        if n is not None:
+            self.current -= n
+
+
+def _make_tracker_class():
+    base = _dispatch_base()
+
+    class LiveBytes(base):  # type: ignore[misc, valid-type]
+        """Live tensor bytes and their peak; ``cap_bytes`` raises torch.OutOfMemoryError."""
+
+        def __init__(self, cap_bytes: int | None = None) -> None:
+            super().__init__()
+            self.counter = _Counter()
+            self.cap_bytes = cap_bytes
+
+        # -- bookkeeping
+        @property
+        def current_bytes(self) -> int:
+            return self.counter.current
+
+        @property
+        def peak_bytes(self) -> int:
+            return self.counter.peak
+
+        @property
+        def peak_phase(self) -> str:
+            return self.counter.peak_phase
+
+        def set_phase(self, phase: str) -> None:
+            self.counter.phase = phase
+
+        def reset_peak(self) -> None:
+            self.counter.peak = self.counter.current
+
+        def track(self, t: Any) -> None:
+            import torch
+
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                return
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in self.counter.live:
+                return
+            self.counter.add(key, st.nbytes())
+            weakref.finalize(st, self.counter.drop, key)
+
+        def register(self, *objs: Any) -> None:
+            """Count tensors that exist already (nested lists/dicts/modules/optimizers)."""
+            for obj in objs:
+                for t in iter_tensors(obj):
+                    self.track(t)
+
+        # -- the mode
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            from torch.utils._pytree import tree_leaves
+
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                self.track(t)
+            if self.cap_bytes is not None and self.counter.current > self.cap_bytes:
+                import torch
+
+                raise torch.OutOfMemoryError(
+                    f"emulated card of {self.cap_bytes} bytes: {self.counter.current} bytes live "
+                    f"after {func} (phase {self.counter.phase})"
+                )
+            return out
+
+    return LiveBytes
+
+
+_TRACKER_CLASS = None
+
+
+def LiveBytes(cap_bytes: int | None = None):  # noqa: N802 - a class factory, used like a class
+    """A new live-bytes tracker (a TorchDispatchMode; use it as a context manager)."""
+    global _TRACKER_CLASS
+    if _TRACKER_CLASS is None:
+        _TRACKER_CLASS = _make_tracker_class()
+    return _TRACKER_CLASS(cap_bytes)
+
+
+def _quant_state_tensors(qs: Any):
+    """bitsandbytes QuantState tensors (absmax, code, offset, nested state2): not params."""
+    import torch
+
+    for name in ("absmax", "code", "offset"):
+        t = getattr(qs, name, None)
+        if isinstance(t, torch.Tensor):
+            yield t
+    nested = getattr(qs, "state2", None)
+    if nested is not None:
+        yield from _quant_state_tensors(nested)
+
+
+def iter_tensors(obj: Any, _seen: set | None = None):
+    """Every tensor reachable from a module, optimizer, tensor or container."""
+    import torch
+
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+        qs = getattr(obj, "quant_state", None)
+        if qs is not None:
+            yield from _quant_state_tensors(qs)
+        scb = getattr(obj, "SCB", None)
+        if isinstance(scb, torch.Tensor):
+            yield scb
+    elif isinstance(obj, torch.nn.Module):
+        for t in obj.parameters():
+            yield from iter_tensors(t, seen)
+        for t in obj.buffers():
+            yield from iter_tensors(t, seen)
+        for m in obj.modules():
+            qs = getattr(m, "quant_state", None)
+            if qs is not None:
+                yield from _quant_state_tensors(qs)
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from iter_tensors(state, seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v, seen)
+    else:
+        for v in getattr(obj, "__dict__", {}).values():
+            if isinstance(v, (torch.Tensor, dict, list, tuple)):
+                yield from iter_tensors(v, seen)
+
+
+# --------------------------------------------------------------------------------------------
+# A training step, as the Hugging Face Trainer does it
+
+
+@dataclass
+class StepMemory:
+    peak_bytes: int
+    peak_phase: str  # forward | backward | optimizer_step
+    start_bytes: int  # live before the step: weights, optimizer state, inputs (+ kept grads)
+    end_bytes: int  # live after zero_grad
+    phases: dict[str, int] = field(default_factory=dict)  # peak bytes within each phase
+
+
+def _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker=None):
+    import torch
+
+    def phase(name):
+        if tracker is not None:
+            tracker.set_phase(name)
+
+    model.train()
+    for _ in range(grad_accum):
+        phase("forward")
+        # accelerate (Trainer) wraps forward in autocast and converts outputs to fp32
+        ctx = torch.autocast(batch["input_ids"].device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+        with ctx:
+            out = model(**batch)
+        loss = out["loss"] if isinstance(out, dict) else out.loss
+        if autocast_dtype is not None and out.get("logits") is not None:
+            out["logits"] = out["logits"].float()  # accelerate convert_outputs_to_fp32
+        del out
+        loss = loss / grad_accum
+        phase("backward")
+        loss.backward()
+        del loss
+    phase("optimizer_step")
+    if max_grad_norm:
+        params = [p for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure_training_step(
+    model,
+    optimizer,
+    batch: dict,
+    *,
+    autocast_dtype=None,
+    max_grad_norm: float = 1.0,
+    grad_accum: int = 1,
+    warmup: bool = True,
+    cap_bytes: int | None = None,
+) -> StepMemory:
+    """Peak live tensor bytes of one steady-state step: model.train(), loss from the model with
+    labels, backward, clip, optimizer.step(), zero_grad(set_to_none=True) (transformers Trainer).
+
+    ``warmup`` runs one untracked step first so the optimizer state exists (else the peak is low).
+    """
+    if warmup:
+        _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum)
+    gc.collect()
+    tracker = LiveBytes(cap_bytes)
+    tracker.register(model, optimizer, batch)
+    start = tracker.current_bytes
+    tracker.reset_peak()
+    phases: dict[str, int] = {}
+    orig_set = tracker.set_phase
+
+    def set_phase(name):
+        prev = tracker.counter.phase
+        if prev in phases or prev in ("forward", "backward", "optimizer_step"):
+            phases[prev] = max(phases.get(prev, 0), tracker.peak_bytes)
+        tracker.reset_peak()
+        orig_set(name)
+
+    tracker.set_phase = set_phase  # per-phase peaks
+    overall = start
+    with tracker:
+        _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker)
+    set_phase("done")
+    gc.collect()
+    overall = max(phases.values()) if phases else start
+    peak_phase = max(phases, key=phases.get) if phases else "setup"
+    return StepMemory(peak_bytes=overall, peak_phase=peak_phase, start_bytes=start,
+                      end_bytes=tracker.current_bytes, phases=phases)
+
+
+# --------------------------------------------------------------------------------------------
+# Building the model and optimizer of a RunSetup (tests, benches, simulation)
+
+
+def hf_config(spec: ModelSpec, attention: str = "sdpa"):
+    """A transformers config for a Llama-family ModelSpec (llama, mistral, qwen2)."""
+    from transformers import AutoConfig
+
+    kw = dict(
+        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size, tie_word_embeddings=spec.tie_word_embeddings,
+        max_position_embeddings=spec.max_position_embeddings,
+    )
+    if spec.rope_theta:
+        kw["rope_theta"] = spec.rope_theta
+    cfg = AutoConfig.for_model(spec.model_type, **kw)
+    cfg._attn_implementation = attention
+    return cfg
+
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",
+           "fp16-mixed": "float32", "fp32": "float32"}
+
+
+def build_model(setup, workdir: str | None = None, seed: int = 0):
+    """The model a RunSetup trains, random init, on CPU: transformers + peft + bitsandbytes,
+    prepared as lowvram's trainer does (prepare_model_for_kbit_training for quantized bases)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    dtype = getattr(torch, _DTYPES[setup.precision])
+    cfg = hf_config(setup.model, setup.attention)
+    if setup.quantization == "none":
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        from transformers import BitsAndBytesConfig
+
+        if setup.quantization == "int8":
+            qc = BitsAndBytesConfig(load_in_8bit=True)
+        else:
+            qc = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="fp4" if setup.quantization == "fp4" else "nf4",
+                bnb_4bit_use_double_quant=setup.quantization == "nf4-dq",
+                bnb_4bit_compute_dtype=torch.bfloat16 if setup.precision != "fp32" else torch.float32,
+            )
+        with tempfile.TemporaryDirectory(dir=workdir) as d:
+            AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(d)
+            model = AutoModelForCausalLM.from_pretrained(
+                d, quantization_config=qc, device_map={"": "cpu"}, dtype=dtype)
+        if setup.kbit_prepare:
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=setup.gradient_checkpointing)
+    if setup.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    if setup.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = "all-linear" if "all-linear" in setup.lora_targets else list(setup.lora_targets)
+        model = get_peft_model(model, LoraConfig(
+            r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=0.0,
+            target_modules=targets, task_type="CAUSAL_LM"))
+    return model
+
+
+def build_optimizer(model, name: str, lr: float = 1e-4):
+    """The optimizer the Trainer builds for ``optim`` (adamw = adamw_torch_fused, its default)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    if name == "paged_adamw_32bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW32bit(params, lr=lr)
+    if name in ("adamw_8bit", "paged_adamw_8bit"):
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.AdamW8bit if name == "adamw_8bit" else bnb.optim.PagedAdamW8bit
+        return cls(params, lr=lr)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # Trainer's optim="adafactor": scale_parameter=False, relative_step=False
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name}")
+
+
+def make_batch(setup, seed: int = 0) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, setup.model.vocab_size, (setup.micro_batch_size, setup.seq_len), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def measure_setup(setup, **kw) -> StepMemory:
+    """Build, warm up and measure one step of ``setup`` on CPU."""
+    import torch
+
+    model = build_model(setup)
+    opt = build_optimizer(model, setup.optimizer)
+    autocast = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16": torch.float16,
+                "fp16-mixed": torch.float16}.get(setup.precision)
+    if setup.quantization != "none" and setup.precision == "fp32":
+        autocast = None
+    return measure_training_step(model, opt, make_batch(setup), autocast_dtype=autocast,
+                                 grad_accum=setup.grad_accum, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# The accuracy matrix (tests/test_plan_accuracy.py, bench/plan_accuracy.py)
+
+
+def tiny_llama_spec(hidden_size: int = 256, num_layers: int = 4, vocab_size: int = 4096) -> ModelSpec:
+    """A small Llama (GQA: heads of 64, half as many kv heads; untied head) for CPU steps."""
+    heads = max(2, hidden_size // 64)
+    return ModelSpec(
+        name="tiny-llama", hf_id=None, model_type="llama", hidden_size=hidden_size,
+        intermediate_size=(hidden_size * 8 // 3 + 15) // 16 * 16, num_layers=num_layers, num_heads=heads,
+        num_kv_heads=heads // 2, head_dim=hidden_size // heads, vocab_size=vocab_size,
+        tie_word_embeddings=False, max_position_embeddings=2048,
+    )
+
+
+# (case name, RunSetup keyword arguments); every case runs on tiny_llama_spec() on CPU.
+ACCURACY_MATRIX: list[tuple[str, dict]] = [
+    ("full fp32", dict(precision="fp32")),
+    ("full bf16", dict(precision="bf16")),
+    ("full bf16-mixed", dict(precision="bf16-mixed")),
+    ("full bf16 + checkpointing", dict(precision="bf16", gradient_checkpointing=True)),
+    ("full fp32 + checkpointing", dict(precision="fp32", gradient_checkpointing=True)),
+    ("full bf16 b2 s256", dict(precision="bf16", micro_batch_size=2, seq_len=256)),
+    ("full bf16 b2 s512", dict(precision="bf16", micro_batch_size=2)),
+    ("full bf16 s256", dict(precision="bf16", seq_len=256)),
+    ("full bf16 accum 2", dict(precision="bf16", grad_accum=2)),
+    ("full bf16 adamw_8bit", dict(precision="bf16", optimizer="adamw_8bit")),
+    ("full bf16 adafactor", dict(precision="bf16", optimizer="adafactor")),
+    ("full bf16 eager", dict(precision="bf16", attention="eager")),
+    ("lora bf16", dict(precision="bf16", lora=True)),
+    ("lora fp32", dict(precision="fp32", lora=True)),
+    ("lora bf16-mixed", dict(precision="bf16-mixed", lora=True)),
+    ("lora bf16 q,v r8", dict(precision="bf16", lora=True, lora_r=8, lora_targets=("q_proj", "v_proj"))),
+    ("lora bf16 + checkpointing", dict(precision="bf16", lora=True, gradient_checkpointing=True)),
+    ("qlora nf4", dict(precision="bf16", lora=True, quantization="nf4")),
+    ("qlora nf4-dq", dict(precision="bf16", lora=True, quantization="nf4-dq")),
+    ("qlora nf4-dq + checkpointing", dict(precision="bf16", lora=True, quantization="nf4-dq",
+                                          gradient_checkpointing=True)),
+    ("qlora nf4-dq b2 s256 adamw_8bit", dict(precision="bf16", lora=True, quantization="nf4-dq",
+                                             micro_batch_size=2, seq_len=256, optimizer="adamw_8bit")),
+]
