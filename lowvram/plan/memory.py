@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowvram.errors import LowvramError
 from lowvram.plan.models import (
     ModelSpec,
     block_linears,
@@ -421,8 +422,25 @@ def _shard(setup: RunSetup, weights: int, grads: int, optim: int) -> tuple[int, 
     return weights, grads, optim, host
 
 
+def _check(setup: RunSetup) -> None:
+    problems = [f"{k} {v!r} (known: {', '.join(opts)})" for k, v, opts in [
+        ("precision", setup.precision, PRECISIONS), ("quantization", setup.quantization, QUANTIZATIONS),
+        ("optimizer", setup.optimizer, OPTIMIZERS), ("offload", setup.offload, OFFLOADS),
+        ("attention", setup.attention, ("sdpa", "eager", "flash_attention_2")),
+        ("loss", setup.loss, ("standard", "chunked")), ("device", setup.device, ("cuda", "cpu")),
+    ] if v not in opts]
+    if setup.quantization != "none" and not setup.lora:
+        problems.append("quantization needs lora")
+    if min(setup.micro_batch_size, setup.seq_len, setup.grad_accum, setup.gpus, setup.lora_r) < 1:
+        problems.append("micro_batch_size, seq_len, grad_accum, gpus and lora_r must be >= 1")
+    if problems:
+        raise LowvramError("cannot estimate memory: " + "; ".join(problems),
+                           "use the values listed in `lowvram keys`")
+
+
 def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     """Peak bytes of a steady-state step (optimizer state already allocated)."""
+    _check(setup)
     weights, grads, optim, host = _shard(
         setup, weight_bytes(setup), gradient_bytes(setup), optimizer_bytes(setup))
     acts = activation_bytes(setup)

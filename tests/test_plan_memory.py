@@ -1,0 +1,120 @@
+"""The memory model: exact numbers where the math is exact (no torch needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowvram.errors import LowvramError
+from lowvram.plan.memory import (
+    BREAKDOWN_KEYS,
+    RunSetup,
+    cuda_overheads,
+    estimate_memory,
+    lora_parameters,
+    optimizer_bytes,
+    quantized_bytes,
+    weight_bytes,
+)
+from lowvram.plan.models import count_parameters, resolve_model
+
+LLAMA7 = resolve_model("llama-2-7b")
+P7 = 6_738_415_616
+
+
+def test_lora_parameter_counts_match_peft():
+    # peft print_trainable_parameters for Llama-2-7B: r8 q,v -> 4,194,304; r16 all-linear -> 39,976,960
+    assert lora_parameters(RunSetup(LLAMA7, lora=True, lora_r=8, lora_targets=("q_proj", "v_proj"))) == 4_194_304
+    assert lora_parameters(RunSetup(LLAMA7, lora=True, lora_r=16)) == 39_976_960
+    est = estimate_memory(RunSetup(LLAMA7, lora=True, lora_r=16))
+    assert est.trainable_parameters == 39_976_960
+    assert est.parameters == P7 + 39_976_960
+
+
+def test_nf4_bytes_of_one_matrix():
+    # 4096 x 4096: 8,388,608 packed bytes + 262,144 fp32 absmax + a 16-entry fp32 code
+    assert quantized_bytes(4096 * 4096, "nf4", 4096) == 8_388_608 + 1_048_576 + 64
+    # double quantization: uint8 absmax + fp32 absmax per 256 blocks + 256-entry code + offset
+    assert quantized_bytes(4096 * 4096, "nf4-dq", 4096) == 8_388_608 + 262_144 + 4096 + 1024 + 4 + 64
+    assert quantized_bytes(4096 * 4096, "int8", 4096) == 4096 * 4096 + 4 * 4096
+
+
+def test_qlora_weights_keep_embeddings_in_fp32():
+    s = RunSetup(LLAMA7, lora=True, quantization="nf4-dq", lora_targets=("q_proj", "v_proj"), lora_r=8)
+    # embed + lm_head (2 x 32000 x 4096) and norms stay unquantized; kbit prep casts them to fp32
+    rest = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096
+    assert weight_bytes(s) - 4 * 4_194_304 > 4 * rest
+    assert weight_bytes(s) < weight_bytes(RunSetup(LLAMA7, lora=True, quantization="nf4"))
+
+
+def test_full_fp32_adamw_is_16_bytes_per_param_at_the_step():
+    # ZeRO paper / accelerate estimate-memory: weights 4 + grads 4 + Adam 8
+    est = estimate_memory(RunSetup(LLAMA7, precision="fp32", device="cpu"))
+    assert est.peak_phase == "optimizer_step"
+    assert est.peak_bytes == 16 * P7
+    assert est.persistent_bytes == 12 * P7
+    assert est.breakdown == dict(weights=4 * P7, gradients=4 * P7, optimizer=8 * P7, activations=0,
+                                 logits=0, cuda_context=0, allocator=0)
+
+
+def test_pure_bf16_adamw_state_in_bf16():
+    assert optimizer_bytes(RunSetup(LLAMA7, precision="bf16")) == 4 * P7
+    assert optimizer_bytes(RunSetup(LLAMA7, precision="bf16-mixed")) == 8 * P7
+
+
+def test_breakdown_keys_sum_and_cuda_overheads():
+    for kw in [dict(), dict(lora=True, quantization="nf4-dq", gradient_checkpointing=True, seq_len=2048),
+               dict(optimizer="adamw_8bit", micro_batch_size=4), dict(offload="zero3", gpus=4)]:
+        est = estimate_memory(RunSetup(LLAMA7, **kw))
+        assert tuple(est.breakdown) == BREAKDOWN_KEYS
+        assert sum(est.breakdown.values()) == est.peak_bytes
+        assert est.breakdown["cuda_context"] == cuda_overheads().context_bytes
+    assert not cuda_overheads().calibrated
+
+
+def test_logits_scale_with_vocab_and_chunking_helps():
+    l3 = resolve_model("llama-3-8b")
+    s = RunSetup(l3, lora=True, quantization="nf4-dq", gradient_checkpointing=True, seq_len=4096, device="cpu")
+    est = estimate_memory(s)
+    assert est.breakdown["logits"] == 12 * 4096 * 128_256  # fp32 log-softmax, its grad, input grad
+    chunked = estimate_memory(RunSetup(**{**s.__dict__, "loss": "chunked"}))
+    assert chunked.peak_bytes < est.peak_bytes
+
+
+def test_techniques_lower_the_peak_in_the_expected_order():
+    base = dict(model=LLAMA7, seq_len=2048)
+    full = estimate_memory(RunSetup(**base)).peak_bytes
+    lora = estimate_memory(RunSetup(**base, lora=True)).peak_bytes
+    lora_gc = estimate_memory(RunSetup(**base, lora=True, gradient_checkpointing=True)).peak_bytes
+    qlora_gc = estimate_memory(RunSetup(**base, lora=True, quantization="nf4-dq", gradient_checkpointing=True)).peak_bytes
+    assert full > lora > lora_gc > qlora_gc
+    assert 4 * 2**30 < qlora_gc < 9 * 2**30  # QLoRA 7B at 2k tokens fits an 8-12 GB card
+
+
+def test_accumulation_keeps_gradients_and_offload_moves_state_to_host():
+    s = RunSetup(LLAMA7, grad_accum=4, device="cpu")
+    est = estimate_memory(s)
+    assert est.breakdown["gradients"] == 2 * P7
+    off = estimate_memory(RunSetup(LLAMA7, offload="optimizer"))
+    assert off.breakdown["optimizer"] == 0 and off.cpu_ram_bytes > 4 * P7
+
+
+def test_eager_attention_costs_the_s_squared_scores():
+    a = estimate_memory(RunSetup(LLAMA7, lora=True, seq_len=2048, attention="eager", device="cpu"))
+    b = estimate_memory(RunSetup(LLAMA7, lora=True, seq_len=2048, device="cpu"))
+    assert a.peak_bytes - b.peak_bytes == 32 * (4 + 2) * 32 * 2048**2  # L x (fp32 + bf16) x a x s^2
+
+
+def test_invalid_setup_names_every_problem():
+    with pytest.raises(LowvramError) as e:
+        estimate_memory(RunSetup(LLAMA7, precision="int3", optimizer="lion", quantization="nf4"))
+    assert "precision 'int3'" in e.value.message and "optimizer 'lion'" in e.value.message
+    assert "quantization needs lora" in e.value.message
+
+
+def test_every_catalog_model_estimates():
+    from lowvram.plan.models import catalog_names
+
+    for name in catalog_names():
+        spec = resolve_model(name)
+        est = estimate_memory(RunSetup(spec, lora=True, quantization="nf4-dq"))
+        assert est.peak_bytes > count_parameters(spec) // 2
