@@ -299,9 +299,10 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",
            "fp16-mixed": "float32", "fp32": "float32"}
 
 
-def build_model(setup, workdir: str | None = None, seed: int = 0):
-    """The model a RunSetup trains, random init, on CPU: transformers + peft + bitsandbytes,
-    prepared as lowvram's trainer does (prepare_model_for_kbit_training for quantized bases)."""
+def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = "cpu"):
+    """The model a RunSetup trains, random init, on ``device``: transformers + peft +
+    bitsandbytes, prepared as lowvram's trainer does (prepare_model_for_kbit_training for
+    quantized bases)."""
     import tempfile
 
     import torch
@@ -311,7 +312,7 @@ def build_model(setup, workdir: str | None = None, seed: int = 0):
     dtype = getattr(torch, _DTYPES[setup.precision])
     cfg = hf_config(setup.model, setup.attention)
     if setup.quantization == "none":
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
     else:
         from transformers import BitsAndBytesConfig
 
@@ -326,7 +327,7 @@ def build_model(setup, workdir: str | None = None, seed: int = 0):
         with tempfile.TemporaryDirectory(dir=workdir) as d:
             AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(d)
             model = AutoModelForCausalLM.from_pretrained(
-                d, quantization_config=qc, device_map={"": "cpu"}, dtype=dtype)
+                d, quantization_config=qc, device_map={"": device}, dtype=dtype)
         if setup.kbit_prepare:
             from peft import prepare_model_for_kbit_training
 
@@ -371,25 +372,27 @@ def build_optimizer(model, name: str, lr: float = 1e-4):
     raise ValueError(f"unknown optimizer {name}")
 
 
-def make_batch(setup, seed: int = 0) -> dict:
+def make_batch(setup, seed: int = 0, device: str = "cpu") -> dict:
     import torch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, setup.model.vocab_size, (setup.micro_batch_size, setup.seq_len), generator=g)
-    return {"input_ids": ids, "labels": ids.clone()}
+    return {"input_ids": ids.to(device), "labels": ids.to(device)}
+
+
+def autocast_dtype(setup):
+    """The dtype the Trainer's autocast uses for a setup's precision (None for fp32)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16": torch.float16,
+            "fp16-mixed": torch.float16}.get(setup.precision)
 
 
 def measure_setup(setup, **kw) -> StepMemory:
     """Build, warm up and measure one step of ``setup`` on CPU."""
-    import torch
-
     model = build_model(setup)
     opt = build_optimizer(model, setup.optimizer)
-    autocast = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16": torch.float16,
-                "fp16-mixed": torch.float16}.get(setup.precision)
-    if setup.quantization != "none" and setup.precision == "fp32":
-        autocast = None
-    return measure_training_step(model, opt, make_batch(setup), autocast_dtype=autocast,
+    return measure_training_step(model, opt, make_batch(setup), autocast_dtype=autocast_dtype(setup),
                                  grad_accum=setup.grad_accum, **kw)
 
 

@@ -84,3 +84,16 @@ def test_catalog_names_cover_the_brief():
               "mistral-7b", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "gemma-2b", "gemma-7b",
               "phi-2", "phi-3-mini", "tinyllama", "gpt2"]:
         assert n in names
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "tinyllama"])
+def test_count_matches_transformers_model(name):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.measure import hf_config
+
+    spec = resolve_model(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(spec))
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(spec)
