@@ -30,23 +30,50 @@ def _dispatch_base():
 
 
 class _Counter:
-    """Shared state the finalizers update (they must not keep the mode alive)."""
+    """Shared state the finalizers update (they must not keep the mode alive).
 
-    def __init__(self) -> None:
+    With ``snapshot`` on, it also keeps what was alive at the highest point (``top``) as
+    {serial: nbytes}; each storage gets a serial number (storage addresses are reused), and
+    ``tags`` names what some serials are (weights, optimizer, gradients, logits).
+    """
+
+    def __init__(self, snapshot: bool = False) -> None:
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
         self.phase = "setup"
         self.peak_phase = "setup"
+        self.snapshot = snapshot
+        self.serials: dict[int, int] = {}
+        self.next_serial = 0
+        self.tags: dict[int, str] = {}
+        self.top = 0
+        self.top_phase = "setup"
+        self.top_live: dict[int, int] = {}
+        self._at_top = False
 
     def add(self, key: int, nbytes: int) -> None:
         self.live[key] = nbytes
         self.current += nbytes
+        if self.snapshot:
+            self.serials[key] = self.next_serial
+            self.next_serial += 1
+            if self.current > self.top:
+                self.top, self.top_phase, self._at_top = self.current, self.phase, True
         if self.current > self.peak:
             self.peak = self.current
             self.peak_phase = self.phase
 
+    def take_snapshot(self) -> None:
+        """Record what is alive now if this is the highest point so far (called before a drop)."""
+        if self._at_top:
+            self.top_live = {self.serials[k]: n for k, n in self.live.items()}
+            self._at_top = False
+
     def drop(self, key: int) -> None:
+        if self.snapshot:
+            self.take_snapshot()
+            self.serials.pop(key, None)
         n = self.live.pop(key, None)
         if n is not None:
             self.current -= n
@@ -58,10 +85,12 @@ def _make_tracker_class():
     class LiveBytes(base):  # type: ignore[misc, valid-type]
         """Live tensor bytes and their peak; ``cap_bytes`` raises torch.OutOfMemoryError."""
 
-        def __init__(self, cap_bytes: int | None = None) -> None:
+        def __init__(self, cap_bytes: int | None = None, snapshot: bool = False,
+                     logits_dim: int | None = None) -> None:
             super().__init__()
-            self.counter = _Counter()
+            self.counter = _Counter(snapshot)
             self.cap_bytes = cap_bytes
+            self.logits_dim = logits_dim  # outputs whose last dim is the vocabulary: "logits"
 
         # -- bookkeeping
         @property
@@ -82,7 +111,7 @@ def _make_tracker_class():
         def reset_peak(self) -> None:
             self.counter.peak = self.counter.current
 
-        def track(self, t: Any) -> None:
+        def track(self, t: Any, tag: str | None = None) -> None:
             import torch
 
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -92,13 +121,33 @@ def _make_tracker_class():
             if key in self.counter.live:
                 return
             self.counter.add(key, st.nbytes())
+            if self.counter.snapshot:
+                if tag is None and self.logits_dim and t.dim() >= 2 and t.shape[-1] == self.logits_dim:
+                    tag = "logits"
+                if tag is not None:
+                    self.counter.tags[self.counter.serials[key]] = tag
             weakref.finalize(st, self.counter.drop, key)
 
-        def register(self, *objs: Any) -> None:
+        def tag(self, t: Any, tag: str) -> None:
+            """Name what an already tracked tensor's storage is (e.g. a gradient)."""
+            serial = self.counter.serials.get(t.untyped_storage()._cdata)
+            if serial is not None:
+                self.counter.tags[serial] = tag
+
+        def register(self, *objs: Any, tag: str | None = None) -> None:
             """Count tensors that exist already (nested lists/dicts/modules/optimizers)."""
             for obj in objs:
                 for t in iter_tensors(obj):
-                    self.track(t)
+                    self.track(t, tag)
+
+        def peak_breakdown(self) -> dict[str, int]:
+            """Bytes alive at the highest point, by tag ("other" for untagged): needs snapshot."""
+            self.counter.take_snapshot()
+            out: dict[str, int] = {}
+            for serial, n in self.counter.top_live.items():
+                k = self.counter.tags.get(serial, "other")
+                out[k] = out.get(k, 0) + n
+            return out
 
         # -- the mode
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -122,12 +171,13 @@ def _make_tracker_class():
 _TRACKER_CLASS = None
 
 
-def LiveBytes(cap_bytes: int | None = None):  # noqa: N802 - a class factory, used like a class
+def LiveBytes(cap_bytes: int | None = None, snapshot: bool = False,  # noqa: N802 - a class factory
+              logits_dim: int | None = None):
     """A new live-bytes tracker (a TorchDispatchMode; use it as a context manager)."""
     global _TRACKER_CLASS
     if _TRACKER_CLASS is None:
         _TRACKER_CLASS = _make_tracker_class()
-    return _TRACKER_CLASS(cap_bytes)
+    return _TRACKER_CLASS(cap_bytes, snapshot, logits_dim)
 
 
 def _quant_state_tensors(qs: Any):
@@ -196,6 +246,9 @@ class StepMemory:
     start_bytes: int  # live before the step: weights, optimizer state, inputs (+ kept grads)
     end_bytes: int  # live after zero_grad
     phases: dict[str, int] = field(default_factory=dict)  # peak bytes within each phase
+    # with breakdown=True: bytes alive at the peak by kind (weights, optimizer, gradients,
+    # logits, other), summing to peak_bytes
+    breakdown: dict[str, int] = field(default_factory=dict)
 
 
 def _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker=None):
@@ -238,17 +291,29 @@ def measure_training_step(
     grad_accum: int = 1,
     warmup: bool = True,
     cap_bytes: int | None = None,
+    breakdown: bool = False,
+    logits_dim: int | None = None,
 ) -> StepMemory:
     """Peak live tensor bytes of one steady-state step: model.train(), loss from the model with
     labels, backward, clip, optimizer.step(), zero_grad(set_to_none=True) (transformers Trainer).
 
     ``warmup`` runs one untracked step first so the optimizer state exists (else the peak is low).
+    ``breakdown`` also sorts the bytes alive at the peak by kind (``logits_dim``: the vocabulary
+    size, to recognise logits by their last dimension).
     """
     if warmup:
         _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum)
     gc.collect()
-    tracker = LiveBytes(cap_bytes)
-    tracker.register(model, optimizer, batch)
+    tracker = LiveBytes(cap_bytes, snapshot=breakdown, logits_dim=logits_dim)
+    tracker.register(model, tag="weights")
+    tracker.register(optimizer, tag="optimizer")
+    tracker.register(batch, tag="inputs")
+    hooks = []
+    if breakdown:
+        for p in model.parameters():
+            if p.requires_grad:
+                hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda q: tracker.tag(q.grad, "gradients")))
     start = tracker.current_bytes
     tracker.reset_peak()
     phases: dict[str, int] = {}
@@ -266,11 +331,14 @@ def measure_training_step(
     with tracker:
         _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker)
     set_phase("done")
+    for h in hooks:
+        h.remove()
+    parts = tracker.peak_breakdown() if breakdown else {}
     gc.collect()
     overall = max(phases.values()) if phases else start
     peak_phase = max(phases, key=phases.get) if phases else "setup"
     return StepMemory(peak_bytes=overall, peak_phase=peak_phase, start_bytes=start,
-                      end_bytes=tracker.current_bytes, phases=phases)
+                      end_bytes=tracker.current_bytes, phases=phases, breakdown=parts)
 
 
 # --------------------------------------------------------------------------------------------

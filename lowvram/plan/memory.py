@@ -438,6 +438,9 @@ def _check(setup: RunSetup) -> None:
                            "use the values listed in `lowvram keys`")
 
 
+validate_setup = _check  # public name: simulate.py validates the same way
+
+
 def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     """Peak bytes of a steady-state step (optimizer state already allocated)."""
     _check(setup)
@@ -498,5 +501,5 @@ __all__ = [
     "BREAKDOWN_KEYS", "CudaOverheads", "MemoryEstimate", "RunSetup", "activation_bytes",
     "cuda_overheads", "embedding_numel", "estimate_memory", "gradient_bytes", "lm_head_numel",
     "logits_bytes", "lora_parameters", "optimizer_bytes", "quantized_bytes", "trainable_tensors",
-    "weight_bytes",
+    "validate_setup", "weight_bytes",
 ]

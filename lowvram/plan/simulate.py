@@ -1,0 +1,298 @@
+"""Exact mode: the real training step of a RunSetup under FakeTensorMode, measured byte by byte.
+
+``simulate_memory`` builds the transformers (+ peft, + bitsandbytes) model of a setup with fake
+tensors (shapes and dtypes, no data: a 7B model in ~0.4 GB of RAM), runs the same step as
+:func:`lowvram.measure.measure_training_step` (a warm-up step, then a tracked one: forward with
+labels, backward, clip, optimizer.step, zero_grad) and reads the peak off the live-bytes tracker.
+On a small Llama it equals the real CPU measurement to the byte (tests/test_plan_simulate.py);
+at full size it checks the analytic model (bench/simulate_full_size.py).
+
+FakeTensorMode needs the workarounds listed in /work/shared/reference/stack-notes.md
+("Simulating a large model's step without allocating it"), each marked below as [W1]..[W7].
+CUDA is not simulated [W7]: the tensors are the same on CUDA, and the context and allocator
+slack come from :func:`lowvram.plan.memory.cuda_overheads`, as in the analytic model.
+
+torch, transformers, peft and bitsandbytes are imported only here, inside functions.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from lowvram.errors import LowvramError
+from lowvram.plan.memory import (
+    BREAKDOWN_KEYS,
+    MemoryEstimate,
+    RunSetup,
+    cuda_overheads,
+    validate_setup,
+)
+
+
+def unsupported(setup: RunSetup) -> list[str]:
+    """Why a setup cannot be simulated (empty when it can): one line per reason."""
+    out = []
+    if setup.gpus > 1 or setup.offload != "none":
+        out.append(f"offload {setup.offload!r} / {setup.gpus} GPUs: the simulation runs one "
+                   "process on one device; sharding and CPU offload are modelled analytically only")
+    if setup.attention == "flash_attention_2":
+        out.append("attention 'flash_attention_2' needs a CUDA kernel (fake CUDA does not run on a "
+                   "CPU build of torch); simulate with sdpa, which stores the same tensors")
+    if setup.loss == "chunked":
+        out.append("loss 'chunked' is not part of the transformers step that is simulated")
+    if setup.quantization == "int8":
+        out.append("quantization 'int8': bitsandbytes Int8Params cannot wrap a fake tensor")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Workarounds for fake tensors
+
+
+@contextmanager
+def _fake_friendly():
+    """[W1] transformers takes fake tensors for tracing and builds a 4D mask: make it take the
+    SDPA ``is_causal`` path of a real unpadded batch. [W2] ``nn.Module._apply`` swaps tensors,
+    which fails for fake params (``.to()``, peft's adapter moves): re-create them instead."""
+    import torch
+    import transformers.masking_utils as mu
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers.utils.import_utils import is_tracing
+
+    orig_apply = torch.nn.Module._apply
+
+    def apply(self, fn, recurse=True):
+        own = [t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None]
+        if not any(isinstance(t, FakeTensor) for t in own):
+            if recurse:
+                for m in self.children():
+                    m._apply(fn)
+            return orig_apply(self, fn, recurse=False)
+        if recurse:
+            for m in self.children():
+                m._apply(fn)
+        for key, p in self._parameters.items():
+            if p is None:
+                continue
+            with torch.no_grad():
+                new = fn(p)
+            if new is not p:  # a no-op .to() keeps the very tensor (and weight tying)
+                self._parameters[key] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
+        for key, b in self._buffers.items():
+            if b is not None:
+                self._buffers[key] = fn(b)
+        return self
+
+    saved = (mu.is_tracing, mu.find_packed_sequence_indices)
+    mu.is_tracing = lambda tensor=None: is_tracing()  # ignore "fake tensor means tracing"
+    mu.find_packed_sequence_indices = lambda position_ids: None  # one sequence per row
+    torch.nn.Module._apply = apply
+    try:
+        yield
+    finally:
+        mu.is_tracing, mu.find_packed_sequence_indices = saved
+        torch.nn.Module._apply = orig_apply
+
+
+def _quantize_4bit(model, setup: RunSetup, weight_dtype, compute_dtype) -> None:
+    """[W3] Replace the block Linears by bitsandbytes Linear4bit as transformers' bnb loader
+    does (every nn.Linear except the output embedding): the module is built on meta outside
+    fake mode, the weight quantized with ``bnb.functional.quantize_4bit`` under fake mode (bnb
+    registers fake kernels) and the quant state attached to the packed tensor."""
+    import bitsandbytes as bnb
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    dq = setup.quantization == "nf4-dq"
+    qtype = "fp4" if setup.quantization == "fp4" else "nf4"
+    head = model.get_output_embeddings()
+    targets = [(name, m) for name, m in model.named_modules()
+               if type(m) is torch.nn.Linear and m is not head]
+    for name, lin in targets:
+        with unset_fake_temporarily():
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                  compute_dtype=compute_dtype, compress_statistics=dq,
+                                  quant_type=qtype, quant_storage=torch.uint8, device="meta")
+        w = torch.empty(lin.out_features, lin.in_features, dtype=weight_dtype)
+        packed, qs = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=dq,
+                                                  quant_type=qtype, quant_storage=torch.uint8)
+        del w
+        # a Params4bit cannot wrap a fake tensor: a Parameter with Params4bit's attributes
+        weight = torch.nn.Parameter(packed, requires_grad=False)
+        for key, value in dict(quant_state=qs, blocksize=64, compress_statistics=dq,
+                               quant_type=qtype, quant_storage=torch.uint8, module=q,
+                               bnb_quantized=True).items():
+            setattr(weight, key, value)
+        q.weight = weight
+        if lin.bias is not None:
+            q.bias = lin.bias
+        q.quant_state = qs
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
+    # [W5] peft's prepare_model_for_kbit_training and LoRA dispatch look for these flags
+    model.is_loaded_in_4bit = True
+    model.is_quantized = True
+    model.quantization_method = "bitsandbytes"
+
+
+def _fill_bnb_maps() -> None:
+    """[W4] bitsandbytes builds its dynamic quantization map with ``.tolist()``: fill the cache
+    once with real tensors, before fake mode (used by double quantization)."""
+    import bitsandbytes.functional as F
+    import torch
+
+    F.quantize_blockwise(torch.zeros(256))
+
+
+# --------------------------------------------------------------------------------------------
+# Building
+
+
+def _config(setup: RunSetup, config):
+    from lowvram.measure import hf_config
+
+    if config is None:
+        return hf_config(setup.model, setup.attention)
+    if isinstance(config, dict):
+        from transformers import AutoConfig
+
+        cfg = dict(config)
+        cfg.pop("quantization_config", None)
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config._attn_implementation = setup.attention
+    return config
+
+
+def _build_model(setup: RunSetup, config, mode):
+    """The model of ``setup`` with fake tensors, prepared as lowvram.measure.build_model does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.measure import _DTYPES
+
+    dtype = getattr(torch, _DTYPES[setup.precision])
+    cfg = _config(setup, config)
+    with mode:
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        except (ValueError, KeyError, TypeError) as e:
+            raise LowvramError(f"transformers cannot build this config: {e}",
+                               "pass a causal LM's config.json (AutoModelForCausalLM)") from None
+        if setup.quantization != "none":
+            compute = torch.bfloat16 if setup.precision != "fp32" else torch.float32
+            _quantize_4bit(model, setup, dtype, compute)
+            if setup.kbit_prepare:
+                from peft import prepare_model_for_kbit_training
+
+                model = prepare_model_for_kbit_training(
+                    model, use_gradient_checkpointing=setup.gradient_checkpointing)
+        if setup.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        if setup.lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets = "all-linear" if "all-linear" in setup.lora_targets else list(setup.lora_targets)
+            model = get_peft_model(model, LoraConfig(
+                r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=0.0,
+                target_modules=targets, task_type="CAUSAL_LM"))
+    return model
+
+
+def _parameters(model) -> int:
+    """Parameters as the unquantized model counts them (a Linear4bit holds in x out weights)."""
+    import torch
+
+    n = 0
+    seen = set()
+    for m in model.modules():
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if name == "weight" and p.dtype == torch.uint8 and hasattr(m, "in_features"):
+                n += m.in_features * m.out_features
+            else:
+                n += p.numel()
+    return n
+
+
+# --------------------------------------------------------------------------------------------
+# The simulation
+
+
+def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
+    """Peak bytes of one steady-state step of ``setup``, from the real step on fake tensors.
+
+    ``config``: a transformers config (or config.json dict) to build instead of the catalog shape
+    of ``setup.model`` (any causal LM transformers can build). Breakdown keys as in
+    :func:`lowvram.plan.memory.estimate_memory`; CUDA context and allocator slack added for
+    ``device="cuda"``.
+    """
+    validate_setup(setup)
+    problems = unsupported(setup)
+    if problems:
+        raise LowvramError("cannot simulate this setup: " + "; ".join(problems),
+                           "use `lowvram plan` without --simulate for the analytic estimate")
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lowvram.measure import autocast_dtype, build_optimizer, make_batch, measure_training_step
+
+    if setup.optimizer in ("adamw_8bit", "paged_adamw_8bit") or setup.quantization == "nf4-dq":
+        _fill_bnb_maps()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _fake_friendly():
+        model = _build_model(setup, config, mode)
+        # [W4] bnb 8-bit optimizers: construct outside fake mode, maps filled with real tensors
+        opt = build_optimizer(model, setup.optimizer)
+        if hasattr(opt, "fill_qmap"):
+            opt.fill_qmap()
+        vocab = model.get_output_embeddings().out_features
+        with mode, torch.no_grad():
+            batch = make_batch(_with_vocab(setup, vocab))
+        with mode:
+            # [W6] measure_training_step warms the optimizer state up before tracking
+            step = measure_training_step(model, opt, batch, autocast_dtype=autocast_dtype(setup),
+                                         grad_accum=setup.grad_accum, breakdown=True,
+                                         logits_dim=vocab)
+        parameters = _parameters(model)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        del model, opt, batch
+    return _estimate(setup, step, parameters, trainable)
+
+
+def _with_vocab(setup: RunSetup, vocab: int) -> RunSetup:
+    from dataclasses import replace
+
+    return replace(setup, model=replace(setup.model, vocab_size=vocab))
+
+
+def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryEstimate:
+    """StepMemory -> MemoryEstimate. Untagged bytes at the peak are activations (forward and
+    backward) or optimizer-step temporaries (reported under "optimizer", as estimate_memory
+    does); the batch's input ids and labels count as activations."""
+    b = step.breakdown
+    phase = "optimizer_step" if step.peak_phase == "optimizer_step" else "forward_backward"
+    other = b.get("other", 0)
+    parts = dict(weights=b.get("weights", 0), gradients=b.get("gradients", 0),
+                 optimizer=b.get("optimizer", 0) + (other if phase == "optimizer_step" else 0),
+                 activations=b.get("inputs", 0) + (0 if phase == "optimizer_step" else other),
+                 logits=b.get("logits", 0))
+    tensors = sum(parts.values())
+    ov = cuda_overheads()
+    cuda = setup.device == "cuda"
+    parts["cuda_context"] = ov.context_bytes if cuda else 0
+    parts["allocator"] = int(ov.allocator_fraction * tensors) if cuda else 0
+    breakdown = {k: int(parts[k]) for k in BREAKDOWN_KEYS}
+    process = 2 * 2**30  # as estimate_memory: torch + CUDA libraries, idle RSS
+    peak = sum(breakdown.values())
+    return MemoryEstimate(
+        parameters=parameters, trainable_parameters=trainable, peak_bytes=peak,
+        breakdown=breakdown, peak_phase=phase,
+        cpu_ram_bytes=peak + process if not cuda else process,
+        persistent_bytes=step.start_bytes,
+    )
+
+
+__all__ = ["simulate_memory", "unsupported"]
