@@ -126,6 +126,7 @@ def plan(
     json_: JsonOpt = False,
     check: Annotated[bool, typer.Option("--check", help="Exit 0 if the plan fits, 1 if not.")] = False,
     list_models: Annotated[bool, typer.Option("--list-models", help="List the models known without a download.")] = False,
+    simulate: Annotated[bool, typer.Option("--simulate", help="Also run the chosen plan's real training step on fake tensors (exact peak, no allocation; imports torch, ~5-15 s for 7B). Accepts any config.json transformers can build.")] = False,
 ) -> None:
     """Predict peak memory and pick the cheapest memory techniques that fit the budget.
 
@@ -143,6 +144,9 @@ def plan(
         from lowvram.recipe import load_recipe
 
         r = load_recipe(recipe, set_ or [])
+    model_ref = model or (_recipe_model_ref(r) if r else None)
+    if simulate and model_ref:
+        _register_for_simulation(model_ref)
     result = resolve.make_plan(
         r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
         precision=precision, quant=quant, optim=optim, loss=loss, attn=attn, batch_size=batch_size,
@@ -156,9 +160,35 @@ def plan(
         if check:
             raise typer.Exit(1)
         return
-    report.show_plan(choice_to_dict(result), as_json=json_)
+    data = choice_to_dict(result)
+    if simulate:
+        from lowvram.plan.simulate import simulate_plan
+
+        data["simulated"] = simulate_plan(result.chosen.setup, model_ref, data["peak_bytes"])
+    report.show_plan(data, as_json=json_)
     if check and not result.fits:
         raise typer.Exit(1)
+
+
+def _recipe_model_ref(r) -> str:
+    local = r.resolve_path(r.model.name_or_path)
+    return str(local) if local.exists() else r.model.name_or_path
+
+
+def _register_for_simulation(model_ref: str) -> None:
+    """--simulate accepts a config.json lowvram's reader cannot interpret: read it through
+    transformers instead (torch is imported only with --simulate)."""
+    from lowvram.errors import ModelError
+    from lowvram.plan.models import register_spec, resolve_model
+    from lowvram.plan.simulate import local_config, spec_from_transformers
+
+    try:
+        resolve_model(model_ref)
+    except ModelError:
+        cfg = local_config(model_ref)
+        if cfg is None:
+            raise
+        register_spec(model_ref, spec_from_transformers(cfg, Path(model_ref).name))
 
 
 @app.command()

@@ -197,14 +197,23 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     c.print(t)
 
     peak = data["peak_bytes"]
+    sim = data.get("simulated")  # `lowvram plan --simulate`
     b = Table(title=f"Peak memory ({data['peak_phase'].replace('_', ' ')})")
     b.add_column("component")
     b.add_column("size", justify="right")
+    if sim:
+        b.add_column("simulated", justify="right")
     b.add_column("")
     for name, value in data["breakdown"].items():
-        b.add_row(name, gib(value), _bar(value, peak))
-    b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", "")
+        extra = [gib(sim["breakdown"].get(name, 0))] if sim else []
+        b.add_row(name, gib(value), *extra, _bar(value, peak))
+    extra = [f"[bold]{gib(sim['peak_bytes'])}[/bold]"] if sim else []
+    b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", *extra, "")
     c.print(b)
+    if sim:
+        c.print(f"simulated (the real step on fake tensors, {sim['seconds']:.1f} s): peak "
+                f"{gib(sim['peak_bytes'])} ({sim['peak_phase'].replace('_', ' ')}); analytic "
+                f"{gib(sim['analytic_peak_bytes'])}, {100 * sim['difference']:+.2f}% vs simulated")
     head = data["headroom_bytes"]
     if data["fits"]:
         c.print(f"[green]fits[/green]: peak {gib(peak)} of {gib(data['budget_bytes'])} budget, "

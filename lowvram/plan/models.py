@@ -267,9 +267,21 @@ def _hub_cache_config(hub_id: str) -> Path | None:
     return found[-1] if found else None
 
 
+# Specs registered in this process for names the resolver cannot read itself (e.g. `lowvram
+# plan --simulate` on a config.json whose fields only transformers can interpret).
+_REGISTERED: dict[str, ModelSpec] = {}
+
+
+def register_spec(name_or_path: str, spec: ModelSpec) -> None:
+    """Make ``resolve_model(name_or_path)`` answer ``spec`` in this process."""
+    _REGISTERED[name_or_path.strip()] = spec
+
+
 def resolve_model(name_or_path: str) -> ModelSpec:
     """Catalog name/alias/hub id (case-insensitive), a folder or config.json, or a cached hub id."""
     key = name_or_path.strip()
+    if key in _REGISTERED:
+        return _REGISTERED[key]
     if key.lower() in _aliases():
         return _from_catalog(_aliases()[key.lower()])
     path = Path(key).expanduser()

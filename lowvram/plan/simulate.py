@@ -27,6 +27,7 @@ from lowvram.plan.memory import (
     cuda_overheads,
     validate_setup,
 )
+from lowvram.plan.models import count_parameters
 
 
 def unsupported(setup: RunSetup) -> list[str]:
@@ -176,8 +177,11 @@ def _build_model(setup: RunSetup, config, mode):
         try:
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         except (ValueError, KeyError, TypeError) as e:
-            raise LowvramError(f"transformers cannot build this config: {e}",
-                               "pass a causal LM's config.json (AutoModelForCausalLM)") from None
+            hint = ("this architecture has no SDPA in transformers: add --attn eager"
+                    if "attention implementation" in str(e)
+                    else "pass a causal LM's config.json (AutoModelForCausalLM)")
+            raise LowvramError(f"transformers cannot build this config: {str(e)[:200]}",
+                               hint) from None
         if setup.quantization != "none":
             compute = torch.bfloat16 if setup.precision != "fp32" else torch.float32
             _quantize_4bit(model, setup, dtype, compute)
@@ -234,16 +238,33 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
     if problems:
         raise LowvramError("cannot simulate this setup: " + "; ".join(problems),
                            "use `lowvram plan` without --simulate for the analytic estimate")
+    from dataclasses import replace
+
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lowvram.measure import autocast_dtype, build_optimizer, make_batch, measure_training_step
+    from lowvram.train.model import quiet_libraries
+
+    quiet_libraries()
+    # From the second micro-step on, every micro-step holds the same tensors (the gradients of
+    # the first are alive): two micro-steps give the peak of any accumulation count.
+    setup = replace(setup, grad_accum=min(setup.grad_accum, 2))
 
     if setup.optimizer in ("adamw_8bit", "paged_adamw_8bit") or setup.quantization == "nf4-dq":
         _fill_bnb_maps()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with _fake_friendly():
         model = _build_model(setup, config, mode)
+        parameters = _parameters(model)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        base = parameters - (trainable if setup.lora else 0)
+        if config is None and base != count_parameters(setup.model):
+            raise LowvramError(
+                f"cannot simulate {setup.model.name}: its catalog shape rebuilt as a "
+                f"{setup.model.model_type} model has {base:,} parameters, not "
+                f"{count_parameters(setup.model):,}",
+                "pass the model's config.json folder: --model path/to/folder --simulate")
         # [W4] bnb 8-bit optimizers: construct outside fake mode, maps filled with real tensors
         opt = build_optimizer(model, setup.optimizer)
         if hasattr(opt, "fill_qmap"):
@@ -256,8 +277,6 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
             step = measure_training_step(model, opt, batch, autocast_dtype=autocast_dtype(setup),
                                          grad_accum=setup.grad_accum, breakdown=True,
                                          logits_dim=vocab)
-        parameters = _parameters(model)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         del model, opt, batch
     return _estimate(setup, step, parameters, trainable)
 
@@ -295,4 +314,90 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
     )
 
 
-__all__ = ["simulate_memory", "unsupported"]
+# --------------------------------------------------------------------------------------------
+# `lowvram plan --simulate`
+
+
+def local_config(model_ref: str | None) -> dict | None:
+    """The config.json dict of a local folder or file (None for catalog names and hub ids)."""
+    import json
+    from pathlib import Path
+
+    if not model_ref:
+        return None
+    path = Path(model_ref).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file() or path.suffix != ".json":
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def spec_from_transformers(cfg: dict, name: str):
+    """A ModelSpec for a config.json lowvram's reader does not understand, through the
+    transformers config class (its attribute_map maps e.g. n_embd -> hidden_size). The analytic
+    estimate from it is approximate; the simulation builds the real model from ``cfg``."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from lowvram.plan.models import ModelSpec, spec_from_config
+
+    if "model_type" not in cfg:
+        raise LowvramError(f"{name}: config.json has no model_type",
+                           "transformers needs model_type to build the model")
+    try:
+        c = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"})
+    except (ValueError, KeyError, TypeError) as e:
+        raise LowvramError(f"{name}: transformers cannot read this config: {e}",
+                           "pass a causal LM's config.json") from None
+    tc = c.get_text_config() if hasattr(c, "get_text_config") else c
+
+    def get(*keys):
+        for k in keys:
+            v = getattr(tc, k, None)
+            if isinstance(v, int):
+                return v
+        return None
+
+    h = get("hidden_size", "n_embd", "d_model")
+    heads = get("num_attention_heads", "n_head")
+    if h is None or heads is None:
+        raise LowvramError(f"{name}: no hidden size / attention heads in the config",
+                           "pass a decoder-only causal LM's config.json")
+    flat = dict(model_type=cfg["model_type"], hidden_size=h, num_attention_heads=heads,
+                num_hidden_layers=get("num_hidden_layers", "n_layer", "num_layers"),
+                vocab_size=get("vocab_size"),
+                intermediate_size=get("intermediate_size", "n_inner", "ffn_dim") or 4 * h,
+                num_key_value_heads=get("num_key_value_heads") or heads,
+                head_dim=get("head_dim") or h // heads,
+                tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)),
+                max_position_embeddings=get("max_position_embeddings", "n_positions") or 2048)
+    spec = spec_from_config(flat, name)
+    return replace(spec, hf_id=None) if isinstance(spec, ModelSpec) else spec
+
+
+def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: int) -> dict:
+    """The ``simulated`` object of `lowvram plan --simulate --json` (bytes; report.py renders)."""
+    import time
+
+    t0 = time.perf_counter()
+    sim = simulate_memory(setup, local_config(model_ref))
+    return {
+        "peak_bytes": sim.peak_bytes,
+        "peak_phase": sim.peak_phase,
+        "breakdown": dict(sim.breakdown),
+        "analytic_peak_bytes": analytic_peak_bytes,
+        "difference": round((analytic_peak_bytes - sim.peak_bytes) / sim.peak_bytes, 5),
+        "parameters": sim.parameters,
+        "trainable_parameters": sim.trainable_parameters,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+__all__ = ["local_config", "simulate_memory", "simulate_plan", "spec_from_transformers",
+           "unsupported"]
