@@ -97,3 +97,50 @@ def test_count_matches_transformers_model(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(spec))
     assert sum(p.numel() for p in model.parameters()) == count_parameters(spec)
+
+
+# Hub ids with suffixes (-Instruct, Meta- prefix, v0.2) resolve to the right shape; exact counts
+# (model cards / safetensors metadata; SmolLM2 checked against the real weights below).
+HUB_IDS = [
+    ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b", 8_030_261_248),
+    ("meta-llama/Meta-Llama-3-8B-Instruct", "llama-3-8b", 8_030_261_248),
+    ("Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-0.5b", 494_032_768),
+    ("Qwen/Qwen2.5-1.5B-Instruct", "qwen2.5-1.5b", 1_543_714_304),
+    ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b", 7_615_616_512),
+    ("mistralai/Mistral-7B-Instruct-v0.2", "mistral-7b-instruct-v0.2", 7_241_732_096),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m", 134_515_008),
+]
+
+
+@pytest.mark.parametrize("hub_id,name,count", HUB_IDS)
+def test_instruct_hub_ids_resolve_with_exact_counts(hub_id, name, count):
+    spec = resolve_model(hub_id)
+    assert spec.name == name and count_parameters(spec) == count
+    assert resolve_model(hub_id.rsplit("/", 1)[-1].upper()).name == name  # bare name, any case
+
+
+def test_mistral_v02_is_the_v01_shape_with_rope_theta_1e6():
+    a, b = resolve_model("mistral-7b-instruct-v0.2"), resolve_model("mistral-7b")
+    assert a.rope_theta == 1e6 and b.rope_theta == 1e4
+    assert count_parameters(a) == count_parameters(b)
+
+
+def test_smollm2_count_matches_the_real_weights():
+    import struct
+    from pathlib import Path
+
+    found = sorted(Path.home().glob(".cache/lowvram/gguf/*/model.safetensors"))
+    if not found:
+        pytest.skip("no GGUF-converted SmolLM2 folder (run the quickstart once)")
+    raw = found[0].read_bytes()[:8]
+    with found[0].open("rb") as f:
+        f.seek(8)
+        header = json.loads(f.read(struct.unpack("<Q", raw)[0]))
+    numel = 0
+    for key, t in header.items():
+        if key != "__metadata__":
+            n = 1
+            for d in t["shape"]:
+                n *= d
+            numel += n
+    assert numel == count_parameters(resolve_model("smollm2-135m")) == 134_515_008
