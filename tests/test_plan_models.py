@@ -144,3 +144,23 @@ def test_smollm2_count_matches_the_real_weights():
                 n *= d
             numel += n
     assert numel == count_parameters(resolve_model("smollm2-135m")) == 134_515_008
+
+
+def test_gguf_only_folder_reads_the_architecture_from_metadata():
+    import time
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"
+    if not any(folder.glob("*.gguf")):
+        pytest.skip("quickstart GGUF not linked (make demo)")
+    t0 = time.perf_counter()
+    spec = resolve_model(str(folder))
+    assert time.perf_counter() - t0 < 1.0  # metadata only, no tensor data
+    assert count_parameters(spec) == 134_515_008 and spec.tie_word_embeddings
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.rope_theta) == (30, 3, 64, 1e5)
+
+
+def test_broken_gguf_is_a_model_error(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(LowvramError, match="GGUF metadata"):
+        resolve_model(str(tmp_path))
