@@ -21,7 +21,7 @@ OPTIM_NAMES = {
 
 def output_dir(recipe) -> Path:
     """training.output_dir, relative to the recipe file (like data paths)."""
-    return recipe.resolve_path(recipe.training.output_dir)
+    return recipe.resolve_path(recipe.training.output_dir).resolve()
 
 
 def precision_flags(plan) -> dict:
