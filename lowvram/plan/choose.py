@@ -29,6 +29,16 @@ from lowvram.report import gib
 MARGIN_FRACTION = 0.05
 MIN_MARGIN_BYTES = 256 * 2**20
 
+# Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
+# communication (~1.2x, techniques.OFFLOAD_SLOWDOWN), about what gradient checkpointing costs; so
+# it is tried right after checkpointing, before the 8-bit optimizer, LoRA and a quantized base.
+# Offload to CPU RAM (fsdp-offload) stays on the last tier. FSDP2 comes before DeepSpeed ZeRO-3:
+# the same memory (ZeRO-3 = FSDP full shard, 16P/N) and it needs nothing beyond torch.
+TIER_SHARD = tq.TIER_CHECKPOINTING + 0.5
+SHARDED = ("zero2", "zero3", "fsdp")
+SHARDED_OFFLOAD = ("zero2-offload", "zero3-offload", "fsdp-offload")
+MULTI_GPU_OFFLOADS = ["none", "fsdp", "fsdp-offload"]
+
 # Longest micro-batch the max_micro_batch_size search tries.
 _MAX_MICRO_BATCH = 4096
 
@@ -96,7 +106,7 @@ class PlanRequest:
 class Candidate:
     setup: RunSetup
     estimate: MemoryEstimate
-    tier: int
+    tier: float
     slowdown: float  # step time relative to bf16 + SDPA + full fine-tuning, largest micro-batch
     fits: bool
 
@@ -220,8 +230,14 @@ def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
-        "offload": pick("offload", ["none", "optimizer", "full"] if on_gpu else ["none"]),
+        "offload": pick("offload", _auto_offloads(req, on_gpu)),
     }
+
+
+def _auto_offloads(req: PlanRequest, on_gpu: bool) -> list[str]:
+    if not on_gpu:
+        return ["none"]  # a CPU run (several processes: DDP over gloo)
+    return MULTI_GPU_OFFLOADS if req.gpus > 1 else ["none", "optimizer", "full"]
 
 
 def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
@@ -265,6 +281,8 @@ def _candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Esti
     est = estimate(setup)
     largest = _largest_micro(req)
     tier = tq.setup_tier(setup)
+    if setup.offload in SHARDED and setup.gpus > 1:
+        tier = max(tq.setup_tier(replace(setup, offload="none")), TIER_SHARD)
     if setup.micro_batch_size < largest:
         tier = max(tier, tq.TIER_MICRO_BATCH)
     return Candidate(setup, est, tier, tq.setup_slowdown(setup, largest), _fits(est, budget))
@@ -316,12 +334,13 @@ def _to_plan(c: Candidate, budget: Budget, reasons: dict[str, str]) -> Plan:
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
         loss=s.loss, gpus=s.gpus, reasons=reasons, predicted_peak_bytes=c.peak_bytes,
         budget_bytes=budget.usable_bytes, breakdown=dict(c.estimate.breakdown),
+        host_ram_bytes=c.estimate.cpu_ram_bytes,
     )
 
 
 def _alternatives(cands: list[Candidate], chosen: Candidate) -> tuple[Candidate, ...]:
     """The best candidate of each tier other than the chosen one (fitting first)."""
-    best: dict[int, Candidate] = {}
+    best: dict[float, Candidate] = {}
     for c in cands:
         cur = best.get(c.tier)
         if cur is None or (not c.fits, _rank(c)) < (not cur.fits, _rank(cur)):
@@ -600,12 +619,40 @@ def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator
     # offload
     if req.fixed("offload"):
         r["offload"] = fixed("offload") or "set"
+    elif s.gpus > 1 and s.offload in SHARDED + SHARDED_OFFLOAD:
+        r["offload"] = _shard_reason(c, estimate, limit)
     elif s.offload != "none":
         r["offload"] = (f"{s.offload}: {without(('weights', 'optimizer'), offload='none')}; "
                         f"{tq.percent(tq.OFFLOAD_SLOWDOWN[s.offload])}; needs {gib(c.estimate.cpu_ram_bytes)} CPU RAM")
     else:
         r["offload"] = "none: everything stays on the GPU" if budget.device != "cpu" else "none: CPU run"
+        if s.gpus > 1:
+            r["offload"] = (f"none (DDP): each of {s.gpus} {'processes' if budget.device == 'cpu' else 'GPUs'} "
+                            f"holds a full copy; peak {gib(c.peak_bytes)} per "
+                            f"{'process' if budget.device == 'cpu' else 'GPU'} fits")
     return r
+
+
+def _shard_reason(c: Candidate, estimate: Estimator, limit: int) -> str:
+    """Why the model states are sharded (and offloaded): the per-GPU peak one step cheaper."""
+    s = c.setup
+    cheaper = {"fsdp": "none", "zero3": "none", "zero2": "none", "fsdp-offload": "fsdp",
+               "zero3-offload": "zero3", "zero2-offload": "zero2"}[s.offload]
+    other = estimate(replace(s, offload=cheaper))
+    what = "DDP (a full copy per GPU)" if cheaper == "none" else f"{cheaper} without CPU offload"
+    verdict = ">" if other.peak_bytes > limit else "<="
+    how = {"fsdp": "FSDP2 full shard: weights, gradients and optimizer state split over",
+           "zero3": "DeepSpeed ZeRO-3: weights, gradients and optimizer state split over",
+           "zero2": "DeepSpeed ZeRO-2: gradients and optimizer state split over"}
+    base = s.offload.removesuffix("-offload")
+    text = (f"{s.offload}: {how[base]} {s.gpus} GPUs, {gib(c.peak_bytes)} per GPU; "
+            f"{what} would peak at {gib(other.peak_bytes)} {verdict} budget {gib(limit)}; "
+            f"{tq.percent(tq.OFFLOAD_SLOWDOWN[s.offload])}")
+    if s.offload in SHARDED_OFFLOAD:
+        text += f"; needs {gib(c.estimate.cpu_ram_bytes)} CPU RAM per GPU process"
+    if base == "fsdp":
+        text += "; needs nothing beyond torch (zero3 would need deepspeed)"
+    return text
 
 
 __all__ = [

@@ -419,7 +419,9 @@ def _shard(setup: RunSetup, weights: int, grads: int, optim: int) -> tuple[int, 
     if o in ("zero3-offload", "fsdp-offload", "full"):
         host += weights
         weights = 0
-    return weights, grads, optim, host
+    # Each rank offloads only its own partition (ZeRO-Offload / FSDP CPU offload): host RAM per
+    # process is 1/N of the offloaded states.
+    return weights, grads, optim, host // n
 
 
 def _check(setup: RunSetup) -> None:

@@ -37,6 +37,7 @@ class Plan:
     predicted_peak_bytes: int | None = None
     budget_bytes: int | None = None
     breakdown: dict[str, int] = field(default_factory=dict)
+    host_ram_bytes: int | None = None  # predicted host RAM per training process (offload, libraries)
 
     @property
     def effective_batch(self) -> int:
