@@ -220,6 +220,77 @@ def version() -> None:
     typer.echo(__version__)
 
 
+RunArg = Annotated[Path, typer.Argument(help="A run folder (training.output_dir of `lowvram train`).", show_default=False, metavar="RUN_DIR")]
+
+
+@app.command()
+@handle_errors
+def merge(
+    run_dir: RunArg,
+    out: Annotated[Path, typer.Option("--out", help="Folder for the merged model (new or empty).", show_default=False, metavar="DIR")],
+    dtype: Annotated[str, _opt("--dtype", "auto (the run's weight dtype; a 4/8-bit base: its compute dtype) | bfloat16 | float16 | float32.", "D")] = "auto",
+    json_: JsonOpt = False,
+) -> None:
+    """Merge a run's LoRA adapter into its base model and save a plain transformers folder."""
+    from lowvram import report
+    from lowvram.train.merge import merge_run, plan_merge
+
+    mp = plan_merge(run_dir, out, dtype=dtype)
+    if not json_:
+        report.show_merge_plan(mp)
+    report.show_merge_result(merge_run(mp), as_json=json_)
+
+
+@app.command()
+@handle_errors
+def generate(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder, a checkpoint or a merged folder.", show_default=False, metavar="RUN_DIR")],
+    prompt: Annotated[str | None, _opt("--prompt", "Text to answer.", "TEXT")] = None,
+    interactive: Annotated[bool, typer.Option("--interactive", help="Chat in the terminal (/reset forgets, /exit ends).")] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Most tokens to generate.", min=1)] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (0 = greedy).", min=0.0)] = 0.7,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Always take the most likely token (deterministic).")] = False,
+    format_: Annotated[str, typer.Option("--format", help="auto | chat | alpaca | raw (auto: the run's training format, else the chat template).")] = "auto",
+) -> None:
+    """Load a trained model and stream its answer to a prompt (or chat with --interactive)."""
+    from lowvram import report
+    from lowvram.errors import UsageError
+    from lowvram.train.generate import GenerationSettings, chat_loop, load_generator, stream_reply
+
+    if (prompt is None) == (not interactive):
+        raise UsageError("pass --prompt TEXT or --interactive (one of them)", 'e.g. lowvram generate runs/quickstart --prompt "Hello"')
+    settings = GenerationSettings(max_new_tokens, temperature, greedy)
+    gen = load_generator(run_dir, prompt_format=format_)
+    report.show_generator(gen)
+    if interactive:
+        chat_loop(gen, settings, input, report.write_stream)
+        return
+    report.stream_text(stream_reply(gen, [{"role": "user", "content": prompt}], settings))
+
+
+@app.command()
+@handle_errors
+def runs(
+    folder: Annotated[Path, typer.Argument(help="Folder with run folders (or one run).", metavar="[DIR]")] = Path("runs"),
+    json_: JsonOpt = False,
+) -> None:
+    """List runs: recipe, model, techniques, predicted vs measured peak, final loss, status."""
+    from lowvram import report
+    from lowvram.runs import list_runs
+
+    report.show_runs(list_runs(folder), folder, as_json=json_)
+
+
+@app.command()
+@handle_errors
+def show(run_dir: RunArg, json_: JsonOpt = False) -> None:
+    """One run in detail: recipe, plan and reasons, metrics, loss curve, checkpoints."""
+    from lowvram import report
+    from lowvram.runs import read_run
+
+    report.show_run(read_run(run_dir), as_json=json_)
+
+
 def main() -> None:
     try:
         app()

@@ -140,7 +140,9 @@ class TrainingSection(_Section):
     save_total_limit: int = Field(2, gt=0, description="Keep at most this many checkpoints.")
     output_dir: str = Field("runs/run", description="Where the adapter/model, metrics and checkpoints go.")
     report_to: Literal["none", "tensorboard", "wandb"] = Field(
-        "none", description="Experiment tracker for the Trainer's logs."
+        "tensorboard",
+        description="Experiment tracker for the Trainer's logs (tensorboard: logs in output_dir/runs; "
+        "`tensorboard --logdir OUTPUT_DIR`).",
     )
 
     @field_validator("micro_batch_size")

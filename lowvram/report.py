@@ -99,9 +99,15 @@ def show_train_result(result, as_json: bool = False) -> None:
     if m.get("load_s") is not None:
         cache = {True: " (GGUF cache)", False: " (GGUF converted, cached now)"}.get(m.get("gguf_cache_hit"), "")
         rows.append(("model load", f"{m['load_s']:.1f} s{cache}"))
+    if m.get("loss_history"):
+        from lowvram.runs import sparkline
+
+        rows.append(("loss curve", sparkline([v for _, v in m["loss_history"]])))
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
     console().print(t)
+    if (Path(result.output_dir) / "loss.png").is_file():
+        console().print(f"loss plot: {Path(result.output_dir) / 'loss.png'}", markup=False)
 
 
 def _mem(n: int | None) -> str:
@@ -303,3 +309,155 @@ def show_models(rows: list[tuple[str, str, int]], as_json: bool = False) -> None
     for n, h, p in rows:
         t.add_row(n, h or "-", f"{p / 1e9:.2f}B")
     console().print(t)
+
+# --------------------------------------------------------------------------------------------
+# After training: `lowvram merge`, `generate`, `runs`, `show`
+
+
+def show_merge_plan(mp) -> None:
+    """Printed before anything is loaded: what will be merged, where, and the memory it needs."""
+    c = console(stderr=True)
+    c.print(f"merge: {mp.run_dir} + base {mp.base.source} (found via {mp.base.found_via})", markup=False)
+    params = f"{mp.parameters:,} parameters" if mp.parameters is not None else "parameters unknown"
+    where = "GPU" if mp.device == "cuda" else "CPU"
+    c.print(f"needs {_mem(mp.needed_bytes)} ({params} x {mp.dtype} + adapter {_mem(mp.adapter_bytes)}) "
+            f"on the {where}; host RAM available {_mem(mp.host_available_bytes)}"
+            + (f", GPU free {_mem(mp.gpu_free_bytes)}" if mp.gpu_free_bytes is not None else ""), markup=False)
+    for note in mp.notes:
+        c.print(f"note: {note}", markup=False)
+
+
+def show_merge_result(result, as_json: bool = False) -> None:
+    if as_json:
+        print_json(result.to_dict())
+        return
+    c = console()
+    c.print(f"[green]merged[/green] into {result.out_dir} in {result.seconds:.1f} s "
+            f"(process peak RSS {_mem(result.peak_rss_bytes)})")
+    c.print(f"files: {', '.join(result.files)}", markup=False)
+    c.print(f"load it with AutoModelForCausalLM.from_pretrained({result.out_dir!r}), "
+            f"or: lowvram generate {result.out_dir} --prompt ...", markup=False)
+
+
+def show_generator(gen) -> None:
+    """On stderr, so stdout carries only the generated text."""
+    console(stderr=True).print(f"model: {gen.source} on {gen.device}; prompt format: {gen.prompt_format}",
+                               markup=False, style="dim")
+
+
+def write_stream(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def stream_text(chunks) -> None:
+    for chunk in chunks:
+        write_stream(chunk)
+    write_stream("\n")
+
+
+def _runs_techniques(t: dict) -> str:
+    parts = [str(t.get("mixed_precision", "?"))]
+    parts.append("LoRA" if t.get("lora") else "full")
+    if t.get("quantization", "none") != "none":
+        parts.append(str(t["quantization"]))
+    if t.get("gradient_checkpointing"):
+        parts.append("checkpointing")
+    if t.get("optimizer", "adamw") != "adamw":
+        parts.append(str(t["optimizer"]))
+    if t.get("offload", "none") != "none":
+        parts.append(f"offload {t['offload']}")
+    if t.get("loss", "standard") != "standard":
+        parts.append(f"{t['loss']} loss")
+    return ", ".join(parts)
+
+
+_STATUS_STYLE = {"finished": "green", "interrupted": "yellow", "failed": "red"}
+
+
+def show_runs(runs, folder, as_json: bool = False) -> None:
+    if as_json:
+        print_json([r.to_dict(full=False) for r in runs])
+        return
+    c = console()
+    if not runs:
+        c.print(f"no runs in {folder} (a run folder holds recipe.yaml and plan.json)", markup=False)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"Runs in {folder} (peak memory: predicted / measured)")
+    t.add_column("run", no_wrap=True)
+    t.add_column("recipe")
+    t.add_column("model")
+    t.add_column("techniques")
+    t.add_column("peak", justify="right")
+    t.add_column("loss", justify="right", no_wrap=True)
+    t.add_column("time", justify="right", no_wrap=True)
+    t.add_column("status", no_wrap=True)
+    for r in runs:
+        style = _STATUS_STYLE.get(r.status, "")
+        t.add_row(_relative(r.path, folder), r.recipe_name, Path(r.model).name or r.model, _runs_techniques(r.techniques),
+                  f"{_mem(r.predicted_peak_bytes)} / {_mem(r.measured_peak_bytes)}", _f(r.final_loss, 3),
+                  f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
+                  f"[{style}]{r.status}[/{style}]" if style else r.status)
+    c.print(t)
+
+
+def _relative(path: str, folder) -> str:
+    try:
+        return str(Path(path).relative_to(folder)) if Path(path) != Path(folder) else str(path)
+    except ValueError:
+        return str(path)
+
+
+def show_run(r, as_json: bool = False) -> None:
+    if as_json:
+        print_json(r.to_dict())
+        return
+    from rich.table import Table
+
+    from lowvram.runs import sparkline
+
+    c = console()
+    style = _STATUS_STYLE.get(r.status, "")
+    c.print(f"[bold]{r.path}[/bold]: [{style}]{r.status}[/{style}]" if style else f"{r.path}: {r.status}")
+    rec = r.recipe
+    tr = rec.get("training") or {}
+    ds = ", ".join(f"{d.get('path')} ({d.get('format')})" for d in (rec.get("data") or {}).get("datasets", []))
+    c.print(f"recipe: {r.recipe_path or '(not recorded)'}", markup=False)
+    c.print(f"model: {r.model}; data: {ds or '-'}; seq_len {tr.get('seq_len', '-')}, batch {tr.get('batch_size', '-')}, "
+            f"lr {tr.get('learning_rate', '-')}, max_steps {tr.get('max_steps') or '-'}", markup=False)
+    p = Table(title="Plan")
+    p.add_column("technique")
+    p.add_column("setting")
+    p.add_column("why")
+    for name, value in r.techniques.items():
+        key = "gradient_accumulation" if name == "grad_accum" else name
+        p.add_row(name, _setting(value), r.reasons.get(key, ""))
+    c.print(p)
+    m = r.metrics
+    t = Table(title="Metrics")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("steps", r.steps), ("first train loss", _f(r.first_loss)), ("final train loss", _f(r.final_loss)),
+        ("eval loss", _f(r.eval_loss)),
+        ("runtime", f"{r.runtime_s:.1f} s" if r.runtime_s is not None else None),
+        ("tokens/s", _f(m.get("tokens_per_s"), 1) if m.get("tokens_per_s") is not None else None),
+        ("peak memory (predicted)", _mem(r.predicted_peak_bytes)),
+        (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", _mem(r.measured_peak_bytes)),
+        ("trainable / total params", f"{m['trainable_params']:,} / {m['total_params']:,}"
+         if m.get("trainable_params") is not None and m.get("total_params") is not None else None),
+    ]
+    for k, v in rows:
+        t.add_row(k, "-" if v is None else str(v))
+    c.print(t)
+    if r.loss_history:
+        lo, hi = min(v for _, v in r.loss_history), max(v for _, v in r.loss_history)
+        c.print(f"loss {sparkline([v for _, v in r.loss_history])}  (steps {r.loss_history[0][0]}-"
+                f"{r.loss_history[-1][0]}, {hi:.3f} max, {lo:.3f} min)", markup=False)
+    if r.eval_history:
+        c.print("eval loss: " + ", ".join(f"step {s} {v:.3f}" for s, v in r.eval_history), markup=False)
+    c.print(f"checkpoints: {', '.join(r.checkpoints) or 'none'}", markup=False)
+    if r.files:
+        c.print(f"files: {', '.join(r.files)}", markup=False)

@@ -127,7 +127,7 @@ def test_training_args_follow_the_plan(tmp_path):
     assert args.bf16 and not args.fp16 and args.use_cpu
     assert args.activation_checkpointing and args.activation_checkpointing_kwargs == {"use_reentrant": False}
     assert args.get_warmup_steps(50) == 5 and args.max_steps == 50
-    assert args.remove_unused_columns is False and args.report_to == []
+    assert args.remove_unused_columns is False and args.report_to == ["tensorboard"]
     assert args.output_dir == str(tmp_path / "o")
     cpu_fp32 = build_training_args(recipe, resolve_fixed(recipe))
     assert not cpu_fp32.bf16 and not cpu_fp32.fp16 and not cpu_fp32.activation_checkpointing

@@ -157,8 +157,8 @@ def _peak_rss() -> int:
 # Training
 
 
-def _loss_history(log_history: list[dict]) -> list[list[float]]:
-    return [[int(e["step"]), float(e["loss"])] for e in log_history if "loss" in e and "step" in e]
+def _loss_history(log_history: list[dict], key: str = "loss") -> list[list[float]]:
+    return [[int(e["step"]), float(e[key])] for e in log_history if key in e and "step" in e]
 
 
 def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=()) -> RunResult:
@@ -189,7 +189,8 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     )
 
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / RECIPE, recipe.to_yaml())
+    # The comment names the recipe file (`lowvram runs` shows it; YAML loaders skip it).
+    write_atomic(out / RECIPE, (f"# recipe: {Path(recipe.source).resolve()}\n" if recipe.source else "") + recipe.to_yaml())
     write_atomic(out / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
 
     tracker = _memory_tracker(plan, loaded.model)
@@ -235,9 +236,23 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         "total_params": loaded.total_params,
         "resumed_from": str(checkpoint) if checkpoint else None,
         "loss_history": history,
+        "eval_history": _loss_history(trainer.state.log_history, "eval_loss"),
     }
     write_atomic(out / METRICS, json.dumps(metrics, indent=2) + "\n")
+    _plot(metrics, out)
     return RunResult(output_dir=str(out), metrics=metrics, resumed_from=str(checkpoint) if checkpoint else None)
+
+
+def _plot(metrics: dict, out: Path) -> None:
+    """loss.png next to metrics.json; a plotting problem never fails a finished run."""
+    import warnings
+
+    try:
+        from lowvram.train.plots import save_loss_plot
+
+        save_loss_plot(metrics, out)
+    except Exception as e:  # noqa: BLE001 - e.g. matplotlib missing or a bad font cache
+        warnings.warn(f"loss.png not written: {e}", stacklevel=2)
 
 
 def _oom_types() -> tuple[type[BaseException], ...]:

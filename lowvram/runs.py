@@ -1,0 +1,169 @@
+"""Find and describe finished, interrupted and failed runs (`lowvram runs`, `lowvram show`).
+
+A run folder is what `lowvram train` leaves in ``output_dir``: ``recipe.yaml`` (the resolved
+recipe), ``plan.json``, ``metrics.json`` when it finished, ``checkpoint-*`` folders. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lowvram.errors import LowvramError
+
+MARKERS = ("recipe.yaml", "plan.json")
+BLOCKS = "▁▂▃▄▅▆▇█"
+TECHNIQUE_KEYS = ("mixed_precision", "gradient_checkpointing", "grad_accum", "lora", "quantization",
+                  "optimizer", "offload", "attention", "loss")
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """Unicode blocks, one per value (evenly resampled to ``width``); min -> ▁, max -> █."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return ""
+    if len(vals) > width:  # keep the first and last value, sample evenly between them
+        vals = [vals[round(i * (len(vals) - 1) / (width - 1))] for i in range(width)]
+    lo, hi = min(vals), max(vals)
+    if hi == lo:
+        return BLOCKS[len(BLOCKS) // 2] * len(vals)
+    top = len(BLOCKS) - 1
+    return "".join(BLOCKS[round(top * (v - lo) / (hi - lo))] for v in vals)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    path: str
+    name: str
+    model: str
+    status: str  # finished | interrupted (checkpoints, no metrics.json) | failed (neither)
+    recipe_path: str | None = None
+    techniques: dict = field(default_factory=dict)
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    first_loss: float | None = None
+    final_loss: float | None = None
+    eval_loss: float | None = None
+    steps: int | None = None
+    runtime_s: float | None = None
+    checkpoints: tuple[str, ...] = ()
+    adapter: bool = False
+    loss_history: tuple[tuple[int, float], ...] = ()
+    eval_history: tuple[tuple[int, float], ...] = ()
+    reasons: dict = field(default_factory=dict)
+    files: tuple[str, ...] = ()  # loss.png, TensorBoard logs, the model files
+    recipe: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def recipe_name(self) -> str:
+        """The recipe file's name (runs written before it was recorded: the folder's name)."""
+        return Path(self.recipe_path).stem if self.recipe_path else self.name
+
+    def to_dict(self, full: bool = True) -> dict:
+        d = asdict(self)
+        d["recipe_name"] = self.recipe_name
+        if not full:
+            for k in ("recipe", "metrics", "loss_history", "eval_history", "reasons", "files"):
+                d.pop(k)
+        return d
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / m).is_file() for m in MARKERS)
+
+
+def _checkpoints(path: Path) -> tuple[str, ...]:
+    def step(p: Path) -> int:
+        tail = p.name.rpartition("-")[2]
+        return int(tail) if tail.isdigit() else -1
+
+    return tuple(p.name for p in sorted(path.glob("checkpoint-*"), key=step) if p.is_dir())
+
+
+def _status(metrics: dict, checkpoints: tuple[str, ...]) -> str:
+    if metrics.get("status"):
+        return str(metrics["status"])
+    if metrics:
+        return "finished"
+    return "interrupted" if checkpoints else "failed"
+
+
+def read_run(path: str | Path) -> RunInfo:
+    """Describe one run folder; LowvramError if it is not one."""
+    p = Path(path)
+    if not p.exists():
+        raise LowvramError(f"run folder not found: {p}", "list runs with `lowvram runs runs/`")
+    if not is_run_dir(p):
+        present = ", ".join(sorted(x.name for x in p.iterdir())[:6]) if p.is_dir() else "not a folder"
+        raise LowvramError(
+            f"{p} is not a lowvram run (no recipe.yaml or plan.json; has: {present or 'nothing'})",
+            "pass the training.output_dir of a `lowvram train` run; `lowvram runs DIR` lists them",
+        )
+    metrics = _read_json(p / "metrics.json")
+    plan = _read_json(p / "plan.json")
+    try:
+        text = (p / "recipe.yaml").read_text() if (p / "recipe.yaml").is_file() else ""
+        recipe = yaml.safe_load(text) or {}
+    except (OSError, yaml.YAMLError):
+        text, recipe = "", {}
+    # `lowvram train` writes "# recipe: /path/to/recipe.yaml" as the first line.
+    head = text.split("\n", 1)[0]
+    recipe_path = head[len("# recipe: "):].strip() if head.startswith("# recipe: ") else None
+    recipe = recipe if isinstance(recipe, dict) else {}
+    ckpts = _checkpoints(p)
+    techniques = plan.get("techniques") or {k: plan[k] for k in TECHNIQUE_KEYS if k in plan}
+    return RunInfo(
+        path=str(p), name=p.name, recipe_path=recipe_path,
+        model=str((recipe.get("model") or {}).get("name_or_path", "?")),
+        status=_status(metrics, ckpts),
+        techniques=techniques,
+        predicted_peak_bytes=metrics.get("predicted_peak_bytes", plan.get("predicted_peak_bytes")),
+        measured_peak_bytes=metrics.get("peak_memory_bytes"),
+        first_loss=metrics.get("first_loss"), final_loss=metrics.get("train_loss"),
+        eval_loss=metrics.get("eval_loss"), steps=metrics.get("steps"),
+        runtime_s=metrics.get("runtime_s"), checkpoints=ckpts,
+        adapter=(p / "adapter_config.json").is_file(),
+        loss_history=_pairs(metrics.get("loss_history")), eval_history=_pairs(metrics.get("eval_history")),
+        reasons=dict(plan.get("reasons") or {}),
+        files=tuple(n for n in ("loss.png", "runs", "adapter_model.safetensors", "model.safetensors",
+                                "model.safetensors.index.json") if (p / n).exists()),
+        recipe=recipe, metrics=metrics,
+    )
+
+
+def _pairs(rows) -> tuple[tuple[int, float], ...]:
+    out = []
+    for row in rows or ():
+        if isinstance(row, (list, tuple)) and len(row) == 2:
+            out.append((int(row[0]), float(row[1])))
+    return tuple(out)
+
+
+def list_runs(root: str | Path) -> list[RunInfo]:
+    """Every run folder at or below ``root`` (two levels deep), newest first."""
+    base = Path(root)
+    if not base.is_dir():
+        raise LowvramError(f"folder not found: {base}", "runs are written to each recipe's training.output_dir (default runs/)")
+    if is_run_dir(base):
+        return [read_run(base)]
+    found = []
+    for child in sorted(base.iterdir()):
+        if child.is_dir() and not child.name.startswith(("checkpoint-", ".")):
+            if is_run_dir(child):
+                found.append(child)
+            else:
+                found += [g for g in sorted(child.iterdir()) if g.is_dir() and is_run_dir(g)]
+    found.sort(key=lambda d: max((f.stat().st_mtime for f in d.iterdir()), default=0), reverse=True)
+    return [read_run(d) for d in found]

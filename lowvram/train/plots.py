@@ -1,0 +1,76 @@
+"""``loss.png`` at the end of a run: train and eval loss over steps (and memory, when measured).
+
+matplotlib with the Agg backend (no display needed); imported inside the function so that
+``lowvram --help`` and plan-only commands never pay for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LOSS_PNG = "loss.png"
+
+
+def save_loss_plot(metrics: dict, out_dir: str | Path, name: str = LOSS_PNG) -> Path | None:
+    """Write ``out_dir/loss.png`` from metrics.json's histories; None if there is nothing to plot.
+
+    Reads ``loss_history`` and ``eval_history`` (``[[step, loss], ...]``) and, if present,
+    ``memory_history`` (``[[step, bytes], ...]``) for a second panel.
+    """
+    train = metrics.get("loss_history") or []
+    evals = metrics.get("eval_history") or []
+    if not evals and metrics.get("eval_loss") is not None and metrics.get("steps"):
+        evals = [[metrics["steps"], metrics["eval_loss"]]]  # runs from before eval_history was kept
+    memory = metrics.get("memory_history") or []
+    if not train and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    panels = 2 if memory else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels + 0.6), squeeze=False, dpi=100)
+    ax = axes[0][0]
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], marker="." if len(train) < 50 else None,
+                label="train loss", color="tab:blue")
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", label="eval loss", color="tab:orange")
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(_title(metrics, Path(out_dir).name))
+    if memory:
+        mx = axes[1][0]
+        mx.plot([s for s, _ in memory], [b / 2**30 for _, b in memory], color="tab:green", label="memory")
+        predicted = metrics.get("predicted_peak_bytes")
+        if predicted:
+            mx.axhline(predicted / 2**30, color="tab:red", linestyle="--", label="predicted peak")
+        mx.set_xlabel("step")
+        mx.xaxis.set_major_locator(MaxNLocator(integer=True))
+        mx.set_ylabel("GiB")
+        mx.grid(alpha=0.3)
+        mx.legend()
+    fig.tight_layout()
+    path = Path(out_dir) / name
+    tmp = path.with_name(f".{name}.tmp.png")
+    try:
+        fig.savefig(tmp, format="png")
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _title(metrics: dict, run: str) -> str:
+    parts = [run]
+    if metrics.get("train_loss") is not None:
+        parts.append(f"final train loss {metrics['train_loss']:.3f}")
+    if metrics.get("eval_loss") is not None:
+        parts.append(f"eval {metrics['eval_loss']:.3f}")
+    return ", ".join(parts)
