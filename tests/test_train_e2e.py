@@ -177,3 +177,48 @@ def test_missing_gguf_file(tmp_path, tiny_model_dir):
     result = train(str(recipe))
     assert result.exit_code == 1, result.output
     assert "error: GGUF file not found" in result.output and "nope.gguf" in result.output
+
+
+def test_unknown_hub_id_offline(tmp_path):
+    recipe = write_recipe(tmp_path, "nobody-here/no-such-model-xyz")
+    result = train(str(recipe))
+    assert result.exit_code == 1
+    assert "error: model not found: nobody-here/no-such-model-xyz" in result.output
+    assert "hint: check model.name_or_path" in result.output
+
+
+def _fake_state(step: int, max_steps: int = 10, tokens: int = 0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(global_step=step, max_steps=max_steps, num_input_tokens_seen=tokens)
+
+
+def test_progress_plain_lines_and_history():
+    import io
+
+    from lowvram.train.progress import ProgressCallback
+
+    stream = io.StringIO()
+    cb = ProgressCallback(tty=False, stream=stream)
+    cb.on_train_begin(None, _fake_state(0), None)
+    for step in (1, 2):
+        cb.on_step_end(None, _fake_state(step, tokens=100 * step), None)
+        cb.on_log(None, _fake_state(step, tokens=100 * step), None, logs={"loss": 3.0 - step, "learning_rate": 1e-3})
+    cb.on_log(None, _fake_state(2), None, logs={"eval_loss": 1.5})
+    cb.on_train_end(None, _fake_state(2, tokens=200), None)
+    text = stream.getvalue()
+    assert "training: 10 steps" in text and "step 2/10  loss 1.0000" in text and "eval loss 1.5000" in text
+    assert cb.losses == [(1, 2.0), (2, 1.0)] and cb.eval_losses == [(2, 1.5)]
+    assert cb.session_tokens() == 200
+
+
+def test_progress_bar_on_a_terminal():
+    from lowvram.train.progress import ProgressCallback
+
+    cb = ProgressCallback(tty=True)
+    cb.on_train_begin(None, _fake_state(3), None)  # resumed at step 3
+    assert cb._progress is not None
+    cb.on_log(None, _fake_state(4), None, logs={"loss": 2.0})
+    cb.on_step_end(None, _fake_state(4, tokens=50), None)
+    cb.on_train_end(None, _fake_state(10, tokens=80), None)
+    assert cb._progress is None and cb.losses == [(4, 2.0)]

@@ -157,3 +157,12 @@ def test_offload_is_not_a_single_process_run():
     recipe = parse_recipe(RECIPE)
     with pytest.raises(LowvramError, match="offload"):
         build_training_args(recipe, replace(resolve_fixed(recipe), offload="zero3"))
+
+
+def test_pure_fp16_full_finetune_is_refused():
+    from lowvram.errors import LowvramError
+    from lowvram.train.trainer import build_training_args
+
+    recipe = parse_recipe(RECIPE)
+    with pytest.raises(LowvramError, match="fp16"):
+        build_training_args(recipe, replace(resolve_fixed(recipe), mixed_precision="fp16", lora=False))

@@ -74,6 +74,10 @@ class LoadedModel:
 # Where the model is
 
 
+_HUB_HINT = ("check model.name_or_path: a local folder with config.json, or a hub id "
+             "(downloads need network; HF_HUB_OFFLINE=1 only reads the local cache)")
+
+
 def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or not _HUB_ID.match(name)
 
@@ -259,6 +263,8 @@ def load_tokenizer(recipe, source: str):
             name or source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
         )
     except (OSError, ValueError) as e:
+        if not name and not Path(source).is_dir():  # a hub id that is not there (or not cached)
+            raise ModelError(f"model not found: {source} ({_first_line(e)})", _HUB_HINT) from None
         raise ModelError(f"cannot load the tokenizer of {name or source}: {_first_line(e)}",
                          "set model.tokenizer to a folder or hub id with a tokenizer") from None
     if tok.pad_token is None:
@@ -289,9 +295,7 @@ def load_base_model(recipe, plan, source: str):
     try:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as e:
-        raise ModelError(f"model not found: {recipe.model.name_or_path} ({_first_line(e)})",
-                         "check model.name_or_path: a local folder with config.json, or a hub id "
-                         "(downloads need network; HF_HUB_OFFLINE=1 only reads the local cache)") from None
+        raise ModelError(f"model not found: {recipe.model.name_or_path} ({_first_line(e)})", _HUB_HINT) from None
     except ImportError as e:
         raise ModelError(f"cannot load {recipe.model.name_or_path} with attention={plan.attention} / "
                          f"quantization={plan.quantization}: {_first_line(e)}",

@@ -1,5 +1,8 @@
 """Progress while training: a rich bar (step, loss, tokens/s, ETA) on a terminal, plain log lines
 otherwise. Also records the loss history and tokens seen for metrics.json.
+
+transformers is imported at module level because the callback subclasses TrainerCallback; only
+run.py imports this module, inside run_training.
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ class ProgressCallback(TrainerCallback):
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def session_tokens(self) -> int:
+        """Tokens trained in this process (a resumed run starts from the checkpoint's count)."""
+        return self.tokens_seen - self._tokens_at_start
+
     def tokens_per_s(self) -> float | None:
         elapsed = time.perf_counter() - self._t0 if self._t0 else 0.0
-        new = self.tokens_seen - self._tokens_at_start
+        new = self.session_tokens()
         return new / elapsed if elapsed > 0 and new > 0 else None
 
     def _eta(self, step: int, max_steps: int) -> str:

@@ -212,7 +212,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
 
     _save_final(trainer, loaded.tokenizer, out)
     history = _loss_history(trainer.state.log_history)
-    session_tokens = progress.tokens_seen - progress._tokens_at_start
+    session_tokens = progress.session_tokens()
     s = bundle.stats
     metrics = {
         "first_loss": history[0][1] if history else None,

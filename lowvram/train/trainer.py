@@ -40,6 +40,12 @@ def build_training_args(recipe, plan, has_eval: bool = False):
             f"offload={plan.offload} runs through `lowvram launch` (DeepSpeed/FSDP), not `lowvram train`",
             "set techniques.offload: off for a single-process run",
         )
+    if plan.mixed_precision == "fp16" and not plan.lora:
+        # fp16 weights cannot take the Trainer's loss-scaled updates (GradScaler refuses fp16 grads).
+        raise LowvramError(
+            "mixed_precision fp16 (16-bit weights) cannot train all weights",
+            "use techniques.mixed_precision: fp16-mixed (fp32 master weights), or lora: on",
+        )
     t = recipe.training
     steps = {"max_steps": t.max_steps} if t.max_steps else {"num_train_epochs": t.epochs}
     if has_eval:
