@@ -271,13 +271,17 @@ def generate(
 @app.command()
 @handle_errors
 def runs(
-    folder: Annotated[Path, typer.Argument(help="Folder with run folders (or one run).", metavar="[DIR]")] = Path("runs"),
+    folder: Annotated[Path | None, typer.Argument(help="Folder with run folders, or one run (default: runs/).", show_default=False, metavar="[DIR]")] = None,
     json_: JsonOpt = False,
 ) -> None:
     """List runs: recipe, model, techniques, predicted vs measured peak, final loss, status."""
     from lowvram import report
     from lowvram.runs import list_runs
 
+    if folder is None and not Path("runs").is_dir():  # nothing trained here yet: not an error
+        report.show_runs([], Path("runs"), as_json=json_)
+        return
+    folder = folder or Path("runs")
     report.show_runs(list_runs(folder), folder, as_json=json_)
 
 

@@ -5,6 +5,8 @@ logs, and the user errors (not a run, base model missing, merge that does not fi
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import struct
 from pathlib import Path
@@ -257,3 +259,49 @@ def test_base_model_not_found(run_dir, tmp_path):
     (moved / "recipe.yaml").write_text(recipe.replace(old, "  name_or_path: ./gone-too"))
     for command in (["merge", str(moved), "--out", str(tmp_path / "m")], ["generate", str(moved), "--prompt", "hi"]):
         assert_user_error(cli(*command), "base model of", "not found", "gone-too")
+
+
+def test_merge_qlora_run_loads_the_base_dequantized(tmp_path, tiny_model_dir):
+    """An NF4 (QLoRA) run merges into the full-precision base: no quantization_config, and the
+    same logits as that base + the adapter."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=2, techniques="lora: on, quantization: nf4")
+    assert cli("train", str(recipe)).exit_code == 0
+    run = tmp_path / "out"
+    assert json.loads((run / "plan.json").read_text())["quantization"] == "nf4"
+    result = cli("merge", str(run), "--out", str(tmp_path / "merged"))
+    assert result.exit_code == 0, result.output
+    assert "loaded dequantized in float32" in result.output
+    assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 300]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    adapted = _logits(PeftModel.from_pretrained(base, str(run)).eval(), ids)
+    merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval(), ids)
+    torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# The README's "Using the result" commands, run as written on a tiny run copied to runs/quickstart
+
+
+def readme_after_training_commands() -> list[str]:
+    from tests.conftest import REPO
+
+    section = (REPO / "README.md").read_text().split("## Using the result", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:sh|text)\n(.*?)```", section, re.S)
+    return [line.split("  #", 1)[0].strip() for b in blocks for line in b.splitlines() if line.startswith("lowvram ")]
+
+
+def test_readme_using_the_result(run_dir, tmp_path, monkeypatch):
+    cmds = readme_after_training_commands()
+    assert {c.split()[1] for c in cmds} == {"runs", "show", "generate", "merge"}
+    shutil.copytree(run_dir, tmp_path / "runs" / "quickstart")
+    monkeypatch.chdir(tmp_path)
+    for cmd in cmds:
+        result = CliRunner().invoke(app, shlex.split(cmd)[1:], input="hello\n/exit\n")
+        assert result.exit_code == 0, (cmd, result.output)
+    assert (tmp_path / "runs" / "quickstart-merged" / "model.safetensors").is_file()
