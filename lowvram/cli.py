@@ -79,6 +79,13 @@ def train(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a finished run in output_dir.")] = False,
     vram: Annotated[str | None, typer.Option("--vram", help="Memory budget, e.g. 24GB (default: detected).")] = None,
     json_: JsonOpt = False,
+    gpus: Annotated[int, typer.Option("--gpus", min=1, help="GPUs (processes) per node; > 1 launches accelerate with DDP, FSDP or DeepSpeed as the plan chose.")] = 1,
+    nodes: Annotated[int, typer.Option("--nodes", min=1, help="Machines; run the same command on each with its --node-rank.")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This machine's rank (0 = the main node).")] = 0,
+    main_address: Annotated[str | None, typer.Option("--main-address", help="HOST:PORT of node 0 (several nodes).", metavar="HOST:PORT")] = None,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Run the processes on the CPU (gloo); the default without a GPU.")] = False,
+    rdzv_timeout: Annotated[int, typer.Option("--rdzv-timeout", min=1, help="Seconds the nodes wait for each other at start-up.")] = 300,
+    print_launch: Annotated[bool, typer.Option("--print-launch", help="Write the accelerate config into output_dir, print the launch command, do not train.")] = False,
 ) -> None:
     """Fine-tune a model as the recipe says, with the memory techniques the plan chose."""
     from lowvram import report
@@ -87,7 +94,15 @@ def train(
     r = load_recipe(recipe, set_ or [])
     from lowvram.plan.resolve import plan_for_recipe
 
+    if gpus * nodes > 1 or print_launch or cpu:
+        _train_launched(r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
+                        rdzv_timeout, print_launch, dry_run, resume, overwrite, json_)
+        return
     plan = plan_for_recipe(r, vram=vram)
+    if plan.offload != "none" and not dry_run:  # FSDP/DeepSpeed on one GPU: through accelerate too
+        _train_launched(r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
+                        rdzv_timeout, print_launch, dry_run, resume, overwrite, json_)
+        return
     if dry_run:
         report.show_dry_run(r, plan, as_json=json_)
         return
@@ -96,6 +111,47 @@ def train(
 
     result = run_training(r, plan, resume=resume, overwrite=overwrite)
     report.show_train_result(result, as_json=json_)
+
+
+def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, main_address, cpu,
+                    rdzv_timeout, print_launch, dry_run, resume, overwrite, json_) -> None:
+    """`lowvram train --gpus N`: plan once here, then `accelerate launch` the worker on each GPU."""
+    import dataclasses
+
+    from lowvram import report
+    from lowvram.hardware import detect_hardware
+    from lowvram.plan.resolve import plan_for_recipe
+    from lowvram.train import launch
+
+    hardware = detect_hardware(vram)
+    cpu = cpu or hardware.kind == "cpu"
+    if cpu:
+        hardware = dataclasses.replace(hardware, kind="cpu", devices=())
+    spec = launch.LaunchSpec(gpus=gpus, nodes=nodes, node_rank=node_rank, main_address=main_address,
+                             cpu=cpu, rdzv_timeout_s=rdzv_timeout)
+    if node_rank >= nodes:
+        raise LowvramError(f"--node-rank {node_rank} with --nodes {nodes}", f"use a rank from 0 to {nodes - 1}")
+    launch.check_devices(spec, hardware)
+    plan = plan_for_recipe(r, vram=vram, hardware=hardware, gpus=spec.world_size)
+    if dry_run:
+        report.show_dry_run(r, plan, as_json=json_)
+        return
+    prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume,
+                                     overwrite=overwrite, print_only=print_launch)
+    report.show_launch(r, plan, spec, prepared, print_only=print_launch)
+    if print_launch:
+        return
+    rc = launch.run_launch(prepared, spec)
+    if rc != 0:
+        raise typer.Exit(rc)
+    if node_rank == 0:
+        import json
+
+        from lowvram.train.types import RunResult
+
+        metrics = json.loads((prepared.output_dir / "metrics.json").read_text())
+        report.show_train_result(RunResult(output_dir=str(prepared.output_dir), metrics=metrics,
+                                           resumed_from=metrics.get("resumed_from")), as_json=json_)
 
 
 def _opt(flag: str, help_: str, metavar: str | None = None):

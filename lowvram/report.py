@@ -75,6 +75,29 @@ def show_plan_brief(recipe, plan) -> None:
     c.print(f"tokens per optimizer step (at most): {tokens:,}")
 
 
+def show_launch(recipe, plan, spec, launch, print_only: bool = False) -> None:
+    """Several GPUs: the plan with memory per GPU and host RAM per node, then the command."""
+    from lowvram.train.launch import backend_for, shell_line
+
+    c = console()
+    if not print_only:
+        show_plan_brief(recipe, plan)
+    unit = "process" if spec.cpu else "GPU"
+    backend = {"ddp": "DDP", "fsdp": "FSDP2", "deepspeed": "DeepSpeed ZeRO"}[backend_for(plan)]
+    c.print(f"{spec.world_size} {unit}(s) on {spec.nodes} node(s), {backend} (offload: {plan.offload})",
+            markup=False)
+    if plan.predicted_peak_bytes is not None:
+        c.print(f"predicted memory per {unit}: {gib(plan.predicted_peak_bytes)}", markup=False)
+    if plan.host_ram_bytes is not None:
+        c.print(f"predicted host RAM per node: {gib(plan.host_ram_bytes * spec.gpus)} "
+                f"({spec.gpus} x {gib(plan.host_ram_bytes)})", markup=False)
+    c.print(f"accelerate config: {launch.config_path}", markup=False)
+    c.print(f"{'command' if print_only else 'launching'}: {shell_line(launch.command)}", markup=False,
+            soft_wrap=True)
+    if print_only:
+        c.print("--print-launch: nothing was trained; run the command above (on every node).", markup=False)
+
+
 def show_train_result(result, as_json: bool = False) -> None:
     m = result.metrics
     if as_json:
@@ -94,6 +117,8 @@ def show_train_result(result, as_json: bool = False) -> None:
         ("runtime", f"{m['runtime_s']:.1f} s" if m.get("runtime_s") is not None else "-"),
         ("tokens/s", _f(m.get("tokens_per_s"), 1)),
         (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", _mem(m.get("peak_memory_bytes"))),
+        *([("peak memory per rank", ", ".join(_mem(b) for b in m["peak_memory_bytes_per_rank"]))]
+          if m.get("peak_memory_bytes_per_rank") else []),
         ("peak memory (predicted)", _mem(m.get("predicted_peak_bytes"))),
     ]
     if m.get("load_s") is not None:
@@ -309,6 +334,7 @@ def show_models(rows: list[tuple[str, str, int]], as_json: bool = False) -> None
     for n, h, p in rows:
         t.add_row(n, h or "-", f"{p / 1e9:.2f}B")
     console().print(t)
+
 
 # --------------------------------------------------------------------------------------------
 # After training: `lowvram merge`, `generate`, `runs`, `show`

@@ -81,3 +81,93 @@ def test_launch_command_is_argv_not_shell(tmp_path):
     assert cmd[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
     assert cmd[-1] == "training.output_dir=a b; rm -rf /"
     assert "'training.output_dir=a b; rm -rf /'" in shell_line(cmd)
+
+
+def test_fsdp_config_is_accepted_by_accelerate_launch(tmp_path):
+    # accelerate launch refuses cpu_ram_efficient_loading without sync_module_states.
+    cfg = accelerate_config(dataclasses.replace(BASE, offload="fsdp"), LaunchSpec(gpus=2))
+    assert cfg["fsdp_config"]["fsdp_cpu_ram_efficient_loading"] is True
+    assert cfg["fsdp_config"]["fsdp_sync_module_states"] is True
+
+
+def test_launch_command_cpu_and_rendezvous(tmp_path):
+    spec = LaunchSpec(gpus=2, cpu=True, rdzv_timeout_s=7)
+    cmd = launch_command(tmp_path / "c.yaml", tmp_path / "r.yaml", spec=spec, plan_path=tmp_path / "p.json", plan=BASE)
+    assert "--multi_gpu" in cmd  # MULTI_CPU alone would start one process
+    assert cmd[cmd.index("--rdzv_conf") + 1] == "timeout=7"
+    assert cmd[cmd.index("--plan") + 1] == str(tmp_path / "p.json")
+    assert cmd.index("--rdzv_conf") < cmd.index("lowvram.train.worker")  # launcher flags first
+    fsdp = launch_command(tmp_path / "c.yaml", tmp_path / "r.yaml", spec=spec,
+                          plan=dataclasses.replace(BASE, offload="fsdp"))
+    assert "--multi_gpu" not in fsdp  # it would turn FSDP off
+
+
+def test_several_nodes_need_main_address():
+    with pytest.raises(LowvramError, match="needs --main-address"):
+        accelerate_config(BASE, LaunchSpec(gpus=2, nodes=2))
+
+
+def test_one_node_picks_a_free_port():
+    assert accelerate_config(BASE, LaunchSpec(gpus=2))["main_process_port"] == 0
+
+
+def test_missing_deepspeed_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    from lowvram.train import launch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None if name == "deepspeed" else real(name))
+    with pytest.raises(LowvramError) as err:
+        launch.check_backend_installed(dataclasses.replace(BASE, offload="zero3-offload"))
+    assert "not installed" in err.value.message and "lowvram[deepspeed]" in err.value.hint
+    launch.check_backend_installed(dataclasses.replace(BASE, offload="fsdp"))  # FSDP: nothing extra
+
+
+def test_plan_round_trips_through_json(tmp_path):
+    from lowvram.train.launch import read_plan, write_plan
+
+    plan = dataclasses.replace(BASE, reasons={"offload": "why"}, breakdown={"weights": 1}, host_ram_bytes=5)
+    assert read_plan(write_plan(plan, tmp_path)) == plan
+
+
+# --------------------------------------------------------------------------------------------
+# The chooser with several GPUs: DDP, then FSDP2 full shard, then FSDP with CPU offload
+
+
+def _choose(model: str, gpus: int, vram: str = "24GB", **fields):
+    from lowvram.hardware import parse_size
+    from lowvram.plan.choose import Budget, PlanRequest, choose_plan
+    from lowvram.plan.models import resolve_model
+
+    budget = Budget(parse_size(vram), "cuda")
+    return choose_plan(PlanRequest(model=resolve_model(model), gpus=gpus, **fields), budget)
+
+
+def test_ddp_when_the_model_fits_each_card():
+    c = _choose("llama-2-7b", 2, quantization="nf4-dq", lora=True)
+    assert c.plan.offload == "none" and "DDP" in c.plan.reasons["offload"]
+
+
+def test_fsdp_when_it_must_be_sharded():
+    c = _choose("llama-3.1-8b", 4, lora=False)
+    assert c.fits and c.plan.offload == "fsdp"
+    assert "DDP (a full copy per GPU) would peak at" in c.plan.reasons["offload"]
+    assert c.plan.host_ram_bytes and c.plan.gpus == 4
+
+
+def test_fsdp_offload_when_sharding_is_not_enough():
+    c = _choose("llama-2-70b", 2, quantization="nf4-dq", lora=True)
+    assert c.fits and c.plan.offload == "fsdp-offload"
+    assert "fsdp without CPU offload would peak at" in c.plan.reasons["offload"]
+
+
+def test_sharding_comes_before_lora_and_8bit_optimizer():
+    # Exact training (sharded) is preferred to changing what is trained when both fit.
+    c = _choose("llama-3.1-8b", 4)
+    assert c.plan.offload == "fsdp" and c.plan.lora is False and c.plan.optimizer == "adamw"
+
+
+def test_recipe_can_force_the_backend():
+    c = _choose("llama-3.1-8b", 4, lora=False, offload="zero3", sources={"offload": "the recipe"})
+    assert c.plan.offload == "zero3" and c.plan.reasons["offload"] == "set by the recipe"

@@ -271,8 +271,10 @@ def recipe_model(recipe: Recipe):
 # The shared entry
 
 
-def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None) -> Plan:
-    """The plan `lowvram train` runs with (and `lowvram plan RECIPE` shows)."""
+def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus: int = 1) -> Plan:
+    """The plan `lowvram train` runs with (and `lowvram plan RECIPE` shows).
+
+    ``gpus``: data-parallel processes in all (``--gpus`` x ``--nodes``); memory is per GPU."""
     if hardware is None:
         from lowvram.hardware import detect_hardware
 
@@ -280,15 +282,16 @@ def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None) -> P
     try:
         spec = recipe_model(recipe)
     except LowvramError as err:
-        return _fixed_with_note(recipe, hardware.kind, hardware.bf16, err)
+        return _fixed_with_note(recipe, hardware.kind, hardware.bf16, err, gpus)
     from lowvram.plan.choose import choose_plan
 
     budget = make_budget(vram, hardware)
-    return choose_plan(build_request(spec, recipe), budget).plan
+    flags, sources = ({"gpus": gpus}, {"gpus": f"--gpus {gpus}"}) if gpus > 1 else ({}, {})
+    return choose_plan(build_request(spec, recipe, flags, sources), budget).plan
 
 
-def _fixed_with_note(recipe: Recipe, kind: str, bf16: bool, err: LowvramError) -> Plan:
-    plan = resolve_fixed(recipe, kind, bf16)
+def _fixed_with_note(recipe: Recipe, kind: str, bf16: bool, err: LowvramError, gpus: int = 1) -> Plan:
+    plan = resolve_fixed(recipe, kind, bf16, gpus)
     plan.reasons["memory"] = f"memory not predicted: {err.message} (fixed defaults used)"
     return plan
 

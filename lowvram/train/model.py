@@ -231,11 +231,15 @@ def quantization_config(plan):
 
     if plan.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
+    # QLoRA + FSDP (peft's "Use PEFT QLoRA and FSDP" guide): the packed 4-bit weights are stored
+    # in the compute dtype so FSDP sees one float dtype across the module it flattens/shards.
+    storage = {"bnb_4bit_quant_storage": compute_dtype(plan)} if plan.offload.startswith("fsdp") else {}
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="fp4" if plan.quantization == "fp4" else "nf4",
         bnb_4bit_use_double_quant=plan.quantization == "nf4-dq",
         bnb_4bit_compute_dtype=compute_dtype(plan),
+        **storage,
     )
 
 

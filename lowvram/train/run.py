@@ -53,6 +53,13 @@ def checkpoints(out: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _has_content(out: Path) -> bool:
+    # `lowvram train --gpus N` writes its accelerate config and launch plan before the run starts.
+    from lowvram.train.launch import LAUNCH_FILES
+
+    return out.is_dir() and any(p.name not in LAUNCH_FILES for p in out.iterdir())
+
+
 def _is_lowvram_run(out: Path) -> bool:
     return any((out / n).exists() for n in (PLAN, METRICS)) or bool(list(out.glob("checkpoint-*")))
 
@@ -63,7 +70,7 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> Path | None:
         raise UsageError("--resume and --overwrite contradict each other", "pass one of them")
     if out.exists() and not out.is_dir():
         raise LowvramError(f"training.output_dir {out} is a file", "set training.output_dir to a folder")
-    has_content = out.is_dir() and any(out.iterdir())
+    has_content = _has_content(out)
     if resume:
         ckpts = checkpoints(out) if out.is_dir() else []
         if not ckpts:
@@ -94,10 +101,15 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> Path | None:
 
 
 def _save_final(trainer, tokenizer, out: Path) -> None:
-    """Adapter (or model) + tokenizer, each file moved into place whole."""
+    """Adapter (or model) + tokenizer, each file moved into place whole.
+
+    Every rank calls save_model (FSDP gathers the shards collectively); rank 0 writes."""
+    main = trainer.is_world_process_zero()
     tmp = Path(tempfile.mkdtemp(prefix=".final-", dir=out))
     try:
         trainer.save_model(str(tmp))
+        if not main:
+            return
         tokenizer.save_pretrained(str(tmp))
         for f in tmp.iterdir():
             dest = out / f.name
@@ -161,12 +173,34 @@ def _loss_history(log_history: list[dict], key: str = "loss") -> list[list[float
     return [[int(e["step"]), float(e[key])] for e in log_history if key in e and "step" in e]
 
 
-def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=()) -> RunResult:
-    """Train as the Plan says; returns the metrics also written to output_dir/metrics.json."""
+def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
+    """Several processes: each rank writes rank-K.json with its peak; rank 0 reads them all."""
+    acc = trainer.accelerator
+    if acc.num_processes <= 1:
+        return None
+    write_atomic(out / f"rank-{acc.process_index}.json", json.dumps(peak) + "\n")
+    acc.wait_for_everyone()
+    if not trainer.is_world_process_zero():
+        return None
+    return [int(json.loads((out / f"rank-{k}.json").read_text())["peak_memory_bytes"])
+            for k in range(acc.num_processes)]
+
+
+def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
+                 prepared: bool = False) -> RunResult:
+    """Train as the Plan says; returns the metrics also written to output_dir/metrics.json.
+
+    ``prepared``: a launcher process already checked output_dir (``lowvram train --gpus N``);
+    each rank only finds the checkpoint to resume from. Only rank 0 writes the run files.
+    """
     from lowvram.train.trainer import output_dir
 
     out = output_dir(recipe)
-    checkpoint = prepare_output_dir(out, resume, overwrite)
+    if prepared:
+        found = checkpoints(out) if resume and out.is_dir() else []
+        checkpoint = found[-1] if found else None
+    else:
+        checkpoint = prepare_output_dir(out, resume, overwrite)
 
     from lowvram.train.model import load_model, quiet_libraries
 
@@ -188,10 +222,12 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         loaded, bundle, args, make_collator(loaded.tokenizer), callbacks=[progress, *callbacks]
     )
 
+    main = trainer.is_world_process_zero()
     out.mkdir(parents=True, exist_ok=True)
-    # The comment names the recipe file (`lowvram runs` shows it; YAML loaders skip it).
-    write_atomic(out / RECIPE, (f"# recipe: {Path(recipe.source).resolve()}\n" if recipe.source else "") + recipe.to_yaml())
-    write_atomic(out / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
+    if main:  # several processes: rank 0 writes the run files
+        # The comment names the recipe file (`lowvram runs` shows it; YAML loaders skip it).
+        write_atomic(out / RECIPE, (f"# recipe: {Path(recipe.source).resolve()}\n" if recipe.source else "") + recipe.to_yaml())
+        write_atomic(out / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
 
     tracker = _memory_tracker(plan, loaded.model)
     t0 = time.perf_counter()
@@ -209,6 +245,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     if bundle.eval is not None:
         eval_loss = float(trainer.evaluate()["eval_loss"])
     peak = _peak_memory(plan, tracker)
+    per_rank = _gather_peaks(trainer, out, peak)
 
     _save_final(trainer, loaded.tokenizer, out)
     history = _loss_history(trainer.state.log_history)
@@ -225,6 +262,8 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         "tokens_per_s": round(session_tokens / runtime, 1) if runtime > 0 and session_tokens else None,
         **peak,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "processes": int(trainer.accelerator.num_processes),
+        "peak_memory_bytes_per_rank": per_rank,
         "train_rows": s.train_rows,
         "eval_rows": s.eval_rows,
         "truncated": s.truncated,
@@ -238,8 +277,11 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         "loss_history": history,
         "eval_history": _loss_history(trainer.state.log_history, "eval_loss"),
     }
-    write_atomic(out / METRICS, json.dumps(metrics, indent=2) + "\n")
-    _plot(metrics, out)
+    if per_rank:
+        metrics["peak_memory_bytes"] = max(per_rank)  # the largest rank: what must fit one card
+    if main:
+        write_atomic(out / METRICS, json.dumps(metrics, indent=2) + "\n")
+        _plot(metrics, out)
     return RunResult(output_dir=str(out), metrics=metrics, resumed_from=str(checkpoint) if checkpoint else None)
 
 

@@ -4,6 +4,7 @@ technique in the Plan maps to one TrainingArguments setting (or a model setting 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from lowvram.errors import LowvramError
@@ -35,10 +36,13 @@ def precision_flags(plan) -> dict:
 def build_training_args(recipe, plan, has_eval: bool = False):
     from transformers import TrainingArguments
 
-    if plan.offload != "none":
+    # FSDP/DeepSpeed come from the accelerate config `lowvram train` launches with (the Trainer's
+    # Accelerator reads ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED); in-process they cannot.
+    launched = any(os.environ.get(k, "").lower() == "true" for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
+    if plan.offload != "none" and not launched:
         raise LowvramError(
-            f"offload={plan.offload} runs through `lowvram launch` (DeepSpeed/FSDP), not `lowvram train`",
-            "set techniques.offload: off for a single-process run",
+            f"offload={plan.offload} runs through accelerate (DeepSpeed/FSDP), not in this process",
+            "run `lowvram train RECIPE` from the command line (it launches accelerate), or set techniques.offload: off",
         )
     if plan.mixed_precision == "fp16" and not plan.lora:
         # fp16 weights cannot take the Trainer's loss-scaled updates (GradScaler refuses fp16 grads).

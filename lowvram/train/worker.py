@@ -1,0 +1,64 @@
+"""What each rank runs under ``accelerate launch``: ``python -m lowvram.train.worker RECIPE``.
+
+``lowvram train RECIPE --gpus N`` plans once, writes the plan as JSON and starts
+``accelerate launch ... -m lowvram.train.worker RECIPE --plan PLAN.json``: every rank trains with
+exactly the parent's plan (no rank re-plans against its own view of the hardware). Only rank 0
+prints progress and writes the run files; the parent prints the summary from metrics.json.
+
+    python -m lowvram.train.worker RECIPE [--plan PLAN.json] [--set key=value ...] [--resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from lowvram.errors import LowvramError
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lowvram.train.worker", description=__doc__.splitlines()[0])
+    p.add_argument("recipe", type=Path)
+    p.add_argument("--plan", type=Path, default=None, help="the parent's plan (JSON); default: plan here")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    return p.parse_args(argv)
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if rank() != 0:
+        # Progress and library chatter from rank 0 only; errors still reach stderr.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    try:
+        from lowvram.recipe import load_recipe
+
+        recipe = load_recipe(args.recipe, args.overrides)
+        if args.plan is not None:
+            from lowvram.train.launch import read_plan
+
+            plan = read_plan(args.plan)
+        else:
+            from lowvram.plan.resolve import plan_for_recipe
+
+            plan = plan_for_recipe(recipe, gpus=int(os.environ.get("WORLD_SIZE", "1")))
+        from lowvram.train.run import run_training
+
+        run_training(recipe, plan, resume=args.resume, prepared=True)
+    except LowvramError as err:
+        from lowvram.cli import print_error
+
+        if rank() == 0:
+            print_error(err)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

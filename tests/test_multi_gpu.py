@@ -1,0 +1,188 @@
+"""`lowvram train --gpus 2` on the CPU: two processes over gloo through the real launch path
+(accelerate launch -> torchrun -> lowvram.train.worker), compared with one process.
+
+Tolerance: the 2-process losses must equal the 1-process losses (same effective batch 4:
+micro-batch 2 x 2 accumulation steps vs micro-batch 2 x 2 processes) within 1e-5 relative. Both
+runs see the same samples in the same order (accelerate shards each global batch between the
+ranks) and start from the same weights (same seed; DDP broadcasts rank 0's), so only the order of
+the floating-point reduction differs; measured: equal to all printed digits (7 significant).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowvram.train.launch import CPU_FSDP_UNSUPPORTED
+
+TOLERANCE = 1e-5
+
+
+def write_recipe(tmp: Path, model_dir: Path, offload: str = "auto") -> Path:
+    with (tmp / "data.jsonl").open("w") as f:
+        for i in range(48):
+            a, b = i % 10, (i * 7) % 10
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": f"{a + b}"}) + "\n")
+    recipe = tmp / "recipe.yaml"
+    recipe.write_text(f"""\
+model: {{name_or_path: {model_dir}}}
+data:
+  datasets: [{{path: data.jsonl, format: completion}}]
+  validation: null
+training:
+  max_steps: 4
+  learning_rate: 3.0e-3
+  lr_scheduler: constant
+  warmup_ratio: 0.0
+  batch_size: 4
+  micro_batch_size: 2
+  seq_len: 32
+  seed: 0
+  logging_steps: 1
+  save_steps: 100
+  output_dir: out
+lora: {{r: 8, alpha: 16, dropout: 0.0}}
+techniques: {{lora: on, offload: {offload}}}
+""")
+    return recipe
+
+
+def lowvram(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "lowvram", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def losses(run: Path) -> list[float]:
+    return [v for _, v in json.loads((run / "metrics.json").read_text())["loss_history"]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    """One 1-process run and one 2-process run of the same recipe (shared by the tests below)."""
+    tmp = tmp_path_factory.mktemp("multi")
+    recipe = write_recipe(tmp, tiny_model_dir)
+    one = lowvram("train", str(recipe), "--set", "training.output_dir=one", cwd=tmp)
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = lowvram("train", str(recipe), "--gpus", "2", "--cpu", "--set", "training.output_dir=two", cwd=tmp)
+    assert two.returncode == 0, two.stdout + two.stderr
+    return tmp, one, two
+
+
+def test_two_processes_match_one(runs):
+    tmp, _, two = runs
+    single, double = losses(tmp / "one"), losses(tmp / "two")
+    assert len(single) == len(double) == 4
+    assert double == pytest.approx(single, rel=TOLERANCE)
+    assert "Traceback" not in two.stderr
+
+
+def test_launch_output_and_per_rank_peaks(runs):
+    tmp, _, two = runs
+    out = tmp / "two"
+    assert "DDP" in two.stdout and "predicted memory per process" in two.stdout
+    assert "host RAM per node" in two.stdout and "peak memory per rank" in two.stdout
+    assert "accelerate.commands.launch" in two.stdout and "lowvram.train.worker" in two.stdout
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["processes"] == 2
+    per_rank = m["peak_memory_bytes_per_rank"]
+    assert len(per_rank) == 2 and all(b > 0 for b in per_rank)
+    assert m["peak_memory_bytes"] == max(per_rank)
+    assert json.loads((out / "rank-1.json").read_text())["peak_memory_bytes"] == per_rank[1]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["gpus"] == 2 and plan["grad_accum"] == 1 and plan["micro_batch_size"] == 2
+
+
+def test_adapter_loads_back_in_one_process(runs, tiny_model_dir):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tmp, _, _ = runs
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = PeftModel.from_pretrained(base, tmp / "two")
+    saved = load_file(tmp / "two" / "adapter_model.safetensors")
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(saved) == len(loaded) > 0
+    lora_b = [v for k, v in saved.items() if "lora_B" in k]
+    assert any(torch.count_nonzero(v) for v in lora_b)  # trained (lora_B starts at zero)
+
+
+def test_print_launch_writes_config_and_trains_nothing(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+    r = lowvram("train", str(recipe), "--gpus", "2", "--cpu", "--print-launch", cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    assert (out / "accelerate_config.yaml").is_file() and (out / "launch-plan.json").is_file()
+    assert not (out / "metrics.json").exists()
+    assert "--config_file" in r.stdout and "nothing was trained" in r.stdout
+    # The files the launcher wrote do not make the folder look like an earlier run.
+    again = lowvram("train", str(recipe), "--gpus", "2", "--cpu", "--print-launch", cwd=tmp_path, timeout=120)
+    assert again.returncode == 0, again.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_main_node_fails_fast_with_a_message(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+    port = _free_port()  # nothing listens there
+    r = lowvram("train", str(recipe), "--cpu", "--nodes", "2", "--node-rank", "1",
+                "--main-address", f"127.0.0.1:{port}", "--rdzv-timeout", "3", cwd=tmp_path, timeout=90)
+    assert r.returncode == 1
+    assert f"error: the training processes could not meet: node 1 did not reach 127.0.0.1:{port} within 3 s" in r.stderr
+    assert "hint: " in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "2"], "needs --main-address"),
+    (["--gpus", "2", "--cpu", "--set", "techniques.offload=fsdp"], "accelerate runs FSDP only on GPUs"),
+    (["--gpus", "2", "--cpu", "--set", "techniques.offload=zero3"], "DeepSpeed needs GPUs"),
+    (["--gpus", "2", "--cpu", "--nodes", "2", "--node-rank", "2", "--main-address", "h:1"], "--node-rank 2"),
+])
+def test_bad_launch_input(tmp_path, tiny_model_dir, args, message):
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+    r = lowvram("train", str(recipe), *args, cwd=tmp_path, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert message in r.stderr and "hint: " in r.stderr and "Traceback" not in r.stderr
+
+
+def test_more_gpus_than_visible_is_refused():
+    from lowvram.errors import LowvramError
+    from lowvram.hardware import Device, Hardware
+    from lowvram.train.launch import LaunchSpec, check_devices
+
+    one = Hardware(kind="cuda", devices=(Device(index=0, name="A", total_bytes=24 * 10**9, free_bytes=24 * 10**9),))
+    with pytest.raises(LowvramError, match="--gpus 4 but this machine has 1 visible CUDA GPU"):
+        check_devices(LaunchSpec(gpus=4), one)
+    check_devices(LaunchSpec(gpus=4, cpu=True), Hardware(kind="cpu"))  # CPU: any number of processes
+
+
+@pytest.mark.skip(reason=f"FSDP cannot run on the CPU here: {CPU_FSDP_UNSUPPORTED}; torch's FSDP2 itself "
+                         "works over gloo, but lowvram launches through accelerate; runs on GPUs only")
+def test_fsdp_two_processes_on_cpu():  # pragma: no cover - kept to document the limit
+    pass
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (optional extra: pip install 'lowvram[deepspeed]'; "
+                           "it compiles ops, so the default test run does not install it)")
+def test_deepspeed_backend_is_found():
+    from lowvram.plan.types import Plan
+    from lowvram.train.launch import check_backend_installed
+
+    plan = Plan(device="cuda", mixed_precision="bf16", gradient_checkpointing=True, micro_batch_size=1,
+                grad_accum=1, lora=True, quantization="none", optimizer="adamw", offload="zero3",
+                attention="sdpa", loss="standard", gpus=2)
+    check_backend_installed(plan)
