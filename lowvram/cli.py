@@ -176,7 +176,7 @@ def plan(
     grad_accum: Annotated[int | None, _opt("--grad-accum", "Fix the accumulation steps (micro-batch follows).", "N")] = None,
     gradient_checkpointing: Annotated[bool | None, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Fix gradient checkpointing on or off.", show_default=False)] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
-    offload: Annotated[str | None, _opt("--offload", "none | optimizer | full.", "KIND")] = None,
+    offload: Annotated[str | None, _opt("--offload", "none | optimizer | full | fsdp | fsdp-offload | zero2 | zero2-offload | zero3 | zero3-offload (the last six: several GPUs).", "KIND")] = None,
     vram: Annotated[str | None, _opt("--vram", "Free GPU memory to plan for, e.g. 24GB, 24GiB, 12000MB (default: LOWVRAM_VRAM, else detected).", "SIZE")] = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,

@@ -249,6 +249,11 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     if data["fits"]:
         c.print(f"[green]fits[/green]: peak {gib(peak)} of {gib(data['budget_bytes'])} budget, "
                 f"{gib(head)} headroom; CPU RAM needed {gib(data['cpu_ram_bytes'])}")
+        if data.get("gpus", 1) > 1:
+            n = data["gpus"]
+            c.print(f"{n} GPUs: {gib(peak)} per GPU, host RAM {gib(data['cpu_ram_bytes'])} per GPU process "
+                    f"({gib(n * data['cpu_ram_bytes'])} for {n} processes on one node); "
+                    f"train with: lowvram train RECIPE --gpus {n}", markup=False)
     else:
         c.print(f"[red]does not fit[/red]: the lowest-memory plan peaks at {gib(peak)}, "
                 f"{gib(-head)} over the {gib(data['budget_bytes'])} budget; it needs a card with "
