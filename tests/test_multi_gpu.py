@@ -158,6 +158,15 @@ def test_bad_launch_input(tmp_path, tiny_model_dir, args, message):
     assert message in r.stderr and "hint: " in r.stderr and "Traceback" not in r.stderr
 
 
+def test_worker_error_is_shown_once_without_traceback(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+    r = lowvram("train", str(recipe), "--gpus", "2", "--cpu", "--set", "training.seq_len=2", cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr.count("error: ") == 1 and "hint: " in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
+    assert "Traceback" in (tmp_path / "out" / "launch.log").read_text()  # kept for bug reports
+
+
 def test_more_gpus_than_visible_is_refused():
     from lowvram.errors import LowvramError
     from lowvram.hardware import Device, Hardware

@@ -345,7 +345,7 @@ def run_launch(launch: Launch, spec: LaunchSpec, stderr=None) -> int:
     if rc == 0:
         return 0
     text = "".join(tail)
-    if any(worker_error in text for worker_error in ("\nerror: ", "error: ")) and "hint: " in text:
+    if "error: " in text and "hint: " in text:
         return rc  # the worker's own error/hint was printed above
     if any(s in text for s in _RENDEZVOUS_FAILURES):
         host, port = _main_address(spec)

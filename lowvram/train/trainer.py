@@ -88,6 +88,9 @@ def build_training_args(recipe, plan, has_eval: bool = False):
         include_num_input_tokens_seen="non_padding",
         disable_tqdm=True,  # progress.py draws the bar
         dataloader_pin_memory=plan.device == "cuda",
+        # Every trainable parameter (adapters or all weights) takes part in each forward: DDP need
+        # not search the graph for unused ones (an extra traversal per step, and a warning).
+        ddp_find_unused_parameters=False,
     )
 
 
