@@ -174,16 +174,16 @@ def _loss_history(log_history: list[dict], key: str = "loss") -> list[list[float
 
 
 def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
-    """Several processes: each rank writes rank-K.json with its peak; rank 0 reads them all."""
+    """Several processes: each rank writes rank-K.json with its peak (on its own node's disk) and
+    the peaks are gathered over the process group (nodes need not share a filesystem)."""
     acc = trainer.accelerator
     if acc.num_processes <= 1:
         return None
     write_atomic(out / f"rank-{acc.process_index}.json", json.dumps(peak) + "\n")
-    acc.wait_for_everyone()
-    if not trainer.is_world_process_zero():
-        return None
-    return [int(json.loads((out / f"rank-{k}.json").read_text())["peak_memory_bytes"])
-            for k in range(acc.num_processes)]
+    from accelerate.utils import gather_object
+
+    peaks = gather_object([int(peak["peak_memory_bytes"])])  # in rank order, on every rank
+    return [int(b) for b in peaks] if trainer.is_world_process_zero() else None
 
 
 def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
