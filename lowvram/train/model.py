@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -150,6 +151,9 @@ def gguf_folder(folder: str, gguf_file: str, trust_remote_code: bool = False) ->
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # A one-time wait of ~20 s for a 135M model (measured): say what is happening.
+    sys.stderr.write(f"converting {gguf.name} to safetensors once; cached in {out}\n")
+    sys.stderr.flush()
     try:
         with _no_gguf_progress():
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
