@@ -251,7 +251,8 @@ class StepMemory:
     breakdown: dict[str, int] = field(default_factory=dict)
 
 
-def _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker=None):
+def _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker=None,
+              chunked_loss=False):
     import torch
 
     def phase(name):
@@ -264,8 +265,13 @@ def _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum
         # accelerate (Trainer) wraps forward in autocast and converts outputs to fp32
         ctx = torch.autocast(batch["input_ids"].device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
         with ctx:
-            out = model(**batch)
-        loss = out["loss"] if isinstance(out, dict) else out.loss
+            if chunked_loss:  # lowvram.train.loss, as the Trainer runs it for loss: chunked
+                from lowvram.train.loss import causal_lm_chunked_loss
+
+                loss, out = causal_lm_chunked_loss(model, batch)
+            else:
+                out = model(**batch)
+                loss = out["loss"] if isinstance(out, dict) else out.loss
         if autocast_dtype is not None and out.get("logits") is not None:
             out["logits"] = out["logits"].float()  # accelerate convert_outputs_to_fp32
         del out
@@ -293,6 +299,7 @@ def measure_training_step(
     cap_bytes: int | None = None,
     breakdown: bool = False,
     logits_dim: int | None = None,
+    chunked_loss: bool = False,
 ) -> StepMemory:
     """Peak live tensor bytes of one steady-state step: model.train(), loss from the model with
     labels, backward, clip, optimizer.step(), zero_grad(set_to_none=True) (transformers Trainer).
@@ -302,7 +309,8 @@ def measure_training_step(
     size, to recognise logits by their last dimension).
     """
     if warmup:
-        _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum)
+        _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum,
+                  chunked_loss=chunked_loss)
     gc.collect()
     tracker = LiveBytes(cap_bytes, snapshot=breakdown, logits_dim=logits_dim)
     tracker.register(model, tag="weights")
@@ -329,7 +337,8 @@ def measure_training_step(
     tracker.set_phase = set_phase  # per-phase peaks
     overall = start
     with tracker:
-        _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker)
+        _one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker,
+                  chunked_loss=chunked_loss)
     set_phase("done")
     for h in hooks:
         h.remove()
@@ -369,8 +378,8 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",
 
 def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = "cpu"):
     """The model a RunSetup trains, random init, on ``device``: transformers + peft +
-    bitsandbytes, prepared as lowvram's trainer does (prepare_model_for_kbit_training for
-    quantized bases)."""
+    bitsandbytes, prepared as lowvram's trainer does (base frozen, no fp32 upcast; with
+    setup.kbit_prepare, peft's prepare_model_for_kbit_training instead)."""
     import tempfile
 
     import torch
@@ -461,7 +470,7 @@ def measure_setup(setup, **kw) -> StepMemory:
     model = build_model(setup)
     opt = build_optimizer(model, setup.optimizer)
     return measure_training_step(model, opt, make_batch(setup), autocast_dtype=autocast_dtype(setup),
-                                 grad_accum=setup.grad_accum, **kw)
+                                 grad_accum=setup.grad_accum, chunked_loss=setup.loss == "chunked", **kw)
 
 
 # --------------------------------------------------------------------------------------------

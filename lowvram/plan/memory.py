@@ -26,6 +26,9 @@ BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", 
 PRECISIONS = ("bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32")
 QUANTIZATIONS = ("none", "nf4", "nf4-dq", "fp4", "int8")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd")
+# Tokens per chunk of the chunked cross-entropy (lowvram.train.loss uses the same number).
+CHUNK_TOKENS = 1024
+
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
             "fsdp", "fsdp-offload")
 
@@ -50,7 +53,9 @@ class RunSetup:
     gpus: int = 1
     offload: str = "none"
     device: str = "cuda"  # "cpu": no CUDA context, no allocator slack
-    kbit_prepare: bool = True  # peft prepare_model_for_kbit_training: non-quantized params -> fp32
+    # True: peft prepare_model_for_kbit_training (non-quantized params -> fp32). lowvram trains
+    # QLoRA without that upcast (lowvram.train.model.prepare_kbit_model), so False is the default.
+    kbit_prepare: bool = False
 
 
 @dataclass(frozen=True)
@@ -390,11 +395,16 @@ def logits_bytes(setup: RunSetup) -> int:
     """Logits around the loss: transformers upcasts logits to fp32 for cross-entropy
     (ForCausalLMLoss); in its backward the saved log-softmax, the incoming gradient and the
     input gradient coexist, 12*t*V fp32 bytes (memory-model.md "Logits and loss"; measured:
-    bench/plan_accuracy.py). Chunked loss keeps one chunk of 1024 tokens."""
+    bench/plan_accuracy.py). Chunked loss (lowvram.train.loss) keeps one chunk of CHUNK_TOKENS
+    tokens' logits, plus the gradient of all final hidden states, accumulated chunk by chunk
+    next to the current chunk's (2 x t*h in the hidden dtype), and the flat int64 targets
+    (measured: bench/plan_accuracy.py; the
+    same error as the standard loss, within 2%)."""
     spec = setup.model
     t = setup.micro_batch_size * setup.seq_len
     if setup.loss == "chunked":
-        t = min(t, 1024)
+        r, _, _ = _dtypes(setup)
+        return 12 * min(t, CHUNK_TOKENS) * spec.vocab_size + 2 * r * t * spec.hidden_size + 8 * t
     return 12 * t * spec.vocab_size
 
 

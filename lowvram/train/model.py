@@ -313,17 +313,30 @@ def load_base_model(recipe, plan, source: str):
                          "check techniques.attention / quantization against this model and device") from None
 
 
+def prepare_kbit_model(model, gradient_checkpointing: bool):
+    """k-bit preparation without peft's fp32 upcast.
+
+    peft's prepare_model_for_kbit_training casts every non-quantized param (embeddings, lm_head,
+    norms) to fp32: about 2 GB on Llama-3-8B, and an fp32 residual stream. Like torchtune and
+    Unsloth we keep them in the compute dtype; the loss is still computed in fp32 (transformers'
+    ForCausalLMLoss and lowvram.train.loss upcast the logits) and the LoRA adapters stay fp32
+    (peft autocast_adapter_dtype). The rest of peft's preparation, done here: freeze the base,
+    and gradient checkpointing with use_reentrant=False (which needs no input require-grads hook:
+    peft adds that only for the reentrant variant). The planner models exactly this
+    (RunSetup.kbit_prepare=False)."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def apply_lora(model, recipe, plan):
     """k-bit preparation (if quantized) and LoRA adapters from the recipe's lora section."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
     if plan.quantization != "none":
-        # Casts norms/embeddings to fp32 and, if asked, turns on checkpointing (peft docs).
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=plan.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
+        model = prepare_kbit_model(model, plan.gradient_checkpointing)
     lc = recipe.lora
     config = LoraConfig(
         r=lc.r,

@@ -44,13 +44,11 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first. The Trainer writes trainer_state.json last."""
-    found = []
-    for p in out.glob("checkpoint-*"):
-        m = _CKPT.match(p.name)
-        if m and p.is_dir() and (p / "trainer_state.json").is_file():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
+    """Complete checkpoint folders, oldest first (a folder being written when the process died
+    is never one of them: recover.py marks complete checkpoints)."""
+    from lowvram.train.recover import complete_checkpoints
+
+    return complete_checkpoints(out)
 
 
 def _has_content(out: Path) -> bool:
@@ -137,7 +135,9 @@ def _memory_tracker(plan, model):
         from lowvram.measure import LiveBytes
     except ImportError:
         return None
-    tracker = LiveBytes()
+    from lowvram.train.recover import emulated_vram_bytes
+
+    tracker = LiveBytes(cap_bytes=emulated_vram_bytes())  # LOWVRAM_EMULATE_VRAM: an emulated card
     tracker.register(model)  # weights exist before the mode starts counting
     return tracker
 
@@ -187,7 +187,7 @@ def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
 
 
 def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
-                 prepared: bool = False) -> RunResult:
+                 prepared: bool = False, extra_metrics: dict | None = None) -> RunResult:
     """Train as the Plan says; returns the metrics also written to output_dir/metrics.json.
 
     ``prepared``: a launcher process already checked output_dir (``lowvram train --gpus N``);
@@ -217,9 +217,14 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     from lowvram.train.trainer import build_trainer, build_training_args
 
     args = build_training_args(recipe, plan, has_eval=bundle.eval is not None)
+    from lowvram.train import recover
+
     progress = ProgressCallback()
+    stop = recover.SignalStop()  # SIGINT/SIGTERM: checkpoint at the step's end, then stop
     trainer = build_trainer(
-        loaded, bundle, args, make_collator(loaded.tokenizer), callbacks=[progress, *callbacks]
+        loaded, bundle, args, make_collator(loaded.tokenizer),
+        callbacks=[progress, *recover.make_callbacks(stop), *callbacks],
+        loss=plan.loss,
     )
 
     main = trainer.is_world_process_zero()
@@ -232,14 +237,15 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     tracker = _memory_tracker(plan, loaded.model)
     t0 = time.perf_counter()
     try:
-        with tracker if tracker is not None else contextlib.nullcontext():
+        with tracker if tracker is not None else contextlib.nullcontext(), stop.installed():
             train_out = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    except _oom_types() as e:
-        raise LowvramError(
-            f"out of memory at step {trainer.state.global_step}: {str(e).splitlines()[0]}",
-            "lower training.micro_batch_size or seq_len, or turn on techniques.gradient_checkpointing; "
-            "`lowvram plan` shows the predicted peak",
-        ) from None
+    except Exception as e:
+        if not recover.is_oom(e):
+            raise
+        raise recover.oom_error(e, trainer.state.global_step, plan, tracker) from None
+    if stop.signum is not None:
+        saved = checkpoints(out)
+        raise recover.TrainingInterrupted(stop.signum, trainer.state.global_step, saved[-1] if saved else None)
     runtime = time.perf_counter() - t0
     eval_loss = None
     if bundle.eval is not None:
@@ -276,6 +282,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         "resumed_from": str(checkpoint) if checkpoint else None,
         "loss_history": history,
         "eval_history": _loss_history(trainer.state.log_history, "eval_loss"),
+        **(extra_metrics or {}),
     }
     if per_rank:
         metrics["peak_memory_bytes"] = max(per_rank)  # the largest rank: what must fit one card
@@ -295,9 +302,3 @@ def _plot(metrics: dict, out: Path) -> None:
         save_loss_plot(metrics, out)
     except Exception as e:  # noqa: BLE001 - e.g. matplotlib missing or a bad font cache
         warnings.warn(f"loss.png not written: {e}", stacklevel=2)
-
-
-def _oom_types() -> tuple[type[BaseException], ...]:
-    import torch
-
-    return (torch.OutOfMemoryError,)

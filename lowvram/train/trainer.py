@@ -94,10 +94,15 @@ def build_training_args(recipe, plan, has_eval: bool = False):
     )
 
 
-def build_trainer(loaded, bundle, args, collator, callbacks=()):
-    """The Hugging Face Trainer over a DataBundle (lowvram.train.data)."""
+def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard"):
+    """The Hugging Face Trainer over a DataBundle (lowvram.train.data); ``loss`` is plan.loss
+    ("chunked": lowvram.train.loss computes the training loss in chunks of tokens)."""
     from transformers import PrinterCallback, Trainer
 
+    if loss == "chunked":
+        from lowvram.train.loss import chunked_loss_trainer_class
+
+        Trainer = chunked_loss_trainer_class()  # noqa: N806 - a Trainer subclass
     trainer = Trainer(
         model=loaded.model,
         args=args,
