@@ -166,3 +166,45 @@ def test_pure_fp16_full_finetune_is_refused():
     recipe = parse_recipe(RECIPE)
     with pytest.raises(LowvramError, match="fp16"):
         build_training_args(recipe, replace(resolve_fixed(recipe), mixed_precision="fp16", lora=False))
+
+
+def test_gguf_conversion_is_cached(tmp_path, tiny_model_dir, monkeypatch):
+    """The GGUF path without a real GGUF: from_pretrained(gguf_file=...) is faked with the tiny
+    model carrying a GGUF quantization_config; load_model must copy it into a plain model,
+    drop quantization_config, cache the folder, and read the cache the second time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowvram.train.model import load_model
+
+    calls = []
+    real_model, real_tok = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+
+    def fake_model(src, *a, gguf_file=None, **k):
+        if gguf_file is None:
+            return real_model(src, *a, **k)
+        calls.append(gguf_file)
+        model = real_model(tiny_model_dir)
+        model.config.quantization_config = {"quant_method": "gguf", "gguf_file": gguf_file}
+        return model
+
+    def fake_tok(src, *a, gguf_file=None, **k):
+        return real_tok(tiny_model_dir if gguf_file else src, *a, **k)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", fake_tok)
+    monkeypatch.setenv("LOWVRAM_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "tiny.gguf").write_bytes(b"GGUF")
+    recipe = parse_recipe(RECIPE.replace("name_or_path: x", "name_or_path: m, gguf_file: tiny.gguf"),
+                          source=tmp_path / "r.yaml")
+    plan = resolve_fixed(recipe)
+    first = load_model(recipe, plan)
+    second = load_model(recipe, plan)
+    assert (first.gguf_cache_hit, second.gguf_cache_hit, calls) == (False, True, ["tiny.gguf"])
+    cached = json.loads((tmp_path / "cache" / "gguf").glob("tiny-*/config.json").__next__().read_text())
+    assert "quantization_config" not in cached
+    reference = real_model(tiny_model_dir)
+    got = second.model.get_base_model()
+    for name, p in reference.named_parameters():
+        assert torch.equal(p, got.get_parameter(name)), name
