@@ -46,6 +46,9 @@ def handle_errors(fn):
         except LowvramError as err:
             print_error(err)
             raise typer.Exit(err.exit_code) from None
+        except KeyboardInterrupt:  # click would turn it into "Aborted!" and exit 1
+            sys.stderr.write("\nerror: interrupted\n")
+            raise typer.Exit(130) from None
 
     return wrapper
 
@@ -86,6 +89,8 @@ def train(
     cpu: Annotated[bool, typer.Option("--cpu", help="Run the processes on the CPU (gloo); the default without a GPU.")] = False,
     rdzv_timeout: Annotated[int, typer.Option("--rdzv-timeout", min=1, help="Seconds the nodes wait for each other at start-up.")] = 300,
     print_launch: Annotated[bool, typer.Option("--print-launch", help="Write the accelerate config into output_dir, print the launch command, do not train.")] = False,
+    max_retries: Annotated[int, typer.Option("--max-retries", min=0, help="Out of memory: re-plan cheaper and retry at most this many times.")] = 3,
+    no_recover: Annotated[bool, typer.Option("--no-recover", help="Out of memory: stop with the error instead of re-planning.")] = False,
 ) -> None:
     """Fine-tune a model as the recipe says, with the memory techniques the plan chose."""
     from lowvram import report
@@ -107,9 +112,10 @@ def train(
         report.show_dry_run(r, plan, as_json=json_)
         return
     report.show_plan_brief(r, plan)
-    from lowvram.train.run import run_training
+    from lowvram.train.recover import resume_command, train_with_recovery
 
-    result = run_training(r, plan, resume=resume, overwrite=overwrite)
+    result = train_with_recovery(r, plan, resume=resume, overwrite=overwrite, recover=not no_recover,
+                                 max_retries=max_retries, resume_cmd=resume_command(recipe, set_ or [], vram))
     report.show_train_result(result, as_json=json_)
 
 

@@ -56,6 +56,12 @@ def _plan_table(plan):
     return t
 
 
+def _warn_remote_code(c, recipe) -> None:
+    if recipe.model.trust_remote_code:
+        c.print("warning: model.trust_remote_code is on: Python code shipped with the model will run "
+                "on this machine (turn it off unless you trust the model's source)", markup=False)
+
+
 def show_dry_run(recipe, plan, as_json: bool = False) -> None:
     if as_json:
         print_json({"recipe": recipe.model_dump(mode="json"), "plan": plan.to_dict()})
@@ -64,6 +70,7 @@ def show_dry_run(recipe, plan, as_json: bool = False) -> None:
     c.print("# resolved recipe (defaults filled in)", markup=False)
     c.print(recipe.to_yaml(), markup=False)
     c.print(_plan_table(plan))
+    _warn_remote_code(c, recipe)
     c.print("dry run: nothing was trained.")
 
 
@@ -71,6 +78,7 @@ def show_plan_brief(recipe, plan) -> None:
     """Printed before the model is loaded (nanoGPT habit: show the numbers that matter first)."""
     c = console()
     c.print(_plan_table(plan))
+    _warn_remote_code(c, recipe)
     tokens = plan.effective_batch * recipe.training.seq_len
     c.print(f"tokens per optimizer step (at most): {tokens:,}")
 

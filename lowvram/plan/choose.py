@@ -349,6 +349,42 @@ def _alternatives(cands: list[Candidate], chosen: Candidate) -> tuple[Candidate,
 
 
 # --------------------------------------------------------------------------------------------
+# After an out-of-memory error: the next plan down the ladder
+
+# A retry plans for 90% of what was seen to overflow: the measured peak at the failure is a lower
+# bound on what the step needed, so the new plan must predict clearly less than it.
+STEP_DOWN = 0.9
+
+
+def next_cheaper(plan: Plan, req: PlanRequest, measured_peak_bytes: int | None,
+                 estimate: Estimator = estimate_memory) -> Plan | None:
+    """The plan to retry with after ``plan`` ran out of memory; None when nothing cheaper exists.
+
+    Re-plans ``req`` (the recipe's request: its fixed techniques stay fixed, the effective batch is
+    kept) with the budget lowered to ``STEP_DOWN`` x the lower of the measured and the predicted
+    peak, so the choice is the next rung of the ladder order whose predicted peak is below it.
+    Precision and attention stay as they were (they are not memory retries).
+    """
+    if plan.predicted_peak_bytes is None:
+        return None
+    seen = min(plan.predicted_peak_bytes, measured_peak_bytes or plan.predicted_peak_bytes)
+    limit = int(STEP_DOWN * seen)
+    pinned = replace(req, mixed_precision=plan.mixed_precision, attention=plan.attention, gpus=plan.gpus)
+    budget = Budget(vram_needed_bytes(limit), device=plan.device, bf16=plan.mixed_precision.startswith("bf16"),
+                    source="re-plan after out of memory")
+    choice = choose_plan(pinned, budget, estimate)
+    if not choice.fits or choice.plan.predicted_peak_bytes >= plan.predicted_peak_bytes:
+        return None
+    from lowvram.report import _mem  # MiB below 1 GiB
+
+    shown = f"measured {_mem(measured_peak_bytes)}" if measured_peak_bytes else "not measured"
+    reasons = {**choice.plan.reasons,
+               "retry": f"out of memory with the previous plan ({shown}, predicted "
+                        f"{_mem(plan.predicted_peak_bytes)}): re-planned for {_mem(limit)}"}
+    return replace(choice.plan, reasons=reasons)
+
+
+# --------------------------------------------------------------------------------------------
 # Limits under the chosen plan
 
 
@@ -657,7 +693,7 @@ def _shard_reason(c: Candidate, estimate: Estimator, limit: int) -> str:
 
 __all__ = [
     "Budget", "Candidate", "Choice", "PlanRequest", "Rung", "build_ladder", "choice_to_dict", "choose_plan",
-    "safety_margin_bytes", "validate_request", "vram_needed_bytes",
+    "next_cheaper", "safety_margin_bytes", "validate_request", "vram_needed_bytes",
 ]
 
 

@@ -1,0 +1,419 @@
+"""Never lose a run: re-plan after out of memory, complete checkpoints, interrupts, disk full.
+
+- **Out of memory**: :func:`train_with_recovery` catches the OOM that :func:`run_training` raises
+  as :class:`TrainingOOM`, frees memory, asks the chooser for the next cheaper plan that keeps the
+  effective batch (:func:`lowvram.plan.choose.next_cheaper`) and continues from the last complete
+  checkpoint (or starts over when the checkpoint cannot carry over, e.g. another optimizer).
+- **Complete checkpoints**: the Trainer writes a checkpoint folder file by file; a process killed
+  half-way leaves a folder that looks like a checkpoint. :class:`MarkComplete` writes
+  ``lowvram-checkpoint.json`` (every file and its size) after the Trainer's last file, atomically;
+  only folders whose marker matches their files are resumed from.
+- **Interrupts**: SIGINT/SIGTERM ask the Trainer to save at the end of the current optimizer step
+  and stop; the CLI exits 130/143 with the command that resumes. A second signal stops at once.
+- **Disk full**: ``ENOSPC`` while writing becomes an ``error:``/``hint:``; the previous checkpoint
+  is untouched (the Trainer rotates old checkpoints only after a new one is written).
+
+No torch or transformers at import time (the CLI imports this module for its flags).
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from lowvram.errors import EXIT_SIGINT, EXIT_SIGTERM, LowvramError
+
+MARKER = "lowvram-checkpoint.json"
+EMULATE_ENV = "LOWVRAM_EMULATE_VRAM"  # testing: cap the CPU live-bytes tracker like a card this size
+DEFAULT_MAX_RETRIES = 3
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+
+# RuntimeError texts of an allocation failure that is not a torch.OutOfMemoryError (cuBLAS and
+# cuDNN workspaces, bitsandbytes kernels, older torch, MPS/ROCm).
+OOM_MESSAGES = (
+    "CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE", "MPS backend out of memory",
+    "HIP out of memory", "cudaErrorMemoryAllocation",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Recognising the failures
+
+
+def is_oom(exc: BaseException) -> bool:
+    try:
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MESSAGES)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    while exc is not None:  # torch.save wraps the OSError in a RuntimeError on some paths
+        if isinstance(exc, OSError) and exc.errno in codes:
+            return True
+        if "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def emulated_vram_bytes() -> int | None:
+    """LOWVRAM_EMULATE_VRAM=SIZE (tests, demos): the CPU tracker raises OOM above SIZE."""
+    text = os.environ.get(EMULATE_ENV)
+    if not text:
+        return None
+    from lowvram.hardware import parse_size
+
+    return parse_size(text)
+
+
+class TrainingOOM(LowvramError):
+    """Out of memory during training, with what the retry needs to know."""
+
+    def __init__(self, step: int, measured_peak_bytes: int | None, plan, detail: str) -> None:
+        from lowvram.report import _mem as gib  # MiB below 1 GiB
+
+        measured = f"measured {gib(measured_peak_bytes)}, " if measured_peak_bytes else ""
+        super().__init__(
+            f"out of memory at step {step} ({measured}predicted {gib(plan.predicted_peak_bytes)}): {detail}",
+            "lower training.micro_batch_size or seq_len, or turn on techniques.gradient_checkpointing; "
+            "`lowvram plan` shows the predicted peak",
+        )
+        self.step = step
+        self.measured_peak_bytes = measured_peak_bytes
+        self.plan = plan
+
+
+def oom_error(exc: BaseException, step: int, plan, tracker=None) -> TrainingOOM:
+    """The TrainingOOM for ``exc``, with the peak measured up to the failure."""
+    measured = None
+    if tracker is not None:
+        measured = int(tracker.peak_bytes)
+    elif plan.device == "cuda":
+        import torch
+
+        measured = int(torch.cuda.max_memory_allocated())
+    # global_step counts finished optimizer steps: the one that failed is the next.
+    return TrainingOOM(step + 1, measured, plan, (str(exc).splitlines() or ["out of memory"])[0])
+
+
+class TrainingInterrupted(LowvramError):
+    """SIGINT/SIGTERM: the run saved a checkpoint and stopped (exit 130/143)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        name = signal.Signals(signum).name
+        where = f"checkpoint saved: {checkpoint}" if checkpoint else "no checkpoint was saved"
+        super().__init__(f"interrupted by {name} at step {step}; {where}")
+        self.exit_code = EXIT_SIGTERM if signum == signal.SIGTERM else EXIT_SIGINT
+        self.checkpoint = checkpoint
+
+
+# --------------------------------------------------------------------------------------------
+# Complete checkpoints
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    from lowvram.train.run import write_atomic
+
+    write_atomic(path, text)
+
+
+def mark_complete(folder: Path) -> None:
+    """Write the marker listing every file of a checkpoint that is now whole (called last)."""
+    files = {str(p.relative_to(folder)): p.stat().st_size
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.startswith(".")}
+    _write_atomic(folder / MARKER, json.dumps({"files": files}, indent=1) + "\n")
+
+
+def _marker_matches(folder: Path) -> bool:
+    try:
+        files = json.loads((folder / MARKER).read_text())["files"]
+        return bool(files) and all((folder / n).is_file() and (folder / n).stat().st_size == size
+                                   for n, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _looks_complete(folder: Path) -> bool:
+    """A checkpoint lowvram did not mark (another tool, an older lowvram): the Trainer writes
+    trainer_state.json last, so it must parse, next to some model weights."""
+    try:
+        json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(p.stat().st_size > 0 for pat in ("*.safetensors", "*.bin", "pytorch_model_fsdp_*")
+               for p in folder.glob(pat))
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """Checkpoint folders that can be resumed from, oldest first.
+
+    Where lowvram marks checkpoints (any folder has a marker), an unmarked one is partial: the
+    process died while writing it. Elsewhere the Trainer's own files are checked."""
+    found = []
+    for p in out.glob("checkpoint-*") if out.is_dir() else ():
+        m = _CKPT.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    marked = any((p / MARKER).exists() for _, p in found)
+    ok = _marker_matches if marked else _looks_complete
+    return [p for _, p in sorted(found) if ok(p)]
+
+
+def _partial_checkpoints(out: Path) -> list[Path]:
+    """Checkpoint folders newer than the last complete one (being written when it failed)."""
+    complete = complete_checkpoints(out)
+    last = int(complete[-1].name.rpartition("-")[2]) if complete else -1
+    return [p for p in out.glob("checkpoint-*")
+            if _CKPT.match(p.name) and p.is_dir() and int(p.name.rpartition("-")[2]) > last]
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer callbacks (transformers is imported when they are made)
+
+
+class SignalStop:
+    """SIGINT/SIGTERM -> save at the end of this optimizer step and stop; a second one stops now."""
+
+    def __init__(self, stream=None) -> None:
+        self.signum: int | None = None
+        self.stream = stream or sys.stderr
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # asked twice: do not wait for the step
+            self.restore()
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.stream.write(f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step, "
+                          "then stopping (send it again to stop at once)\n")
+        self.stream.flush()
+
+    @contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():  # handlers only work there
+            yield self
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            self.restore()
+
+    def restore(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous.clear()
+
+
+def make_callbacks(stop: SignalStop) -> list:
+    """The TrainerCallbacks: mark complete checkpoints, honour a pending signal."""
+    from transformers import TrainerCallback
+
+    class MarkComplete(TrainerCallback):
+        # on_save runs after the Trainer wrote the whole folder (trainer.py _maybe_log_save_evaluate).
+        def on_save(self, args, state, control, **kwargs):
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if state.is_local_process_zero and folder.is_dir():
+                mark_complete(folder)
+
+    class StopOnSignal(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if stop.signum is not None:
+                control.should_save = True
+                control.should_training_stop = True
+            return control
+
+    return [MarkComplete(), StopOnSignal()]
+
+
+# --------------------------------------------------------------------------------------------
+# The command that resumes
+
+
+def resume_command(recipe_path, overrides=(), vram: str | None = None) -> str:
+    """`lowvram train RECIPE --resume` with the same --set flags, quoted for a POSIX shell."""
+    args = ["lowvram", "train", str(recipe_path), "--resume"]
+    for item in overrides or ():
+        args += ["--set", item]
+    if vram:
+        args += ["--vram", vram]
+    return shlex.join(args)
+
+
+# --------------------------------------------------------------------------------------------
+# The retry loop
+
+
+@dataclass(frozen=True)
+class Retry:
+    step: int
+    measured_peak_bytes: int | None
+    changed: str  # "gradient_checkpointing on, micro-batch 2 x 2"
+    resumed_from: str | None
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "measured_peak_bytes": self.measured_peak_bytes,
+                "changed": self.changed, "resumed_from": self.resumed_from}
+
+
+def describe_change(old, new) -> str:
+    """What a retry changed, in the canonical technique names."""
+    parts = []
+    for name, value in new.techniques().items():
+        if name in ("gradient_accumulation",) or old.techniques()[name] == value:
+            continue
+        shown = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        parts.append(f"{name} {shown}")
+    if (old.micro_batch_size, old.grad_accum) != (new.micro_batch_size, new.grad_accum):
+        parts.append(f"micro-batch {new.micro_batch_size} x {new.grad_accum}")
+    return ", ".join(parts) or "the same settings"
+
+
+def _carries_over(old, new) -> bool:
+    """A checkpoint's optimizer state and weights load into the new plan's Trainer."""
+    return (old.optimizer, old.lora) == (new.optimizer, new.lora)
+
+
+def _free_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _final_failure(err: TrainingOOM, retries: list[Retry], why: str) -> LowvramError:
+    from lowvram.report import _mem as gib  # MiB below 1 GiB
+
+    plan = err.plan
+    parts = {k: v for k, v in (plan.breakdown or {}).items() if v}
+    if parts:
+        top = max(parts, key=parts.get)
+        where = f"; the largest part of the predicted peak is {top} ({gib(parts[top])} of {gib(plan.predicted_peak_bytes)})"
+    else:
+        where = ""
+    tried = f" after {len(retries)} retr{'y' if len(retries) == 1 else 'ies'}" if retries else ""
+    return LowvramError(
+        f"{err.message}{tried}{where}",
+        f"{why}; lower training.seq_len or micro_batch_size, choose a smaller model, "
+        "or use a card with more memory (`lowvram plan RECIPE --vram SIZE` shows what fits)",
+    )
+
+
+def _disk_full(exc: BaseException, out: Path, hint_cmd: str) -> LowvramError:
+    removed = []
+    for p in _partial_checkpoints(out):  # cannot be resumed from; frees the space it took
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p.name)
+    last = complete_checkpoints(out)
+    kept = f"the last complete checkpoint {last[-1].name} is intact" if last else "no complete checkpoint was written"
+    gone = f" (removed the partial {', '.join(removed)})" if removed else ""
+    name = getattr(exc, "filename", None) or out
+    then = f", then {hint_cmd}" if last and hint_cmd else ""
+    return LowvramError(f"disk full while writing {name}{gone}",
+                        f"free space on that disk (df -h {shlex.quote(str(out))}); {kept}{then}")
+
+
+def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = False, recover: bool = True,
+                        max_retries: int = DEFAULT_MAX_RETRIES, resume_cmd: str = "", notify=None):
+    """run_training, retried with the next cheaper plan after an out-of-memory error."""
+    from lowvram.train.run import run_training
+    from lowvram.train.trainer import output_dir
+
+    notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
+    out = output_dir(recipe)
+    retries: list[Retry] = []
+    first = True
+    while True:
+        extra = {"oom_retries": [r.to_dict() for r in retries]}
+        if retries:
+            extra["final_plan"] = {**plan.techniques(), "micro_batch_size": plan.micro_batch_size}
+        try:
+            return run_training(recipe, plan, resume=resume, overwrite=overwrite, prepared=not first,
+                                extra_metrics=extra)
+        except TrainingOOM as e:
+            err = e
+        except TrainingInterrupted as e:
+            if resume_cmd:
+                e.hint = f"resume with: {resume_cmd}"
+            raise
+        except Exception as e:
+            if is_disk_full(e):
+                raise _disk_full(e, out, resume_cmd) from None
+            raise
+        first = False
+        _free_memory()
+        if not recover:
+            raise _final_failure(err, [], "automatic recovery is off (--no-recover)")
+        if len(retries) >= max_retries:
+            raise _final_failure(err, retries, f"--max-retries {max_retries} reached")
+        new = _next_plan(recipe, err)
+        if new is None:
+            raise _final_failure(err, retries, "no cheaper plan keeps the effective batch and the recipe's fixed settings")
+        if new.offload != "none":
+            raise _final_failure(err, retries, f"the next cheaper plan offloads (offload {new.offload}), which runs "
+                                 f"through accelerate: {resume_cmd or 'lowvram train RECIPE'} "
+                                 f"--set techniques.offload={new.offload}")
+        ckpts = complete_checkpoints(out)
+        if ckpts and not _carries_over(plan, new):
+            for p in out.glob("checkpoint-*"):  # written for another optimizer/weights: start over
+                shutil.rmtree(p, ignore_errors=True)
+            ckpts = []
+        retry = Retry(err.step, err.measured_peak_bytes, describe_change(plan, new),
+                      str(ckpts[-1]) if ckpts else None)
+        retries.append(retry)
+        notify(_retry_line(err, retry, len(retries), max_retries))
+        del err
+        plan, resume, overwrite = new, True, False
+
+
+def _retry_line(err: TrainingOOM, retry: Retry, n: int, max_retries: int) -> str:
+    from lowvram.report import _mem as gib  # MiB below 1 GiB
+
+    measured = f" (measured {gib(err.measured_peak_bytes)})" if err.measured_peak_bytes else ""
+    start = f"resuming from {Path(retry.resumed_from).name}" if retry.resumed_from else "starting over"
+    return f"OOM at step {err.step}{measured}; retrying with {retry.changed}; {start} (retry {n} of {max_retries})"
+
+
+def _next_plan(recipe, err: TrainingOOM):
+    """The chooser's next cheaper plan for this recipe (None when the model cannot be read)."""
+    from lowvram.plan.choose import next_cheaper
+    from lowvram.plan.resolve import build_request, recipe_model
+
+    try:
+        spec = recipe_model(recipe)
+    except LowvramError:
+        return None
+    req = build_request(spec, recipe)
+    if err.plan.gpus > 1:
+        req = replace(req, gpus=err.plan.gpus)
+    return next_cheaper(err.plan, req, err.measured_peak_bytes)
+
+
+__all__ = [
+    "MARKER", "SignalStop", "TrainingInterrupted", "TrainingOOM", "complete_checkpoints", "describe_change",
+    "emulated_vram_bytes", "is_disk_full", "is_oom", "make_callbacks", "mark_complete", "oom_error",
+    "resume_command", "train_with_recovery",
+]

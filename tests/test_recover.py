@@ -1,0 +1,156 @@
+"""Out-of-memory recovery: the chooser's next cheaper plan, OOM recognition, and the whole loop
+through `lowvram train` on the tiny model with an emulated card (LOWVRAM_EMULATE_VRAM)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+from test_train_e2e import metrics, train, write_recipe
+
+from lowvram.plan.choose import Budget, PlanRequest, choose_plan, next_cheaper
+from lowvram.plan.models import resolve_model
+from lowvram.train import recover
+
+# Live tensor bytes of the tiny LoRA run (seq_len 64, batch 4), measured on CPU: micro-batch 4 peaks
+# at 4,069,452 bytes, micro-batch 2 x 2 at 2,483,836. A 3.5 MiB card holds only the second.
+CARD = "3.5MiB"
+
+
+# --------------------------------------------------------------------------------------------
+# The chooser
+
+
+def _plan(**fixed):
+    req = PlanRequest(model=resolve_model("llama-2-7b"), seq_len=2048, batch_size=16, **fixed)
+    return req, choose_plan(req, Budget(80 * 2**30, "cuda")).plan
+
+
+def test_next_cheaper_steps_down_and_keeps_the_effective_batch():
+    req, plan = _plan()
+    seen, new = [plan], plan
+    while (nxt := next_cheaper(new, req, new.predicted_peak_bytes)) is not None:
+        assert nxt.effective_batch == plan.effective_batch
+        assert nxt.predicted_peak_bytes <= 0.9 * new.predicted_peak_bytes
+        assert nxt.mixed_precision == plan.mixed_precision
+        assert "out of memory" in nxt.reasons["retry"]
+        seen.append(nxt)
+        new = nxt
+    # Down the ladder: checkpointing before LoRA, a quantized base last.
+    assert len(seen) >= 4
+    first = {name: next(i for i, p in enumerate(seen) if getattr(p, name)) for name in ("gradient_checkpointing", "lora")}
+    assert 0 < first["gradient_checkpointing"] < first["lora"]
+    assert seen[-1].lora and any(p.quantization != "none" for p in seen) and seen[-1].offload != "none"
+
+
+def test_next_cheaper_uses_the_lower_of_measured_and_predicted():
+    req, plan = _plan()
+    # Measured far below the prediction (the card was smaller than planned): plan for the measurement.
+    low = next_cheaper(plan, req, plan.predicted_peak_bytes // 3)
+    assert low.predicted_peak_bytes <= 0.9 * plan.predicted_peak_bytes // 3
+    # Measured above the prediction: at least one rung below the predicted peak.
+    high = next_cheaper(plan, req, plan.predicted_peak_bytes * 2)
+    assert high.predicted_peak_bytes <= 0.9 * plan.predicted_peak_bytes
+
+
+def test_next_cheaper_respects_fixed_settings():
+    req, plan = _plan(gradient_checkpointing=False, lora=False, optimizer="adamw")
+    new = next_cheaper(plan, req, plan.predicted_peak_bytes)
+    assert new is not None and not new.gradient_checkpointing and not new.lora and new.optimizer == "adamw"
+    assert new.predicted_peak_bytes <= 0.9 * plan.predicted_peak_bytes and new.effective_batch == 16
+    # Everything fixed and micro-batch 1 already: nothing cheaper exists.
+    req, plan = _plan(gradient_checkpointing=True, lora=True, quantization="nf4-dq", optimizer="adamw_8bit",
+                      micro_batch_size=1, offload="full", loss="chunked")
+    assert next_cheaper(plan, req, plan.predicted_peak_bytes) is None
+    assert next_cheaper(replace(plan, predicted_peak_bytes=None), req, 10**9) is None
+
+
+def test_oom_errors_are_recognised():
+    import torch
+
+    assert recover.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert recover.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert recover.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert not recover.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not recover.is_oom(ValueError("CUDA out of memory"))
+
+
+def test_describe_change():
+    _, plan = _plan()
+    new = replace(plan, gradient_checkpointing=True, micro_batch_size=2, grad_accum=8)
+    assert recover.describe_change(plan, new) == "gradient_checkpointing on, micro-batch 2 x 8"
+
+
+# --------------------------------------------------------------------------------------------
+# The loop, end to end through the CLI on an emulated card
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir):
+    """An uninterrupted run on no memory cap: its losses are what every recovery must reach."""
+    d = tmp_path_factory.mktemp("ref")
+    recipe = write_recipe(d, tiny_model_dir, steps=4, save_steps=2)
+    result = train(str(recipe))
+    assert result.exit_code == 0, result.output
+    return metrics(d / "out")
+
+
+def test_oom_on_emulated_card_retries_with_a_smaller_micro_batch(tmp_path, tiny_model_dir, monkeypatch, reference):
+    monkeypatch.setenv(recover.EMULATE_ENV, CARD)
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=4, save_steps=2)
+    result = train(str(recipe))
+    assert result.exit_code == 0, result.output
+    assert re.search(r"OOM at step 1 \(measured 3\.\d MiB\); retrying with micro-batch 2 x 2; starting over "
+                     r"\(retry 1 of 3\)", result.output), result.output
+    m = metrics(tmp_path / "out")
+    assert [(r["step"], r["changed"], r["resumed_from"]) for r in m["oom_retries"]] == [(1, "micro-batch 2 x 2", None)]
+    assert m["oom_retries"][0]["measured_peak_bytes"] > 3.5 * 2**20
+    assert m["final_plan"]["micro_batch_size"] == 2 and m["final_plan"]["gradient_accumulation"] == 2
+    assert m["peak_memory_bytes"] <= 3.5 * 2**20
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert (plan["micro_batch_size"], plan["grad_accum"]) == (2, 2) and "retry" in plan["reasons"]
+    # Same effective batch: the same training, step for step.
+    assert m["train_loss"] == pytest.approx(reference["train_loss"], abs=1e-4)
+
+
+def test_oom_after_a_checkpoint_resumes_from_it(tmp_path, tiny_model_dir, monkeypatch, reference):
+    """An OOM in step 3 (as a longer batch would cause): the retry continues from checkpoint-2."""
+    import torch
+    from transformers import TrainerCallback
+
+    class OomInStep3(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2 and args.per_device_train_batch_size == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    make = recover.make_callbacks
+    monkeypatch.setattr(recover, "make_callbacks", lambda stop: [*make(stop), OomInStep3()])
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=4, save_steps=2)
+    result = train(str(recipe))
+    assert result.exit_code == 0, result.output
+    assert "OOM at step 3 " in result.output and "resuming from checkpoint-2" in result.output
+    m = metrics(tmp_path / "out")
+    assert m["oom_retries"][0]["resumed_from"].endswith("checkpoint-2")
+    assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4
+    assert m["train_loss"] == pytest.approx(reference["train_loss"], abs=1e-4)
+
+
+def test_no_recover_and_exhausted_retries_fail_clearly(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(recover.EMULATE_ENV, CARD)
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=2)
+    off = train(str(recipe), "--no-recover")
+    assert off.exit_code == 1
+    assert re.search(r"error: out of memory at step 1 \(measured 3\.\d MiB, predicted 4\.2 MiB\)", off.output), off.output
+    assert "the largest part of the predicted peak is activations" in off.output
+    assert "hint: automatic recovery is off (--no-recover)" in off.output
+    assert not (tmp_path / "out" / "metrics.json").exists()
+
+    capped = train(str(recipe), "--max-retries", "0", "--overwrite")
+    assert capped.exit_code == 1 and "hint: --max-retries 0 reached" in capped.output
+
+    monkeypatch.setenv(recover.EMULATE_ENV, "1MiB")  # about the weights and optimizer state alone
+    tiny = train(str(recipe), "--overwrite")
+    assert tiny.exit_code == 1 and "Traceback" not in tiny.output
+    assert "hint: no cheaper plan keeps the effective batch and the recipe's fixed settings" in tiny.output
