@@ -89,6 +89,7 @@ def train(
     cpu: Annotated[bool, typer.Option("--cpu", help="Run the processes on the CPU (gloo); the default without a GPU.")] = False,
     rdzv_timeout: Annotated[int, typer.Option("--rdzv-timeout", min=1, help="Seconds the nodes wait for each other at start-up.")] = 300,
     print_launch: Annotated[bool, typer.Option("--print-launch", help="Write the accelerate config into output_dir, print the launch command, do not train.")] = False,
+    no_track_memory: Annotated[bool, typer.Option("--no-track-memory", help="CPU runs: do not measure live tensor bytes (the measured peak is then process RSS; ~5-30% faster on tiny models).")] = False,
     max_retries: Annotated[int, typer.Option("--max-retries", min=0, help="Out of memory: re-plan cheaper and retry at most this many times.")] = 3,
     no_recover: Annotated[bool, typer.Option("--no-recover", help="Out of memory: stop with the error instead of re-planning.")] = False,
 ) -> None:
@@ -99,6 +100,10 @@ def train(
     r = load_recipe(recipe, set_ or [])
     from lowvram.plan.resolve import plan_for_recipe
 
+    if no_track_memory:  # read by lowvram.train.run (and inherited by launched workers)
+        import os
+
+        os.environ["LOWVRAM_TRACK_MEMORY"] = "0"
     if gpus * nodes > 1 or print_launch or cpu:
         _train_launched(r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
                         rdzv_timeout, print_launch, dry_run, resume, overwrite, json_)

@@ -438,7 +438,13 @@ def build_optimizer(model, name: str, lr: float = 1e-4):
         import bitsandbytes as bnb
 
         cls = bnb.optim.AdamW8bit if name == "adamw_8bit" else bnb.optim.PagedAdamW8bit
-        return cls(params, lr=lr)
+        opt = cls(params, lr=lr)
+        # As the Trainer does (Trainer.create_optimizer): embeddings keep 32-bit state.
+        manager = bnb.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+        return opt
     if name == "adafactor":
         from transformers.optimization import Adafactor
 
@@ -513,4 +519,58 @@ ACCURACY_MATRIX: list[tuple[str, dict]] = [
                                           gradient_checkpointing=True)),
     ("qlora nf4-dq b2 s256 adamw_8bit", dict(precision="bf16", lora=True, quantization="nf4-dq",
                                              micro_batch_size=2, seq_len=256, optimizer="adamw_8bit")),
+    ("full bf16 chunked loss b8 s1024", dict(precision="bf16", loss="chunked", micro_batch_size=8,
+                                             seq_len=1024)),
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# Measured peak during `lowvram train`
+
+
+def memory_history_callback(device: str, tracker=None):
+    """A TrainerCallback recording, at every logging step, the peak since the previous one:
+    ``history`` = [[step, peak_bytes], ...] (CPU: the live-bytes tracker; CUDA:
+    max_memory_allocated, then its peak is reset). ``overall_peak_bytes`` keeps the maximum."""
+    from transformers import TrainerCallback
+
+    class MemoryHistory(TrainerCallback):
+        def __init__(self) -> None:
+            self.history: list[list[int]] = []
+            self.overall_peak_bytes = 0
+            self.overall_reserved_bytes = 0
+
+        def _take(self) -> tuple[int, int] | None:
+            if tracker is not None:
+                peak = int(tracker.peak_bytes)
+                tracker.reset_peak()
+                return peak, 0
+            if device == "cuda":
+                import torch
+
+                peak, reserved = int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
+                torch.cuda.reset_peak_memory_stats()
+                return peak, reserved
+            return None
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            took = self._take()
+            if took is None:
+                return
+            self.overall_peak_bytes = max(self.overall_peak_bytes, took[0])
+            self.overall_reserved_bytes = max(self.overall_reserved_bytes, took[1])
+            step = int(state.global_step)
+            if self.history and self.history[-1][0] == step:  # the end-of-training log, same step
+                self.history[-1][1] = max(self.history[-1][1], took[0])
+            else:
+                self.history.append([step, took[0]])
+
+        def finish(self) -> tuple[int, int]:
+            """(peak, reserved) over the whole run, including what followed the last log."""
+            took = self._take()
+            if took is not None:
+                self.overall_peak_bytes = max(self.overall_peak_bytes, took[0])
+                self.overall_reserved_bytes = max(self.overall_reserved_bytes, took[1])
+            return self.overall_peak_bytes, self.overall_reserved_bytes
+
+    return MemoryHistory()

@@ -139,8 +139,31 @@ def show_train_result(result, as_json: bool = False) -> None:
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
     console().print(t)
+    _warn_prediction(m)
     if (Path(result.output_dir) / "loss.png").is_file():
         console().print(f"loss plot: {Path(result.output_dir) / 'loss.png'}", markup=False)
+
+
+PREDICTION_TOLERANCE = 0.10  # beyond this, the planner is wrong for this run: ask for a report
+
+
+def prediction_error(metrics: dict) -> float | None:
+    """(measured - predicted) / predicted, when both are tensor memory of the same device."""
+    pred, meas = metrics.get("predicted_peak_bytes"), metrics.get("peak_memory_bytes")
+    kind = metrics.get("peak_memory_kind") or ""
+    if not pred or not meas or "RSS" in kind:  # process RSS is not tensor memory
+        return None
+    return (meas - pred) / pred
+
+
+def _warn_prediction(m: dict) -> None:
+    err = prediction_error(m)
+    if err is None or abs(err) <= PREDICTION_TOLERANCE:
+        return
+    console(stderr=True).print(
+        f"warning: measured peak {_mem(m['peak_memory_bytes'])} is {100 * err:+.0f}% off the predicted "
+        f"{_mem(m['predicted_peak_bytes'])}; please report it with the output of `lowvram env`, "
+        "the recipe and plan.json", markup=False)
 
 
 def _mem(n: int | None) -> str:

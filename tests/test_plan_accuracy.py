@@ -24,6 +24,7 @@ FAST = [
     "full fp32", "full bf16", "full bf16-mixed", "full bf16 + checkpointing", "full bf16 b2 s512",
     "full bf16 accum 2", "full bf16 adamw_8bit", "full bf16 adafactor", "lora bf16",
     "lora bf16-mixed", "qlora nf4", "qlora nf4-dq + checkpointing",
+    "full bf16 chunked loss b8 s1024",  # 2048 tokens here: two chunks of 1024
 ]
 CASES = {name: kw for name, kw in ACCURACY_MATRIX}
 
@@ -40,7 +41,8 @@ def test_peak_within_3_percent(name):
     assert (est.peak_phase == "optimizer_step") == (measured.peak_phase == "optimizer_step")
     if setup.grad_accum == 1:
         # weights + optimizer state: exact up to a few scalars (step counters, inputs)
-        assert abs(est.persistent_bytes - measured.start_bytes) <= 16 * 1024
+        inputs = 8 * setup.micro_batch_size * setup.seq_len  # the int64 batch (ids = labels)
+        assert abs(est.persistent_bytes - measured.start_bytes) <= 16 * 1024 + inputs
 
 
 def test_tracker_counts_live_bytes_and_frees():

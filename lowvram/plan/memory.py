@@ -218,9 +218,18 @@ def optimizer_bytes(setup: RunSetup) -> int:
     if o in ("adamw", "paged_adamw_32bit"):
         return 2 * w * sum(_numel(s) for s in shapes)
     if o in ("adamw_8bit", "paged_adamw_8bit"):
+        # The Trainer registers every nn.Embedding weight for 32-bit state (bnb
+        # GlobalOptimManager override, transformers Trainer.create_optimizer): 8 bytes/param.
+        h = setup.model.hidden_size
+        embeddings = [] if setup.lora else [(setup.model.vocab_size, h)] + (
+            [(setup.model.learned_positions, h)] if setup.model.learned_positions else [])
         total = 2 * 256 * 4
         for s in shapes:
             n = _numel(s)
+            if s in embeddings:
+                embeddings.remove(s)
+                total += 8 * n
+                continue
             total += 8 * n if n < 4096 else 2 * n + 2 * 4 * -(-n // 256)
         return total
     if o == "adafactor":
@@ -402,9 +411,9 @@ def logits_bytes(setup: RunSetup) -> int:
     same error as the standard loss, within 2%)."""
     spec = setup.model
     t = setup.micro_batch_size * setup.seq_len
-    if setup.loss == "chunked":
+    if setup.loss == "chunked" and t > CHUNK_TOKENS:  # one chunk: the same as the standard loss
         r, _, _ = _dtypes(setup)
-        return 12 * min(t, CHUNK_TOKENS) * spec.vocab_size + 2 * r * t * spec.hidden_size + 8 * t
+        return 12 * CHUNK_TOKENS * spec.vocab_size + 2 * r * t * spec.hidden_size + 8 * t
     return 12 * t * spec.vocab_size
 
 

@@ -279,15 +279,68 @@ def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus
         from lowvram.hardware import detect_hardware
 
         hardware = detect_hardware(vram)
+    check_card(recipe, hardware, vram)
     try:
         spec = recipe_model(recipe)
     except LowvramError as err:
-        return _fixed_with_note(recipe, hardware.kind, hardware.bf16, err, gpus)
+        return check_runnable(_fixed_with_note(recipe, hardware.kind, hardware.bf16, err, gpus), hardware)
     from lowvram.plan.choose import choose_plan
 
     budget = make_budget(vram, hardware)
     flags, sources = ({"gpus": gpus}, {"gpus": f"--gpus {gpus}"}) if gpus > 1 else ({}, {})
-    return choose_plan(build_request(spec, recipe, flags, sources), budget).plan
+    return check_runnable(choose_plan(build_request(spec, recipe, flags, sources), budget).plan, hardware)
+
+
+def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
+    """Before planning: a budget no run fits in, or a recipe forcing what the card cannot do."""
+    from lowvram.hardware import parse_size
+    from lowvram.plan.memory import cuda_overheads
+
+    override = vram or os.environ.get("LOWVRAM_VRAM") or None
+    budget = parse_size(override) if override else hardware.budget_bytes
+    context = cuda_overheads().context_bytes
+    # A --vram budget is GPU memory (also when planning on a machine without one).
+    if (hardware.kind == "cuda" or override) and budget is not None and budget <= context:
+        shown = f"--vram {override}" if override else "the free GPU memory"
+        raise LowvramError(
+            f"{shown} ({budget / 2**30:.2f} GiB) is no more than the CUDA context alone "
+            f"({context / 2**30:.2f} GiB): nothing can train in it",
+            "pass the card's free memory, e.g. --vram 8GB (nvidia-smi shows it), or free the GPU")
+    mp = recipe.techniques.mixed_precision
+    if hardware.kind == "cuda" and mp in ("bf16", "bf16-mixed") and not hardware.bf16:
+        name = hardware.devices[0].name if hardware.devices else "this GPU"
+        raise LowvramError(
+            f"techniques.mixed_precision: {mp} needs bf16, which {name} does not support "
+            "(bf16 needs compute capability 8.0, Ampere or newer)",
+            "set techniques.mixed_precision: fp16-mixed (or auto: lowvram picks what the card supports)")
+    quant = recipe.techniques.quantization
+    _check_bnb(ON_VALUES["quantization"] if quant == "on" else quant, recipe.techniques.optimizer, hardware)
+
+
+def check_runnable(plan: Plan, hardware) -> Plan:
+    """After planning: bitsandbytes techniques need bitsandbytes, on a device it supports."""
+    _check_bnb(plan.quantization, plan.optimizer, hardware)
+    return plan
+
+
+def _check_bnb(quantization: str, optimizer: str, hardware) -> None:
+    needs_bnb = [f"quantization {quantization}"] if quantization not in ("none", "off", "auto") else []
+    if optimizer in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "on"):
+        needs_bnb.append(f"optimizer {ON_VALUES['optimizer'] if optimizer == 'on' else optimizer}")
+    if not needs_bnb:
+        return
+    import importlib.util
+
+    why = None
+    if hardware.kind == "mps":
+        why = "bitsandbytes has no Apple MPS support"
+    elif importlib.util.find_spec("bitsandbytes") is None:
+        why = "bitsandbytes is not installed"
+    if why:
+        raise LowvramError(
+            f"{' and '.join(needs_bnb)} need bitsandbytes: {why}",
+            "set techniques.quantization: off and techniques.optimizer: adamw"
+            + (" (or pip install bitsandbytes)" if hardware.kind != "mps" else ""))
 
 
 def _fixed_with_note(recipe: Recipe, kind: str, bf16: bool, err: LowvramError, gpus: int = 1) -> Plan:

@@ -122,8 +122,9 @@ def _save_final(trainer, tokenizer, out: Path) -> None:
 # Memory
 
 
-def _memory_tracker(plan, model):
-    """On CPU: lowvram.measure's live-bytes tracker (exact tensor bytes); on CUDA: reset the peak."""
+def _memory_tracker(plan, model, track: bool = True):
+    """On CPU: lowvram.measure's live-bytes tracker (exact tensor bytes; ``track=False``, from
+    --no-track-memory: none, unless an emulated card needs it); on CUDA: reset the peak."""
     if plan.device == "cuda":
         import torch
 
@@ -137,21 +138,26 @@ def _memory_tracker(plan, model):
         return None
     from lowvram.train.recover import emulated_vram_bytes
 
+    if not track and emulated_vram_bytes() is None:
+        return None
     tracker = LiveBytes(cap_bytes=emulated_vram_bytes())  # LOWVRAM_EMULATE_VRAM: an emulated card
     tracker.register(model)  # weights exist before the mode starts counting
     return tracker
 
 
-def _peak_memory(plan, tracker) -> dict:
+def _peak_memory(plan, tracker, history=None) -> dict:
+    """The run's measured peak; ``history`` (measure.memory_history_callback) holds the peaks of
+    the logging intervals, whose maximum is the run's peak."""
+    peak, reserved = history.finish() if history is not None else (0, 0)
     if tracker is not None:
-        return {"peak_memory_bytes": int(tracker.peak_bytes), "peak_memory_kind": "live tensor bytes (exact, CPU)",
-                "peak_rss_bytes": _peak_rss()}
+        return {"peak_memory_bytes": max(peak, int(tracker.peak_bytes)),
+                "peak_memory_kind": "live tensor bytes (exact, CPU)", "peak_rss_bytes": _peak_rss()}
     if plan.device == "cuda":
         import torch
 
         return {
-            "peak_memory_bytes": int(torch.cuda.max_memory_allocated()),
-            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+            "peak_memory_bytes": max(peak, int(torch.cuda.max_memory_allocated())),
+            "peak_reserved_bytes": max(reserved, int(torch.cuda.max_memory_reserved())),
             "peak_memory_kind": "cuda max_memory_allocated",
         }
     # Whole-process RSS (Python, libraries, data, allocator caches): an upper bound on tensor
@@ -187,7 +193,8 @@ def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
 
 
 def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
-                 prepared: bool = False, extra_metrics: dict | None = None) -> RunResult:
+                 prepared: bool = False, extra_metrics: dict | None = None,
+                 track_memory: bool | None = None) -> RunResult:
     """Train as the Plan says; returns the metrics also written to output_dir/metrics.json.
 
     ``prepared``: a launcher process already checked output_dir (``lowvram train --gpus N``);
@@ -234,7 +241,13 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         write_atomic(out / RECIPE, (f"# recipe: {Path(recipe.source).resolve()}\n" if recipe.source else "") + recipe.to_yaml())
         write_atomic(out / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
 
-    tracker = _memory_tracker(plan, loaded.model)
+    if track_memory is None:  # `lowvram train --no-track-memory` sets it (workers inherit it)
+        track_memory = os.environ.get("LOWVRAM_TRACK_MEMORY", "1") != "0"
+    tracker = _memory_tracker(plan, loaded.model, track_memory)
+    from lowvram.measure import memory_history_callback
+
+    mem_history = memory_history_callback(plan.device, tracker)
+    trainer.add_callback(mem_history)
     t0 = time.perf_counter()
     try:
         with tracker if tracker is not None else contextlib.nullcontext(), stop.installed():
@@ -250,7 +263,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     eval_loss = None
     if bundle.eval is not None:
         eval_loss = float(trainer.evaluate()["eval_loss"])
-    peak = _peak_memory(plan, tracker)
+    peak = _peak_memory(plan, tracker, mem_history)
     per_rank = _gather_peaks(trainer, out, peak)
 
     _save_final(trainer, loaded.tokenizer, out)
@@ -268,6 +281,8 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         "tokens_per_s": round(session_tokens / runtime, 1) if runtime > 0 and session_tokens else None,
         **peak,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "predicted_device": plan.device,
+        "memory_history": mem_history.history,  # [[step, peak bytes since the previous log], ...]
         "processes": int(trainer.accelerator.num_processes),
         "peak_memory_bytes_per_rank": per_rank,
         "train_rows": s.train_rows,
