@@ -34,8 +34,11 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check lowvram tests bench
 
+# plan_speed: seconds; ladder_cpu and trainer_overhead: a few minutes each on 2 cores.
 bench: $(STAMP)
 	$(BIN)/python bench/plan_speed.py
+	$(BIN)/python bench/ladder_cpu.py
+	$(BIN)/python bench/trainer_overhead.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
