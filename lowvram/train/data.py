@@ -294,7 +294,9 @@ def _read_text(path: Path) -> str:
 
 
 def _jsonl_rows(text: str, name: str) -> Iterator[_Row]:
-    for i, line in enumerate(text.splitlines(), 1):
+    # Only "\n" ends a row: str.splitlines() also splits at U+2028, U+0085, \x1c..., which JSON
+    # strings may hold raw (a trailing "\r" is JSON whitespace).
+    for i, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
