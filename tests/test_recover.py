@@ -154,3 +154,24 @@ def test_no_recover_and_exhausted_retries_fail_clearly(tmp_path, tiny_model_dir,
     tiny = train(str(recipe), "--overwrite")
     assert tiny.exit_code == 1 and "Traceback" not in tiny.output
     assert "hint: no cheaper plan keeps the effective batch and the recipe's fixed settings" in tiny.output
+
+
+def test_readme_examples_have_the_printed_formats():
+    """The README's "When things go wrong" lines are in the formats the tests above check."""
+    from conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## When things go wrong"):text.index("## Using the result")]
+    blocks = re.findall(r"```text\n(.*?)```", section, re.S)
+    oom = blocks[0].strip()
+    assert re.fullmatch(r"OOM at step \d+ \(measured [\d.]+ GiB\); retrying with [a-z_0-9 ,x-]+; "
+                        r"(resuming from checkpoint-\d+|starting over) \(retry \d+ of \d+\)", oom)
+    _, plan = _plan()
+    change = oom.split("retrying with ")[1].split(";")[0]
+    new = replace(plan, gradient_checkpointing=True, micro_batch_size=2, grad_accum=8)
+    assert recover.describe_change(plan, new) == change
+    err, hint = blocks[1].strip().splitlines()
+    assert re.fullmatch(r"error: interrupted by SIGINT at step (\d+); checkpoint saved: \S+/checkpoint-\1", err)
+    assert hint == "hint: resume with: " + recover.resume_command(
+        "recipes/qwen2.5-1.5b-lora.yaml", ["training.output_dir=runs/my run"])
+    assert "`--max-retries` (default 3)" in section and "`--no-recover`" in section
