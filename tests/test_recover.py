@@ -75,6 +75,9 @@ def test_oom_errors_are_recognised():
     assert recover.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
     assert not recover.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not recover.is_oom(ValueError("CUDA out of memory"))
+    assert recover.requested_bytes("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has") == 2 * 2**30
+    assert recover.requested_bytes("Tried to allocate 20.50 MiB") == int(20.5 * 2**20)
+    assert recover.requested_bytes("emulated card of 10 bytes") == 0
 
 
 def test_describe_change():

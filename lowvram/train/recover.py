@@ -74,6 +74,15 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
+_UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def requested_bytes(message: str) -> int:
+    """The allocation a CUDA OOM message says failed ("Tried to allocate 2.00 GiB"), else 0."""
+    m = re.search(r"Tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB)", message)
+    return int(float(m.group(1)) * _UNIT[m.group(2)]) if m else 0
+
+
 def emulated_vram_bytes() -> int | None:
     """LOWVRAM_EMULATE_VRAM=SIZE (tests, demos): the CPU tracker raises OOM above SIZE."""
     text = os.environ.get(EMULATE_ENV)
@@ -110,6 +119,8 @@ def oom_error(exc: BaseException, step: int, plan, tracker=None) -> TrainingOOM:
         import torch
 
         measured = int(torch.cuda.max_memory_allocated())
+    if measured is not None:  # the failed allocation was needed too (not in the allocator's peak)
+        measured += requested_bytes(str(exc))
     # global_step counts finished optimizer steps: the one that failed is the next.
     return TrainingOOM(step + 1, measured, plan, (str(exc).splitlines() or ["out of memory"])[0])
 
