@@ -100,18 +100,14 @@ def train(
     r = load_recipe(recipe, set_ or [])
     from lowvram.plan.resolve import plan_for_recipe
 
-    if no_track_memory:  # read by lowvram.train.run (and inherited by launched workers)
-        import os
-
-        os.environ["LOWVRAM_TRACK_MEMORY"] = "0"
+    launched = (r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
+                rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, not no_track_memory)
     if gpus * nodes > 1 or print_launch or cpu:
-        _train_launched(r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
-                        rdzv_timeout, print_launch, dry_run, resume, overwrite, json_)
+        _train_launched(*launched)
         return
     plan = plan_for_recipe(r, vram=vram)
     if plan.offload != "none" and not dry_run:  # FSDP/DeepSpeed on one GPU: through accelerate too
-        _train_launched(r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
-                        rdzv_timeout, print_launch, dry_run, resume, overwrite, json_)
+        _train_launched(*launched)
         return
     if dry_run:
         report.show_dry_run(r, plan, as_json=json_)
@@ -120,12 +116,13 @@ def train(
     from lowvram.train.recover import resume_command, train_with_recovery
 
     result = train_with_recovery(r, plan, resume=resume, overwrite=overwrite, recover=not no_recover,
-                                 max_retries=max_retries, resume_cmd=resume_command(recipe, set_ or [], vram))
+                                 max_retries=max_retries, resume_cmd=resume_command(recipe, set_ or [], vram),
+                                 track_memory=not no_track_memory)
     report.show_train_result(result, as_json=json_)
 
 
 def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, main_address, cpu,
-                    rdzv_timeout, print_launch, dry_run, resume, overwrite, json_) -> None:
+                    rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, track_memory=True) -> None:
     """`lowvram train --gpus N`: plan once here, then `accelerate launch` the worker on each GPU."""
     import dataclasses
 
@@ -152,7 +149,7 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     report.show_launch(r, plan, spec, prepared, print_only=print_launch)
     if print_launch:
         return
-    rc = launch.run_launch(prepared, spec)
+    rc = launch.run_launch(prepared, spec, track_memory=track_memory)
     if rc != 0:
         raise typer.Exit(rc)
     if node_rank == 0:

@@ -54,9 +54,11 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_run_writes_plot_tensorboard_and_sparkline(run_dir):
-    assert png_size(run_dir / "loss.png") == (800, 380)
-    assert list((run_dir / "runs").rglob("events.out.tfevents.*")), "no TensorBoard log"
     m = json.loads((run_dir / "metrics.json").read_text())
+    # Runs record memory per logging step, so the plot has the loss panel and the memory panel.
+    assert m["memory_history"] and all(b > 0 for _, b in m["memory_history"])
+    assert png_size(run_dir / "loss.png") == (800, 700)
+    assert list((run_dir / "runs").rglob("events.out.tfevents.*")), "no TensorBoard log"
     assert [s for s, _ in m["eval_history"]] == [4]
     assert (run_dir / "recipe.yaml").read_text().startswith("# recipe: ")
 

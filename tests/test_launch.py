@@ -157,7 +157,7 @@ def test_fsdp_when_it_must_be_sharded():
 
 
 def test_fsdp_offload_when_sharding_is_not_enough():
-    c = _choose("llama-2-70b", 2, quantization="nf4-dq", lora=True)
+    c = _choose("llama-2-70b", 2, vram="16GB", quantization="nf4-dq", lora=True)
     assert c.fits and c.plan.offload == "fsdp-offload"
     assert "fsdp without CPU offload would peak at" in c.plan.reasons["offload"]
 

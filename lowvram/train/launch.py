@@ -317,7 +317,7 @@ class _StderrFilter:
         return not self._GLOG.match(line)
 
 
-def run_launch(launch: Launch, spec: LaunchSpec, stderr=None) -> int:
+def run_launch(launch: Launch, spec: LaunchSpec, stderr=None, track_memory: bool = True) -> int:
     """Run accelerate (argv, no shell); stream its output; tracebacks go to launch.log only.
 
     A rendezvous that fails (a node cannot reach --main-address within spec.rdzv_timeout_s)
@@ -331,6 +331,8 @@ def run_launch(launch: Launch, spec: LaunchSpec, stderr=None) -> int:
     log_path = launch.output_dir / LAUNCH_LOG
     tail: collections.deque[str] = collections.deque(maxlen=400)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not track_memory:  # `--no-track-memory`: read by lowvram.train.run in every worker
+        env["LOWVRAM_TRACK_MEMORY"] = "0"
     proc = subprocess.Popen(launch.command, stderr=subprocess.PIPE, text=True, env=env)
     shown = _StderrFilter()
     with log_path.open("w", encoding="utf-8") as log:

@@ -348,7 +348,8 @@ def _disk_full(exc: BaseException, out: Path, hint_cmd: str) -> LowvramError:
 
 
 def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = False, recover: bool = True,
-                        max_retries: int = DEFAULT_MAX_RETRIES, resume_cmd: str = "", notify=None):
+                        max_retries: int = DEFAULT_MAX_RETRIES, resume_cmd: str = "", notify=None,
+                        track_memory: bool | None = None):
     """run_training, retried with the next cheaper plan after an out-of-memory error."""
     from lowvram.train.run import run_training
     from lowvram.train.trainer import output_dir
@@ -363,7 +364,7 @@ def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = Fa
             extra["final_plan"] = {**plan.techniques(), "micro_batch_size": plan.micro_batch_size}
         try:
             return run_training(recipe, plan, resume=resume, overwrite=overwrite, prepared=not first,
-                                extra_metrics=extra)
+                                extra_metrics=extra, track_memory=track_memory)
         except TrainingOOM as e:
             err = e
         except TrainingInterrupted as e:

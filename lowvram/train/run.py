@@ -241,7 +241,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         write_atomic(out / RECIPE, (f"# recipe: {Path(recipe.source).resolve()}\n" if recipe.source else "") + recipe.to_yaml())
         write_atomic(out / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
 
-    if track_memory is None:  # `lowvram train --no-track-memory` sets it (workers inherit it)
+    if track_memory is None:  # launched workers: `--no-track-memory` reaches them through this variable
         track_memory = os.environ.get("LOWVRAM_TRACK_MEMORY", "1") != "0"
     tracker = _memory_tracker(plan, loaded.model, track_memory)
     from lowvram.measure import memory_history_callback
