@@ -19,9 +19,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lowvram.measure import (autocast_dtype, build_model, build_optimizer, make_batch,  # noqa: E402
-                             measure_training_step, tiny_llama_spec)
 from lowvram.measure import _one_step as one_step  # noqa: E402
+from lowvram.measure import (  # noqa: E402
+    autocast_dtype,
+    build_model,
+    build_optimizer,
+    make_batch,
+    measure_training_step,
+    tiny_llama_spec,
+)
 from lowvram.plan.memory import RunSetup, estimate_memory  # noqa: E402
 from lowvram.plan.models import resolve_model  # noqa: E402
 

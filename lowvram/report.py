@@ -128,6 +128,8 @@ def show_train_result(result, as_json: bool = False) -> None:
         *([("peak memory per rank", ", ".join(_mem(b) for b in m["peak_memory_bytes_per_rank"]))]
           if m.get("peak_memory_bytes_per_rank") else []),
         ("peak memory (predicted)", _mem(m.get("predicted_peak_bytes"))),
+        *([(f"  at the longest row ({m['data_longest_tokens']} tokens)", _mem(m["predicted_peak_bytes_at_data"]))]
+          if m.get("predicted_peak_bytes_at_data") else []),
     ]
     if m.get("load_s") is not None:
         cache = {True: " (GGUF cache)", False: " (GGUF converted, cached now)"}.get(m.get("gguf_cache_hit"), "")
@@ -148,8 +150,11 @@ PREDICTION_TOLERANCE = 0.10  # beyond this, the planner is wrong for this run: a
 
 
 def prediction_error(metrics: dict) -> float | None:
-    """(measured - predicted) / predicted, when both are tensor memory of the same device."""
-    pred, meas = metrics.get("predicted_peak_bytes"), metrics.get("peak_memory_bytes")
+    """(measured - predicted) / predicted, when both are tensor memory of the same device.
+
+    On data shorter than seq_len the prediction compared is the one at the longest row."""
+    pred = metrics.get("predicted_peak_bytes_at_data") or metrics.get("predicted_peak_bytes")
+    meas = metrics.get("peak_memory_bytes")
     kind = metrics.get("peak_memory_kind") or ""
     if not pred or not meas or "RSS" in kind:  # process RSS is not tensor memory
         return None
@@ -162,7 +167,7 @@ def _warn_prediction(m: dict) -> None:
         return
     console(stderr=True).print(
         f"warning: measured peak {_mem(m['peak_memory_bytes'])} is {100 * err:+.0f}% off the predicted "
-        f"{_mem(m['predicted_peak_bytes'])}; please report it with the output of `lowvram env`, "
+        f"{_mem(m.get('predicted_peak_bytes_at_data') or m['predicted_peak_bytes'])}; please report it with the output of `lowvram env`, "
         "the recipe and plan.json", markup=False)
 
 

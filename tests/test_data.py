@@ -437,12 +437,36 @@ def test_collator_pads_per_batch():
     batch = make_collator(Tok())(features)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert "attention_mask" not in batch  # causal LM: a right-padded tail is never attended to
+    masked = make_collator(Tok(), padding_mask=True)(features)
+    assert masked["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["input_ids"].dtype == torch.long
     padded = make_collator(Tok(), pad_to_multiple_of=4)(features)
     assert padded["input_ids"].shape == (2, 4)
     Tok.pad_token_id = None
     assert make_collator(Tok())(features)["input_ids"].tolist()[1] == [8, 3, 3]
+
+
+def test_no_padding_mask_gives_the_same_loss_and_gradients(tiny_model_dir):
+    """Dropping the mask of a right-padded causal batch changes nothing the loss sees."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    class Tok:
+        pad_token_id = 0
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    features = [{"input_ids": list(range(5, 25)), "labels": [-100] * 5 + list(range(10, 25))},
+                {"input_ids": list(range(30, 37)), "labels": [-100, -100] + list(range(32, 37))}]
+    grads = []
+    for padding_mask in (True, False):
+        model.zero_grad()
+        batch = make_collator(Tok(), padding_mask=padding_mask)(features)
+        loss = model(**batch).loss
+        loss.backward()
+        grads.append((loss.item(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()))
+    assert abs(grads[0][0] - grads[1][0]) < 1e-5
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-6)
 
 
 def test_collator_pads_packed_rows_with_their_own_positions():

@@ -81,11 +81,26 @@ def test_measured_peak_matches_plan(name, tmp_path, tiny_model_dir):
     assert "peak memory (predicted)" in result.output and "warning" not in result.output
 
 
+def test_short_data_is_compared_with_the_prediction_at_its_longest_row(tmp_path, tiny_model_dir):
+    # seq_len 256 but every row is shorter: batches are padded to their longest row, so the run
+    # peaks well below the seq_len plan; the plan at the data's longest row must match instead.
+    recipe = write_recipe(tmp_path, tiny_model_dir, "lora: on, mixed_precision: fp32", steps=6)
+    recipe.write_text(recipe.read_text().replace("seq_len: 64", "seq_len: 256"))
+    result = invoke("train", str(recipe))
+    assert result.exit_code == 0, result.output
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert 64 < m["data_longest_tokens"] < 256
+    measured, at_data = m["peak_memory_bytes"], m["predicted_peak_bytes_at_data"]
+    assert measured < 0.9 * m["predicted_peak_bytes"]  # the seq_len plan alone would warn
+    assert abs(measured - at_data) <= 0.03 * measured, f"measured {measured:,} predicted {at_data:,}"
+    assert "at the longest row" in result.output and "warning" not in result.output
+
+
 def test_no_track_memory(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.delenv("LOWVRAM_TRACK_MEMORY", raising=False)
     recipe = write_recipe(tmp_path, tiny_model_dir, "lora: on, mixed_precision: fp32", steps=1)
     result = invoke("train", str(recipe), "--no-track-memory")
-    monkeypatch.delenv("LOWVRAM_TRACK_MEMORY", raising=False)  # the CLI set it for this process
+    assert "LOWVRAM_TRACK_MEMORY" not in __import__("os").environ  # an argument, not a process-wide switch
     assert result.exit_code == 0, result.output
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert "RSS" in m["peak_memory_kind"] and m["memory_history"] == []

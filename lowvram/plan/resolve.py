@@ -291,6 +291,29 @@ def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus
     return check_runnable(choose_plan(build_request(spec, recipe, flags, sources), budget).plan, hardware)
 
 
+def predict_peak_at(recipe: Recipe, plan: Plan, seq_len: int) -> int | None:
+    """The plan's peak if every batch were ``seq_len`` tokens long (None: model not resolvable).
+
+    Batches are padded to their longest row, not to ``training.seq_len``: on data shorter than
+    seq_len the run peaks at the longest batch it meets, which this predicts."""
+    from lowvram.plan.memory import RunSetup, estimate_memory
+
+    try:
+        spec = recipe_model(recipe)
+    except LowvramError:
+        return None
+    targets = recipe.lora.target_modules
+    setup = RunSetup(
+        model=spec, precision=plan.mixed_precision, quantization=plan.quantization, lora=plan.lora,
+        lora_r=recipe.lora.r, lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
+        optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,
+        attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
+        seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
+        device=plan.device,
+    )
+    return estimate_memory(setup).peak_bytes
+
+
 def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     """Before planning: a budget no run fits in, or a recipe forcing what the card cannot do."""
     from lowvram.hardware import parse_size

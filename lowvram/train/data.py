@@ -180,7 +180,13 @@ def format_example(row: dict, spec: DatasetSpec) -> tuple[str, str]:
 class PadCollator:
     """Right-pads a batch to its longest row (rounded up to ``pad_to_multiple_of``).
 
-    input_ids get ``pad_id``, labels ``-100``, attention_mask ``0``. Packed rows (with
+    input_ids get ``pad_id``, labels ``-100``. No attention_mask by default (``padding_mask``
+    False): in a causal LM a right-padded tail is never seen by a real token (each token attends
+    only to earlier positions), so the mask changes nothing the loss sees, and without it
+    transformers takes SDPA's ``is_causal`` path instead of building a b x 1 x s x s mask, which
+    on CPU also forces the math kernel that stores the attention matrix (measured: +13% peak at
+    seq 224 on the tiny Llama, tests/test_fit_to_card.py). It keeps the run on the shape the
+    planner models. ``padding_mask=True`` adds attention_mask ``1``/``0`` for other uses. Packed rows (with
     ``position_ids``) get no attention_mask: transformers then reads the sample boundaries from
     the position_ids resets and keeps attention inside each sample; the padding tail gets its
     own run of positions so it forms a separate block. That detection is skipped when the model
@@ -190,6 +196,7 @@ class PadCollator:
 
     pad_id: int
     pad_to_multiple_of: int | None = None
+    padding_mask: bool = False
 
     def __call__(self, features: list[dict]) -> dict:
         import torch
@@ -200,7 +207,8 @@ class PadCollator:
             longest = -(-longest // m) * m
         packed = "position_ids" in features[0]
         batch: dict[str, list] = {"input_ids": [], "labels": []}
-        batch["position_ids" if packed else "attention_mask"] = []
+        if packed or self.padding_mask:
+            batch["position_ids" if packed else "attention_mask"] = []
         for f in features:
             ids = list(f["input_ids"])
             n = longest - len(ids)
@@ -209,13 +217,13 @@ class PadCollator:
             batch["labels"].append(labels + [IGNORE_INDEX] * n)
             if packed:
                 batch["position_ids"].append(list(f["position_ids"]) + list(range(n)))
-            else:
+            elif self.padding_mask:
                 mask = list(f["attention_mask"]) if "attention_mask" in f else [1] * len(ids)
                 batch["attention_mask"].append(mask + [0] * n)
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
 
 
-def make_collator(tokenizer, pad_to_multiple_of: int | None = None) -> PadCollator:
+def make_collator(tokenizer, pad_to_multiple_of: int | None = None, padding_mask: bool = False) -> PadCollator:
     """Dynamic per-batch padding with the tokenizer's pad id (its eos id if it has no pad)."""
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
@@ -225,7 +233,7 @@ def make_collator(tokenizer, pad_to_multiple_of: int | None = None) -> PadCollat
             "the tokenizer has neither a pad token nor an eos token",
             "use the tokenizer of a causal language model (it defines eos_token)",
         )
-    return PadCollator(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
+    return PadCollator(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, padding_mask=padding_mask)
 
 
 # --------------------------------------------------------------------------------------------

@@ -192,6 +192,21 @@ def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
     return [int(b) for b in peaks] if trainer.is_world_process_zero() else None
 
 
+def _prediction_at_data_length(recipe, plan, bundle) -> dict:
+    """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
+    the plan (made for full seq_len batches). Predict the peak at the longest row as well, so the
+    measured peak is compared with what this data can reach."""
+    if plan.predicted_peak_bytes is None or bundle.stats.packed:
+        return {}
+    longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
+    if not 0 < longest < recipe.training.seq_len:
+        return {}
+    from lowvram.plan.resolve import predict_peak_at
+
+    at_data = predict_peak_at(recipe, plan, longest)
+    return {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": at_data} if at_data else {}
+
+
 def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
                  prepared: bool = False, extra_metrics: dict | None = None,
                  track_memory: bool | None = None) -> RunResult:
@@ -282,6 +297,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         **peak,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_device": plan.device,
+        **_prediction_at_data_length(recipe, plan, bundle),
         "memory_history": mem_history.history,  # [[step, peak bytes since the previous log], ...]
         "processes": int(trainer.accelerator.num_processes),
         "peak_memory_bytes_per_rank": per_rank,
