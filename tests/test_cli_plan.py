@@ -149,9 +149,7 @@ def test_recipe_with_config_folder(tmp_path):
     assert d["techniques"]["gradient_checkpointing"] is False
 
 
-def test_gguf_only_recipe_predicts_from_the_gguf_metadata():
-    if not any((REPO / "models" / "SmolLM2-135M-Instruct").glob("*.gguf")):
-        pytest.skip("quickstart GGUF not linked (make demo)")
+def test_gguf_only_recipe_predicts_from_the_gguf_metadata(quickstart_model):
     r = plan(str(REPO / "recipes" / "quickstart.yaml"), "--vram", "8GB", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)

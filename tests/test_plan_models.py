@@ -146,13 +146,10 @@ def test_smollm2_count_matches_the_real_weights():
     assert numel == count_parameters(resolve_model("smollm2-135m")) == 134_515_008
 
 
-def test_gguf_only_folder_reads_the_architecture_from_metadata():
+def test_gguf_only_folder_reads_the_architecture_from_metadata(quickstart_model):
     import time
-    from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"
-    if not any(folder.glob("*.gguf")):
-        pytest.skip("quickstart GGUF not linked (make demo)")
+    folder = quickstart_model
     t0 = time.perf_counter()
     spec = resolve_model(str(folder))
     assert time.perf_counter() - t0 < 1.0  # metadata only, no tensor data
