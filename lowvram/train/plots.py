@@ -49,7 +49,11 @@ def save_loss_plot(metrics: dict, out_dir: str | Path, name: str = LOSS_PNG) -> 
         mx.plot([s for s, _ in memory], [b / 2**30 for _, b in memory], color="tab:green", label="memory")
         predicted = metrics.get("predicted_peak_bytes")
         if predicted:
-            mx.axhline(predicted / 2**30, color="tab:red", linestyle="--", label="predicted peak")
+            mx.axhline(predicted / 2**30, color="tab:red", linestyle="--", label="predicted peak (seq_len)")
+        at_data = metrics.get("predicted_peak_bytes_at_data")
+        if at_data:
+            label = f"predicted at the longest row ({metrics.get('data_longest_tokens')} tokens)"
+            mx.axhline(at_data / 2**30, color="tab:purple", linestyle=":", label=label)
         mx.set_xlabel("step")
         mx.xaxis.set_major_locator(MaxNLocator(integer=True))
         mx.set_ylabel("GiB")
