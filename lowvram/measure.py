@@ -405,11 +405,17 @@ def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = 
             AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(d)
             model = AutoModelForCausalLM.from_pretrained(
                 d, quantization_config=qc, device_map={"": device}, dtype=dtype)
-        if setup.kbit_prepare:
-            from peft import prepare_model_for_kbit_training
+    return finish_model(model, setup)
 
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=setup.gradient_checkpointing)
+
+def finish_model(model, setup):
+    """What training does after loading (shared with simulate.py): k-bit preparation when the
+    setup asks for peft's, checkpointing, no KV cache, LoRA adapters."""
+    if setup.quantization != "none" and setup.kbit_prepare:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=setup.gradient_checkpointing)
     if setup.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False

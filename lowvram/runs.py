@@ -72,7 +72,7 @@ class RunInfo:
         return d
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -111,8 +111,8 @@ def read_run(path: str | Path) -> RunInfo:
             f"{p} is not a lowvram run (no recipe.yaml or plan.json; has: {present or 'nothing'})",
             "pass the training.output_dir of a `lowvram train` run; `lowvram runs DIR` lists them",
         )
-    metrics = _read_json(p / "metrics.json")
-    plan = _read_json(p / "plan.json")
+    metrics = read_json(p / "metrics.json")
+    plan = read_json(p / "plan.json")
     try:
         text = (p / "recipe.yaml").read_text() if (p / "recipe.yaml").is_file() else ""
         recipe = yaml.safe_load(text) or {}

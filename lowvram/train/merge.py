@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
+from lowvram.runs import read_json
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MERGE_INFO = "lowvram_merge.json"
@@ -69,23 +70,15 @@ class MergeResult:
 # The run and its base model
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
     """(folder, adapter_config, recipe, plan) of a run (or checkpoint) that holds a LoRA adapter."""
     from lowvram.runs import is_run_dir, read_run
 
     p = Path(run_dir)
-    adapter = _read_json(p / "adapter_config.json")
+    adapter = read_json(p / "adapter_config.json")
     if adapter:
         info = read_run(p) if is_run_dir(p) else None
-        recipe, plan = (info.recipe, _read_json(p / "plan.json")) if info else _parent_run(p)
+        recipe, plan = (info.recipe, read_json(p / "plan.json")) if info else _parent_run(p)
         return p, adapter, recipe, plan
     info = read_run(p)  # raises "not a lowvram run" for a foreign folder
     if (p / "config.json").is_file():
@@ -108,7 +101,7 @@ def _parent_run(p: Path) -> tuple[dict, dict]:
         recipe = yaml.safe_load((parent / "recipe.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         recipe = {}
-    return (recipe if isinstance(recipe, dict) else {}), _read_json(parent / "plan.json")
+    return (recipe if isinstance(recipe, dict) else {}), read_json(parent / "plan.json")
 
 
 def _candidates(name: str, run_dir: Path) -> list[Path]:
