@@ -52,7 +52,8 @@ def _plan_table(plan):
         t.add_row("memory", "not predicted", plan.reasons["memory"])
     if plan.predicted_peak_bytes is not None:
         budget = gib(plan.budget_bytes) if plan.budget_bytes else "no budget"
-        t.add_row("predicted peak", gib(plan.predicted_peak_bytes), f"budget {budget}")
+        verdict = "does not fit: over the budget" if plan.fits is False else "budget"
+        t.add_row("predicted peak", gib(plan.predicted_peak_bytes), f"{verdict} {budget}")
     return t
 
 

@@ -234,3 +234,14 @@ def test_plan_for_recipe_uses_the_chooser_and_falls_back(tmp_path):
     plan = plan_for_recipe(r, hardware=hw)
     assert plan.predicted_peak_bytes is None
     assert plan.reasons["memory"].startswith("memory not predicted")
+
+
+def test_plan_fits_compares_peak_with_budget():
+    from lowvram.plan.types import Plan
+
+    base = dict(device="cuda", mixed_precision="bf16", gradient_checkpointing=False, micro_batch_size=1,
+                grad_accum=1, lora=True, quantization="none", optimizer="adamw", offload="none",
+                attention="sdpa", loss="standard")
+    assert Plan(**base, predicted_peak_bytes=10, budget_bytes=10).fits is True
+    assert Plan(**base, predicted_peak_bytes=11, budget_bytes=10).fits is False
+    assert Plan(**base).fits is None

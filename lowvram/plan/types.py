@@ -40,6 +40,13 @@ class Plan:
     host_ram_bytes: int | None = None  # predicted host RAM per training process (offload, libraries)
 
     @property
+    def fits(self) -> bool | None:
+        """Predicted peak within the budget; None where either is not known."""
+        if self.predicted_peak_bytes is None or self.budget_bytes is None:
+            return None
+        return self.predicted_peak_bytes <= self.budget_bytes
+
+    @property
     def effective_batch(self) -> int:
         return self.micro_batch_size * self.grad_accum * self.gpus
 
