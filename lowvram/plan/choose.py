@@ -61,7 +61,7 @@ class Budget:
     vram_bytes: int  # free memory of the card (or the --vram override, or host RAM on CPU)
     device: str = "cuda"  # "cuda" | "mps" | "cpu"
     bf16: bool = True  # the card supports bf16
-    bf16_known: bool = True  # False: assumed (a --vram budget with no detected GPU)
+    bf16_known: bool = True  # False: assumed (a --vram budget; no card was queried)
     host_ram_bytes: int | None = None  # available host RAM, when planning for this machine
     source: str = ""  # where vram_bytes came from, shown to the user
     notes: tuple[str, ...] = ()
@@ -582,7 +582,7 @@ def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator
     elif budget.device == "cpu":
         r["mixed_precision"] = "fp32: CPU run (bf16 on CPU is slower here); mixed precision applies on a GPU"
     elif s.precision == "bf16":
-        how = "the card supports bf16" if budget.bf16_known else "bf16 assumed (no GPU detected; pass --precision fp16-mixed for cards before Ampere)"
+        how = "the card supports bf16" if budget.bf16_known else "bf16 assumed (budget from --vram/LOWVRAM_VRAM: the card is not queried; pass --precision fp16-mixed for cards before Ampere)"
         r["mixed_precision"] = f"bf16: {how}; 2 bytes/weight instead of 4, no speed cost"
     else:
         r["mixed_precision"] = "fp16-mixed: the card has no bf16; fp16 autocast, fp32 master weights, loss scaling"
