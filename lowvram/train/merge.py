@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
+from lowvram.report import _mem as _size  # GiB, or MiB below 1 GiB
 from lowvram.runs import read_json
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -231,11 +232,6 @@ def plan_merge(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", de
         )
     return MergePlan(str(p), str(out), base, dt, chosen, n, adapter_bytes, needed,
                      hw.host_available_bytes, gpu_free, tuple(notes))
-
-
-def _size(n: int) -> str:
-    """GiB, or MiB below 1 GiB (a tiny model would read 0.00 GiB)."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 # --------------------------------------------------------------------------------------------
