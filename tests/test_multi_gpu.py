@@ -178,10 +178,34 @@ def test_more_gpus_than_visible_is_refused():
     check_devices(LaunchSpec(gpus=4, cpu=True), Hardware(kind="cpu"))  # CPU: any number of processes
 
 
-@pytest.mark.skip(reason=f"FSDP cannot run on the CPU here: {CPU_FSDP_UNSUPPORTED}; torch's FSDP2 itself "
-                         "works over gloo, but lowvram launches through accelerate; runs on GPUs only")
+@pytest.mark.skip(reason=f"FSDP cannot run on the CPU through accelerate: {CPU_FSDP_UNSUPPORTED} "
+                         "(test_accelerate_still_keeps_fsdp_off_the_cpu checks this); runs on GPUs only")
 def test_fsdp_two_processes_on_cpu():  # pragma: no cover - kept to document the limit
     pass
+
+
+_FSDP_ON_CPU = """
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+from transformers import TrainingArguments
+args = TrainingArguments(output_dir="unused", use_cpu=True, fsdp=True, fsdp_config={"version": 2})
+a = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
+print(a.state.distributed_type, getattr(a.state, "fsdp_plugin", None) is not None)
+"""
+
+
+def test_accelerate_still_keeps_fsdp_off_the_cpu(tmp_path):
+    """The reason test_fsdp_two_processes_on_cpu is skipped, checked on the installed accelerate: a
+    launched process (LOCAL_RANK set) with use_cpu and the Trainer's own FSDP plugin stays MULTI_CPU
+    and loses the plugin. If this fails, accelerate now runs FSDP on the CPU: allow offload fsdp
+    with --cpu (check_plan_for_launch) and write that test."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", _FSDP_ON_CPU], cwd=tmp_path, env=env, text=True,
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-2:] == ["DistributedType.MULTI_CPU", "False"], r.stdout + r.stderr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
