@@ -40,6 +40,11 @@ def _precision(value: str, kind: str, bf16: bool) -> tuple[str, str]:
     return "fp16-mixed", "the card has no bf16: fp16 autocast with fp32 master weights and loss scaling"
 
 
+def _fixed_value(name: str, value: str, default: str) -> str:
+    """A recipe value with no memory model: ``on`` -> the technique's on-value, auto/off -> default."""
+    return default if value in ("auto", "off") else _on_off(value, ON_VALUES[name], default)
+
+
 def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: int = 1) -> Plan:
     """Resolve every ``auto`` to a fixed default (no memory model involved)."""
     t = recipe.techniques
@@ -49,27 +54,15 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
     lora = t.lora != "off"
     reasons["lora"] = "set in the recipe" if t.lora != "auto" else "default: train LoRA adapters (16 bytes per adapter param instead of per weight)"
 
-    quant = t.quantization
-    if quant == "on":
-        quant = ON_VALUES["quantization"]
-    if quant in ("auto", "off"):
-        quant = "none"
+    quant = _fixed_value("quantization", t.quantization, "none")
     reasons["quantization"] = "set in the recipe" if t.quantization not in ("auto",) else "default: full-precision base"
     if quant != "none" and not lora:
         raise LowvramError("quantization needs lora", "set techniques.lora: on, or quantization: off")
 
-    optim = t.optimizer
-    if optim == "on":
-        optim = ON_VALUES["optimizer"]
-    if optim in ("auto", "off"):
-        optim = "adamw"
+    optim = _fixed_value("optimizer", t.optimizer, "adamw")
     reasons["optimizer"] = "set in the recipe" if t.optimizer != "auto" else "default: torch AdamW"
 
-    offload = t.offload
-    if offload == "on":
-        offload = ON_VALUES["offload"]
-    if offload in ("auto", "off"):
-        offload = "none"
+    offload = _fixed_value("offload", t.offload, "none")
     reasons["offload"] = "set in the recipe" if t.offload != "auto" else "default: no offload"
 
     gc = t.gradient_checkpointing == "on"
