@@ -311,6 +311,7 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     """Before planning: a budget no run fits in, or a recipe forcing what the card cannot do."""
     from lowvram.hardware import parse_size
     from lowvram.plan.memory import cuda_overheads
+    from lowvram.report import gib
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     budget = parse_size(override) if override else hardware.budget_bytes
@@ -319,8 +320,8 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     if (hardware.kind == "cuda" or override) and budget is not None and budget <= context:
         shown = f"--vram {override}" if override else "the free GPU memory"
         raise LowvramError(
-            f"{shown} ({budget / 2**30:.2f} GiB) is no more than the CUDA context alone "
-            f"({context / 2**30:.2f} GiB): nothing can train in it",
+            f"{shown} ({gib(budget)}) is no more than the CUDA context alone "
+            f"({gib(context)}): nothing can train in it",
             "pass the card's free memory, e.g. --vram 8GB (nvidia-smi shows it), or free the GPU")
     mp = recipe.techniques.mixed_precision
     if hardware.kind == "cuda" and mp in ("bf16", "bf16-mixed") and not hardware.bf16:
