@@ -5,7 +5,7 @@ Usage: python recipes/data/make_lowvram_instruct.py recipes/data/lowvram_instruc
 import json
 import random
 import sys
-from decimal import Decimal, ROUND_HALF_UP
+from decimal import ROUND_HALF_UP, Decimal
 
 rng = random.Random(2024)
 rows = []
