@@ -98,7 +98,7 @@ def train(
     from lowvram.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or [])
-    from lowvram.plan.resolve import plan_for_recipe
+    from lowvram.plan.resolve import plan_for_recipe, require_fit
 
     launched = (r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
                 rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, not no_track_memory)
@@ -112,6 +112,7 @@ def train(
     if dry_run:
         report.show_dry_run(r, plan, as_json=json_)
         return
+    require_fit(plan, recipe)
     report.show_plan_brief(r, plan)
     from lowvram.train.recover import resume_command, train_with_recovery
 
@@ -144,6 +145,10 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     if dry_run:
         report.show_dry_run(r, plan, as_json=json_)
         return
+    if not print_launch:
+        from lowvram.plan.resolve import require_fit
+
+        require_fit(plan, recipe_path)
     prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume,
                                      overwrite=overwrite, print_only=print_launch)
     report.show_launch(r, plan, spec, prepared, print_only=print_launch)

@@ -96,6 +96,20 @@ def test_short_data_is_compared_with_the_prediction_at_its_longest_row(tmp_path,
     assert "at the longest row" in result.output and "warning" not in result.output
 
 
+def test_train_refuses_a_plan_that_does_not_fit(recipe_8b, monkeypatch):
+    # Llama-3-8B full fine-tuning with offload off on a 12 GB card: no technique left can fit it.
+    fake_card(monkeypatch, RTX_4070)
+    args = ("--set", "techniques.lora=off", "--set", "techniques.offload=off")
+    result = invoke("train", str(recipe_8b), *args)
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("error: the run does not fit: predicted peak ") and "budget" in lines[0]
+    assert lines[1].startswith(f"hint: `lowvram plan {recipe_8b}` names the smallest budget")
+    assert not (recipe_8b.parent / "out").exists()  # refused before anything was loaded or written
+    dry = invoke("train", str(recipe_8b), *args, "--dry-run")
+    assert dry.exit_code == 0 and "does not fit" in dry.stdout
+
+
 def test_no_track_memory(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.delenv("LOWVRAM_TRACK_MEMORY", raising=False)
     recipe = write_recipe(tmp_path, tiny_model_dir, "lora: on, mixed_precision: fp32", steps=1)

@@ -284,6 +284,20 @@ def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus
     return check_runnable(choose_plan(build_request(spec, recipe, flags, sources), budget).plan, hardware)
 
 
+def require_fit(plan: Plan, recipe_path) -> None:
+    """`lowvram train` refuses a plan the planner itself says does not fit (no technique left)."""
+    if plan.fits is not False:
+        return
+    from lowvram.report import gib
+
+    raise LowvramError(
+        f"the run does not fit: predicted peak {gib(plan.predicted_peak_bytes)} > budget "
+        f"{gib(plan.budget_bytes)} even with every technique left on auto",
+        f"`lowvram plan {recipe_path}` names the smallest budget that works and the change that "
+        "helps most (shorter training.seq_len, a smaller model, techniques the recipe fixed)",
+    )
+
+
 def predict_peak_at(recipe: Recipe, plan: Plan, seq_len: int) -> int | None:
     """The plan's peak if every batch were ``seq_len`` tokens long (None: model not resolvable).
 
