@@ -180,7 +180,7 @@ class TechniquesSection(_Section):
         "auto", description="on: activations recomputed in backward; much less memory, ~25% slower."
     )
     gradient_accumulation: int | OnOffAuto = Field(
-        "auto", description="Micro-batches per optimizer step (an integer fixes it); same effective batch."
+        "auto", description="Micro-batches per optimizer step, same effective batch: an integer fixes it, off = 1 (micro-batch = batch), on/auto = the planner picks."
     )
     lora: OnOffAuto = Field("auto", description="on: train LoRA adapters (peft) instead of all weights.")
     quantization: Quantization = Field(

@@ -125,11 +125,11 @@ def show_train_result(result, as_json: bool = False) -> None:
         ("eval loss", _f(m.get("eval_loss"))),
         ("runtime", f"{m['runtime_s']:.1f} s" if m.get("runtime_s") is not None else "-"),
         ("tokens/s", _f(m.get("tokens_per_s"), 1)),
-        (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", _mem(m.get("peak_memory_bytes"))),
-        *([("peak memory per rank", ", ".join(_mem(b) for b in m["peak_memory_bytes_per_rank"]))]
+        (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", mem(m.get("peak_memory_bytes"))),
+        *([("peak memory per rank", ", ".join(mem(b) for b in m["peak_memory_bytes_per_rank"]))]
           if m.get("peak_memory_bytes_per_rank") else []),
-        ("peak memory (predicted)", _mem(m.get("predicted_peak_bytes"))),
-        *([(f"  at the longest row ({m['data_longest_tokens']} tokens)", _mem(m["predicted_peak_bytes_at_data"]))]
+        ("peak memory (predicted)", mem(m.get("predicted_peak_bytes"))),
+        *([(f"  at the longest row ({m['data_longest_tokens']} tokens)", mem(m["predicted_peak_bytes_at_data"]))]
           if m.get("predicted_peak_bytes_at_data") else []),
     ]
     if m.get("load_s") is not None:
@@ -167,12 +167,12 @@ def _warn_prediction(m: dict) -> None:
     if err is None or abs(err) <= PREDICTION_TOLERANCE:
         return
     console(stderr=True).print(
-        f"warning: measured peak {_mem(m['peak_memory_bytes'])} is {100 * err:+.0f}% off the predicted "
-        f"{_mem(m.get('predicted_peak_bytes_at_data') or m['predicted_peak_bytes'])}; please report it with the output of `lowvram env`, "
+        f"warning: measured peak {mem(m['peak_memory_bytes'])} is {100 * err:+.0f}% off the predicted "
+        f"{mem(m.get('predicted_peak_bytes_at_data') or m['predicted_peak_bytes'])}; please report it with the output of `lowvram env`, "
         "the recipe and plan.json", markup=False)
 
 
-def _mem(n: int | None) -> str:
+def mem(n: int | None) -> str:
     """GiB, or MiB below 1 GiB (tiny test models would all read 0.00 GiB)."""
     if n is None:
         return "-"
@@ -388,9 +388,9 @@ def show_merge_plan(mp) -> None:
     c.print(f"merge: {mp.run_dir} + base {mp.base.source} (found via {mp.base.found_via})", markup=False)
     params = f"{mp.parameters:,} parameters" if mp.parameters is not None else "parameters unknown"
     where = "GPU" if mp.device == "cuda" else "CPU"
-    c.print(f"needs {_mem(mp.needed_bytes)} ({params} x {mp.dtype} + adapter {_mem(mp.adapter_bytes)}) "
-            f"on the {where}; host RAM available {_mem(mp.host_available_bytes)}"
-            + (f", GPU free {_mem(mp.gpu_free_bytes)}" if mp.gpu_free_bytes is not None else ""), markup=False)
+    c.print(f"needs {mem(mp.needed_bytes)} ({params} x {mp.dtype} + adapter {mem(mp.adapter_bytes)}) "
+            f"on the {where}; host RAM available {mem(mp.host_available_bytes)}"
+            + (f", GPU free {mem(mp.gpu_free_bytes)}" if mp.gpu_free_bytes is not None else ""), markup=False)
     for note in mp.notes:
         c.print(f"note: {note}", markup=False)
 
@@ -401,7 +401,7 @@ def show_merge_result(result, as_json: bool = False) -> None:
         return
     c = console()
     c.print(f"[green]merged[/green] into {result.out_dir} in {result.seconds:.1f} s "
-            f"(process peak RSS {_mem(result.peak_rss_bytes)})")
+            f"(process peak RSS {mem(result.peak_rss_bytes)})")
     c.print(f"files: {', '.join(result.files)}", markup=False)
     c.print(f"load it with AutoModelForCausalLM.from_pretrained({result.out_dir!r}), "
             f"or: lowvram generate {result.out_dir} --prompt ...", markup=False)
@@ -465,7 +465,7 @@ def show_runs(runs, folder, as_json: bool = False) -> None:
     for r in runs:
         style = _STATUS_STYLE.get(r.status, "")
         t.add_row(_relative(r.path, folder), r.recipe_name, Path(r.model).name or r.model, _runs_techniques(r.techniques),
-                  f"{_mem(r.predicted_peak_bytes)} / {_mem(r.measured_peak_bytes)}", _f(r.final_loss, 3),
+                  f"{mem(r.predicted_peak_bytes)} / {mem(r.measured_peak_bytes)}", _f(r.final_loss, 3),
                   f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
                   f"[{style}]{r.status}[/{style}]" if style else r.status)
     c.print(t)
@@ -512,8 +512,8 @@ def show_run(r, as_json: bool = False) -> None:
         ("eval loss", _f(r.eval_loss)),
         ("runtime", f"{r.runtime_s:.1f} s" if r.runtime_s is not None else None),
         ("tokens/s", _f(m.get("tokens_per_s"), 1) if m.get("tokens_per_s") is not None else None),
-        ("peak memory (predicted)", _mem(r.predicted_peak_bytes)),
-        (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", _mem(r.measured_peak_bytes)),
+        ("peak memory (predicted)", mem(r.predicted_peak_bytes)),
+        (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", mem(r.measured_peak_bytes)),
         ("trainable / total params", f"{m['trainable_params']:,} / {m['total_params']:,}"
          if m.get("trainable_params") is not None and m.get("total_params") is not None else None),
     ]

@@ -375,12 +375,12 @@ def next_cheaper(plan: Plan, req: PlanRequest, measured_peak_bytes: int | None,
     choice = choose_plan(pinned, budget, estimate)
     if not choice.fits or choice.plan.predicted_peak_bytes >= plan.predicted_peak_bytes:
         return None
-    from lowvram.report import _mem  # MiB below 1 GiB
+    from lowvram.report import mem  # MiB below 1 GiB
 
-    shown = f"measured {_mem(measured_peak_bytes)}" if measured_peak_bytes else "not measured"
+    shown = f"measured {mem(measured_peak_bytes)}" if measured_peak_bytes else "not measured"
     reasons = {**choice.plan.reasons,
                "retry": f"out of memory with the previous plan ({shown}, predicted "
-                        f"{_mem(plan.predicted_peak_bytes)}): re-planned for {_mem(limit)}"}
+                        f"{mem(plan.predicted_peak_bytes)}): re-planned for {mem(limit)}"}
     return replace(choice.plan, reasons=reasons)
 
 

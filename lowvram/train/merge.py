@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
-from lowvram.report import _mem as _size  # GiB, or MiB below 1 GiB
+from lowvram.report import mem as _size  # GiB, or MiB below 1 GiB
 from lowvram.runs import read_json
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
