@@ -5,6 +5,7 @@ measured step the way the Trainer runs it; torch.cuda.max_memory_allocated/reser
 estimate_memory(device="cuda"). Not run in CI (no GPU there); about 8 minutes on one large GPU.
 
     HF_HUB_OFFLINE=1 python bench/gpu_check.py   # table on stdout, JSON to $OUT/gpu_check.json
+    bash bench/gpu_check.sh                       # the same on the device machine (see its header)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's lowvram
 
 MODELS = ["qwen2.5-0.5b", "llama-3.2-1b", "llama-2-7b"]
 TECHNIQUES = [
