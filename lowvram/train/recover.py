@@ -140,17 +140,13 @@ class TrainingInterrupted(LowvramError):
 # Complete checkpoints
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    from lowvram.train.run import write_atomic
-
-    write_atomic(path, text)
-
-
 def mark_complete(folder: Path) -> None:
     """Write the marker listing every file of a checkpoint that is now whole (called last)."""
     files = {str(p.relative_to(folder)): p.stat().st_size
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.startswith(".")}
-    _write_atomic(folder / MARKER, json.dumps({"files": files}, indent=1) + "\n")
+    from lowvram.train.run import write_atomic
+
+    write_atomic(folder / MARKER, json.dumps({"files": files}, indent=1) + "\n")
 
 
 def _marker_matches(folder: Path) -> bool:
