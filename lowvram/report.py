@@ -45,8 +45,7 @@ def _plan_table(plan):
     t.add_column("setting")
     t.add_column("why")
     for name, value in plan.techniques().items():
-        shown = {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
-        t.add_row(name, shown, plan.reasons.get(name, ""))
+        t.add_row(name, _setting(value), plan.reasons.get(name, ""))
     t.add_row("micro_batch_size", str(plan.micro_batch_size), f"x {plan.grad_accum} accumulation x {plan.gpus} GPU(s)")
     if "memory" in plan.reasons:  # the architecture could not be read: no prediction
         t.add_row("memory", "not predicted", plan.reasons["memory"])
@@ -333,21 +332,7 @@ def show_plan(data: dict, as_json: bool = False) -> None:
 
 
 def _plan_label(alt: dict) -> str:
-    t = alt["techniques"]
-    parts = [str(t["mixed_precision"])]
-    parts.append("LoRA" if t["lora"] else "full")
-    if t["quantization"] != "none":
-        parts.append(t["quantization"])
-    if t["gradient_checkpointing"]:
-        parts.append("checkpointing")
-    if t["optimizer"] != "adamw":
-        parts.append(t["optimizer"])
-    if t["loss"] != "standard":
-        parts.append(f"{t['loss']} loss")
-    if t["offload"] != "none":
-        parts.append(f"offload {t['offload']}")
-    parts.append(f"micro {alt['micro_batch_size']}x{alt['grad_accum']}")
-    return ", ".join(parts)
+    return f"{_techniques_label(alt['techniques'])}, micro {alt['micro_batch_size']}x{alt['grad_accum']}"
 
 
 def show_unpredicted_plan(plan, model: str, as_json: bool = False) -> None:
@@ -424,7 +409,8 @@ def stream_text(chunks) -> None:
     write_stream("\n")
 
 
-def _runs_techniques(t: dict) -> str:
+def _techniques_label(t: dict) -> str:
+    """A plan's techniques in a few words (alternatives in `lowvram plan`, rows of `lowvram runs`)."""
     parts = [str(t.get("mixed_precision", "?"))]
     parts.append("LoRA" if t.get("lora") else "full")
     if t.get("quantization", "none") != "none":
@@ -464,7 +450,7 @@ def show_runs(runs, folder, as_json: bool = False) -> None:
     t.add_column("status", no_wrap=True)
     for r in runs:
         style = _STATUS_STYLE.get(r.status, "")
-        t.add_row(_relative(r.path, folder), r.recipe_name, Path(r.model).name or r.model, _runs_techniques(r.techniques),
+        t.add_row(_relative(r.path, folder), r.recipe_name, Path(r.model).name or r.model, _techniques_label(r.techniques),
                   f"{mem(r.predicted_peak_bytes)} / {mem(r.measured_peak_bytes)}", _f(r.final_loss, 3),
                   f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
                   f"[{style}]{r.status}[/{style}]" if style else r.status)
