@@ -29,7 +29,7 @@ def main() -> int:
           f"{platform.machine()}); model: Llama h{spec.hidden_size} L{spec.num_layers} "
           f"a{spec.num_heads}/kv{spec.num_kv_heads} I{spec.intermediate_size} V{spec.vocab_size}; "
           "default b1 s512, AdamW fused, clip 1.0")
-    print(f"{'case':34} {'predicted':>12} {'measured':>12} {'error':>8}  peak phase")
+    print(f"{'case':40} {'predicted':>12} {'measured':>12} {'error':>8}  peak phase")
     worst = 0.0
     for name, kw in ACCURACY_MATRIX:
         setup = RunSetup(spec, device="cpu", **kw)
@@ -37,7 +37,7 @@ def main() -> int:
         est = estimate_memory(setup)
         err = (est.peak_bytes - measured.peak_bytes) / measured.peak_bytes * 100
         worst = max(worst, abs(err))
-        print(f"{name:34} {est.peak_bytes:>12,} {measured.peak_bytes:>12,} {err:>+7.2f}%  "
+        print(f"{name:40} {est.peak_bytes:>12,} {measured.peak_bytes:>12,} {err:>+7.2f}%  "
               f"{measured.peak_phase}", flush=True)
     print(f"worst |error|: {worst:.2f}%")
     return 0 if worst <= 3.0 else 1

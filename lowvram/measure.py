@@ -52,6 +52,20 @@ class _Counter:
         self.top_live: dict[int, int] = {}
         self._at_top = False
 
+    def resize(self, key: int, nbytes: int) -> None:
+        """A tracked storage changed size in place (FSDP2 frees and refills its unsharded
+        parameters with ``UntypedStorage.resize_``; the storage object lives on)."""
+        old = self.live.get(key)
+        if old is None or old == nbytes:
+            return
+        if nbytes < old and self.snapshot:
+            self.take_snapshot()
+        self.live.pop(key)
+        self.current -= old
+        if self.snapshot:
+            self.serials.pop(key, None)
+        self.add(key, nbytes)
+
     def add(self, key: int, nbytes: int) -> None:
         self.live[key] = nbytes
         self.current += nbytes
@@ -116,6 +130,13 @@ def _make_tracker_class():
 
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 return
+            flatten = getattr(type(t), "__tensor_flatten__", None)
+            if flatten is not None:
+                # A wrapper subclass (FSDP2's DTensor parameters, shards, gradients) owns no
+                # memory itself: count the plain tensors it wraps (its local shard).
+                for name in flatten(t)[0]:
+                    self.track(getattr(t, name), tag)
+                return
             st = t.untyped_storage()
             key = st._cdata
             if key in self.counter.live:
@@ -150,6 +171,29 @@ def _make_tracker_class():
             return out
 
         # -- the mode
+        def __enter__(self):
+            # UntypedStorage.resize_ (FSDP2's free_storage/alloc_storage) is no dispatched op:
+            # follow it here, so storage emptied in place stops counting (and counts again when
+            # refilled).
+            import torch
+
+            counter, original = self.counter, torch.UntypedStorage.resize_
+
+            def resize_(storage, size):
+                out = original(storage, size)
+                counter.resize(storage._cdata, storage.nbytes())
+                return out
+
+            self._storage_resize = original
+            torch.UntypedStorage.resize_ = resize_
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            import torch
+
+            torch.UntypedStorage.resize_ = self._storage_resize
+            return super().__exit__(*exc)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             from torch.utils._pytree import tree_leaves
 
@@ -527,6 +571,12 @@ ACCURACY_MATRIX: list[tuple[str, dict]] = [
                                              micro_batch_size=2, seq_len=256, optimizer="adamw_8bit")),
     ("full bf16 chunked loss b8 s1024", dict(precision="bf16", loss="chunked", micro_batch_size=8,
                                              seq_len=1024)),
+    # Checkpointing with small logits (chunked loss): the peak is a layer's recompute + backward.
+    ("lora bf16 + ckpt + chunked b2 s2048", dict(precision="bf16", lora=True, gradient_checkpointing=True,
+                                                 loss="chunked", micro_batch_size=2, seq_len=2048)),
+    ("qlora nf4-dq + ckpt + chunked b2 s2048", dict(precision="bf16", lora=True, quantization="nf4-dq",
+                                                    gradient_checkpointing=True, loss="chunked",
+                                                    micro_batch_size=2, seq_len=2048)),
 ]
 
 

@@ -106,6 +106,10 @@ def show_launch(recipe, plan, spec, launch, print_only: bool = False) -> None:
         c.print("--print-launch: nothing was trained; run the command above (on every node).", markup=False)
 
 
+# accelerate's DistributedType values, as the run summary names them
+_DISTRIBUTED = {"MULTI_GPU": "DDP", "MULTI_CPU": "DDP over gloo", "FSDP": "FSDP", "DEEPSPEED": "DeepSpeed", "NO": "one process"}
+
+
 def show_train_result(result, as_json: bool = False) -> None:
     m = result.metrics
     if as_json:
@@ -125,7 +129,9 @@ def show_train_result(result, as_json: bool = False) -> None:
         ("runtime", f"{m['runtime_s']:.1f} s" if m.get("runtime_s") is not None else "-"),
         ("tokens/s", _f(m.get("tokens_per_s"), 1)),
         (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", mem(m.get("peak_memory_bytes"))),
-        *([("peak memory per rank", ", ".join(mem(b) for b in m["peak_memory_bytes_per_rank"]))]
+        *([("processes", f"{m['processes']} ({_DISTRIBUTED.get(m.get('distributed_type'), m.get('distributed_type'))}"
+            + (f", {m['sharded_parameters']} sharded parameters" if m.get("sharded_parameters") else "") + ")"),
+           ("peak memory per rank", ", ".join(mem(b) for b in m["peak_memory_bytes_per_rank"]))]
           if m.get("peak_memory_bytes_per_rank") else []),
         ("peak memory (predicted)", mem(m.get("predicted_peak_bytes"))),
         *([(f"  at the longest row ({m['data_longest_tokens']} tokens)", mem(m["predicted_peak_bytes_at_data"]))]

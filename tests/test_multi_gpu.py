@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from lowvram.train.launch import CPU_FSDP_UNSUPPORTED
-
 TOLERANCE = 1e-5
 
 
@@ -147,8 +145,7 @@ def test_unreachable_main_node_fails_fast_with_a_message(tmp_path, tiny_model_di
 
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "2"], "needs --main-address"),
-    (["--gpus", "2", "--cpu", "--set", "techniques.offload=fsdp"], "accelerate runs FSDP only on GPUs"),
-    (["--gpus", "2", "--cpu", "--set", "techniques.offload=zero3"], "DeepSpeed needs GPUs"),
+    (["--gpus", "2", "--cpu", "--set", "techniques.offload=zero3"], "DeepSpeed ZeRO needs GPUs"),
     (["--gpus", "2", "--cpu", "--nodes", "2", "--node-rank", "2", "--main-address", "h:1"], "--node-rank 2"),
 ])
 def test_bad_launch_input(tmp_path, tiny_model_dir, args, message):
@@ -178,10 +175,54 @@ def test_more_gpus_than_visible_is_refused():
     check_devices(LaunchSpec(gpus=4, cpu=True), Hardware(kind="cpu"))  # CPU: any number of processes
 
 
-@pytest.mark.skip(reason=f"FSDP cannot run on the CPU through accelerate: {CPU_FSDP_UNSUPPORTED} "
-                         "(test_accelerate_still_keeps_fsdp_off_the_cpu checks this); runs on GPUs only")
-def test_fsdp_two_processes_on_cpu():  # pragma: no cover - kept to document the limit
-    pass
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory, tiny_model_dir):
+    """FSDP2 over gloo (2 processes, offload: fsdp) for LoRA and for full fine-tuning, each with
+    its 1-process twin (same effective batch)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    recipe = write_recipe(tmp, tiny_model_dir, offload="fsdp")
+    out = {}
+    for name, extra in [("lora", []), ("full", ["--set", "techniques.lora=off", "--set", "training.learning_rate=1e-3"])]:
+        two = lowvram("train", str(recipe), "--gpus", "2", "--cpu", "--set", f"training.output_dir={name}-fsdp", *extra, cwd=tmp)
+        assert two.returncode == 0, two.stdout + two.stderr
+        one = lowvram("train", str(recipe), "--set", "techniques.offload=off", "--set", f"training.output_dir={name}-one", *extra, cwd=tmp)
+        assert one.returncode == 0, one.stdout + one.stderr
+        out[name] = two
+    return tmp, out
+
+
+@pytest.mark.parametrize("name", ["lora", "full"])
+def test_fsdp_two_processes_match_one(fsdp_runs, name):
+    tmp, runs_ = fsdp_runs
+    single, sharded = losses(tmp / f"{name}-one"), losses(tmp / f"{name}-fsdp")
+    assert len(single) == len(sharded) == 4
+    assert sharded == pytest.approx(single, rel=TOLERANCE)
+    m = json.loads((tmp / f"{name}-fsdp" / "metrics.json").read_text())
+    # Really sharded: accelerate ran FSDP (not DDP) and the parameters are DTensor shards.
+    assert m["distributed_type"] == "FSDP" and m["sharded_parameters"] > 0
+    assert "FSDP2" in runs_[name].stdout and "2 (FSDP" in runs_[name].stdout
+    assert "Traceback" not in runs_[name].stderr
+
+
+def test_fsdp_outputs_load_back_in_one_process(fsdp_runs, tiny_model_dir):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tmp, _ = fsdp_runs
+    # LoRA: the adapter saved from the sharded model (gathered on rank 0), trained.
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = PeftModel.from_pretrained(base, tmp / "lora-fsdp")
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(torch.count_nonzero(p) for p in lora_b)
+    # Full fine-tuning: the whole model, gathered from the shards, equals the 1-process result.
+    sharded = AutoModelForCausalLM.from_pretrained(tmp / "full-fsdp")
+    single = AutoModelForCausalLM.from_pretrained(tmp / "full-one")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for (name, a), b, s0 in zip(sharded.state_dict().items(), single.state_dict().values(),
+                                start.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    assert any(not torch.equal(a, s0) for a, s0 in zip(sharded.state_dict().values(), start.state_dict().values()))
 
 
 _FSDP_ON_CPU = """
@@ -195,10 +236,10 @@ print(a.state.distributed_type, getattr(a.state, "fsdp_plugin", None) is not Non
 
 
 def test_accelerate_still_keeps_fsdp_off_the_cpu(tmp_path):
-    """The reason test_fsdp_two_processes_on_cpu is skipped, checked on the installed accelerate: a
-    launched process (LOCAL_RANK set) with use_cpu and the Trainer's own FSDP plugin stays MULTI_CPU
-    and loses the plugin. If this fails, accelerate now runs FSDP on the CPU: allow offload fsdp
-    with --cpu (check_plan_for_launch) and write that test."""
+    """Why lowvram.train.trainer.configure_cpu_fsdp_state exists, checked on the installed
+    accelerate: a launched process (LOCAL_RANK set) with use_cpu and the Trainer's own FSDP plugin
+    stays MULTI_CPU and loses the plugin. If this fails, accelerate now runs FSDP on the CPU
+    itself: drop configure_cpu_fsdp_state (test_fsdp_two_processes_match_one keeps the proof)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "HF_HUB_OFFLINE": "1"}
@@ -206,6 +247,25 @@ def test_accelerate_still_keeps_fsdp_off_the_cpu(tmp_path):
                        capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[-2:] == ["DistributedType.MULTI_CPU", "False"], r.stdout + r.stderr
+
+
+def test_deepspeed_and_fsdp_offload_are_refused_on_the_cpu():
+    from lowvram.errors import LowvramError
+    from lowvram.plan.types import Plan
+    from lowvram.train.launch import LaunchSpec, check_plan_for_launch
+
+    def plan(offload):
+        return Plan(device="cpu", mixed_precision="fp32", gradient_checkpointing=False, micro_batch_size=1,
+                    grad_accum=1, lora=True, quantization="none", optimizer="adamw", offload=offload,
+                    attention="sdpa", loss="standard", gpus=2)
+
+    cpu = LaunchSpec(gpus=2, cpu=True)
+    check_plan_for_launch(plan("fsdp"), cpu)
+    check_plan_for_launch(plan("none"), cpu)
+    with pytest.raises(LowvramError, match="DeepSpeed ZeRO needs GPUs"):
+        check_plan_for_launch(plan("zero3"), cpu)
+    with pytest.raises(LowvramError, match="keeps everything there already"):
+        check_plan_for_launch(plan("fsdp-offload"), cpu)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

@@ -18,6 +18,7 @@ from lowvram.plan.models import (
     count_parameters,
     embedding_numel,
     lm_head_numel,
+    norm_numel,
 )
 
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", "cuda_context",
@@ -392,12 +393,20 @@ def activation_bytes(setup: RunSetup) -> int:
 
 
 def recompute_bytes(setup: RunSetup) -> int:
-    """With checkpointing: one layer's recomputed activations plus the incoming gradient."""
+    """With checkpointing: one layer's recomputed activations, the incoming gradient, and the
+    gradients of that layer's intermediates made while its saved tensors are still alive
+    (the MLP's t x I gradients; with LoRA, fp32 copies on the adapter path too).
+
+    That last term is the peak when the logits are small (chunked loss, small vocabulary):
+    measured 0.20-0.47 x one layer's activations (bench/plan_accuracy.py "checkpointing +
+    chunked" cases; a bare checkpointed MLP in torch: 0.35), taken as 0.5.
+    """
     if not setup.gradient_checkpointing:
         return 0
     r, _, _ = _dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
-    return layer_activation_bytes(setup) + 2 * r * t * setup.model.hidden_size
+    layer = layer_activation_bytes(setup)
+    return layer + layer // 2 + 2 * r * t * setup.model.hidden_size
 
 
 def logits_bytes(setup: RunSetup) -> int:
@@ -443,6 +452,44 @@ def _shard(setup: RunSetup, weights: int, grads: int, optim: int) -> tuple[int, 
     return weights, grads, optim, host // n
 
 
+def root_weight_bytes(setup: RunSetup) -> int:
+    """Weights outside the decoder layers (embeddings, final norm, lm_head), at their dtype."""
+    spec = setup.model
+    w, _ = _dtype_bytes(setup)
+    numel = embedding_numel(spec) + norm_numel(spec) + lm_head_numel(spec)
+    return numel * (4 if setup.quantization != "none" and setup.kbit_prepare else w)
+
+
+def layer_weight_bytes(setup: RunSetup) -> int:
+    """One decoder layer's weights, quantized storage and LoRA adapters included."""
+    return (weight_bytes(setup) - root_weight_bytes(setup)) // max(1, setup.model.num_layers)
+
+
+def sharding_overhead_bytes(setup: RunSetup) -> tuple[int, int, int]:
+    """(weights, layer gradients, gradient buckets) a process holds beyond its share of the
+    model states, per engine.
+
+    FSDP2 (torch ``fully_shard`` as accelerate applies it with TRANSFORMER_BASED_WRAP: one unit
+    per decoder layer, the root for embeddings, final norm and lm_head) all-gathers a unit's
+    parameters into full-size tensors before its forward and backward and frees them after
+    (reshard_after_forward); the root is not resharded between forward and backward (FSDP2 docs,
+    ``fully_shard``). At the peak: the root's full parameters plus two layers' worth (the
+    all-gather output and the parameters copied out of it, or the next layer prefetched). In a
+    layer's backward its full-size gradients and the reduce-scatter input (two layers' worth of
+    trainable gradients) join them: the peak with gradient checkpointing, whose recompute
+    happens inside the backward.
+    DDP (torch DistributedDataParallel, gradient_as_bucket_view=False as the Trainer leaves it)
+    keeps its gradient buckets, one more copy of the trainable gradients, for the whole run.
+    Measured on CPU (2-3 processes over gloo, lowvram.measure; bench/multi_process_accuracy.py).
+    """
+    if setup.offload in ("fsdp", "fsdp-offload"):
+        layers = max(1, setup.model.num_layers)
+        return root_weight_bytes(setup) + 2 * layer_weight_bytes(setup), 2 * gradient_bytes(setup) // layers, 0
+    if setup.offload == "none" and setup.gpus > 1:
+        return 0, 0, gradient_bytes(setup)
+    return 0, 0, 0
+
+
 def _check(setup: RunSetup) -> None:
     problems = [f"{k} {v!r} (known: {', '.join(opts)})" for k, v, opts in [
         ("precision", setup.precision, PRECISIONS), ("quantization", setup.quantization, QUANTIZATIONS),
@@ -467,26 +514,30 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     _check(setup)
     weights, grads, optim, host = _shard(
         setup, weight_bytes(setup), gradient_bytes(setup), optimizer_bytes(setup))
+    gathered, layer_grads, buckets = sharding_overhead_bytes(setup)
     acts = activation_bytes(setup)
     logits = logits_bytes(setup)
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
+    kept_grads += buckets
     # Start of backward (the loss backward): every saved activation plus the logits.
-    fb = weights + optim + kept_grads + acts + logits
+    live_weights = weights + gathered  # FSDP: shards plus the units gathered for compute
+    fb = live_weights + optim + kept_grads + acts + logits
     if setup.gradient_checkpointing:
         # Recomputing the last layer: checkpoints + one layer's activations, logits freed.
         recompute = acts - _head_activation_bytes(setup) + recompute_bytes(setup)
-        if weights + optim + kept_grads + recompute > fb:
+        if live_weights + optim + kept_grads + layer_grads + recompute > fb:
             acts, logits = recompute, 0
-            fb = weights + optim + kept_grads + recompute
-    step = weights + optim + grads + optimizer_step_temp_bytes(setup)
+            kept_grads += layer_grads
+            fb = live_weights + optim + kept_grads + recompute
+    step = weights + optim + grads + buckets + optimizer_step_temp_bytes(setup)
     if fb >= step:
         phase = "forward_backward"
-        parts = dict(weights=weights, gradients=kept_grads, optimizer=optim, activations=acts,
+        parts = dict(weights=live_weights, gradients=kept_grads, optimizer=optim, activations=acts,
                      logits=logits)
     else:
         phase = "optimizer_step"
         # step temporaries are working memory of the optimizer: reported under "optimizer"
-        parts = dict(weights=weights, gradients=grads, optimizer=step - weights - grads,
+        parts = dict(weights=weights, gradients=grads + buckets, optimizer=step - weights - grads - buckets,
                      activations=0, logits=0)
     tensors = sum(parts.values())
     if setup.device == "cuda":

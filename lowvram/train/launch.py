@@ -229,29 +229,21 @@ def check_devices(spec: LaunchSpec, hardware) -> None:
         )
 
 
-# accelerate runs FSDP only on accelerators (checked against accelerate 1.15, transformers 5.24):
-# - PartialState._prepare_backend (accelerate/state.py) gives a process with cpu=True (our use_cpu)
-#   DistributedType.MULTI_CPU over gloo; without cpu=True on a machine with no accelerator it gives
-#   NO, and every launched process would train alone.
-# - AcceleratorState.__init__ (accelerate/state.py) switches to DistributedType.FSDP and keeps the
-#   fsdp_plugin only when the type is MULTI_GPU/MLU/SDAA/MUSA/NPU/XPU/HPU/NEURON; from MULTI_CPU it
-#   drops the plugin, whatever asked for it: the config (ACCELERATE_USE_FSDP, FSDP_*),
-#   Accelerator(fsdp_plugin=...), or TrainingArguments(fsdp=...), which the Trainer turns into that
-#   plugin (Trainer.create_accelerator_and_postprocess; is_fsdp_enabled is then False).
-# So an FSDP config with use_cpu silently trains plain DDP. torch's fully_shard itself works over
-# gloo (setting the private AcceleratorState.distributed_type by hand shards the model), but that is
-# patching accelerate, not a supported path. tests/test_multi_gpu.py checks this still holds.
-CPU_FSDP_UNSUPPORTED = ("accelerate runs FSDP only on GPUs: with use_cpu, accelerate/state.py "
-                        "(PartialState._prepare_backend) makes the processes MULTI_CPU over gloo and "
-                        "AcceleratorState.__init__ drops the FSDP plugin, so it would train plain DDP")
+# CPU runs (--cpu): DDP and FSDP2 run over gloo. accelerate alone would drop the FSDP plugin on
+# the CPU (see lowvram.train.trainer.configure_cpu_fsdp_state, which works around it); DeepSpeed's
+# ZeRO needs GPUs.
 
 
 def check_plan_for_launch(plan: Plan, spec: LaunchSpec) -> None:
-    if spec.cpu and backend_for(plan) != "ddp":
-        why = "DeepSpeed needs GPUs" if backend_for(plan) == "deepspeed" else CPU_FSDP_UNSUPPORTED
+    if spec.cpu and backend_for(plan) == "deepspeed":
         raise LowvramError(
-            f"offload {plan.offload} cannot run on the CPU: {why}",
-            "set techniques.offload: none for a CPU run (DDP over gloo), or run on GPUs",
+            f"offload {plan.offload} cannot run on the CPU: DeepSpeed ZeRO needs GPUs",
+            "set techniques.offload: off (DDP over gloo) or fsdp (FSDP2 over gloo) for a CPU run, or run on GPUs",
+        )
+    if spec.cpu and plan.offload == "fsdp-offload":
+        raise LowvramError(
+            "offload fsdp-offload moves shards to CPU RAM, and a CPU run keeps everything there already",
+            "set techniques.offload: fsdp for a CPU run (FSDP2 over gloo)",
         )
 
 

@@ -192,6 +192,15 @@ def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
     return [int(b) for b in peaks] if trainer.is_world_process_zero() else None
 
 
+def _distribution(trainer) -> dict:
+    """How the processes shared the model, read from the run itself: accelerate's distributed type
+    (NO, MULTI_GPU, MULTI_CPU, FSDP, DEEPSPEED) and how many parameters FSDP2 holds as shards."""
+    acc = trainer.accelerator
+    kind = getattr(acc.distributed_type, "value", str(acc.distributed_type))
+    sharded = sum(1 for p in trainer.model_wrapped.parameters() if type(p).__name__ == "DTensor")
+    return {"distributed_type": kind, "sharded_parameters": sharded}
+
+
 def _prediction_at_data_length(recipe, plan, bundle) -> dict:
     """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
     the plan (made for full seq_len batches). Predict the peak at the longest row as well, so the
@@ -300,6 +309,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         **_prediction_at_data_length(recipe, plan, bundle),
         "memory_history": mem_history.history,  # [[step, peak bytes since the previous log], ...]
         "processes": int(trainer.accelerator.num_processes),
+        **_distribution(trainer),
         "peak_memory_bytes_per_rank": per_rank,
         "train_rows": s.train_rows,
         "eval_rows": s.eval_rows,

@@ -33,6 +33,31 @@ def precision_flags(plan) -> dict:
     return {"bf16": mp.startswith("bf16"), "fp16": mp.startswith("fp16")}
 
 
+def fsdp_on_cpu(plan) -> bool:
+    """Whether this process trains on the CPU under an FSDP config (``--gpus N --cpu``)."""
+    return plan.device == "cpu" and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+
+
+def configure_cpu_fsdp_state() -> None:
+    """Let accelerate run FSDP2 over gloo on the CPU (``lowvram train --gpus N --cpu``, offload fsdp).
+
+    torch's ``fully_shard`` works on CPU tensors over gloo, but accelerate (1.15) turns its FSDP
+    plugin on only for processes on an accelerator: ``PartialState._prepare_backend`` makes a
+    ``cpu`` process MULTI_CPU, and ``AcceleratorState.__init__`` keeps the FSDP plugin only when
+    the type is MULTI_GPU/NPU/XPU/... (accelerate/state.py). So we set up the process state here
+    (gloo, device cpu), label it MULTI_GPU, the one thing that branch reads, and hand it to the
+    Trainer with ``accelerator_config.use_configured_state`` (transformers' way to train on a
+    state configured beforehand). The Accelerator then shards the model as on GPUs, on the CPU.
+    tests/test_multi_gpu.py checks that accelerate still needs this and that it shards.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(cpu=True)
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        state.distributed_type = DistributedType.MULTI_GPU
+
+
 def build_training_args(recipe, plan, has_eval: bool = False):
     from transformers import TrainingArguments
 
@@ -50,6 +75,10 @@ def build_training_args(recipe, plan, has_eval: bool = False):
             "mixed_precision fp16 (16-bit weights) cannot train all weights",
             "use techniques.mixed_precision: fp16-mixed (fp32 master weights), or lora: on",
         )
+    configured = {}
+    if fsdp_on_cpu(plan):
+        configure_cpu_fsdp_state()
+        configured = {"accelerator_config": {"use_configured_state": True}}
     t = recipe.training
     steps = {"max_steps": t.max_steps} if t.max_steps else {"num_train_epochs": t.epochs}
     if has_eval:
@@ -91,6 +120,7 @@ def build_training_args(recipe, plan, has_eval: bool = False):
         # Every trainable parameter (adapters or all weights) takes part in each forward: DDP need
         # not search the graph for unused ones (an extra traversal per step, and a warning).
         ddp_find_unused_parameters=False,
+        **configured,
     )
 
 
