@@ -219,10 +219,10 @@ def test_fsdp_outputs_load_back_in_one_process(fsdp_runs, tiny_model_dir):
     sharded = AutoModelForCausalLM.from_pretrained(tmp / "full-fsdp")
     single = AutoModelForCausalLM.from_pretrained(tmp / "full-one")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    for (name, a), b, s0 in zip(sharded.state_dict().items(), single.state_dict().values(),
-                                start.state_dict().values(), strict=True):
+    for (name, a), b in zip(sharded.state_dict().items(), single.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
-    assert any(not torch.equal(a, s0) for a, s0 in zip(sharded.state_dict().values(), start.state_dict().values()))
+    assert any(not torch.equal(a, s0) for a, s0 in zip(sharded.state_dict().values(),
+                                                       start.state_dict().values(), strict=True))
 
 
 _FSDP_ON_CPU = """
