@@ -288,7 +288,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     if bundle.eval is not None:
         eval_loss = float(trainer.evaluate()["eval_loss"])
     peak = _peak_memory(plan, tracker, mem_history)
-    per_rank = _gather_peaks(trainer, out, peak)
+    per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
     _save_final(trainer, loaded.tokenizer, out)
     history = _loss_history(trainer.state.log_history)
