@@ -215,6 +215,13 @@ def test_fsdp_outputs_load_back_in_one_process(fsdp_runs, tiny_model_dir):
     model = PeftModel.from_pretrained(base, tmp / "lora-fsdp")
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and any(torch.count_nonzero(p) for p in lora_b)
+    # ... and merged into its base by `lowvram merge`: a plain model with the adapter folded in.
+    r = lowvram("merge", str(tmp / "lora-fsdp"), "--out", str(tmp / "lora-merged"), cwd=tmp)
+    assert r.returncode == 0, r.stdout + r.stderr
+    merged = AutoModelForCausalLM.from_pretrained(tmp / "lora-merged")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, model.merge_and_unload()(ids).logits, rtol=1e-4, atol=1e-5)
     # Full fine-tuning: the whole model, gathered from the shards, equals the 1-process result.
     sharded = AutoModelForCausalLM.from_pretrained(tmp / "full-fsdp")
     single = AutoModelForCausalLM.from_pretrained(tmp / "full-one")
