@@ -195,9 +195,11 @@ def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
 def _distribution(trainer) -> dict:
     """How the processes shared the model, read from the run itself: accelerate's distributed type
     (NO, MULTI_GPU, MULTI_CPU, FSDP, DEEPSPEED) and how many parameters FSDP2 holds as shards."""
+    from torch.distributed.tensor import DTensor
+
     acc = trainer.accelerator
     kind = getattr(acc.distributed_type, "value", str(acc.distributed_type))
-    sharded = sum(1 for p in trainer.model_wrapped.parameters() if type(p).__name__ == "DTensor")
+    sharded = sum(1 for p in trainer.model_wrapped.parameters() if isinstance(p, DTensor))
     return {"distributed_type": kind, "sharded_parameters": sharded}
 
 
