@@ -1,117 +1,263 @@
 """Predicted vs measured peak memory on one CUDA GPU (calibrates cuda_overheads()).
 
-Random-init real architectures from the catalog (no downloads), one warm-up step and one
-measured step the way the Trainer runs it; torch.cuda.max_memory_allocated/reserved against
-estimate_memory(device="cuda"). Not run in CI (no GPU there); about 8 minutes on one large GPU.
+Random-init real architectures from the catalog (no downloads). For each model and technique
+the model is built once; at each sequence length one warm-up step (the optimizer state
+exists) and one measured step run the way the Trainer runs them (lowvram.measure._one_step).
+Measured: torch.cuda.max_memory_allocated (tensors: compared with the planner's tensor terms),
+max_memory_reserved (allocator slack) and, from torch.cuda.mem_get_info, the device memory the
+process holds outside the caching allocator (CUDA context, kernels, cuBLAS/cuDNN handles).
+The end of the output suggests calibrated values for lowvram.plan.memory.cuda_overheads().
 
     HF_HUB_OFFLINE=1 python bench/gpu_check.py   # table on stdout, JSON to $OUT/gpu_check.json
     bash bench/gpu_check.sh                       # the same on the device machine (see its header)
+    python bench/gpu_check.py --dry-run           # the same code on CPU with a tiny model
+                                                  # (tests/test_gpu_check.py keeps it working)
+
+Not run in CI (no GPU there); at most --budget-s seconds (default 420) on one large GPU: small
+models first, so a cut-short run still covers every technique.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's lowvram
 
 MODELS = ["qwen2.5-0.5b", "llama-3.2-1b", "llama-2-7b"]
+SEQ_LENS = (512, 2048)
 TECHNIQUES = [
     ("full bf16", dict(precision="bf16")),
     ("full bf16 + ckpt", dict(precision="bf16", gradient_checkpointing=True)),
     ("full bf16-mixed", dict(precision="bf16-mixed")),
+    ("full bf16 adamw_8bit", dict(precision="bf16", optimizer="adamw_8bit")),
+    ("full bf16 adafactor", dict(precision="bf16", optimizer="adafactor")),
     ("lora bf16", dict(precision="bf16", lora=True)),
     ("lora bf16 + ckpt", dict(precision="bf16", lora=True, gradient_checkpointing=True)),
+    ("qlora nf4 + ckpt", dict(precision="bf16", lora=True, quantization="nf4",
+                              gradient_checkpointing=True)),
     ("qlora nf4-dq + ckpt", dict(precision="bf16", lora=True, quantization="nf4-dq",
                                  gradient_checkpointing=True)),
-    ("full bf16 adamw_8bit", dict(precision="bf16", optimizer="adamw_8bit")),
+    ("qlora nf4-dq + ckpt + chunked b4", dict(precision="bf16", lora=True, quantization="nf4-dq",
+                                              gradient_checkpointing=True, loss="chunked",
+                                              micro_batch_size=4)),
 ]
-BUDGET_S = 8 * 60
+GIB = 2**30
 
 
-def run_case(spec, kw, seq_len):
-    import torch
+def other_processes_bytes() -> int:
+    """Device memory in use before this process touches CUDA (nvidia-smi; 0 if unavailable)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                              "-i", "0"], capture_output=True, text=True, timeout=20).stdout
+        return int(float(out.split()[0]) * 2**20)
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return 0
 
-    from lowvram.measure import (
-        _one_step,
-        autocast_dtype,
-        build_model,
-        build_optimizer,
-        make_batch,
-    )
+
+class CudaProbe:
+    """Peak tensor bytes and allocator reserve from the caching allocator, device use from the driver."""
+
+    device = "cuda"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.total = torch.cuda.get_device_properties(0).total_memory
+
+    tracker = None
+
+    def start(self, *objs):
+        self.torch.cuda.synchronize()
+        self.torch.cuda.reset_peak_memory_stats()
+
+    def stop(self) -> dict:
+        cuda = self.torch.cuda
+        cuda.synchronize()
+        free, total = cuda.mem_get_info()
+        return dict(allocated=cuda.max_memory_allocated(), reserved=cuda.max_memory_reserved(),
+                    outside_allocator=(total - free) - cuda.memory_reserved())
+
+    def release(self):
+        gc.collect()
+        self.torch.cuda.empty_cache()
+
+
+class CpuProbe:
+    """--dry-run: the live tensor bytes of the step (lowvram.measure.LiveBytes); no allocator."""
+
+    device = "cpu"
+    total = 24 * GIB
+
+    def start(self, *objs):
+        from lowvram.measure import LiveBytes
+
+        gc.collect()
+        self.tracker = LiveBytes()
+        self.tracker.register(*objs)  # what exists before the step: weights, optimizer, inputs
+        self.tracker.reset_peak()
+        self.tracker.__enter__()
+
+    def stop(self) -> dict:
+        self.tracker.__exit__(None, None, None)
+        peak = self.tracker.peak_bytes
+        return dict(allocated=peak, reserved=peak, outside_allocator=0)
+
+    def release(self):
+        gc.collect()
+
+
+def run_technique(probe, spec, kw, seq_lens, saved_dir) -> list[dict]:
+    """Build the model once and measure one step at each sequence length."""
+    from lowvram.measure import _one_step, autocast_dtype, build_model, build_optimizer, make_batch
     from lowvram.plan.memory import RunSetup, estimate_memory
 
-    setup = RunSetup(spec, seq_len=seq_len, device="cuda", **kw)
-    est = estimate_memory(setup)
-    total = torch.cuda.get_device_properties(0).total_memory
-    if est.peak_bytes > 0.9 * total:
-        return dict(predicted=est.peak_bytes, skipped="predicted over 90% of the card")
-    model = build_model(setup, device="cuda")
-    opt = build_optimizer(model, setup.optimizer)
-    batch = make_batch(setup, device="cuda")
-    ac = autocast_dtype(setup)
-    _one_step(model, opt, batch, ac, 1.0, 1)  # warm-up: optimizer state exists
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t = time.time()
-    _one_step(model, opt, batch, ac, 1.0, 1)
-    torch.cuda.synchronize()
-    out = dict(
-        predicted=est.peak_bytes,
-        predicted_tensors=est.peak_bytes - est.breakdown["cuda_context"] - est.breakdown["allocator"],
-        allocated=torch.cuda.max_memory_allocated(),
-        reserved=torch.cuda.max_memory_reserved(),
-        step_s=round(time.time() - t, 3),
-    )
-    del model, opt, batch
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+    setups = [RunSetup(spec, seq_len=s, device=probe.device, **kw) for s in seq_lens]
+    ests = [estimate_memory(s) for s in setups]
+    rows: list[dict] = []
+    fitting = []
+    for s, e in zip(setups, ests, strict=True):
+        if e.peak_bytes <= 0.9 * probe.total:
+            fitting.append((s, e))
+        else:
+            rows.append(dict(seq_len=s.seq_len, predicted=e.peak_bytes,
+                             skipped="predicted over 90% of the device"))
+    if not fitting:
+        return rows
+    t0 = time.time()
+    model = build_model(setups[0], device=probe.device,
+                        saved_dir=saved_dir if setups[0].quantization != "none" else None)
+    opt = build_optimizer(model, setups[0].optimizer)
+    build_s = time.time() - t0
+    for setup, est in fitting:
+        batch = make_batch(setup, device=probe.device)
+        ac = autocast_dtype(setup)
+        chunked = setup.loss == "chunked"
+        _one_step(model, opt, batch, ac, 1.0, setup.grad_accum, chunked_loss=chunked)  # warm-up
+        probe.start(model, opt, batch)
+        t = time.time()
+        _one_step(model, opt, batch, ac, 1.0, setup.grad_accum, tracker=probe.tracker,
+                  chunked_loss=chunked)
+        measured = probe.stop()
+        tensors = est.peak_bytes - est.breakdown["cuda_context"] - est.breakdown["allocator"]
+        rows.append(dict(seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
+                         predicted=est.peak_bytes, predicted_tensors=tensors,
+                         predicted_phase=est.peak_phase, step_s=round(time.time() - t, 3),
+                         build_s=round(build_s, 1), **measured))
+        del batch
+    del model, opt
+    probe.release()
+    return rows
 
 
-def main() -> int:
+def summarize(rows: list[dict], baseline: int) -> list[str]:
+    """Worst errors and the overheads the measurements suggest."""
+    done = [r for r in rows if "allocated" in r]
+    if not done:
+        return ["no case measured"]
+    errs = [(r["predicted_tensors"] - r["allocated"]) / r["allocated"] * 100 for r in done]
+    slack = max((r["reserved"] - r["allocated"]) / r["allocated"] for r in done)
+    context = max(r["outside_allocator"] for r in done) - baseline
+    device_used = [r["reserved"] + r["outside_allocator"] - baseline for r in done]
+    under = sum(r["predicted"] < u for r, u in zip(done, device_used, strict=True))
+    return [
+        f"cases measured: {len(done)} of {len(rows)}",
+        f"tensors: worst |error| {max(map(abs, errs)):.2f}%, worst under-prediction "
+        f"{min(min(errs), 0.0):+.2f}%",
+        f"outside the allocator (CUDA context, kernels, handles): up to {context / GIB:.3f} GiB "
+        f"({context:,} bytes; other processes' {baseline / GIB:.3f} GiB taken off)",
+        f"allocator slack (reserved over allocated): up to {slack * 100:.1f}%",
+        f"plans under the device memory really used (reserved + outside): {under} of {len(done)}",
+        f"suggested cuda_overheads(): context_bytes={context:,}, allocator_fraction={slack:.3f}",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true",
+                    help="run the same code on CPU with a tiny model (no GPU needed)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this")
+    ap.add_argument("--models", default=None, help="comma-separated catalog names")
+    args = ap.parse_args(argv)
+
+    baseline = 0 if args.dry_run else other_processes_bytes()
     import torch
 
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to check", file=sys.stderr)
-        return 1
     from lowvram.plan.models import resolve_model
 
+    if args.dry_run:
+        from lowvram.measure import tiny_llama_spec
+
+        probe = CpuProbe()
+        specs = [("tiny-llama", tiny_llama_spec(hidden_size=128, num_layers=2, vocab_size=2048))]
+        seq_lens = (64, 128)
+        title = f"CPU dry run, torch {torch.__version__}"
+    else:
+        if not torch.cuda.is_available():
+            print("error: no CUDA GPU: nothing to check\nhint: run with --dry-run to test the "
+                  "script on CPU", file=sys.stderr)
+            return 1
+        probe = CudaProbe()
+        names = args.models.split(",") if args.models else MODELS
+        specs = [(n, resolve_model(n)) for n in names]
+        seq_lens = SEQ_LENS
+        title = (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+                 f"{probe.total / GIB:.1f} GiB")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars between the rows
+    unit, scale = ("MiB", 2**20) if args.dry_run else ("GiB", GIB)
+    print(f"# gpu_check {time.strftime('%Y-%m-%d')}: {title}, transformers {transformers.__version__}; "
+          f"b1 unless named; {unit}")
+    print(f"{'model':14} {'technique':32} {'seq':>5} {'pred tensors':>12} {'allocated':>10} "
+          f"{'err':>7} {'pred total':>10} {'reserved':>9} {'outside':>8}  step s")
     start = time.time()
-    rows = []
-    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}; GiB")
-    print(f"{'model':14} {'technique':22} {'seq':>5} {'pred tensors':>12} {'allocated':>10} "
-          f"{'err':>7} {'pred+ovh':>9} {'reserved':>9}")
-    for seq_len in (512, 2048):
-        for name in MODELS:
-            spec = resolve_model(name)
+    rows: list[dict] = []
+    out_dir = os.environ.get("OUT")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, spec in specs:
+            saved = os.path.join(tmp, name)  # one random-init checkpoint per model for the QLoRA rows
+            os.makedirs(saved, exist_ok=True)
             for tech, kw in TECHNIQUES:
-                if time.time() - start > BUDGET_S:
-                    print("time budget reached", file=sys.stderr)
+                if time.time() - start > args.budget_s:
+                    print(f"time budget reached: {name} {tech} and later not run", file=sys.stderr)
                     break
                 try:
-                    r = run_case(spec, kw, seq_len)
+                    got = run_technique(probe, spec, kw, seq_lens, saved)
                 except torch.OutOfMemoryError as e:
-                    r = dict(error=f"OOM: {e}"[:200])
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                r.update(model=name, technique=tech, seq_len=seq_len)
-                rows.append(r)
-                if "allocated" in r:
-                    g = 2**30
-                    err = (r["predicted_tensors"] - r["allocated"]) / r["allocated"] * 100
-                    print(f"{name:14} {tech:22} {seq_len:>5} {r['predicted_tensors'] / g:>12.2f} "
-                          f"{r['allocated'] / g:>10.2f} {err:>+6.1f}% {r['predicted'] / g:>9.2f} "
-                          f"{r['reserved'] / g:>9.2f}", flush=True)
-                else:
-                    print(f"{name:14} {tech:22} {seq_len:>5} {r.get('skipped') or r.get('error')}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_check.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+                    got = [dict(seq_len=s, error=f"OOM: {e}"[:200]) for s in seq_lens]
+                    probe.release()
+                except ImportError as e:  # bitsandbytes missing: the rows say so, the rest runs
+                    got = [dict(seq_len=s, error=f"{type(e).__name__}: {e}"[:200]) for s in seq_lens]
+                for r in got:
+                    r.update(model=name, technique=tech)
+                    rows.append(r)
+                    if "allocated" in r:
+                        err = (r["predicted_tensors"] - r["allocated"]) / r["allocated"] * 100
+                        print(f"{name:14} {tech:32} {r['seq_len']:>5} {r['predicted_tensors'] / scale:>12.3f} "
+                              f"{r['allocated'] / scale:>10.3f} {err:>+6.1f}% {r['predicted'] / scale:>10.3f} "
+                              f"{r['reserved'] / scale:>9.3f} {(r['outside_allocator'] - baseline) / scale:>8.3f}"
+                              f"  {r['step_s']}", flush=True)
+                    else:
+                        print(f"{name:14} {tech:32} {r['seq_len']:>5} {r.get('skipped') or r.get('error')}",
+                              flush=True)
+                if out_dir:  # after every technique: a run cut short still leaves its rows
+                    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+                        json.dump(dict(title=title, baseline_bytes=baseline, rows=rows), f, indent=1)
+            if os.path.isdir(saved):
+                import shutil
+
+                shutil.rmtree(saved, ignore_errors=True)
+    for line in summarize(rows, baseline):
+        print(f"# {line}")
     return 0
 
 

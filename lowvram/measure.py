@@ -15,6 +15,7 @@ torch and friends are imported inside functions (importing lowvram stays instant
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -420,10 +421,17 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",
            "fp16-mixed": "float32", "fp32": "float32"}
 
 
-def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = "cpu"):
+def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = "cpu",
+                saved_dir: str | None = None):
     """The model a RunSetup trains, random init, on ``device``: transformers + peft +
     bitsandbytes, prepared as lowvram's trainer does (base frozen, no fp32 upcast; with
-    setup.kbit_prepare, peft's prepare_model_for_kbit_training instead)."""
+    setup.kbit_prepare, peft's prepare_model_for_kbit_training instead).
+
+    Unquantized models are initialised on ``device`` directly (a 7B model on a GPU in seconds).
+    Quantized ones go through ``from_pretrained`` (bitsandbytes quantizes while loading) from
+    a random-init checkpoint: saved to ``saved_dir`` once and reused when it already holds one,
+    else to a temporary folder.
+    """
     import tempfile
 
     import torch
@@ -433,22 +441,33 @@ def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = 
     dtype = getattr(torch, _DTYPES[setup.precision])
     cfg = hf_config(setup.model, setup.attention)
     if setup.quantization == "none":
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
-    else:
-        from transformers import BitsAndBytesConfig
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        return finish_model(model, setup)
+    from transformers import BitsAndBytesConfig
 
-        if setup.quantization == "int8":
-            qc = BitsAndBytesConfig(load_in_8bit=True)
-        else:
-            qc = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="fp4" if setup.quantization == "fp4" else "nf4",
-                bnb_4bit_use_double_quant=setup.quantization == "nf4-dq",
-                bnb_4bit_compute_dtype=torch.bfloat16 if setup.precision != "fp32" else torch.float32,
-            )
+    if setup.quantization == "int8":
+        qc = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        qc = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="fp4" if setup.quantization == "fp4" else "nf4",
+            bnb_4bit_use_double_quant=setup.quantization == "nf4-dq",
+            bnb_4bit_compute_dtype=torch.bfloat16 if setup.precision != "fp32" else torch.float32,
+        )
+
+    def load(d):
+        if not os.path.exists(os.path.join(d, "config.json")):
+            with torch.device(device):
+                AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(d)
+        return AutoModelForCausalLM.from_pretrained(
+            d, quantization_config=qc, device_map={"": device}, dtype=dtype,
+            attn_implementation=setup.attention)
+
+    if saved_dir is not None:
+        model = load(saved_dir)
+    else:
         with tempfile.TemporaryDirectory(dir=workdir) as d:
-            AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(d)
-            model = AutoModelForCausalLM.from_pretrained(
-                d, quantization_config=qc, device_map={"": device}, dtype=dtype)
+            model = load(d)
     return finish_model(model, setup)
 
 

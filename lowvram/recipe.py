@@ -211,6 +211,20 @@ class TechniquesSection(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _offload_keeps_optimizer(self) -> TechniquesSection:
+        from lowvram.plan.memory import offload_conflict
+
+        # "on" as lowvram.plan.resolve.ON_VALUES maps it
+        optimizer = {"on": "adamw_8bit", "off": "adamw"}.get(self.optimizer, self.optimizer)
+        offload = {"on": "optimizer", "off": "none"}.get(self.offload, self.offload)
+        if "auto" not in (optimizer, offload) and offload_conflict(optimizer, offload):
+            raise ValueError(
+                f"{offload_conflict(optimizer, offload)} (set optimizer: adamw, or offload: "
+                "fsdp-offload, which keeps your optimizer)"
+            )
+        return self
+
 
 class Recipe(_Section):
     model: ModelSection

@@ -245,3 +245,23 @@ def test_plan_fits_compares_peak_with_budget():
     assert Plan(**base, predicted_peak_bytes=10, budget_bytes=10).fits is True
     assert Plan(**base, predicted_peak_bytes=11, budget_bytes=10).fits is False
     assert Plan(**base).fits is None
+
+
+def test_deepspeed_offload_plans_use_adamw_and_a_fixed_8bit_optimizer_is_refused(llama7b):
+    # Offload is the last resort: a 70B-class squeeze on a small card reaches it.
+    spec = resolve_model("llama-2-13b")
+    c = _plan(spec, 6, lora=False)
+    assert c.plan.offload in ("optimizer", "full")
+    assert c.plan.optimizer == "adamw"  # DeepSpeed's CPU Adam: never adamw_8bit with it
+    assert "DeepSpeed's CPU Adam" in c.plan.reasons["optimizer"]
+    for a in c.alternatives:
+        assert not (a.setup.offload in ("optimizer", "full") and a.setup.optimizer != "adamw")
+    rungs = {r.value: r for r in c.ladder if r.technique == "offload"}
+    assert set(rungs) == {"optimizer", "full"}
+    with pytest.raises(LowvramError, match="DeepSpeed's CPU Adam") as e:
+        _plan(llama7b, 24, optimizer="adamw_8bit", offload="optimizer")
+    assert "--optim adamw" in e.value.hint
+    # an 8-bit optimizer the user fixed: the ladder leaves out the DeepSpeed offload rungs
+    c = _plan(spec, 6, lora=False, optimizer="adamw_8bit")
+    assert c.plan.offload not in ("optimizer", "full")
+    assert not [r for r in c.ladder if r.technique == "offload"]

@@ -10,9 +10,11 @@ from lowvram.plan.memory import (
     RunSetup,
     cuda_overheads,
     estimate_memory,
+    layer_weight_bytes,
     lora_parameters,
     optimizer_bytes,
     quantized_bytes,
+    root_weight_bytes,
     weight_bytes,
 )
 from lowvram.plan.models import count_parameters, resolve_model
@@ -96,6 +98,44 @@ def test_accumulation_keeps_gradients_and_offload_moves_state_to_host():
     assert est.breakdown["gradients"] == 2 * P7
     off = estimate_memory(RunSetup(LLAMA7, offload="optimizer"))
     assert off.breakdown["optimizer"] == 0 and off.cpu_ram_bytes > 4 * P7
+
+
+PROCESS = 2 * 2**30  # the process itself (torch + CUDA libraries), in every cpu_ram_bytes
+
+
+def _host(**kw) -> int:
+    """cpu_ram_bytes less the process and the checkpoint shard staged while loading."""
+    est = estimate_memory(RunSetup(LLAMA7, **kw))
+    return est.cpu_ram_bytes - PROCESS - min(weight_bytes(RunSetup(LLAMA7, **kw)), 5 * 10**9)
+
+
+def test_deepspeed_optimizer_offload_holds_16_bytes_per_trained_parameter_in_ram():
+    # ZeRO-Offload: fp32 master copy + fp32 Adam m, v + fp32 gradient, whatever the GPU dtype
+    assert _host(offload="optimizer") == 16 * P7
+    assert _host(offload="optimizer", lora=True) == 16 * 39_976_960
+    assert _host(offload="zero2-offload", gpus=4) == 16 * P7 // 4  # each rank its partition
+    # ZeRO-3 parameter offload adds every 16-bit weight (frozen ones too)
+    assert _host(offload="full") == 16 * P7 + 2 * P7
+    assert _host(offload="zero3-offload", gpus=2) == (16 * P7 + 2 * P7) // 2
+
+
+def test_fsdp_offload_moves_weights_gradients_and_state_to_ram():
+    # FSDP2 CPUOffloadPolicy: sharded params, grads and the torch optimizer's state at the
+    # param dtype (bf16: 2 + 2 + 4 bytes per parameter), 1/N per rank; none of it on the GPU.
+    est = estimate_memory(RunSetup(LLAMA7, offload="fsdp-offload", gpus=2))
+    assert _host(offload="fsdp-offload", gpus=2) == (2 + 2 + 4) * P7 // 2
+    assert est.breakdown["optimizer"] == 0
+    s = RunSetup(LLAMA7, offload="fsdp-offload", gpus=2)
+    # only the units gathered for compute: the root (embeddings, norm, lm_head) + two layers
+    assert est.breakdown["weights"] == root_weight_bytes(s) + 2 * layer_weight_bytes(s)
+
+
+def test_offloads_that_run_deepspeeds_cpu_adam_refuse_other_optimizers():
+    for offload in ("optimizer", "full", "zero2-offload", "zero3-offload"):
+        with pytest.raises(LowvramError, match="DeepSpeed's CPU Adam"):
+            estimate_memory(RunSetup(LLAMA7, offload=offload, optimizer="adamw_8bit"))
+    # FSDP2 keeps the Trainer's optimizer (its step on the CPU)
+    estimate_memory(RunSetup(LLAMA7, offload="fsdp-offload", gpus=2, optimizer="adamw_8bit"))
 
 
 def test_eager_attention_costs_the_s_squared_scores():

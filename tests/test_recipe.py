@@ -67,6 +67,16 @@ def test_quantization_without_lora_is_rejected():
     assert "quantization needs lora" in p
 
 
+def test_deepspeed_offload_with_another_optimizer_is_rejected():
+    (p,) = problems(GOOD + "techniques:\n  optimizer: on\n  offload: on\n")  # adamw_8bit + optimizer
+    assert "DeepSpeed's CPU Adam" in p and "optimizer adamw_8bit" in p and "set optimizer: adamw" in p
+    (p,) = problems(GOOD + "techniques:\n  optimizer: adafactor\n  offload: zero3-offload\n")
+    assert "optimizer adafactor" in p
+    for ok in ("optimizer: adamw\n  offload: full", "optimizer: adamw_8bit\n  offload: fsdp-offload",
+               "optimizer: adamw_8bit\n  offload: auto", "optimizer: off\n  offload: on"):
+        parse_recipe(GOOD + f"techniques:\n  {ok}\n", "r.yaml")
+
+
 def test_overrides_are_validated_and_named():
     r = parse_recipe(GOOD, "r.yaml", ["training.learning_rate=1e-4", "techniques.lora=off"])
     assert r.training.learning_rate == 1e-4 and r.techniques.lora == "off"

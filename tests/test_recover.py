@@ -61,7 +61,7 @@ def test_next_cheaper_respects_fixed_settings():
     assert new is not None and not new.gradient_checkpointing and not new.lora and new.optimizer == "adamw"
     assert new.predicted_peak_bytes <= 0.9 * plan.predicted_peak_bytes and new.effective_batch == 16
     # Everything fixed and micro-batch 1 already: nothing cheaper exists.
-    req, plan = _plan(gradient_checkpointing=True, lora=True, quantization="nf4-dq", optimizer="adamw_8bit",
+    req, plan = _plan(gradient_checkpointing=True, lora=True, quantization="nf4-dq", optimizer="adamw",
                       micro_batch_size=1, offload="full", loss="chunked")
     assert next_cheaper(plan, req, plan.predicted_peak_bytes) is None
     assert next_cheaper(replace(plan, predicted_peak_bytes=None), req, 10**9) is None

@@ -169,6 +169,11 @@ def validate_request(req: PlanRequest) -> None:
             f"quantization {req.quantization} needs LoRA: a quantized base cannot be trained directly",
             "use --method qlora (or lora), or --quant none for full fine-tuning",
         )
+    if req.optimizer is not None and req.offload is not None:
+        conflict = memory.offload_conflict(req.optimizer, req.offload)
+        if conflict:
+            raise LowvramError(conflict, "use --optim adamw with it, or --offload fsdp-offload (FSDP2 "
+                               "keeps your optimizer, its step on the CPU)")
     if req.batch_size % req.gpus:
         raise LowvramError(
             f"batch_size {req.batch_size} is not divisible by {req.gpus} GPUs",
@@ -255,6 +260,8 @@ def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                     if quant != "none" and not lora:
                                         continue
                                     for offload in o["offload"]:
+                                        if memory.offload_conflict(optim, offload):
+                                            continue  # DeepSpeed's CPU Adam replaces it
                                         out.append(RunSetup(
                                             model=req.model, precision=precision, quantization=quant,
                                             lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
@@ -526,7 +533,12 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         elif t is tq.MICRO_BATCH:
             s = replace(s, micro_batch_size=1, grad_accum=_largest_micro(req))
         else:
-            s = replace(s, **t.settings)
+            settings = dict(t.settings)
+            if memory.offload_conflict(s.optimizer, settings.get("offload", s.offload)):
+                if req.fixed("optimizer"):
+                    continue  # the user's optimizer cannot run under this offload
+                settings["optimizer"] = "adamw"  # DeepSpeed's CPU Adam takes its place
+            s = replace(s, **settings)
         new = estimate(s)
         slowdown = tq.setup_slowdown(s, _largest_micro(req)) / tq.setup_slowdown(before, _largest_micro(req))
         value = s.precision if t is tq.MIXED_PRECISION else (
@@ -630,6 +642,9 @@ def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator
         r["optimizer"] = fixed("optimizer") or "set"
     elif s.optimizer != "adamw":
         r["optimizer"] = f"{s.optimizer}: {without('optimizer', optimizer='adamw')}; {tq.percent(tq.OPTIMIZER_8BIT.slowdown)}"
+    elif s.offload in memory.DEEPSPEED_CPU_OPTIMIZER:
+        r["optimizer"] = (f"adamw: offload {s.offload} runs DeepSpeed's CPU Adam, its fp32 state and "
+                          "master weights in CPU RAM (16 bytes per trained parameter)")
     else:
         r["optimizer"] = f"adamw: optimizer state {gib(c.estimate.breakdown['optimizer'])} fits"
 

@@ -32,6 +32,19 @@ CHUNK_TOKENS = 1024
 
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
             "fsdp", "fsdp-offload")
+# DeepSpeed offloads that run the optimizer on the CPU. There DeepSpeed's own CPU Adam takes the
+# place of the Trainer's optimizer (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed,
+# called from Accelerator._prepare_deepspeed when offload_optimizer is set): only adamw keeps
+# its meaning (a bitsandbytes 8-bit AdamW would silently become Adam with L2 decay).
+DEEPSPEED_CPU_OPTIMIZER = ("optimizer", "full", "zero2-offload", "zero3-offload")
+
+
+def offload_conflict(optimizer: str, offload: str) -> str | None:
+    """Why ``optimizer`` cannot run under ``offload`` (None when it can)."""
+    if offload in DEEPSPEED_CPU_OPTIMIZER and optimizer != "adamw":
+        return (f"offload {offload} runs DeepSpeed's CPU Adam on the CPU; optimizer {optimizer} "
+                "cannot run there")
+    return None
 
 
 @dataclass(frozen=True)
@@ -80,9 +93,11 @@ class CudaOverheads:
 
 
 def cuda_overheads() -> CudaOverheads:
-    """CUDA context 0.3-0.6 GB with lazy module loading (CUDA >= 12.2, torch >= 2; PyTorch CUDA
-    semantics notes, CUDA_MODULE_LOADING=LAZY) -> 0.5 GiB taken. Caching-allocator slack
-    (reserved over allocated, PyTorch docs "Memory management"): 5% assumed until measured."""
+    """CUDA context: ~300-400 MB right after CUDA init with lazy module loading (CUDA >= 11.7,
+    the PyTorch default; PyTorch maintainers in pytorch/pytorch#107667 and #109888), growing as
+    training loads more kernels (cuBLAS, attention, bitsandbytes) -> 0.5 GiB taken. Caching-
+    allocator slack (reserved over allocated, PyTorch docs "CUDA semantics: memory management"):
+    5% assumed. Both await bench/gpu_check.py, which measures them and prints calibrated values."""
     return CudaOverheads(context_bytes=512 * 2**20, allocator_fraction=0.05)
 
 
@@ -431,24 +446,39 @@ def logits_bytes(setup: RunSetup) -> int:
 
 
 def _shard(setup: RunSetup, weights: int, grads: int, optim: int) -> tuple[int, int, int, int]:
-    """Per-GPU model states and the bytes moved to CPU RAM (ZeRO paper, Rajbhandari et al. 2020)."""
+    """Per-GPU model states and the host RAM (bytes per process) of what is offloaded.
+
+    Sharding (ZeRO paper, Rajbhandari et al. 2020): ZeRO-2 and FSDP shard gradients and optimizer
+    states over the N ranks, ZeRO-3 and FSDP the weights too.
+    DeepSpeed optimizer offload (ZeRO-Offload, Ren et al. 2021, sec. 4.1; DeepSpeed
+    stage_1_and_2 keeps ``single_partition_of_fp32_groups`` and their fp32 gradients on the
+    offload device, DeepSpeedCPUAdam its fp32 exp_avg/exp_avg_sq): 16 bytes per trainable
+    parameter in CPU RAM (fp32 master copy 4 + Adam 8 + fp32 gradient 4), whatever optimizer the
+    recipe named (offload_conflict); the GPU keeps the 16-bit gradients (partitioned over N).
+    DeepSpeed parameter offload (ZeRO-3 ``offload_param``): every weight at its 16-bit dtype in
+    CPU RAM. FSDP2 CPU offload (torch ``CPUOffloadPolicy``): the sharded parameters, their
+    gradients and the optimizer states (at the parameters' dtype; the step runs on the CPU) in
+    CPU RAM (the GPU keeps the gathered units and one layer's gradients before they move).
+    Each rank offloads only its own partition: host RAM per process is 1/N of the total.
+    """
     n = max(1, setup.gpus)
     o = setup.offload
     host = 0
-    if o in ("optimizer", "zero2-offload", "zero3-offload", "fsdp-offload", "full"):
-        host += optim
+    if o in DEEPSPEED_CPU_OPTIMIZER:
+        host += 16 * trainable_parameters(setup)
         optim = 0
+    if o == "fsdp-offload":
+        host += weights + grads + optim
+        weights = grads = optim = 0  # the gathered units and layer gradients: sharding_overhead_bytes
+    if o in ("zero3-offload", "full"):
+        host += weights
+        weights = 0
     if o in ("zero2", "zero3", "fsdp"):
         optim //= n
-    if o in ("zero2", "zero2-offload", "zero3", "zero3-offload", "fsdp", "fsdp-offload"):
+    if o in ("zero2", "zero2-offload", "zero3", "zero3-offload", "fsdp"):
         grads //= n
     if o in ("zero3", "fsdp"):
         weights //= n
-    if o in ("zero3-offload", "fsdp-offload", "full"):
-        host += weights
-        weights = 0
-    # Each rank offloads only its own partition (ZeRO-Offload / FSDP CPU offload): host RAM per
-    # process is 1/N of the offloaded states.
     return weights, grads, optim, host // n
 
 
@@ -501,6 +531,9 @@ def _check(setup: RunSetup) -> None:
     ] if v not in opts]
     if setup.quantization != "none" and not setup.lora:
         problems.append("quantization needs lora")
+    conflict = offload_conflict(setup.optimizer, setup.offload)
+    if conflict:
+        problems.append(conflict)
     if min(setup.micro_batch_size, setup.seq_len, setup.grad_accum, setup.gpus, setup.lora_r) < 1:
         problems.append("micro_batch_size, seq_len, grad_accum, gpus and lora_r must be >= 1")
     if problems:
@@ -573,7 +606,7 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
 
 __all__ = [
     "BREAKDOWN_KEYS", "CudaOverheads", "MemoryEstimate", "RunSetup", "activation_bytes",
-    "cuda_overheads", "embedding_numel", "estimate_memory", "gradient_bytes", "lm_head_numel",
-    "logits_bytes", "lora_parameters", "optimizer_bytes", "quantized_bytes", "trainable_tensors",
+    "cuda_overheads", "DEEPSPEED_CPU_OPTIMIZER", "embedding_numel", "estimate_memory", "gradient_bytes", "lm_head_numel",
+    "logits_bytes", "lora_parameters", "offload_conflict", "optimizer_bytes", "quantized_bytes", "trainable_tensors",
     "validate_setup", "weight_bytes",
 ]

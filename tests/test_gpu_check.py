@@ -1,0 +1,74 @@
+"""bench/gpu_check.py, the prepared GPU memory check, kept working without a GPU.
+
+Its --dry-run runs the same code (build once per technique, warm-up step, measured step,
+summary, JSON) on CPU with a tiny Llama, measuring live tensor bytes instead of the CUDA
+allocator; so the first GPU run does not fail on something a CPU could have caught.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_measures_every_technique_at_both_lengths(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("bitsandbytes")
+    gc = _load()
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gc.main(["--dry-run"]) == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = data["rows"]
+    assert {r["technique"] for r in rows} == {name for name, _ in gc.TECHNIQUES}
+    assert len(rows) == 2 * len(gc.TECHNIQUES)
+    for r in rows:
+        assert "allocated" in r, r
+        err = (r["predicted_tensors"] - r["allocated"]) / r["allocated"]
+        assert abs(err) <= 0.03, r  # the CPU model is exact to a few tenths of a percent here
+        assert r["predicted"] == r["predicted_tensors"]  # no CUDA overheads on CPU
+    by = {(r["technique"], r["seq_len"]): r["allocated"] for r in rows}
+    assert by[("full bf16", 128)] > by[("full bf16", 64)]  # the second length really ran
+    out = capsys.readouterr().out
+    assert "suggested cuda_overheads(): context_bytes=0" in out
+    assert f"cases measured: {len(rows)} of {len(rows)}" in out
+
+
+def test_summary_derives_the_overheads_from_measurements():
+    gc = _load()
+    rows = [
+        dict(predicted=1200, predicted_tensors=1000, allocated=1000, reserved=1100,
+             outside_allocator=600),
+        dict(predicted=2300, predicted_tensors=2100, allocated=2000, reserved=2050,
+             outside_allocator=700),
+        dict(seq_len=2048, skipped="predicted over 90% of the device"),
+    ]
+    lines = gc.summarize(rows, baseline=100)
+    assert lines[0] == "cases measured: 2 of 3"
+    assert "worst |error| 5.00%, worst under-prediction +0.00%" in lines[1]
+    assert "up to 10.0%" in lines[3]  # (1100 - 1000) / 1000
+    # device really used: 1100 + 600 - 100 = 1600 > 1200 predicted; 2050 + 700 - 100 = 2650 > 2300
+    assert "2 of 2" in lines[4]
+    assert lines[5] == "suggested cuda_overheads(): context_bytes=600, allocator_fraction=0.100"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_without_a_gpu_it_says_so(capsys):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    assert _load().main([]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: no CUDA GPU") and "hint: run with --dry-run" in err
