@@ -130,6 +130,13 @@ def test_prediction_far_off_is_a_warning(capsys):
     err = capsys.readouterr().err
     assert "+30% off the predicted" in err and "lowvram env" in err
     assert report.prediction_error({**m, "peak_memory_kind": "process peak RSS"}) is None
+    # over-predicted by 11%, but by 0.1 MiB: headroom wasted is too small to report
+    small = {**m, "peak_memory_bytes": 1_000_000, "predicted_peak_bytes": 1_124_000}
+    report.show_train_result(RunResult(output_dir="/nonexistent", metrics=small))
+    assert "off the predicted" not in capsys.readouterr().err
+    big = {**m, "peak_memory_bytes": 1 * 2**30, "predicted_peak_bytes": 1.2 * 2**30}
+    report.show_train_result(RunResult(output_dir="/nonexistent", metrics=big))
+    assert "-17% off the predicted" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------
