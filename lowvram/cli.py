@@ -101,7 +101,8 @@ def train(
     from lowvram.plan.resolve import plan_for_recipe, require_fit
 
     launched = (r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
-                rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, not no_track_memory)
+                rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, not no_track_memory,
+                not no_recover, max_retries)
     if gpus * nodes > 1 or print_launch or cpu:
         _train_launched(*launched)
         return
@@ -123,7 +124,8 @@ def train(
 
 
 def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, main_address, cpu,
-                    rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, track_memory=True) -> None:
+                    rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, track_memory=True,
+                    recover=True, max_retries=3) -> None:
     """`lowvram train --gpus N`: plan once here, then `accelerate launch` the worker on each GPU."""
     import dataclasses
 
@@ -154,7 +156,10 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     report.show_launch(r, plan, spec, prepared, print_only=print_launch)
     if print_launch:
         return
-    rc = launch.run_launch(prepared, spec, track_memory=track_memory)
+    from lowvram.train.recover import launch_with_recovery
+
+    rc = launch_with_recovery(r, recipe_path, overrides, plan, spec, prepared, recover=recover,
+                              max_retries=max_retries, track_memory=track_memory)
     if rc != 0:
         raise typer.Exit(rc)
     if node_rank == 0:

@@ -10,9 +10,11 @@ the floating-point reduction differs; measured: equal to all printed digits (7 s
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -286,3 +288,90 @@ def test_deepspeed_backend_is_found():
                 grad_accum=1, lora=True, quantization="none", optimizer="adamw", offload="zero3",
                 attention="sdpa", loss="standard", gpus=2)
     check_backend_installed(plan)
+
+
+# --------------------------------------------------------------------------------------------
+# Out of memory in a launched run: the launcher re-plans and launches again
+
+
+def _long_rows_recipe(tmp: Path, model_dir: Path) -> Path:
+    """Rows of ~90 tokens, batch 4 over 2 processes, micro-batch left to the planner (2)."""
+    recipe = write_recipe(tmp, model_dir, offload="off")
+    with (tmp / "data.jsonl").open("w") as f:
+        for i in range(48):
+            f.write(json.dumps({"prompt": f"count from {i}:",
+                                "completion": " ".join(str(j) for j in range(i, i + 40))}) + "\n")
+    text = recipe.read_text().replace("  micro_batch_size: 2\n", "").replace("seq_len: 32", "seq_len: 64")
+    recipe.write_text(text)
+    return recipe
+
+
+def test_oom_in_a_launched_run_retries_with_a_smaller_micro_batch(tmp_path, tiny_model_dir, monkeypatch):
+    # Measured per rank on this recipe: micro-batch 2 peaks at 2,665,932 bytes, 1 x 2 at 1,813,964.
+    recipe = _long_rows_recipe(tmp_path, tiny_model_dir)
+    one = lowvram("train", str(recipe), "--set", "training.output_dir=one", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    monkeypatch.setenv("LOWVRAM_EMULATE_VRAM", "2.2MiB")
+    two = lowvram("train", str(recipe), "--gpus", "2", "--cpu", "--set", "training.output_dir=two", cwd=tmp_path)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert re.search(r"^OOM at step 1 \(measured 2\.\d MiB\); retrying with micro-batch 1 x 2; starting over "
+                     r"\(retry 1 of 3\)$", two.stderr, re.M), two.stderr
+    assert "error:" not in two.stderr and "Traceback" not in two.stderr
+    m = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert [(r["step"], r["changed"]) for r in m["oom_retries"]] == [(1, "micro-batch 1 x 2")]
+    assert m["final_plan"]["micro_batch_size"] == 1 and m["final_plan"]["gradient_accumulation"] == 2
+    assert max(m["peak_memory_bytes_per_rank"]) <= 2.2 * 2**20
+    assert not list((tmp_path / "two").glob("oom-rank*.json"))
+    # Same effective batch (2 processes x 1 x 2 = 4): the same training as one process.
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=TOLERANCE)
+
+    off = lowvram("train", str(recipe), "--gpus", "2", "--cpu", "--no-recover", "--set",
+                  "training.output_dir=norecover", cwd=tmp_path)
+    assert off.returncode == 1
+    assert re.search(r"^error: out of memory at step 1 \(measured 2\.\d MiB, predicted .*\(rank 0, 1\)", off.stderr,
+                     re.M), off.stderr
+    assert "hint: automatic recovery is off (--no-recover)" in off.stderr
+
+
+def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, tiny_model_dir, monkeypatch):
+    """The launcher's loop on its own: workers that report an OOM at step 3 after checkpoint-2."""
+    from lowvram.hardware import detect_hardware
+    from lowvram.plan.resolve import plan_for_recipe
+    from lowvram.recipe import load_recipe
+    from lowvram.train import launch, recover
+
+    monkeypatch.chdir(tmp_path)
+    recipe_path = _long_rows_recipe(tmp_path, tiny_model_dir)
+    r = load_recipe(recipe_path)
+    spec = launch.LaunchSpec(gpus=2, cpu=True)
+    hardware = dataclasses.replace(detect_hardware(None), kind="cpu", devices=())
+    plan = plan_for_recipe(r, hardware=hardware, gpus=2)
+    assert plan.micro_batch_size == 2
+    first = launch.prepare_launch(r, recipe_path, [], plan, spec)
+    calls = []
+
+    def fake_run_launch(launched, spec, track_memory=True, env=None, stderr=None):
+        calls.append((launched.command, dict(env)))
+        out = launched.output_dir
+        if len(calls) == 1:
+            ckpt = out / "checkpoint-2"
+            ckpt.mkdir()
+            (ckpt / "trainer_state.json").write_text("{}")
+            recover.mark_complete(ckpt)
+            for rank in (0, 1):
+                recover.write_oom_report(out, rank, recover.TrainingOOM(3, 2_400_000 + rank, plan, "emulated"))
+            return 1
+        return 0
+
+    monkeypatch.setattr(launch, "run_launch", fake_run_launch)
+    said = []
+    assert recover.launch_with_recovery(r, recipe_path, [], plan, spec, first, notify=said.append) == 0
+    assert said == ["OOM at step 3 (measured 2.3 MiB); retrying with micro-batch 1 x 2; resuming from "
+                    "checkpoint-2 (retry 1 of 3)"]
+    assert "--resume" not in calls[0][0] and "--resume" in calls[1][0]
+    assert json.loads(calls[0][1][recover.EXTRA_METRICS_ENV]) == {"oom_retries": []}
+    extra = json.loads(calls[1][1][recover.EXTRA_METRICS_ENV])
+    assert extra["oom_retries"][0]["measured_peak_bytes"] == 2_400_001  # the highest rank's
+    assert extra["final_plan"]["micro_batch_size"] == 1
+    assert json.loads((tmp_path / "out" / "launch-plan.json").read_text())["micro_batch_size"] == 1
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()  # same optimizer, adapters, engine: kept

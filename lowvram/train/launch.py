@@ -256,8 +256,10 @@ class Launch:
 
 
 def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: LaunchSpec,
-                   resume: bool = False, overwrite: bool = False, print_only: bool = False) -> Launch:
-    """Check the output folder (unless only printing), write the config and the plan, build argv."""
+                   resume: bool = False, overwrite: bool = False, print_only: bool = False,
+                   check_output: bool = True) -> Launch:
+    """Check the output folder (unless only printing, or ``check_output=False`` when a retry
+    re-launches into it), write the config and the plan, build argv."""
     from lowvram.train.trainer import output_dir
 
     accelerate_config(plan, spec)  # FSDP + int8, a bad --main-address: before touching files
@@ -265,7 +267,7 @@ def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: Launc
     if not print_only:
         check_backend_installed(plan)
     out = output_dir(recipe)
-    if not print_only:
+    if not print_only and check_output:
         from lowvram.train.run import prepare_output_dir
 
         prepare_output_dir(out, resume, overwrite)
@@ -315,7 +317,8 @@ class _StderrFilter:
         return not self._GLOG.match(line)
 
 
-def run_launch(launch: Launch, spec: LaunchSpec, stderr=None, track_memory: bool = True) -> int:
+def run_launch(launch: Launch, spec: LaunchSpec, stderr=None, track_memory: bool = True,
+               env: dict[str, str] | None = None) -> int:
     """Run accelerate (argv, no shell); stream its output; tracebacks go to launch.log only.
 
     A rendezvous that fails (a node cannot reach --main-address within spec.rdzv_timeout_s)
@@ -328,7 +331,7 @@ def run_launch(launch: Launch, spec: LaunchSpec, stderr=None, track_memory: bool
     stderr = stderr or sys.stderr
     log_path = launch.output_dir / LAUNCH_LOG
     tail: collections.deque[str] = collections.deque(maxlen=400)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if not track_memory:  # `--no-track-memory`: read by lowvram.train.run in every worker
         env["LOWVRAM_TRACK_MEMORY"] = "0"
     proc = subprocess.Popen(launch.command, stderr=subprocess.PIPE, text=True, env=env)
@@ -347,6 +350,10 @@ def run_launch(launch: Launch, spec: LaunchSpec, stderr=None, track_memory: bool
     text = "".join(tail)
     if "error: " in text and "hint: " in text:
         return rc  # the worker's own error/hint was printed above
+    from lowvram.train.recover import has_oom_reports
+
+    if has_oom_reports(launch.output_dir):
+        return rc  # out of memory: the caller re-plans (lowvram.train.recover.launch_with_recovery)
     if any(s in text for s in _RENDEZVOUS_FAILURES):
         host, port = _main_address(spec)
         where = f"{host}:{port}" if spec.nodes > 1 else "the local processes"

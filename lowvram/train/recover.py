@@ -4,6 +4,8 @@
   as :class:`TrainingOOM`, frees memory, asks the chooser for the next cheaper plan that keeps the
   effective batch (:func:`lowvram.plan.choose.next_cheaper`) and continues from the last complete
   checkpoint (or starts over when the checkpoint cannot carry over, e.g. another optimizer).
+  With several processes the workers write their OOM to ``oom-rank{R}.json`` and
+  :func:`launch_with_recovery` re-plans and launches them again the same way.
 - **Complete checkpoints**: the Trainer writes a checkpoint folder file by file; a process killed
   half-way leaves a folder that looks like a checkpoint. :class:`MarkComplete` writes
   ``lowvram-checkpoint.json`` (every file and its size) after the Trainer's last file, atomically;
@@ -108,6 +110,7 @@ class TrainingOOM(LowvramError):
         self.step = step
         self.measured_peak_bytes = measured_peak_bytes
         self.plan = plan
+        self.detail = detail
 
 
 def oom_error(exc: BaseException, step: int, plan, tracker=None) -> TrainingOOM:
@@ -296,8 +299,9 @@ def describe_change(old, new) -> str:
 
 
 def _carries_over(old, new) -> bool:
-    """A checkpoint's optimizer state and weights load into the new plan's Trainer."""
-    return (old.optimizer, old.lora) == (new.optimizer, new.lora)
+    """A checkpoint's optimizer state and weights load into the new plan's Trainer (the same
+    optimizer, adapters and engine: DDP, FSDP and DeepSpeed write different checkpoints)."""
+    return (old.optimizer, old.lora, old.offload) == (new.optimizer, new.lora, new.offload)
 
 
 def _free_memory() -> None:
@@ -425,3 +429,98 @@ __all__ = [
     "emulated_vram_bytes", "is_disk_full", "is_oom", "make_callbacks", "mark_complete", "oom_error",
     "resume_command", "train_with_recovery",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# Several processes (`lowvram train --gpus N`): the launcher re-plans, the workers report
+
+
+# Set by the launcher: a worker that runs out of memory writes OOM_REPORT for it instead of
+# printing the error (the launcher retries, or prints the final error itself).
+REPORT_ENV = "LOWVRAM_OOM_REPORT"
+EXTRA_METRICS_ENV = "LOWVRAM_EXTRA_METRICS"  # the launcher's retries, for the worker's metrics.json
+OOM_REPORT = "oom-rank{rank}.json"
+
+
+def write_oom_report(out: Path, rank: int, err: TrainingOOM) -> None:
+    from lowvram.train.run import write_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / OOM_REPORT.format(rank=rank), json.dumps(
+        {"rank": rank, "step": err.step, "measured_peak_bytes": err.measured_peak_bytes,
+         "detail": err.detail}) + "\n")
+
+
+def has_oom_reports(out: Path) -> bool:
+    return any(out.glob(OOM_REPORT.format(rank="*")))
+
+
+def collect_oom_reports(out: Path, plan) -> TrainingOOM | None:
+    """The workers' OOM reports as one TrainingOOM (first step, highest measured peak); the
+    report files are removed."""
+    reports = []
+    for p in sorted(out.glob(OOM_REPORT.format(rank="*"))):
+        try:
+            reports.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            pass
+        p.unlink(missing_ok=True)
+    if not reports:
+        return None
+    measured = max((r.get("measured_peak_bytes") or 0 for r in reports), default=0) or None
+    first = min(reports, key=lambda r: r["step"])
+    ranks = ", ".join(str(r["rank"]) for r in sorted(reports, key=lambda r: r["rank"]))
+    return TrainingOOM(first["step"], measured, plan, f"{first['detail']} (rank {ranks})")
+
+
+def launch_with_recovery(recipe, recipe_path, overrides, plan, spec, launched, recover: bool = True,
+                         max_retries: int = DEFAULT_MAX_RETRIES, track_memory: bool = True,
+                         notify=None) -> int:
+    """run_launch, re-launched with the next cheaper plan when the workers run out of memory.
+
+    The same loop as train_with_recovery, one level up: the workers report their OOM
+    (write_oom_report), this process asks the chooser for the next cheaper plan for the same
+    number of GPUs, writes its accelerate config and launches again, from the last complete
+    checkpoint when it carries over. Returns the launcher's exit code (0: trained)."""
+    from lowvram.train import launch
+
+    notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
+    out = launched.output_dir
+    for stale in out.glob(OOM_REPORT.format(rank="*")):
+        stale.unlink(missing_ok=True)
+    retries: list[Retry] = []
+    while True:
+        extra = {"oom_retries": [r.to_dict() for r in retries]}
+        if retries:
+            extra["final_plan"] = {**plan.techniques(), "micro_batch_size": plan.micro_batch_size}
+        rc = launch.run_launch(launched, spec, track_memory=track_memory,
+                               env={REPORT_ENV: "1", EXTRA_METRICS_ENV: json.dumps(extra)})
+        err = collect_oom_reports(out, plan) if rc != 0 else None
+        if err is None:
+            return rc
+        if not recover:
+            raise _final_failure(err, [], "automatic recovery is off (--no-recover)")
+        if spec.nodes > 1:
+            raise _final_failure(err, retries, "automatic recovery runs on one node only (every node would "
+                                 "have to agree on the new plan)")
+        if len(retries) >= max_retries:
+            raise _final_failure(err, retries, f"--max-retries {max_retries} reached")
+        new = _next_plan(recipe, err)
+        if new is None:
+            raise _final_failure(err, retries, "no cheaper plan keeps the effective batch and the recipe's fixed settings")
+        ckpts = complete_checkpoints(out)
+        if ckpts and not _carries_over(plan, new):
+            for p in out.glob("checkpoint-*"):  # written for another optimizer/engine: start over
+                shutil.rmtree(p, ignore_errors=True)
+            ckpts = []
+        try:
+            launched = launch.prepare_launch(recipe, recipe_path, overrides, new, spec, resume=bool(ckpts),
+                                             check_output=False)
+        except LowvramError as e:
+            raise _final_failure(err, retries, f"the next cheaper plan ({describe_change(plan, new)}) cannot "
+                                 f"run here: {e.message}") from None
+        retry = Retry(err.step, err.measured_peak_bytes, describe_change(plan, new),
+                      str(ckpts[-1]) if ckpts else None)
+        retries.append(retry)
+        notify(_retry_line(err, retry, len(retries), max_retries))
+        plan = new

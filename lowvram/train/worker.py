@@ -48,9 +48,22 @@ def main(argv: list[str] | None = None) -> int:
             from lowvram.plan.resolve import plan_for_recipe
 
             plan = plan_for_recipe(recipe, gpus=int(os.environ.get("WORLD_SIZE", "1")))
+        import json
+
+        from lowvram.train import recover
         from lowvram.train.run import run_training
 
-        run_training(recipe, plan, resume=args.resume, prepared=True)
+        extra = json.loads(os.environ.get(recover.EXTRA_METRICS_ENV) or "{}")
+        try:
+            run_training(recipe, plan, resume=args.resume, prepared=True, extra_metrics=extra or None)
+        except recover.TrainingOOM as err:
+            if os.environ.get(recover.REPORT_ENV) != "1":
+                raise
+            from lowvram.train.trainer import output_dir
+
+            # The launcher re-plans and says what happened; torchrun stops the other ranks.
+            recover.write_oom_report(output_dir(recipe), rank(), err)
+            return err.exit_code
     except LowvramError as err:
         from lowvram.cli import print_error
 
