@@ -10,6 +10,7 @@ No torch, transformers or other heavy imports here: ``lowvram validate`` must be
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -162,15 +163,20 @@ class LoraSection(_Section):
     )
 
 
+_YES_NO = {"yes": "on", "y": "on", "no": "off", "n": "off", "on": "on", "off": "off"}
+
+
 class TechniquesSection(_Section):
     """Each technique is auto (the planner decides), on/off, or a value."""
 
     @field_validator("*", mode="before")
     @classmethod
     def _yaml_booleans(cls, v: object) -> object:
-        # YAML 1.1 reads on/off/yes/no as booleans; here they mean the words on/off.
+        # true/false, and the YAML 1.1 words yes/no/y/n, mean on/off here.
         if isinstance(v, bool):
             return "on" if v else "off"
+        if isinstance(v, str) and v.lower() in _YES_NO:
+            return _YES_NO[v.lower()]
         return v
 
     mixed_precision: MixedPrecision = Field(
@@ -279,6 +285,15 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
 
 
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+# Booleans as YAML 1.2 reads them: only true/false. YAML 1.1's on/off/yes/no/y/n stay words, so a
+# string key keeps them (`output_dir: off`, `--set training.output_dir=no`); boolean keys still
+# accept them (pydantic reads yes/no/on/off as booleans) and techniques read them as on/off.
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_LineLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_LineLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 # Alias bombs: a recipe is small; refuse documents whose node graph explodes.
 _MAX_NODES = 100_000
@@ -398,7 +413,7 @@ def _apply_override(data: dict, item: str) -> str:
     if not parts:
         raise RecipeError([f"--set {item}: empty key"])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_LineLoader) if raw.strip() else ""  # noqa: S506 - SafeLoader subclass
     except yaml.YAMLError:
         value = raw
     node = data

@@ -62,6 +62,17 @@ def test_yaml_on_off_are_words_for_techniques():
     assert r.techniques.lora == "on" and r.techniques.gradient_checkpointing == "off"
 
 
+def test_yaml_11_words_stay_words_where_a_string_is_expected():
+    r = parse_recipe(GOOD + "training:\n  output_dir: off\n", "r.yaml", ["lora.target_modules=[on, no]"])
+    assert r.training.output_dir == "off" and r.lora.target_modules == ["on", "no"]
+    r = parse_recipe(GOOD, "r.yaml", ["training.output_dir=no", "model.trust_remote_code=yes",
+                                     "techniques.lora=yes", "techniques.offload=N"])
+    assert r.training.output_dir == "no" and r.model.trust_remote_code is True
+    assert r.techniques.lora == "on" and r.techniques.offload == "off"
+    r = parse_recipe(GOOD + "techniques:\n  lora: true\n  gradient_checkpointing: OFF\n", "r.yaml")
+    assert (r.techniques.lora, r.techniques.gradient_checkpointing) == ("on", "off")
+
+
 def test_quantization_without_lora_is_rejected():
     (p,) = problems(GOOD + "techniques:\n  lora: off\n  quantization: nf4\n")
     assert "quantization needs lora" in p
