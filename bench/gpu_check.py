@@ -105,13 +105,18 @@ class CpuProbe:
         self.tracker.register(*objs)  # what exists before the step: weights, optimizer, inputs
         self.tracker.reset_peak()
         self.tracker.__enter__()
+        self.active = True
 
     def stop(self) -> dict:
         self.tracker.__exit__(None, None, None)
+        self.active = False
         peak = self.tracker.peak_bytes
         return dict(allocated=peak, reserved=peak, outside_allocator=0)
 
     def release(self):
+        if getattr(self, "active", False):  # a step that failed half-way: leave the mode
+            self.tracker.__exit__(None, None, None)
+            self.active = False
         gc.collect()
 
 
@@ -235,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                 except torch.OutOfMemoryError as e:
                     got = [dict(seq_len=s, error=f"OOM: {e}"[:200]) for s in seq_lens]
                     probe.release()
-                except ImportError as e:  # bitsandbytes missing: the rows say so, the rest runs
+                except Exception as e:  # noqa: BLE001 - one device call: a broken row (bitsandbytes
+                    # missing or built for another CUDA) is recorded, the other rows still run
                     got = [dict(seq_len=s, error=f"{type(e).__name__}: {e}"[:200]) for s in seq_lens]
+                    probe.release()
                 for r in got:
                     r.update(model=name, technique=tech)
                     rows.append(r)
