@@ -599,6 +599,27 @@ ACCURACY_MATRIX: list[tuple[str, dict]] = [
 ]
 
 
+# Small logits (vocabulary 512, tiny_llama_spec(vocab_size=512)): the peak moves into the
+# backward (checkpointed layers, nearly every gradient made) or, under autocast with fp32
+# weights, to the end of the forward. bench/plan_accuracy.py runs these after the matrix above.
+SMALL_LOGITS_MATRIX: list[tuple[str, dict]] = [
+    ("full fp32 + ckpt b2 s256", dict(precision="fp32", gradient_checkpointing=True, micro_batch_size=2, seq_len=256)),
+    ("full bf16 + ckpt b2 s256", dict(precision="bf16", gradient_checkpointing=True, micro_batch_size=2, seq_len=256)),
+    ("full bf16 + ckpt b2 s1024", dict(precision="bf16", gradient_checkpointing=True, micro_batch_size=2, seq_len=1024)),
+    ("full bf16-mixed + ckpt b2 s256", dict(precision="bf16-mixed", gradient_checkpointing=True, micro_batch_size=2,
+                                            seq_len=256)),
+    ("full bf16 b2 s32", dict(precision="bf16", micro_batch_size=2, seq_len=32)),
+    ("lora fp32 + ckpt b2 s256", dict(precision="fp32", lora=True, gradient_checkpointing=True, micro_batch_size=2,
+                                      seq_len=256)),
+    ("lora bf16 + ckpt b2 s1024", dict(precision="bf16", lora=True, gradient_checkpointing=True, micro_batch_size=2,
+                                       seq_len=1024)),
+    ("lora bf16-mixed + ckpt b2 s256", dict(precision="bf16-mixed", lora=True, gradient_checkpointing=True,
+                                            micro_batch_size=2, seq_len=256)),
+    ("qlora nf4-dq + ckpt b2 s1024", dict(precision="bf16", lora=True, quantization="nf4-dq",
+                                          gradient_checkpointing=True, micro_batch_size=2, seq_len=1024)),
+]
+
+
 # --------------------------------------------------------------------------------------------
 # Measured peak during `lowvram train`
 

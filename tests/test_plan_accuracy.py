@@ -80,3 +80,25 @@ def test_checkpointing_with_small_logits_is_not_underpredicted():
     est = estimate_memory(setup)
     assert measured.peak_bytes <= est.peak_bytes <= 1.03 * measured.peak_bytes, (
         f"predicted {est.peak_bytes:,} measured {measured.peak_bytes:,}")
+
+
+# Small logits (vocabulary 256) and checkpointing: the peak is late in the backward, in the first
+# decoder layer's recompute, with nearly every gradient made (full fine-tuning: the model used to
+# miss those: -8.6% and -8.4% here); under autocast with fp32 weights, at the end of the forward with
+# autocast's cached 16-bit weight copies. Each within 3%.
+LATE_PEAKS = [
+    ("full fp32 ckpt", dict(precision="fp32"), 256),
+    ("full bf16 ckpt", dict(precision="bf16"), 256),
+    ("lora fp32 ckpt", dict(precision="fp32", lora=True), 256),
+    ("full bf16-mixed ckpt", dict(precision="bf16-mixed"), 2048),
+]
+
+
+@pytest.mark.parametrize("name, kw, vocab", LATE_PEAKS, ids=[c[0] for c in LATE_PEAKS])
+def test_checkpointed_backward_peaks_are_within_3_percent(name, kw, vocab):
+    setup = RunSetup(tiny_llama_spec(hidden_size=128, num_layers=4, vocab_size=vocab), device="cpu",
+                     gradient_checkpointing=True, micro_batch_size=2, seq_len=128, **kw)
+    measured = measure_setup(setup)
+    est = estimate_memory(setup)
+    assert abs(est.peak_bytes - measured.peak_bytes) <= 0.03 * measured.peak_bytes, (
+        f"{name}: predicted {est.peak_bytes:,} measured {measured.peak_bytes:,}")

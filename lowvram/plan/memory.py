@@ -408,20 +408,55 @@ def activation_bytes(setup: RunSetup) -> int:
 
 
 def recompute_bytes(setup: RunSetup) -> int:
-    """With checkpointing: one layer's recomputed activations, the incoming gradient, and the
-    gradients of that layer's intermediates made while its saved tensors are still alive
-    (the MLP's t x I gradients; with LoRA, fp32 copies on the adapter path too).
-
-    That last term is the peak when the logits are small (chunked loss, small vocabulary):
-    measured 0.20-0.47 x one layer's activations (bench/plan_accuracy.py "checkpointing +
-    chunked" cases; a bare checkpointed MLP in torch: 0.35), taken as 0.5.
-    """
+    """With checkpointing: one layer's recomputed activations and what its backward makes while
+    they are alive (layer_backward_bytes): the peak when the logits are small (chunked loss,
+    small vocabulary; bench/plan_accuracy.py "checkpointing + chunked" cases)."""
     if not setup.gradient_checkpointing:
         return 0
-    r, _, _ = _dtypes(setup)
+    return layer_activation_bytes(setup) + layer_backward_bytes(setup)
+
+
+def layer_backward_bytes(setup: RunSetup) -> int:
+    """What one decoder layer's backward makes while its saved tensors are alive: the incoming
+    and outgoing hidden-state gradients (2 x t*h) and its intermediates' gradients, as a share of
+    the layer's activations, measured on CPU (bench/plan_accuracy.py, small-logits cases; the
+    share taken is at or above each measurement): full fine-tuning and fp32 0.19-0.22 -> 1/4;
+    LoRA over 16-bit weights 0.46-0.47 -> 1/2 (the adapter path's gradients are fp32 beside
+    16-bit activations); LoRA under autocast with fp32 weights 0.32-0.38 -> 3/8; full
+    fine-tuning under autocast 0.02 -> 1/8 (its activations include the 16-bit weight copies,
+    which make no gradients)."""
+    r, c, autocast = _dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
     layer = layer_activation_bytes(setup)
-    return layer + layer // 2 + 2 * r * t * setup.model.hidden_size
+    mixed = autocast and _dtype_bytes(setup)[0] == 4
+    if setup.lora and c == 2:
+        backward = layer * 3 // 8 if mixed else layer // 2
+    else:
+        backward = layer // 8 if mixed else layer // 4
+    return backward + 2 * r * t * setup.model.hidden_size
+
+
+def backward_gradient_bytes(setup: RunSetup) -> tuple[int, int]:
+    """Trainable gradients that exist when the backward recomputes its first checkpointed layer
+    (the last decoder layer: the head's gradients, lm_head and final norm, with a tied embedding's)
+    and its last one (the first decoder layer: every gradient but the embedding's and that
+    layer's own, except its last linear's, the first its backward makes). Autograd writes each
+    .grad as the backward reaches the parameter (PyTorch autograd; measured: the peak of a
+    checkpointed full fine-tuning step holds all but the embedding's and most of layer 0's)."""
+    total = gradient_bytes(setup)
+    spec = setup.model
+    layers = max(1, spec.num_layers)
+    if setup.lora:  # adapters only inside the decoder layers
+        per_layer = total // layers
+        return 0, total - per_layer
+    w, _ = _dtype_bytes(setup)
+    head = w * (lm_head_numel(spec) + norm_numel(spec))
+    if spec.tie_word_embeddings:
+        head += w * embedding_numel(spec)
+    embed = 0 if spec.tie_word_embeddings else w * embedding_numel(spec)
+    per_layer = (total - head - embed) // layers
+    last_linear = w * block_linears(spec)[-1].numel
+    return head, total - embed - per_layer + last_linear
 
 
 def logits_bytes(setup: RunSetup) -> int:
@@ -544,6 +579,52 @@ def _check(setup: RunSetup) -> None:
 validate_setup = _check  # public name: simulate.py validates the same way
 
 
+def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
+                           layer_grads: int) -> tuple[int, int, int, int]:
+    """(activations, logits, gradients made so far, weights not gathered) at the highest moment
+    of forward + backward.
+
+    Candidates: the start of the backward (every saved activation plus the logits; logits_bytes);
+    the backward of the last decoder layer and of the first. Going down the layers, saved
+    activations (or checkpoints) are freed and gradients made at a fixed rate per layer, so the
+    peak is at one end: with long sequences the start, with short ones or checkpointing the
+    first layer (nearly every gradient made; backward_gradient_bytes). With gradient
+    checkpointing each layer's backward first recomputes it (recompute_bytes). Under autocast
+    (*-mixed) with checkpointing the end of the forward also counts: autocast caches a 16-bit
+    copy of every trainable fp32 weight it casts until the forward ends (torch autocast
+    ``cached_cast``: leaves that require grad; without checkpointing the copies are saved
+    activations already). FSDP adds the unsharded gradients of the layers in their backward
+    (layer_grads: two layers'); in the first layer's backward there is no next layer to
+    prefetch, so one layer's gathered weights and gradients fewer.
+    Measured on CPU (bench/plan_accuracy.py, bench/multi_process_accuracy.py, tests).
+    """
+    spec = setup.model
+    layers = max(1, spec.num_layers)
+    total = gradient_bytes(setup)
+    # This process's share of each gradient (DDP all, FSDP 1/N, offloaded none); with
+    # accumulation every gradient exists already (counted as kept gradients).
+    share = grads / total if total and setup.grad_accum == 1 else 0.0
+    head_g, late_g = backward_gradient_bytes(setup)
+    fsdp = setup.offload in ("fsdp", "fsdp-offload")
+    not_gathered = layer_weight_bytes(setup) if fsdp else 0  # layer 0: no prefetch
+    late_layer_grads = layer_grads // 2 if fsdp else layer_grads
+    candidates = [(acts, logits, 0, 0)]
+    if setup.gradient_checkpointing:
+        checkpoints = acts - _head_activation_bytes(setup)
+        rec = recompute_bytes(setup)
+        candidates += [(checkpoints + rec, 0, layer_grads + int(share * head_g), 0),
+                       (checkpoints // layers + rec, 0, late_layer_grads + int(share * late_g), not_gathered)]
+        _, c, autocast = _dtypes(setup)
+        if autocast and _dtype_bytes(setup)[0] == 4 and not setup.lora:  # LoRA: frozen, not cached
+            cache = c * sum(lin.numel for lin in block_linears(spec)) * spec.num_layers
+            candidates.append((acts + cache, logits * 10 // 12, 0, 0))  # forward: no logits gradient
+    else:
+        first_layer = layer_activation_bytes(setup, first=True)
+        candidates.append((first_layer + layer_backward_bytes(setup), 0,
+                           late_layer_grads + int(share * late_g), not_gathered))
+    return max(candidates, key=lambda cand: cand[0] + cand[1] + cand[2] - cand[3])
+
+
 def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     """Peak bytes of a steady-state step (optimizer state already allocated)."""
     _check(setup)
@@ -554,16 +635,13 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     logits = logits_bytes(setup)
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
     kept_grads += buckets
-    # Start of backward (the loss backward): every saved activation plus the logits.
     live_weights = weights + gathered  # FSDP: shards plus the units gathered for compute
+    persistent = weights + optim + kept_grads  # what lives across steps
+    fb_acts, fb_logits, made, not_gathered = _forward_backward_peak(setup, acts, logits, grads, layer_grads)
+    kept_grads += made
+    acts, logits = fb_acts, fb_logits
+    live_weights -= not_gathered
     fb = live_weights + optim + kept_grads + acts + logits
-    if setup.gradient_checkpointing:
-        # Recomputing the last layer: checkpoints + one layer's activations, logits freed.
-        recompute = acts - _head_activation_bytes(setup) + recompute_bytes(setup)
-        if live_weights + optim + kept_grads + layer_grads + recompute > fb:
-            acts, logits = recompute, 0
-            kept_grads += layer_grads
-            fb = live_weights + optim + kept_grads + recompute
     step = weights + optim + grads + buckets + optimizer_step_temp_bytes(setup)
     if fb >= step:
         phase = "forward_backward"
@@ -583,7 +661,6 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
         parts["cuda_context"] = 0
         parts["allocator"] = 0
     breakdown = {k: int(parts[k]) for k in BREAKDOWN_KEYS}
-    persistent = weights + optim + kept_grads
     # Host RAM: what is offloaded, plus the process itself (torch + CUDA libraries, ~2 GiB
     # measured RSS of an idle import) plus one checkpoint shard staged while loading (<= 5 GB,
     # the transformers default max_shard_size).
