@@ -235,14 +235,16 @@ def main(argv: list[str] | None = None) -> int:
                 if time.time() - start > args.budget_s:
                     print(f"time budget reached: {name} {tech} and later not run", file=sys.stderr)
                     break
+                failed = None
                 try:
                     got = run_technique(probe, spec, kw, seq_lens, saved)
                 except torch.OutOfMemoryError as e:
-                    got = [dict(seq_len=s, error=f"OOM: {e}"[:200]) for s in seq_lens]
-                    probe.release()
+                    failed = f"OOM: {e}"
                 except Exception as e:  # noqa: BLE001 - one device call: a broken row (bitsandbytes
                     # missing or built for another CUDA) is recorded, the other rows still run
-                    got = [dict(seq_len=s, error=f"{type(e).__name__}: {e}"[:200]) for s in seq_lens]
+                    failed = f"{type(e).__name__}: {e}"
+                if failed is not None:  # out of the except block: its traceback no longer holds the model
+                    got = [dict(seq_len=s, error=failed[:200]) for s in seq_lens]
                     probe.release()
                 for r in got:
                     r.update(model=name, technique=tech)

@@ -72,3 +72,22 @@ def test_without_a_gpu_it_says_so(capsys):
     assert _load().main([]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: no CUDA GPU") and "hint: run with --dry-run" in err
+
+
+def test_a_failing_row_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
+    gc = _load()
+    real = gc.run_technique
+
+    def flaky(probe, spec, kw, seq_lens, saved):
+        if kw.get("optimizer") == "adafactor":
+            raise RuntimeError("CUDA Setup failed despite GPU being available")
+        return real(probe, spec, kw, seq_lens, saved)
+
+    monkeypatch.setattr(gc, "run_technique", flaky)
+    monkeypatch.setattr(gc, "TECHNIQUES", [t for t in gc.TECHNIQUES if "qlora" not in t[0]])
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gc.main(["--dry-run"]) == 0
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    broken = [r for r in rows if r["technique"] == "full bf16 adafactor"]
+    assert len(broken) == 2 and all(r["error"].startswith("RuntimeError: CUDA Setup failed") for r in broken)
+    assert sum("allocated" in r for r in rows) == len(rows) - 2
