@@ -682,8 +682,9 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
 
 
 __all__ = [
-    "BREAKDOWN_KEYS", "CudaOverheads", "MemoryEstimate", "RunSetup", "activation_bytes",
-    "cuda_overheads", "DEEPSPEED_CPU_OPTIMIZER", "embedding_numel", "estimate_memory", "gradient_bytes", "lm_head_numel",
-    "logits_bytes", "lora_parameters", "offload_conflict", "optimizer_bytes", "quantized_bytes", "trainable_tensors",
-    "validate_setup", "weight_bytes",
+    "BREAKDOWN_KEYS", "DEEPSPEED_CPU_OPTIMIZER", "CudaOverheads", "MemoryEstimate", "RunSetup",
+    "activation_bytes", "backward_gradient_bytes", "cuda_overheads", "embedding_numel",
+    "estimate_memory", "gradient_bytes", "layer_backward_bytes", "lm_head_numel", "logits_bytes",
+    "lora_parameters", "offload_conflict", "optimizer_bytes", "quantized_bytes", "recompute_bytes",
+    "trainable_tensors", "validate_setup", "weight_bytes",
 ]
