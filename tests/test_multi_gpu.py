@@ -375,3 +375,29 @@ def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, ti
     assert extra["final_plan"]["micro_batch_size"] == 1
     assert json.loads((tmp_path / "out" / "launch-plan.json").read_text())["micro_batch_size"] == 1
     assert (tmp_path / "out" / "checkpoint-2").is_dir()  # same optimizer, adapters, engine: kept
+
+
+def test_a_rank_stopped_after_anothers_oom_stays_quiet(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """torchrun SIGTERMs the ranks that did not run out of memory: rank 0 then prints no
+    "interrupted" error (the launcher's retry line says what happened); without a report it does."""
+    import signal
+
+    from lowvram.train import recover, run, worker
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+
+    def stopped(*args, **kwargs):
+        raise recover.TrainingInterrupted(signal.SIGTERM, 0, None)
+
+    monkeypatch.setattr(run, "run_training", stopped)
+    monkeypatch.setenv(recover.REPORT_ENV, "1")
+    assert worker.main([str(recipe)]) == 143
+    assert "interrupted" in capsys.readouterr().err  # no OOM report: a real interruption
+    recover.write_oom_report(tmp_path / "out", 1, recover.TrainingOOM(1, 100, _FakePlan(), "emulated"))
+    assert worker.main([str(recipe)]) == 143
+    assert capsys.readouterr().err == ""
+
+
+class _FakePlan:
+    predicted_peak_bytes = 10

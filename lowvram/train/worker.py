@@ -64,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
             # The launcher re-plans and says what happened; torchrun stops the other ranks.
             recover.write_oom_report(output_dir(recipe), rank(), err)
             return err.exit_code
+        except recover.TrainingInterrupted as err:
+            # Stopped by torchrun because another rank ran out of memory: the launcher speaks.
+            from lowvram.train.trainer import output_dir
+
+            if os.environ.get(recover.REPORT_ENV) == "1" and recover.has_oom_reports(output_dir(recipe)):
+                return err.exit_code
+            raise
     except LowvramError as err:
         from lowvram.cli import print_error
 
