@@ -102,3 +102,18 @@ def test_checkpointed_backward_peaks_are_within_3_percent(name, kw, vocab):
     est = estimate_memory(setup)
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.03 * measured.peak_bytes, (
         f"{name}: predicted {est.peak_bytes:,} measured {measured.peak_bytes:,}")
+
+
+def test_tied_embedding_gradient_at_the_end_of_the_backward():
+    """A tied embedding (Qwen2.5-0.5B, Llama-3.2-1B, Gemma): the embedding's dense gradient is
+    accumulated into the lm_head's at the very end, two more V x h tensors (was -4.0% here,
+    -12% for Qwen2.5-0.5B full bf16 at seq 256 in the full-size simulation)."""
+    import dataclasses
+
+    spec = dataclasses.replace(tiny_llama_spec(hidden_size=128, num_layers=2, vocab_size=8192),
+                               tie_word_embeddings=True)
+    setup = RunSetup(spec, device="cpu", precision="bf16", gradient_checkpointing=True, seq_len=64)
+    measured = measure_setup(setup)
+    est = estimate_memory(setup)
+    assert abs(est.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (
+        f"predicted {est.peak_bytes:,} measured {measured.peak_bytes:,}")

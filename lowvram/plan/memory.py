@@ -329,7 +329,9 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     if spec.mlp == "gated":
         per_tok += 3 * e * i  # gate out (silu input), silu out, up out
     else:
-        per_tok += e * i  # act input
+        # act input; transformers' gelu_new is composed in Python (NewGELUActivation:
+        # 0.5*x*(1+tanh(...))), so autograd also saves the tanh output, 0.5*x and 1+tanh
+        per_tok += e * i * (4 if spec.hidden_act in ("gelu_new", "gelu_fast") else 1)
     targets = {lin for lin in _target_linears(setup)} if setup.lora else set()
     shared: set[str] = set()
     for lin, src in zip(block_linears(spec), _linear_sources(spec), strict=True):
@@ -609,6 +611,14 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     not_gathered = layer_weight_bytes(setup) if fsdp else 0  # layer 0: no prefetch
     late_layer_grads = layer_grads // 2 if fsdp else layer_grads
     candidates = [(acts, logits, 0, 0)]
+    if spec.tie_word_embeddings and not setup.lora:
+        # The very end of the backward, with a tied embedding: every gradient exists (lm_head's
+        # in the shared .grad) when the embedding's dense gradient arrives and is accumulated
+        # into it: two more V x h tensors (measured: 2.0 x V*h*w; embedding_dense_backward then
+        # AccumulateGrad's sum). Peaks at short sequences (Qwen2.5-0.5B full bf16, seq 256:
+        # +0.5 GiB, found by bench/simulate_full_size.py-style simulation).
+        w, _ = _dtype_bytes(setup)
+        candidates.append((0, 0, int(share * total) + 2 * w * embedding_numel(spec), 0))
     if setup.gradient_checkpointing:
         checkpoints = acts - _head_activation_bytes(setup)
         rec = recompute_bytes(setup)
