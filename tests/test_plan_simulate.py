@@ -113,19 +113,21 @@ def test_cli_simulate_a_7b_catalog_model():
 
 # Other families at full size: the analytic model against the simulated real step. Phi-2's MLP
 # uses gelu_new, composed in Python (three more saved t x I tensors: was -6.3% here); Qwen2.5-0.5B
-# ties its embedding, whose dense gradient is summed into lm_head's at the end (was -12.1%).
+# ties its embedding, whose dense gradient is summed into lm_head's at the end (was -12.1%);
+# Phi-3's v stays a view of its fused qkv output, keeping all of it alive (was -3.1%).
 FAMILIES = [
-    ("phi-2", dict(precision="bf16", lora=True)),
-    ("qwen2.5-0.5b", dict(precision="bf16")),
+    ("phi-2", 256, dict(precision="bf16", lora=True)),
+    ("qwen2.5-0.5b", 256, dict(precision="bf16")),
+    ("phi-3-mini", 1024, dict(precision="bf16", lora=True)),
 ]
 
 
-@pytest.mark.parametrize("name, kw", FAMILIES, ids=[f[0] for f in FAMILIES])
-def test_analytic_model_matches_the_simulation_beyond_llama(name, kw):
+@pytest.mark.parametrize("name, seq_len, kw", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_analytic_model_matches_the_simulation_beyond_llama(name, seq_len, kw):
     from lowvram.plan.models import resolve_model
 
-    setup = RunSetup(resolve_model(name), device="cpu", seq_len=256, **kw)
+    setup = RunSetup(resolve_model(name), device="cpu", seq_len=seq_len, **kw)
     sim = simulate_memory(setup)
     est = estimate_memory(setup)
-    assert abs(est.peak_bytes - sim.peak_bytes) <= 0.02 * sim.peak_bytes, (
+    assert abs(est.peak_bytes - sim.peak_bytes) <= 0.015 * sim.peak_bytes, (
         f"{name}: analytic {est.peak_bytes:,} simulated {sim.peak_bytes:,}")
