@@ -414,6 +414,11 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
         kw["rope_theta"] = spec.rope_theta
     cfg = AutoConfig.for_model(spec.model_type, **kw)
     cfg._attn_implementation = attention
+    # the spec's dropout, under whichever names this config class uses
+    for name, value in (("resid_pdrop", spec.resid_dropout), ("embd_pdrop", spec.embd_dropout),
+                        ("attn_pdrop", spec.attn_dropout), ("attention_dropout", spec.attn_dropout)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
     return cfg
 
 

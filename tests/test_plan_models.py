@@ -161,3 +161,21 @@ def test_broken_gguf_is_a_model_error(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     with pytest.raises(LowvramError, match="GGUF metadata"):
         resolve_model(str(tmp_path))
+
+
+def test_dropout_is_read_from_the_config():
+    from lowvram.plan.models import spec_from_config
+
+    base = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
+    gpt2 = spec_from_config({**base, "model_type": "gpt2"}, "g")  # GPT2Config defaults: 0.1 each
+    assert (gpt2.resid_dropout, gpt2.embd_dropout, gpt2.attn_dropout) == (0.1, 0.1, 0.1)
+    gpt2 = spec_from_config({**base, "model_type": "gpt2", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                             "attn_pdrop": 0.0}, "g")
+    assert (gpt2.resid_dropout, gpt2.embd_dropout, gpt2.attn_dropout) == (0.0, 0.0, 0.0)
+    phi = spec_from_config({**base, "model_type": "phi", "intermediate_size": 256, "resid_pdrop": 0.1,
+                            "attention_dropout": 0.0}, "p")
+    assert (phi.resid_dropout, phi.attn_dropout) == (0.1, 0.0)
+    llama = spec_from_config({**base, "model_type": "llama", "intermediate_size": 256,
+                              "attention_dropout": 0.0}, "l")
+    assert (llama.resid_dropout, llama.embd_dropout, llama.attn_dropout) == (0.0, 0.0, 0.0)
+    assert resolve_model("phi-2").resid_dropout == 0.1 and resolve_model("gpt2").attn_dropout == 0.1

@@ -324,6 +324,10 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
         per_tok += 4 * h + 4 + (r * h if full else 0)
     # attention (SDPA / flash): q, k, v, out + fp32 logsumexp per head
     per_tok += cc * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
+    if spec.resid_dropout:
+        # dropout masks on the attention output and the MLP output: bool from CUDA's fused
+        # kernel (native_dropout); on a CPU ATen multiplies by a noise tensor of the input dtype
+        per_tok += 2 * h * (1 if setup.device == "cuda" else cc)
     if spec.fused_qkv and not spec.learned_positions:
         # Fused qkv + rotary (Phi-3): q and k are rotated into new tensors, but v stays a view of
         # the fused output, whose whole storage SDPA keeps alive (measured -3% without this)
@@ -363,7 +367,18 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
                         per_tok += c * lin.d_in
                         shared.add(src)
                     per_tok += c * setup.lora_r
-    return t * per_tok + fixed + _eager_bytes(setup)
+    return t * per_tok + fixed + _eager_bytes(setup) + _attention_dropout_bytes(setup)
+
+
+def _attention_dropout_bytes(setup: RunSetup) -> int:
+    """Attention dropout under SDPA: CUDA's flash and memory-efficient kernels drop inside the
+    kernel (a random seed is saved, nothing s x s); on a CPU SDPA falls back to its math path
+    and keeps the probabilities, the dropout noise and the dropped probabilities in fp32:
+    12*a*s^2*b (measured with the simulated step, GPT-2: 12.1-12.5)."""
+    spec = setup.model
+    if not spec.attn_dropout or setup.attention != "sdpa" or setup.device == "cuda":
+        return 0
+    return 12 * spec.num_heads * setup.seq_len**2 * setup.micro_batch_size
 
 
 def _eager_bytes(setup: RunSetup) -> int:
@@ -386,6 +401,8 @@ def _head_activation_bytes(setup: RunSetup) -> int:
     full = not setup.lora
     per_tok = 4 * h + 4 + (r * h if full else 0) + 8  # final norm; int64 shifted labels
     per_tok += 2 * spec.head_dim * r  # rotary cos and sin, shared by all layers
+    if spec.embd_dropout and full:  # its mask (as above); LoRA: no gradient flows there
+        per_tok += h * (1 if setup.device == "cuda" else r)
     if full:
         per_tok += 2 * h if (autocast and r == 4) else c * h
     fixed = 0

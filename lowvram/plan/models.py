@@ -52,6 +52,10 @@ class ModelSpec:
     hidden_act: str = "silu"
     rope_theta: float | None = None
     partial_rotary_factor: float = 1.0
+    # Dropout the config turns on in training (GPT-2: 0.1 each; Phi-2: residual 0.1): masks saved
+    resid_dropout: float = 0.0  # after the attention output and the MLP (resid_pdrop)
+    embd_dropout: float = 0.0  # on the embedding output (embd_pdrop)
+    attn_dropout: float = 0.0  # on the attention probabilities (attn_pdrop / attention_dropout)
 
     @property
     def q_dim(self) -> int:
@@ -182,7 +186,7 @@ _ARCH: dict[str, dict] = {
     "phi": dict(mlp="plain", norm="layer", qkv_bias=True, out_bias=True, mlp_bias=True,
                 lm_head_bias=True, norms_per_layer=1, parallel_attn=True),
     "gpt2": dict(mlp="plain", norm="layer", fused_qkv=True, qkv_bias=True, out_bias=True,
-                 mlp_bias=True),
+                 mlp_bias=True, resid_dropout=0.1, embd_dropout=0.1, attn_dropout=0.1),
     "falcon": dict(mlp="plain", norm="layer", fused_qkv=True, norms_per_layer=1,
                    parallel_attn=True),
     "bloom": dict(mlp="plain", norm="layer", fused_qkv=True, qkv_bias=True, out_bias=True,
@@ -234,6 +238,12 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         arch["mlp_bias"] = True
     if mt == "falcon" and cfg.get("bias"):
         arch.update(qkv_bias=True, out_bias=True, mlp_bias=True)
+    for field_name, keys in (("resid_dropout", ("resid_pdrop", "hidden_dropout", "resid_dropout")),
+                             ("embd_dropout", ("embd_pdrop", "embedding_dropout")),
+                             ("attn_dropout", ("attn_pdrop", "attention_dropout"))):
+        value = _first(cfg, *keys)
+        if isinstance(value, (int, float)):
+            arch[field_name] = float(value)
     positions = _first(cfg, "max_position_embeddings", "n_positions", "seq_length") or 2048
     if mt == "gpt2":
         arch["learned_positions"] = positions
