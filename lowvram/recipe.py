@@ -220,15 +220,13 @@ class TechniquesSection(_Section):
     @model_validator(mode="after")
     def _offload_keeps_optimizer(self) -> TechniquesSection:
         from lowvram.plan.memory import offload_conflict
+        from lowvram.plan.resolve import ON_VALUES, _on_off  # imports this module: not at the top
 
-        # "on" as lowvram.plan.resolve.ON_VALUES maps it
-        optimizer = {"on": "adamw_8bit", "off": "adamw"}.get(self.optimizer, self.optimizer)
-        offload = {"on": "optimizer", "off": "none"}.get(self.offload, self.offload)
-        if "auto" not in (optimizer, offload) and offload_conflict(optimizer, offload):
-            raise ValueError(
-                f"{offload_conflict(optimizer, offload)} (set optimizer: adamw, or offload: "
-                "fsdp-offload, which keeps your optimizer)"
-            )
+        optimizer = _on_off(self.optimizer, ON_VALUES["optimizer"], "adamw")
+        offload = _on_off(self.offload, ON_VALUES["offload"], "none")
+        conflict = offload_conflict(optimizer, offload) if "auto" not in (optimizer, offload) else None
+        if conflict:
+            raise ValueError(f"{conflict} (set optimizer: adamw, or offload: fsdp-offload, which keeps your optimizer)")
         return self
 
 

@@ -179,7 +179,7 @@ def _warn_prediction(m: dict) -> None:
         return
     console(stderr=True).print(
         f"warning: measured peak {mem(m['peak_memory_bytes'])} is {100 * err:+.0f}% off the predicted "
-        f"{mem(m.get('predicted_peak_bytes_at_data') or m['predicted_peak_bytes'])}; please report it with the output of `lowvram env`, "
+        f"{mem(pred)}; please report it with the output of `lowvram env`, "
         "the recipe and plan.json", markup=False)
 
 

@@ -359,12 +359,9 @@ def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = Fa
     retries: list[Retry] = []
     first = True
     while True:
-        extra = {"oom_retries": [r.to_dict() for r in retries]}
-        if retries:
-            extra["final_plan"] = {**plan.techniques(), "micro_batch_size": plan.micro_batch_size}
         try:
             return run_training(recipe, plan, resume=resume, overwrite=overwrite, prepared=not first,
-                                extra_metrics=extra, track_memory=track_memory)
+                                extra_metrics=_retry_metrics(retries, plan), track_memory=track_memory)
         except TrainingOOM as e:
             err = e
         except TrainingInterrupted as e:
@@ -377,28 +374,56 @@ def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = Fa
             raise
         first = False
         _free_memory()
-        if not recover:
-            raise _final_failure(err, [], "automatic recovery is off (--no-recover)")
-        if len(retries) >= max_retries:
-            raise _final_failure(err, retries, f"--max-retries {max_retries} reached")
-        new = _next_plan(recipe, err)
-        if new is None:
-            raise _final_failure(err, retries, "no cheaper plan keeps the effective batch and the recipe's fixed settings")
-        if new.offload != "none":
-            raise _final_failure(err, retries, f"the next cheaper plan offloads (offload {new.offload}), which runs "
-                                 f"through accelerate: {resume_cmd or 'lowvram train RECIPE'} "
-                                 f"--set techniques.offload={new.offload}")
-        ckpts = complete_checkpoints(out)
-        if ckpts and not _carries_over(plan, new):
-            for p in out.glob("checkpoint-*"):  # written for another optimizer/weights: start over
-                shutil.rmtree(p, ignore_errors=True)
-            ckpts = []
-        retry = Retry(err.step, err.measured_peak_bytes, describe_change(plan, new),
-                      str(ckpts[-1]) if ckpts else None)
-        retries.append(retry)
-        notify(_retry_line(err, retry, len(retries), max_retries))
+
+        def through_accelerate(new) -> str | None:
+            if new.offload == "none":
+                return None
+            return (f"the next cheaper plan offloads (offload {new.offload}), which runs through "
+                    f"accelerate: {resume_cmd or 'lowvram train RECIPE'} --set techniques.offload={new.offload}")
+
+        new, ckpts = _next_attempt(recipe, err, plan, retries, out, recover, max_retries, refuse=through_accelerate)
+        _record_retry(err, plan, new, ckpts, retries, max_retries, notify)
         del err
         plan, resume, overwrite = new, True, False
+
+
+def _retry_metrics(retries: list[Retry], plan) -> dict:
+    """What metrics.json says about the retries so far (and, after one, the plan it ended with)."""
+    extra: dict = {"oom_retries": [r.to_dict() for r in retries]}
+    if retries:
+        extra["final_plan"] = {**plan.techniques(), "micro_batch_size": plan.micro_batch_size}
+    return extra
+
+
+def _next_attempt(recipe, err: TrainingOOM, plan, retries: list[Retry], out: Path, recover: bool,
+                  max_retries: int, refuse=None):
+    """(next cheaper plan, checkpoints to resume from) after ``err``, or the final error when
+    recovery is off, spent or impossible (``refuse(new)``: why this caller cannot run the plan).
+    Checkpoints that cannot carry over to the new plan are removed: the retry starts over."""
+    if not recover:
+        raise _final_failure(err, [], "automatic recovery is off (--no-recover)")
+    if len(retries) >= max_retries:
+        raise _final_failure(err, retries, f"--max-retries {max_retries} reached")
+    new = _next_plan(recipe, err)
+    if new is None:
+        raise _final_failure(err, retries, "no cheaper plan keeps the effective batch and the recipe's fixed settings")
+    why = refuse(new) if refuse else None
+    if why:
+        raise _final_failure(err, retries, why)
+    ckpts = complete_checkpoints(out)
+    if ckpts and not _carries_over(plan, new):
+        for p in out.glob("checkpoint-*"):  # written for another optimizer/weights/engine: start over
+            shutil.rmtree(p, ignore_errors=True)
+        ckpts = []
+    return new, ckpts
+
+
+def _record_retry(err: TrainingOOM, plan, new, ckpts: list[Path], retries: list[Retry], max_retries: int,
+                  notify) -> None:
+    retry = Retry(err.step, err.measured_peak_bytes, describe_change(plan, new),
+                  str(ckpts[-1]) if ckpts else None)
+    retries.append(retry)
+    notify(_retry_line(err, retry, len(retries), max_retries))
 
 
 def _retry_line(err: TrainingOOM, retry: Retry, n: int, max_retries: int) -> str:
@@ -490,37 +515,20 @@ def launch_with_recovery(recipe, recipe_path, overrides, plan, spec, launched, r
         stale.unlink(missing_ok=True)
     retries: list[Retry] = []
     while True:
-        extra = {"oom_retries": [r.to_dict() for r in retries]}
-        if retries:
-            extra["final_plan"] = {**plan.techniques(), "micro_batch_size": plan.micro_batch_size}
         rc = launch.run_launch(launched, spec, track_memory=track_memory,
-                               env={REPORT_ENV: "1", EXTRA_METRICS_ENV: json.dumps(extra)})
+                               env={REPORT_ENV: "1", EXTRA_METRICS_ENV: json.dumps(_retry_metrics(retries, plan))})
         err = collect_oom_reports(out, plan) if rc != 0 else None
         if err is None:
             return rc
-        if not recover:
-            raise _final_failure(err, [], "automatic recovery is off (--no-recover)")
-        if spec.nodes > 1:
+        if recover and spec.nodes > 1:
             raise _final_failure(err, retries, "automatic recovery runs on one node only (every node would "
                                  "have to agree on the new plan)")
-        if len(retries) >= max_retries:
-            raise _final_failure(err, retries, f"--max-retries {max_retries} reached")
-        new = _next_plan(recipe, err)
-        if new is None:
-            raise _final_failure(err, retries, "no cheaper plan keeps the effective batch and the recipe's fixed settings")
-        ckpts = complete_checkpoints(out)
-        if ckpts and not _carries_over(plan, new):
-            for p in out.glob("checkpoint-*"):  # written for another optimizer/engine: start over
-                shutil.rmtree(p, ignore_errors=True)
-            ckpts = []
+        new, ckpts = _next_attempt(recipe, err, plan, retries, out, recover, max_retries)
         try:
             launched = launch.prepare_launch(recipe, recipe_path, overrides, new, spec, resume=bool(ckpts),
                                              check_output=False)
         except LowvramError as e:
             raise _final_failure(err, retries, f"the next cheaper plan ({describe_change(plan, new)}) cannot "
                                  f"run here: {e.message}") from None
-        retry = Retry(err.step, err.measured_peak_bytes, describe_change(plan, new),
-                      str(ckpts[-1]) if ckpts else None)
-        retries.append(retry)
-        notify(_retry_line(err, retry, len(retries), max_retries))
+        _record_retry(err, plan, new, ckpts, retries, max_retries, notify)
         plan = new

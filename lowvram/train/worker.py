@@ -52,23 +52,21 @@ def main(argv: list[str] | None = None) -> int:
 
         from lowvram.train import recover
         from lowvram.train.run import run_training
+        from lowvram.train.trainer import output_dir
 
         extra = json.loads(os.environ.get(recover.EXTRA_METRICS_ENV) or "{}")
+        reporting = os.environ.get(recover.REPORT_ENV) == "1"  # the launcher re-plans after an OOM
         try:
             run_training(recipe, plan, resume=args.resume, prepared=True, extra_metrics=extra or None)
         except recover.TrainingOOM as err:
-            if os.environ.get(recover.REPORT_ENV) != "1":
+            if not reporting:
                 raise
-            from lowvram.train.trainer import output_dir
-
             # The launcher re-plans and says what happened; torchrun stops the other ranks.
             recover.write_oom_report(output_dir(recipe), rank(), err)
             return err.exit_code
         except recover.TrainingInterrupted as err:
             # Stopped by torchrun because another rank ran out of memory: the launcher speaks.
-            from lowvram.train.trainer import output_dir
-
-            if os.environ.get(recover.REPORT_ENV) == "1" and recover.has_oom_reports(output_dir(recipe)):
+            if reporting and recover.has_oom_reports(output_dir(recipe)):
                 return err.exit_code
             raise
     except LowvramError as err:
