@@ -80,6 +80,15 @@ def read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def read_yaml_dict(path: Path) -> dict:
+    """A YAML mapping file (a run's recipe.yaml) as a dict; {} when missing or unreadable."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / m).is_file() for m in MARKERS)
 

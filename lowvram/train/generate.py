@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lowvram.errors import LowvramError
 
 FORMATS = ("auto", "chat", "alpaca", "raw")
@@ -48,13 +46,11 @@ class Generator:
 
 
 def _recipe_of(folder: Path) -> dict:
+    from lowvram.runs import read_yaml_dict
+
     for p in (folder / "recipe.yaml", folder.parent / "recipe.yaml"):  # a run, or a checkpoint in one
         if p.is_file():
-            try:
-                data = yaml.safe_load(p.read_text())
-            except (OSError, yaml.YAMLError):
-                return {}
-            return data if isinstance(data, dict) else {}
+            return read_yaml_dict(p)
     return {}
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
 from lowvram.report import mem as _size  # GiB, or MiB below 1 GiB
-from lowvram.runs import read_json
+from lowvram.runs import read_json, read_yaml_dict
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MERGE_INFO = "lowvram_merge.json"
@@ -95,14 +95,7 @@ def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
 
 def _parent_run(p: Path) -> tuple[dict, dict]:
     """A checkpoint-* folder: the recipe and plan are in the run folder above it."""
-    import yaml
-
-    parent = p.parent
-    try:
-        recipe = yaml.safe_load((parent / "recipe.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        recipe = {}
-    return (recipe if isinstance(recipe, dict) else {}), read_json(parent / "plan.json")
+    return read_yaml_dict(p.parent / "recipe.yaml"), read_json(p.parent / "plan.json")
 
 
 def _candidates(name: str, run_dir: Path) -> list[Path]:
