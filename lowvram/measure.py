@@ -492,7 +492,7 @@ def finish_model(model, setup):
 
         targets = "all-linear" if "all-linear" in setup.lora_targets else list(setup.lora_targets)
         model = get_peft_model(model, LoraConfig(
-            r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=0.0,
+            r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=setup.lora_dropout,
             target_modules=targets, task_type="CAUSAL_LM"))
     return model
 
@@ -587,6 +587,11 @@ ACCURACY_MATRIX: list[tuple[str, dict]] = [
     ("lora bf16-mixed", dict(precision="bf16-mixed", lora=True)),
     ("lora bf16 q,v r8", dict(precision="bf16", lora=True, lora_r=8, lora_targets=("q_proj", "v_proj"))),
     ("lora bf16 + checkpointing", dict(precision="bf16", lora=True, gradient_checkpointing=True)),
+    # lora.dropout > 0: a dropped copy of each adapter's input and its mask (+30-45% activations)
+    ("lora fp32 dropout 0.1", dict(precision="fp32", lora=True, lora_dropout=0.1)),
+    ("lora bf16-mixed dropout 0.05", dict(precision="bf16-mixed", lora=True, lora_dropout=0.05)),
+    ("qlora nf4-dq dropout 0.1 q,v", dict(precision="bf16", lora=True, quantization="nf4-dq",
+                                          lora_dropout=0.1, lora_targets=("q_proj", "v_proj"))),
     ("qlora nf4", dict(precision="bf16", lora=True, quantization="nf4")),
     ("qlora nf4-dq", dict(precision="bf16", lora=True, quantization="nf4-dq")),
     ("qlora nf4-dq + checkpointing", dict(precision="bf16", lora=True, quantization="nf4-dq",

@@ -17,6 +17,27 @@ OffloadKind = Literal[
 ]
 
 
+# The dtype each precision stores the (non-quantized) weights in: bf16/fp16 keep 16-bit weights,
+# *-mixed keeps fp32 master weights under autocast, fp32 is fp32 (PyTorch AMP docs). A recipe's
+# model.dtype therefore fixes which precisions are possible (lowvram.plan.resolve).
+WEIGHT_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",
+                "fp16-mixed": "float32", "fp32": "float32"}
+
+
+def precisions_for_dtype(dtype: str) -> tuple[str, ...]:
+    """The precisions that store weights in ``dtype`` (model.dtype; auto: all)."""
+    return tuple(p for p, d in WEIGHT_DTYPE.items() if dtype in ("auto", d))
+
+
+def dtype_precision(dtype: str, kind: str, bf16: bool) -> str:
+    """The precision a recipe's model.dtype implies when mixed_precision is auto: 16-bit weights
+    train as bf16/fp16, fp32 weights under the card's autocast (fp32 on a CPU)."""
+    if dtype == "float32":
+        return "fp32" if kind == "cpu" else ("bf16-mixed" if bf16 else "fp16-mixed")
+    return "bf16" if dtype == "bfloat16" else "fp16"
+
+
+
 @dataclass(frozen=True)
 class Plan:
     """Resolved settings for one run. Memory fields are bytes; None where not predicted."""
@@ -33,6 +54,12 @@ class Plan:
     attention: Literal["sdpa", "eager", "flash_attention_2"]
     loss: Literal["standard", "chunked"]
     gpus: int = 1
+    # The rest of the run setup the memory model read; training takes these from the Plan.
+    seq_len: int = 1024
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ("all-linear",)
     reasons: dict[str, str] = field(default_factory=dict)
     predicted_peak_bytes: int | None = None
     budget_bytes: int | None = None

@@ -206,15 +206,14 @@ def _fresh_like(loaded, config):
 # dtype, quantization, attention from the Plan
 
 
-def weight_dtype(recipe, plan):
-    """Storage dtype: the recipe's model.dtype if set, else what mixed_precision implies."""
+def weight_dtype(plan):
+    """Storage dtype of the weights: what the plan's precision keeps (a recipe's model.dtype
+    already chose the precision, lowvram.plan.resolve)."""
     import torch
 
-    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if recipe.model.dtype != "auto":
-        return names[recipe.model.dtype]
-    # bf16/fp16 = 16-bit weights; *-mixed keeps fp32 master weights (autocast); fp32 = fp32.
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.mixed_precision, torch.float32)
+    from lowvram.plan.types import WEIGHT_DTYPE
+
+    return getattr(torch, WEIGHT_DTYPE[plan.mixed_precision])
 
 
 def compute_dtype(plan):
@@ -290,7 +289,7 @@ def load_base_model(recipe, plan, source: str):
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {
-        "dtype": weight_dtype(recipe, plan),
+        "dtype": weight_dtype(plan),
         "attn_implementation": plan.attention,
         "trust_remote_code": recipe.model.trust_remote_code,
     }
@@ -331,18 +330,18 @@ def prepare_kbit_model(model, gradient_checkpointing: bool):
     return model
 
 
-def apply_lora(model, recipe, plan):
-    """k-bit preparation (if quantized) and LoRA adapters from the recipe's lora section."""
+def apply_lora(model, plan):
+    """k-bit preparation (if quantized) and LoRA adapters with the plan's lora settings."""
     from peft import LoraConfig, get_peft_model
 
     if plan.quantization != "none":
         model = prepare_kbit_model(model, plan.gradient_checkpointing)
-    lc = recipe.lora
+    targets = plan.lora_targets
     config = LoraConfig(
-        r=lc.r,
-        lora_alpha=lc.alpha,
-        lora_dropout=lc.dropout,
-        target_modules=lc.target_modules,
+        r=plan.lora_r,
+        lora_alpha=plan.lora_alpha,
+        lora_dropout=plan.lora_dropout,
+        target_modules=targets[0] if targets == ("all-linear",) else list(targets),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -383,6 +382,6 @@ def load_model(recipe, plan) -> LoadedModel:
         from transformers import set_seed
 
         set_seed(recipe.training.seed)  # the adapters' random init: same seed, same run
-        model = apply_lora(model, recipe, plan)
+        model = apply_lora(model, plan)
     trainable, total = count_params(model)
     return LoadedModel(model, tokenizer, source, time.perf_counter() - t0, cache_hit, trainable, total)

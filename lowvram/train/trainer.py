@@ -11,7 +11,7 @@ from lowvram.errors import LowvramError
 
 # Plan optimizer name -> TrainingArguments.optim (transformers OptimizerNames).
 OPTIM_NAMES = {
-    "adamw": "adamw_torch",
+    "adamw": "adamw_torch_fused",  # the one step the planner models: in place, no temporaries
     "adamw_8bit": "adamw_bnb_8bit",
     "paged_adamw_8bit": "paged_adamw_8bit",
     "paged_adamw_32bit": "paged_adamw_32bit",
