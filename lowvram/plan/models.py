@@ -310,16 +310,6 @@ def _moe_fields(cfg: dict, mt: str, name: str) -> dict:
     return out
 
 
-def _refuse_unmodelled(cfg: dict, mt: str, name: str) -> None:
-    """A multimodal config or an unknown model_type: refuse instead of a dense guess."""
-    if "vision_config" in cfg or "text_config" in cfg:
-        raise _refuse(name, f"the multimodal model_type '{mt}': AutoModelForCausalLM loads "
-                      "its vision tower with the text model (or does not load it at all), and "
-                      "only the text model would be counted")
-    if mt not in KNOWN_MODEL_TYPES:
-        raise _refuse(name, f"model_type '{mt}' (known: {', '.join(sorted(KNOWN_MODEL_TYPES))})")
-
-
 def _first(cfg: dict, *keys: str):
     for k in keys:
         if cfg.get(k) is not None:
@@ -331,8 +321,13 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     """A ModelSpec from a transformers config.json dict; names every missing field at once.
     Multimodal configs, unknown model types and MoE layouts not modelled are refused."""
     mt = cfg.get("model_type", "llama")
-    _refuse_unmodelled(cfg, mt, name)
+    if "vision_config" in cfg or "text_config" in cfg:
+        raise _refuse(name, f"the multimodal model_type '{mt}': AutoModelForCausalLM loads "
+                      "its vision tower with the text model (or does not load it at all), and "
+                      "only the text model would be counted")
     moe = _moe_fields(cfg, mt, name)
+    if mt not in KNOWN_MODEL_TYPES:
+        raise _refuse(name, f"model_type '{mt}' (known: {', '.join(sorted(KNOWN_MODEL_TYPES))})")
     h = _first(cfg, "hidden_size", "n_embd", "d_model")
     layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first(cfg, "num_attention_heads", "n_head", "num_heads")
