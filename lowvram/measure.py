@@ -412,6 +412,7 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
     )
     if spec.rope_theta:
         kw["rope_theta"] = spec.rope_theta
+    kw.update(_moe_config_kwargs(spec))
     cfg = AutoConfig.for_model(spec.model_type, **kw)
     cfg._attn_implementation = attention
     # the spec's dropout, under whichever names this config class uses
@@ -420,6 +421,22 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
         if hasattr(cfg, name):
             setattr(cfg, name, value)
     return cfg
+
+
+def _moe_config_kwargs(spec: ModelSpec) -> dict:
+    """The MoE fields of a spec under its config class's names (see models._MOE_ARCH)."""
+    if not spec.is_moe:
+        return {}
+    if spec.model_type in ("mixtral", "olmoe"):
+        return dict(num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                    intermediate_size=spec.moe_intermediate_size)
+    kw = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+              moe_intermediate_size=spec.moe_intermediate_size, mlp_only_layers=[],
+              decoder_sparse_step=1)
+    if spec.model_type == "qwen2_moe":
+        kw.update(shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+                  qkv_bias=spec.qkv_bias)
+    return kw
 
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",

@@ -357,7 +357,9 @@ def spec_from_transformers(cfg: dict, name: str):
     if h is None or heads is None:
         raise LowvramError(f"{name}: no hidden size / attention heads in the config",
                            "pass a decoder-only causal LM's config.json")
-    flat = dict(model_type=cfg["model_type"], hidden_size=h, num_attention_heads=heads,
+    # A Llama-shaped stand-in (the analytic planner refuses this model_type): only the
+    # techniques are chosen from it; the simulation builds the real model from ``cfg``.
+    flat = dict(model_type="llama", hidden_size=h, num_attention_heads=heads,
                 num_hidden_layers=get("num_hidden_layers", "n_layer", "num_layers"),
                 vocab_size=get("vocab_size"),
                 intermediate_size=get("intermediate_size", "n_inner", "ffn_dim") or 4 * h,
@@ -366,7 +368,9 @@ def spec_from_transformers(cfg: dict, name: str):
                 tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)),
                 max_position_embeddings=get("max_position_embeddings", "n_positions") or 2048)
     spec = spec_from_config(flat, name)
-    return replace(spec, hf_id=None) if isinstance(spec, ModelSpec) else spec
+    if isinstance(spec, ModelSpec):
+        spec = replace(spec, hf_id=None, model_type=cfg["model_type"])
+    return spec
 
 
 def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: int) -> dict:
