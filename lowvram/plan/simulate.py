@@ -1,10 +1,13 @@
 """Exact mode: the real training step of a RunSetup under FakeTensorMode, measured byte by byte.
 
 ``simulate_memory`` builds the transformers (+ peft, + bitsandbytes) model of a setup with fake
-tensors (shapes and dtypes, no data: a 7B model in ~0.4 GB of RAM), runs the same step as
-:func:`lowvram.measure.measure_training_step` (a warm-up step, then a tracked one: forward with
-labels, backward, clip, optimizer.step, zero_grad) and reads the peak off the live-bytes tracker.
-On a small Llama it equals the real CPU measurement to the byte (tests/test_plan_simulate.py);
+tensors (shapes and dtypes, no data: a 7B model in ~0.4 GB of RAM) with ``lowvram train``'s own
+builders (lowvram.train.model.load_kwargs / prepare_model, the Trainer's create_optimizer),
+runs the Trainer's step as :func:`lowvram.measure.measure_training_step` spells it out (a
+Trainer cannot be built on fake tensors: a warm-up step, then a tracked one: forward with labels
+under autocast, backward, clip, optimizer.step, zero_grad) and reads the peak off the live-bytes
+tracker. On a small Llama it equals the real Trainer step measured on a CPU
+(:func:`lowvram.measure.measure_setup`) to within a few KiB (tests/test_plan_simulate.py);
 at full size it checks the analytic model (bench/simulate_full_size.py).
 
 FakeTensorMode needs the workarounds listed in /work/shared/reference/stack-notes.md
@@ -169,9 +172,11 @@ def _build_model(setup: RunSetup, config, mode):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowvram.measure import _DTYPES
+    from lowvram.measure import setup_plan
+    from lowvram.train.model import load_kwargs, prepare_model
 
-    dtype = getattr(torch, _DTYPES[setup.precision])
+    plan = setup_plan(setup)
+    dtype = load_kwargs(plan)["dtype"]
     cfg = _config(setup, config)
     with mode:
         try:
@@ -185,9 +190,7 @@ def _build_model(setup: RunSetup, config, mode):
         if setup.quantization != "none":
             compute = torch.bfloat16 if setup.precision != "fp32" else torch.float32
             _quantize_4bit(model, setup, dtype, compute)
-        from lowvram.measure import finish_model
-
-        model = finish_model(model, setup)
+        model = prepare_model(model, plan)  # what lowvram train does after loading
     return model
 
 

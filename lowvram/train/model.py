@@ -285,20 +285,23 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def load_base_model(recipe, plan, source: str):
-    from transformers import AutoModelForCausalLM
-
-    kwargs: dict[str, Any] = {
-        "dtype": weight_dtype(plan),
-        "attn_implementation": plan.attention,
-        "trust_remote_code": recipe.model.trust_remote_code,
-    }
-    if recipe.model.revision and not Path(source).is_dir():
-        kwargs["revision"] = recipe.model.revision
+def load_kwargs(plan) -> dict:
+    """``from_pretrained`` keyword arguments for the plan's weights: dtype, attention kernel, and
+    the bitsandbytes config and device map of a quantized base (shared with lowvram.measure)."""
+    kwargs: dict[str, Any] = {"dtype": weight_dtype(plan), "attn_implementation": plan.attention}
     q = quantization_config(plan)
     if q is not None:
         kwargs["quantization_config"] = q
         kwargs["device_map"] = _device_map(plan)
+    return kwargs
+
+
+def load_base_model(recipe, plan, source: str):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {**load_kwargs(plan), "trust_remote_code": recipe.model.trust_remote_code}
+    if recipe.model.revision and not Path(source).is_dir():
+        kwargs["revision"] = recipe.model.revision
     try:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as e:
@@ -310,6 +313,25 @@ def load_base_model(recipe, plan, source: str):
     except ValueError as e:
         raise ModelError(f"cannot load {recipe.model.name_or_path}: {_first_line(e)}",
                          "check techniques.attention / quantization against this model and device") from None
+
+
+def prepare_model(model, plan, seed: int | None = None):
+    """What training does to a loaded base before the Trainer gets it, in the Trainer's order:
+    no KV cache, k-bit preparation and LoRA adapters (``seed``: their random init), then gradient
+    checkpointing (non-reentrant), which the Trainer also switches on in ``train()``. The order
+    matters: peft registers an input-requires-grad hook on the embedding when it wraps a model
+    that is already checkpointing (and not quantized), which changes what the first layer keeps.
+    lowvram.measure and the simulator prepare their models with this same function."""
+    model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
+    if plan.lora:
+        if seed is not None:
+            from transformers import set_seed
+
+            set_seed(seed)  # the adapters' random init: same seed, same run
+        model = apply_lora(model, plan)
+    if plan.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def prepare_kbit_model(model, gradient_checkpointing: bool):
@@ -375,13 +397,6 @@ def load_model(recipe, plan) -> LoadedModel:
         folder, cache_hit = gguf_folder(source, recipe.model.gguf_file, recipe.model.trust_remote_code)
         source = str(folder)
     tokenizer = load_tokenizer(recipe, source)
-    model = load_base_model(recipe, plan, source)
-    if plan.gradient_checkpointing:
-        model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
-    if plan.lora:
-        from transformers import set_seed
-
-        set_seed(recipe.training.seed)  # the adapters' random init: same seed, same run
-        model = apply_lora(model, plan)
+    model = prepare_model(load_base_model(recipe, plan, source), plan, seed=recipe.training.seed)
     trainable, total = count_params(model)
     return LoadedModel(model, tokenizer, source, time.perf_counter() - t0, cache_hit, trainable, total)

@@ -278,6 +278,12 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     try:
         with tracker if tracker is not None else contextlib.nullcontext(), stop.installed():
             train_out = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+            runtime = time.perf_counter() - t0  # training only: tokens/s
+            # The final evaluation is part of the run's peak (eval batch = micro-batch; the eval
+            # loop keeps the loss only, Trainer.evaluate's prediction_loss_only).
+            eval_loss = None
+            if bundle.eval is not None and stop.signum is None:
+                eval_loss = float(trainer.evaluate()["eval_loss"])
     except Exception as e:
         if not recover.is_oom(e):
             raise
@@ -285,10 +291,6 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     if stop.signum is not None:
         saved = checkpoints(out)
         raise recover.TrainingInterrupted(stop.signum, trainer.state.global_step, saved[-1] if saved else None)
-    runtime = time.perf_counter() - t0
-    eval_loss = None
-    if bundle.eval is not None:
-        eval_loss = float(trainer.evaluate()["eval_loss"])
     peak = _peak_memory(plan, tracker, mem_history)
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
