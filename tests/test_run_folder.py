@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -344,3 +345,16 @@ def test_validate_and_dry_run_find_a_missing_data_file_and_model_folder(tmp_path
     assert result.exit_code == 1 and "bad.jsonl:2: invalid JSON" in result.output
     ok = CliRunner().invoke(app, ["validate", str(write_recipe(tmp_path, tiny_model_dir))])
     assert ok.exit_code == 0, ok.output
+
+
+def test_show_gives_the_resume_command_of_an_interrupted_run(tmp_path):
+    run = tmp_path / "runs" / "a"
+    (run / "checkpoint-2").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("# recipe: /work/my recipe.yaml\nmodel: {name_or_path: m}\n")
+    (run / "plan.json").write_text(json.dumps({"grad_accum": 4, "lora": True, "reasons": {}}))
+    result = CliRunner().invoke(app, ["show", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "interrupted" in result.output and "gradient_accumulation" in result.output
+    assert "grad_accum " not in result.output
+    expected = shlex.join(["lowvram", "train", "/work/my recipe.yaml", "--resume", "--set", f"training.output_dir={run}"])
+    assert f"resume with: {expected}" in result.output

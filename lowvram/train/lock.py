@@ -76,6 +76,9 @@ def _try_create(path: Path, record: dict) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    except OSError as e:
+        raise LowvramError(f"cannot create the lock file {path}: {e.strerror or e}",
+                           "the folder that holds training.output_dir must be writable") from None
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(record) + "\n")
     return True
