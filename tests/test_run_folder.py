@@ -358,3 +358,18 @@ def test_show_gives_the_resume_command_of_an_interrupted_run(tmp_path):
     assert "grad_accum " not in result.output
     expected = shlex.join(["lowvram", "train", "/work/my recipe.yaml", "--resume", "--set", f"training.output_dir={run}"])
     assert f"resume with: {expected}" in result.output
+
+
+def test_a_run_from_before_manifests_is_overwritten_by_its_known_files_only(tmp_path):
+    from lowvram.train.run import prepare_output_dir
+
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (out / "checkpoint-9").mkdir()  # not a Trainer checkpoint: kept
+    for name in ("recipe.yaml", "plan.json", "metrics.json", "adapter_model.safetensors", "mine.txt"):
+        (out / name).write_text("x")
+    manifest.record(out, "checkpoint-4")  # a resumed old run starts its manifest with what it holds
+    assert {"recipe.yaml", "plan.json", "checkpoint-2", "checkpoint-4"} <= set(manifest.read(out)["paths"])
+    assert prepare_output_dir(out, resume=False, overwrite=True) is None
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-9", manifest.MANIFEST, "mine.txt"]

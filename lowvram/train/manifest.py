@@ -57,8 +57,9 @@ def start(out: Path, created_folder: bool, data_hashes: dict | None = None) -> N
 def record(out: Path, *names: str) -> None:
     """Add ``names`` (relative to ``out``) to the manifest, before they are written."""
     data = read(out)
-    if data is None:  # a run folder of an older lowvram, resumed: start listing from here
-        data = {"created_folder": False, "paths": [], "data_sha256": {}}
+    if data is None:  # a run folder of an older lowvram, resumed: what it holds of lowvram's, then ours
+        data = {"created_folder": False, "paths": sorted(p.name for p in _listed(out)[0] if p.exists()),
+                "data_sha256": {}}
     new = [n for n in names if n not in data["paths"]]
     if new:
         data["paths"] = [*data["paths"], *new]
