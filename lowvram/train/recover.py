@@ -67,7 +67,8 @@ def is_oom(exc: BaseException) -> bool:
 
 # torch.save's zip writer (caffe2 inline_container.cc) reports a short write as a RuntimeError
 # without the errno: "[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 1180" or
-# "PytorchStreamWriter failed writing file data/0: file write failed" (measured on a full tmpfs).
+# "PytorchStreamWriter failed writing file data/0: file write failed" (issue 15: optimizer.pt on a
+# full 30 MB tmpfs gave the first).
 DISK_FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "PytorchStreamWriter failed",
                       "unexpected pos", "file write failed")
 
