@@ -84,29 +84,35 @@ def main() -> None:
     model = save_tiny_model(root / "model")
     ref_dir = root / "ref"
     ref_dir.mkdir()
-    t0 = time.perf_counter()
     rc, text = train(write_recipe(ref_dir, model))
     assert rc == 0, text
-    seconds = time.perf_counter() - t0
+    seconds = json.loads((ref_dir / "out" / "metrics.json").read_text())["train_runtime_s"]
     ref = result(ref_dir / "out")
-    lines = [f"reference: {STEPS} steps in {seconds:.1f} s, final loss {ref[0]:.6f}"]
+    lines = [f"reference: {STEPS} steps trained in {seconds:.1f} s, final loss {ref[0]:.6f}"]
     print(lines[-1], flush=True)
     ok = 0
     for i in range(trials):
         d = root / f"kill{i}"
         d.mkdir()
         recipe = write_recipe(d, model)
-        delay = rng.uniform(0.2, 1.0) * seconds
+        # At a random point: after step K's log line (K = 0: while the model loads), plus up to a
+        # step's time, so the kill lands in steps, checkpoint writes and the final save.
+        k, extra = rng.randint(0, STEPS), rng.uniform(0.0, 1.5 * seconds / STEPS)
         p = train(recipe, wait=False)
-        time.sleep(delay)
+        wait_for = "loading " if k == 0 else f"step {k}/"
+        for line in p.stdout:
+            if line.startswith(wait_for):
+                break
+        time.sleep(extra)
         p.send_signal(signal.SIGKILL)
         p.communicate()
+        delay = f"step {k} + {extra:.2f} s"
         saved = sorted(x.name for x in (d / "out").glob("checkpoint-*")) if (d / "out").is_dir() else []
         attempts, how = finish(recipe)
         got = result(d / "out") if how == "finished" else None
         good = got is not None and got[1] == STEPS and abs(got[0] - ref[0]) < 1e-6 and same(got, ref) < 1e-6
         ok += good
-        lines.append(f"kill -9 at {delay:5.1f} s (checkpoints then: {', '.join(saved) or 'none'}): "
+        lines.append(f"kill -9 at {delay} (checkpoints then: {', '.join(saved) or 'none'}): "
                      f"{how} after {attempts} resume(s); "
                      + (f"loss {got[0]:.6f}, max weight diff {same(got, ref):.1e}" if got else "")
                      + (" OK" if good else " LOST"))
