@@ -69,6 +69,9 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or [])
+    from lowvram.train.preflight import check_inputs
+
+    check_inputs(r)
     report.show_validated(r, recipe, as_json=json_)
 
 
@@ -111,6 +114,9 @@ def train(
         _train_launched(*launched)
         return
     if dry_run:
+        from lowvram.train.preflight import check_inputs
+
+        check_inputs(r)
         report.show_dry_run(r, plan, as_json=json_)
         return
     require_fit(plan, recipe)
@@ -151,15 +157,19 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
         from lowvram.plan.resolve import require_fit
 
         require_fit(plan, recipe_path)
-    prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume,
-                                     overwrite=overwrite, print_only=print_launch)
-    report.show_launch(r, plan, spec, prepared, print_only=print_launch)
     if print_launch:
+        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, print_only=True)
+        report.show_launch(r, plan, spec, prepared, print_only=True)
         return
+    from lowvram.train.lock import run_lock
     from lowvram.train.recover import launch_with_recovery
+    from lowvram.train.trainer import output_dir
 
-    rc = launch_with_recovery(r, recipe_path, overrides, plan, spec, prepared, recover=recover,
-                              max_retries=max_retries, track_memory=track_memory)
+    with run_lock(output_dir(r), "lowvram train --gpus"):
+        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume, overwrite=overwrite)
+        report.show_launch(r, plan, spec, prepared)
+        rc = launch_with_recovery(r, recipe_path, overrides, plan, spec, prepared, recover=recover,
+                                  max_retries=max_retries, track_memory=track_memory)
     if rc != 0:
         raise typer.Exit(rc)
     if node_rank == 0:
@@ -307,12 +317,14 @@ def merge(
 ) -> None:
     """Merge a run's LoRA adapter into its base model and save a plain transformers folder."""
     from lowvram import report
+    from lowvram.train.lock import run_lock
     from lowvram.train.merge import merge_run, plan_merge
 
-    mp = plan_merge(run_dir, out, dtype=dtype)
-    if not json_:
-        report.show_merge_plan(mp)
-    report.show_merge_result(merge_run(mp), as_json=json_)
+    with run_lock(out, "lowvram merge --out"):
+        mp = plan_merge(run_dir, out, dtype=dtype)
+        if not json_:
+            report.show_merge_plan(mp)
+        report.show_merge_result(merge_run(mp), as_json=json_)
 
 
 @app.command()

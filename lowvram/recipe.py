@@ -418,6 +418,8 @@ def _apply_override(data: dict, item: str) -> str:
         value = yaml.load(raw, Loader=_LineLoader) if raw.strip() else ""  # noqa: S506 - SafeLoader subclass
     except yaml.YAMLError:
         value = raw
+    if raw.strip().startswith("~"):  # the home folder on a command line (YAML reads a lone ~ as null)
+        value = raw.strip()
     node = data
     for p in parts[:-1]:
         if isinstance(node, list) and p.isdigit() and int(p) < len(node):

@@ -272,7 +272,7 @@ def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: Launc
     if not print_only and check_output:
         from lowvram.train.run import prepare_output_dir
 
-        prepare_output_dir(out, resume, overwrite)
+        prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
     cfg_path = write_config(accelerate_config(plan, spec), out)
     plan_path = write_plan(plan, out)
     extra = ["--resume"] if resume else []
