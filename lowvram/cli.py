@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from lowvram import vocab
 from lowvram.errors import EXIT_USAGE, LowvramError
 
 app = typer.Typer(
@@ -176,6 +177,11 @@ def _opt(flag: str, help_: str, metavar: str | None = None):
     return typer.Option(flag, help=help_, metavar=metavar, show_default=False)
 
 
+def _values(values: tuple[str, ...], note: str | None = None) -> str:
+    """A flag's help from the vocabulary: 'a | b | c (note).'"""
+    return " | ".join(values) + (f" ({note})." if note else ".")
+
+
 @app.command()
 @handle_errors
 def plan(
@@ -184,17 +190,17 @@ def plan(
     method: Annotated[str | None, _opt("--method", "full | lora | qlora (shorthand for lora + quantization).", "METHOD")] = None,
     lora_r: Annotated[int | None, _opt("--lora-r", "LoRA rank.", "N")] = None,
     lora_targets: Annotated[str | None, _opt("--lora-targets", "q_proj,v_proj | all-linear | ...", "LIST")] = None,
-    precision: Annotated[str | None, _opt("--precision", "bf16 | fp16 | fp32 | bf16-mixed | fp16-mixed.", "P")] = None,
-    quant: Annotated[str | None, _opt("--quant", "none | nf4 | nf4-dq | fp4 | int8 (needs LoRA).", "Q")] = None,
-    optim: Annotated[str | None, _opt("--optim", "adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | adafactor | sgd.", "O")] = None,
-    loss: Annotated[str | None, _opt("--loss", "standard | chunked.", "L")] = None,
-    attn: Annotated[str | None, _opt("--attn", "sdpa | eager | flash_attention_2.", "A")] = None,
+    precision: Annotated[str | None, _opt("--precision", _values(vocab.PRECISIONS), "P")] = None,
+    quant: Annotated[str | None, _opt("--quant", _values(vocab.QUANTIZATIONS, "needs LoRA"), "Q")] = None,
+    optim: Annotated[str | None, _opt("--optim", _values(vocab.OPTIMIZERS), "O")] = None,
+    loss: Annotated[str | None, _opt("--loss", _values(vocab.LOSSES), "L")] = None,
+    attn: Annotated[str | None, _opt("--attn", _values(vocab.ATTENTIONS), "A")] = None,
     batch_size: Annotated[int | None, _opt("--batch-size", "Effective batch = micro_batch_size x grad_accum x GPUs (default 16).", "N")] = None,
     seq_len: Annotated[int | None, _opt("--seq-len", "Tokens per sample (default 1024).", "N")] = None,
     grad_accum: Annotated[int | None, _opt("--grad-accum", "Fix the accumulation steps (micro-batch follows).", "N")] = None,
     gradient_checkpointing: Annotated[bool | None, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Fix gradient checkpointing on or off.", show_default=False)] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
-    offload: Annotated[str | None, _opt("--offload", "none | optimizer | full | fsdp | fsdp-offload | zero2 | zero2-offload | zero3 | zero3-offload (the last six: several GPUs).", "KIND")] = None,
+    offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,
     vram: Annotated[str | None, _opt("--vram", "Free GPU memory to plan for, e.g. 24GB, 24GiB, 12000MB (default: LOWVRAM_VRAM, else detected).", "SIZE")] = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,

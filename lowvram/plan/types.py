@@ -9,12 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-Precision = Literal["bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32"]
-Quant = Literal["none", "nf4", "nf4-dq", "fp4", "int8"]
-Optim = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"]
-OffloadKind = Literal[
-    "none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload", "fsdp", "fsdp-offload"
-]
+from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
+
+Precision = Literal[PRECISIONS]
+Quant = Literal[QUANTIZATIONS]
+Optim = Literal[OPTIMIZERS]
+OffloadKind = Literal[OFFLOADS]
+Attention = Literal[ATTENTIONS]
+Loss = Literal[LOSSES]
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,8 @@ class Plan:
     quantization: Quant
     optimizer: Optim
     offload: OffloadKind
-    attention: Literal["sdpa", "eager", "flash_attention_2"]
-    loss: Literal["standard", "chunked"]
+    attention: Attention
+    loss: Loss
     gpus: int = 1
     reasons: dict[str, str] = field(default_factory=dict)
     predicted_peak_bytes: int | None = None
