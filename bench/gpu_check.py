@@ -92,13 +92,13 @@ class CudaProbe:
 
 
 class CpuProbe:
-    """--dry-run: the live tensor bytes of the step (lowvram.measure.LiveBytes); no allocator."""
+    """--dry-run: the live tensor bytes of the step (lowvram.livebytes.LiveBytes); no allocator."""
 
     device = "cpu"
     total = 24 * GIB
 
     def start(self, *objs):
-        from lowvram.measure import LiveBytes
+        from lowvram.livebytes import LiveBytes
 
         gc.collect()
         self.tracker = LiveBytes()

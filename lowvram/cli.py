@@ -99,7 +99,7 @@ def train(
     from lowvram.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or [])
-    from lowvram.plan.resolve import plan_for_recipe, require_fit
+    from lowvram.planning import plan_for_recipe, require_fit
 
     launched = (r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
                 rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, not no_track_memory,
@@ -132,7 +132,7 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
 
     from lowvram import report
     from lowvram.hardware import detect_hardware
-    from lowvram.plan.resolve import plan_for_recipe
+    from lowvram.planning import plan_for_recipe
     from lowvram.train import launch
 
     hardware = detect_hardware(vram)
@@ -149,7 +149,7 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
         report.show_dry_run(r, plan, as_json=json_)
         return
     if not print_launch:
-        from lowvram.plan.resolve import require_fit
+        from lowvram.planning import require_fit
 
         require_fit(plan, recipe_path)
     prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume,
@@ -213,11 +213,10 @@ def plan(
     Every flag given fixes that choice; the rest is chosen so the run fits --vram. Without a GPU
     and without --vram (or LOWVRAM_VRAM), the plan is for a CPU run in the available host RAM.
     """
-    from lowvram import report
-    from lowvram.plan import resolve
+    from lowvram import planning, report
 
     if list_models:
-        report.show_models(resolve.list_models(), as_json=json_)
+        report.show_models(planning.list_models(), as_json=json_)
         return
     r = None
     if recipe is not None:
@@ -227,7 +226,7 @@ def plan(
     model_ref = model or (_recipe_model_ref(r) if r else None)
     if simulate and model_ref:
         _register_for_simulation(model_ref)
-    result = resolve.make_plan(
+    result = planning.make_plan(
         r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
         precision=precision, quant=quant, optim=optim, loss=loss, attn=attn, batch_size=batch_size,
         seq_len=seq_len, grad_accum=grad_accum, gradient_checkpointing=gradient_checkpointing,
@@ -242,7 +241,7 @@ def plan(
         return
     data = choice_to_dict(result)
     if simulate:
-        from lowvram.plan.simulate import simulate_plan
+        from lowvram.check.simulate import simulate_plan
 
         data["simulated"] = simulate_plan(result.chosen.setup, model_ref, data["peak_bytes"])
     report.show_plan(data, as_json=json_)
@@ -258,9 +257,9 @@ def _recipe_model_ref(r) -> str:
 def _register_for_simulation(model_ref: str) -> None:
     """--simulate accepts a config.json lowvram's reader cannot interpret: read it through
     transformers instead (torch is imported only with --simulate)."""
+    from lowvram.check.simulate import local_config, spec_from_transformers
     from lowvram.errors import ModelError
     from lowvram.plan.models import register_spec, resolve_model
-    from lowvram.plan.simulate import local_config, spec_from_transformers
 
     try:
         resolve_model(model_ref)

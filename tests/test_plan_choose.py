@@ -214,7 +214,7 @@ def test_tier_order_with_a_fake_estimator(llama7b):
 def test_plan_for_recipe_uses_the_chooser_and_falls_back(tmp_path):
     """The entry `lowvram train` uses: predicted when config.json is there, fixed defaults if not."""
     from lowvram.hardware import Device, Hardware
-    from lowvram.plan.resolve import plan_for_recipe
+    from lowvram.planning import plan_for_recipe
     from lowvram.recipe import parse_recipe
 
     hw = Hardware("cuda", (Device(0, "fake 24GB", 24 * GB, 24 * GB, (8, 6), True),))

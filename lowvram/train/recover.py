@@ -437,7 +437,7 @@ def _retry_line(err: TrainingOOM, retry: Retry, n: int, max_retries: int) -> str
 def _next_plan(recipe, err: TrainingOOM):
     """The chooser's next cheaper plan for this recipe (None when the model cannot be read)."""
     from lowvram.plan.choose import next_cheaper
-    from lowvram.plan.resolve import build_request, recipe_model
+    from lowvram.planning import build_request, recipe_model
 
     try:
         spec = recipe_model(recipe)

@@ -1,5 +1,6 @@
-"""Recipe (+ command-line choices) -> Plan. The one entry point `lowvram train` and `lowvram plan`
-share, so the two never disagree.
+"""Recipe (+ command-line choices, + detected hardware) -> PlanRequest -> Plan: the one bridge into
+the pure :mod:`lowvram.plan`, and the one entry point `lowvram train` and `lowvram plan` share, so
+the two never disagree.
 
 When the model's architecture can be read (catalog name, a folder with config.json, a cached hub
 id) the memory-driven chooser (:mod:`lowvram.plan.choose`) picks every ``auto`` technique. When it

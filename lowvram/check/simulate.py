@@ -28,6 +28,7 @@ from lowvram.plan.memory import (
     validate_setup,
 )
 from lowvram.plan.models import count_parameters
+from lowvram.vocab import WEIGHT_DTYPE
 
 
 def unsupported(setup: RunSetup) -> list[str]:
@@ -169,9 +170,7 @@ def _build_model(setup: RunSetup, config, mode):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowvram.measure import _DTYPES
-
-    dtype = getattr(torch, _DTYPES[setup.precision])
+    dtype = getattr(torch, WEIGHT_DTYPE[setup.precision])
     cfg = _config(setup, config)
     with mode:
         try:
