@@ -1,7 +1,7 @@
 """Predicted vs measured peak memory per process of `lowvram train --gpus N --cpu` (DDP and FSDP2
 over gloo) on a small random-init Llama, through the real launch path.
 
-Each rank measures its exact live tensor bytes (lowvram.measure.LiveBytes, which follows FSDP2's
+Each rank measures its exact live tensor bytes (lowvram.livebytes.LiveBytes, which follows FSDP2's
 in-place storage resizes and DTensor shards) at every logging step. "measured" is the largest
 rank's peak over the training steps, leaving out the last interval, where the Trainer saves the
 final checkpoint: on the CPU the FSDP full state dict is gathered in the same memory, on GPUs

@@ -2,7 +2,7 @@
 
 Each case of lowvram.measure.ACCURACY_MATRIX builds a small random-init Llama (transformers,
 peft, bitsandbytes), runs one warm-up step and one measured step the way the Trainer does, and
-compares the exact live tensor bytes (lowvram.measure.LiveBytes) with
+compares the exact live tensor bytes (lowvram.livebytes.LiveBytes) with
 lowvram.plan.memory.estimate_memory(device="cpu").
 
     HF_HUB_OFFLINE=1 python bench/plan_accuracy.py [> bench/results/plan_accuracy_cpu.txt]

@@ -1,4 +1,4 @@
-"""Analytic peak (lowvram.plan.memory) vs the simulated real step (lowvram.plan.simulate) at full size.
+"""Analytic peak (lowvram.plan.memory) vs the simulated real step (lowvram.check.simulate) at full size.
 
 Catalog shapes of Llama-2-7B, Llama-3-8B and Qwen2.5-7B, batch 1, seq 512 and 2048, the main
 technique combinations, tensors only (device "cpu": no CUDA context or allocator slack, which
@@ -36,7 +36,7 @@ CASES: list[tuple[str, dict]] = [
 
 
 def main(quick: bool = False) -> int:
-    from lowvram.plan.simulate import simulate_memory
+    from lowvram.check.simulate import simulate_memory
 
     gib = 2**30
     print(f"{'model':<12} {'seq':>5} {'case':<32} {'analytic':>9} {'simulated':>9} {'diff':>7}  "

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from lowvram import vocab
 from lowvram.errors import EXIT_USAGE, LowvramError
 
 app = typer.Typer(
@@ -101,7 +102,7 @@ def train(
     from lowvram.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or [])
-    from lowvram.plan.resolve import plan_for_recipe, require_fit
+    from lowvram.planning import plan_for_recipe, require_fit
 
     launched = (r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
                 rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, not no_track_memory,
@@ -137,7 +138,7 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
 
     from lowvram import report
     from lowvram.hardware import detect_hardware
-    from lowvram.plan.resolve import plan_for_recipe
+    from lowvram.planning import plan_for_recipe
     from lowvram.train import launch
 
     hardware = detect_hardware(vram)
@@ -154,7 +155,7 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
         report.show_dry_run(r, plan, as_json=json_)
         return
     if not print_launch:
-        from lowvram.plan.resolve import require_fit
+        from lowvram.planning import require_fit
 
         require_fit(plan, recipe_path)
     if print_launch:
@@ -186,6 +187,11 @@ def _opt(flag: str, help_: str, metavar: str | None = None):
     return typer.Option(flag, help=help_, metavar=metavar, show_default=False)
 
 
+def _values(values: tuple[str, ...], note: str | None = None) -> str:
+    """A flag's help from the vocabulary: 'a | b | c (note).'"""
+    return " | ".join(values) + (f" ({note})." if note else ".")
+
+
 @app.command()
 @handle_errors
 def plan(
@@ -194,17 +200,17 @@ def plan(
     method: Annotated[str | None, _opt("--method", "full | lora | qlora (shorthand for lora + quantization).", "METHOD")] = None,
     lora_r: Annotated[int | None, _opt("--lora-r", "LoRA rank.", "N")] = None,
     lora_targets: Annotated[str | None, _opt("--lora-targets", "q_proj,v_proj | all-linear | ...", "LIST")] = None,
-    precision: Annotated[str | None, _opt("--precision", "bf16 | fp16 | fp32 | bf16-mixed | fp16-mixed.", "P")] = None,
-    quant: Annotated[str | None, _opt("--quant", "none | nf4 | nf4-dq | fp4 | int8 (needs LoRA).", "Q")] = None,
-    optim: Annotated[str | None, _opt("--optim", "adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | adafactor | sgd.", "O")] = None,
-    loss: Annotated[str | None, _opt("--loss", "standard | chunked.", "L")] = None,
-    attn: Annotated[str | None, _opt("--attn", "sdpa | eager | flash_attention_2.", "A")] = None,
+    precision: Annotated[str | None, _opt("--precision", _values(vocab.PRECISIONS), "P")] = None,
+    quant: Annotated[str | None, _opt("--quant", _values(vocab.QUANTIZATIONS, "needs LoRA"), "Q")] = None,
+    optim: Annotated[str | None, _opt("--optim", _values(vocab.OPTIMIZERS), "O")] = None,
+    loss: Annotated[str | None, _opt("--loss", _values(vocab.LOSSES), "L")] = None,
+    attn: Annotated[str | None, _opt("--attn", _values(vocab.ATTENTIONS), "A")] = None,
     batch_size: Annotated[int | None, _opt("--batch-size", "Effective batch = micro_batch_size x grad_accum x GPUs (default 16).", "N")] = None,
     seq_len: Annotated[int | None, _opt("--seq-len", "Tokens per sample (default 1024).", "N")] = None,
     grad_accum: Annotated[int | None, _opt("--grad-accum", "Fix the accumulation steps (micro-batch follows).", "N")] = None,
     gradient_checkpointing: Annotated[bool | None, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Fix gradient checkpointing on or off.", show_default=False)] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
-    offload: Annotated[str | None, _opt("--offload", "none | optimizer | full | fsdp | fsdp-offload | zero2 | zero2-offload | zero3 | zero3-offload (the last six: several GPUs).", "KIND")] = None,
+    offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,
     vram: Annotated[str | None, _opt("--vram", "Free GPU memory to plan for, e.g. 24GB, 24GiB, 12000MB (default: LOWVRAM_VRAM, else detected).", "SIZE")] = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -217,11 +223,10 @@ def plan(
     Every flag given fixes that choice; the rest is chosen so the run fits --vram. Without a GPU
     and without --vram (or LOWVRAM_VRAM), the plan is for a CPU run in the available host RAM.
     """
-    from lowvram import report
-    from lowvram.plan import resolve
+    from lowvram import planning, report
 
     if list_models:
-        report.show_models(resolve.list_models(), as_json=json_)
+        report.show_models(planning.list_models(), as_json=json_)
         return
     r = None
     if recipe is not None:
@@ -231,7 +236,7 @@ def plan(
     model_ref = model or (_recipe_model_ref(r) if r else None)
     if simulate and model_ref:
         _register_for_simulation(model_ref)
-    result = resolve.make_plan(
+    result = planning.make_plan(
         r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
         precision=precision, quant=quant, optim=optim, loss=loss, attn=attn, batch_size=batch_size,
         seq_len=seq_len, grad_accum=grad_accum, gradient_checkpointing=gradient_checkpointing,
@@ -246,7 +251,7 @@ def plan(
         return
     data = choice_to_dict(result)
     if simulate:
-        from lowvram.plan.simulate import simulate_plan
+        from lowvram.check.simulate import simulate_plan
 
         data["simulated"] = simulate_plan(result.chosen.setup, model_ref, data["peak_bytes"])
     report.show_plan(data, as_json=json_)
@@ -262,9 +267,9 @@ def _recipe_model_ref(r) -> str:
 def _register_for_simulation(model_ref: str) -> None:
     """--simulate accepts a config.json lowvram's reader cannot interpret: read it through
     transformers instead (torch is imported only with --simulate)."""
+    from lowvram.check.simulate import local_config, spec_from_transformers
     from lowvram.errors import ModelError
     from lowvram.plan.models import register_spec, resolve_model
-    from lowvram.plan.simulate import local_config, spec_from_transformers
 
     try:
         resolve_model(model_ref)

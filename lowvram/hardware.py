@@ -7,31 +7,9 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 from dataclasses import asdict, dataclass, field
 
-from lowvram.errors import LowvramError
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-}
-
-
-def parse_size(text: str) -> int:
-    """'24GB' -> 24e9 bytes, '24GiB' -> 24*2**30, '12000MB', '1.5g'. Plain numbers are bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise LowvramError(
-            f"cannot read memory size {text!r}",
-            "write a number with a unit, e.g. 24GB, 24GiB or 12000MB",
-        )
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise LowvramError(f"memory size must be positive, got {text!r}", "e.g. --vram 24GB")
-    return int(value)
+from lowvram.units import parse_size
 
 
 @dataclass(frozen=True)

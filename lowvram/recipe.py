@@ -18,32 +18,30 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lowvram.errors import LowvramError, RecipeError
-
-# The seven techniques, one canonical name each (DEVELOPERS.md), plus two first-class knobs.
-TECHNIQUES = (
-    "mixed_precision",
-    "gradient_checkpointing",
-    "gradient_accumulation",
-    "lora",
-    "quantization",
-    "optimizer",
-    "offload",
+from lowvram.vocab import (
+    ATTENTIONS,
+    DTYPES,
+    LOSSES,
+    OFF_VALUES,
+    OFFLOADS,
+    ON_OFF_WORDS,
+    ON_VALUES,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANTIZATIONS,
+    SWITCH,
+    on_off,
 )
-KNOBS = ("attention", "loss")
 
-OnOffAuto = Literal["auto", "on", "off"]
-MixedPrecision = Literal["auto", "on", "off", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32"]
-Quantization = Literal["auto", "on", "off", "nf4", "nf4-dq", "fp4", "int8"]
-Optimizer = Literal[
-    "auto", "on", "off", "adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
-    "adafactor", "sgd",
-]
-Offload = Literal[
-    "auto", "on", "off", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
-    "fsdp", "fsdp-offload",
-]
-Attention = Literal["auto", "sdpa", "eager", "flash_attention_2"]
-Loss = Literal["auto", "standard", "chunked"]
+# Each technique is auto, on, off or one of its values (lowvram.vocab); Literal[tuple] is the
+# same type as Literal with those values written out.
+OnOffAuto = Literal[SWITCH]
+MixedPrecision = Literal[(*SWITCH, *PRECISIONS)]
+Quantization = Literal[(*SWITCH, *(q for q in QUANTIZATIONS if q != "none"))]
+Optimizer = Literal[(*SWITCH, *OPTIMIZERS)]
+Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
+Attention = Literal[("auto", *ATTENTIONS)]
+Loss = Literal[("auto", *LOSSES)]
 DataFormat = Literal["alpaca", "chat", "completion", "text"]
 
 
@@ -56,7 +54,7 @@ class ModelSection(_Section):
         description="Hub id (e.g. Qwen/Qwen2.5-1.5B) or a local folder with config.json."
     )
     revision: str | None = Field(None, description="Hub branch, tag or commit to load.")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+    dtype: Literal[("auto", *DTYPES)] = Field(
         "auto",
         description="Storage dtype of the weights; auto follows mixed_precision (bf16/fp16 "
         "keep 16-bit weights, *-mixed and fp32 keep fp32 weights). Set, it picks the precision "
@@ -167,9 +165,6 @@ class LoraSection(_Section):
     )
 
 
-_YES_NO = {"yes": "on", "y": "on", "no": "off", "n": "off", "on": "on", "off": "off"}
-
-
 class TechniquesSection(_Section):
     """Each technique is auto (the planner decides), on/off, or a value."""
 
@@ -179,8 +174,8 @@ class TechniquesSection(_Section):
         # true/false, and the YAML 1.1 words yes/no/y/n, mean on/off here.
         if isinstance(v, bool):
             return "on" if v else "off"
-        if isinstance(v, str) and v.lower() in _YES_NO:
-            return _YES_NO[v.lower()]
+        if isinstance(v, str) and v.lower() in ON_OFF_WORDS:
+            return ON_OFF_WORDS[v.lower()]
         return v
 
     mixed_precision: MixedPrecision = Field(
@@ -224,10 +219,9 @@ class TechniquesSection(_Section):
     @model_validator(mode="after")
     def _offload_keeps_optimizer(self) -> TechniquesSection:
         from lowvram.plan.memory import offload_conflict
-        from lowvram.plan.resolve import ON_VALUES, _on_off  # imports this module: not at the top
 
-        optimizer = _on_off(self.optimizer, ON_VALUES["optimizer"], "adamw")
-        offload = _on_off(self.offload, ON_VALUES["offload"], "none")
+        optimizer = on_off(self.optimizer, ON_VALUES["optimizer"], OFF_VALUES["optimizer"])
+        offload = on_off(self.offload, ON_VALUES["offload"], OFF_VALUES["offload"])
         conflict = offload_conflict(optimizer, offload) if "auto" not in (optimizer, offload) else None
         if conflict:
             raise ValueError(f"{conflict} (set optimizer: adamw, or offload: fsdp-offload, which keeps your optimizer)")

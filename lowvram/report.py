@@ -10,17 +10,13 @@ import json
 import sys
 from pathlib import Path
 
+from lowvram.units import gib, mem, percent, shell_line, sparkline
+
 
 def console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
-
-
-def gib(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    return f"{n / 2**30:.2f} GiB"
 
 
 def print_json(obj) -> None:
@@ -85,13 +81,11 @@ def show_plan_brief(recipe, plan) -> None:
 
 def show_launch(recipe, plan, spec, launch, print_only: bool = False) -> None:
     """Several GPUs: the plan with memory per GPU and host RAM per node, then the command."""
-    from lowvram.train.launch import backend_for, shell_line
-
     c = console()
     if not print_only:
         show_plan_brief(recipe, plan)
     unit = "process" if spec.cpu else "GPU"
-    backend = {"ddp": "DDP", "fsdp": "FSDP2", "deepspeed": "DeepSpeed ZeRO"}[backend_for(plan)]
+    backend = {"ddp": "DDP", "fsdp": "FSDP2", "deepspeed": "DeepSpeed ZeRO"}[launch.backend]
     c.print(f"{spec.world_size} {unit}(s) on {spec.nodes} node(s), {backend} (offload: {plan.offload})",
             markup=False)
     if plan.predicted_peak_bytes is not None:
@@ -141,8 +135,6 @@ def show_train_result(result, as_json: bool = False) -> None:
         cache = {True: " (GGUF cache)", False: " (GGUF converted, cached now)"}.get(m.get("gguf_cache_hit"), "")
         rows.append(("model load", f"{m['load_s']:.1f} s{cache}"))
     if m.get("loss_history"):
-        from lowvram.runs import sparkline
-
         rows.append(("loss curve", sparkline([v for _, v in m["loss_history"]])))
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
@@ -181,13 +173,6 @@ def _warn_prediction(m: dict) -> None:
         f"warning: measured peak {mem(m['peak_memory_bytes'])} is {100 * err:+.0f}% off the predicted "
         f"{mem(pred)}; please report it with the output of `lowvram env`, "
         "the recipe and plan.json", markup=False)
-
-
-def mem(n: int | None) -> str:
-    """GiB, or MiB below 1 GiB (tiny test models would all read 0.00 GiB)."""
-    if n is None:
-        return "-"
-    return gib(n) if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _f(x, nd: int = 4) -> str:
@@ -243,12 +228,6 @@ def _bar(part: int, whole: int) -> str:
 
 def _setting(value) -> str:
     return {True: "on", False: "off"}[value] if isinstance(value, bool) else str(value)
-
-
-def _speed(slowdown: float) -> str:
-    from lowvram.plan.techniques import percent
-
-    return percent(slowdown)
 
 
 def show_plan(data: dict, as_json: bool = False) -> None:
@@ -322,7 +301,7 @@ def show_plan(data: dict, as_json: bool = False) -> None:
         if r["fixed"]:
             ladder.add_row(r["technique"], "fixed by you", gib(r["peak_bytes"]), "-", "-", "yes" if r["fits"] else "no")
             continue
-        speed = "-" if r["technique"] == "baseline" else _speed(r["slowdown"])
+        speed = "-" if r["technique"] == "baseline" else percent(r["slowdown"])
         saves = "-" if r["technique"] == "baseline" else gib(r["saved_bytes"])
         ladder.add_row(r["technique"], r["value"], gib(r["peak_bytes"]), saves, speed,
                        "[green]yes[/green]" if r["fits"] else "no")
@@ -481,8 +460,6 @@ def show_run(r, as_json: bool = False) -> None:
         print_json(r.to_dict())
         return
     from rich.table import Table
-
-    from lowvram.runs import sparkline
 
     c = console()
     style = _STATUS_STYLE.get(r.status, "")

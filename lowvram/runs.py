@@ -15,23 +15,8 @@ import yaml
 from lowvram.errors import LowvramError
 
 MARKERS = ("recipe.yaml", "plan.json")
-BLOCKS = "▁▂▃▄▅▆▇█"
 TECHNIQUE_KEYS = ("mixed_precision", "gradient_checkpointing", "grad_accum", "lora", "quantization",
                   "optimizer", "offload", "attention", "loss")
-
-
-def sparkline(values: list[float], width: int = 40) -> str:
-    """Unicode blocks, one per value (evenly resampled to ``width``); min -> ▁, max -> █."""
-    vals = [float(v) for v in values if v is not None]
-    if not vals:
-        return ""
-    if len(vals) > width:  # keep the first and last value, sample evenly between them
-        vals = [vals[round(i * (len(vals) - 1) / (width - 1))] for i in range(width)]
-    lo, hi = min(vals), max(vals)
-    if hi == lo:
-        return BLOCKS[len(BLOCKS) // 2] * len(vals)
-    top = len(BLOCKS) - 1
-    return "".join(BLOCKS[round(top * (v - lo) / (hi - lo))] for v in vals)
 
 
 @dataclass(frozen=True)

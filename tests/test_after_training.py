@@ -72,15 +72,6 @@ def test_plot_with_memory_panel(tmp_path):
     assert save_loss_plot({}, tmp_path / "none") is None
 
 
-def test_sparkline():
-    from lowvram.runs import sparkline
-
-    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
-    assert sparkline([1.0, 1.0]) == "▅▅"
-    assert sparkline([]) == ""
-    assert len(sparkline(list(range(100)), width=40)) == 40
-
-
 # --------------------------------------------------------------------------------------------
 # merge
 

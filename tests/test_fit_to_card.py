@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lowvram.cli import app
-from lowvram.hardware import Device, Hardware, parse_size
+from lowvram.hardware import Device, Hardware
+from lowvram.units import parse_size
 
 RTX_4070 = Hardware("cuda", (Device(0, "NVIDIA GeForce RTX 4070", 12 * 10**9, 12 * 10**9, (8, 9), True),),
                     64 * 10**9, 60 * 10**9)

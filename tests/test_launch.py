@@ -12,9 +12,9 @@ from lowvram.train.launch import (
     LaunchSpec,
     accelerate_config,
     launch_command,
-    shell_line,
     write_config,
 )
+from lowvram.units import shell_line
 
 BASE = Plan(device="cuda", mixed_precision="bf16", gradient_checkpointing=True, micro_batch_size=2,
             grad_accum=4, lora=True, quantization="none", optimizer="adamw", offload="none",
@@ -136,9 +136,9 @@ def test_plan_round_trips_through_json(tmp_path):
 
 
 def _choose(model: str, gpus: int, vram: str = "24GB", **fields):
-    from lowvram.hardware import parse_size
     from lowvram.plan.choose import Budget, PlanRequest, choose_plan
     from lowvram.plan.models import resolve_model
+    from lowvram.units import parse_size
 
     budget = Budget(parse_size(vram), "cuda")
     return choose_plan(PlanRequest(model=resolve_model(model), gpus=gpus, **fields), budget)

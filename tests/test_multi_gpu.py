@@ -336,7 +336,7 @@ def test_oom_in_a_launched_run_retries_with_a_smaller_micro_batch(tmp_path, tiny
 def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, tiny_model_dir, monkeypatch):
     """The launcher's loop on its own: workers that report an OOM at step 3 after checkpoint-2."""
     from lowvram.hardware import detect_hardware
-    from lowvram.plan.resolve import plan_for_recipe
+    from lowvram.planning import plan_for_recipe
     from lowvram.recipe import load_recipe
     from lowvram.train import launch, recover
 

@@ -1,7 +1,7 @@
 """Predicted peak memory vs the exact live tensor bytes of real CPU training steps.
 
 Small random-init Llama (lowvram.measure.tiny_llama_spec), one warm-up step (optimizer state
-exists), then one step measured with lowvram.measure.LiveBytes the way the Trainer runs it.
+exists), then one step measured with lowvram.livebytes.LiveBytes the way the Trainer runs it.
 Target: within 3% per case (bench/plan_accuracy.py prints the full matrix at seq 512).
 """
 
@@ -47,7 +47,7 @@ def test_peak_within_3_percent(name):
 
 
 def test_tracker_counts_live_bytes_and_frees():
-    from lowvram.measure import LiveBytes
+    from lowvram.livebytes import LiveBytes
 
     with LiveBytes() as mode:
         a = torch.ones(1000)  # 4000 bytes
@@ -62,7 +62,7 @@ def test_tracker_counts_live_bytes_and_frees():
 
 
 def test_emulated_card_raises_out_of_memory():
-    from lowvram.measure import LiveBytes
+    from lowvram.livebytes import LiveBytes
 
     with pytest.raises(torch.OutOfMemoryError, match="emulated card"):
         with LiveBytes(cap_bytes=10_000):

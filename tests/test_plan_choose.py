@@ -19,6 +19,7 @@ from lowvram.plan.choose import (
 )
 from lowvram.plan.memory import BREAKDOWN_KEYS, MemoryEstimate, estimate_memory
 from lowvram.plan.models import resolve_model
+from lowvram.vocab import CANONICAL
 
 GB = 10**9
 
@@ -123,7 +124,7 @@ def test_nothing_fits_even_fully_auto():
 
 def test_reasons_carry_numbers(llama7b):
     c = _plan(llama7b, 8)
-    assert set(c.plan.reasons) == set(tq.CANONICAL)
+    assert set(c.plan.reasons) == set(CANONICAL)
     r = c.plan.reasons["gradient_checkpointing"]
     assert r.startswith("on:") and "GiB" in r and "> budget" in r and "~25% slower" in r
     assert "nf4-dq" in c.plan.reasons["quantization"] and "GiB" in c.plan.reasons["quantization"]
@@ -213,7 +214,7 @@ def test_tier_order_with_a_fake_estimator(llama7b):
 def test_plan_for_recipe_uses_the_chooser_and_falls_back(tmp_path):
     """The entry `lowvram train` uses: predicted when config.json is there, fixed defaults if not."""
     from lowvram.hardware import Device, Hardware
-    from lowvram.plan.resolve import plan_for_recipe
+    from lowvram.planning import plan_for_recipe
     from lowvram.recipe import parse_recipe
 
     hw = Hardware("cuda", (Device(0, "fake 24GB", 24 * GB, 24 * GB, (8, 6), True),))

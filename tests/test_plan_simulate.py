@@ -1,4 +1,4 @@
-"""lowvram.plan.simulate: the real step on fake tensors equals the real step on real tensors.
+"""lowvram.check.simulate: the real step on fake tensors equals the real step on real tensors.
 
 A small Llama is measured for real on CPU (lowvram.measure.measure_setup) and simulated under
 FakeTensorMode; the peaks must agree to the byte (0.5% allowed). Then `lowvram plan --simulate`
@@ -19,11 +19,11 @@ pytest.importorskip("transformers")
 
 from typer.testing import CliRunner  # noqa: E402
 
+from lowvram.check.simulate import simulate_memory  # noqa: E402
 from lowvram.cli import app  # noqa: E402
 from lowvram.errors import LowvramError  # noqa: E402
 from lowvram.measure import measure_setup, tiny_llama_spec  # noqa: E402
 from lowvram.plan.memory import BREAKDOWN_KEYS, RunSetup, estimate_memory  # noqa: E402
-from lowvram.plan.simulate import simulate_memory  # noqa: E402
 
 SPEC = tiny_llama_spec(hidden_size=128, num_layers=2, vocab_size=2048)
 CASES = {

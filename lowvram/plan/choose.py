@@ -22,7 +22,7 @@ from lowvram.plan import techniques as tq
 from lowvram.plan.memory import MemoryEstimate, RunSetup, estimate_memory
 from lowvram.plan.models import ModelSpec, catalog_names, count_parameters, resolve_model
 from lowvram.plan.types import Plan, dtype_precision
-from lowvram.report import gib
+from lowvram.units import gib, mem, percent
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
 # on the card, fragmentation spikes, the first-step warm-up). 5% of the card, at least 256 MiB.
@@ -211,7 +211,7 @@ _EXAMPLE = {"seq_len": 1024, "batch_size": 16, "gpus": 1, "lora_r": 16}
 
 def auto_precision(budget: Budget, weight_dtype: str | None = None) -> str:
     """bf16 where the card has it, else fp16-mixed; fp32 on a CPU. A fixed model.dtype picks the
-    precision that stores weights in it (lowvram.plan.resolve.dtype_precision)."""
+    precision that stores weights in it (lowvram.plan.types.dtype_precision)."""
     if weight_dtype is not None:
         return dtype_precision(weight_dtype, budget.device, budget.bf16)
     if budget.device == "cpu":
@@ -392,8 +392,6 @@ def next_cheaper(plan: Plan, req: PlanRequest, measured_peak_bytes: int | None,
     choice = choose_plan(pinned, budget, estimate)
     if not choice.fits or choice.plan.predicted_peak_bytes >= plan.predicted_peak_bytes:
         return None
-    from lowvram.report import mem  # MiB below 1 GiB
-
     shown = f"measured {mem(measured_peak_bytes)}" if measured_peak_bytes else "not measured"
     reasons = {**choice.plan.reasons,
                "retry": f"out of memory with the previous plan ({shown}, predicted "
@@ -618,7 +616,7 @@ def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator
     if req.fixed("loss"):
         r["loss"] = fixed("loss") or "set"
     elif s.loss == "chunked":
-        r["loss"] = f"chunked: {without('logits', loss='standard')}; {tq.percent(tq.CHUNKED_LOSS.slowdown)}"
+        r["loss"] = f"chunked: {without('logits', loss='standard')}; {percent(tq.CHUNKED_LOSS.slowdown)}"
     else:
         r["loss"] = f"standard: fits without chunking (logits {gib(c.estimate.breakdown['logits'])})"
 
@@ -636,22 +634,22 @@ def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator
         r["gradient_accumulation"] = (
             f"{batch}: micro-batch {bigger} would peak at {gib(other.peak_bytes)} "
             f"{'>' if other.peak_bytes > limit else '<='} budget {gib(limit)}; "
-            f"{tq.percent(tq.micro_batch_slowdown(s.micro_batch_size, s.seq_len, largest))}")
+            f"{percent(tq.micro_batch_slowdown(s.micro_batch_size, s.seq_len, largest))}")
 
     # gradient checkpointing
     if req.fixed("gradient_checkpointing"):
         r["gradient_checkpointing"] = fixed("gradient_checkpointing") or "set"
     elif s.gradient_checkpointing:
         r["gradient_checkpointing"] = (f"on: {without('activations', gradient_checkpointing=False)}; "
-                                       f"{tq.percent(tq.GRADIENT_CHECKPOINTING.slowdown)}")
+                                       f"{percent(tq.GRADIENT_CHECKPOINTING.slowdown)}")
     else:
-        r["gradient_checkpointing"] = f"off: activations {gib(c.estimate.breakdown['activations'])} fit; recomputing would cost {tq.percent(tq.GRADIENT_CHECKPOINTING.slowdown)}"
+        r["gradient_checkpointing"] = f"off: activations {gib(c.estimate.breakdown['activations'])} fit; recomputing would cost {percent(tq.GRADIENT_CHECKPOINTING.slowdown)}"
 
     # optimizer
     if req.fixed("optimizer"):
         r["optimizer"] = fixed("optimizer") or "set"
     elif s.optimizer != "adamw":
-        r["optimizer"] = f"{s.optimizer}: {without('optimizer', optimizer='adamw')}; {tq.percent(tq.OPTIMIZER_8BIT.slowdown)}"
+        r["optimizer"] = f"{s.optimizer}: {without('optimizer', optimizer='adamw')}; {percent(tq.OPTIMIZER_8BIT.slowdown)}"
     elif s.offload in memory.DEEPSPEED_CPU_OPTIMIZER:
         r["optimizer"] = (f"adamw: offload {s.offload} runs DeepSpeed's CPU Adam, its fp32 state and "
                           "master weights in CPU RAM (16 bytes per trained parameter)")
@@ -673,7 +671,7 @@ def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator
         r["quantization"] = fixed("quantization") or "set"
     elif s.quantization != "none":
         r["quantization"] = (f"{s.quantization}: {without('weights', f'a {s.precision} base', quantization='none')}; "
-                             f"{tq.percent(tq.QUANTIZATION_4BIT.slowdown)}")
+                             f"{percent(tq.QUANTIZATION_4BIT.slowdown)}")
     else:
         r["quantization"] = f"none: {s.precision} base weights {gib(c.estimate.breakdown['weights'])} fit"
 
@@ -684,7 +682,7 @@ def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator
         r["offload"] = _shard_reason(c, estimate, limit)
     elif s.offload != "none":
         r["offload"] = (f"{s.offload}: {without(('weights', 'optimizer'), offload='none')}; "
-                        f"{tq.percent(tq.OFFLOAD_SLOWDOWN[s.offload])}; needs {gib(c.estimate.cpu_ram_bytes)} CPU RAM")
+                        f"{percent(tq.OFFLOAD_SLOWDOWN[s.offload])}; needs {gib(c.estimate.cpu_ram_bytes)} CPU RAM")
     else:
         r["offload"] = "none: everything stays on the GPU" if budget.device != "cpu" else "none: CPU run"
         if s.gpus > 1:
@@ -708,7 +706,7 @@ def _shard_reason(c: Candidate, estimate: Estimator, limit: int) -> str:
     base = s.offload.removesuffix("-offload")
     text = (f"{s.offload}: {how[base]} {s.gpus} GPUs, {gib(c.peak_bytes)} per GPU; "
             f"{what} would peak at {gib(other.peak_bytes)} {verdict} budget {gib(limit)}; "
-            f"{tq.percent(tq.OFFLOAD_SLOWDOWN[s.offload])}")
+            f"{percent(tq.OFFLOAD_SLOWDOWN[s.offload])}")
     if s.offload in SHARDED_OFFLOAD:
         text += f"; needs {gib(c.estimate.cpu_ram_bytes)} CPU RAM per GPU process"
     if base == "fsdp":

@@ -21,18 +21,14 @@ from lowvram.plan.models import (
     lm_head_numel,
     norm_numel,
 )
+from lowvram.vocab import OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
 
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", "cuda_context",
                   "allocator")
 
-PRECISIONS = ("bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32")
-QUANTIZATIONS = ("none", "nf4", "nf4-dq", "fp4", "int8")
-OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd")
 # Tokens per chunk of the chunked cross-entropy (lowvram.train.loss uses the same number).
 CHUNK_TOKENS = 1024
 
-OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
-            "fsdp", "fsdp-offload")
 # DeepSpeed offloads that run the optimizer on the CPU. There DeepSpeed's own CPU Adam takes the
 # place of the Trainer's optimizer (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed,
 # called from Accelerator._prepare_deepspeed when offload_optimizer is set): only adamw keeps

@@ -11,20 +11,14 @@ rank plans, they do not predict wall time. No torch here.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-
-from lowvram.recipe import KNOBS, TECHNIQUES
-
-# Canonical names, the same in YAML, --help, plan output and code (recipe.TECHNIQUES + KNOBS).
-CANONICAL = TECHNIQUES + KNOBS
 
 
 @dataclass(frozen=True)
 class Technique:
     """One rung of the ladder: the setting it applies and what it costs."""
 
-    name: str  # canonical technique name (one of CANONICAL)
+    name: str  # canonical technique name (one of lowvram.vocab.CANONICAL)
     value: object  # the value of that technique when this rung is used
     tier: int  # ladder order; a higher tier is used only when the lower ones do not fit
     slowdown: float  # step time with / without it (1.0 = free; < 1 = faster)
@@ -183,11 +177,3 @@ def setup_tier(setup) -> int:
     if setup.offload != "none":
         tier = TIER_OFFLOAD
     return tier
-
-
-def percent(slowdown: float) -> str:
-    """'~25% slower', '~20% faster', 'no speed cost' (for reasons and the ladder)."""
-    delta = round((slowdown - 1.0) * 100)
-    if delta == 0 or math.isclose(slowdown, 1.0):
-        return "no speed cost"
-    return f"~{abs(delta)}% {'slower' if delta > 0 else 'faster'}"

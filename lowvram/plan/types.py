@@ -9,19 +9,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-Precision = Literal["bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32"]
-Quant = Literal["none", "nf4", "nf4-dq", "fp4", "int8"]
-Optim = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"]
-OffloadKind = Literal[
-    "none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload", "fsdp", "fsdp-offload"
-]
+from lowvram.vocab import (
+    ATTENTIONS,
+    LOSSES,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANTIZATIONS,
+    WEIGHT_DTYPE,
+)
 
-
-# The dtype each precision stores the (non-quantized) weights in: bf16/fp16 keep 16-bit weights,
-# *-mixed keeps fp32 master weights under autocast, fp32 is fp32 (PyTorch AMP docs). A recipe's
-# model.dtype therefore fixes which precisions are possible (lowvram.plan.resolve).
-WEIGHT_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",
-                "fp16-mixed": "float32", "fp32": "float32"}
+Precision = Literal[PRECISIONS]
+Quant = Literal[QUANTIZATIONS]
+Optim = Literal[OPTIMIZERS]
+OffloadKind = Literal[OFFLOADS]
+Attention = Literal[ATTENTIONS]
+Loss = Literal[LOSSES]
 
 
 def precisions_for_dtype(dtype: str) -> tuple[str, ...]:
@@ -51,8 +54,8 @@ class Plan:
     quantization: Quant
     optimizer: Optim
     offload: OffloadKind
-    attention: Literal["sdpa", "eager", "flash_attention_2"]
-    loss: Literal["standard", "chunked"]
+    attention: Attention
+    loss: Loss
     gpus: int = 1
     # The rest of the run setup the memory model read; training takes these from the Plan.
     seq_len: int = 1024

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,11 +208,6 @@ def launch_command(config_path: Path, recipe_path: Path, overrides: list[str] | 
     return cmd + list(extra)
 
 
-def shell_line(cmd: list[str]) -> str:
-    """The command as a user would paste it into a shell."""
-    return " ".join(shlex.quote(c) for c in cmd)
-
-
 # --------------------------------------------------------------------------------------------
 # `lowvram train --gpus N`: check, write the files, start accelerate, explain failures
 
@@ -255,6 +249,7 @@ class Launch:
     config_path: Path
     plan_path: Path
     output_dir: Path
+    backend: str  # ddp | fsdp | deepspeed (BACKENDS), for the report
 
 
 def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: LaunchSpec,
@@ -277,7 +272,7 @@ def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: Launc
     plan_path = write_plan(plan, out)
     extra = ["--resume"] if resume else []
     cmd = launch_command(cfg_path, Path(recipe_path).resolve(), list(overrides), extra, spec, plan_path, plan)
-    return Launch(cmd, cfg_path, plan_path, out)
+    return Launch(cmd, cfg_path, plan_path, out, backend_for(plan))
 
 
 # torchrun / c10d messages that mean the processes never found each other.

@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
-from lowvram.report import mem as _size  # GiB, or MiB below 1 GiB
 from lowvram.runs import read_json, read_yaml_dict
+from lowvram.units import mem as _size  # GiB, or MiB below 1 GiB
+from lowvram.vocab import COMPUTE_DTYPE, WEIGHT_DTYPE
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MERGE_INFO = "lowvram_merge.json"
@@ -161,13 +162,12 @@ def merge_dtype(recipe: dict, plan: dict, override: str = "auto") -> str:
     if override != "auto":
         return override
     mp = str(plan.get("mixed_precision") or "fp32")
-    from_mp = "bfloat16" if mp.startswith("bf16") else "float16" if mp.startswith("fp16") else "float32"
     if plan.get("quantization", "none") != "none":
-        return from_mp  # bnb_4bit_compute_dtype (model.py) follows mixed_precision
+        return COMPUTE_DTYPE.get(mp, "float32")  # bnb_4bit_compute_dtype (model.py) follows mixed_precision
     stored = (recipe.get("model") or {}).get("dtype", "auto")
     if stored in DTYPE_BYTES:
         return stored
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(mp, "float32")  # *-mixed keeps fp32 weights
+    return WEIGHT_DTYPE.get(mp, "float32")  # *-mixed keeps fp32 weights
 
 
 def count_base_parameters(source: str) -> int | None:

@@ -208,10 +208,10 @@ def _fresh_like(loaded, config):
 
 def weight_dtype(plan):
     """Storage dtype of the weights: what the plan's precision keeps (a recipe's model.dtype
-    already chose the precision, lowvram.plan.resolve)."""
+    already chose the precision, lowvram.planning)."""
     import torch
 
-    from lowvram.plan.types import WEIGHT_DTYPE
+    from lowvram.vocab import WEIGHT_DTYPE
 
     return getattr(torch, WEIGHT_DTYPE[plan.mixed_precision])
 

@@ -100,7 +100,7 @@ def emulated_vram_bytes() -> int | None:
     text = os.environ.get(EMULATE_ENV)
     if not text:
         return None
-    from lowvram.hardware import parse_size
+    from lowvram.units import parse_size
 
     return parse_size(text)
 
@@ -109,7 +109,7 @@ class TrainingOOM(LowvramError):
     """Out of memory during training, with what the retry needs to know."""
 
     def __init__(self, step: int, measured_peak_bytes: int | None, plan, detail: str) -> None:
-        from lowvram.report import mem as gib  # MiB below 1 GiB
+        from lowvram.units import mem as gib  # MiB below 1 GiB
 
         measured = f"measured {gib(measured_peak_bytes)}, " if measured_peak_bytes else ""
         super().__init__(
@@ -338,7 +338,7 @@ def _free_memory() -> None:
 
 
 def _final_failure(err: TrainingOOM, retries: list[Retry], why: str) -> LowvramError:
-    from lowvram.report import mem as gib  # MiB below 1 GiB
+    from lowvram.units import mem as gib  # MiB below 1 GiB
 
     plan = err.plan
     parts = {k: v for k, v in (plan.breakdown or {}).items() if v}
@@ -472,7 +472,7 @@ def _record_retry(err: TrainingOOM, plan, new, ckpts: list[Path], retries: list[
 
 
 def _retry_line(err: TrainingOOM, retry: Retry, n: int, max_retries: int) -> str:
-    from lowvram.report import mem as gib  # MiB below 1 GiB
+    from lowvram.units import mem as gib  # MiB below 1 GiB
 
     measured = f" (measured {gib(err.measured_peak_bytes)})" if err.measured_peak_bytes else ""
     start = f"resuming from {Path(retry.resumed_from).name}" if retry.resumed_from else "starting over"
@@ -482,7 +482,7 @@ def _retry_line(err: TrainingOOM, retry: Retry, n: int, max_retries: int) -> str
 def _next_plan(recipe, err: TrainingOOM):
     """The chooser's next cheaper plan for this recipe (None when the model cannot be read)."""
     from lowvram.plan.choose import next_cheaper
-    from lowvram.plan.resolve import build_request, recipe_model
+    from lowvram.planning import build_request, recipe_model
 
     try:
         spec = recipe_model(recipe)

@@ -177,7 +177,7 @@ def _memory_tracker(plan, model, track: bool = True):
     if plan.device != "cpu":
         return None
     try:
-        from lowvram.measure import LiveBytes
+        from lowvram.livebytes import LiveBytes
     except ImportError:
         return None
     from lowvram.train.recover import emulated_vram_bytes
@@ -256,7 +256,7 @@ def _prediction_at_data_length(recipe, plan, bundle) -> dict:
     longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
     if not 0 < longest < recipe.training.seq_len:
         return {}
-    from lowvram.plan.resolve import predict_peak_at
+    from lowvram.planning import predict_peak_at
 
     at_data = predict_peak_at(recipe, plan, longest)
     return {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": at_data} if at_data else {}
@@ -323,7 +323,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     if track_memory is None:  # launched workers: `--no-track-memory` reaches them through this variable
         track_memory = os.environ.get("LOWVRAM_TRACK_MEMORY", "1") != "0"
     tracker = _memory_tracker(plan, loaded.model, track_memory)
-    from lowvram.measure import memory_history_callback
+    from lowvram.livebytes import memory_history_callback
 
     mem_history = memory_history_callback(plan.device, tracker)
     trainer.add_callback(mem_history)

@@ -8,16 +8,7 @@ import os
 from pathlib import Path
 
 from lowvram.errors import LowvramError
-
-# Plan optimizer name -> TrainingArguments.optim (transformers OptimizerNames).
-OPTIM_NAMES = {
-    "adamw": "adamw_torch_fused",  # the one step the planner models: in place, no temporaries
-    "adamw_8bit": "adamw_bnb_8bit",
-    "paged_adamw_8bit": "paged_adamw_8bit",
-    "paged_adamw_32bit": "paged_adamw_32bit",
-    "adafactor": "adafactor",
-    "sgd": "sgd",
-}
+from lowvram.vocab import TRAINER_OPTIMIZERS
 
 
 def output_dir(recipe) -> Path:
@@ -94,7 +85,7 @@ def build_training_args(recipe, plan, has_eval: bool = False):
         # transformers 5 name; gradient_checkpointing is its deprecated alias (removed in v6).
         activation_checkpointing=plan.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if plan.gradient_checkpointing else None,
-        optim=OPTIM_NAMES[plan.optimizer],
+        optim=TRAINER_OPTIMIZERS[plan.optimizer],
         learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler,
         warmup_steps=t.warmup_ratio,  # a float < 1 is a fraction of the total steps (transformers 5)

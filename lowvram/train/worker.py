@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
             plan = read_plan(args.plan)
         else:
-            from lowvram.plan.resolve import plan_for_recipe
+            from lowvram.planning import plan_for_recipe
 
             plan = plan_for_recipe(recipe, gpus=int(os.environ.get("WORLD_SIZE", "1")))
         import json

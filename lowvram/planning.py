@@ -1,5 +1,6 @@
-"""Recipe (+ command-line choices) -> Plan. The one entry point `lowvram train` and `lowvram plan`
-share, so the two never disagree.
+"""Recipe (+ command-line choices, + detected hardware) -> PlanRequest -> Plan: the one bridge into
+the pure :mod:`lowvram.plan`, and the one entry point `lowvram train` and `lowvram plan` share, so
+the two never disagree.
 
 When the model's architecture can be read (catalog name, a folder with config.json, a cached hub
 id) the memory-driven chooser (:mod:`lowvram.plan.choose`) picks every ``auto`` technique. When it
@@ -14,21 +15,29 @@ from __future__ import annotations
 import os
 
 from lowvram.errors import LowvramError
-from lowvram.plan.types import WEIGHT_DTYPE, Plan, dtype_precision, precisions_for_dtype
+from lowvram.plan.types import Plan, dtype_precision, precisions_for_dtype
 from lowvram.recipe import Recipe, TrainingSection
-
-ON_VALUES = {
-    "quantization": "nf4-dq",
-    "optimizer": "adamw_8bit",
-    "offload": "optimizer",
-}
+from lowvram.units import gib, parse_size
+from lowvram.vocab import (
+    ATTENTIONS,
+    BNB_OPTIMIZERS,
+    LOSSES,
+    OFF_VALUES,
+    OFFLOADS,
+    ON_VALUES,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANTIZATIONS,
+    WEIGHT_DTYPE,
+    on_off,
+)
 
 # `--method` is a shorthand for the lora and quantization techniques.
-METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, "nf4-dq")}
+METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, ON_VALUES["quantization"])}
 
 
 def _precision(value: str, kind: str, bf16: bool, dtype: str = "auto") -> tuple[str, str]:
-    if value in ("bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32"):
+    if value in PRECISIONS:
         return value, "set in the recipe"
     if dtype != "auto":
         picked = dtype_precision(dtype, kind, bf16)
@@ -55,9 +64,10 @@ def check_dtype(recipe: Recipe) -> None:
         f"set mixed_precision to one of {', '.join(precisions_for_dtype(dtype))}, or model.dtype: auto")
 
 
-def _fixed_value(name: str, value: str, default: str) -> str:
-    """A recipe value with no memory model: ``on`` -> the technique's on-value, auto/off -> default."""
-    return default if value in ("auto", "off") else _on_off(value, ON_VALUES[name], default)
+def _fixed_value(name: str, value: str) -> str:
+    """A recipe value with no memory model: ``on`` -> the technique's on-value, auto/off -> off."""
+    off = OFF_VALUES[name]
+    return off if value in ("auto", "off") else on_off(value, ON_VALUES[name], off)
 
 
 def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: int = 1) -> Plan:
@@ -70,15 +80,15 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
     lora = t.lora != "off"
     reasons["lora"] = "set in the recipe" if t.lora != "auto" else "default: train LoRA adapters (16 bytes per adapter param instead of per weight)"
 
-    quant = _fixed_value("quantization", t.quantization, "none")
+    quant = _fixed_value("quantization", t.quantization)
     reasons["quantization"] = "set in the recipe" if t.quantization not in ("auto",) else "default: full-precision base"
     if quant != "none" and not lora:
         raise LowvramError("quantization needs lora", "set techniques.lora: on, or quantization: off")
 
-    optim = _fixed_value("optimizer", t.optimizer, "adamw")
+    optim = _fixed_value("optimizer", t.optimizer)
     reasons["optimizer"] = "set in the recipe" if t.optimizer != "auto" else "default: torch AdamW"
 
-    offload = _fixed_value("offload", t.offload, "none")
+    offload = _fixed_value("offload", t.offload)
     reasons["offload"] = "set in the recipe" if t.offload != "auto" else "default: no offload"
 
     gc = t.gradient_checkpointing == "on"
@@ -142,7 +152,6 @@ def make_budget(vram: str | None = None, hardware=None):
     - Otherwise the hardware is detected: the first GPU's free memory; on a CPU-only machine the
       plan is for a CPU run against the available host RAM, and a note says so.
     """
-    from lowvram.hardware import parse_size
     from lowvram.plan.choose import Budget
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
@@ -173,17 +182,13 @@ def make_budget(vram: str | None = None, hardware=None):
 # Request: recipe choices, then command-line choices on top
 
 
-def _on_off(value: str, on, off):
-    return {"on": on, "off": off}.get(value, value)
-
-
 def recipe_choices(recipe: Recipe) -> dict:
     """The recipe's fixed (non-auto) techniques as PlanRequest fields."""
     t = recipe.techniques
     out: dict = {}
     check_dtype(recipe)
     if t.mixed_precision not in ("auto", "on"):  # on = bf16 where supported: what auto picks
-        out["mixed_precision"] = _on_off(t.mixed_precision, None, "fp32")
+        out["mixed_precision"] = on_off(t.mixed_precision, None, OFF_VALUES["mixed_precision"])
     elif recipe.model.dtype != "auto":
         out["weight_dtype"] = recipe.model.dtype  # the chooser picks a precision storing it
     if t.gradient_checkpointing != "auto":
@@ -197,11 +202,11 @@ def recipe_choices(recipe: Recipe) -> dict:
     if t.lora != "auto":
         out["lora"] = t.lora == "on"
     if t.quantization != "auto":
-        out["quantization"] = _on_off(t.quantization, ON_VALUES["quantization"], "none")
+        out["quantization"] = on_off(t.quantization, ON_VALUES["quantization"], OFF_VALUES["quantization"])
     if t.optimizer != "auto":
-        out["optimizer"] = _on_off(t.optimizer, ON_VALUES["optimizer"], "adamw")
+        out["optimizer"] = on_off(t.optimizer, ON_VALUES["optimizer"], OFF_VALUES["optimizer"])
     if t.offload != "auto":
-        out["offload"] = _on_off(t.offload, ON_VALUES["offload"], "none")
+        out["offload"] = on_off(t.offload, ON_VALUES["offload"], OFF_VALUES["offload"])
     if t.attention != "auto":
         out["attention"] = t.attention
     if t.loss != "auto":
@@ -313,8 +318,6 @@ def require_fit(plan: Plan, recipe_path) -> None:
     """`lowvram train` refuses a plan the planner itself says does not fit (no technique left)."""
     if plan.fits is not False:
         return
-    from lowvram.report import gib
-
     raise LowvramError(
         f"the run does not fit: predicted peak {gib(plan.predicted_peak_bytes)} > budget "
         f"{gib(plan.budget_bytes)} even with every technique left on auto",
@@ -347,9 +350,7 @@ def predict_peak_at(recipe: Recipe, plan: Plan, seq_len: int) -> int | None:
 
 def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     """Before planning: a budget no run fits in, or a recipe forcing what the card cannot do."""
-    from lowvram.hardware import parse_size
     from lowvram.plan.memory import cuda_overheads
-    from lowvram.report import gib
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     budget = parse_size(override) if override else hardware.budget_bytes
@@ -380,7 +381,7 @@ def check_runnable(plan: Plan, hardware) -> Plan:
 
 def _check_bnb(quantization: str, optimizer: str, hardware) -> None:
     needs_bnb = [f"quantization {quantization}"] if quantization not in ("none", "off", "auto") else []
-    if optimizer in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "on"):
+    if optimizer in (*BNB_OPTIMIZERS, "on"):
         needs_bnb.append(f"optimizer {ON_VALUES['optimizer'] if optimizer == 'on' else optimizer}")
     if not needs_bnb:
         return
@@ -409,13 +410,12 @@ def _fixed_with_note(recipe: Recipe, kind: str, bf16: bool, err: LowvramError, g
 
 _CHOICES = {
     "method": tuple(METHODS),
-    "precision": ("bf16", "fp16", "fp32", "bf16-mixed", "fp16-mixed"),
-    "quant": ("none", "nf4", "nf4-dq", "fp4", "int8"),
-    "optim": ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"),
-    "loss": ("standard", "chunked"),
-    "attn": ("sdpa", "eager", "flash_attention_2"),
-    "offload": ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
-                "fsdp", "fsdp-offload"),
+    "precision": PRECISIONS,
+    "quant": QUANTIZATIONS,
+    "optim": OPTIMIZERS,
+    "loss": LOSSES,
+    "attn": ATTENTIONS,
+    "offload": OFFLOADS,
 }
 
 

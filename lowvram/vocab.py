@@ -1,0 +1,78 @@
+"""One technique vocabulary: the names of the techniques, the values each takes, the on/off words,
+and the few facts that hang on a value (its dtype, its Trainer name). The recipe schema, the
+planner, the CLI and training all read these; none spells them again.
+
+The bottom of the package: imports nothing (STYLE.md "One canonical name per technique").
+"""
+
+from __future__ import annotations
+
+# The seven memory techniques, one canonical name each (the same in YAML, --help, plan output
+# and code), plus two first-class knobs.
+TECHNIQUES = (
+    "mixed_precision",
+    "gradient_checkpointing",
+    "gradient_accumulation",
+    "lora",
+    "quantization",
+    "optimizer",
+    "offload",
+)
+KNOBS = ("attention", "loss")
+CANONICAL = TECHNIQUES + KNOBS
+
+# The values a Plan holds.
+# bf16/fp16: weights stored and trained in 16 bit; *-mixed: fp32 weights + autocast; fp32: none.
+PRECISIONS = ("bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32")
+QUANTIZATIONS = ("none", "nf4", "nf4-dq", "fp4", "int8")  # a quantized base needs LoRA
+# Optimizer -> the Trainer's TrainingArguments.optim (transformers OptimizerNames).
+TRAINER_OPTIMIZERS = {
+    "adamw": "adamw_torch_fused",  # the step the planner models: in place, no temporaries
+    "adamw_8bit": "adamw_bnb_8bit",
+    "paged_adamw_8bit": "paged_adamw_8bit",
+    "paged_adamw_32bit": "paged_adamw_32bit",
+    "adafactor": "adafactor",
+    "sgd": "sgd",
+}
+OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
+# Optimizers that come from bitsandbytes (as the quantizations other than none do).
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+# Offload or shard: optimizer/full on one GPU (DeepSpeed ZeRO-Offload/-Infinity), the rest with
+# several GPUs (DeepSpeed ZeRO-2/3, FSDP2), "-offload" adding CPU offload.
+OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
+            "fsdp", "fsdp-offload")
+ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
+LOSSES = ("standard", "chunked")
+
+# What a recipe may write instead of a value: auto (the planner decides), on, off.
+SWITCH = ("auto", "on", "off")
+# true/false and the YAML 1.1 words yes/no/y/n mean on/off for a technique.
+ON_OFF_WORDS = {"yes": "on", "y": "on", "no": "off", "n": "off", "on": "on", "off": "off"}
+# The value `on` stands for, per technique that has one.
+ON_VALUES = {
+    "quantization": "nf4-dq",
+    "optimizer": "adamw_8bit",
+    "offload": "optimizer",
+}
+# The value `off` stands for (also what a technique is without a memory model to choose it).
+OFF_VALUES = {
+    "mixed_precision": "fp32",
+    "quantization": "none",
+    "optimizer": "adamw",
+    "offload": "none",
+}
+
+
+def on_off(value, on, off):
+    """``value`` with the words on/off replaced by ``on``/``off``; any other value unchanged."""
+    return {"on": on, "off": off}.get(value, value)
+
+
+# Dtype names (torch attribute names), as model.dtype and `lowvram merge --dtype` write them.
+DTYPES = ("bfloat16", "float16", "float32")
+# Precision -> dtype the weights are stored in (*-mixed keeps fp32 master weights).
+WEIGHT_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",
+                "fp16-mixed": "float32", "fp32": "float32"}
+# Precision -> dtype the matmuls run in (autocast; a 4-bit base's compute dtype).
+COMPUTE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "bfloat16",
+                 "fp16-mixed": "float16", "fp32": "float32"}
