@@ -234,6 +234,8 @@ def plan(
 
         r = load_recipe(recipe, set_ or [])
     model_ref = model or (_recipe_model_ref(r) if r else None)
+    if model_ref:
+        _fetch_hub_config(model_ref, explicit=model is not None)
     if simulate and model_ref:
         _register_for_simulation(model_ref)
     result = planning.make_plan(
@@ -262,6 +264,19 @@ def plan(
 def _recipe_model_ref(r) -> str:
     local = r.resolve_path(r.model.name_or_path)
     return str(local) if local.exists() else r.model.name_or_path
+
+
+def _fetch_hub_config(model_ref: str, explicit: bool) -> None:
+    """A hub id the catalog and the hub cache do not know: fetch its config.json (that file only).
+    A recipe's model that cannot be fetched keeps the fixed plan with its note; --model errors."""
+    from lowvram.errors import LowvramError
+    from lowvram.hub import ensure_config
+
+    try:
+        ensure_config(model_ref)
+    except LowvramError:
+        if explicit:
+            raise
 
 
 def _register_for_simulation(model_ref: str) -> None:

@@ -115,3 +115,33 @@ def test_cli_refuses_instead_of_a_dense_estimate(tmp_path):
     r = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--vram", "24GB"])
     assert r.exit_code == 1
     assert "does not model" in r.stderr and "--simulate" in r.stderr
+
+
+# The analytic plan against the real step on a scaled-down MoE (2 layers, 8 experts, top-2):
+# fake tensors (the simulated step) in bf16 and real CPU tensors through the exact live-bytes
+# tracker in fp32 (FakeTensorMode's grouped_mm accepts bf16 only). Measured: Mixtral LoRA bf16
+# -0.34% (seq 256) / -0.77% (1024), every other case within 0.3%; the same numbers come out of
+# the real CPU step. With gradient checkpointing the plan is 7-19% high on these tiny models
+# (dense tiny Qwen3 / Mistral too: the fitted recompute share), not covered here.
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_analytic_equals_the_simulated_step_on_a_small_moe(name, lora):
+    pytest.importorskip("torch")
+    from lowvram.check.simulate import simulate_memory
+
+    spec = spec_from_config(CONFIGS[name], name)
+    setup = RunSetup(spec, seq_len=256, micro_batch_size=1, device="cpu", precision="bf16", lora=lora)
+    est, sim = estimate_memory(setup), simulate_memory(setup)
+    assert abs(est.peak_bytes - sim.peak_bytes) / sim.peak_bytes < 0.01, (est.breakdown, sim.breakdown)
+
+
+@pytest.mark.parametrize("name,lora", [("mixtral", True), ("qwen3_moe", False)])
+def test_analytic_equals_a_real_cpu_step_on_a_small_moe(name, lora):
+    pytest.importorskip("torch")
+    from lowvram.measure import measure_setup
+
+    spec = spec_from_config(CONFIGS[name], name)
+    setup = RunSetup(spec, seq_len=256, micro_batch_size=1, device="cpu", precision="fp32", lora=lora)
+    measured = measure_setup(setup).peak_bytes
+    # measured: Mixtral LoRA 8,442,360 vs 8,442,112 planned; Qwen3-MoE full 6,980,140 vs 6,985,984
+    assert abs(estimate_memory(setup).peak_bytes - measured) / measured < 0.005

@@ -231,6 +231,11 @@ def _aliases() -> dict[str, str]:
     return out
 
 
+def is_catalog_name(name: str) -> bool:
+    """A catalog name, alias or hub id of a catalog entry (case-insensitive)."""
+    return name.strip().lower() in _aliases()
+
+
 def catalog_names() -> list[str]:
     """Canonical catalog names (aliases and hub ids resolve to these)."""
     return sorted(_catalog())
@@ -472,7 +477,8 @@ def spec_from_gguf(path: Path, name: str) -> ModelSpec:
     return spec_from_config({k: v for k, v in cfg.items() if v is not None}, name)
 
 
-def _hub_cache_config(hub_id: str) -> Path | None:
+def hub_cache_config(hub_id: str) -> Path | None:
+    """The newest cached config.json of a hub id (huggingface_hub's cache layout), or None."""
     root = Path(os.environ.get("HF_HUB_CACHE") or Path(
         os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
     folder = root / ("models--" + hub_id.replace("/", "--"))
@@ -514,7 +520,7 @@ def resolve_model(name_or_path: str) -> ModelSpec:
             return spec_from_gguf(path, path.stem)
         return _read_config(path, path.parent.name)
     if "/" in key:
-        cached = _hub_cache_config(key)
+        cached = hub_cache_config(key)
         if cached is not None:
             return _read_config(cached, key)
     close = difflib.get_close_matches(key.lower(), list(_aliases()), n=3, cutoff=0.5)
