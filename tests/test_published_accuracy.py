@@ -94,3 +94,14 @@ def test_units():
     assert pa.parse_size("300 MiB") == 300 * 2**20
     with pytest.raises(ValueError):
         pa.parse_size("3 gigs")
+
+
+def test_readme_headline_is_the_results_file():
+    """The README's held-out figures are the ones bench/results/published_accuracy.txt holds:
+    re-running the bench after a planner change must refresh them too."""
+    readme = (REPO / "README.md").read_text()
+    n, median, mean = _headline(RESULTS, "held out (never used in any fit)")
+    assert f"**median {median}%**" in readme and f"mean {mean:+.1f}%".replace("+", "") in readme.replace("+", "")
+    by_method = {m: _headline(RESULTS, "  " + m)[1] for m in ("lora", "qlora")}
+    assert f"**LoRA {by_method['lora']}%**" in readme
+    assert f"**QLoRA {by_method['qlora']}% under**" in readme
