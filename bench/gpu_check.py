@@ -2,7 +2,8 @@
 
 Random-init real architectures from the catalog (no downloads). For each model and technique
 the model is built once; at each sequence length one warm-up step (the optimizer state
-exists) and one measured step run the way the Trainer runs them (lowvram.measure._one_step).
+exists) and one measured step of the Trainer lowvram train builds
+(lowvram.measure.measure_trainer_step).
 Measured: torch.cuda.max_memory_allocated (tensors: compared with the planner's tensor terms),
 max_memory_reserved (allocator slack) and, from torch.cuda.mem_get_info, the device memory the
 process holds outside the caching allocator (CUDA context, kernels, cuBLAS/cuDNN handles).
@@ -63,7 +64,8 @@ def other_processes_bytes() -> int:
 
 
 class CudaProbe:
-    """Peak tensor bytes and allocator reserve from the caching allocator, device use from the driver."""
+    """Peak tensor bytes and allocator reserve from the caching allocator, device use from the driver.
+    Called by lowvram.measure.measure_trainer_step around the second Trainer step."""
 
     device = "cuda"
 
@@ -73,56 +75,49 @@ class CudaProbe:
         self.torch = torch
         self.total = torch.cuda.get_device_properties(0).total_memory
 
-    tracker = None
-
-    def start(self, *objs):
+    def start(self, model, optimizer):
         self.torch.cuda.synchronize()
         self.torch.cuda.reset_peak_memory_stats()
+        self.t0 = time.time()
 
-    def stop(self) -> dict:
+    def mark(self, phase):  # the caching allocator keeps one peak for the whole step
+        pass
+
+    def stop(self, last_phase) -> dict:
         cuda = self.torch.cuda
         cuda.synchronize()
         free, total = cuda.mem_get_info()
         return dict(allocated=cuda.max_memory_allocated(), reserved=cuda.max_memory_reserved(),
-                    outside_allocator=(total - free) - cuda.memory_reserved())
+                    outside_allocator=(total - free) - cuda.memory_reserved(),
+                    step_s=round(time.time() - self.t0, 3))
 
     def release(self):
         gc.collect()
         self.torch.cuda.empty_cache()
 
 
-class CpuProbe:
-    """--dry-run: the live tensor bytes of the step (lowvram.livebytes.LiveBytes); no allocator."""
+def _cpu_probe():
+    """--dry-run: the live tensor bytes of the step (lowvram.measure.TrackerProbe); no allocator."""
+    from lowvram.measure import TrackerProbe
 
-    device = "cpu"
-    total = 24 * GIB
+    class CpuProbe(TrackerProbe):
+        total = 24 * GIB
 
-    def start(self, *objs):
-        from lowvram.livebytes import LiveBytes
+        def start(self, model, optimizer):
+            self.t0 = time.time()
+            super().start(model, optimizer)
 
-        gc.collect()
-        self.tracker = LiveBytes()
-        self.tracker.register(*objs)  # what exists before the step: weights, optimizer, inputs
-        self.tracker.reset_peak()
-        self.tracker.__enter__()
-        self.active = True
+        def stop(self, last_phase) -> dict:
+            peak = super().stop(last_phase).peak_bytes
+            return dict(allocated=peak, reserved=peak, outside_allocator=0, step_s=round(time.time() - self.t0, 3))
 
-    def stop(self) -> dict:
-        self.tracker.__exit__(None, None, None)
-        self.active = False
-        peak = self.tracker.peak_bytes
-        return dict(allocated=peak, reserved=peak, outside_allocator=0)
-
-    def release(self):
-        if getattr(self, "active", False):  # a step that failed half-way: leave the mode
-            self.tracker.__exit__(None, None, None)
-            self.active = False
-        gc.collect()
+    return CpuProbe()
 
 
 def run_technique(probe, spec, kw, seq_lens, saved_dir) -> list[dict]:
-    """Build the model once and measure one step at each sequence length."""
-    from lowvram.measure import _one_step, autocast_dtype, build_model, build_optimizer, make_batch
+    """Build the model once (lowvram train's builders) and measure its second Trainer step at
+    each sequence length (lowvram.measure.measure_trainer_step: the Trainer lowvram train makes)."""
+    from lowvram.measure import build_model, measure_trainer_step
     from lowvram.plan.memory import RunSetup, estimate_memory
 
     setups = [RunSetup(spec, seq_len=s, device=probe.device, **kw) for s in seq_lens]
@@ -140,25 +135,14 @@ def run_technique(probe, spec, kw, seq_lens, saved_dir) -> list[dict]:
     t0 = time.time()
     model = build_model(setups[0], device=probe.device,
                         saved_dir=saved_dir if setups[0].quantization != "none" else None)
-    opt = build_optimizer(model, setups[0].optimizer)
     build_s = time.time() - t0
     for setup, est in fitting:
-        batch = make_batch(setup, device=probe.device)
-        ac = autocast_dtype(setup)
-        chunked = setup.loss == "chunked"
-        _one_step(model, opt, batch, ac, 1.0, setup.grad_accum, chunked_loss=chunked)  # warm-up
-        probe.start(model, opt, batch)
-        t = time.time()
-        _one_step(model, opt, batch, ac, 1.0, setup.grad_accum, tracker=probe.tracker,
-                  chunked_loss=chunked)
-        measured = probe.stop()
+        measured = measure_trainer_step(model, setup, probe, device=probe.device)
         tensors = est.peak_bytes - est.breakdown["cuda_context"] - est.breakdown["allocator"]
         rows.append(dict(seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
                          predicted=est.peak_bytes, predicted_tensors=tensors,
-                         predicted_phase=est.peak_phase, step_s=round(time.time() - t, 3),
-                         build_s=round(build_s, 1), **measured))
-        del batch
-    del model, opt
+                         predicted_phase=est.peak_phase, build_s=round(build_s, 1), **measured))
+    del model
     probe.release()
     return rows
 
@@ -201,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from lowvram.measure import tiny_llama_spec
 
-        probe = CpuProbe()
+        probe = _cpu_probe()
         specs = [("tiny-llama", tiny_llama_spec(hidden_size=128, num_layers=2, vocab_size=2048))]
         seq_lens = (64, 128)
         title = f"CPU dry run, torch {torch.__version__}"

@@ -25,7 +25,7 @@ from lowvram.measure import (  # noqa: E402
     build_model,
     build_optimizer,
     make_batch,
-    measure_training_step,
+    measure_trainer_step,
     tiny_llama_spec,
 )
 from lowvram.plan.memory import RunSetup, estimate_memory  # noqa: E402
@@ -56,7 +56,8 @@ def run(setup: RunSetup, steps: int = 2):
         t0 = time.perf_counter()
         one_step(model, opt, batch, ac, 1.0, 1, chunked_loss=chunked)
         times.append(time.perf_counter() - t0)
-    mem = measure_training_step(model, opt, batch, autocast_dtype=ac, warmup=False, chunked_loss=chunked)
+    # memory: the Trainer lowvram train builds, second step, exact live bytes
+    mem = measure_trainer_step(model, setup)
     return mem.peak_bytes, statistics.median(times)
 
 

@@ -61,6 +61,9 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or [])
+    from lowvram.train.preflight import check_inputs
+
+    check_inputs(r)
     report.show_validated(r, recipe, as_json=json_)
 
 
@@ -103,6 +106,9 @@ def train(
         _train_launched(*launched)
         return
     if dry_run:
+        from lowvram.train.preflight import check_inputs
+
+        check_inputs(r)
         report.show_dry_run(r, plan, as_json=json_)
         return
     require_fit(plan, recipe)
@@ -143,15 +149,19 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
         from lowvram.planning import require_fit
 
         require_fit(plan, recipe_path)
-    prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume,
-                                     overwrite=overwrite, print_only=print_launch)
-    report.show_launch(r, plan, spec, prepared, print_only=print_launch)
     if print_launch:
+        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, print_only=True)
+        report.show_launch(r, plan, spec, prepared, print_only=True)
         return
+    from lowvram.train.lock import run_lock
     from lowvram.train.recover import launch_with_recovery
+    from lowvram.train.trainer import output_dir
 
-    rc = launch_with_recovery(r, recipe_path, overrides, plan, spec, prepared, recover=recover,
-                              max_retries=max_retries, track_memory=track_memory)
+    with run_lock(output_dir(r), "lowvram train --gpus"):
+        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume, overwrite=overwrite)
+        report.show_launch(r, plan, spec, prepared)
+        rc = launch_with_recovery(r, recipe_path, overrides, plan, spec, prepared, recover=recover,
+                                  max_retries=max_retries, track_memory=track_memory)
     if rc != 0:
         raise typer.Exit(rc)
     if node_rank == 0:
@@ -215,6 +225,8 @@ def plan(
 
         r = load_recipe(recipe, set_ or [])
     model_ref = model or (_recipe_model_ref(r) if r else None)
+    if model_ref:
+        _fetch_hub_config(model_ref, explicit=model is not None)
     if simulate and model_ref:
         _register_for_simulation(model_ref)
     result = planning.make_plan(
@@ -243,6 +255,19 @@ def plan(
 def _recipe_model_ref(r) -> str:
     local = r.resolve_path(r.model.name_or_path)
     return str(local) if local.exists() else r.model.name_or_path
+
+
+def _fetch_hub_config(model_ref: str, explicit: bool) -> None:
+    """A hub id the catalog and the hub cache do not know: fetch its config.json (that file only).
+    A recipe's model that cannot be fetched keeps the fixed plan with its note; --model errors."""
+    from lowvram.errors import LowvramError
+    from lowvram.hub import ensure_config
+
+    try:
+        ensure_config(model_ref)
+    except LowvramError:
+        if explicit:
+            raise
 
 
 def _register_for_simulation(model_ref: str) -> None:
@@ -303,12 +328,14 @@ def merge(
 ) -> None:
     """Merge a run's LoRA adapter into its base model and save a plain transformers folder."""
     from lowvram import report
+    from lowvram.train.lock import run_lock
     from lowvram.train.merge import merge_run, plan_merge
 
-    mp = plan_merge(run_dir, out, dtype=dtype)
-    if not json_:
-        report.show_merge_plan(mp)
-    report.show_merge_result(merge_run(mp), as_json=json_)
+    with run_lock(out, "lowvram merge --out"):
+        mp = plan_merge(run_dir, out, dtype=dtype)
+        if not json_:
+            report.show_merge_plan(mp)
+        report.show_merge_result(merge_run(mp), as_json=json_)
 
 
 @app.command()

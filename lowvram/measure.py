@@ -82,7 +82,10 @@ def measure_training_step(
     chunked_loss: bool = False,
 ) -> StepMemory:
     """Peak live tensor bytes of one steady-state step: model.train(), loss from the model with
-    labels, backward, clip, optimizer.step(), zero_grad(set_to_none=True) (transformers Trainer).
+    labels, backward, clip, optimizer.step(), zero_grad(set_to_none=True), as the transformers
+    Trainer runs them. The simulator's step (no Trainer can be built on fake tensors): real runs
+    are measured through the Trainer itself (:func:`measure_trainer_step`), and
+    tests/test_plan_simulate.py checks that the two agree.
 
     ``warmup`` runs one untracked step first so the optimizer state exists (else the peak is low).
     ``breakdown`` also sorts the bytes alive at the peak by kind (``logits_dim``: the vocabulary
@@ -147,6 +150,7 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
     )
     if spec.rope_theta:
         kw["rope_theta"] = spec.rope_theta
+    kw.update(_moe_config_kwargs(spec))
     cfg = AutoConfig.for_model(spec.model_type, **kw)
     cfg._attn_implementation = attention
     # the spec's dropout, under whichever names this config class uses
@@ -157,111 +161,107 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
     return cfg
 
 
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",
-           "fp16-mixed": "float32", "fp32": "float32"}
+def _moe_config_kwargs(spec: ModelSpec) -> dict:
+    """The MoE fields of a spec under its config class's names (see models._MOE_ARCH)."""
+    if not spec.is_moe:
+        return {}
+    if spec.model_type in ("mixtral", "olmoe"):
+        return dict(num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                    intermediate_size=spec.moe_intermediate_size)
+    kw = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+              moe_intermediate_size=spec.moe_intermediate_size, mlp_only_layers=[],
+              decoder_sparse_step=1)
+    if spec.model_type == "qwen2_moe":
+        kw.update(shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+                  qkv_bias=spec.qkv_bias)
+    return kw
+
+
+def setup_plan(setup, device: str = "cpu"):
+    """The Plan ``lowvram train`` runs a RunSetup with: what train's builders read."""
+    from lowvram.plan.types import Plan
+
+    return Plan(
+        device=device, mixed_precision=setup.precision,
+        gradient_checkpointing=setup.gradient_checkpointing, micro_batch_size=setup.micro_batch_size,
+        grad_accum=setup.grad_accum, lora=setup.lora, quantization=setup.quantization,
+        optimizer=setup.optimizer, offload="none", attention=setup.attention, loss=setup.loss,
+        seq_len=setup.seq_len, lora_r=setup.lora_r, lora_alpha=2 * setup.lora_r,
+        lora_dropout=setup.lora_dropout, lora_targets=tuple(setup.lora_targets),
+    )
 
 
 def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = "cpu",
                 saved_dir: str | None = None):
-    """The model a RunSetup trains, random init, on ``device``: transformers + peft +
-    bitsandbytes, prepared as lowvram's trainer does (base frozen, no fp32 upcast; with
-    setup.kbit_prepare, peft's prepare_model_for_kbit_training instead).
+    """The model a RunSetup trains, random init, on ``device``, loaded and prepared by the
+    functions ``lowvram train`` uses (lowvram.train.model: ``load_kwargs`` for dtype, attention
+    and bitsandbytes, ``prepare_model`` for k-bit preparation, adapters and checkpointing).
 
-    Unquantized models are initialised on ``device`` directly (a 7B model on a GPU in seconds).
-    Quantized ones go through ``from_pretrained`` (bitsandbytes quantizes while loading) from
-    a random-init checkpoint: saved to ``saved_dir`` once and reused when it already holds one,
-    else to a temporary folder.
+    Unquantized models are built from their config on ``device`` directly (what
+    ``from_pretrained`` of a random checkpoint gives, without writing one: a 7B model on a GPU
+    in seconds). Quantized ones go through ``from_pretrained`` (bitsandbytes quantizes while
+    loading) from a random-init checkpoint: saved to ``saved_dir`` once and reused when it
+    already holds one, else to a temporary folder.
     """
     import tempfile
 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lowvram.train.model import load_kwargs, prepare_model
+
     torch.manual_seed(seed)
-    dtype = getattr(torch, _DTYPES[setup.precision])
+    plan = setup_plan(setup, device)
+    kwargs = load_kwargs(plan)
     cfg = hf_config(setup.model, setup.attention)
     if setup.quantization == "none":
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        return finish_model(model, setup)
-    from transformers import BitsAndBytesConfig
-
-    if setup.quantization == "int8":
-        qc = BitsAndBytesConfig(load_in_8bit=True)
-    else:
-        qc = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="fp4" if setup.quantization == "fp4" else "nf4",
-            bnb_4bit_use_double_quant=setup.quantization == "nf4-dq",
-            bnb_4bit_compute_dtype=torch.bfloat16 if setup.precision != "fp32" else torch.float32,
-        )
+            model = AutoModelForCausalLM.from_config(cfg, dtype=kwargs["dtype"])
+        return prepare_model(model, plan, seed)
 
     def load(d):
         if not os.path.exists(os.path.join(d, "config.json")):
             with torch.device(device):
-                AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(d)
-        return AutoModelForCausalLM.from_pretrained(
-            d, quantization_config=qc, device_map={"": device}, dtype=dtype,
-            attn_implementation=setup.attention)
+                AutoModelForCausalLM.from_config(cfg, dtype=kwargs["dtype"]).save_pretrained(d)
+        return AutoModelForCausalLM.from_pretrained(d, **kwargs)
 
     if saved_dir is not None:
         model = load(saved_dir)
     else:
         with tempfile.TemporaryDirectory(dir=workdir) as d:
             model = load(d)
-    return finish_model(model, setup)
+    return prepare_model(model, plan, seed)
 
 
-def finish_model(model, setup):
-    """What training does after loading (shared with simulate.py): k-bit preparation when the
-    setup asks for peft's, checkpointing, no KV cache, LoRA adapters."""
-    if setup.quantization != "none" and setup.kbit_prepare:
-        from peft import prepare_model_for_kbit_training
+class _OptimizerOf:
+    """What ``transformers.Trainer.create_optimizer`` reads of its Trainer: that method builds
+    the optimizer here, so the optimizer measured is the one a run gets (param groups, the
+    8-bit embedding override, fused AdamW), also on fake tensors where no Trainer can be made."""
 
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=setup.gradient_checkpointing)
-    if setup.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    if setup.lora:
-        from peft import LoraConfig, get_peft_model
+    optimizer = None
+    optimizer_cls_and_kwargs = None
 
-        targets = "all-linear" if "all-linear" in setup.lora_targets else list(setup.lora_targets)
-        model = get_peft_model(model, LoraConfig(
-            r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=0.0,
-            target_modules=targets, task_type="CAUSAL_LM"))
-    return model
+    def __init__(self, model, args) -> None:
+        from transformers import Trainer
+
+        self.model, self.args = model, args
+        self.get_decay_parameter_names = Trainer.get_decay_parameter_names.__get__(self)
+        self.get_optimizer_cls_and_kwargs = Trainer.get_optimizer_cls_and_kwargs
 
 
 def build_optimizer(model, name: str, lr: float = 1e-4):
-    """The optimizer the Trainer builds for ``optim`` (adamw = adamw_torch_fused, its default)."""
-    import torch
+    """The optimizer ``lowvram train`` makes for the plan optimizer ``name``: the Trainer's own
+    ``create_optimizer`` over ``lowvram.vocab.TRAINER_OPTIMIZERS`` (adamw -> adamw_torch_fused)."""
+    import tempfile
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    if name == "paged_adamw_32bit":
-        import bitsandbytes as bnb
+    from transformers import Trainer, TrainingArguments
 
-        return bnb.optim.PagedAdamW32bit(params, lr=lr)
-    if name in ("adamw_8bit", "paged_adamw_8bit"):
-        import bitsandbytes as bnb
+    from lowvram.vocab import TRAINER_OPTIMIZERS
 
-        cls = bnb.optim.AdamW8bit if name == "adamw_8bit" else bnb.optim.PagedAdamW8bit
-        opt = cls(params, lr=lr)
-        # As the Trainer does (Trainer.create_optimizer): embeddings keep 32-bit state.
-        manager = bnb.optim.GlobalOptimManager.get_instance()
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                manager.register_module_override(module, "weight", {"optim_bits": 32})
-        return opt
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        # Trainer's optim="adafactor": scale_parameter=False, relative_step=False
-        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name}")
+    device = next(model.parameters()).device.type
+    args = TrainingArguments(output_dir=tempfile.gettempdir(), optim=TRAINER_OPTIMIZERS[name], learning_rate=lr,
+                             report_to=[], use_cpu=device == "cpu")
+    return Trainer.create_optimizer(_OptimizerOf(model, args))
 
 
 def make_batch(setup, seed: int = 0, device: str = "cpu") -> dict:
@@ -280,12 +280,120 @@ def autocast_dtype(setup):
             "fp16-mixed": torch.float16}.get(setup.precision)
 
 
-def measure_setup(setup, **kw) -> StepMemory:
-    """Build, warm up and measure one step of ``setup`` on CPU."""
+class TrackerProbe:
+    """Exact live tensor bytes of one step (LiveBytes), per phase. ``start`` registers what exists
+    before the step (weights, optimizer state) and enters the mode; ``mark`` closes a phase."""
+
+    device = "cpu"
+
+    def __init__(self, breakdown: bool = False, logits_dim: int | None = None) -> None:
+        self.breakdown, self.logits_dim = breakdown, logits_dim
+        self.tracker = None
+
+    def start(self, model, optimizer) -> None:
+        gc.collect()
+        self.tracker = LiveBytes(snapshot=self.breakdown, logits_dim=self.logits_dim)
+        self.tracker.register(model, tag="weights")
+        self.tracker.register(optimizer, tag="optimizer")
+        self.start_bytes = self.tracker.current_bytes
+        self.phases: dict[str, int] = {}
+        self.tracker.reset_peak()
+        self.tracker.__enter__()
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = self.tracker.peak_bytes
+        self.tracker.reset_peak()
+
+    def stop(self, last_phase: str) -> StepMemory:
+        self.mark(last_phase)
+        self.tracker.__exit__(None, None, None)
+        parts = self.tracker.peak_breakdown() if self.breakdown else {}
+        peak_phase = max(self.phases, key=self.phases.get)
+        out = StepMemory(peak_bytes=self.phases[peak_phase], peak_phase=peak_phase,
+                         start_bytes=self.start_bytes, end_bytes=self.tracker.current_bytes,
+                         phases=dict(self.phases), breakdown=parts)
+        self.tracker = None
+        return out
+
+    def release(self) -> None:
+        if self.tracker is not None:  # a step that failed half-way: leave the mode
+            self.tracker.__exit__(None, None, None)
+            self.tracker = None
+        gc.collect()
+
+
+def _step_recipe(setup, output_dir: str):
+    """The smallest recipe whose training section gives this setup's TrainingArguments."""
+    import yaml
+
+    from lowvram.recipe import parse_recipe
+
+    text = yaml.safe_dump({
+        "model": {"name_or_path": "random-init"},
+        "data": {"datasets": [{"path": "none.jsonl", "format": "text"}]},
+        "training": {"seq_len": setup.seq_len, "batch_size": setup.micro_batch_size * setup.grad_accum,
+                     "micro_batch_size": setup.micro_batch_size, "max_steps": 2, "learning_rate": 1e-4,
+                     "lr_scheduler": "constant", "logging_steps": 1, "save_steps": 1000,
+                     "output_dir": output_dir, "report_to": "none"},
+    })
+    return parse_recipe(text)
+
+
+def measure_trainer_step(model, setup, probe=None, device: str = "cpu", seed: int = 0):
+    """Two optimizer steps of ``setup`` through the Trainer ``lowvram train`` builds
+    (lowvram.train.trainer: build_training_args + build_trainer, its optimizer, autocast,
+    checkpointing, chunked loss, clipping): the first makes the optimizer state, the second is
+    measured with ``probe`` (TrackerProbe on a CPU; bench/gpu_check.py's CUDA probe), from its
+    start to its end, with the forward/backward and the optimizer step as phases."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import TrainerCallback, default_data_collator
+
+    from lowvram.train.trainer import build_trainer, build_training_args
+
+    probe = probe or TrackerProbe()
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(2 * setup.micro_batch_size * setup.grad_accum):
+        ids = torch.randint(0, setup.model.vocab_size, (setup.seq_len,), generator=g)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    result: dict = {}
+
+    class Measure(TrainerCallback):
+        measuring = False
+
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 1:  # the second step: optimizer state exists
+                self.measuring = True
+                probe.start(kw["model"], kw["optimizer"])
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if self.measuring:
+                probe.mark("forward_backward")
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.measuring:
+                self.measuring = False
+                result["step"] = probe.stop("optimizer_step")
+
+    with tempfile.TemporaryDirectory() as out:
+        recipe = _step_recipe(setup, out)
+        args = build_training_args(recipe, setup_plan(setup, device))
+        trainer = build_trainer(SimpleNamespace(model=model, tokenizer=None), SimpleNamespace(train=rows, eval=None),
+                                args, default_data_collator, callbacks=[Measure()], loss=setup.loss)
+        try:
+            trainer.train()
+        finally:
+            probe.release()
+    return result["step"]
+
+
+def measure_setup(setup, breakdown: bool = False) -> StepMemory:
+    """Build ``setup`` on the CPU with train's builders and measure its second Trainer step."""
     model = build_model(setup)
-    opt = build_optimizer(model, setup.optimizer)
-    return measure_training_step(model, opt, make_batch(setup), autocast_dtype=autocast_dtype(setup),
-                                 grad_accum=setup.grad_accum, chunked_loss=setup.loss == "chunked", **kw)
+    return measure_trainer_step(model, setup, TrackerProbe(breakdown, setup.model.vocab_size))
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,6 +430,11 @@ ACCURACY_MATRIX: list[tuple[str, dict]] = [
     ("lora bf16-mixed", dict(precision="bf16-mixed", lora=True)),
     ("lora bf16 q,v r8", dict(precision="bf16", lora=True, lora_r=8, lora_targets=("q_proj", "v_proj"))),
     ("lora bf16 + checkpointing", dict(precision="bf16", lora=True, gradient_checkpointing=True)),
+    # lora.dropout > 0: a dropped copy of each adapter's input and its mask (+30-45% activations)
+    ("lora fp32 dropout 0.1", dict(precision="fp32", lora=True, lora_dropout=0.1)),
+    ("lora bf16-mixed dropout 0.05", dict(precision="bf16-mixed", lora=True, lora_dropout=0.05)),
+    ("qlora nf4-dq dropout 0.1 q,v", dict(precision="bf16", lora=True, quantization="nf4-dq",
+                                          lora_dropout=0.1, lora_targets=("q_proj", "v_proj"))),
     ("qlora nf4", dict(precision="bf16", lora=True, quantization="nf4")),
     ("qlora nf4-dq", dict(precision="bf16", lora=True, quantization="nf4-dq")),
     ("qlora nf4-dq + checkpointing", dict(precision="bf16", lora=True, quantization="nf4-dq",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from lowvram.errors import LowvramError
-from lowvram.plan.types import Plan
+from lowvram.plan.types import Plan, dtype_precision, precisions_for_dtype
 from lowvram.recipe import Recipe, TrainingSection
 from lowvram.units import gib, parse_size
 from lowvram.vocab import (
@@ -28,6 +28,7 @@ from lowvram.vocab import (
     OPTIMIZERS,
     PRECISIONS,
     QUANTIZATIONS,
+    WEIGHT_DTYPE,
     on_off,
 )
 
@@ -35,9 +36,12 @@ from lowvram.vocab import (
 METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, ON_VALUES["quantization"])}
 
 
-def _precision(value: str, kind: str, bf16: bool) -> tuple[str, str]:
+def _precision(value: str, kind: str, bf16: bool, dtype: str = "auto") -> tuple[str, str]:
     if value in PRECISIONS:
         return value, "set in the recipe"
+    if dtype != "auto":
+        picked = dtype_precision(dtype, kind, bf16)
+        return picked, f"model.dtype {dtype} in the recipe: {picked}"
     if value == "off":
         return "fp32", "mixed_precision off in the recipe: fp32 weights and compute (2x the memory of bf16)"
     if kind == "cpu":
@@ -46,6 +50,18 @@ def _precision(value: str, kind: str, bf16: bool) -> tuple[str, str]:
     if bf16:
         return "bf16", "the card supports bf16: 16-bit weights, half the memory of fp32"
     return "fp16-mixed", "the card has no bf16: fp16 autocast with fp32 master weights and loss scaling"
+
+
+def check_dtype(recipe: Recipe) -> None:
+    """model.dtype and a fixed mixed_precision must agree on the weights' dtype."""
+    dtype, mp = recipe.model.dtype, recipe.techniques.mixed_precision
+    fixed = "fp32" if mp == "off" else mp
+    if dtype == "auto" or fixed in ("auto", "on") or fixed in precisions_for_dtype(dtype):
+        return
+    raise LowvramError(
+        f"model.dtype {dtype} and techniques.mixed_precision {mp} disagree: {fixed} keeps "
+        f"{WEIGHT_DTYPE[fixed]} weights",
+        f"set mixed_precision to one of {', '.join(precisions_for_dtype(dtype))}, or model.dtype: auto")
 
 
 def _fixed_value(name: str, value: str) -> str:
@@ -58,7 +74,8 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
     """Resolve every ``auto`` to a fixed default (no memory model involved)."""
     t = recipe.techniques
     reasons: dict[str, str] = {}
-    precision, reasons["mixed_precision"] = _precision(t.mixed_precision, kind, bf16)
+    check_dtype(recipe)
+    precision, reasons["mixed_precision"] = _precision(t.mixed_precision, kind, bf16, recipe.model.dtype)
 
     lora = t.lora != "off"
     reasons["lora"] = "set in the recipe" if t.lora != "auto" else "default: train LoRA adapters (16 bytes per adapter param instead of per weight)"
@@ -118,7 +135,8 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
     return Plan(
         device=kind, mixed_precision=precision, gradient_checkpointing=gc, micro_batch_size=micro,
         grad_accum=accum, lora=lora, quantization=quant, optimizer=optim, offload=offload,
-        attention=attention, loss=loss, gpus=gpus, reasons=reasons,
+        attention=attention, loss=loss, gpus=gpus, seq_len=recipe.training.seq_len,
+        **lora_fields(recipe), reasons=reasons,
     )
 
 
@@ -168,8 +186,11 @@ def recipe_choices(recipe: Recipe) -> dict:
     """The recipe's fixed (non-auto) techniques as PlanRequest fields."""
     t = recipe.techniques
     out: dict = {}
+    check_dtype(recipe)
     if t.mixed_precision not in ("auto", "on"):  # on = bf16 where supported: what auto picks
         out["mixed_precision"] = on_off(t.mixed_precision, None, OFF_VALUES["mixed_precision"])
+    elif recipe.model.dtype != "auto":
+        out["weight_dtype"] = recipe.model.dtype  # the chooser picks a precision storing it
     if t.gradient_checkpointing != "auto":
         out["gradient_checkpointing"] = t.gradient_checkpointing == "on"
     if isinstance(t.gradient_accumulation, int):
@@ -240,9 +261,7 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     fields: dict = {"seq_len": training.seq_len, "batch_size": training.batch_size}
     sources: dict = {}
     if recipe is not None:
-        targets = recipe.lora.target_modules
-        fields["lora_r"] = recipe.lora.r
-        fields["lora_targets"] = (targets,) if isinstance(targets, str) else tuple(targets)
+        fields.update(lora_fields(recipe))
         fixed = recipe_choices(recipe)
         fields.update(fixed)
         sources.update({k: "the recipe" for k in fixed})
@@ -253,6 +272,13 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     if flags and "grad_accum" in flags and "micro_batch_size" not in flags:
         fields.pop("micro_batch_size", None)
     return PlanRequest(model=model, sources=sources, **fields)
+
+
+def lora_fields(recipe: Recipe) -> dict:
+    """The recipe's lora section as PlanRequest / Plan fields."""
+    lc = recipe.lora
+    targets = (lc.target_modules,) if isinstance(lc.target_modules, str) else tuple(lc.target_modules)
+    return {"lora_r": lc.r, "lora_alpha": lc.alpha, "lora_dropout": lc.dropout, "lora_targets": targets}
 
 
 def recipe_model(recipe: Recipe):
@@ -311,10 +337,9 @@ def predict_peak_at(recipe: Recipe, plan: Plan, seq_len: int) -> int | None:
         spec = recipe_model(recipe)
     except LowvramError:
         return None
-    targets = recipe.lora.target_modules
     setup = RunSetup(
         model=spec, precision=plan.mixed_precision, quantization=plan.quantization, lora=plan.lora,
-        lora_r=recipe.lora.r, lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
+        lora_r=plan.lora_r, lora_targets=plan.lora_targets, lora_dropout=plan.lora_dropout,
         optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,
         attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
         seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,

@@ -488,7 +488,7 @@ def show_run(r, as_json: bool = False) -> None:
     p.add_column("why")
     for name, value in r.techniques.items():
         key = "gradient_accumulation" if name == "grad_accum" else name
-        p.add_row(name, _setting(value), r.reasons.get(key, ""))
+        p.add_row(key, _setting(value), r.reasons.get(key, ""))
     c.print(p)
     m = r.metrics
     t = Table(title="Metrics")
@@ -514,5 +514,13 @@ def show_run(r, as_json: bool = False) -> None:
     if r.eval_history:
         c.print("eval loss: " + ", ".join(f"step {s} {v:.3f}" for s, v in r.eval_history), markup=False)
     c.print(f"checkpoints: {', '.join(r.checkpoints) or 'none'}", markup=False)
+    if r.status == "interrupted":
+        from pathlib import Path
+
+        from lowvram.train.recover import resume_command
+
+        # The run's other --set flags are in its recipe.yaml; output_dir is the one that locates it.
+        here = f"training.output_dir={Path(r.path).resolve()}"
+        c.print(f"resume with: {resume_command(r.recipe_path or 'RECIPE', [here])}", markup=False)
     if r.files:
         c.print(f"files: {', '.join(r.files)}", markup=False)

@@ -27,7 +27,7 @@ PRECISIONS = ("bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32")
 QUANTIZATIONS = ("none", "nf4", "nf4-dq", "fp4", "int8")  # a quantized base needs LoRA
 # Optimizer -> the Trainer's TrainingArguments.optim (transformers OptimizerNames).
 TRAINER_OPTIMIZERS = {
-    "adamw": "adamw_torch",
+    "adamw": "adamw_torch_fused",  # the step the planner models: in place, no temporaries
     "adamw_8bit": "adamw_bnb_8bit",
     "paged_adamw_8bit": "paged_adamw_8bit",
     "paged_adamw_32bit": "paged_adamw_32bit",

@@ -35,7 +35,7 @@ def test_python_m_lowvram_version():
     assert out.returncode == 0 and out.stdout.strip() == "0.1.0"
 
 
-def test_validate_ok_and_json():
+def test_validate_ok_and_json(quickstart_model):  # validate checks the model folder exists
     r = run("validate", str(REPO / "recipes/quickstart.yaml"))
     assert r.exit_code == 0 and r.stdout.startswith("ok ")
     r = run("validate", str(REPO / "recipes/quickstart.yaml"), "--json")
@@ -81,7 +81,7 @@ def test_set_override_on_cli(tmp_path):
     assert "--set training.seq_len=-3: training.seq_len: Input should be greater than 0" in r.stderr
 
 
-def test_train_dry_run_prints_resolved_recipe_and_plan():
+def test_train_dry_run_prints_resolved_recipe_and_plan(quickstart_model):
     r = run("train", str(REPO / "recipes/quickstart.yaml"), "--dry-run", "--set", "training.learning_rate=5e-4")
     assert r.exit_code == 0, r.output
     assert "learning_rate: 0.0005" in r.stdout

@@ -23,7 +23,8 @@ from lowvram.plan.memory import RunSetup, estimate_memory  # noqa: E402
 FAST = [
     "full fp32", "full bf16", "full bf16-mixed", "full bf16 + checkpointing", "full bf16 b2 s512",
     "full bf16 accum 2", "full bf16 adamw_8bit", "full bf16 adafactor", "lora bf16",
-    "lora bf16-mixed", "qlora nf4", "qlora nf4-dq + checkpointing",
+    "lora bf16-mixed", "qlora nf4", "qlora nf4-dq + checkpointing", "lora fp32 dropout 0.1",
+    "lora bf16-mixed dropout 0.05",
     "full bf16 chunked loss b8 s1024",  # 2048 tokens here: two chunks of 1024
 ]
 CASES = {name: kw for name, kw in ACCURACY_MATRIX}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from lowvram.errors import LowvramError
+from lowvram.plan import models as models_module
 from lowvram.plan.models import catalog_names, count_parameters, resolve_model
 
 # Published parameter counts (model cards / papers; tied embeddings counted once).
@@ -86,7 +88,49 @@ def test_catalog_names_cover_the_brief():
         assert n in names
 
 
-@pytest.mark.parametrize("name", ["llama-2-7b", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "tinyllama"])
+# Current families (catalog entries with a "source"): their exact counts, from the same fields.
+# Llama-3.3-70B 70.55B, Phi-4 14.66B, Mistral-Small-24B (safetensors index: 47,144,806,400 bytes
+# of bf16), Mistral-Nemo 12.25B, Mixtral-8x7B 46.7B, Qwen3-30B-A3B 30.5B: model cards.
+CURRENT = {
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-14b": 14_768_307_200,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "llama-3.3-70b": 70_553_706_496,
+    "mistral-nemo-12b": 12_247_782_400,
+    "mistral-small-24b": 47_144_806_400 // 2,
+    "phi-4": 14_659_507_200,
+    "phi-4-mini": 3_836_021_760,
+    "mixtral-8x7b": 46_702_792_704,
+}
+
+
+@pytest.mark.parametrize("name,count", sorted(CURRENT.items()))
+def test_current_families_exact_counts(name, count):
+    assert count_parameters(resolve_model(name)) == count
+
+
+def test_every_current_entry_names_its_source():
+    raw = json.loads((Path(models_module.__file__).with_name("catalog.json")).read_text())["models"]
+    assert set(CURRENT) <= set(raw)
+    for name in CURRENT:
+        assert "config.json" in raw[name]["source"] or "params.json" in raw[name]["source"]
+
+
+def test_current_families_architecture_fields():
+    q8, moe, nemo = resolve_model("Qwen/Qwen3-8B"), resolve_model("qwen3-30b-a3b"), resolve_model("mistral-nemo")
+    assert (q8.qk_norm, q8.tie_word_embeddings, resolve_model("qwen3-4b").tie_word_embeddings) == ("head", False, True)
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.num_kv_heads) == (128, 8, 768, 4)
+    assert nemo.head_dim == 128 and nemo.q_dim == 4096 != nemo.hidden_size  # head_dim is not hidden / heads
+    mini = resolve_model("microsoft/Phi-4-mini-instruct")
+    assert (mini.fused_qkv, mini.partial_rotary_factor, mini.tie_word_embeddings) == (True, 0.75, True)
+    assert resolve_model("mistralai/Mixtral-8x7B-Instruct-v0.1").name == "mixtral-8x7b"
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "tinyllama",
+                                  *sorted(CURRENT)])
 def test_count_matches_transformers_model(name):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
@@ -127,7 +171,6 @@ def test_mistral_v02_is_the_v01_shape_with_rope_theta_1e6():
 
 def test_smollm2_count_matches_the_real_weights():
     import struct
-    from pathlib import Path
 
     found = sorted(Path.home().glob(".cache/lowvram/gguf/*/model.safetensors"))
     if not found:

@@ -89,13 +89,13 @@ def test_cli_simulate_on_a_tiny_config_folder(tmp_path):
 
 
 def test_cli_simulate_accepts_a_config_only_transformers_reads(tmp_path):
-    # MPT names its fields d_model / n_heads / n_layers: lowvram's reader refuses the file,
-    # --simulate reads it through transformers' attribute_map and builds the real model.
+    # MPT is no family the analytic planner models: it refuses it (never a silent dense
+    # estimate); --simulate reads it through transformers' attribute_map and builds the real model.
     cfg = {"model_type": "mpt", "d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 256,
            "expansion_ratio": 4, "max_seq_len": 128}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     r = runner.invoke(app, ["plan", "--model", str(tmp_path), "--vram", "1GB", "--json"])
-    assert r.exit_code == 1 and "lacks" in r.stderr
+    assert r.exit_code == 1 and "does not model model_type 'mpt'" in r.stderr and "--simulate" in r.stderr
     r = runner.invoke(app, ["plan", "--model", str(tmp_path), "--vram", "1GB", "--simulate"])
     assert r.exit_code == 1 and "--attn eager" in r.stderr  # MPT has no SDPA in transformers
     d = _plan_json("--model", str(tmp_path), "--vram", "1GB", "--seq-len", "64",

@@ -106,7 +106,7 @@ training: {batch_size: 16, micro_batch_size: 2, warmup_ratio: 0.1, max_steps: 50
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("adamw", "adamw_torch"), ("adamw_8bit", "adamw_bnb_8bit"), ("paged_adamw_8bit", "paged_adamw_8bit"),
+    [("adamw", "adamw_torch_fused"), ("adamw_8bit", "adamw_bnb_8bit"), ("paged_adamw_8bit", "paged_adamw_8bit"),
      ("paged_adamw_32bit", "paged_adamw_32bit"), ("adafactor", "adafactor"), ("sgd", "sgd")],
 )
 def test_optimizer_names(name, expected):
@@ -146,8 +146,10 @@ def test_quantization_configs():
     assert q.bnb_4bit_compute_dtype == torch.bfloat16
     assert quantization_config(replace(base, quantization="fp4")).bnb_4bit_quant_type == "fp4"
     assert quantization_config(replace(base, quantization="int8")).load_in_8bit
-    assert weight_dtype(recipe, replace(base, mixed_precision="bf16")) == torch.bfloat16
-    assert weight_dtype(recipe, replace(base, mixed_precision="bf16-mixed")) == torch.float32
+    assert weight_dtype(replace(base, mixed_precision="bf16")) == torch.bfloat16
+    assert weight_dtype(replace(base, mixed_precision="bf16-mixed")) == torch.float32
+    assert weight_dtype(replace(base, mixed_precision="fp16")) == torch.float16
+    assert weight_dtype(replace(base, mixed_precision="fp32")) == torch.float32
 
 
 def test_offload_is_not_a_single_process_run():

@@ -1,10 +1,13 @@
 """Exact mode: the real training step of a RunSetup under FakeTensorMode, measured byte by byte.
 
 ``simulate_memory`` builds the transformers (+ peft, + bitsandbytes) model of a setup with fake
-tensors (shapes and dtypes, no data: a 7B model in ~0.4 GB of RAM), runs the same step as
-:func:`lowvram.measure.measure_training_step` (a warm-up step, then a tracked one: forward with
-labels, backward, clip, optimizer.step, zero_grad) and reads the peak off the live-bytes tracker.
-On a small Llama it equals the real CPU measurement to the byte (tests/test_plan_simulate.py);
+tensors (shapes and dtypes, no data: a 7B model in ~0.4 GB of RAM) with ``lowvram train``'s own
+builders (lowvram.train.model.load_kwargs / prepare_model, the Trainer's create_optimizer),
+runs the Trainer's step as :func:`lowvram.measure.measure_training_step` spells it out (a
+Trainer cannot be built on fake tensors: a warm-up step, then a tracked one: forward with labels
+under autocast, backward, clip, optimizer.step, zero_grad) and reads the peak off the live-bytes
+tracker. On a small Llama it equals the real Trainer step measured on a CPU
+(:func:`lowvram.measure.measure_setup`) to within a few KiB (tests/test_plan_simulate.py);
 at full size it checks the analytic model (bench/simulate_full_size.py).
 
 FakeTensorMode needs the workarounds listed in /work/shared/reference/stack-notes.md
@@ -28,7 +31,6 @@ from lowvram.plan.memory import (
     validate_setup,
 )
 from lowvram.plan.models import count_parameters
-from lowvram.vocab import WEIGHT_DTYPE
 
 
 def unsupported(setup: RunSetup) -> list[str]:
@@ -170,7 +172,11 @@ def _build_model(setup: RunSetup, config, mode):
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, WEIGHT_DTYPE[setup.precision])
+    from lowvram.measure import setup_plan
+    from lowvram.train.model import load_kwargs, prepare_model
+
+    plan = setup_plan(setup)
+    dtype = load_kwargs(plan)["dtype"]
     cfg = _config(setup, config)
     with mode:
         try:
@@ -184,9 +190,7 @@ def _build_model(setup: RunSetup, config, mode):
         if setup.quantization != "none":
             compute = torch.bfloat16 if setup.precision != "fp32" else torch.float32
             _quantize_4bit(model, setup, dtype, compute)
-        from lowvram.measure import finish_model
-
-        model = finish_model(model, setup)
+        model = prepare_model(model, plan)  # what lowvram train does after loading
     return model
 
 
@@ -306,15 +310,20 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
 
 
 def local_config(model_ref: str | None) -> dict | None:
-    """The config.json dict of a local folder or file (None for catalog names and hub ids)."""
+    """The config.json dict of a local folder or file, or of a hub id's cached config.json (None
+    for catalog names and hub ids not cached)."""
     import json
     from pathlib import Path
+
+    from lowvram.plan.models import hub_cache_config
 
     if not model_ref:
         return None
     path = Path(model_ref).expanduser()
     if path.is_dir():
         path = path / "config.json"
+    elif not path.exists() and "/" in model_ref:
+        path = hub_cache_config(model_ref.strip()) or path
     if not path.is_file() or path.suffix != ".json":
         return None
     try:
@@ -356,7 +365,9 @@ def spec_from_transformers(cfg: dict, name: str):
     if h is None or heads is None:
         raise LowvramError(f"{name}: no hidden size / attention heads in the config",
                            "pass a decoder-only causal LM's config.json")
-    flat = dict(model_type=cfg["model_type"], hidden_size=h, num_attention_heads=heads,
+    # A Llama-shaped stand-in (the analytic planner refuses this model_type): only the
+    # techniques are chosen from it; the simulation builds the real model from ``cfg``.
+    flat = dict(model_type="llama", hidden_size=h, num_attention_heads=heads,
                 num_hidden_layers=get("num_hidden_layers", "n_layer", "num_layers"),
                 vocab_size=get("vocab_size"),
                 intermediate_size=get("intermediate_size", "n_inner", "ffn_dim") or 4 * h,
@@ -365,7 +376,9 @@ def spec_from_transformers(cfg: dict, name: str):
                 tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)),
                 max_position_embeddings=get("max_position_embeddings", "n_positions") or 2048)
     spec = spec_from_config(flat, name)
-    return replace(spec, hf_id=None) if isinstance(spec, ModelSpec) else spec
+    if isinstance(spec, ModelSpec):
+        spec = replace(spec, hf_id=None, model_type=cfg["model_type"])
+    return spec
 
 
 def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: int) -> dict:

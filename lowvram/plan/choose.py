@@ -21,7 +21,7 @@ from lowvram.plan import memory
 from lowvram.plan import techniques as tq
 from lowvram.plan.memory import MemoryEstimate, RunSetup, estimate_memory
 from lowvram.plan.models import ModelSpec, catalog_names, count_parameters, resolve_model
-from lowvram.plan.types import Plan
+from lowvram.plan.types import Plan, dtype_precision
 from lowvram.units import gib, mem, percent
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
@@ -85,6 +85,9 @@ class PlanRequest:
     gpus: int = 1
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ("all-linear",)
+    lora_alpha: int = 32  # no memory effect; carried into the Plan for training
+    lora_dropout: float = 0.0
+    weight_dtype: str | None = None  # model.dtype fixed in the recipe: auto precision follows it
     mixed_precision: str | None = None
     gradient_checkpointing: bool | None = None
     grad_accum: int | None = None
@@ -206,7 +209,11 @@ _EXAMPLE = {"seq_len": 1024, "batch_size": 16, "gpus": 1, "lora_r": 16}
 # Candidates
 
 
-def auto_precision(budget: Budget) -> str:
+def auto_precision(budget: Budget, weight_dtype: str | None = None) -> str:
+    """bf16 where the card has it, else fp16-mixed; fp32 on a CPU. A fixed model.dtype picks the
+    precision that stores weights in it (lowvram.plan.types.dtype_precision)."""
+    if weight_dtype is not None:
+        return dtype_precision(weight_dtype, budget.device, budget.bf16)
     if budget.device == "cpu":
         return "fp32"
     return "bf16" if budget.bf16 else "fp16-mixed"
@@ -227,7 +234,7 @@ def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         return [value] if value is not None else auto
 
     return {
-        "precision": pick("mixed_precision", [auto_precision(budget)]),
+        "precision": pick("mixed_precision", [auto_precision(budget, req.weight_dtype)]),
         "attention": pick("attention", ["sdpa"]),
         "loss": pick("loss", ["standard", "chunked"]),
         "micro_batch_size": micros,
@@ -265,6 +272,7 @@ def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                         out.append(RunSetup(
                                             model=req.model, precision=precision, quantization=quant,
                                             lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
+                                            lora_dropout=req.lora_dropout,
                                             optimizer=optim, gradient_checkpointing=gc,
                                             attention=attention, loss=loss, micro_batch_size=micro,
                                             seq_len=req.seq_len, grad_accum=per_gpu // micro,
@@ -322,7 +330,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
         notes.append(f"seq_len {req.seq_len} is longer than the model's max_position_embeddings "
                      f"{req.model.max_position_embeddings}")
     reasons = _reasons(chosen, req, budget, estimate)
-    plan = _to_plan(chosen, budget, reasons)
+    plan = _to_plan(chosen, req, budget, reasons)
     return Choice(
         plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,
         alternatives=_alternatives(cands, chosen), ladder=build_ladder(req, budget, estimate),
@@ -333,13 +341,15 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     )
 
 
-def _to_plan(c: Candidate, budget: Budget, reasons: dict[str, str]) -> Plan:
+def _to_plan(c: Candidate, req: PlanRequest, budget: Budget, reasons: dict[str, str]) -> Plan:
     s = c.setup
     return Plan(
         device=budget.device, mixed_precision=s.precision, gradient_checkpointing=s.gradient_checkpointing,
         micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
-        loss=s.loss, gpus=s.gpus, reasons=reasons, predicted_peak_bytes=c.peak_bytes,
+        loss=s.loss, gpus=s.gpus, seq_len=s.seq_len, lora_r=s.lora_r, lora_alpha=req.lora_alpha,
+        lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets),
+        reasons=reasons, predicted_peak_bytes=c.peak_bytes,
         budget_bytes=budget.usable_bytes, breakdown=dict(c.estimate.breakdown),
         host_ram_bytes=c.estimate.cpu_ram_bytes,
     )
@@ -509,7 +519,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
     s = RunSetup(
         model=req.model, precision=req.mixed_precision or "fp32", quantization=req.quantization or "none",
         lora=bool(req.lora) or (req.quantization not in (None, "none")), lora_r=req.lora_r,
-        lora_targets=req.lora_targets, optimizer=req.optimizer or "adamw",
+        lora_targets=req.lora_targets, lora_dropout=req.lora_dropout, optimizer=req.optimizer or "adamw",
         gradient_checkpointing=bool(req.gradient_checkpointing), attention=req.attention or "eager",
         loss=req.loss or "standard", micro_batch_size=largest, seq_len=req.seq_len,
         grad_accum=_largest_micro(req) // largest, gpus=req.gpus, offload=req.offload or "none",
@@ -527,7 +537,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             continue
         before = s
         if t is tq.MIXED_PRECISION:
-            s = replace(s, precision=auto_precision(budget))
+            s = replace(s, precision=auto_precision(budget, req.weight_dtype))
         elif t is tq.MICRO_BATCH:
             s = replace(s, micro_batch_size=1, grad_accum=_largest_micro(req))
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowvram.errors import LowvramError
+from lowvram.plan import moe
 from lowvram.plan.models import (
     ModelSpec,
     block_linears,
@@ -53,6 +54,7 @@ class RunSetup:
     lora: bool = False
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ("all-linear",)
+    lora_dropout: float = 0.0  # lora.dropout: > 0 saves a dropped input and a mask per adapter
     optimizer: str = "adamw"
     gradient_checkpointing: bool = False
     attention: str = "sdpa"  # sdpa | eager | flash_attention_2
@@ -147,7 +149,12 @@ def _target_linears(setup: RunSetup):
 def lora_parameters(setup: RunSetup) -> int:
     """r x (d_in + d_out) per adapted Linear (LoRA paper, Hu et al. 2021, sec. 4)."""
     per_block = sum(setup.lora_r * (lin.d_in + lin.d_out) for lin in _target_linears(setup))
-    return per_block * setup.model.num_layers
+    return per_block * setup.model.num_layers + _moe_lora_parameters(setup)
+
+
+def _moe_lora_parameters(setup: RunSetup) -> int:
+    """peft's adapters on fused experts and the router (lowvram.plan.moe)."""
+    return moe.expert_lora_parameters(setup.model, setup.lora_r, setup.lora_targets)
 
 
 def trainable_parameters(setup: RunSetup) -> int:
@@ -188,12 +195,14 @@ def trainable_tensors(setup: RunSetup) -> list[tuple[int, ...]]:
     if setup.lora:
         per = [s for lin in _target_linears(setup)
                for s in ((setup.lora_r, lin.d_in), (lin.d_out, setup.lora_r))]
+        per += moe.expert_trainable_shapes(spec, True, setup.lora_r, setup.lora_targets)
         return per * spec.num_layers
     h = spec.hidden_size
     norm = [(h,)] * (2 if spec.norm == "layer" else 1)
     per = [s for lin in block_linears(spec)
            for s in ([(lin.d_out, lin.d_in)] + ([(lin.d_out,)] if lin.bias else []))]
-    per += norm * spec.norms_per_layer
+    per += norm * spec.norms_per_layer + _qk_norm_shapes(spec)
+    per += moe.expert_trainable_shapes(spec, False, setup.lora_r, setup.lora_targets)
     out = [(spec.vocab_size, h)] + per * spec.num_layers + norm
     if spec.learned_positions:
         out.append((spec.learned_positions, h))
@@ -204,6 +213,14 @@ def trainable_tensors(setup: RunSetup) -> list[tuple[int, ...]]:
         if spec.lm_head_bias:
             out.append((spec.vocab_size,))
     return out
+
+
+def _qk_norm_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
+    if spec.qk_norm == "head":
+        return [(spec.head_dim,)] * 2
+    if spec.qk_norm == "full":
+        return [(spec.q_dim,), (spec.kv_dim,)]
+    return []
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -306,12 +323,14 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     logsumexp per head; SwiGLU saves gate, silu(gate), up and their product.
     """
     spec = setup.model
+    if spec.is_moe:
+        return _moe_layer_activation_bytes(setup, first)
     r, c, autocast = _dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
     h, i = spec.hidden_size, spec.intermediate_size
     full = not setup.lora
     cc = 2 if autocast else c  # dtype of matmul outputs under autocast
-    per_tok = 0
+    per_tok = _qk_norm_activation_bytes(setup)
     fixed = 0
     # norms: fp32 upcast of the input + rsqrt; a trainable weight also saves the normalized x
     for n in range(spec.norms_per_layer):
@@ -355,15 +374,66 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
             if autocast and setup.quantization == "none" and _dtype_bytes(setup)[0] == 4:
                 fixed += 2 * lin.d_in * lin.d_out  # frozen fp32 base: bf16 copy for grad input
             if lin in targets:
+                # layer 0's first norm output needs no gradient (frozen embedding): no mask kept
+                per_tok += _lora_dropout_bytes(setup, lin.d_in, autocast,
+                                               mask=not (first and src == "norm_attn"))
                 if autocast:
                     per_tok += 2 * lin.d_in + 2 * setup.lora_r  # peft casts x; lora_A output
                     fixed += 2 * setup.lora_r * (lin.d_in + lin.d_out)  # bf16 adapter copies
                 else:
-                    if src not in shared and src != "attn_out":  # SDPA output, counted above
-                        per_tok += c * lin.d_in
+                    if not setup.lora_dropout and src not in shared and src != "attn_out":
+                        per_tok += c * lin.d_in  # lora_A saves x (shared); SDPA's output counted above
                         shared.add(src)
                     per_tok += c * setup.lora_r
     return t * per_tok + fixed + _eager_bytes(setup) + _attention_dropout_bytes(setup)
+
+
+def _lora_dropout_bytes(setup: RunSetup, d_in: int, autocast: bool, mask: bool = True) -> int:
+    """Per token, what lora.dropout > 0 adds to one adapted Linear (peft ``lora.Linear.forward``:
+    ``lora_B(lora_A(dropout(x)))`` on x cast to the fp32 adapter dtype; each adapter has its own
+    dropout module, so nothing is shared between q, k and v). The dropout keeps its mask: bool
+    from CUDA's fused kernel (``native_dropout``), on a CPU a noise tensor of x's dtype (ATen
+    ``_dropout``: ``x * noise``, noise saved). Without autocast lora_A saves the dropped fp32
+    input itself (instead of x, which several adapters share); under autocast it saves its
+    16-bit cast, counted with the adapter either way. No mask where x needs no gradient (the
+    first layer's q/k/v under LoRA: autograd records no dropout node). Measured: tests/test_plan_accuracy.py
+    dropout cases (a new user's recipe with dropout 0.05 was 40% above the plan before this)."""
+    if not setup.lora_dropout:
+        return 0
+    mask_bytes = (1 if setup.device == "cuda" else 4) if mask else 0
+    return d_in * (mask_bytes + (0 if autocast else 4))
+
+
+def _qk_norm_activation_bytes(setup: RunSetup) -> int:
+    """Per token: q_norm and k_norm (RMSNorm, Qwen3 / OLMo-2 / OLMoE) save their fp32 upcast and
+    rsqrt, and with trainable weights the normalized input, like the block's norms."""
+    spec = setup.model
+    if not spec.qk_norm:
+        return 0
+    r, _, _ = _dtypes(setup)
+    width = spec.q_dim + spec.kv_dim
+    rows = spec.num_heads + spec.num_kv_heads if spec.qk_norm == "head" else 2
+    return 4 * width + 4 * rows + (r * width if not setup.lora else 0)
+
+
+def _moe_layer_activation_bytes(setup: RunSetup, first: bool) -> int:
+    """An MoE layer: its Linears as a dense block (attention, a shared expert) plus the router and
+    routed experts (lowvram.plan.moe.routed_activation_bytes)."""
+    from dataclasses import replace
+
+    from lowvram.plan.models import dense_view
+
+    spec = setup.model
+    dense = layer_activation_bytes(replace(setup, model=dense_view(spec)), first)
+    w, c = _dtype_bytes(setup)
+    _, _, autocast = _dtypes(setup)
+    cc = 2 if autocast else c
+    # the router reads the MLP norm's output, which a trainable shared-expert Linear saves already
+    shared_saves = bool(spec.shared_expert_intermediate_size) and (
+        not setup.lora or any(lin.name in ("gate_proj", "up_proj") for lin in _target_linears(setup)))
+    t = setup.micro_batch_size * setup.seq_len
+    return dense + moe.routed_activation_bytes(spec, t, cc, w, autocast, setup.lora, setup.lora_r,
+                                               setup.lora_targets, shared_saves)
 
 
 def _attention_dropout_bytes(setup: RunSetup) -> int:
@@ -591,6 +661,8 @@ def _check(setup: RunSetup) -> None:
     ] if v not in opts]
     if setup.quantization != "none" and not setup.lora:
         problems.append("quantization needs lora")
+    problems += moe.moe_problems(setup.model, setup.lora, setup.lora_r, setup.lora_targets,
+                                 setup.lora_dropout)
     conflict = offload_conflict(setup.optimizer, setup.offload)
     if conflict:
         problems.append(conflict)

@@ -56,6 +56,20 @@ class ModelSpec:
     resid_dropout: float = 0.0  # after the attention output and the MLP (resid_pdrop)
     embd_dropout: float = 0.0  # on the embedding output (embd_pdrop)
     attn_dropout: float = 0.0  # on the attention probabilities (attn_pdrop / attention_dropout)
+    # RMSNorm on q and k inside attention: "head" (Qwen3, Gemma-3: one head_dim weight each) or
+    # "full" (OLMo-2, OLMoE: q_dim and kv_dim weights)
+    qk_norm: str = ""
+    # Mixture of experts (every decoder layer sparse; 0 = dense). transformers 5 stores a layer's
+    # experts fused in two 3-D parameters (experts.gate_up_proj [E, 2I, h], experts.down_proj
+    # [E, h, I]) and the router as a bare [E, h] weight: none of them is an nn.Linear.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # I of one expert
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on gated MLP + a sigmoid gate
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_dim(self) -> int:
@@ -95,7 +109,15 @@ _NAMES: dict[str, dict[str, str]] = {
 
 
 def block_linears(spec: ModelSpec) -> list[Linear]:
-    """The projections of one decoder block (the ones LoRA adapts and bitsandbytes quantizes)."""
+    """The projections of one decoder block (the ones LoRA adapts and bitsandbytes quantizes).
+
+    An MoE block's nn.Linear modules are its attention and, where it has one, the shared expert
+    and its one-output gate; the routed experts and the router are not Linears (moe_numel)."""
+    if spec.is_moe:
+        out = block_linears(dense_view(spec))
+        if spec.shared_expert_intermediate_size:
+            out.append(Linear("shared_expert_gate", spec.hidden_size, 1, False))
+        return out
     n = _NAMES.get(spec.model_type, _NAMES["default"])
     h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
     out: list[Linear] = []
@@ -105,6 +127,8 @@ def block_linears(spec: ModelSpec) -> list[Linear]:
         out += [Linear(n["q"], h, q, spec.qkv_bias), Linear(n["k"], h, kv, spec.qkv_bias),
                 Linear(n["v"], h, kv, spec.qkv_bias)]
     out.append(Linear(n["o"], q, h, spec.out_bias))
+    if spec.mlp == "none":
+        return out
     if spec.mlp == "gated":
         if spec.fused_gate_up:
             out.append(Linear(n["gate_up"], h, 2 * i, spec.mlp_bias))
@@ -134,8 +158,50 @@ def lm_head_numel(spec: ModelSpec) -> int:
     return spec.vocab_size * spec.hidden_size + (spec.vocab_size if spec.lm_head_bias else 0)
 
 
+def qk_norm_numel(spec: ModelSpec) -> int:
+    """q_norm + k_norm weights of one layer (RMSNorm over a head, or over all q / kv heads)."""
+    if spec.qk_norm == "head":
+        return 2 * spec.head_dim
+    if spec.qk_norm == "full":
+        return spec.q_dim + spec.kv_dim
+    return 0
+
+
+def dense_view(spec: ModelSpec) -> ModelSpec:
+    """An MoE spec as the dense block its Linears form: attention plus the shared expert (a gated
+    MLP of shared_expert_intermediate_size), or attention alone."""
+    from dataclasses import replace
+
+    shared = spec.shared_expert_intermediate_size
+    return replace(spec, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+                   shared_expert_intermediate_size=0, intermediate_size=shared,
+                   mlp="gated" if shared else "none")
+
+
+def expert_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
+    """One MoE layer's parameters that are no nn.Linear: router [E, h], experts.gate_up_proj
+    [E, 2I, h], experts.down_proj [E, h, I] (transformers 5 MixtralExperts / Qwen3MoeExperts /
+    OlmoeExperts / Qwen2MoeExperts)."""
+    if not spec.is_moe:
+        return []
+    e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    return [(e, h), (e, 2 * i, h), (e, h, i)]
+
+
+def moe_numel(spec: ModelSpec) -> int:
+    """Router + routed experts of one layer."""
+    total = 0
+    for shape in expert_shapes(spec):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
 def block_numel(spec: ModelSpec) -> int:
-    return sum(lin.numel for lin in block_linears(spec)) + spec.norms_per_layer * norm_numel(spec)
+    return (sum(lin.numel for lin in block_linears(spec)) + spec.norms_per_layer * norm_numel(spec)
+            + qk_norm_numel(spec) + moe_numel(spec))
 
 
 def count_parameters(spec: ModelSpec) -> int:
@@ -163,6 +229,11 @@ def _aliases() -> dict[str, str]:
                 out[key.lower()] = name
                 out[key.lower().rsplit("/", 1)[-1]] = out.get(key.lower().rsplit("/", 1)[-1], name)
     return out
+
+
+def is_catalog_name(name: str) -> bool:
+    """A catalog name, alias or hub id of a catalog entry (case-insensitive)."""
+    return name.strip().lower() in _aliases()
 
 
 def catalog_names() -> list[str]:
@@ -195,6 +266,54 @@ _ARCH: dict[str, dict] = {
 }
 _TIE_DEFAULT = {"gemma": True, "gpt2": True, "falcon": True, "bloom": True, "opt": True}
 
+# Mixture-of-experts families whose layout the planner models (transformers 5 modeling_<type>.py:
+# fused experts + a bare router weight; Qwen2-MoE adds a shared expert). Their config keys:
+# Mixtral num_local_experts, the others num_experts; the expert width is intermediate_size
+# (Mixtral, OLMoE) or moe_intermediate_size (Qwen2/3-MoE). Qwen3-MoE / OLMoE add q/k RMSNorms
+# (per head / over all heads).
+_MOE_ARCH: dict[str, dict] = {
+    "mixtral": {}, "qwen3_moe": dict(qk_norm="head"), "olmoe": dict(qk_norm="full"),
+    "qwen2_moe": dict(qkv_bias=True),
+}
+_ARCH.update({"qwen3": dict(qk_norm="head")})
+# Every model_type the analytic planner knows the block of (GGUF names included: llama.cpp
+# writes the same architecture names for these). Anything else is refused, never estimated as a
+# dense Llama: `lowvram plan --simulate` builds any config transformers can build.
+KNOWN_MODEL_TYPES = frozenset(_ARCH) | frozenset(_MOE_ARCH)
+
+
+def _refuse(name: str, what: str) -> ModelError:
+    return ModelError(
+        f"{name}: the analytic planner does not model {what}",
+        "`lowvram plan --model DIR --simulate` runs the real training step of any config "
+        "transformers can build (fake tensors, no download of weights)")
+
+
+def _moe_fields(cfg: dict, mt: str, name: str) -> dict:
+    """MoE fields of a config.json (empty for a dense model); refuses layouts not modelled."""
+    experts = _first(cfg, "num_local_experts", "num_experts", "n_routed_experts")
+    if not experts:
+        return {}
+    if mt not in _MOE_ARCH:
+        raise _refuse(name, f"the mixture-of-experts layout of model_type '{mt}' ({experts} "
+                      "experts): its expert, router and shared-expert parameters are not counted")
+    sparse_step = cfg.get("decoder_sparse_step", 1) or 1
+    if cfg.get("mlp_only_layers") or sparse_step != 1:
+        raise _refuse(name, "an MoE model with dense layers among the sparse ones "
+                      "(mlp_only_layers / decoder_sparse_step)")
+    width_key = "moe_intermediate_size" if mt in ("qwen2_moe", "qwen3_moe") else "intermediate_size"
+    inter = cfg.get(width_key)
+    top_k = cfg.get("num_experts_per_tok")
+    if not inter or not top_k:
+        raise ModelError(f"{name}: MoE config.json lacks {width_key} or num_experts_per_tok",
+                         "check the file is the model's config.json")
+    out = dict(num_experts=int(experts), num_experts_per_tok=int(top_k),
+               moe_intermediate_size=int(inter), **_MOE_ARCH[mt])
+    if mt == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+        out["qkv_bias"] = bool(cfg.get("qkv_bias", True))
+    return out
+
 
 def _first(cfg: dict, *keys: str):
     for k in keys:
@@ -204,9 +323,16 @@ def _first(cfg: dict, *keys: str):
 
 
 def spec_from_config(cfg: dict, name: str) -> ModelSpec:
-    """A ModelSpec from a transformers config.json dict; names every missing field at once."""
-    cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg else cfg
+    """A ModelSpec from a transformers config.json dict; names every missing field at once.
+    Multimodal configs, unknown model types and MoE layouts not modelled are refused."""
     mt = cfg.get("model_type", "llama")
+    if "vision_config" in cfg or "text_config" in cfg:
+        raise _refuse(name, f"the multimodal model_type '{mt}': AutoModelForCausalLM loads "
+                      "its vision tower with the text model (or does not load it at all), and "
+                      "only the text model would be counted")
+    moe = _moe_fields(cfg, mt, name)
+    if mt not in KNOWN_MODEL_TYPES:
+        raise _refuse(name, f"model_type '{mt}' (known: {', '.join(sorted(KNOWN_MODEL_TYPES))})")
     h = _first(cfg, "hidden_size", "n_embd", "d_model")
     layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first(cfg, "num_attention_heads", "n_head", "num_heads")
@@ -214,6 +340,8 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     missing = [k for k, v in [("hidden_size", h), ("num_hidden_layers", layers),
                               ("num_attention_heads", heads), ("vocab_size", vocab)] if v is None]
     inter = _first(cfg, "intermediate_size", "n_inner", "ffn_dim")
+    if moe:
+        inter = inter or 0  # unused by all-sparse MoE layers (Qwen3-MoE: dense-layer width)
     if inter is None and h is not None:
         if mt in ("gpt2", "falcon", "bloom"):
             inter = 4 * h  # these configs leave the MLP width implicit (4 x hidden)
@@ -236,6 +364,7 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
             arch["out_bias"] = True
     if cfg.get("mlp_bias"):
         arch["mlp_bias"] = True
+    arch.update(moe)
     if mt == "falcon" and cfg.get("bias"):
         arch.update(qkv_bias=True, out_bias=True, mlp_bias=True)
     for field_name, keys in (("resid_dropout", ("resid_pdrop", "hidden_dropout", "resid_dropout")),
@@ -348,7 +477,8 @@ def spec_from_gguf(path: Path, name: str) -> ModelSpec:
     return spec_from_config({k: v for k, v in cfg.items() if v is not None}, name)
 
 
-def _hub_cache_config(hub_id: str) -> Path | None:
+def hub_cache_config(hub_id: str) -> Path | None:
+    """The newest cached config.json of a hub id (huggingface_hub's cache layout), or None."""
     root = Path(os.environ.get("HF_HUB_CACHE") or Path(
         os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
     folder = root / ("models--" + hub_id.replace("/", "--"))
@@ -390,7 +520,7 @@ def resolve_model(name_or_path: str) -> ModelSpec:
             return spec_from_gguf(path, path.stem)
         return _read_config(path, path.parent.name)
     if "/" in key:
-        cached = _hub_cache_config(key)
+        cached = hub_cache_config(key)
         if cached is not None:
             return _read_config(cached, key)
     close = difflib.get_close_matches(key.lower(), list(_aliases()), n=3, cutoff=0.5)

@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
+from lowvram.vocab import (
+    ATTENTIONS,
+    LOSSES,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANTIZATIONS,
+    WEIGHT_DTYPE,
+)
 
 Precision = Literal[PRECISIONS]
 Quant = Literal[QUANTIZATIONS]
@@ -17,6 +25,20 @@ Optim = Literal[OPTIMIZERS]
 OffloadKind = Literal[OFFLOADS]
 Attention = Literal[ATTENTIONS]
 Loss = Literal[LOSSES]
+
+
+def precisions_for_dtype(dtype: str) -> tuple[str, ...]:
+    """The precisions that store weights in ``dtype`` (model.dtype; auto: all)."""
+    return tuple(p for p, d in WEIGHT_DTYPE.items() if dtype in ("auto", d))
+
+
+def dtype_precision(dtype: str, kind: str, bf16: bool) -> str:
+    """The precision a recipe's model.dtype implies when mixed_precision is auto: 16-bit weights
+    train as bf16/fp16, fp32 weights under the card's autocast (fp32 on a CPU)."""
+    if dtype == "float32":
+        return "fp32" if kind == "cpu" else ("bf16-mixed" if bf16 else "fp16-mixed")
+    return "bf16" if dtype == "bfloat16" else "fp16"
+
 
 
 @dataclass(frozen=True)
@@ -35,6 +57,12 @@ class Plan:
     attention: Attention
     loss: Loss
     gpus: int = 1
+    # The rest of the run setup the memory model read; training takes these from the Plan.
+    seq_len: int = 1024
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ("all-linear",)
     reasons: dict[str, str] = field(default_factory=dict)
     predicted_peak_bytes: int | None = None
     budget_bytes: int | None = None

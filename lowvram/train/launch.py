@@ -156,6 +156,8 @@ def read_plan(path: Path) -> Plan:
     except (OSError, ValueError) as e:
         raise LowvramError(f"cannot read the launch plan {path}: {e}",
                            "run `lowvram train RECIPE --gpus N` (it writes the plan and the config)") from None
+    if "lora_targets" in data:  # JSON has lists; the Plan keeps tuples
+        data["lora_targets"] = tuple(data["lora_targets"])
     return Plan(**data)
 
 
@@ -265,7 +267,7 @@ def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: Launc
     if not print_only and check_output:
         from lowvram.train.run import prepare_output_dir
 
-        prepare_output_dir(out, resume, overwrite)
+        prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
     cfg_path = write_config(accelerate_config(plan, spec), out)
     plan_path = write_plan(plan, out)
     extra = ["--resume"] if resume else []

@@ -206,15 +206,14 @@ def _fresh_like(loaded, config):
 # dtype, quantization, attention from the Plan
 
 
-def weight_dtype(recipe, plan):
-    """Storage dtype: the recipe's model.dtype if set, else what mixed_precision implies."""
+def weight_dtype(plan):
+    """Storage dtype of the weights: what the plan's precision keeps (a recipe's model.dtype
+    already chose the precision, lowvram.planning)."""
     import torch
 
-    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if recipe.model.dtype != "auto":
-        return names[recipe.model.dtype]
-    # bf16/fp16 = 16-bit weights; *-mixed keeps fp32 master weights (autocast); fp32 = fp32.
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.mixed_precision, torch.float32)
+    from lowvram.vocab import WEIGHT_DTYPE
+
+    return getattr(torch, WEIGHT_DTYPE[plan.mixed_precision])
 
 
 def compute_dtype(plan):
@@ -286,20 +285,23 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def load_base_model(recipe, plan, source: str):
-    from transformers import AutoModelForCausalLM
-
-    kwargs: dict[str, Any] = {
-        "dtype": weight_dtype(recipe, plan),
-        "attn_implementation": plan.attention,
-        "trust_remote_code": recipe.model.trust_remote_code,
-    }
-    if recipe.model.revision and not Path(source).is_dir():
-        kwargs["revision"] = recipe.model.revision
+def load_kwargs(plan) -> dict:
+    """``from_pretrained`` keyword arguments for the plan's weights: dtype, attention kernel, and
+    the bitsandbytes config and device map of a quantized base (shared with lowvram.measure)."""
+    kwargs: dict[str, Any] = {"dtype": weight_dtype(plan), "attn_implementation": plan.attention}
     q = quantization_config(plan)
     if q is not None:
         kwargs["quantization_config"] = q
         kwargs["device_map"] = _device_map(plan)
+    return kwargs
+
+
+def load_base_model(recipe, plan, source: str):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {**load_kwargs(plan), "trust_remote_code": recipe.model.trust_remote_code}
+    if recipe.model.revision and not Path(source).is_dir():
+        kwargs["revision"] = recipe.model.revision
     try:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as e:
@@ -311,6 +313,25 @@ def load_base_model(recipe, plan, source: str):
     except ValueError as e:
         raise ModelError(f"cannot load {recipe.model.name_or_path}: {_first_line(e)}",
                          "check techniques.attention / quantization against this model and device") from None
+
+
+def prepare_model(model, plan, seed: int | None = None):
+    """What training does to a loaded base before the Trainer gets it, in the Trainer's order:
+    no KV cache, k-bit preparation and LoRA adapters (``seed``: their random init), then gradient
+    checkpointing (non-reentrant), which the Trainer also switches on in ``train()``. The order
+    matters: peft registers an input-requires-grad hook on the embedding when it wraps a model
+    that is already checkpointing (and not quantized), which changes what the first layer keeps.
+    lowvram.measure and the simulator prepare their models with this same function."""
+    model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
+    if plan.lora:
+        if seed is not None:
+            from transformers import set_seed
+
+            set_seed(seed)  # the adapters' random init: same seed, same run
+        model = apply_lora(model, plan)
+    if plan.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def prepare_kbit_model(model, gradient_checkpointing: bool):
@@ -331,18 +352,18 @@ def prepare_kbit_model(model, gradient_checkpointing: bool):
     return model
 
 
-def apply_lora(model, recipe, plan):
-    """k-bit preparation (if quantized) and LoRA adapters from the recipe's lora section."""
+def apply_lora(model, plan):
+    """k-bit preparation (if quantized) and LoRA adapters with the plan's lora settings."""
     from peft import LoraConfig, get_peft_model
 
     if plan.quantization != "none":
         model = prepare_kbit_model(model, plan.gradient_checkpointing)
-    lc = recipe.lora
+    targets = plan.lora_targets
     config = LoraConfig(
-        r=lc.r,
-        lora_alpha=lc.alpha,
-        lora_dropout=lc.dropout,
-        target_modules=lc.target_modules,
+        r=plan.lora_r,
+        lora_alpha=plan.lora_alpha,
+        lora_dropout=plan.lora_dropout,
+        target_modules=targets[0] if targets == ("all-linear",) else list(targets),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -376,13 +397,6 @@ def load_model(recipe, plan) -> LoadedModel:
         folder, cache_hit = gguf_folder(source, recipe.model.gguf_file, recipe.model.trust_remote_code)
         source = str(folder)
     tokenizer = load_tokenizer(recipe, source)
-    model = load_base_model(recipe, plan, source)
-    if plan.gradient_checkpointing:
-        model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
-    if plan.lora:
-        from transformers import set_seed
-
-        set_seed(recipe.training.seed)  # the adapters' random init: same seed, same run
-        model = apply_lora(model, recipe, plan)
+    model = prepare_model(load_base_model(recipe, plan, source), plan, seed=recipe.training.seed)
     trainable, total = count_params(model)
     return LoadedModel(model, tokenizer, source, time.perf_counter() - t0, cache_hit, trainable, total)

@@ -80,6 +80,12 @@ class ProgressCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.tokens_seen = int(state.num_input_tokens_seen or 0)
+        if control is not None and state.max_steps and state.global_step >= state.max_steps:
+            control.should_log = True  # the final loss is the last step's, whatever logging_steps is
+        self._update_bar(state)
+        return control
+
+    def _update_bar(self, state) -> None:
         if self._progress is not None:
             loss = f"loss {self.losses[-1][1]:.4f}  " if self.losses else ""
             tps = self.tokens_per_s()
@@ -91,6 +97,7 @@ class ProgressCallback(TrainerCallback):
         step = state.global_step
         if "loss" in logs:
             self.losses.append((step, float(logs["loss"])))
+            self._update_bar(state)  # the step's own loss (on_step_end ran before this log)
             if self._progress is None:
                 tps = self.tokens_per_s()
                 self._line(

@@ -65,12 +65,22 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MESSAGES)
 
 
+# torch.save's zip writer (caffe2 inline_container.cc) reports a short write as a RuntimeError
+# without the errno: "[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 1180" or
+# "PytorchStreamWriter failed writing file data/0: file write failed" (issue 15: optimizer.pt on a
+# full 30 MB tmpfs gave the first).
+DISK_FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "PytorchStreamWriter failed",
+                      "unexpected pos", "file write failed")
+
+
 def is_disk_full(exc: BaseException) -> bool:
     codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-    while exc is not None:  # torch.save wraps the OSError in a RuntimeError on some paths
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # torch.save wraps the OSError in a RuntimeError
+        seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in codes:
             return True
-        if "No space left on device" in str(exc):
+        if isinstance(exc, (OSError, RuntimeError)) and any(m in str(exc) for m in DISK_FULL_MESSAGES):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -144,12 +154,15 @@ class TrainingInterrupted(LowvramError):
 
 
 def mark_complete(folder: Path) -> None:
-    """Write the marker listing every file of a checkpoint that is now whole (called last)."""
-    files = {str(p.relative_to(folder)): p.stat().st_size
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.startswith(".")}
+    """Write the marker listing every file of a checkpoint that is now whole, with its size and
+    sha256 (read back while the file is still in the page cache; called last)."""
+    from lowvram.train.manifest import file_sha256
     from lowvram.train.run import write_atomic
 
-    write_atomic(folder / MARKER, json.dumps({"files": files}, indent=1) + "\n")
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.startswith(".")]
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in paths}
+    sums = {str(p.relative_to(folder)): file_sha256(p) for p in paths}
+    write_atomic(folder / MARKER, json.dumps({"files": files, "sha256": sums}, indent=1) + "\n")
 
 
 def _marker_matches(folder: Path) -> bool:
@@ -252,7 +265,16 @@ def make_callbacks(stop: SignalStop) -> list:
                 control.should_training_stop = True
             return control
 
-    return [MarkComplete(), StopOnSignal()]
+    class RecordCheckpoint(TrainerCallback):
+        # After the Trainer's flow callback and StopOnSignal decided to save, before the folder is
+        # written: `--overwrite` deletes it even when the process dies half-way through it.
+        def on_step_end(self, args, state, control, **kwargs):
+            if control.should_save and state.is_local_process_zero:
+                from lowvram.train.manifest import record
+
+                record(Path(args.output_dir), f"checkpoint-{state.global_step}")
+
+    return [MarkComplete(), StopOnSignal(), RecordCheckpoint()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,21 +363,44 @@ def _disk_full(exc: BaseException, out: Path, hint_cmd: str) -> LowvramError:
     last = complete_checkpoints(out)
     kept = f"the last complete checkpoint {last[-1].name} is intact" if last else "no complete checkpoint was written"
     gone = f" (removed the partial {', '.join(removed)})" if removed else ""
-    name = getattr(exc, "filename", None) or out
+    name = _failed_file(exc) or (out / removed[0] if removed else out)
     then = f", then {hint_cmd}" if last and hint_cmd else ""
     return LowvramError(f"disk full while writing {name}{gone}",
                         f"free space on that disk (df -h {shlex.quote(str(out))}); {kept}{then}")
 
 
+def _failed_file(exc: BaseException | None) -> str | None:
+    """The file an OSError names, in the exception or the one it wraps."""
+    while exc is not None:
+        if getattr(exc, "filename", None):
+            return str(exc.filename)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = False, recover: bool = True,
                         max_retries: int = DEFAULT_MAX_RETRIES, resume_cmd: str = "", notify=None,
                         track_memory: bool | None = None):
-    """run_training, retried with the next cheaper plan after an out-of-memory error."""
-    from lowvram.train.run import run_training
+    """run_training, retried with the next cheaper plan after an out-of-memory error; the output
+    folder is locked for the whole time (lock.py)."""
+    from lowvram.train.lock import run_lock
     from lowvram.train.trainer import output_dir
 
     notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
     out = output_dir(recipe)
+    with run_lock(out, _lock_label(resume, overwrite), notify):
+        return _train_loop(recipe, plan, out, resume, overwrite, recover, max_retries, resume_cmd, notify,
+                           track_memory)
+
+
+def _lock_label(resume: bool, overwrite: bool) -> str:
+    return "lowvram train" + (" --resume" if resume else "") + (" --overwrite" if overwrite else "")
+
+
+def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries, resume_cmd, notify,
+                track_memory):
+    from lowvram.train.run import run_training
+
     retries: list[Retry] = []
     first = True
     while True:

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,10 +38,17 @@ def write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a run's files are like any other
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -52,40 +60,56 @@ def checkpoints(out: Path) -> list[Path]:
 
 
 def _has_content(out: Path) -> bool:
-    # `lowvram train --gpus N` writes its accelerate config and launch plan before the run starts.
+    # `lowvram train --gpus N` writes its accelerate config and launch plan before the run starts;
+    # a run that stopped before training wrote only its manifest.
+    from lowvram.train import manifest
     from lowvram.train.launch import LAUNCH_FILES
 
-    return out.is_dir() and any(p.name not in LAUNCH_FILES for p in out.iterdir())
+    return out.is_dir() and not manifest.only_manifest(out, LAUNCH_FILES)
 
 
-def _is_lowvram_run(out: Path) -> bool:
-    return any((out / n).exists() for n in (PLAN, METRICS)) or bool(list(out.glob("checkpoint-*")))
+def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe=None, plan=None,
+                       notify=None) -> Path | None:
+    """Check the folder against --resume/--overwrite; returns the checkpoint to resume from.
 
+    Called with the folder locked (lock.py). With ``recipe``: a resume is checked against the
+    run's recipe (resume_check.py), and a new run records its data hashes in its manifest."""
+    from lowvram.train import manifest
 
-def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> Path | None:
-    """Check the folder against --resume/--overwrite; returns the checkpoint to resume from."""
     if resume and overwrite:
         raise UsageError("--resume and --overwrite contradict each other", "pass one of them")
     if out.exists() and not out.is_dir():
         raise LowvramError(f"training.output_dir {out} is a file", "set training.output_dir to a folder")
-    has_content = _has_content(out)
     if resume:
-        ckpts = checkpoints(out) if out.is_dir() else []
-        if not ckpts:
-            raise LowvramError(
-                f"no checkpoint to resume from in {out}",
-                "checkpoints are written every training.save_steps steps; run without --resume to start over",
-            )
-        return ckpts[-1]
-    if not has_content:
+        from lowvram.train.checkpoints import resume_checkpoint
+
+        checkpoint = resume_checkpoint(out, notify)
+        if recipe is not None:
+            from lowvram.train.resume_check import check_resume
+
+            check_resume(out, recipe, plan, notify)
+        for tmp in out.glob(".final-*"):  # a final save the process did not finish: done again
+            shutil.rmtree(tmp, ignore_errors=True)
+        _unmark_newer(out, checkpoint)
+        return checkpoint
+    manifest.check_output_dir_is_safe(out, recipe.source if recipe is not None else None, overwrite)
+    hashes = manifest.data_hashes(recipe) if recipe is not None else {}
+    if not _has_content(out):
+        old = manifest.read(out) if out.is_dir() else None
+        created = old["created_folder"] if old else not out.is_dir() or not any(out.iterdir())
+        manifest.start(out, bool(created), hashes)
         return None
-    if not _is_lowvram_run(out):
+    if not manifest.is_run(out):
         raise LowvramError(
             f"training.output_dir {out} is not empty and holds no lowvram run",
             "choose an empty or new folder for training.output_dir (nothing was deleted)",
         )
     if overwrite:
-        shutil.rmtree(out)
+        created = bool((manifest.read(out) or {}).get("created_folder"))
+        left = manifest.remove_run(out)
+        if left:
+            (notify or _note)(f"note: --overwrite kept what the run did not write in {out}: {', '.join(left[:6])}")
+        manifest.start(out, created, hashes)
         return None
     if (out / METRICS).is_file():
         raise LowvramError(
@@ -98,10 +122,29 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> Path | None:
     )
 
 
+def _note(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _unmark_newer(out: Path, checkpoint: Path) -> None:
+    """Checkpoints after the one resumed from (skipped as corrupt or partial) are written again by
+    the resumed run; until then they are not complete (a crash while rewriting one must not
+    leave its old marker claiming it whole)."""
+    from lowvram.train.recover import MARKER
+
+    step = int(checkpoint.name.rpartition("-")[2])
+    for p in out.glob("checkpoint-*"):
+        if _CKPT.match(p.name) and int(p.name.rpartition("-")[2]) > step:
+            (p / MARKER).unlink(missing_ok=True)
+
+
 def _save_final(trainer, tokenizer, out: Path) -> None:
     """Adapter (or model) + tokenizer, each file moved into place whole.
 
     Every rank calls save_model (FSDP gathers the shards collectively); rank 0 writes."""
+    from lowvram.train import manifest
+
     main = trainer.is_world_process_zero()
     tmp = Path(tempfile.mkdtemp(prefix=".final-", dir=out))
     try:
@@ -109,6 +152,7 @@ def _save_final(trainer, tokenizer, out: Path) -> None:
         if not main:
             return
         tokenizer.save_pretrained(str(tmp))
+        manifest.record(out, *sorted(f.name for f in tmp.iterdir()))
         for f in tmp.iterdir():
             dest = out / f.name
             if f.is_dir():
@@ -233,11 +277,14 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         found = checkpoints(out) if resume and out.is_dir() else []
         checkpoint = found[-1] if found else None
     else:
-        checkpoint = prepare_output_dir(out, resume, overwrite)
+        checkpoint = prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
+    at_end = checkpoint is not None and _finished_at(checkpoint, recipe)
 
     from lowvram.train.model import load_model, quiet_libraries
 
     quiet_libraries()
+    sys.stdout.write(f"loading {recipe.model.name_or_path} ...\n")  # seconds for a large model: not silence
+    sys.stdout.flush()
     loaded = load_model(recipe, plan)
 
     from lowvram.train.data import build_datasets, make_collator
@@ -263,6 +310,12 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     main = trainer.is_world_process_zero()
     out.mkdir(parents=True, exist_ok=True)
     if main:  # several processes: rank 0 writes the run files
+        from lowvram.train import manifest
+
+        manifest.record(out, RECIPE, PLAN, METRICS, "loss.png",
+                        *(["runs"] if recipe.training.report_to == "tensorboard" else []),
+                        *(f"rank-{i}.json" for i in range(trainer.accelerator.num_processes)
+                          if trainer.accelerator.num_processes > 1))
         # The comment names the recipe file (`lowvram runs` shows it; YAML loaders skip it).
         write_atomic(out / RECIPE, (f"# recipe: {Path(recipe.source).resolve()}\n" if recipe.source else "") + recipe.to_yaml())
         write_atomic(out / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
@@ -277,7 +330,16 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     t0 = time.perf_counter()
     try:
         with tracker if tracker is not None else contextlib.nullcontext(), stop.installed():
-            train_out = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+            if at_end:  # the last step is in the checkpoint: finish without training another
+                train_out = _load_finished(trainer, checkpoint)
+            else:
+                train_out = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+            runtime = time.perf_counter() - t0  # training only: tokens/s
+            # The final evaluation is part of the run's peak (eval batch = micro-batch; the eval
+            # loop keeps the loss only, Trainer.evaluate's prediction_loss_only).
+            eval_loss = None
+            if bundle.eval is not None and stop.signum is None:
+                eval_loss = float(trainer.evaluate()["eval_loss"])
     except Exception as e:
         if not recover.is_oom(e):
             raise
@@ -285,10 +347,6 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     if stop.signum is not None:
         saved = checkpoints(out)
         raise recover.TrainingInterrupted(stop.signum, trainer.state.global_step, saved[-1] if saved else None)
-    runtime = time.perf_counter() - t0
-    eval_loss = None
-    if bundle.eval is not None:
-        eval_loss = float(trainer.evaluate()["eval_loss"])
     peak = _peak_memory(plan, tracker, mem_history)
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
@@ -302,8 +360,8 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         "eval_loss": eval_loss,
         "steps": int(trainer.state.global_step),
         "runtime_s": round(runtime, 3),
-        "train_runtime_s": round(float(train_out.metrics.get("train_runtime", runtime)), 3),
-        "tokens_seen": int(progress.tokens_seen),
+        "train_runtime_s": round(float(train_out.metrics.get("train_runtime", runtime)) if train_out else 0.0, 3),
+        "tokens_seen": int(trainer.state.num_input_tokens_seen or progress.tokens_seen),
         "tokens_per_s": round(session_tokens / runtime, 1) if runtime > 0 and session_tokens else None,
         **peak,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
@@ -333,6 +391,34 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         write_atomic(out / METRICS, json.dumps(metrics, indent=2) + "\n")
         _plot(metrics, out)
     return RunResult(output_dir=str(out), metrics=metrics, resumed_from=str(checkpoint) if checkpoint else None)
+
+
+def _finished_at(checkpoint: Path, recipe) -> bool:
+    """Whether ``checkpoint`` holds the run's last step (max_steps, or the step count the run
+    started with when it trains for epochs): resuming from it trains nothing more."""
+    from lowvram.train.checkpoints import checkpoint_step
+
+    step, run_max = checkpoint_step(checkpoint)
+    target = recipe.training.max_steps or run_max
+    if target is not None and step > target:
+        raise LowvramError(
+            f"{checkpoint.name} is at step {step}, past training.max_steps {target}",
+            f"resume with training.max_steps {step} or more, or start over with --overwrite",
+        )
+    return target is not None and step >= target
+
+
+def _load_finished(trainer, checkpoint: Path):
+    """The Trainer as it stood at the end of the run: the checkpoint's weights and state (loss
+    history, tokens seen). transformers' own resume would take one more step before it checks
+    max_steps (its loop tests the stop condition after a step)."""
+    from transformers import TrainerState
+
+    trainer._load_from_checkpoint(str(checkpoint))  # noqa: SLF001 - the Trainer's own loader (adapters, shards)
+    trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    sys.stdout.write(f"{checkpoint.name} is at the last step ({trainer.state.global_step}): finishing without training\n")
+    sys.stdout.flush()
+    return None
 
 
 def _plot(metrics: dict, out: Path) -> None:

@@ -1,0 +1,271 @@
+"""Differential test of the plan against the real run: random valid recipes, tiny random-init
+models of several families, `lowvram train` itself for two steps on the CPU with the exact
+live-bytes tracker, and the measured peak compared with the plan's prediction.
+
+Nothing here is a copy of the training path: each case writes a model folder (config, random
+weights, a tokenizer trained here), a data file and a recipe with only the keys a user would
+write, and runs the `lowvram train` command in this process (Typer's runner over the real CLI).
+The run records ``peak_memory_bytes`` (live tensor bytes, exact on a CPU) and
+``predicted_peak_bytes`` (the plan it printed) in ``metrics.json``.
+
+Used by tests/test_plan_fuzz.py (a fixed-seed handful) and bench/plan_fuzz.py (hundreds).
+Target (issue 12): no run more than 3% above its plan, none more than 10% off either way.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# Targets of the differential test: measured / predicted - 1.
+OVER_LIMIT = 0.03  # the run may use at most 3% more than its plan said
+ANY_LIMIT = 0.10  # and the plan may be at most 10% off either way
+
+# Families and their transformers config fields (random init; small enough for 2 CPU steps).
+# Llama; Qwen2 (q/k/v bias, tied embeddings at small sizes); Gemma (tied embeddings, GeGLU,
+# scaled embedding); Phi-3 (fused qkv and gate_up); Mistral; Qwen3-MoE and Mixtral (experts).
+FAMILIES = ("llama", "qwen2", "gemma", "phi3", "mistral", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+WORDS = ("the quick brown fox jumps over lazy dog gradient memory adapter train model plan "
+         "peak tensor layer token batch sequence answer question").split()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One random recipe: the model shape and every recipe value that changes memory."""
+
+    seed: int
+    family: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tie: bool
+    method: str  # full | lora | qlora
+    lora_r: int = 8
+    lora_targets: tuple[str, ...] | str = "all-linear"
+    lora_dropout: float = 0.0
+    precision: str = "fp32"
+    model_dtype: str = "auto"
+    gradient_checkpointing: bool = False
+    optimizer: str = "adamw"
+    loss: str = "standard"
+    attention: str = "sdpa"
+    seq_len: int = 128
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    packing: bool = False
+    validation: float | None = None
+    experts: int = 0
+    experts_per_tok: int = 0
+
+    def label(self) -> str:
+        bits = [f"#{self.seed}", self.family, self.method]
+        if self.method != "full":
+            t = self.lora_targets if isinstance(self.lora_targets, str) else ",".join(self.lora_targets)
+            bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else ""))
+        bits += [self.precision] + ([f"dtype {self.model_dtype}"] if self.model_dtype != "auto" else [])
+        bits += (["ckpt"] if self.gradient_checkpointing else []) + [self.optimizer]
+        bits += ([self.loss] if self.loss != "standard" else []) + ([self.attention] if self.attention != "sdpa" else [])
+        bits.append(f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}")
+        bits += (["packed"] if self.packing else []) + (["eval"] if self.validation else [])
+        return " ".join(bits)
+
+
+def _targets(family: str, rng: random.Random):
+    """all-linear or a random subset of the family's Linear names (as peft matches them)."""
+    if family == "phi3":
+        names = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    elif family in MOE_FAMILIES:
+        names = ["q_proj", "k_proj", "v_proj", "o_proj"]  # attention; experts via all-linear
+    else:
+        names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    if rng.random() < 0.5:
+        return "all-linear"
+    return tuple(sorted(rng.sample(names, rng.randint(1, len(names)))))
+
+
+def random_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
+    """A random valid recipe (same seed, same case)."""
+    rng = random.Random(seed)
+    family = rng.choice(families)
+    heads = rng.choice([2, 4])
+    head_dim = rng.choice([16, 32])
+    hidden = heads * head_dim
+    moe = family in MOE_FAMILIES
+    method = rng.choice(["full", "lora", "lora", "qlora"])
+    precision = rng.choice(["fp32", "bf16", "bf16-mixed"])
+    if method == "full" and precision == "bf16" and rng.random() < 0.3:
+        precision = "bf16-mixed"
+    dtype = "auto"
+    if rng.random() < 0.15:  # model.dtype set: the precision must agree
+        dtype = {"bf16": "bfloat16", "bf16-mixed": "float32", "fp32": "float32"}[precision]
+    optimizer = rng.choice(["adamw", "adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "sgd"])
+    seq_len = rng.choice([64, 128, 256, 512])
+    micro = rng.choice([1, 2, 4])
+    loss = "chunked" if seq_len * micro > 1024 and rng.random() < 0.7 else rng.choice(["standard", "standard", "chunked"])
+    case = Case(
+        seed=seed, family=family, hidden=hidden, layers=rng.choice([2, 3]), heads=heads,
+        kv_heads=rng.choice([h for h in (1, 2, heads) if heads % h == 0]),
+        intermediate=rng.choice([2, 3, 4]) * hidden, vocab=rng.choice([512, 1024, 2048]),
+        tie=family in ("gemma",) or (family == "qwen2" and rng.random() < 0.5),
+        method=method, lora_r=rng.choice([4, 8, 16]), lora_targets=_targets(family, rng),
+        lora_dropout=0.0 if moe or rng.random() < 0.5 else rng.choice([0.05, 0.1]),
+        precision=precision, model_dtype=dtype, gradient_checkpointing=rng.random() < 0.4,
+        optimizer=optimizer, loss=loss, attention="eager" if rng.random() < 0.15 else "sdpa",
+        seq_len=seq_len, micro_batch_size=micro, grad_accum=rng.choice([1, 1, 2]),
+        packing=rng.random() < 0.3, validation=0.2 if rng.random() < 0.25 else None,
+        experts=rng.choice([4, 8]) if moe else 0, experts_per_tok=2 if moe else 0,
+    )
+    return case
+
+
+# --------------------------------------------------------------------------------------------
+# Building a case's files
+
+
+def _config(case: Case, vocab: int, pad_id: int, eos_id: int):
+    from transformers import AutoConfig
+
+    kw = dict(
+        hidden_size=case.hidden, intermediate_size=case.intermediate, num_hidden_layers=case.layers,
+        num_attention_heads=case.heads, num_key_value_heads=case.kv_heads,
+        head_dim=case.hidden // case.heads, vocab_size=vocab, max_position_embeddings=1024,
+        tie_word_embeddings=case.tie, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None,
+    )
+    if case.family in MOE_FAMILIES:
+        kw.update(num_local_experts=case.experts, num_experts=case.experts,
+                  num_experts_per_tok=case.experts_per_tok, moe_intermediate_size=case.intermediate // 2)
+        if case.family == "mixtral":
+            kw["intermediate_size"] = case.intermediate // 2
+    if case.family == "qwen3_moe":
+        kw.update(decoder_sparse_step=1, mlp_only_layers=[])
+    if case.family == "gemma":
+        kw["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg = AutoConfig.for_model(case.family, **kw)
+    for name in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, 0.0)  # the family's dropout is its own test (tests/test_plan_simulate.py)
+    return cfg
+
+
+def write_model(case: Case, folder: Path) -> Path:
+    """Random-init model + a BPE tokenizer trained here, as a from_pretrained folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.testing import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = _config(case, max(case.vocab, len(tok)), tok.pad_token_id, tok.eos_token_id)
+    torch.manual_seed(case.seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def write_data(case: Case, path: Path, rows: int = 24) -> Path:
+    """Text rows longer than seq_len: every batch is full (truncated, or packed into full windows)."""
+    rng = random.Random(case.seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(3 * case.seq_len))}) + "\n")
+    return path
+
+
+def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
+    """The recipe a user would write for this case: only keys that change memory are set."""
+    t = {
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"datasets": [{"path": str(data), "format": "text"}]},
+        "training": {"seq_len": case.seq_len, "batch_size": case.micro_batch_size * case.grad_accum,
+                     "micro_batch_size": case.micro_batch_size, "max_steps": 2, "logging_steps": 1,
+                     "save_steps": 100, "output_dir": str(out), "report_to": "none"},
+        "techniques": {
+            "mixed_precision": case.precision,
+            "gradient_checkpointing": "on" if case.gradient_checkpointing else "off",
+            "lora": "off" if case.method == "full" else "on",
+            "quantization": "nf4-dq" if case.method == "qlora" else "off",
+            "optimizer": case.optimizer, "loss": case.loss, "attention": case.attention,
+            "offload": "off",
+        },
+    }
+    if case.model_dtype != "auto":
+        t["model"]["dtype"] = case.model_dtype
+    if case.packing:
+        t["data"]["packing"] = True
+    if case.validation:
+        t["data"]["validation"] = case.validation
+    if case.method != "full":
+        targets = case.lora_targets
+        t["lora"] = {"r": case.lora_r, "alpha": 2 * case.lora_r,
+                     "target_modules": targets if isinstance(targets, str) else list(targets)}
+        if case.lora_dropout:
+            t["lora"]["dropout"] = case.lora_dropout
+    import yaml
+
+    return yaml.safe_dump(t, sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Running a case
+
+
+@dataclass
+class Outcome:
+    case: Case
+    measured_bytes: int | None = None
+    predicted_bytes: int | None = None
+    error: str | None = None  # the run failed or the planner refused (its message)
+    details: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        if not self.measured_bytes or not self.predicted_bytes:
+            return None
+        return self.measured_bytes / self.predicted_bytes - 1
+
+    @property
+    def ok(self) -> bool:
+        r = self.ratio
+        return r is not None and r <= OVER_LIMIT and abs(r) <= ANY_LIMIT
+
+    def to_dict(self) -> dict:
+        return {"case": asdict(self.case), "label": self.case.label(), "measured_bytes": self.measured_bytes,
+                "predicted_bytes": self.predicted_bytes, "ratio": self.ratio, "error": self.error,
+                **self.details}
+
+
+def run_case(case: Case, workdir: Path) -> Outcome:
+    """Write the case's files and run `lowvram train RECIPE --json` in this process."""
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = write_model(case, workdir / "model")
+    data = write_data(case, workdir / "data.jsonl")
+    recipe = workdir / "recipe.yaml"
+    recipe.write_text(recipe_text(case, model, data, workdir / "run"))
+    result = CliRunner().invoke(app, ["train", str(recipe), "--json", "--overwrite"])
+    metrics_file = workdir / "run" / "metrics.json"
+    if result.exit_code != 0 or not metrics_file.exists():
+        text = (result.stderr or "") + (result.stdout or "")
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            text += f"{type(result.exception).__name__}: {result.exception}"
+        return Outcome(case, error=text.strip()[-2000:] or f"exit code {result.exit_code}")
+    m = json.loads(metrics_file.read_text())
+    details = {k: m.get(k) for k in ("peak_memory_kind", "steps", "eval_loss")}
+    return Outcome(case, measured_bytes=m.get("peak_memory_bytes"), predicted_bytes=m.get("predicted_peak_bytes"),
+                   details=details)
+
+
+__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "OVER_LIMIT", "Outcome", "random_case", "recipe_text",
+           "run_case", "write_data", "write_model"]

@@ -1,0 +1,89 @@
+"""The one network read of planning: a model's config.json from the Hugging Face Hub.
+
+``lowvram plan --model org/name`` for a model that is neither in the catalog nor in the hub cache
+downloads that file only (``hf_hub_download(repo_id, "config.json")``: a few KB, no weights) into
+the hub cache, where ``lowvram.plan.models`` finds it from then on (offline too). Kept out of
+``plan/``, which stays pure: the CLI calls this before it plans. huggingface_hub reads HF_TOKEN
+(gated and private repos) and HF_HUB_CACHE / HF_HOME itself; HF_HUB_OFFLINE is checked here first
+so that an offline machine gets one clear error instead of a connection attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from lowvram.errors import LowvramError, ModelError
+
+# A hub repo id: "org/name" (huggingface_hub validate_repo_id: letters, digits, - _ . ; no "--"
+# or ".." and no leading/trailing - or .).
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def looks_like_hub_id(ref: str) -> bool:
+    """True for "org/name" that is no local path (a folder or file of that name wins)."""
+    ref = ref.strip()
+    return bool(_REPO_ID.match(ref)) and ".." not in ref and "--" not in ref and not Path(ref).exists()
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def ensure_config(model_ref: str, download=None) -> Path | None:
+    """For a hub id that neither the catalog nor the hub cache knows, fetch its config.json (the
+    path); None when nothing needed fetching (catalog name, local path, cached hub id)."""
+    from lowvram.plan.models import hub_cache_config, is_catalog_name
+
+    ref = model_ref.strip()
+    if not looks_like_hub_id(ref) or is_catalog_name(ref) or hub_cache_config(ref) is not None:
+        return None
+    return fetch_config(ref, download)
+
+
+def fetch_config(repo_id: str, download=None) -> Path:
+    """Download ``repo_id``'s config.json into the hub cache and return its path.
+
+    ``download`` defaults to ``huggingface_hub.hf_hub_download`` (tests pass a stand-in)."""
+    if hub_offline():
+        raise ModelError(
+            f"'{repo_id}' is not in the catalog and its config.json is not in the hub cache "
+            "(HF_HUB_OFFLINE is set, so it was not downloaded)",
+            "unset HF_HUB_OFFLINE to fetch that one file (a few KB), or pass a local folder with "
+            "config.json; catalog models: `lowvram plan --list-models`")
+    if download is None:
+        from huggingface_hub import hf_hub_download as download
+    try:
+        return Path(download(repo_id=repo_id, filename="config.json"))
+    except Exception as err:  # noqa: BLE001 - every failure becomes one error + hint below
+        raise _hub_error(repo_id, err) from None
+
+
+def _hub_error(repo_id: str, err: Exception) -> LowvramError:
+    """huggingface_hub's exceptions as one message and one hint (names checked by class name, so
+    a stand-in downloader in tests can raise the same kinds)."""
+    kinds = {cls.__name__ for cls in type(err).__mro__}
+    if "GatedRepoError" in kinds:
+        return ModelError(f"'{repo_id}' is a gated model: its config.json needs an accepted "
+                          "license and a token",
+                          f"accept the terms on https://huggingface.co/{repo_id}, then set HF_TOKEN "
+                          "(or run `hf auth login`)")
+    if "RepositoryNotFoundError" in kinds:
+        return ModelError(f"no model '{repo_id}' on the Hugging Face Hub (or it is private)",
+                          "check the spelling (org/name), set HF_TOKEN for a private repo, or "
+                          "see `lowvram plan --list-models`")
+    if "RemoteEntryNotFoundError" in kinds:
+        return ModelError(f"'{repo_id}' has no config.json on the hub (a GGUF-only or non-"
+                          "transformers repo?)",
+                          "download the model and pass its folder (config.json or a .gguf file)")
+    if "HFValidationError" in kinds:
+        return ModelError(f"'{repo_id}' is not a valid hub repo id", "use the form org/name")
+    return ModelError(f"could not fetch the config.json of '{repo_id}' from the Hugging Face Hub: "
+                      f"{str(err).splitlines()[0] if str(err) else type(err).__name__}",
+                      "check the network (or set HF_HUB_OFFLINE=1 and pass a local folder with "
+                      "config.json)")
+
+
+__all__ = ["ensure_config", "fetch_config", "hub_offline", "looks_like_hub_id"]

@@ -1,0 +1,63 @@
+"""`validate` and `train --dry-run`: the recipe's local files exist and its first rows parse.
+
+The same rules as training uses (data.py decides what is a local file and what a hub id,
+model.py where a model folder is), without loading a model or a whole dataset: a few
+milliseconds, so a missing file is reported before anything heavy starts, not after the model
+has loaded. No torch here.
+"""
+
+from __future__ import annotations
+
+from lowvram.errors import LowvramError
+
+_HEAD_BYTES = 1 << 16  # the first rows of a JSON Lines file: enough for a few rows, read in microseconds
+
+
+def input_problems(recipe) -> list[str]:
+    """One line per missing or unreadable input (empty when all are there)."""
+    from lowvram.train.data import _FILE_LIKE_SUFFIXES, _HUB_ID, LOCAL_SUFFIXES
+    from lowvram.train.model import resolve_model_location
+
+    problems = []
+    try:
+        resolve_model_location(recipe)
+    except LowvramError as e:
+        problems.append(e.message)
+    for spec in recipe.data.datasets:
+        path = recipe.resolve_path(spec.path)
+        suffix = path.suffix.lower()
+        local = suffix in LOCAL_SUFFIXES or path.exists() or suffix in _FILE_LIKE_SUFFIXES or not _HUB_ID.match(spec.path)
+        if not local:
+            continue  # a hub dataset: checked when it downloads
+        if not path.is_file():
+            problems.append(f"data file not found: {path}" if not path.exists() else f"{path} is a folder, not a data file")
+        elif suffix in (".jsonl", ".ndjson") and not recipe.data.skip_bad_rows:
+            problems += _first_rows_problem(path)
+    return problems
+
+
+def _first_rows_problem(path) -> list[str]:
+    from lowvram.train.data import _BadRow, _jsonl_rows
+
+    with path.open("rb") as f:
+        head = f.read(_HEAD_BYTES)
+    if len(head) == _HEAD_BYTES:
+        head = head[: head.rfind(b"\n") + 1]  # whole lines only
+    try:
+        rows = list(_jsonl_rows(head.decode("utf-8-sig"), path.name))
+    except UnicodeDecodeError as e:
+        return [f"{path}: not UTF-8 text (byte {e.start})"]
+    bad = [f"{r.where}: {r.data}" for r in rows if isinstance(r.data, _BadRow)]
+    if not rows:
+        return [f"{path}: the data file is empty"]
+    return bad[:1]  # the first; training reports each, or skips them with data.skip_bad_rows
+
+
+def check_inputs(recipe) -> None:
+    problems = input_problems(recipe)
+    if problems:
+        raise LowvramError(
+            f"{len(problems)} input{'s' if len(problems) != 1 else ''} of the recipe cannot be read:\n  "
+            + "\n  ".join(problems),
+            "paths in a recipe are relative to the recipe file; fix them and run `lowvram validate RECIPE` again",
+        )

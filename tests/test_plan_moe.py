@@ -1,0 +1,147 @@
+"""Mixture-of-experts and refusals in the analytic planner (lowvram.plan.models / plan.moe).
+
+Parameter counts are exact against the transformers 5 model built from the same config.json on
+the meta device; LoRA trainable counts exact against peft's own adapters on that model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowvram.errors import LowvramError
+from lowvram.plan.memory import RunSetup, estimate_memory, lora_parameters
+from lowvram.plan.models import count_parameters, resolve_model, spec_from_config
+
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128)
+CONFIGS = {
+    "mixtral": dict(BASE, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(BASE, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48, shared_expert_intermediate_size=80),
+    "qwen3_moe": dict(BASE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48, head_dim=32),
+    "olmoe": dict(BASE, model_type="olmoe", num_experts=8, num_experts_per_tok=2,
+                  pad_token_id=0, eos_token_id=1),
+    "qwen3": dict(BASE, model_type="qwen3", head_dim=32),
+}
+
+
+def _meta_model(cfg: dict):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = dict(cfg)
+    config = AutoConfig.for_model(c.pop("model_type"), **c)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parameter_count_equals_transformers(name):
+    spec = spec_from_config(CONFIGS[name], name)
+    model = _meta_model(CONFIGS[name])
+    assert count_parameters(spec) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "v_proj")])
+def test_lora_trainable_count_equals_peft(name, targets):
+    from peft import LoraConfig, get_peft_model
+
+    spec = spec_from_config(CONFIGS[name], name)
+    model = get_peft_model(_meta_model(CONFIGS[name]), LoraConfig(
+        r=4, target_modules="all-linear" if targets == ("all-linear",) else list(targets),
+        lora_dropout=0.0))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    setup = RunSetup(spec, lora=True, lora_r=4, lora_targets=targets)
+    assert lora_parameters(setup) == trainable
+
+
+def test_experts_stay_unquantized_under_qlora():
+    spec = spec_from_config(CONFIGS["mixtral"], "m")
+    bf16 = estimate_memory(RunSetup(spec, device="cpu", lora=True)).breakdown["weights"]
+    nf4 = estimate_memory(RunSetup(spec, device="cpu", lora=True, quantization="nf4")).breakdown["weights"]
+    # bitsandbytes swaps nn.Linear only: attention shrinks, the fused experts (E*3*I*h) do not
+    experts = 2 * 2 * 8 * 3 * 96 * 64
+    assert bf16 - nf4 < 2 * 2 * (64 * 64 * 2 + 2 * 64 * 32)
+    assert nf4 > experts
+
+
+def test_analytic_moe_plan_counts_the_experts():
+    # Mixtral-8x7B's shape (MixtralConfig defaults: "similar to Mixtral-7B-v0.1"): 46.7B parameters
+    cfg = dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               vocab_size=32000, num_local_experts=8, num_experts_per_tok=2)
+    spec = spec_from_config(cfg, "mixtral")
+    assert count_parameters(spec) == 46_702_792_704
+    est = estimate_memory(RunSetup(spec, lora=True, quantization="nf4"))
+    assert est.peak_bytes > 80 * 2**30  # the experts stay bf16: no 24 GB card holds it
+
+
+def test_partial_fused_target_and_dropout_are_refused():
+    spec = spec_from_config(CONFIGS["qwen3_moe"], "q")
+    with pytest.raises(LowvramError, match="fused with up_proj"):
+        estimate_memory(RunSetup(spec, lora=True, lora_targets=("gate_proj",)))
+
+
+REFUSED = [
+    (dict(BASE, model_type="gemma3", text_config=dict(BASE), vision_config={}), "multimodal"),
+    (dict(BASE, model_type="mllama", text_config=dict(BASE), vision_config={}), "multimodal"),
+    (dict(BASE, model_type="dbrx"), "model_type 'dbrx'"),
+    (dict(BASE, model_type="phimoe", num_local_experts=16, num_experts_per_tok=2),
+     "mixture-of-experts layout of model_type 'phimoe'"),
+    (dict(CONFIGS["qwen3_moe"], mlp_only_layers=[0]), "dense layers among the sparse"),
+]
+
+
+@pytest.mark.parametrize("cfg, what", REFUSED, ids=[r[1][:20] for r in REFUSED])
+def test_unmodelled_configs_are_refused_with_a_simulate_hint(tmp_path, cfg, what):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LowvramError) as e:
+        resolve_model(str(tmp_path))
+    assert "does not model" in e.value.message and what in e.value.message
+    assert "--simulate" in e.value.hint
+
+
+def test_cli_refuses_instead_of_a_dense_estimate(tmp_path):
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(BASE, model_type="gpt_oss",
+                                                         num_local_experts=32)))
+    r = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--vram", "24GB"])
+    assert r.exit_code == 1
+    assert "does not model" in r.stderr and "--simulate" in r.stderr
+
+
+# The analytic plan against the real step on a scaled-down MoE (2 layers, 8 experts, top-2):
+# fake tensors (the simulated step) in bf16 and real CPU tensors through the exact live-bytes
+# tracker in fp32 (FakeTensorMode's grouped_mm accepts bf16 only). Measured: Mixtral LoRA bf16
+# -0.34% (seq 256) / -0.77% (1024), every other case within 0.3%; the same numbers come out of
+# the real CPU step. With gradient checkpointing the plan is 7-19% high on these tiny models
+# (dense tiny Qwen3 / Mistral too: the fitted recompute share), not covered here.
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_analytic_equals_the_simulated_step_on_a_small_moe(name, lora):
+    pytest.importorskip("torch")
+    from lowvram.check.simulate import simulate_memory
+
+    spec = spec_from_config(CONFIGS[name], name)
+    setup = RunSetup(spec, seq_len=256, micro_batch_size=1, device="cpu", precision="bf16", lora=lora)
+    est, sim = estimate_memory(setup), simulate_memory(setup)
+    assert abs(est.peak_bytes - sim.peak_bytes) / sim.peak_bytes < 0.01, (est.breakdown, sim.breakdown)
+
+
+@pytest.mark.parametrize("name,lora", [("mixtral", True), ("qwen3_moe", False)])
+def test_analytic_equals_a_real_cpu_step_on_a_small_moe(name, lora):
+    pytest.importorskip("torch")
+    from lowvram.measure import measure_setup
+
+    spec = spec_from_config(CONFIGS[name], name)
+    setup = RunSetup(spec, seq_len=256, micro_batch_size=1, device="cpu", precision="fp32", lora=lora)
+    measured = measure_setup(setup).peak_bytes
+    # measured: Mixtral LoRA 8,442,360 vs 8,442,112 planned; Qwen3-MoE full 6,980,140 vs 6,985,984
+    assert abs(estimate_memory(setup).peak_bytes - measured) / measured < 0.005
