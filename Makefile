@@ -22,7 +22,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# lint-imports: the layers and no-circle contracts in .importlinter (fails on an upward import).
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 test-all: $(STAMP)
@@ -33,6 +35,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check lowvram tests bench
+	$(BIN)/lint-imports
 
 # plan_speed: seconds; ladder_cpu and trainer_overhead: a few minutes each on 2 cores.
 bench: $(STAMP)

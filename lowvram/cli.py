@@ -16,6 +16,7 @@ import typer
 
 from lowvram import vocab
 from lowvram.errors import EXIT_USAGE, LowvramError
+from lowvram.report import print_error
 
 app = typer.Typer(
     name="lowvram",
@@ -25,16 +26,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-
-def print_error(err: LowvramError) -> None:
-    lines = str(err.message).splitlines() or [""]
-    sys.stderr.write(f"error: {lines[0]}\n")
-    for extra in lines[1:]:
-        sys.stderr.write(f"{extra}\n")
-    if err.hint:
-        sys.stderr.write(f"hint: {err.hint}\n")
-    sys.stderr.flush()
 
 
 def handle_errors(fn):

@@ -170,7 +170,7 @@ def _shown(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lowvram.cli import print_error
+    from lowvram.report import print_error
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

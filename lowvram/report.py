@@ -19,6 +19,18 @@ def console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
+def print_error(err) -> None:
+    """A LowvramError as one `error:` line (plus any further lines of its message) and one
+    `hint:` line on stderr; no traceback (the CLI, the launched workers and the demo)."""
+    lines = str(err.message).splitlines() or [""]
+    sys.stderr.write(f"error: {lines[0]}\n")
+    for extra in lines[1:]:
+        sys.stderr.write(f"{extra}\n")
+    if err.hint:
+        sys.stderr.write(f"hint: {err.hint}\n")
+    sys.stderr.flush()
+
+
 def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 

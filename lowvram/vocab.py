@@ -35,8 +35,10 @@ TRAINER_OPTIMIZERS = {
     "sgd": "sgd",
 }
 OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
-# Optimizers that come from bitsandbytes (as the quantizations other than none do).
+# Optimizers that come from bitsandbytes (as the quantizations other than none do), and those of
+# them that keep 8-bit state.
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+OPTIMIZERS_8BIT = ("adamw_8bit", "paged_adamw_8bit")
 # Offload or shard: optimizer/full on one GPU (DeepSpeed ZeRO-Offload/-Infinity), the rest with
 # several GPUs (DeepSpeed ZeRO-2/3, FSDP2), "-offload" adding CPU offload.
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",

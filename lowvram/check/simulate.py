@@ -31,6 +31,7 @@ from lowvram.plan.memory import (
     validate_setup,
 )
 from lowvram.plan.models import count_parameters
+from lowvram.vocab import OPTIMIZERS_8BIT
 
 
 def unsupported(setup: RunSetup) -> list[str]:
@@ -242,7 +243,7 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
     # the first are alive): two micro-steps give the peak of any accumulation count.
     setup = replace(setup, grad_accum=min(setup.grad_accum, 2))
 
-    if setup.optimizer in ("adamw_8bit", "paged_adamw_8bit") or setup.quantization == "nf4-dq":
+    if setup.optimizer in OPTIMIZERS_8BIT or setup.quantization == "nf4-dq":
         _fill_bnb_maps()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with _fake_friendly():

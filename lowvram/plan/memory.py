@@ -21,7 +21,15 @@ from lowvram.plan.models import (
     lm_head_numel,
     norm_numel,
 )
-from lowvram.vocab import OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
+from lowvram.vocab import (
+    ATTENTIONS,
+    LOSSES,
+    OFFLOADS,
+    OPTIMIZERS,
+    OPTIMIZERS_8BIT,
+    PRECISIONS,
+    QUANTIZATIONS,
+)
 
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", "cuda_context",
                   "allocator")
@@ -253,7 +261,7 @@ def optimizer_bytes(setup: RunSetup) -> int:
     o = setup.optimizer
     if o in ("adamw", "paged_adamw_32bit"):
         return 2 * w * sum(_numel(s) for s in shapes)
-    if o in ("adamw_8bit", "paged_adamw_8bit"):
+    if o in OPTIMIZERS_8BIT:
         # The Trainer registers every nn.Embedding weight for 32-bit state (bnb
         # GlobalOptimManager override, transformers Trainer.create_optimizer): 8 bytes/param.
         h = setup.model.hidden_size
@@ -663,8 +671,8 @@ def _check(setup: RunSetup) -> None:
     problems = [f"{k} {v!r} (known: {', '.join(opts)})" for k, v, opts in [
         ("precision", setup.precision, PRECISIONS), ("quantization", setup.quantization, QUANTIZATIONS),
         ("optimizer", setup.optimizer, OPTIMIZERS), ("offload", setup.offload, OFFLOADS),
-        ("attention", setup.attention, ("sdpa", "eager", "flash_attention_2")),
-        ("loss", setup.loss, ("standard", "chunked")), ("device", setup.device, ("cuda", "cpu")),
+        ("attention", setup.attention, ATTENTIONS),
+        ("loss", setup.loss, LOSSES), ("device", setup.device, ("cuda", "cpu")),
     ] if v not in opts]
     if setup.quantization != "none" and not setup.lora:
         problems.append("quantization needs lora")

@@ -8,7 +8,6 @@ when it has one, else the raw text. ``--format`` overrides the choice.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,6 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from lowvram.errors import LowvramError
+from lowvram.train.artifacts import (
+    find_base_model,
+    load_adapter,
+    load_base,
+    merge_dtype,
+    read_adapter_run,
+    run_prompt_format,
+)
 
 FORMATS = ("auto", "chat", "alpaca", "raw")
 
@@ -43,35 +50,6 @@ class Generator:
 
 # --------------------------------------------------------------------------------------------
 # Which prompt format
-
-
-def _recipe_of(folder: Path) -> dict:
-    from lowvram.runs import read_yaml_dict
-
-    for p in (folder / "recipe.yaml", folder.parent / "recipe.yaml"):  # a run, or a checkpoint in one
-        if p.is_file():
-            return read_yaml_dict(p)
-    return {}
-
-
-def run_prompt_format(folder: str | Path) -> str | None:
-    """The format the model was trained on: alpaca | chat | raw, or None if unknown."""
-    folder = Path(folder)
-    info = folder / "lowvram_merge.json"  # a merged folder remembers its run's format
-    if info.is_file():
-        try:
-            return json.loads(info.read_text()).get("prompt_format")
-        except (OSError, ValueError):
-            return None
-    datasets = ((_recipe_of(folder).get("data") or {}).get("datasets")) or []
-    formats = {str(d.get("format", "alpaca")) for d in datasets if isinstance(d, dict)}
-    if not formats:
-        return None
-    if formats == {"alpaca"}:
-        return "alpaca"
-    if "chat" in formats:
-        return "chat"
-    return "raw"
 
 
 def choose_format(requested: str, trained: str | None, has_chat_template: bool) -> str:
@@ -114,14 +92,6 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
     p = Path(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if (p / "adapter_config.json").is_file():
-        from lowvram.train.merge import (
-            find_base_model,
-            load_adapter,
-            load_base,
-            merge_dtype,
-            read_adapter_run,
-        )
-
         p, adapter, recipe, plan = read_adapter_run(p)
         base = find_base_model(p, adapter, recipe)
         model = load_adapter(load_base(base, merge_dtype(recipe, plan, dtype), device), p)
@@ -132,8 +102,6 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
         source, tok_source = str(p), p
     else:
-        from lowvram.train.merge import read_adapter_run
-
         read_adapter_run(p)  # raises the precise error: not a run / unfinished run
         raise LowvramError(f"no model in {p}", "pass a run folder or a merged folder")  # pragma: no cover
     tokenizer = AutoTokenizer.from_pretrained(str(tok_source))

@@ -1,8 +1,7 @@
 """`lowvram merge`: fold a run's LoRA adapter into its base model, save a plain transformers folder.
 
-The base is found through ``adapter_config.json`` (``base_model_name_or_path``), then the run's
-``recipe.yaml`` (``model.name_or_path`` and ``gguf_file``; a GGUF base goes through model.py's
-cached conversion). A 4-bit/8-bit (QLoRA) base is loaded in its compute dtype instead, i.e.
+The base is found and loaded through :mod:`lowvram.train.artifacts` (as `lowvram generate` does).
+A 4-bit/8-bit (QLoRA) base is loaded in its compute dtype instead, i.e.
 dequantized, so the merged weights are ordinary tensors: merging into packed 4-bit weights would
 round the adapter away (peft docs, "Merge LoRA weights into the base model"). The saved config
 has no ``quantization_config``.
@@ -22,20 +21,19 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lowvram.errors import LowvramError, ModelError
-from lowvram.runs import read_json, read_yaml_dict
+from lowvram.errors import LowvramError
+from lowvram.train.artifacts import (
+    DTYPE_BYTES,
+    MERGE_INFO,
+    BaseModel,
+    find_base_model,
+    load_adapter,
+    load_base,
+    merge_dtype,
+    read_adapter_run,
+    run_prompt_format,
+)
 from lowvram.units import mem as _size  # GiB, or MiB below 1 GiB
-from lowvram.vocab import COMPUTE_DTYPE, WEIGHT_DTYPE
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-MERGE_INFO = "lowvram_merge.json"
-
-
-@dataclass(frozen=True)
-class BaseModel:
-    source: str  # a folder or hub id from_pretrained reads
-    found_via: str  # where the location came from, for the report
-    gguf_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,105 +67,7 @@ class MergeResult:
 
 
 # --------------------------------------------------------------------------------------------
-# The run and its base model
-
-
-def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
-    """(folder, adapter_config, recipe, plan) of a run (or checkpoint) that holds a LoRA adapter."""
-    from lowvram.runs import is_run_dir, read_run
-
-    p = Path(run_dir)
-    adapter = read_json(p / "adapter_config.json")
-    if adapter:
-        info = read_run(p) if is_run_dir(p) else None
-        recipe, plan = (info.recipe, read_json(p / "plan.json")) if info else _parent_run(p)
-        return p, adapter, recipe, plan
-    info = read_run(p)  # raises "not a lowvram run" for a foreign folder
-    if (p / "config.json").is_file():
-        raise LowvramError(f"{p} holds a full model (no LoRA adapter): there is nothing to merge",
-                           f"load it directly: `lowvram generate {p} --prompt ...`")
-    ckpts = ", ".join(info.checkpoints) or "none"
-    raise LowvramError(
-        f"{p} has no adapter_config.json: the run is {info.status} (checkpoints: {ckpts})",
-        f"finish it with `lowvram train RECIPE --resume`, or merge a checkpoint: `lowvram merge {p}/CHECKPOINT --out DIR`"
-        if info.checkpoints else "train the run to the end first (`lowvram train RECIPE`)",
-    )
-
-
-def _parent_run(p: Path) -> tuple[dict, dict]:
-    """A checkpoint-* folder: the recipe and plan are in the run folder above it."""
-    return read_yaml_dict(p.parent / "recipe.yaml"), read_json(p.parent / "plan.json")
-
-
-def _candidates(name: str, run_dir: Path) -> list[Path]:
-    """Where a relative model path in a copied recipe.yaml may point: it was relative to the
-    original recipe file, which is not kept. Try the run folder, its ancestors with the leading
-    ``..`` parts dropped (``../models/x`` from ``recipes/`` -> ``<repo>/models/x``), and the cwd."""
-    p = Path(name).expanduser()
-    if p.is_absolute():
-        return [p]
-    parts = p.parts
-    stripped = Path(*[x for x in parts if x != ".."]) if ".." in parts else p
-    anchors = [run_dir.resolve(), *run_dir.resolve().parents]
-    out = [run_dir / p, *(a / stripped for a in anchors), Path.cwd() / p]
-    return list(dict.fromkeys(out))
-
-
-def _is_model_dir(p: Path) -> bool:
-    return p.is_dir() and (p / "config.json").is_file()
-
-
-def find_base_model(run_dir: Path, adapter: dict, recipe: dict) -> BaseModel:
-    """The base model of an adapter, or ModelError naming every place looked at."""
-    from lowvram.train.model import _looks_like_path
-
-    model = recipe.get("model") or {}
-    gguf_file = model.get("gguf_file")
-    named = adapter.get("base_model_name_or_path")
-    looked = []
-    if named:
-        p = Path(named).expanduser()
-        if _is_model_dir(p):
-            return BaseModel(str(p), "adapter_config.json")
-        if not _looks_like_path(named) and not gguf_file:
-            return BaseModel(named, "adapter_config.json (hub id)")
-        looked.append(f"adapter_config.json names {named} (missing)")
-    name = model.get("name_or_path")
-    if name:
-        for c in _candidates(name, run_dir):
-            if gguf_file and (c / gguf_file).is_file():
-                from lowvram.train.model import gguf_folder
-
-                folder, hit = gguf_folder(str(c), gguf_file, bool(model.get("trust_remote_code")))
-                how = "recipe.yaml, GGUF (cached conversion)" if hit else "recipe.yaml, GGUF (converted now)"
-                return BaseModel(str(folder), how, gguf_file)
-            if not gguf_file and _is_model_dir(c):
-                return BaseModel(str(c.resolve()), "recipe.yaml")
-        if not _looks_like_path(name) and not gguf_file:
-            return BaseModel(name, "recipe.yaml (hub id)")
-        what = f"{name}/{gguf_file}" if gguf_file else name
-        looked.append(f"recipe.yaml names {what} (not found next to the run or in {Path.cwd()})")
-    raise ModelError(
-        f"base model of {run_dir} not found: " + ("; ".join(looked) or "no adapter_config.json base and no recipe.yaml"),
-        f"put the base model back, or set base_model_name_or_path in {run_dir / 'adapter_config.json'} to its folder",
-    )
-
-
-# --------------------------------------------------------------------------------------------
 # Memory and device
-
-
-def merge_dtype(recipe: dict, plan: dict, override: str = "auto") -> str:
-    """The dtype the run kept its base weights in; a quantized base -> its compute dtype."""
-    if override != "auto":
-        return override
-    mp = str(plan.get("mixed_precision") or "fp32")
-    if plan.get("quantization", "none") != "none":
-        return COMPUTE_DTYPE.get(mp, "float32")  # bnb_4bit_compute_dtype (model.py) follows mixed_precision
-    stored = (recipe.get("model") or {}).get("dtype", "auto")
-    if stored in DTYPE_BYTES:
-        return stored
-    return WEIGHT_DTYPE.get(mp, "float32")  # *-mixed keeps fp32 weights
 
 
 def count_base_parameters(source: str) -> int | None:
@@ -231,31 +131,6 @@ def plan_merge(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", de
 # Merging
 
 
-def load_base(base: BaseModel, dtype: str, device: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lowvram.train.model import _first_line
-
-    try:
-        # quantization_config=None is not enough for a pre-quantized checkpoint; plain folders
-        # (hub bases, the GGUF cache) carry none, and that is what a lowvram run trains on.
-        return AutoModelForCausalLM.from_pretrained(base.source, dtype=getattr(torch, dtype), device_map={"": device})
-    except OSError as e:
-        raise ModelError(f"cannot load the base model {base.source}: {_first_line(e)}",
-                         "check the folder (or hub cache; HF_HUB_OFFLINE=1 reads only the cache)") from None
-
-
-def load_adapter(model, folder: str | Path):
-    from peft import PeftModel
-
-    try:
-        return PeftModel.from_pretrained(model, str(folder))
-    except (ValueError, RuntimeError, KeyError) as e:
-        raise ModelError(f"the adapter in {folder} does not fit its base model: {str(e).splitlines()[0]}",
-                         "the base must be the model the run trained on (same architecture and sizes)") from None
-
-
 def merge_run(plan: MergePlan) -> MergeResult:
     """Load base (dequantized) + adapter, merge_and_unload, save a from_pretrained folder."""
     from lowvram.train.model import quiet_libraries
@@ -279,7 +154,7 @@ def merge_run(plan: MergePlan) -> MergeResult:
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         info = {"merged_from": str(run.resolve()), "base": plan.base.source, "dtype": plan.dtype,
-                "prompt_format": _prompt_format(run)}
+                "prompt_format": run_prompt_format(run)}
         (tmp / MERGE_INFO).write_text(json.dumps(info, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty (plan_merge checked)
@@ -289,13 +164,6 @@ def merge_run(plan: MergePlan) -> MergeResult:
         raise
     seconds = time.perf_counter() - t0
     return MergeResult(str(out), round(seconds, 3), _peak_rss(), tuple(sorted(f.name for f in out.iterdir())), plan)
-
-
-def _prompt_format(run: Path) -> str | None:
-    """The data format the run trained on, so `lowvram generate` on the merged folder prompts alike."""
-    from lowvram.train.generate import run_prompt_format
-
-    return run_prompt_format(run)
 
 
 def _peak_rss() -> int:

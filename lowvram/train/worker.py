@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 return err.exit_code
             raise
     except LowvramError as err:
-        from lowvram.cli import print_error
+        from lowvram.report import print_error
 
         if rank() == 0:
             print_error(err)
