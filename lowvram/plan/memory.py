@@ -447,8 +447,11 @@ def _moe_layer_activation_bytes(setup: RunSetup, first: bool) -> int:
     shared_saves = bool(spec.shared_expert_intermediate_size) and (
         not setup.lora or any(lin.name in ("gate_proj", "up_proj") for lin in _target_linears(setup)))
     t = setup.micro_batch_size * setup.seq_len
-    return dense + moe.routed_activation_bytes(spec, t, cc, w, autocast, setup.lora, setup.lora_r,
-                                               setup.lora_targets, shared_saves)
+    # transformers' grouped_mm is not autocast-enabled (integrations/moe.py casts the input to
+    # the weights' dtype): the routed experts compute in the stored dtype, fp32 under *-mixed;
+    # the router is an autocast linear (its saved input is the 16-bit copy).
+    return dense + moe.routed_activation_bytes(spec, t, w, w, autocast, setup.lora, setup.lora_r,
+                                               setup.lora_targets, shared_saves, router_c=cc)
 
 
 def _attention_dropout_bytes(setup: RunSetup) -> int:

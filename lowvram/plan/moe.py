@@ -116,7 +116,7 @@ def expert_trainable_shapes(spec: ModelSpec, lora: bool, lora_r: int,
 
 def routed_activation_bytes(spec: ModelSpec, tokens: int, c: int, w: int, autocast: bool,
                             lora: bool, lora_r: int, targets: tuple[str, ...],
-                            router_input_counted: bool) -> int:
+                            router_input_counted: bool, router_c: int | None = None) -> int:
     """Bytes one MoE layer's router and routed experts save for backward (the attention and a
     shared expert are counted as a dense block).
 
@@ -128,11 +128,15 @@ def routed_activation_bytes(spec: ModelSpec, tokens: int, c: int, w: int, autoca
     the merged weights (w bytes each) and, under autocast, 16-bit copies of the factors."""
     h, e, i, k = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size, spec.num_experts_per_tok
     adapters = expert_adapters(spec, lora_r, targets) if lora else []
-    per_row = 2 * c * h + 4 * c * i + 4 + 24
+    # Frozen experts (LoRA on attention only): grouped_mm's backward for its input reads the
+    # weights alone, so neither the gathered input nor the activation product (down_proj's
+    # input) is saved: c*h + 3c*I per row (measured with saved_tensors_hooks, tiny Qwen3-MoE).
+    experts_grad = not lora or any(a.name != "router" for a in adapters)
+    per_row = (2 * c * h + 4 * c * i if experts_grad else c * h + 3 * c * i) + 4 + 24
     per_tok = k * per_row + 4 * e + 12 * k + 4
     router_grad = not lora or any(a.name == "router" for a in adapters)
     if router_grad and not router_input_counted:
-        per_tok += c * h
+        per_tok += (router_c or c) * h
     fixed = sum(w * a.base_numel + (2 * a.numel if autocast else 0) for a in adapters)
     return tokens * per_tok + fixed
 
