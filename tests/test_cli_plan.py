@@ -67,9 +67,11 @@ def test_check_exit_code(vram, code):
 
 
 def test_nothing_fits_says_what_helps():
-    d = json.loads(plan("--model", "llama-2-70b", "--vram", "4GB", "--offload", "none", "--json").stdout)
+    # 6 GB: at 4 GB even ZeRO-3 full offload does not fit (its live parameters and gradient bucket
+    # stay on the GPU: memory.zero_residency_bytes).
+    d = json.loads(plan("--model", "llama-2-70b", "--vram", "6GB", "--offload", "none", "--json").stdout)
     assert d["fits"] is False
-    assert d["min_vram_bytes"] > 4 * 10**9
+    assert d["min_vram_bytes"] > 6 * 10**9
     assert d["suggestion"] and "--offload" in d["suggestion"]
 
 
