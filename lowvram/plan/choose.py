@@ -1,11 +1,13 @@
 """Budget + request -> the cheapest plan that fits, every choice with its reason.
 
 The search is exhaustive over the techniques left on ``auto`` (a few hundred memory estimates,
-~10 ms): each candidate gets a peak from :func:`lowvram.plan.memory.estimate_memory`, a ladder
-tier and a step-time factor from :mod:`lowvram.plan.techniques`. Among the candidates that fit,
-the lowest tier wins (cheapest first: free precision/kernels, smaller micro-batch, gradient
-checkpointing, 8-bit optimizer, LoRA, 4-bit base, offload), then the fastest, then the smallest
-peak. A technique fixed by the user is never changed; ``lora: off`` is never turned into LoRA.
+well under a second): each candidate gets a peak from :func:`lowvram.plan.memory.estimate_memory`
+and a step-time factor from :mod:`lowvram.plan.techniques`. Among the candidates that fit, the
+first level of what the plan gives up wins (``plan_level``: full fine-tuning on the GPU, LoRA,
+QLoRA, offload to CPU RAM), then a plan that needs no missing extra (DeepSpeed), then the
+fastest, then the larger micro-batch, then the smaller peak (``_rank``). The ladder (one technique
+after another, in tier order) stays as the explanation; the search is not bound to its order.
+A technique fixed by the user is never changed; ``lora: off`` is never turned into LoRA.
 
 Pure: no torch, no CUDA. The caller builds the :class:`Budget` (from ``--vram`` or
 ``detect_hardware``); tests pass a fake one.
@@ -65,6 +67,9 @@ class Budget:
     host_ram_bytes: int | None = None  # available host RAM, when planning for this machine
     source: str = ""  # where vram_bytes came from, shown to the user
     notes: tuple[str, ...] = ()
+    # Optional extras not installed here ("deepspeed"): plans that need one rank after the plans
+    # that need nothing more (lowvram.planning.make_budget fills it; tests pass their own).
+    missing_extras: tuple[str, ...] = ()
 
     @property
     def safety_margin_bytes(self) -> int:
@@ -303,9 +308,39 @@ def _candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Esti
     return Candidate(setup, est, tier, tq.setup_slowdown(setup, largest), _fits(est, budget))
 
 
-def _rank(c: Candidate) -> tuple:
-    # Ties in speed go to the larger micro-batch (fewer passes), then to the smaller peak.
-    return (c.tier, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
+# What a plan gives up, beyond speed: the search picks the fastest plan within the first of these
+# levels that has a plan that fits. Level 0 trains the whole model with the same maths (precision,
+# kernels, chunked loss, micro-batch + accumulation, checkpointing, 8-bit optimizer state, which
+# matches 32-bit Adam's results: Dettmers et al. 2022; sharding over several GPUs); 1 trains
+# adapters only (LoRA); 2 on a quantized base (QLoRA); 3 moves model states to CPU RAM (host RAM,
+# PCIe, several times slower). Inside a level speed decides, not the ladder's order: the 8-bit
+# optimizer (~3%) is taken before checkpointing (~25%) when either alone fits.
+LEVEL_NAMES = ("full fine-tuning on the GPU", "LoRA", "QLoRA", "offload to CPU RAM")
+
+# Optional extras each offload needs (pyproject.toml [project.optional-dependencies]).
+EXTRAS = {o: ("deepspeed",) for o in memory.ZERO_OFFLOADS}
+
+
+def plan_level(setup: RunSetup) -> int:
+    """The LEVEL_NAMES index of a plan."""
+    if setup.offload not in ("none",) + SHARDED:
+        return 3
+    if setup.quantization != "none":
+        return 2
+    return 1 if setup.lora else 0
+
+
+def missing_extras(setup: RunSetup, budget: Budget) -> tuple[str, ...]:
+    """The extras ``setup`` needs that are not installed where the plan will run."""
+    return tuple(e for e in EXTRAS.get(setup.offload, ()) if e in budget.missing_extras)
+
+
+def _rank(c: Candidate, budget: Budget | None = None) -> tuple:
+    """Search order among fitting plans: the lowest level (plan_level), then plans that need no
+    missing extra, then the fastest (techniques.setup_slowdown); ties in speed go to the larger
+    micro-batch (fewer passes), then to the smaller peak."""
+    missing = bool(missing_extras(c.setup, budget)) if budget else False
+    return (plan_level(c.setup), missing, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,14 +353,14 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     cands = [_candidate(s, req, budget, estimate) for s in _setups(req, budget)]
     fitting = [c for c in cands if c.fits]
     lowest = min(cands, key=lambda c: (c.peak_bytes, c.slowdown))
-    chosen = min(fitting, key=_rank) if fitting else lowest
+    chosen = min(fitting, key=lambda c: _rank(c, budget)) if fitting else lowest
     fits = bool(fitting)
     max_seq = _max_seq_len(chosen.setup, budget, estimate)
     max_micro = _max_micro_batch(chosen.setup, budget, estimate)
     suggestions: tuple[str, ...] = ()
     if not fits:
         suggestions = _suggestions(req, budget, lowest, estimate)
-    notes = list(budget.notes)
+    notes = list(budget.notes) + _extras_notes(chosen, cands, budget)
     if req.seq_len > req.model.max_position_embeddings:
         notes.append(f"seq_len {req.seq_len} is longer than the model's max_position_embeddings "
                      f"{req.model.max_position_embeddings}")
@@ -339,6 +374,38 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
         suggestion=suggestions[0] if suggestions else None, suggestions=suggestions,
         notes=tuple(notes),
     )
+
+
+def _extras_notes(chosen: Candidate, cands: list[Candidate], budget: Budget) -> list[str]:
+    """A plan that needs a missing extra says so and names the best plan that needs nothing more."""
+    missing = missing_extras(chosen.setup, budget)
+    if not missing:
+        return []
+    pip = " ".join(f"'lowvram[{e}]'" for e in missing)
+    text = f"this plan needs {', '.join(missing)}, not installed here (pip install {pip})"
+    ready = [c for c in cands if not missing_extras(c.setup, budget)]
+    fit = [c for c in ready if c.fits]
+    if fit:
+        best = min(fit, key=lambda c: _rank(c, budget))
+        return [f"{text}; the best plan that needs nothing more: {describe_setup(best.setup)}, "
+                f"peak {gib(best.peak_bytes)}, {best.slowdown / chosen.slowdown:.2f}x its step time"]
+    if ready:
+        best = min(ready, key=lambda c: (c.peak_bytes, c.slowdown))
+        return [f"{text}; of the plans that need nothing more none fits: the lowest, "
+                f"{describe_setup(best.setup)}, peaks at {gib(best.peak_bytes)}"]
+    return [text]
+
+
+def describe_setup(s: RunSetup) -> str:
+    """A plan in a few words, for notes."""
+    parts = [s.precision, ("QLoRA " + s.quantization) if s.quantization != "none" else
+             ("LoRA" if s.lora else "full")]
+    parts += ["checkpointing"] if s.gradient_checkpointing else []
+    parts += [s.optimizer] if s.optimizer != "adamw" else []
+    parts += [f"{s.loss} loss"] if s.loss != "standard" else []
+    parts += [f"offload {s.offload}"] if s.offload != "none" else []
+    parts.append(f"micro-batch {s.micro_batch_size} x {s.grad_accum}")
+    return ", ".join(parts)
 
 
 def _to_plan(c: Candidate, req: PlanRequest, budget: Budget, reasons: dict[str, str]) -> Plan:
@@ -542,9 +609,9 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             s = replace(s, micro_batch_size=1, grad_accum=_largest_micro(req))
         else:
             settings = dict(t.settings)
-            if memory.offload_conflict(s.optimizer, settings.get("offload", s.offload)):
-                if req.fixed("optimizer"):
-                    continue  # the user's optimizer cannot run under this offload
+            if memory.offload_conflict(settings.get("optimizer", s.optimizer), settings.get("offload", s.offload)):
+                if req.fixed("optimizer") or "offload" not in settings:
+                    continue  # the user's optimizer (or offload) rules this rung out
                 settings["optimizer"] = "adamw"  # DeepSpeed's CPU Adam takes its place
             s = replace(s, **settings)
         new = estimate(s)
