@@ -304,3 +304,24 @@ def test_search_finds_plans_the_ladder_missed(model, seq_len, batch, gb, loss, s
     assert c.chosen.slowdown == pytest.approx(slowdown)
     first_fit = next(r for r in c.ladder if r.fits)
     assert first_fit.technique == "gradient_checkpointing"
+
+
+def test_longest_seq_len_and_largest_micro_batch_over_all_plans():
+    """Answered over every plan the request allows, not only under the chosen one."""
+    spec = resolve_model("llama-3.1-8b")
+    budget = Budget(12 * GB)
+    c = choose_plan(PlanRequest(spec, seq_len=2048, batch_size=1, lora=True, quantization="nf4-dq",
+                                loss="standard"), budget)
+    n, s = c.longest
+    assert n > c.max_seq_len  # the chosen plan (standard loss fixed) reaches less
+    assert s.quantization == "nf4-dq" and s.loss == "standard"  # fixed choices stay fixed
+    assert estimate_memory(s).peak_bytes <= budget.usable_bytes
+    assert estimate_memory(replace(s, seq_len=n + 1)).peak_bytes > budget.usable_bytes
+    m, sm = c.largest_micro
+    assert m >= c.max_micro_batch_size and sm.seq_len == 2048
+    assert estimate_memory(sm).peak_bytes <= budget.usable_bytes
+    d = choice_to_dict(c)
+    assert d["longest_seq_len"] == n and "nf4-dq" in d["longest_seq_len_plan"]
+    # auto loss: the chunked loss reaches further than the standard loss fixed above
+    free = choose_plan(PlanRequest(spec, seq_len=2048, batch_size=1, lora=True, quantization="nf4-dq"), budget)
+    assert free.longest[0] > n and free.longest[1].loss == "chunked"

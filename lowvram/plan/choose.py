@@ -150,6 +150,10 @@ class Choice:
     max_seq_len: int  # longest seq_len that fits under this plan (0: none)
     max_micro_batch_size: int  # largest micro-batch that fits at this seq_len (0: none)
     min_vram_bytes: int  # smallest card that holds the lowest-peak plan allowed
+    # Over every plan the request allows (not only the chosen one): the longest seq_len at
+    # micro-batch 1 and the largest micro-batch at this seq_len, with the plan that reaches each.
+    longest: tuple[int, RunSetup | None] = (0, None)
+    largest_micro: tuple[int, RunSetup | None] = (0, None)
     suggestion: str | None = None  # when nothing fits: the single change that helps most
     suggestions: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
@@ -357,6 +361,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     fits = bool(fitting)
     max_seq = _max_seq_len(chosen.setup, budget, estimate)
     max_micro = _max_micro_batch(chosen.setup, budget, estimate)
+    longest, largest = _limits_over_plans(req, budget, estimate)
     suggestions: tuple[str, ...] = ()
     if not fits:
         suggestions = _suggestions(req, budget, lowest, estimate)
@@ -370,7 +375,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
         plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,
         alternatives=_alternatives(cands, chosen), ladder=build_ladder(req, budget, estimate),
         max_seq_len=max_seq, max_micro_batch_size=max_micro,
-        min_vram_bytes=vram_needed_bytes(lowest.peak_bytes),
+        min_vram_bytes=vram_needed_bytes(lowest.peak_bytes), longest=longest, largest_micro=largest,
         suggestion=suggestions[0] if suggestions else None, suggestions=suggestions,
         notes=tuple(notes),
     )
@@ -493,6 +498,38 @@ def _max_seq_len(setup: RunSetup, budget: Budget, estimate: Estimator) -> int:
 def _max_micro_batch(setup: RunSetup, budget: Budget, estimate: Estimator) -> int:
     return _largest_fitting(
         1, _MAX_MICRO_BATCH, lambda n: _fits(estimate(replace(setup, micro_batch_size=n)), budget))
+
+
+def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
+    """One setup per technique combination the request allows, for the limits over all plans.
+    Pruned: the chunked loss where the loss is auto (for t <= CHUNK_TOKENS it is the standard
+    loss, beyond it smaller: logits_bytes), and one micro-batch (the limits vary it)."""
+    one = replace(req, micro_batch_size=None, grad_accum=None, batch_size=req.gpus,
+                  loss=req.loss or "chunked")
+    return _setups(one, budget)
+
+
+def _limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator
+                       ) -> tuple[tuple[int, RunSetup | None], tuple[int, RunSetup | None]]:
+    """(longest seq_len, the plan), (largest micro-batch at req.seq_len, the plan), over every
+    plan the request allows; ties go to the faster plan (plan_level, then step time)."""
+    setups = _limit_setups(req, budget)
+
+    def speed(s: RunSetup) -> tuple:
+        return (plan_level(s), round(tq.setup_slowdown(s, 1), 6))
+
+    best_seq: tuple[int, RunSetup | None] = (0, None)
+    best_micro: tuple[int, RunSetup | None] = (0, None)
+    for s in sorted(setups, key=speed):
+        if _fits(estimate(replace(s, seq_len=max(best_seq[0], 1))), budget) or best_seq[1] is None:
+            n = _max_seq_len(s, budget, estimate)
+            if n > best_seq[0]:
+                best_seq = (n, replace(s, seq_len=n))
+        if _fits(estimate(replace(s, micro_batch_size=max(best_micro[0], 1))), budget) or best_micro[1] is None:
+            m = _max_micro_batch(s, budget, estimate)
+            if m > best_micro[0]:
+                best_micro = (m, replace(s, micro_batch_size=m, grad_accum=1))
+    return best_seq, best_micro
 
 
 # --------------------------------------------------------------------------------------------
@@ -829,6 +866,10 @@ def choice_to_dict(choice: Choice) -> dict:
         "reasons": dict(choice.plan.reasons),
         "max_seq_len": choice.max_seq_len,
         "max_micro_batch_size": choice.max_micro_batch_size,
+        "longest_seq_len": choice.longest[0],
+        "longest_seq_len_plan": describe_setup(choice.longest[1]) if choice.longest[1] else None,
+        "largest_micro_batch_size": choice.largest_micro[0],
+        "largest_micro_batch_plan": describe_setup(choice.largest_micro[1]) if choice.largest_micro[1] else None,
         "min_vram_bytes": choice.min_vram_bytes,
         "suggestion": choice.suggestion,
         "suggestions": list(choice.suggestions),
