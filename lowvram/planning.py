@@ -145,6 +145,21 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
 
 
 def make_budget(vram: str | None = None, hardware=None):
+    """The memory the plan must fit in (``_budget``), with the optional extras not installed here
+    (plans that need one rank after those that need nothing more)."""
+    from dataclasses import replace
+
+    return replace(_budget(vram, hardware), missing_extras=missing_extras())
+
+
+def missing_extras() -> tuple[str, ...]:
+    """Optional extras (pyproject.toml) a plan may need that are not importable here."""
+    import importlib.util
+
+    return tuple(e for e in ("deepspeed",) if importlib.util.find_spec(e) is None)
+
+
+def _budget(vram: str | None, hardware):
     """The memory the plan must fit in.
 
     - ``--vram`` / ``LOWVRAM_VRAM`` with no ``hardware`` given: a GPU of that free size is assumed

@@ -332,6 +332,12 @@ def show_plan(data: dict, as_json: bool = False) -> None:
 
     c.print(f"under this plan: longest seq_len that fits {data['max_seq_len']:,}; largest micro-batch "
             f"at seq_len {data['seq_len']}: {data['max_micro_batch_size']}")
+    if data.get("longest_seq_len_plan"):
+        c.print(f"over all plans: longest seq_len {data['longest_seq_len']:,} "
+                f"({data['longest_seq_len_plan']})")
+    if data.get("largest_micro_batch_plan"):
+        c.print(f"over all plans: largest micro-batch at seq_len {data['seq_len']}: "
+                f"{data['largest_micro_batch_size']} ({data['largest_micro_batch_plan']})")
 
 
 def _plan_label(alt: dict) -> str:

@@ -189,8 +189,9 @@ def test_impossible_values(llama7b, fixed, words):
     assert words in e.value.message and e.value.hint
 
 
-def test_tier_order_with_a_fake_estimator(llama7b):
-    """Checkpointing (tier 2) beats the 8-bit optimizer (tier 3) when both fit alone."""
+def test_search_picks_the_fastest_plan_of_the_first_level_with_a_fake_estimator(llama7b):
+    """Not the ladder's order: the 8-bit optimizer (~3%) beats checkpointing (~25%, an earlier
+    rung) when either alone fits; LoRA only when no full fine-tuning plan fits."""
 
     def fake(setup):
         peak = 100
@@ -205,10 +206,32 @@ def test_tier_order_with_a_fake_estimator(llama7b):
     c = choose_plan(req, Budget(1000 * GB, device="cpu"), estimate=fake)  # everything fits
     assert not c.chosen.setup.gradient_checkpointing and not c.chosen.setup.lora
     budget = Budget(vram_needed_bytes(60 * GB), device="cpu")  # 60 fits, 100 does not
-    c = choose_plan(req, budget, estimate=fake)
-    s = c.chosen.setup
-    # checkpointing alone, 8-bit alone and LoRA alone all fit: the lowest tier wins
-    assert s.gradient_checkpointing and s.optimizer == "adamw" and not s.lora
+    s = choose_plan(req, budget, estimate=fake).chosen.setup
+    assert s.optimizer == "adamw_8bit" and not s.gradient_checkpointing and not s.lora
+    # the ladder climbs checkpointing first: its rung already fits
+    rungs = {r.technique: r for r in choose_plan(req, budget, estimate=fake).ladder}
+    assert rungs["gradient_checkpointing"].fits
+    budget = Budget(vram_needed_bytes(20 * GB), device="cpu")  # only both together, or LoRA + one
+    s = choose_plan(req, budget, estimate=fake).chosen.setup
+    assert s.optimizer == "adamw_8bit" and s.gradient_checkpointing and not s.lora
+    budget = Budget(vram_needed_bytes(15 * GB), device="cpu")  # no full fine-tuning plan fits
+    s = choose_plan(req, budget, estimate=fake).chosen.setup
+    assert s.lora and s.optimizer == "adamw_8bit" and not s.gradient_checkpointing  # 3% < 25%
+
+
+def test_a_plan_that_needs_a_missing_extra_says_so_and_names_one_that_needs_nothing_more(llama7b):
+    req = PlanRequest(llama7b, seq_len=2048, batch_size=1)
+    c = choose_plan(req, Budget(6 * GB, missing_extras=("deepspeed",)))
+    assert c.fits and c.plan.offload == "full"  # nothing without DeepSpeed fits 6 GB
+    note = next(n for n in c.notes if "deepspeed" in n)
+    assert "pip install 'lowvram[deepspeed]'" in note and "none fits" in note
+    c = choose_plan(replace(req, gpus=2, batch_size=2), Budget(40 * GB, missing_extras=("deepspeed",)),)
+    assert not any("deepspeed" in n for n in c.notes)  # FSDP2 needs nothing more
+    fixed = choose_plan(replace(req, offload="zero3-offload", gpus=2, batch_size=2),
+                        Budget(40 * GB, missing_extras=("deepspeed",)))
+    note = next(n for n in fixed.notes if "deepspeed" in n)
+    assert "nothing more" not in note  # offload fixed: every plan needs DeepSpeed
+    assert choose_plan(req, Budget(6 * GB)).notes == ()  # installed: nothing to say
 
 
 def test_plan_for_recipe_uses_the_chooser_and_falls_back(tmp_path):
@@ -266,3 +289,39 @@ def test_deepspeed_offload_plans_use_adamw_and_a_fixed_8bit_optimizer_is_refused
     c = _plan(spec, 6, lora=False, optimizer="adamw_8bit")
     assert c.plan.offload not in ("optimizer", "full")
     assert not [r for r in c.ladder if r.technique == "offload"]
+
+
+@pytest.mark.parametrize("model, seq_len, batch, gb, loss, slowdown", [
+    ("llama-3.1-8b", 2048, 8, 80, "standard", 1.03),
+    ("llama-3.2-3b", 4096, 1, 40, "chunked", 1.03 * 1.02),
+])
+def test_search_finds_plans_the_ladder_missed(model, seq_len, batch, gb, loss, slowdown):
+    """The README's two examples: the ladder's first rung that fits is checkpointing (~25%); the
+    search takes the 8-bit optimizer without checkpointing."""
+    c = choose_plan(PlanRequest(resolve_model(model), seq_len=seq_len, batch_size=batch), Budget(gb * GB))
+    s = c.chosen.setup
+    assert (s.optimizer, s.gradient_checkpointing, s.lora, s.loss) == ("adamw_8bit", False, False, loss)
+    assert c.chosen.slowdown == pytest.approx(slowdown)
+    first_fit = next(r for r in c.ladder if r.fits)
+    assert first_fit.technique == "gradient_checkpointing"
+
+
+def test_longest_seq_len_and_largest_micro_batch_over_all_plans():
+    """Answered over every plan the request allows, not only under the chosen one."""
+    spec = resolve_model("llama-3.1-8b")
+    budget = Budget(12 * GB)
+    c = choose_plan(PlanRequest(spec, seq_len=2048, batch_size=1, lora=True, quantization="nf4-dq",
+                                loss="standard"), budget)
+    n, s = c.longest
+    assert n > c.max_seq_len  # the chosen plan (standard loss fixed) reaches less
+    assert s.quantization == "nf4-dq" and s.loss == "standard"  # fixed choices stay fixed
+    assert estimate_memory(s).peak_bytes <= budget.usable_bytes
+    assert estimate_memory(replace(s, seq_len=n + 1)).peak_bytes > budget.usable_bytes
+    m, sm = c.largest_micro
+    assert m >= c.max_micro_batch_size and sm.seq_len == 2048
+    assert estimate_memory(sm).peak_bytes <= budget.usable_bytes
+    d = choice_to_dict(c)
+    assert d["longest_seq_len"] == n and "nf4-dq" in d["longest_seq_len_plan"]
+    # auto loss: the chunked loss reaches further than the standard loss fixed above
+    free = choose_plan(PlanRequest(spec, seq_len=2048, batch_size=1, lora=True, quantization="nf4-dq"), budget)
+    assert free.longest[0] > n and free.longest[1].loss == "chunked"

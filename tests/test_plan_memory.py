@@ -158,3 +158,47 @@ def test_every_catalog_model_estimates():
         spec = resolve_model(name)
         est = estimate_memory(RunSetup(spec, lora=True, quantization="nf4-dq"))
         assert est.peak_bytes > count_parameters(spec) // 2
+
+
+LORA7 = 39_976_960  # r=16 all-linear adapters of llama-2-7b (test_lora_parameter_counts_match_peft)
+
+
+def test_zero3_offload_keeps_live_parameters_prefetch_persistent_and_bucket_on_the_gpu():
+    # DeepSpeed's defaults (lowvram's config sets no bucket key): 1e9 live parameters, a 5e7
+    # prefetch bucket, parameters under 1e5 elements persistent, a 5e8-element reduce bucket.
+    est = estimate_memory(RunSetup(LLAMA7, lora=True, gradient_checkpointing=True, offload="full",
+                                   seq_len=2048))
+    per_elt = (2 * P7 + 4 * LORA7) / (P7 + LORA7)
+    norms = 65 * 4096 * 2  # 2 per layer + the final one, bf16
+    # LoRA A (16 x 4096) on q,k,v,o,gate,up and B (4096 x 16) on q,k,v,o,down: 11 per layer, fp32
+    adapters = 11 * 16 * 4096 * 32 * 4
+    assert est.breakdown["weights"] == int(10**9 * per_elt) + int(5 * 10**7 * per_elt) + norms + adapters
+    assert est.breakdown["gradients"] == 5 * 10**8 * 2  # the bf16 reduce bucket; grads on the CPU
+    assert est.breakdown["optimizer"] == 0
+
+
+def test_zero2_shards_fp32_master_and_adam_and_holds_its_reduce_bucket():
+    est = estimate_memory(RunSetup(LLAMA7, offload="zero2", gpus=4))
+    assert est.breakdown["optimizer"] == (4 + 8) * P7 // 4  # fp32 master + fp32 m, v, 1/N
+    off = estimate_memory(RunSetup(LLAMA7, offload="optimizer", lora=True))
+    assert off.breakdown["gradients"] == 10**9  # only the ipg_buffer: no ZeRO-2 overlap_comm
+    assert off.breakdown["weights"] == weight_bytes(RunSetup(LLAMA7, lora=True))  # ZeRO-2: all
+
+
+def test_auto_zero_settings_follow_accelerate():
+    from lowvram.plan.memory import auto_zero_settings, zero_settings
+
+    s = RunSetup(LLAMA7, offload="zero3", gpus=2)
+    auto = auto_zero_settings(s)
+    assert (auto.reduce_bucket_size, auto.prefetch_bucket_size, auto.param_persistence_threshold) == (
+        16_777_216, 15_099_494, 40_960)
+    assert zero_settings(s).reduce_bucket_size == 500_000_000
+    assert zero_settings(RunSetup(LLAMA7)) is None
+
+
+def test_zero_offloads_match_the_launch_config():
+    from lowvram.plan.memory import ZERO_OFFLOADS
+    from lowvram.train.launch import BACKENDS
+
+    deepspeed = {k: v[1:] for k, v in BACKENDS.items() if v[0] == "deepspeed"}
+    assert deepspeed == ZERO_OFFLOADS

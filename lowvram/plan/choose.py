@@ -1,11 +1,13 @@
 """Budget + request -> the cheapest plan that fits, every choice with its reason.
 
 The search is exhaustive over the techniques left on ``auto`` (a few hundred memory estimates,
-~10 ms): each candidate gets a peak from :func:`lowvram.plan.memory.estimate_memory`, a ladder
-tier and a step-time factor from :mod:`lowvram.plan.techniques`. Among the candidates that fit,
-the lowest tier wins (cheapest first: free precision/kernels, smaller micro-batch, gradient
-checkpointing, 8-bit optimizer, LoRA, 4-bit base, offload), then the fastest, then the smallest
-peak. A technique fixed by the user is never changed; ``lora: off`` is never turned into LoRA.
+well under a second): each candidate gets a peak from :func:`lowvram.plan.memory.estimate_memory`
+and a step-time factor from :mod:`lowvram.plan.techniques`. Among the candidates that fit, the
+first level of what the plan gives up wins (``plan_level``: full fine-tuning on the GPU, LoRA,
+QLoRA, offload to CPU RAM), then a plan that needs no missing extra (DeepSpeed), then the
+fastest, then the larger micro-batch, then the smaller peak (``_rank``). The ladder (one technique
+after another, in tier order) stays as the explanation; the search is not bound to its order.
+A technique fixed by the user is never changed; ``lora: off`` is never turned into LoRA.
 
 Pure: no torch, no CUDA. The caller builds the :class:`Budget` (from ``--vram`` or
 ``detect_hardware``); tests pass a fake one.
@@ -65,6 +67,9 @@ class Budget:
     host_ram_bytes: int | None = None  # available host RAM, when planning for this machine
     source: str = ""  # where vram_bytes came from, shown to the user
     notes: tuple[str, ...] = ()
+    # Optional extras not installed here ("deepspeed"): plans that need one rank after the plans
+    # that need nothing more (lowvram.planning.make_budget fills it; tests pass their own).
+    missing_extras: tuple[str, ...] = ()
 
     @property
     def safety_margin_bytes(self) -> int:
@@ -145,6 +150,10 @@ class Choice:
     max_seq_len: int  # longest seq_len that fits under this plan (0: none)
     max_micro_batch_size: int  # largest micro-batch that fits at this seq_len (0: none)
     min_vram_bytes: int  # smallest card that holds the lowest-peak plan allowed
+    # Over every plan the request allows (not only the chosen one): the longest seq_len at
+    # micro-batch 1 and the largest micro-batch at this seq_len, with the plan that reaches each.
+    longest: tuple[int, RunSetup | None] = (0, None)
+    largest_micro: tuple[int, RunSetup | None] = (0, None)
     suggestion: str | None = None  # when nothing fits: the single change that helps most
     suggestions: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
@@ -303,9 +312,39 @@ def _candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Esti
     return Candidate(setup, est, tier, tq.setup_slowdown(setup, largest), _fits(est, budget))
 
 
-def _rank(c: Candidate) -> tuple:
-    # Ties in speed go to the larger micro-batch (fewer passes), then to the smaller peak.
-    return (c.tier, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
+# What a plan gives up, beyond speed: the search picks the fastest plan within the first of these
+# levels that has a plan that fits. Level 0 trains the whole model with the same maths (precision,
+# kernels, chunked loss, micro-batch + accumulation, checkpointing, 8-bit optimizer state, which
+# matches 32-bit Adam's results: Dettmers et al. 2022; sharding over several GPUs); 1 trains
+# adapters only (LoRA); 2 on a quantized base (QLoRA); 3 moves model states to CPU RAM (host RAM,
+# PCIe, several times slower). Inside a level speed decides, not the ladder's order: the 8-bit
+# optimizer (~3%) is taken before checkpointing (~25%) when either alone fits.
+LEVEL_NAMES = ("full fine-tuning on the GPU", "LoRA", "QLoRA", "offload to CPU RAM")
+
+# Optional extras each offload needs (pyproject.toml [project.optional-dependencies]).
+EXTRAS = {o: ("deepspeed",) for o in memory.ZERO_OFFLOADS}
+
+
+def plan_level(setup: RunSetup) -> int:
+    """The LEVEL_NAMES index of a plan."""
+    if setup.offload not in ("none",) + SHARDED:
+        return 3
+    if setup.quantization != "none":
+        return 2
+    return 1 if setup.lora else 0
+
+
+def missing_extras(setup: RunSetup, budget: Budget) -> tuple[str, ...]:
+    """The extras ``setup`` needs that are not installed where the plan will run."""
+    return tuple(e for e in EXTRAS.get(setup.offload, ()) if e in budget.missing_extras)
+
+
+def _rank(c: Candidate, budget: Budget | None = None) -> tuple:
+    """Search order among fitting plans: the lowest level (plan_level), then plans that need no
+    missing extra, then the fastest (techniques.setup_slowdown); ties in speed go to the larger
+    micro-batch (fewer passes), then to the smaller peak."""
+    missing = bool(missing_extras(c.setup, budget)) if budget else False
+    return (plan_level(c.setup), missing, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,14 +357,15 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     cands = [_candidate(s, req, budget, estimate) for s in _setups(req, budget)]
     fitting = [c for c in cands if c.fits]
     lowest = min(cands, key=lambda c: (c.peak_bytes, c.slowdown))
-    chosen = min(fitting, key=_rank) if fitting else lowest
+    chosen = min(fitting, key=lambda c: _rank(c, budget)) if fitting else lowest
     fits = bool(fitting)
     max_seq = _max_seq_len(chosen.setup, budget, estimate)
     max_micro = _max_micro_batch(chosen.setup, budget, estimate)
+    longest, largest = _limits_over_plans(req, budget, estimate)
     suggestions: tuple[str, ...] = ()
     if not fits:
         suggestions = _suggestions(req, budget, lowest, estimate)
-    notes = list(budget.notes)
+    notes = list(budget.notes) + _extras_notes(chosen, cands, budget)
     if req.seq_len > req.model.max_position_embeddings:
         notes.append(f"seq_len {req.seq_len} is longer than the model's max_position_embeddings "
                      f"{req.model.max_position_embeddings}")
@@ -335,10 +375,42 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
         plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,
         alternatives=_alternatives(cands, chosen), ladder=build_ladder(req, budget, estimate),
         max_seq_len=max_seq, max_micro_batch_size=max_micro,
-        min_vram_bytes=vram_needed_bytes(lowest.peak_bytes),
+        min_vram_bytes=vram_needed_bytes(lowest.peak_bytes), longest=longest, largest_micro=largest,
         suggestion=suggestions[0] if suggestions else None, suggestions=suggestions,
         notes=tuple(notes),
     )
+
+
+def _extras_notes(chosen: Candidate, cands: list[Candidate], budget: Budget) -> list[str]:
+    """A plan that needs a missing extra says so and names the best plan that needs nothing more."""
+    missing = missing_extras(chosen.setup, budget)
+    if not missing:
+        return []
+    pip = " ".join(f"'lowvram[{e}]'" for e in missing)
+    text = f"this plan needs {', '.join(missing)}, not installed here (pip install {pip})"
+    ready = [c for c in cands if not missing_extras(c.setup, budget)]
+    fit = [c for c in ready if c.fits]
+    if fit:
+        best = min(fit, key=lambda c: _rank(c, budget))
+        return [f"{text}; the best plan that needs nothing more: {describe_setup(best.setup)}, "
+                f"peak {gib(best.peak_bytes)}, {best.slowdown / chosen.slowdown:.2f}x its step time"]
+    if ready:
+        best = min(ready, key=lambda c: (c.peak_bytes, c.slowdown))
+        return [f"{text}; of the plans that need nothing more none fits: the lowest, "
+                f"{describe_setup(best.setup)}, peaks at {gib(best.peak_bytes)}"]
+    return [text]
+
+
+def describe_setup(s: RunSetup) -> str:
+    """A plan in a few words, for notes."""
+    parts = [s.precision, ("QLoRA " + s.quantization) if s.quantization != "none" else
+             ("LoRA" if s.lora else "full")]
+    parts += ["checkpointing"] if s.gradient_checkpointing else []
+    parts += [s.optimizer] if s.optimizer != "adamw" else []
+    parts += [f"{s.loss} loss"] if s.loss != "standard" else []
+    parts += [f"offload {s.offload}"] if s.offload != "none" else []
+    parts.append(f"micro-batch {s.micro_batch_size} x {s.grad_accum}")
+    return ", ".join(parts)
 
 
 def _to_plan(c: Candidate, req: PlanRequest, budget: Budget, reasons: dict[str, str]) -> Plan:
@@ -426,6 +498,38 @@ def _max_seq_len(setup: RunSetup, budget: Budget, estimate: Estimator) -> int:
 def _max_micro_batch(setup: RunSetup, budget: Budget, estimate: Estimator) -> int:
     return _largest_fitting(
         1, _MAX_MICRO_BATCH, lambda n: _fits(estimate(replace(setup, micro_batch_size=n)), budget))
+
+
+def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
+    """One setup per technique combination the request allows, for the limits over all plans.
+    Pruned: the chunked loss where the loss is auto (for t <= CHUNK_TOKENS it is the standard
+    loss, beyond it smaller: logits_bytes), and one micro-batch (the limits vary it)."""
+    one = replace(req, micro_batch_size=None, grad_accum=None, batch_size=req.gpus,
+                  loss=req.loss or "chunked")
+    return _setups(one, budget)
+
+
+def _limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator
+                       ) -> tuple[tuple[int, RunSetup | None], tuple[int, RunSetup | None]]:
+    """(longest seq_len, the plan), (largest micro-batch at req.seq_len, the plan), over every
+    plan the request allows; ties go to the faster plan (plan_level, then step time)."""
+    setups = _limit_setups(req, budget)
+
+    def speed(s: RunSetup) -> tuple:
+        return (plan_level(s), round(tq.setup_slowdown(s, 1), 6))
+
+    best_seq: tuple[int, RunSetup | None] = (0, None)
+    best_micro: tuple[int, RunSetup | None] = (0, None)
+    for s in sorted(setups, key=speed):
+        if _fits(estimate(replace(s, seq_len=max(best_seq[0], 1))), budget) or best_seq[1] is None:
+            n = _max_seq_len(s, budget, estimate)
+            if n > best_seq[0]:
+                best_seq = (n, replace(s, seq_len=n))
+        if _fits(estimate(replace(s, micro_batch_size=max(best_micro[0], 1))), budget) or best_micro[1] is None:
+            m = _max_micro_batch(s, budget, estimate)
+            if m > best_micro[0]:
+                best_micro = (m, replace(s, micro_batch_size=m, grad_accum=1))
+    return best_seq, best_micro
 
 
 # --------------------------------------------------------------------------------------------
@@ -542,9 +646,9 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             s = replace(s, micro_batch_size=1, grad_accum=_largest_micro(req))
         else:
             settings = dict(t.settings)
-            if memory.offload_conflict(s.optimizer, settings.get("offload", s.offload)):
-                if req.fixed("optimizer"):
-                    continue  # the user's optimizer cannot run under this offload
+            if memory.offload_conflict(settings.get("optimizer", s.optimizer), settings.get("offload", s.offload)):
+                if req.fixed("optimizer") or "offload" not in settings:
+                    continue  # the user's optimizer (or offload) rules this rung out
                 settings["optimizer"] = "adamw"  # DeepSpeed's CPU Adam takes its place
             s = replace(s, **settings)
         new = estimate(s)
@@ -762,6 +866,10 @@ def choice_to_dict(choice: Choice) -> dict:
         "reasons": dict(choice.plan.reasons),
         "max_seq_len": choice.max_seq_len,
         "max_micro_batch_size": choice.max_micro_batch_size,
+        "longest_seq_len": choice.longest[0],
+        "longest_seq_len_plan": describe_setup(choice.longest[1]) if choice.longest[1] else None,
+        "largest_micro_batch_size": choice.largest_micro[0],
+        "largest_micro_batch_plan": describe_setup(choice.largest_micro[1]) if choice.largest_micro[1] else None,
         "min_vram_bytes": choice.min_vram_bytes,
         "suggestion": choice.suggestion,
         "suggestions": list(choice.suggestions),
