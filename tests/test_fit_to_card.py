@@ -154,6 +154,8 @@ def recipe_8b(tmp_path) -> Path:
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
         "rope_theta": 500000.0, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}))
+    # --dry-run checks that the data file exists and its first row parses
+    (tmp_path / "data.jsonl").write_text(json.dumps({"instruction": "Say hi.", "output": "Hi."}) + "\n")
     path = tmp_path / "recipe.yaml"
     path.write_text("""\
 model: {name_or_path: llama-3-8b}

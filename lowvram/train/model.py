@@ -330,7 +330,7 @@ def prepare_model(model, plan, seed: int | None = None):
             set_seed(seed)  # the adapters' random init: same seed, same run
         model = apply_lora(model, plan)
     if plan.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -348,7 +348,7 @@ def prepare_kbit_model(model, gradient_checkpointing: bool):
     for param in model.parameters():
         param.requires_grad_(False)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
