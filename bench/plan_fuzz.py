@@ -1,6 +1,6 @@
 """Differential test of the plan against the real run, at scale (issue 12).
 
-Random valid recipes (lowvram.difftest.random_case: seven families, full / LoRA / QLoRA, rank,
+Random valid recipes (lowvram.difftest.random_case: ten families, full / LoRA / QLoRA, rank,
 targets, dropout, precision, model.dtype, checkpointing, optimizer, loss, attention, seq_len,
 micro-batch, accumulation, packing, eval), each run through `lowvram train` itself for two steps
 on the CPU with the exact live-bytes tracker, measured peak against the plan's prediction.

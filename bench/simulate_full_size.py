@@ -9,6 +9,8 @@ both models add the same way). Prints GiB and the analytic error relative to the
 Output committed in bench/results/simulate_full_size.txt. About 5 s per row, < 1 GB of RAM.
 ``--moe``: Mixtral-8x7B and Qwen3-30B-A3B (catalog shapes) with full, LoRA and QLoRA, with and
 without checkpointing, in bench/results/simulate_full_size_moe.txt (30-100 s per row).
+``--families``: Gemma-3-1B, OLMo-2-7B and SmolLM3-3B (catalog shapes), every case, in
+bench/results/simulate_full_size_families.txt.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lowvram.plan.models import resolve_model  # noqa: E402
 
 MODELS = ["llama-2-7b", "llama-3-8b", "qwen2.5-7b"]
 MOE_MODELS = ["mixtral-8x7b", "qwen3-30b-a3b"]
+FAMILY_MODELS = ["gemma-3-1b", "olmo-2-7b", "smollm3-3b"]
 SEQ_LENS = [512, 2048]
 CASES: list[tuple[str, dict]] = [
     ("full bf16 adamw", dict(precision="bf16")),
@@ -42,11 +45,13 @@ CASES: list[tuple[str, dict]] = [
 MOE_CASES = [c for c in CASES if "adamw_8bit" not in c[0]]
 
 
-def main(quick: bool = False, moe: bool = False) -> int:
+def main(quick: bool = False, moe: bool = False, families: bool = False) -> int:
     from lowvram.check.simulate import simulate_memory
 
     gib = 2**30
     models, cases = (MOE_MODELS, MOE_CASES) if moe else (MODELS, CASES)
+    if families:
+        models = FAMILY_MODELS
     print(f"{'model':<14} {'seq':>5} {'case':<32} {'analytic':>9} {'simulated':>9} {'diff':>7}  "
           f"{'phase (sim)':<16} {'time':>5}")
     worst = 0.0
@@ -69,4 +74,4 @@ def main(quick: bool = False, moe: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main("--quick" in sys.argv, "--moe" in sys.argv))
+    sys.exit(main("--quick" in sys.argv, "--moe" in sys.argv, "--families" in sys.argv))

@@ -138,7 +138,7 @@ def measure_training_step(
 
 
 def hf_config(spec: ModelSpec, attention: str = "sdpa"):
-    """A transformers config for a Llama-family ModelSpec (llama, mistral, qwen2)."""
+    """A transformers config for a ModelSpec of a family the analytic planner models."""
     from transformers import AutoConfig
 
     kw = dict(
@@ -151,6 +151,8 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
     if spec.rope_theta:
         kw["rope_theta"] = spec.rope_theta
     kw.update(_moe_config_kwargs(spec))
+    if spec.sliding_window:  # Gemma-3: its default layer pattern, the spec's window
+        kw["sliding_window"] = spec.sliding_window
     cfg = AutoConfig.for_model(spec.model_type, **kw)
     cfg._attn_implementation = attention
     # the spec's dropout, under whichever names this config class uses

@@ -104,6 +104,12 @@ CURRENT = {
     "phi-4": 14_659_507_200,
     "phi-4-mini": 3_836_021_760,
     "mixtral-8x7b": 46_702_792_704,
+    # Gemma-3-1B 999,885,952 (its model card's 1B; the transformers model built from the same
+    # config.json agrees, test below), OLMo-2 7.30B / 13.7B, SmolLM3 3.08B
+    "gemma-3-1b": 999_885_952,
+    "olmo-2-7b": 7_298_617_344,
+    "olmo-2-13b": 13_716_198_400,
+    "smollm3-3b": 3_075_098_624,
 }
 
 

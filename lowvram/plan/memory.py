@@ -349,9 +349,10 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     fixed = 0
     # norms: fp32 upcast of the input + rsqrt; a trainable weight also saves the normalized x
     for n in range(spec.norms_per_layer):
-        if first and n == 0 and not full:
-            continue  # LoRA: no gradient flows into the embedding output
-        per_tok += 4 * h + 4 + (r * h if full else 0)
+        if first and n == 0 and not full and not spec.norm_after:
+            continue  # LoRA: no gradient flows into the embedding output (OLMo-2: no norm there)
+        per_tok += 4 * h + 4 + (_normed_bytes(setup) * h if full else 0)
+    fixed += _norm_weight_fixed_bytes(setup)
     # attention (SDPA / flash): q, k, v, out + fp32 logsumexp per head
     per_tok += cc * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
     if spec.resid_dropout:
@@ -428,7 +429,24 @@ def _qk_norm_activation_bytes(setup: RunSetup) -> int:
     r, _, _ = _dtypes(setup)
     width = spec.q_dim + spec.kv_dim
     rows = spec.num_heads + spec.num_kv_heads if spec.qk_norm == "head" else 2
-    return 4 * width + 4 * rows + (r * width if not setup.lora else 0)
+    return 4 * width + 4 * rows + (_normed_bytes(setup) * width if not setup.lora else 0)
+
+
+def _normed_bytes(setup: RunSetup) -> int:
+    """Bytes per element of the normalized x an RMSNorm with a trainable weight saves: the residual
+    dtype where the weight multiplies the cast-back x (LlamaRMSNorm), fp32 where it multiplies
+    the fp32 x (Gemma3RMSNorm, Olmo2RMSNorm; measured with saved_tensors_hooks)."""
+    return 4 if setup.model.norm_weight_fp32 else _dtypes(setup)[0]
+
+
+def _norm_weight_fixed_bytes(setup: RunSetup) -> int:
+    """Gemma3RMSNorm saves its fp32 (1 + weight) for the input gradient, trainable or frozen: 4
+    bytes per weight element of one layer's norms and q/k norms (measured with
+    saved_tensors_hooks)."""
+    spec = setup.model
+    if spec.model_type != "gemma3_text":
+        return 0
+    return 4 * (spec.norms_per_layer * spec.hidden_size + 2 * spec.head_dim)
 
 
 def _moe_layer_activation_bytes(setup: RunSetup, first: bool) -> int:
@@ -485,8 +503,9 @@ def _head_activation_bytes(setup: RunSetup) -> int:
     t = setup.micro_batch_size * setup.seq_len
     h = spec.hidden_size
     full = not setup.lora
-    per_tok = 4 * h + 4 + (r * h if full else 0) + 8  # final norm; int64 shifted labels
-    per_tok += 2 * spec.head_dim * r  # rotary cos and sin, shared by all layers
+    per_tok = 4 * h + 4 + (_normed_bytes(setup) * h if full else 0) + 8  # final norm; int64 labels
+    # rotary cos and sin, shared by all layers (of a type: Gemma-3 has two tables)
+    per_tok += 2 * spec.head_dim * (4 if spec.rotary_fp32 else r) * spec.rotary_tables
     if spec.embd_dropout and full:  # its mask (as above); LoRA: no gradient flows there
         per_tok += h * (1 if setup.device == "cuda" else r)
     if full:
@@ -497,6 +516,33 @@ def _head_activation_bytes(setup: RunSetup) -> int:
     if autocast and head_fp32:
         fixed += 2 * spec.vocab_size * h  # autocast's bf16 copy of lm_head, saved for backward
     return t * per_tok + fixed
+
+
+def sliding_window_bytes(setup: RunSetup) -> int:
+    """What one sliding-window layer (Gemma-3) saves beyond a full-attention one. From
+    seq_len >= sliding_window on, transformers builds the sliding mask (masking_utils
+    _ignore_causal_mask_sdpa skips it only below the window); with a mask, sdpa_attention_forward
+    expands k and v to all heads (use_gqa_in_sdpa: only without a mask) and SDPA saves the
+    additive mask it makes from the bool one, b*s*s in the query's dtype, in every such layer
+    (measured with saved_tensors_hooks on a 2-layer Gemma-3: q, expanded k and v, out, mask)."""
+    spec = setup.model
+    if not spec.sliding_layers or setup.seq_len < spec.sliding_window or setup.attention != "sdpa":
+        return 0
+    _, c, autocast = _dtypes(setup)
+    cc = 2 if autocast else c
+    t = setup.micro_batch_size * setup.seq_len
+    # one kv head: repeat_kv's expand + reshape stays a view (no copy; measured at Gemma-3-1B size)
+    expanded = 2 * (spec.q_dim - spec.kv_dim) if spec.num_kv_heads > 1 else 0
+    return cc * (t * expanded + setup.micro_batch_size * setup.seq_len**2)
+
+
+def _checkpointed_mask_bytes(setup: RunSetup) -> int:
+    """With checkpointing, the sliding layers' bool mask (b*s*s bytes, one for all of them) is an
+    input the checkpoints keep for the recompute (measured: lowvram train on a 2-layer Gemma-3,
+    seq 512 x 2, was 2.9% above its plan without it)."""
+    if not sliding_window_bytes(setup):
+        return 0
+    return setup.micro_batch_size * setup.seq_len**2
 
 
 def activation_bytes(setup: RunSetup) -> int:
@@ -511,9 +557,10 @@ def activation_bytes(setup: RunSetup) -> int:
     t = setup.micro_batch_size * setup.seq_len
     head = _head_activation_bytes(setup)
     if setup.gradient_checkpointing:
-        return spec.num_layers * r * t * spec.hidden_size + head
+        return spec.num_layers * r * t * spec.hidden_size + head + _checkpointed_mask_bytes(setup)
     return (layer_activation_bytes(setup, first=True)
-            + (spec.num_layers - 1) * layer_activation_bytes(setup) + head)
+            + (spec.num_layers - 1) * layer_activation_bytes(setup) + head
+            + spec.sliding_layers * sliding_window_bytes(setup))
 
 
 def recompute_bytes(setup: RunSetup) -> int:
@@ -522,7 +569,7 @@ def recompute_bytes(setup: RunSetup) -> int:
     small vocabulary; bench/plan_accuracy.py "checkpointing + chunked" cases)."""
     if not setup.gradient_checkpointing:
         return 0
-    return layer_activation_bytes(setup) + layer_backward_bytes(setup)
+    return layer_activation_bytes(setup) + layer_backward_bytes(setup) + sliding_window_bytes(setup)
 
 
 def layer_backward_bytes(setup: RunSetup) -> int:

@@ -59,6 +59,14 @@ class ModelSpec:
     # RMSNorm on q and k inside attention: "head" (Qwen3, Gemma-3: one head_dim weight each) or
     # "full" (OLMo-2, OLMoE: q_dim and kv_dim weights)
     qk_norm: str = ""
+    # RMSNorms that apply their weight to the fp32 normalized x (Gemma-3: x * (1 + w.float());
+    # OLMo-2: (w * x).to(dtype)): a trainable weight saves the fp32 x, not a 16-bit copy
+    norm_weight_fp32: bool = False
+    norm_after: bool = False  # OLMo-2: norms on the attention and MLP outputs, none before
+    rotary_tables: int = 1  # Gemma-3: one cos/sin pair per layer type (sliding and full)
+    rotary_fp32: bool = False  # OLMo-2: cos/sin stay fp32 (Olmo2RotaryEmbedding casts nothing)
+    sliding_window: int = 0  # Gemma-3: tokens a sliding-attention layer sees
+    sliding_layers: int = 0  # how many layers use it
     # Mixture of experts (every decoder layer sparse; 0 = dense). transformers 5 stores a layer's
     # experts fused in two 3-D parameters (experts.gate_up_proj [E, 2I, h], experts.down_proj
     # [E, h, I]) and the router as a bare [E, h] weight: none of them is an nn.Linear.
@@ -264,7 +272,8 @@ _ARCH: dict[str, dict] = {
                   mlp_bias=True, embedding_norm=True),
     "opt": dict(mlp="plain", norm="layer", qkv_bias=True, out_bias=True, mlp_bias=True),
 }
-_TIE_DEFAULT = {"gemma": True, "gpt2": True, "falcon": True, "bloom": True, "opt": True}
+_TIE_DEFAULT = {"gemma": True, "gemma3_text": True, "smollm3": True, "gpt2": True, "falcon": True,
+                "bloom": True, "opt": True}
 
 # Mixture-of-experts families whose layout the planner models (transformers 5 modeling_<type>.py:
 # fused experts + a bare router weight; Qwen2-MoE adds a shared expert). Their config keys:
@@ -276,6 +285,15 @@ _MOE_ARCH: dict[str, dict] = {
     "qwen2_moe": dict(qkv_bias=True),
 }
 _ARCH.update({"qwen3": dict(qk_norm="head")})
+# Dense families with norms or q/k norms beyond Llama's (transformers 5 modeling_<type>.py):
+# Gemma-3 (Gemma3DecoderLayer): input, post-attention, pre-feedforward and post-feedforward
+# RMSNorms, q_norm/k_norm over one head; OLMo-2 (Olmo2DecoderLayer): post-attention and
+# post-feedforward RMSNorms only, q_norm/k_norm over all q / kv heads; SmolLM3: Llama's block
+# (its NoPE layers skip the rotary, which has no parameters).
+_ARCH.update({"gemma3_text": dict(qk_norm="head", norms_per_layer=4, norm_weight_fp32=True),
+              "olmo2": dict(qk_norm="full", norm_weight_fp32=True, norm_after=True,
+                            rotary_fp32=True),
+              "smollm3": {}})
 # Every model_type the analytic planner knows the block of (GGUF names included: llama.cpp
 # writes the same architecture names for these). Anything else is refused, never estimated as a
 # dense Llama: `lowvram plan --simulate` builds any config transformers can build.
@@ -374,6 +392,11 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         if isinstance(value, (int, float)):
             arch[field_name] = float(value)
     positions = _first(cfg, "max_position_embeddings", "n_positions", "seq_length") or 2048
+    if mt == "gemma3_text":
+        types = _gemma3_layer_types(cfg, layers)
+        arch["rotary_tables"] = len(set(types))
+        arch["sliding_window"] = int(cfg.get("sliding_window") or 4096)
+        arch["sliding_layers"] = sum(1 for lt in types if lt == "sliding_attention")
     if mt == "gpt2":
         arch["learned_positions"] = positions
     if mt == "opt":
@@ -383,10 +406,20 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         intermediate_size=inter, num_layers=layers, num_heads=heads, num_kv_heads=kv,
         head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=bool(tie),
         max_position_embeddings=positions,
-        hidden_act=_first(cfg, "hidden_act", "activation_function") or "silu",
+        hidden_act=_first(cfg, "hidden_act", "hidden_activation", "activation_function")
+        or ("gelu_pytorch_tanh" if mt == "gemma3_text" else "silu"),  # Gemma3TextConfig default
         rope_theta=cfg.get("rope_theta"),
         partial_rotary_factor=cfg.get("partial_rotary_factor", 1.0), **arch,
     )
+
+
+def _gemma3_layer_types(cfg: dict, layers: int) -> list[str]:
+    """Gemma3TextConfig.layer_types: given, or every sliding_window_pattern-th layer (default 6)
+    full attention and the others sliding (configuration_gemma3.py)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    pattern = cfg.get("sliding_window_pattern", 6)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
 
 
 def _read_config(path: Path, name: str) -> ModelSpec:
