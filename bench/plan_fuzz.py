@@ -6,6 +6,7 @@ micro-batch, accumulation, packing, eval), each run through `lowvram train` itse
 on the CPU with the exact live-bytes tracker, measured peak against the plan's prediction.
 
     python bench/plan_fuzz.py                 # 200 seeds -> bench/results/plan_fuzz.txt
+    python bench/plan_fuzz.py --families seven  # the seven families the committed results used
     python bench/plan_fuzz.py --seeds 0:20    # a range
     python bench/plan_fuzz.py --seed 17 -v    # one case, with its recipe
 
@@ -30,7 +31,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("NO_COLOR", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lowvram.difftest import ANY_LIMIT, OVER_LIMIT, random_case, recipe_text, run_case  # noqa: E402
+from lowvram.difftest import (  # noqa: E402
+    ANY_LIMIT,
+    FAMILIES,
+    FIRST_FAMILIES,
+    OVER_LIMIT,
+    random_case,
+    recipe_text,
+    run_case,
+)
+
+# "seven": the generator's first families (bench/results/plan_fuzz.txt was made with them, so its
+# seeds name the same recipes); "all": also Gemma-3, OLMo-2 and SmolLM3.
+FAMILY_SETS = {"seven": FIRST_FAMILIES, "all": FAMILIES}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -45,6 +58,8 @@ def main() -> int:
     ap.add_argument("--seeds", default="0:200", help="range START:END (default 0:200)")
     ap.add_argument("--seed", type=int, help="one seed")
     ap.add_argument("-v", action="store_true", help="print each case's recipe")
+    ap.add_argument("--families", choices=sorted(FAMILY_SETS), default="all",
+                    help="which model families the recipes draw from (default all)")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
@@ -52,7 +67,7 @@ def main() -> int:
     t0 = time.perf_counter()
     write = bool(args.out) and args.seed is None
     for seed in seeds:
-        case = random_case(seed)
+        case = random_case(seed, FAMILY_SETS[args.families])
         with tempfile.TemporaryDirectory() as d:
             if args.v:
                 print(recipe_text(case, Path(d) / "model", Path(d) / "data.jsonl", Path(d) / "run"))
@@ -67,11 +82,11 @@ def main() -> int:
         print(line, flush=True)
         lines.append(line)
         if write:  # after every case: a run cut short keeps its rows and their summary
-            _write(args.out, seeds, rows, lines, _summary(rows, t0))
+            _write(args.out, seeds, args.families, rows, lines, _summary(rows, t0))
     summary = _summary(rows, t0)
     print("\n".join(summary))
     if write:
-        _write(args.out, seeds, rows, lines, summary)
+        _write(args.out, seeds, args.families, rows, lines, summary)
     return 1 if any(r.ratio is not None and not r.ok for r in rows) else 0
 
 
@@ -90,10 +105,10 @@ def _summary(rows, t0) -> list[str]:
     return summary
 
 
-def _write(out: str, seeds: range, rows, lines: list[str], summary: list[str]) -> None:
+def _write(out: str, seeds: range, families: str, rows, lines: list[str], summary: list[str]) -> None:
     RESULTS.mkdir(exist_ok=True)
     header = ["# bench/plan_fuzz.py: plan vs `lowvram train` (2 steps, CPU, live tensor bytes)",
-              f"# seeds {seeds.start}:{seeds.stop} ({len(rows)} run so far); ratio = measured / predicted - 1",
+              f"# --families {families} --seeds {seeds.start}:{seeds.stop} ({len(rows)} run); ratio = measured / predicted - 1",
               "# no constant of the planner is fitted on these cases; seeds 0-39 were seen while the MoE",
               "# terms were corrected (from saved tensors, not fitted), seeds 40-199 never before this run", ""]
     Path(out).write_text("\n".join(header + lines + [""] + summary) + "\n")
