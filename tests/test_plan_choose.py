@@ -292,7 +292,7 @@ def test_deepspeed_offload_plans_use_adamw_and_a_fixed_8bit_optimizer_is_refused
 
 
 @pytest.mark.parametrize("model, seq_len, batch, gb, loss, slowdown", [
-    ("llama-3.1-8b", 2048, 8, 80, "standard", 1.03),
+    ("llama-3.1-8b", 2048, 8, 80, "chunked", 1.03 * 1.02),
     ("llama-3.2-3b", 4096, 1, 40, "chunked", 1.03 * 1.02),
 ])
 def test_search_finds_plans_the_ladder_missed(model, seq_len, batch, gb, loss, slowdown):
