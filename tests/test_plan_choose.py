@@ -325,3 +325,18 @@ def test_longest_seq_len_and_largest_micro_batch_over_all_plans():
     # auto loss: the chunked loss reaches further than the standard loss fixed above
     free = choose_plan(PlanRequest(spec, seq_len=2048, batch_size=1, lora=True, quantization="nf4-dq"), budget)
     assert free.longest[0] > n and free.longest[1].loss == "chunked"
+
+
+def test_unmodelled_setups_are_never_chosen_and_refused_when_alone():
+    """Eager attention + checkpointing under *-mixed measured up to 21% above the analytic plan
+    (bench/plan_fuzz.py): the chooser leaves it out, and refuses it when nothing else is allowed."""
+    spec = resolve_model("llama-2-7b")
+    c = choose_plan(PlanRequest(spec, seq_len=2048, batch_size=1, mixed_precision="bf16-mixed",
+                                attention="eager"), Budget(80 * GB))
+    assert not c.chosen.setup.gradient_checkpointing
+    assert all(not a.setup.gradient_checkpointing for a in c.alternatives)
+    assert not any(r.fits for r in c.ladder if r.technique == "gradient_checkpointing")
+    with pytest.raises(LowvramError, match="not modelled") as e:
+        choose_plan(PlanRequest(spec, seq_len=2048, batch_size=1, mixed_precision="bf16-mixed",
+                                attention="eager", gradient_checkpointing=True), Budget(80 * GB))
+    assert "--simulate" in e.value.hint

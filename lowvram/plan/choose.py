@@ -287,7 +287,12 @@ def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                             seq_len=req.seq_len, grad_accum=per_gpu // micro,
                                             gpus=req.gpus, offload=offload, device=budget.device,
                                         ))
-    return out
+    modelled = [s for s in out if memory.unmodelled(s) is None]
+    if out and not modelled:
+        raise LowvramError(f"cannot plan this run: {memory.unmodelled(out[0])}",
+                           "use attention sdpa, bf16 or fp32, or gradient_checkpointing off; or measure "
+                           "the real step with `lowvram plan --simulate`")
+    return modelled
 
 
 def _largest_micro(req: PlanRequest) -> int:
@@ -657,7 +662,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             f"micro-batch 1 x {s.grad_accum}" if t is tq.MICRO_BATCH else
             {True: "on", False: "off"}.get(t.value, str(t.value)))
         rungs.append(Rung(t.name, value, new.peak_bytes, est.peak_bytes - new.peak_bytes, slowdown,
-                          _fits(new, budget)))
+                          _fits(new, budget) and memory.unmodelled(s) is None))
         est = new
     return tuple(rungs)
 

@@ -884,6 +884,16 @@ def _check(setup: RunSetup) -> None:
 validate_setup = _check  # public name: simulate.py validates the same way
 
 
+def unmodelled(setup: RunSetup) -> str | None:
+    """Why the analytic model cannot be trusted for this setup (None when it can): the chooser
+    never picks such a setup and refuses when nothing else is allowed (never a silent guess on the
+    side that says "fits": lowvram train on the CPU measured these above the plan)."""
+    if setup.attention == "eager" and setup.gradient_checkpointing and setup.precision.endswith("-mixed"):
+        return ("eager attention with gradient checkpointing under *-mixed precision is not modelled "
+                "(lowvram train measured up to 21% above the analytic peak: bench/plan_fuzz.py)")
+    return None
+
+
 def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                            layer_grads: int) -> tuple[int, int, int, int]:
     """(activations, logits, gradients made so far, weights not gathered) at the highest moment
