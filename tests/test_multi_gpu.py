@@ -336,7 +336,7 @@ def test_oom_in_a_launched_run_retries_with_a_smaller_micro_batch(tmp_path, tiny
 def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, tiny_model_dir, monkeypatch):
     """The launcher's loop on its own: workers that report an OOM at step 3 after checkpoint-2."""
     from lowvram.hardware import detect_hardware
-    from lowvram.planning import plan_for_recipe
+    from lowvram.planning import plan_for_recipe, replanner_for
     from lowvram.recipe import load_recipe
     from lowvram.train import launch, oom, recover
     from lowvram.train.checkpoints import mark_complete
@@ -366,7 +366,8 @@ def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, ti
 
     monkeypatch.setattr(launch, "run_launch", fake_run_launch)
     said = []
-    assert recover.launch_with_recovery(r, recipe_path, [], plan, spec, first, notify=said.append) == 0
+    assert recover.launch_with_recovery(r, recipe_path, [], plan, spec, first, notify=said.append,
+                                         replanner=replanner_for(r)) == 0
     assert said == ["OOM at step 3 (measured 2.3 MiB); retrying with micro-batch 1 x 2; resuming from "
                     "checkpoint-2 (retry 1 of 3)"]
     assert "--resume" not in calls[0][0] and "--resume" in calls[1][0]

@@ -22,7 +22,7 @@ import json
 import shlex
 import shutil
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError
@@ -30,6 +30,7 @@ from lowvram.train.checkpoints import complete_checkpoints, partial_checkpoints
 from lowvram.train.files import OOM_REPORT
 from lowvram.train.oom import EXTRA_METRICS_ENV, REPORT_ENV, TrainingOOM, collect_oom_reports
 from lowvram.train.signals import TrainingInterrupted
+from lowvram.train.types import Replanner
 
 DEFAULT_MAX_RETRIES = 3
 
@@ -170,9 +171,10 @@ def _failed_file(exc: BaseException | None) -> str | None:
 
 def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = False, recover: bool = True,
                         max_retries: int = DEFAULT_MAX_RETRIES, resume_cmd: str = "", notify=None,
-                        track_memory: bool | None = None):
-    """run_training, retried with the next cheaper plan after an out-of-memory error; the output
-    folder is locked for the whole time (lock.py)."""
+                        track_memory: bool | None = None, replanner: Replanner | None = None):
+    """run_training, retried with ``replanner``'s next cheaper plan after an out-of-memory error
+    (lowvram.planning.replanner_for; None: no retry can be planned); the output folder is locked
+    for the whole time (lock.py)."""
     from lowvram.train.lock import run_lock
     from lowvram.train.trainer import output_dir
 
@@ -180,7 +182,7 @@ def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = Fa
     out = output_dir(recipe)
     with run_lock(out, _lock_label(resume, overwrite), notify):
         return _train_loop(recipe, plan, out, resume, overwrite, recover, max_retries, resume_cmd, notify,
-                           track_memory)
+                           track_memory, replanner)
 
 
 def _lock_label(resume: bool, overwrite: bool) -> str:
@@ -188,7 +190,7 @@ def _lock_label(resume: bool, overwrite: bool) -> str:
 
 
 def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries, resume_cmd, notify,
-                track_memory):
+                track_memory, replanner):
     from lowvram.train.run import run_training
 
     retries: list[Retry] = []
@@ -196,7 +198,8 @@ def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries
     while True:
         try:
             return run_training(recipe, plan, resume=resume, overwrite=overwrite, prepared=not first,
-                                extra_metrics=_retry_metrics(retries, plan), track_memory=track_memory)
+                                extra_metrics=_retry_metrics(retries, plan), track_memory=track_memory,
+                                replanner=replanner)
         except TrainingOOM as e:
             err = e
         except TrainingInterrupted as e:
@@ -216,7 +219,7 @@ def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries
             return (f"the next cheaper plan offloads (offload {new.offload}), which runs through "
                     f"accelerate: {resume_cmd or 'lowvram train RECIPE'} --set techniques.offload={new.offload}")
 
-        new, ckpts = _next_attempt(recipe, err, plan, retries, out, recover, max_retries, refuse=through_accelerate)
+        new, ckpts = _next_attempt(replanner, err, plan, retries, out, recover, max_retries, refuse=through_accelerate)
         _record_retry(err, plan, new, ckpts, retries, max_retries, notify)
         del err
         plan, resume, overwrite = new, True, False
@@ -230,7 +233,7 @@ def _retry_metrics(retries: list[Retry], plan) -> dict:
     return extra
 
 
-def _next_attempt(recipe, err: TrainingOOM, plan, retries: list[Retry], out: Path, recover: bool,
+def _next_attempt(replanner: Replanner | None, err: TrainingOOM, plan, retries: list[Retry], out: Path, recover: bool,
                   max_retries: int, refuse=None):
     """(next cheaper plan, checkpoints to resume from) after ``err``, or the final error when
     recovery is off, spent or impossible (``refuse(new)``: why this caller cannot run the plan).
@@ -239,7 +242,7 @@ def _next_attempt(recipe, err: TrainingOOM, plan, retries: list[Retry], out: Pat
         raise _final_failure(err, [], "automatic recovery is off (--no-recover)")
     if len(retries) >= max_retries:
         raise _final_failure(err, retries, f"--max-retries {max_retries} reached")
-    new = _next_plan(recipe, err)
+    new = replanner.next_cheaper(err.plan, err.measured_peak_bytes) if replanner is not None else None
     if new is None:
         raise _final_failure(err, retries, "no cheaper plan keeps the effective batch and the recipe's fixed settings")
     why = refuse(new) if refuse else None
@@ -269,21 +272,6 @@ def _retry_line(err: TrainingOOM, retry: Retry, n: int, max_retries: int) -> str
     return f"OOM at step {err.step}{measured}; retrying with {retry.changed}; {start} (retry {n} of {max_retries})"
 
 
-def _next_plan(recipe, err: TrainingOOM):
-    """The chooser's next cheaper plan for this recipe (None when the model cannot be read)."""
-    from lowvram.plan.choose import next_cheaper
-    from lowvram.planning import build_request, recipe_model
-
-    try:
-        spec = recipe_model(recipe)
-    except LowvramError:
-        return None
-    req = build_request(spec, recipe)
-    if err.plan.gpus > 1:
-        req = replace(req, gpus=err.plan.gpus)
-    return next_cheaper(err.plan, req, err.measured_peak_bytes)
-
-
 __all__ = ["describe_change", "is_disk_full", "launch_with_recovery", "resume_command", "train_with_recovery"]
 
 
@@ -293,7 +281,7 @@ __all__ = ["describe_change", "is_disk_full", "launch_with_recovery", "resume_co
 
 def launch_with_recovery(recipe, recipe_path, overrides, plan, spec, launched, recover: bool = True,
                          max_retries: int = DEFAULT_MAX_RETRIES, track_memory: bool = True,
-                         notify=None) -> int:
+                         notify=None, replanner: Replanner | None = None) -> int:
     """run_launch, re-launched with the next cheaper plan when the workers run out of memory.
 
     The same loop as train_with_recovery, one level up: the workers report their OOM
@@ -316,7 +304,7 @@ def launch_with_recovery(recipe, recipe_path, overrides, plan, spec, launched, r
         if recover and spec.nodes > 1:
             raise _final_failure(err, retries, "automatic recovery runs on one node only (every node would "
                                  "have to agree on the new plan)")
-        new, ckpts = _next_attempt(recipe, err, plan, retries, out, recover, max_retries)
+        new, ckpts = _next_attempt(replanner, err, plan, retries, out, recover, max_retries)
         try:
             launched = launch.prepare_launch(recipe, recipe_path, overrides, new, spec, resume=bool(ckpts),
                                              check_output=False)

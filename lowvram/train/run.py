@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.train.files import METRICS, PLAN, RECIPE, write_atomic
-from lowvram.train.types import RunResult
+from lowvram.train.types import Replanner, RunResult
 
 # --------------------------------------------------------------------------------------------
 # The run folder
@@ -133,25 +133,26 @@ def _distribution(trainer) -> dict:
     return {"distributed_type": kind, "sharded_parameters": sharded}
 
 
-def _prediction_at_data_length(recipe, plan, bundle) -> dict:
+def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None) -> dict:
     """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
     the plan (made for full seq_len batches). Predict the peak at the longest row as well, so the
     measured peak is compared with what this data can reach."""
-    if plan.predicted_peak_bytes is None or bundle.stats.packed:
+    if plan.predicted_peak_bytes is None or bundle.stats.packed or replanner is None:
         return {}
     longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
     if not 0 < longest < recipe.training.seq_len:
         return {}
-    from lowvram.planning import predict_peak_at
-
-    at_data = predict_peak_at(recipe, plan, longest)
+    at_data = replanner.peak_at(plan, longest)
     return {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": at_data} if at_data else {}
 
 
 def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
                  prepared: bool = False, extra_metrics: dict | None = None,
-                 track_memory: bool | None = None) -> RunResult:
+                 track_memory: bool | None = None, replanner: Replanner | None = None) -> RunResult:
     """Train as the Plan says; returns the metrics also written to output_dir/metrics.json.
+
+    ``replanner`` (lowvram.planning, from the caller): the peak predicted at the data's longest
+    row; without it metrics.json has the plan's prediction only.
 
     ``prepared``: a launcher process already checked output_dir (``lowvram train --gpus N``);
     each rank only finds the checkpoint to resume from. Only rank 0 writes the run files.
@@ -256,7 +257,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         **peak,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_device": plan.device,
-        **_prediction_at_data_length(recipe, plan, bundle),
+        **_prediction_at_data_length(recipe, plan, bundle, replanner),
         "memory_history": mem_history.history,  # [[step, peak bytes since the previous log], ...]
         "processes": int(trainer.accelerator.num_processes),
         **_distribution(trainer),

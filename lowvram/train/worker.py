@@ -40,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         from lowvram.recipe import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
+        from lowvram.planning import plan_for_recipe, replanner_for
+
         if args.plan is not None:
             from lowvram.train.launch import read_plan
 
             plan = read_plan(args.plan)
         else:
-            from lowvram.planning import plan_for_recipe
-
             plan = plan_for_recipe(recipe, gpus=int(os.environ.get("WORLD_SIZE", "1")))
         import json
 
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = json.loads(os.environ.get(oom.EXTRA_METRICS_ENV) or "{}")
         reporting = os.environ.get(oom.REPORT_ENV) == "1"  # the launcher re-plans after an OOM
         try:
-            run_training(recipe, plan, resume=args.resume, prepared=True, extra_metrics=extra or None)
+            run_training(recipe, plan, resume=args.resume, prepared=True, extra_metrics=extra or None,
+                         replanner=replanner_for(recipe))
         except oom.TrainingOOM as err:
             if not reporting:
                 raise
