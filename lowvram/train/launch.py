@@ -23,6 +23,7 @@ import yaml
 from lowvram.errors import LowvramError
 from lowvram.plan.types import Plan
 from lowvram.train.files import CONFIG, LAUNCH_LOG, LAUNCH_PLAN, write_atomic
+from lowvram.vocab import FSDP_QUANTIZATIONS
 
 # plan.offload -> (backend, ZeRO stage, offload optimizer, offload params)
 BACKENDS: dict[str, tuple[str, int, bool, bool]] = {
@@ -83,7 +84,7 @@ def backend_for(plan: Plan) -> str:
 def accelerate_config(plan: Plan, spec: LaunchSpec, layer_cls: str | None = None) -> dict:
     """The accelerate config for this plan (a dict written as YAML)."""
     backend, stage, off_opt, off_params = BACKENDS[plan.offload]
-    if backend == "fsdp" and plan.quantization not in ("none", "nf4", "nf4-dq", "fp4"):
+    if backend == "fsdp" and plan.quantization not in FSDP_QUANTIZATIONS:
         raise LowvramError(
             f"FSDP cannot shard a {plan.quantization} base",
             "use quantization nf4/nf4-dq with FSDP (peft's QLoRA + FSDP), or offload: zero3",

@@ -31,6 +31,7 @@ from lowvram.train.files import OOM_REPORT
 from lowvram.train.oom import EXTRA_METRICS_ENV, REPORT_ENV, TrainingOOM, collect_oom_reports
 from lowvram.train.signals import TrainingInterrupted
 from lowvram.train.types import Replanner
+from lowvram.units import shell_line
 
 DEFAULT_MAX_RETRIES = 3
 
@@ -79,7 +80,7 @@ def resume_command(recipe_path, overrides=(), vram: str | None = None) -> str:
         args += ["--set", item]
     if vram:
         args += ["--vram", vram]
-    return shlex.join(args)
+    return shell_line(args)
 
 
 # --------------------------------------------------------------------------------------------
