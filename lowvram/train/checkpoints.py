@@ -16,7 +16,13 @@ import sys
 from pathlib import Path
 
 from lowvram.errors import LowvramError
-from lowvram.train.files import CHECKPOINT, MARKER, file_sha256, write_atomic
+from lowvram.train.files import (
+    CHECKPOINT_GLOB,
+    MARKER,
+    checkpoint_number,
+    file_sha256,
+    write_atomic,
+)
 
 
 def mark_complete(folder: Path) -> None:
@@ -54,10 +60,10 @@ def complete_checkpoints(out: Path) -> list[Path]:
     Where lowvram marks checkpoints (any folder has a marker), an unmarked one is partial: the
     process died while writing it. Elsewhere the Trainer's own files are checked."""
     found = []
-    for p in out.glob("checkpoint-*") if out.is_dir() else ():
-        m = CHECKPOINT.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
+    for p in out.glob(CHECKPOINT_GLOB) if out.is_dir() else ():
+        n = checkpoint_number(p)
+        if n is not None and p.is_dir():
+            found.append((n, p))
     marked = any((p / MARKER).exists() for _, p in found)
     ok = _marker_matches if marked else _looks_complete
     return [p for _, p in sorted(found) if ok(p)]
@@ -66,9 +72,9 @@ def complete_checkpoints(out: Path) -> list[Path]:
 def partial_checkpoints(out: Path) -> list[Path]:
     """Checkpoint folders newer than the last complete one (being written when it failed)."""
     complete = complete_checkpoints(out)
-    last = int(complete[-1].name.rpartition("-")[2]) if complete else -1
-    return [p for p in out.glob("checkpoint-*")
-            if CHECKPOINT.match(p.name) and p.is_dir() and int(p.name.rpartition("-")[2]) > last]
+    last = checkpoint_number(complete[-1]) if complete else -1
+    return [p for p in out.glob(CHECKPOINT_GLOB)
+            if (n := checkpoint_number(p)) is not None and p.is_dir() and n > last]
 
 
 def content_problem(folder: Path) -> str | None:
@@ -92,7 +98,7 @@ def content_problem(folder: Path) -> str | None:
 def resume_checkpoint(out: Path, notify=None) -> Path:
     """The newest complete checkpoint whose content is intact; LowvramError when there is none."""
     notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
-    folders = sorted((p for p in out.glob("checkpoint-*") if p.is_dir()), key=_step) if out.is_dir() else []
+    folders = sorted((p for p in out.glob(CHECKPOINT_GLOB) if p.is_dir()), key=_step) if out.is_dir() else []
     complete = complete_checkpoints(out)
     skipped = [f"{p.name} (incomplete: written when the process stopped)" for p in folders
                if p not in complete and complete and _step(p) > _step(complete[-1])]

@@ -17,7 +17,9 @@ PLAN = "plan.json"
 RECIPE = "recipe.yaml"
 MANIFEST = "lowvram-run.json"  # every path the run writes (manifest.py)
 MARKER = "lowvram-checkpoint.json"  # in a checkpoint folder: it is whole (checkpoints.py)
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's checkpoint folders
+# The Trainer's checkpoint folders (transformers' PREFIX_CHECKPOINT_DIR + "-" + the global step).
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_GLOB = "checkpoint-*"
 
 # Written by `lowvram train --gpus N` before the run starts (launch.py): not a sign of an earlier run.
 CONFIG = "accelerate_config.yaml"
@@ -54,6 +56,11 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def checkpoint_folder(step: int) -> str:
+    """The name of the Trainer's checkpoint folder for ``step``."""
+    return f"checkpoint-{step}"
 
 
 def checkpoint_number(p: Path) -> int | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError, UsageError
 from lowvram.train import manifest
-from lowvram.train.files import CHECKPOINT, LAUNCH_FILES, MARKER, METRICS
+from lowvram.train.files import CHECKPOINT_GLOB, LAUNCH_FILES, MARKER, METRICS, checkpoint_number
 
 
 def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe=None, plan=None,
@@ -80,7 +80,7 @@ def _unmark_newer(out: Path, checkpoint: Path) -> None:
     """Checkpoints after the one resumed from (skipped as corrupt or partial) are written again by
     the resumed run; until then they are not complete (a crash while rewriting one must not
     leave its old marker claiming it whole)."""
-    step = int(checkpoint.name.rpartition("-")[2])
-    for p in out.glob("checkpoint-*"):
-        if CHECKPOINT.match(p.name) and int(p.name.rpartition("-")[2]) > step:
+    step = checkpoint_number(checkpoint)
+    for p in out.glob(CHECKPOINT_GLOB):
+        if (n := checkpoint_number(p)) is not None and n > step:
             (p / MARKER).unlink(missing_ok=True)

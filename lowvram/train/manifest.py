@@ -18,6 +18,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.train.files import (
+    CHECKPOINT_GLOB,
     LAUNCH_FILES,
     MANIFEST,
     MARKER,
@@ -36,7 +37,7 @@ _LEGACY_FILES = (
     "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
     "added_tokens.json",
 )
-_LEGACY_GLOBS = ("model-*.safetensors", "rank-*.json", "checkpoint-*")
+_LEGACY_GLOBS = ("model-*.safetensors", "rank-*.json", CHECKPOINT_GLOB)
 
 
 def read(out: Path) -> dict | None:

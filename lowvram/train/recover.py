@@ -27,7 +27,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.train.checkpoints import complete_checkpoints, partial_checkpoints
-from lowvram.train.files import OOM_REPORT
+from lowvram.train.files import CHECKPOINT_GLOB, OOM_REPORT
 from lowvram.train.oom import EXTRA_METRICS_ENV, REPORT_ENV, TrainingOOM, collect_oom_reports
 from lowvram.train.signals import TrainingInterrupted
 from lowvram.train.types import Replanner
@@ -251,7 +251,7 @@ def _next_attempt(replanner: Replanner | None, err: TrainingOOM, plan, retries: 
         raise _final_failure(err, retries, why)
     ckpts = complete_checkpoints(out)
     if ckpts and not _carries_over(plan, new):
-        for p in out.glob("checkpoint-*"):  # written for another optimizer/weights/engine: start over
+        for p in out.glob(CHECKPOINT_GLOB):  # written for another optimizer/weights/engine: start over
             shutil.rmtree(p, ignore_errors=True)
         ckpts = []
     return new, ckpts

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lowvram.errors import EXIT_SIGINT, EXIT_SIGTERM, LowvramError
+from lowvram.train.files import checkpoint_folder
 
 
 class TrainingInterrupted(LowvramError):
@@ -71,7 +72,7 @@ def make_callbacks(stop: SignalStop) -> list:
     class MarkComplete(TrainerCallback):
         # on_save runs after the Trainer wrote the whole folder (trainer.py _maybe_log_save_evaluate).
         def on_save(self, args, state, control, **kwargs):
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            folder = Path(args.output_dir) / checkpoint_folder(state.global_step)
             if state.is_local_process_zero and folder.is_dir():
                 mark_complete(folder)
 
@@ -89,6 +90,6 @@ def make_callbacks(stop: SignalStop) -> list:
             if control.should_save and state.is_local_process_zero:
                 from lowvram.train.manifest import record
 
-                record(Path(args.output_dir), f"checkpoint-{state.global_step}")
+                record(Path(args.output_dir), checkpoint_folder(state.global_step))
 
     return [MarkComplete(), StopOnSignal(), RecordCheckpoint()]
