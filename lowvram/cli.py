@@ -113,11 +113,12 @@ def train(
         return
     require_fit(plan, recipe)
     report.show_plan_brief(r, plan)
+    from lowvram.planning import replanner_for
     from lowvram.train.recover import resume_command, train_with_recovery
 
     result = train_with_recovery(r, plan, resume=resume, overwrite=overwrite, recover=not no_recover,
                                  max_retries=max_retries, resume_cmd=resume_command(recipe, set_ or [], vram),
-                                 track_memory=not no_track_memory)
+                                 track_memory=not no_track_memory, replanner=replanner_for(r))
     report.show_train_result(result, as_json=json_)
 
 
@@ -153,6 +154,7 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
         prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, print_only=True)
         report.show_launch(r, plan, spec, prepared, print_only=True)
         return
+    from lowvram.planning import replanner_for
     from lowvram.train.lock import run_lock
     from lowvram.train.recover import launch_with_recovery
     from lowvram.train.trainer import output_dir
@@ -161,7 +163,8 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
         prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume, overwrite=overwrite)
         report.show_launch(r, plan, spec, prepared)
         rc = launch_with_recovery(r, recipe_path, overrides, plan, spec, prepared, recover=recover,
-                                  max_retries=max_retries, track_memory=track_memory)
+                                  max_retries=max_retries, track_memory=track_memory,
+                                  replanner=replanner_for(r))
     if rc != 0:
         raise typer.Exit(rc)
     if node_rank == 0:

@@ -275,11 +275,11 @@ def make_batch(setup, seed: int = 0, device: str = "cpu") -> dict:
 
 
 def autocast_dtype(setup):
-    """The dtype the Trainer's autocast uses for a setup's precision (None for fp32)."""
-    import torch
+    """The dtype the Trainer's autocast uses for a setup's precision (None for fp32; the rule is
+    train/model.py's)."""
+    from lowvram.train.model import autocast_dtype as for_precision
 
-    return {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16": torch.float16,
-            "fp16-mixed": torch.float16}.get(setup.precision)
+    return for_precision(setup.precision)
 
 
 class TrackerProbe:

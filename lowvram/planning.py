@@ -13,6 +13,8 @@ No torch here unless the hardware has to be detected (no ``--vram`` / ``LOWVRAM_
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.plan.types import Plan, dtype_precision, precisions_for_dtype
@@ -31,6 +33,9 @@ from lowvram.vocab import (
     WEIGHT_DTYPE,
     on_off,
 )
+
+if TYPE_CHECKING:
+    from lowvram.plan.choose import PlanRequest
 
 # `--method` is a shorthand for the lora and quantization techniques.
 METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, ON_VALUES["quantization"])}
@@ -341,26 +346,53 @@ def require_fit(plan: Plan, recipe_path) -> None:
     )
 
 
-def predict_peak_at(recipe: Recipe, plan: Plan, seq_len: int) -> int | None:
-    """The plan's peak if every batch were ``seq_len`` tokens long (None: model not resolvable).
+@dataclass(frozen=True)
+class Replanner:
+    """What a run asks the planner once it is under way, built here from the recipe's request and
+    handed down to train/ (which imports nothing from planning, STYLE.md): the peak at another
+    sequence length, and the next cheaper plan after an out-of-memory error. ``request`` None:
+    the model could not be read, so neither can be predicted."""
 
-    Batches are padded to their longest row, not to ``training.seq_len``: on data shorter than
-    seq_len the run peaks at the longest batch it meets, which this predicts."""
-    from lowvram.plan.memory import RunSetup, estimate_memory
+    request: PlanRequest | None = None
 
+    def peak_at(self, plan: Plan, seq_len: int) -> int | None:
+        """The plan's peak if every batch were ``seq_len`` tokens long.
+
+        Batches are padded to their longest row, not to ``training.seq_len``: on data shorter than
+        seq_len the run peaks at the longest batch it meets, which this predicts."""
+        from lowvram.plan.memory import RunSetup, estimate_memory
+
+        if self.request is None:
+            return None
+        setup = RunSetup(
+            model=self.request.model, precision=plan.mixed_precision, quantization=plan.quantization,
+            lora=plan.lora, lora_r=plan.lora_r, lora_targets=plan.lora_targets, lora_dropout=plan.lora_dropout,
+            optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,
+            attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
+            seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
+            device=plan.device,
+        )
+        return estimate_memory(setup).peak_bytes
+
+    def next_cheaper(self, plan: Plan, measured_peak_bytes: int | None) -> Plan | None:
+        """The plan to retry with after ``plan`` ran out of memory (the same request: the recipe's
+        fixed techniques stay fixed, the effective batch is kept); None when nothing is cheaper."""
+        from lowvram.plan.choose import next_cheaper
+
+        if self.request is None:
+            return None
+        req = replace(self.request, gpus=plan.gpus) if plan.gpus > 1 else self.request
+        return next_cheaper(plan, req, measured_peak_bytes)
+
+
+def replanner_for(recipe: Recipe) -> Replanner:
+    """The Replanner for a run of ``recipe`` (its request without command-line flags, as the
+    chooser's OOM re-plan has always used it)."""
     try:
         spec = recipe_model(recipe)
     except LowvramError:
-        return None
-    setup = RunSetup(
-        model=spec, precision=plan.mixed_precision, quantization=plan.quantization, lora=plan.lora,
-        lora_r=plan.lora_r, lora_targets=plan.lora_targets, lora_dropout=plan.lora_dropout,
-        optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,
-        attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
-        seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
-        device=plan.device,
-    )
-    return estimate_memory(setup).peak_bytes
+        return Replanner()
+    return Replanner(build_request(spec, recipe))
 
 
 def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:

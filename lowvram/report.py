@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from lowvram.errors import error_text
 from lowvram.units import gib, mem, percent, shell_line, sparkline
 
 
@@ -21,13 +22,9 @@ def console(stderr: bool = False):
 
 def print_error(err) -> None:
     """A LowvramError as one `error:` line (plus any further lines of its message) and one
-    `hint:` line on stderr; no traceback (the CLI, the launched workers and the demo)."""
-    lines = str(err.message).splitlines() or [""]
-    sys.stderr.write(f"error: {lines[0]}\n")
-    for extra in lines[1:]:
-        sys.stderr.write(f"{extra}\n")
-    if err.hint:
-        sys.stderr.write(f"hint: {err.hint}\n")
+    `hint:` line on stderr; no traceback (the CLI and the demo; a launched worker writes the
+    same text, errors.error_text)."""
+    sys.stderr.write(error_text(err))
     sys.stderr.flush()
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import yaml
 
 from lowvram.errors import LowvramError
+from lowvram.vocab import PLAN_KEYS
 
 MARKERS = ("recipe.yaml", "plan.json")
-TECHNIQUE_KEYS = ("mixed_precision", "gradient_checkpointing", "grad_accum", "lora", "quantization",
-                  "optimizer", "offload", "attention", "loss")
+TECHNIQUE_KEYS = PLAN_KEYS  # the techniques of an older plan.json without its "techniques"
 
 
 @dataclass(frozen=True)

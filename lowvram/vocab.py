@@ -20,11 +20,15 @@ TECHNIQUES = (
 )
 KNOBS = ("attention", "loss")
 CANONICAL = TECHNIQUES + KNOBS
+# Each as the Plan (and a run's plan.json) names its field: accumulation is the Plan's grad_accum.
+PLAN_KEYS = tuple({"gradient_accumulation": "grad_accum"}.get(n, n) for n in CANONICAL)
 
 # The values a Plan holds.
 # bf16/fp16: weights stored and trained in 16 bit; *-mixed: fp32 weights + autocast; fp32: none.
 PRECISIONS = ("bf16", "fp16", "bf16-mixed", "fp16-mixed", "fp32")
 QUANTIZATIONS = ("none", "nf4", "nf4-dq", "fp4", "int8")  # a quantized base needs LoRA
+# FSDP shards a 4-bit base stored in the compute dtype (peft's QLoRA + FSDP guide), never int8.
+FSDP_QUANTIZATIONS = ("none", "nf4", "nf4-dq", "fp4")
 # Optimizer -> the Trainer's TrainingArguments.optim (transformers OptimizerNames).
 TRAINER_OPTIMIZERS = {
     "adamw": "adamw_torch_fused",  # the step the planner models: in place, no temporaries

@@ -42,3 +42,15 @@ def quickstart_model() -> Path:
         return link_model(REPO)
     except LowvramError as e:  # the package is installed by `make install`; say so if it is not
         pytest.skip(f"quickstart model not installed: {e.message}")
+
+
+def published_cuda_context_bytes() -> int:
+    """The CUDA context the published readings give (bench/gpu_truth/cuda_context.yaml): the median
+    of the scored rows, in MiB as they are written there."""
+    import statistics
+
+    import yaml
+
+    rows = yaml.safe_load((REPO / "bench" / "gpu_truth" / "cuda_context.yaml").read_text())["rows"]
+    mib = [float(r["measured"]["context"].removesuffix(" MiB")) for r in rows if r.get("score", True)]
+    return int(statistics.median(mib) * 2**20)

@@ -336,9 +336,10 @@ def test_oom_in_a_launched_run_retries_with_a_smaller_micro_batch(tmp_path, tiny
 def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, tiny_model_dir, monkeypatch):
     """The launcher's loop on its own: workers that report an OOM at step 3 after checkpoint-2."""
     from lowvram.hardware import detect_hardware
-    from lowvram.planning import plan_for_recipe
+    from lowvram.planning import plan_for_recipe, replanner_for
     from lowvram.recipe import load_recipe
-    from lowvram.train import launch, recover
+    from lowvram.train import launch, oom, recover
+    from lowvram.train.checkpoints import mark_complete
 
     monkeypatch.chdir(tmp_path)
     recipe_path = _long_rows_recipe(tmp_path, tiny_model_dir)
@@ -357,20 +358,21 @@ def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, ti
             ckpt = out / "checkpoint-2"
             ckpt.mkdir()
             (ckpt / "trainer_state.json").write_text("{}")
-            recover.mark_complete(ckpt)
+            mark_complete(ckpt)
             for rank in (0, 1):
-                recover.write_oom_report(out, rank, recover.TrainingOOM(3, 2_400_000 + rank, plan, "emulated"))
+                oom.write_oom_report(out, rank, oom.TrainingOOM(3, 2_400_000 + rank, plan, "emulated"))
             return 1
         return 0
 
     monkeypatch.setattr(launch, "run_launch", fake_run_launch)
     said = []
-    assert recover.launch_with_recovery(r, recipe_path, [], plan, spec, first, notify=said.append) == 0
+    assert recover.launch_with_recovery(r, recipe_path, [], plan, spec, first, notify=said.append,
+                                         replanner=replanner_for(r)) == 0
     assert said == ["OOM at step 3 (measured 2.3 MiB); retrying with micro-batch 1 x 2; resuming from "
                     "checkpoint-2 (retry 1 of 3)"]
     assert "--resume" not in calls[0][0] and "--resume" in calls[1][0]
-    assert json.loads(calls[0][1][recover.EXTRA_METRICS_ENV]) == {"oom_retries": []}
-    extra = json.loads(calls[1][1][recover.EXTRA_METRICS_ENV])
+    assert json.loads(calls[0][1][oom.EXTRA_METRICS_ENV]) == {"oom_retries": []}
+    extra = json.loads(calls[1][1][oom.EXTRA_METRICS_ENV])
     assert extra["oom_retries"][0]["measured_peak_bytes"] == 2_400_001  # the highest rank's
     assert extra["final_plan"]["micro_batch_size"] == 1
     assert json.loads((tmp_path / "out" / "launch-plan.json").read_text())["micro_batch_size"] == 1
@@ -382,19 +384,19 @@ def test_a_rank_stopped_after_anothers_oom_stays_quiet(tmp_path, tiny_model_dir,
     "interrupted" error (the launcher's retry line says what happened); without a report it does."""
     import signal
 
-    from lowvram.train import recover, run, worker
+    from lowvram.train import oom, run, signals, worker
 
     monkeypatch.chdir(tmp_path)
     recipe = write_recipe(tmp_path, tiny_model_dir)
 
     def stopped(*args, **kwargs):
-        raise recover.TrainingInterrupted(signal.SIGTERM, 0, None)
+        raise signals.TrainingInterrupted(signal.SIGTERM, 0, None)
 
     monkeypatch.setattr(run, "run_training", stopped)
-    monkeypatch.setenv(recover.REPORT_ENV, "1")
+    monkeypatch.setenv(oom.REPORT_ENV, "1")
     assert worker.main([str(recipe)]) == 143
     assert "interrupted" in capsys.readouterr().err  # no OOM report: a real interruption
-    recover.write_oom_report(tmp_path / "out", 1, recover.TrainingOOM(1, 100, _FakePlan(), "emulated"))
+    oom.write_oom_report(tmp_path / "out", 1, oom.TrainingOOM(1, 100, _FakePlan(), "emulated"))
     assert worker.main([str(recipe)]) == 143
     assert capsys.readouterr().err == ""
 

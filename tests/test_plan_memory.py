@@ -18,6 +18,7 @@ from lowvram.plan.memory import (
     weight_bytes,
 )
 from lowvram.plan.models import count_parameters, resolve_model
+from tests.conftest import published_cuda_context_bytes
 
 LLAMA7 = resolve_model("llama-2-7b")
 P7 = 6_738_415_616
@@ -40,11 +41,16 @@ def test_nf4_bytes_of_one_matrix():
     assert quantized_bytes(4096 * 4096, "int8", 4096) == 4096 * 4096 + 4 * 4096
 
 
-def test_qlora_weights_keep_embeddings_in_fp32():
+def test_qlora_weights_unquantized_rest_at_load_dtype_or_fp32_after_kbit_prepare():
     s = RunSetup(LLAMA7, lora=True, quantization="nf4-dq", lora_targets=("q_proj", "v_proj"), lora_r=8)
-    # embed + lm_head (2 x 32000 x 4096) and norms stay unquantized; kbit prep casts them to fp32
+    # Each layer: q, k, v, o (4096 x 4096), gate and up (4096 -> 11008), down (11008 -> 4096).
+    q = 32 * (4 * quantized_bytes(4096 * 4096, "nf4-dq", 4096) + 2 * quantized_bytes(4096 * 11008, "nf4-dq", 11008)
+              + quantized_bytes(11008 * 4096, "nf4-dq", 4096))
+    # embed + lm_head (2 x 32000 x 4096) and norms stay unquantized: bf16 as loaded (lowvram's
+    # QLoRA), fp32 after peft's prepare_model_for_kbit_training; the r8 q,v adapters in fp32.
     rest = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096
-    assert weight_bytes(s) - 4 * 4_194_304 > 4 * rest
+    assert weight_bytes(s) == q + 2 * rest + 4 * 4_194_304
+    assert weight_bytes(RunSetup(**{**s.__dict__, "kbit_prepare": True})) == q + 4 * rest + 4 * 4_194_304
     assert weight_bytes(s) < weight_bytes(RunSetup(LLAMA7, lora=True, quantization="nf4"))
 
 
@@ -69,7 +75,7 @@ def test_breakdown_keys_sum_and_cuda_overheads():
         est = estimate_memory(RunSetup(LLAMA7, **kw))
         assert tuple(est.breakdown) == BREAKDOWN_KEYS
         assert sum(est.breakdown.values()) == est.peak_bytes
-        assert est.breakdown["cuda_context"] == cuda_overheads().context_bytes
+        assert est.breakdown["cuda_context"] == published_cuda_context_bytes() == 300 * 2**20
     assert not cuda_overheads().calibrated
 
 

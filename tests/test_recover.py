@@ -12,7 +12,7 @@ from test_train_e2e import metrics, train, write_recipe
 
 from lowvram.plan.choose import Budget, PlanRequest, choose_plan, next_cheaper
 from lowvram.plan.models import resolve_model
-from lowvram.train import recover
+from lowvram.train import oom, recover, signals
 
 # Live tensor bytes of the tiny LoRA run (seq_len 64, batch 4), measured on CPU: micro-batch 4 peaks
 # at 4,069,452 bytes, micro-batch 2 x 2 at 2,483,836. A 3.5 MiB card holds only the second.
@@ -70,14 +70,14 @@ def test_next_cheaper_respects_fixed_settings():
 def test_oom_errors_are_recognised():
     import torch
 
-    assert recover.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert recover.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
-    assert recover.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
-    assert not recover.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not recover.is_oom(ValueError("CUDA out of memory"))
-    assert recover.requested_bytes("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has") == 2 * 2**30
-    assert recover.requested_bytes("Tried to allocate 20.50 MiB") == int(20.5 * 2**20)
-    assert recover.requested_bytes("emulated card of 10 bytes") == 0
+    assert oom.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert oom.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert oom.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert not oom.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not oom.is_oom(ValueError("CUDA out of memory"))
+    assert oom.requested_bytes("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has") == 2 * 2**30
+    assert oom.requested_bytes("Tried to allocate 20.50 MiB") == int(20.5 * 2**20)
+    assert oom.requested_bytes("emulated card of 10 bytes") == 0
 
 
 def test_describe_change():
@@ -101,7 +101,7 @@ def reference(tmp_path_factory, tiny_model_dir):
 
 
 def test_oom_on_emulated_card_retries_with_a_smaller_micro_batch(tmp_path, tiny_model_dir, monkeypatch, reference):
-    monkeypatch.setenv(recover.EMULATE_ENV, CARD)
+    monkeypatch.setenv(oom.EMULATE_ENV, CARD)
     recipe = write_recipe(tmp_path, tiny_model_dir, steps=4, save_steps=2)
     result = train(str(recipe))
     assert result.exit_code == 0, result.output
@@ -128,8 +128,8 @@ def test_oom_after_a_checkpoint_resumes_from_it(tmp_path, tiny_model_dir, monkey
             if state.global_step == 2 and args.per_device_train_batch_size == 4:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    make = recover.make_callbacks
-    monkeypatch.setattr(recover, "make_callbacks", lambda stop: [*make(stop), OomInStep3()])
+    make = signals.make_callbacks
+    monkeypatch.setattr(signals, "make_callbacks", lambda stop: [*make(stop), OomInStep3()])
     recipe = write_recipe(tmp_path, tiny_model_dir, steps=4, save_steps=2)
     result = train(str(recipe))
     assert result.exit_code == 0, result.output
@@ -141,7 +141,7 @@ def test_oom_after_a_checkpoint_resumes_from_it(tmp_path, tiny_model_dir, monkey
 
 
 def test_no_recover_and_exhausted_retries_fail_clearly(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setenv(recover.EMULATE_ENV, CARD)
+    monkeypatch.setenv(oom.EMULATE_ENV, CARD)
     recipe = write_recipe(tmp_path, tiny_model_dir, steps=2)
     off = train(str(recipe), "--no-recover")
     assert off.exit_code == 1
@@ -153,7 +153,7 @@ def test_no_recover_and_exhausted_retries_fail_clearly(tmp_path, tiny_model_dir,
     capped = train(str(recipe), "--max-retries", "0", "--overwrite")
     assert capped.exit_code == 1 and "hint: --max-retries 0 reached" in capped.output
 
-    monkeypatch.setenv(recover.EMULATE_ENV, "1MiB")  # about the weights and optimizer state alone
+    monkeypatch.setenv(oom.EMULATE_ENV, "1MiB")  # about the weights and optimizer state alone
     tiny = train(str(recipe), "--overwrite")
     assert tiny.exit_code == 1 and "Traceback" not in tiny.output
     assert "hint: no cheaper plan keeps the effective batch and the recipe's fixed settings" in tiny.output

@@ -18,15 +18,19 @@ from pathlib import Path
 import pytest
 from test_train_e2e import metrics, train, write_recipe
 
-from lowvram.train import recover
-from lowvram.train.run import checkpoints, prepare_output_dir, write_atomic
+from lowvram.errors import LowvramError
+from lowvram.train.checkpoints import complete_checkpoints as checkpoints
+from lowvram.train.checkpoints import mark_complete
+from lowvram.train.files import MARKER, write_atomic
+from lowvram.train.folder import prepare_output_dir
+from lowvram.train.oom import EMULATE_ENV
 
 SECRETS = {"HF_TOKEN": "secret-hf-xyz", "WANDB_API_KEY": "secret-wandb-xyz", "MY_SERVICE_SECRET": "secret-svc-xyz"}
 
 
 def _env(**extra) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", **extra}
-    env.pop(recover.EMULATE_ENV, None)
+    env.pop(EMULATE_ENV, None)
     return env
 
 
@@ -98,7 +102,7 @@ def _checkpoint(out: Path, step: int, marked: bool = True) -> Path:
     (d / "optimizer.pt").write_bytes(b"o" * 50)
     (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     if marked:
-        recover.mark_complete(d)
+        mark_complete(d)
     return d
 
 
@@ -111,8 +115,8 @@ def test_partial_checkpoints_are_never_resumed_from(tmp_path):
     (out / "checkpoint-8").mkdir()  # died at once
     assert [p.name for p in checkpoints(out)] == ["checkpoint-2"]
     assert prepare_output_dir(out, resume=True, overwrite=False).name == "checkpoint-2"
-    (out / "checkpoint-2" / recover.MARKER).write_text('{"files": {"optimizer.pt"')  # a torn marker
-    with pytest.raises(recover.LowvramError, match="no checkpoint to resume from"):
+    (out / "checkpoint-2" / MARKER).write_text('{"files": {"optimizer.pt"')  # a torn marker
+    with pytest.raises(LowvramError, match="no checkpoint to resume from"):
         prepare_output_dir(out, resume=True, overwrite=False)
 
 

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from lowvram.cli import app
 from lowvram.train import lock, manifest
-from lowvram.train.run import checkpoints
+from lowvram.train.checkpoints import complete_checkpoints as checkpoints
 
 # --------------------------------------------------------------------------------------------
 # 1. --overwrite deletes only what a run wrote
@@ -361,7 +361,7 @@ def test_show_gives_the_resume_command_of_an_interrupted_run(tmp_path):
 
 
 def test_a_run_from_before_manifests_is_overwritten_by_its_known_files_only(tmp_path):
-    from lowvram.train.run import prepare_output_dir
+    from lowvram.train.folder import prepare_output_dir
 
     out = tmp_path / "out"
     (out / "checkpoint-2").mkdir(parents=True)

@@ -170,11 +170,10 @@ def _config(setup: RunSetup, config):
 
 def _build_model(setup: RunSetup, config, mode):
     """The model of ``setup`` with fake tensors, prepared as lowvram.measure.build_model does."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from lowvram.measure import setup_plan
-    from lowvram.train.model import load_kwargs, prepare_model
+    from lowvram.train.model import load_kwargs, precision_compute_dtype, prepare_model
 
     plan = setup_plan(setup)
     dtype = load_kwargs(plan)["dtype"]
@@ -189,8 +188,7 @@ def _build_model(setup: RunSetup, config, mode):
             raise LowvramError(f"transformers cannot build this config: {str(e)[:200]}",
                                hint) from None
         if setup.quantization != "none":
-            compute = torch.bfloat16 if setup.precision != "fp32" else torch.float32
-            _quantize_4bit(model, setup, dtype, compute)
+            _quantize_4bit(model, setup, dtype, precision_compute_dtype(setup.precision))
         model = prepare_model(model, plan)  # what lowvram train does after loading
     return model
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field, replace
 from lowvram.errors import LowvramError
 from lowvram.plan import memory
 from lowvram.plan import techniques as tq
+from lowvram.plan.explain import Estimator, technique_reasons
 from lowvram.plan.memory import MemoryEstimate, RunSetup, estimate_memory
 from lowvram.plan.models import ModelSpec, catalog_names, count_parameters, resolve_model
 from lowvram.plan.types import Plan, dtype_precision
-from lowvram.units import gib, mem, percent
+from lowvram.units import gib, mem
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
 # on the card, fragmentation spikes, the first-step warm-up). 5% of the card, at least 256 MiB.
@@ -38,13 +39,10 @@ MIN_MARGIN_BYTES = 256 * 2**20
 # the same memory (ZeRO-3 = FSDP full shard, 16P/N) and it needs nothing beyond torch.
 TIER_SHARD = tq.TIER_CHECKPOINTING + 0.5
 SHARDED = ("zero2", "zero3", "fsdp")
-SHARDED_OFFLOAD = ("zero2-offload", "zero3-offload", "fsdp-offload")
 MULTI_GPU_OFFLOADS = ["none", "fsdp", "fsdp-offload"]
 
 # Longest micro-batch the max_micro_batch_size search tries.
 _MAX_MICRO_BATCH = 4096
-
-Estimator = Callable[[RunSetup], MemoryEstimate]
 
 
 def safety_margin_bytes(vram_bytes: int) -> int:
@@ -374,7 +372,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     if req.seq_len > req.model.max_position_embeddings:
         notes.append(f"seq_len {req.seq_len} is longer than the model's max_position_embeddings "
                      f"{req.model.max_position_embeddings}")
-    reasons = _reasons(chosen, req, budget, estimate)
+    reasons = technique_reasons(chosen, req, budget, estimate, _largest_micro(req))
     plan = _to_plan(chosen, req, budget, reasons)
     return Choice(
         plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,
@@ -665,162 +663,6 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
                           _fits(new, budget) and memory.unmodelled(s) is None))
         est = new
     return tuple(rungs)
-
-
-# --------------------------------------------------------------------------------------------
-# Reasons: one line per technique, with the numbers behind it
-
-
-_COMPONENTS = {
-    "weights": memory.weight_bytes, "gradients": memory.gradient_bytes,
-    "optimizer": memory.optimizer_bytes, "activations": memory.activation_bytes,
-    "logits": memory.logits_bytes,
-}
-
-
-def _reasons(c: Candidate, req: PlanRequest, budget: Budget, estimate: Estimator) -> dict[str, str]:
-    s = c.setup
-    r: dict[str, str] = {}
-    limit = budget.usable_bytes
-
-    def without(component: str | tuple, what: str = "without it the peak", **change) -> str:
-        changed = replace(s, **change)
-        other = estimate(changed)
-        comps = (component,) if isinstance(component, str) else component
-        if s.offload == "none" and changed.offload == "none":
-            # Component sizes, not their share at the peak moment (which may be another phase).
-            was = sum(_COMPONENTS[k](changed) for k in comps)
-            now = sum(_COMPONENTS[k](s) for k in comps)
-        else:  # offload moves components off the GPU: what stays there is in the breakdown
-            was = sum(other.breakdown[k] for k in comps)
-            now = sum(c.estimate.breakdown[k] for k in comps)
-        name = "+".join(comps)
-        verdict = ">" if other.peak_bytes > limit else "<="
-        return (f"{what} would be {gib(other.peak_bytes)} {verdict} budget {gib(limit)} "
-                f"({name} {gib(was)} -> {gib(now)})")
-
-    def fixed(name: str) -> str | None:
-        src = req.sources.get(name)
-        return f"set by {src}" if src else None
-
-    # mixed precision
-    if req.fixed("mixed_precision"):
-        r["mixed_precision"] = fixed("mixed_precision") or "set"
-        if s.precision == "fp32" and budget.device != "cpu":
-            r["mixed_precision"] += "; fp32 on a GPU: 4 bytes/weight and no tensor cores (~2.5x slower)"
-    elif budget.device == "cpu":
-        r["mixed_precision"] = "fp32: CPU run (bf16 on CPU is slower here); mixed precision applies on a GPU"
-    elif s.precision == "bf16":
-        how = "the card supports bf16" if budget.bf16_known else "bf16 assumed (budget from --vram/LOWVRAM_VRAM: the card is not queried; pass --precision fp16-mixed for cards before Ampere)"
-        r["mixed_precision"] = f"bf16: {how}; 2 bytes/weight instead of 4, no speed cost"
-    else:
-        r["mixed_precision"] = "fp16-mixed: the card has no bf16; fp16 autocast, fp32 master weights, loss scaling"
-
-    # attention
-    r["attention"] = fixed("attention") or "sdpa: never stores the s x s attention matrix; fastest kernel in torch"
-    if s.attention == "eager":
-        r["attention"] += "; eager keeps b x a x s x s scores (upcast to fp32)"
-
-    # loss
-    if req.fixed("loss"):
-        r["loss"] = fixed("loss") or "set"
-    elif s.loss == "chunked":
-        r["loss"] = f"chunked: {without('logits', loss='standard')}; {percent(tq.CHUNKED_LOSS.slowdown)}"
-    else:
-        r["loss"] = f"standard: fits without chunking (logits {gib(c.estimate.breakdown['logits'])})"
-
-    # micro-batch and accumulation
-    largest = _largest_micro(req)
-    batch = f"micro-batch {s.micro_batch_size} x {s.grad_accum} steps x {s.gpus} GPU(s) = batch {req.batch_size}"
-    if req.fixed("grad_accum") or req.fixed("micro_batch_size"):
-        src = fixed("grad_accum") or fixed("micro_batch_size") or "set"
-        r["gradient_accumulation"] = f"{batch}; {src}"
-    elif s.micro_batch_size == largest:
-        r["gradient_accumulation"] = f"{batch}: the whole batch fits in one pass"
-    else:
-        bigger = min(d for d in range(s.micro_batch_size + 1, largest + 1) if largest % d == 0)
-        other = estimate(replace(s, micro_batch_size=bigger, grad_accum=largest // bigger))
-        r["gradient_accumulation"] = (
-            f"{batch}: micro-batch {bigger} would peak at {gib(other.peak_bytes)} "
-            f"{'>' if other.peak_bytes > limit else '<='} budget {gib(limit)}; "
-            f"{percent(tq.micro_batch_slowdown(s.micro_batch_size, s.seq_len, largest))}")
-
-    # gradient checkpointing
-    if req.fixed("gradient_checkpointing"):
-        r["gradient_checkpointing"] = fixed("gradient_checkpointing") or "set"
-    elif s.gradient_checkpointing:
-        r["gradient_checkpointing"] = (f"on: {without('activations', gradient_checkpointing=False)}; "
-                                       f"{percent(tq.GRADIENT_CHECKPOINTING.slowdown)}")
-    else:
-        r["gradient_checkpointing"] = f"off: activations {gib(c.estimate.breakdown['activations'])} fit; recomputing would cost {percent(tq.GRADIENT_CHECKPOINTING.slowdown)}"
-
-    # optimizer
-    if req.fixed("optimizer"):
-        r["optimizer"] = fixed("optimizer") or "set"
-    elif s.optimizer != "adamw":
-        r["optimizer"] = f"{s.optimizer}: {without('optimizer', optimizer='adamw')}; {percent(tq.OPTIMIZER_8BIT.slowdown)}"
-    elif s.offload in memory.DEEPSPEED_CPU_OPTIMIZER:
-        r["optimizer"] = (f"adamw: offload {s.offload} runs DeepSpeed's CPU Adam, its fp32 state and "
-                          "master weights in CPU RAM (16 bytes per trained parameter)")
-    else:
-        r["optimizer"] = f"adamw: optimizer state {gib(c.estimate.breakdown['optimizer'])} fits"
-
-    # LoRA
-    trained = f"{c.estimate.trainable_parameters / 1e6:,.1f}M of {c.estimate.parameters / 1e6:,.1f}M params trained"
-    if req.fixed("lora"):
-        r["lora"] = f"{fixed('lora') or 'set'}; {trained}"
-    elif s.lora:
-        r["lora"] = (f"on (r={s.lora_r}, {','.join(s.lora_targets)}): "
-                     f"{without(('weights', 'gradients', 'optimizer'), 'full fine-tuning', lora=False, quantization='none')}; {trained}")
-    else:
-        r["lora"] = f"off: full fine-tuning fits ({trained})"
-
-    # quantization
-    if req.fixed("quantization"):
-        r["quantization"] = fixed("quantization") or "set"
-    elif s.quantization != "none":
-        r["quantization"] = (f"{s.quantization}: {without('weights', f'a {s.precision} base', quantization='none')}; "
-                             f"{percent(tq.QUANTIZATION_4BIT.slowdown)}")
-    else:
-        r["quantization"] = f"none: {s.precision} base weights {gib(c.estimate.breakdown['weights'])} fit"
-
-    # offload
-    if req.fixed("offload"):
-        r["offload"] = fixed("offload") or "set"
-    elif s.gpus > 1 and s.offload in SHARDED + SHARDED_OFFLOAD:
-        r["offload"] = _shard_reason(c, estimate, limit)
-    elif s.offload != "none":
-        r["offload"] = (f"{s.offload}: {without(('weights', 'optimizer'), offload='none')}; "
-                        f"{percent(tq.OFFLOAD_SLOWDOWN[s.offload])}; needs {gib(c.estimate.cpu_ram_bytes)} CPU RAM")
-    else:
-        r["offload"] = "none: everything stays on the GPU" if budget.device != "cpu" else "none: CPU run"
-        if s.gpus > 1:
-            r["offload"] = (f"none (DDP): each of {s.gpus} {'processes' if budget.device == 'cpu' else 'GPUs'} "
-                            f"holds a full copy; peak {gib(c.peak_bytes)} per "
-                            f"{'process' if budget.device == 'cpu' else 'GPU'} fits")
-    return r
-
-
-def _shard_reason(c: Candidate, estimate: Estimator, limit: int) -> str:
-    """Why the model states are sharded (and offloaded): the per-GPU peak one step cheaper."""
-    s = c.setup
-    cheaper = {"fsdp": "none", "zero3": "none", "zero2": "none", "fsdp-offload": "fsdp",
-               "zero3-offload": "zero3", "zero2-offload": "zero2"}[s.offload]
-    other = estimate(replace(s, offload=cheaper))
-    what = "DDP (a full copy per GPU)" if cheaper == "none" else f"{cheaper} without CPU offload"
-    verdict = ">" if other.peak_bytes > limit else "<="
-    how = {"fsdp": "FSDP2 full shard: weights, gradients and optimizer state split over",
-           "zero3": "DeepSpeed ZeRO-3: weights, gradients and optimizer state split over",
-           "zero2": "DeepSpeed ZeRO-2: gradients and optimizer state split over"}
-    base = s.offload.removesuffix("-offload")
-    text = (f"{s.offload}: {how[base]} {s.gpus} GPUs, {gib(c.peak_bytes)} per GPU; "
-            f"{what} would peak at {gib(other.peak_bytes)} {verdict} budget {gib(limit)}; "
-            f"{percent(tq.OFFLOAD_SLOWDOWN[s.offload])}")
-    if s.offload in SHARDED_OFFLOAD:
-        text += f"; needs {gib(c.estimate.cpu_ram_bytes)} CPU RAM per GPU process"
-    if base == "fsdp":
-        text += "; needs nothing beyond torch (zero3 would need deepspeed)"
-    return text
 
 
 __all__ = [

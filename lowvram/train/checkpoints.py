@@ -1,7 +1,9 @@
-"""Which checkpoint `--resume` continues from, checked by content.
+"""Complete checkpoints, and which one `--resume` continues from, checked by content.
 
-recover.py marks a checkpoint complete with ``lowvram-checkpoint.json``: each file's size and
-sha256. The sizes are checked wherever checkpoints are listed (cheap); the hashes only here, when a
+The Trainer writes a checkpoint folder file by file; a process killed half-way leaves a folder
+that looks like a checkpoint. :func:`mark_complete` (from the run's ``on_save`` callback,
+signals.py) writes ``lowvram-checkpoint.json`` after the Trainer's last file, atomically: each
+file's size and sha256; only folders whose marker matches their files are resumed from. The sizes are checked wherever checkpoints are listed (cheap); the hashes only here, when a
 run resumes: the newest checkpoint whose files hash as recorded is taken, and each newer one that
 does not is named with the reason (a file changed on disk after it was written: a bad disk, a
 copy that went wrong, an editor). No torch here.
@@ -14,14 +16,70 @@ import sys
 from pathlib import Path
 
 from lowvram.errors import LowvramError
+from lowvram.train.files import (
+    CHECKPOINT_GLOB,
+    MARKER,
+    checkpoint_number,
+    file_sha256,
+    write_atomic,
+)
+
+
+def mark_complete(folder: Path) -> None:
+    """Write the marker listing every file of a checkpoint that is now whole, with its size and
+    sha256 (read back while the file is still in the page cache; called last)."""
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.startswith(".")]
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in paths}
+    sums = {str(p.relative_to(folder)): file_sha256(p) for p in paths}
+    write_atomic(folder / MARKER, json.dumps({"files": files, "sha256": sums}, indent=1) + "\n")
+
+
+def _marker_matches(folder: Path) -> bool:
+    try:
+        files = json.loads((folder / MARKER).read_text())["files"]
+        return bool(files) and all((folder / n).is_file() and (folder / n).stat().st_size == size
+                                   for n, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _looks_complete(folder: Path) -> bool:
+    """A checkpoint lowvram did not mark (another tool, an older lowvram): the Trainer writes
+    trainer_state.json last, so it must parse, next to some model weights."""
+    try:
+        json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(p.stat().st_size > 0 for pat in ("*.safetensors", "*.bin", "pytorch_model_fsdp_*")
+               for p in folder.glob(pat))
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """Checkpoint folders that can be resumed from, oldest first.
+
+    Where lowvram marks checkpoints (any folder has a marker), an unmarked one is partial: the
+    process died while writing it. Elsewhere the Trainer's own files are checked."""
+    found = []
+    for p in out.glob(CHECKPOINT_GLOB) if out.is_dir() else ():
+        n = checkpoint_number(p)
+        if n is not None and p.is_dir():
+            found.append((n, p))
+    marked = any((p / MARKER).exists() for _, p in found)
+    ok = _marker_matches if marked else _looks_complete
+    return [p for _, p in sorted(found) if ok(p)]
+
+
+def partial_checkpoints(out: Path) -> list[Path]:
+    """Checkpoint folders newer than the last complete one (being written when it failed)."""
+    complete = complete_checkpoints(out)
+    last = checkpoint_number(complete[-1]) if complete else -1
+    return [p for p in out.glob(CHECKPOINT_GLOB)
+            if (n := checkpoint_number(p)) is not None and p.is_dir() and n > last]
 
 
 def content_problem(folder: Path) -> str | None:
     """Why ``folder`` cannot be resumed from by content, or None (markers without hashes, from
     an older lowvram or another tool, pass: their sizes were checked)."""
-    from lowvram.train.manifest import file_sha256
-    from lowvram.train.recover import MARKER
-
     try:
         sums = json.loads((folder / MARKER).read_text()).get("sha256") or {}
     except (OSError, ValueError, AttributeError):
@@ -39,10 +97,8 @@ def content_problem(folder: Path) -> str | None:
 
 def resume_checkpoint(out: Path, notify=None) -> Path:
     """The newest complete checkpoint whose content is intact; LowvramError when there is none."""
-    from lowvram.train.recover import complete_checkpoints
-
     notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
-    folders = sorted((p for p in out.glob("checkpoint-*") if p.is_dir()), key=_step) if out.is_dir() else []
+    folders = sorted((p for p in out.glob(CHECKPOINT_GLOB) if p.is_dir()), key=_step) if out.is_dir() else []
     complete = complete_checkpoints(out)
     skipped = [f"{p.name} (incomplete: written when the process stopped)" for p in folders
                if p not in complete and complete and _step(p) > _step(complete[-1])]

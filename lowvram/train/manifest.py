@@ -12,23 +12,32 @@ manifests existed) is not a lowvram run and is never deleted. No torch here.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 from lowvram.errors import LowvramError
+from lowvram.train.files import (
+    CHECKPOINT_GLOB,
+    LAUNCH_FILES,
+    MANIFEST,
+    MARKER,
+    METRICS,
+    PLAN,
+    RECIPE,
+    file_sha256,
+    write_atomic,
+)
 
-MANIFEST = "lowvram-run.json"
 # Runs written before the manifest: the files lowvram and the Trainer write into a run folder.
 _LEGACY_FILES = (
-    "recipe.yaml", "plan.json", "metrics.json", "loss.png", "adapter_model.safetensors",
+    RECIPE, PLAN, METRICS, *LAUNCH_FILES, "loss.png", "adapter_model.safetensors",
     "adapter_config.json", "model.safetensors", "model.safetensors.index.json", "config.json",
     "generation_config.json", "training_args.bin", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-    "added_tokens.json", "accelerate_config.yaml", "launch-plan.json", "launch.log",
+    "added_tokens.json",
 )
-_LEGACY_GLOBS = ("model-*.safetensors", "rank-*.json", "checkpoint-*")
+_LEGACY_GLOBS = ("model-*.safetensors", "rank-*.json", CHECKPOINT_GLOB)
 
 
 def read(out: Path) -> dict | None:
@@ -40,8 +49,6 @@ def read(out: Path) -> dict | None:
 
 
 def _write(out: Path, data: dict) -> None:
-    from lowvram.train.run import write_atomic
-
     write_atomic(out / MANIFEST, json.dumps(data, indent=1) + "\n")
 
 
@@ -74,7 +81,7 @@ def set_data_hashes(out: Path, hashes: dict) -> None:
 
 
 def is_legacy_run(out: Path) -> bool:
-    return (out / "recipe.yaml").is_file() and (out / "plan.json").is_file()
+    return (out / RECIPE).is_file() and (out / PLAN).is_file()
 
 
 def is_run(out: Path) -> bool:
@@ -89,7 +96,7 @@ def only_manifest(out: Path, ignore: tuple[str, ...] = ()) -> bool:
 
 def _is_temp(name: str) -> bool:
     return name.startswith(".final-") or (name.startswith(".") and any(
-        name.startswith(f".{n}.") for n in (MANIFEST, "recipe.yaml", "plan.json", "metrics.json")))
+        name.startswith(f".{n}.") for n in (MANIFEST, RECIPE, PLAN, METRICS)))
 
 
 def _listed(out: Path) -> tuple[list[Path], bool]:
@@ -105,16 +112,12 @@ def _listed(out: Path) -> tuple[list[Path], bool]:
 
 
 def _lowvram_checkpoint(p: Path) -> bool:
-    from lowvram.train.recover import MARKER
-
     return p.is_dir() and ((p / MARKER).is_file() or (p / "trainer_state.json").is_file())
 
 
 def remove_run(out: Path) -> list[str]:
     """Delete what the run in ``out`` wrote; returns what is left that lowvram did not write."""
     paths, created = _listed(out)
-    from lowvram.train.launch import LAUNCH_FILES
-
     paths += [out / n for n in LAUNCH_FILES]
     paths += [p for p in out.iterdir() if _is_temp(p.name) and p.name != MANIFEST]
     for p in paths:
@@ -154,14 +157,6 @@ def check_output_dir_is_safe(out: Path, recipe_source: Path | None, overwrite: b
 
 # --------------------------------------------------------------------------------------------
 # Data files
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def data_hashes(recipe) -> dict[str, str]:

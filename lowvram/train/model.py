@@ -216,14 +216,23 @@ def weight_dtype(plan):
     return getattr(torch, WEIGHT_DTYPE[plan.mixed_precision])
 
 
-def compute_dtype(plan):
+def precision_compute_dtype(precision: str):
+    """The torch dtype a precision computes in (vocab.COMPUTE_DTYPE): a 4-bit base's
+    bnb_4bit_compute_dtype, and the autocast dtype of the measured and simulated steps."""
     import torch
 
-    if plan.mixed_precision.startswith("bf16"):
-        return torch.bfloat16
-    if plan.mixed_precision.startswith("fp16"):
-        return torch.float16
-    return torch.float32
+    from lowvram.vocab import COMPUTE_DTYPE
+
+    return getattr(torch, COMPUTE_DTYPE[precision])
+
+
+def compute_dtype(plan):
+    return precision_compute_dtype(plan.mixed_precision)
+
+
+def autocast_dtype(precision: str):
+    """The dtype the Trainer's autocast uses for ``precision`` (None for fp32: no autocast)."""
+    return None if precision == "fp32" else precision_compute_dtype(precision)
 
 
 def quantization_config(plan):

@@ -1,21 +1,17 @@
-"""Never lose a run: re-plan after out of memory, complete checkpoints, interrupts, disk full.
+"""Never lose a run: re-plan after out of memory, and turn a full disk into an error that says
+what is intact.
 
 - **Out of memory**: :func:`train_with_recovery` catches the OOM that :func:`run_training` raises
-  as :class:`TrainingOOM`, frees memory, asks the chooser for the next cheaper plan that keeps the
-  effective batch (:func:`lowvram.plan.choose.next_cheaper`) and continues from the last complete
-  checkpoint (or starts over when the checkpoint cannot carry over, e.g. another optimizer).
-  With several processes the workers write their OOM to ``oom-rank{R}.json`` and
-  :func:`launch_with_recovery` re-plans and launches them again the same way.
-- **Complete checkpoints**: the Trainer writes a checkpoint folder file by file; a process killed
-  half-way leaves a folder that looks like a checkpoint. :class:`MarkComplete` writes
-  ``lowvram-checkpoint.json`` (every file and its size) after the Trainer's last file, atomically;
-  only folders whose marker matches their files are resumed from.
-- **Interrupts**: SIGINT/SIGTERM ask the Trainer to save at the end of the current optimizer step
-  and stop; the CLI exits 130/143 with the command that resumes. A second signal stops at once.
+  as :class:`TrainingOOM` (oom.py), frees memory, asks the chooser for the next cheaper plan that
+  keeps the effective batch (:func:`lowvram.plan.choose.next_cheaper`) and continues from the last
+  complete checkpoint (checkpoints.py), or starts over when the checkpoint cannot carry over
+  (e.g. another optimizer). With several processes the workers write their OOM to
+  ``oom-rank{R}.json`` and :func:`launch_with_recovery` re-plans and launches them again the same way.
 - **Disk full**: ``ENOSPC`` while writing becomes an ``error:``/``hint:``; the previous checkpoint
   is untouched (the Trainer rotates old checkpoints only after a new one is written).
 
-No torch or transformers at import time (the CLI imports this module for its flags).
+Interrupts (SIGINT/SIGTERM) are signals.py's. No torch or transformers at import time (the CLI
+imports this module for its flags).
 """
 
 from __future__ import annotations
@@ -23,46 +19,25 @@ from __future__ import annotations
 import errno
 import gc
 import json
-import os
-import re
 import shlex
 import shutil
-import signal
 import sys
-import threading
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from lowvram.errors import EXIT_SIGINT, EXIT_SIGTERM, LowvramError
+from lowvram.errors import LowvramError
+from lowvram.train.checkpoints import complete_checkpoints, partial_checkpoints
+from lowvram.train.files import CHECKPOINT_GLOB, OOM_REPORT
+from lowvram.train.oom import EXTRA_METRICS_ENV, REPORT_ENV, TrainingOOM, collect_oom_reports
+from lowvram.train.signals import TrainingInterrupted
+from lowvram.train.types import Replanner
+from lowvram.units import shell_line
 
-MARKER = "lowvram-checkpoint.json"
-EMULATE_ENV = "LOWVRAM_EMULATE_VRAM"  # testing: cap the CPU live-bytes tracker like a card this size
 DEFAULT_MAX_RETRIES = 3
-_CKPT = re.compile(r"^checkpoint-(\d+)$")
-
-# RuntimeError texts of an allocation failure that is not a torch.OutOfMemoryError (cuBLAS and
-# cuDNN workspaces, bitsandbytes kernels, older torch, MPS/ROCm).
-OOM_MESSAGES = (
-    "CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE", "MPS backend out of memory",
-    "HIP out of memory", "cudaErrorMemoryAllocation",
-)
 
 
 # --------------------------------------------------------------------------------------------
 # Recognising the failures
-
-
-def is_oom(exc: BaseException) -> bool:
-    try:
-        import torch
-
-        if isinstance(exc, torch.OutOfMemoryError):
-            return True
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MESSAGES)
 
 
 # torch.save's zip writer (caffe2 inline_container.cc) reports a short write as a RuntimeError
@@ -86,195 +61,12 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
-_UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
-def requested_bytes(message: str) -> int:
-    """The allocation a CUDA OOM message says failed ("Tried to allocate 2.00 GiB"), else 0."""
-    m = re.search(r"Tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB)", message)
-    return int(float(m.group(1)) * _UNIT[m.group(2)]) if m else 0
-
-
-def emulated_vram_bytes() -> int | None:
-    """LOWVRAM_EMULATE_VRAM=SIZE (tests, demos): the CPU tracker raises OOM above SIZE."""
-    text = os.environ.get(EMULATE_ENV)
-    if not text:
-        return None
-    from lowvram.units import parse_size
-
-    return parse_size(text)
-
-
-class TrainingOOM(LowvramError):
-    """Out of memory during training, with what the retry needs to know."""
-
-    def __init__(self, step: int, measured_peak_bytes: int | None, plan, detail: str) -> None:
-        from lowvram.units import mem as gib  # MiB below 1 GiB
-
-        measured = f"measured {gib(measured_peak_bytes)}, " if measured_peak_bytes else ""
-        super().__init__(
-            f"out of memory at step {step} ({measured}predicted {gib(plan.predicted_peak_bytes)}): {detail}",
-            "lower training.micro_batch_size or seq_len, or turn on techniques.gradient_checkpointing; "
-            "`lowvram plan` shows the predicted peak",
-        )
-        self.step = step
-        self.measured_peak_bytes = measured_peak_bytes
-        self.plan = plan
-        self.detail = detail
-
-
-def oom_error(exc: BaseException, step: int, plan, tracker=None) -> TrainingOOM:
-    """The TrainingOOM for ``exc``, with the peak measured up to the failure."""
-    measured = None
-    if tracker is not None:
-        measured = int(tracker.peak_bytes)
-    elif plan.device == "cuda":
-        import torch
-
-        measured = int(torch.cuda.max_memory_allocated())
-    if measured is not None:  # the failed allocation was needed too (not in the allocator's peak)
-        measured += requested_bytes(str(exc))
-    # global_step counts finished optimizer steps: the one that failed is the next.
-    return TrainingOOM(step + 1, measured, plan, (str(exc).splitlines() or ["out of memory"])[0])
-
-
-class TrainingInterrupted(LowvramError):
-    """SIGINT/SIGTERM: the run saved a checkpoint and stopped (exit 130/143)."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
-        name = signal.Signals(signum).name
-        where = f"checkpoint saved: {checkpoint}" if checkpoint else "no checkpoint was saved"
-        super().__init__(f"interrupted by {name} at step {step}; {where}")
-        self.exit_code = EXIT_SIGTERM if signum == signal.SIGTERM else EXIT_SIGINT
-        self.checkpoint = checkpoint
-
-
 # --------------------------------------------------------------------------------------------
 # Complete checkpoints
 
 
-def mark_complete(folder: Path) -> None:
-    """Write the marker listing every file of a checkpoint that is now whole, with its size and
-    sha256 (read back while the file is still in the page cache; called last)."""
-    from lowvram.train.manifest import file_sha256
-    from lowvram.train.run import write_atomic
-
-    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.startswith(".")]
-    files = {str(p.relative_to(folder)): p.stat().st_size for p in paths}
-    sums = {str(p.relative_to(folder)): file_sha256(p) for p in paths}
-    write_atomic(folder / MARKER, json.dumps({"files": files, "sha256": sums}, indent=1) + "\n")
-
-
-def _marker_matches(folder: Path) -> bool:
-    try:
-        files = json.loads((folder / MARKER).read_text())["files"]
-        return bool(files) and all((folder / n).is_file() and (folder / n).stat().st_size == size
-                                   for n, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def _looks_complete(folder: Path) -> bool:
-    """A checkpoint lowvram did not mark (another tool, an older lowvram): the Trainer writes
-    trainer_state.json last, so it must parse, next to some model weights."""
-    try:
-        json.loads((folder / "trainer_state.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return any(p.stat().st_size > 0 for pat in ("*.safetensors", "*.bin", "pytorch_model_fsdp_*")
-               for p in folder.glob(pat))
-
-
-def complete_checkpoints(out: Path) -> list[Path]:
-    """Checkpoint folders that can be resumed from, oldest first.
-
-    Where lowvram marks checkpoints (any folder has a marker), an unmarked one is partial: the
-    process died while writing it. Elsewhere the Trainer's own files are checked."""
-    found = []
-    for p in out.glob("checkpoint-*") if out.is_dir() else ():
-        m = _CKPT.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    marked = any((p / MARKER).exists() for _, p in found)
-    ok = _marker_matches if marked else _looks_complete
-    return [p for _, p in sorted(found) if ok(p)]
-
-
-def _partial_checkpoints(out: Path) -> list[Path]:
-    """Checkpoint folders newer than the last complete one (being written when it failed)."""
-    complete = complete_checkpoints(out)
-    last = int(complete[-1].name.rpartition("-")[2]) if complete else -1
-    return [p for p in out.glob("checkpoint-*")
-            if _CKPT.match(p.name) and p.is_dir() and int(p.name.rpartition("-")[2]) > last]
-
-
 # --------------------------------------------------------------------------------------------
 # Trainer callbacks (transformers is imported when they are made)
-
-
-class SignalStop:
-    """SIGINT/SIGTERM -> save at the end of this optimizer step and stop; a second one stops now."""
-
-    def __init__(self, stream=None) -> None:
-        self.signum: int | None = None
-        self.stream = stream or sys.stderr
-        self._previous: dict[int, object] = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None:  # asked twice: do not wait for the step
-            self.restore()
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.stream.write(f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step, "
-                          "then stopping (send it again to stop at once)\n")
-        self.stream.flush()
-
-    @contextmanager
-    def installed(self):
-        if threading.current_thread() is not threading.main_thread():  # handlers only work there
-            yield self
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        try:
-            yield self
-        finally:
-            self.restore()
-
-    def restore(self) -> None:
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev)
-        self._previous.clear()
-
-
-def make_callbacks(stop: SignalStop) -> list:
-    """The TrainerCallbacks: mark complete checkpoints, honour a pending signal."""
-    from transformers import TrainerCallback
-
-    class MarkComplete(TrainerCallback):
-        # on_save runs after the Trainer wrote the whole folder (trainer.py _maybe_log_save_evaluate).
-        def on_save(self, args, state, control, **kwargs):
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if state.is_local_process_zero and folder.is_dir():
-                mark_complete(folder)
-
-    class StopOnSignal(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if stop.signum is not None:
-                control.should_save = True
-                control.should_training_stop = True
-            return control
-
-    class RecordCheckpoint(TrainerCallback):
-        # After the Trainer's flow callback and StopOnSignal decided to save, before the folder is
-        # written: `--overwrite` deletes it even when the process dies half-way through it.
-        def on_step_end(self, args, state, control, **kwargs):
-            if control.should_save and state.is_local_process_zero:
-                from lowvram.train.manifest import record
-
-                record(Path(args.output_dir), f"checkpoint-{state.global_step}")
-
-    return [MarkComplete(), StopOnSignal(), RecordCheckpoint()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +80,7 @@ def resume_command(recipe_path, overrides=(), vram: str | None = None) -> str:
         args += ["--set", item]
     if vram:
         args += ["--vram", vram]
-    return shlex.join(args)
+    return shell_line(args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,7 +149,7 @@ def _final_failure(err: TrainingOOM, retries: list[Retry], why: str) -> LowvramE
 
 def _disk_full(exc: BaseException, out: Path, hint_cmd: str) -> LowvramError:
     removed = []
-    for p in _partial_checkpoints(out):  # cannot be resumed from; frees the space it took
+    for p in partial_checkpoints(out):  # cannot be resumed from; frees the space it took
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p.name)
     last = complete_checkpoints(out)
@@ -380,9 +172,10 @@ def _failed_file(exc: BaseException | None) -> str | None:
 
 def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = False, recover: bool = True,
                         max_retries: int = DEFAULT_MAX_RETRIES, resume_cmd: str = "", notify=None,
-                        track_memory: bool | None = None):
-    """run_training, retried with the next cheaper plan after an out-of-memory error; the output
-    folder is locked for the whole time (lock.py)."""
+                        track_memory: bool | None = None, replanner: Replanner | None = None):
+    """run_training, retried with ``replanner``'s next cheaper plan after an out-of-memory error
+    (lowvram.planning.replanner_for; None: no retry can be planned); the output folder is locked
+    for the whole time (lock.py)."""
     from lowvram.train.lock import run_lock
     from lowvram.train.trainer import output_dir
 
@@ -390,7 +183,7 @@ def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = Fa
     out = output_dir(recipe)
     with run_lock(out, _lock_label(resume, overwrite), notify):
         return _train_loop(recipe, plan, out, resume, overwrite, recover, max_retries, resume_cmd, notify,
-                           track_memory)
+                           track_memory, replanner)
 
 
 def _lock_label(resume: bool, overwrite: bool) -> str:
@@ -398,7 +191,7 @@ def _lock_label(resume: bool, overwrite: bool) -> str:
 
 
 def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries, resume_cmd, notify,
-                track_memory):
+                track_memory, replanner):
     from lowvram.train.run import run_training
 
     retries: list[Retry] = []
@@ -406,7 +199,8 @@ def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries
     while True:
         try:
             return run_training(recipe, plan, resume=resume, overwrite=overwrite, prepared=not first,
-                                extra_metrics=_retry_metrics(retries, plan), track_memory=track_memory)
+                                extra_metrics=_retry_metrics(retries, plan), track_memory=track_memory,
+                                replanner=replanner)
         except TrainingOOM as e:
             err = e
         except TrainingInterrupted as e:
@@ -426,7 +220,7 @@ def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries
             return (f"the next cheaper plan offloads (offload {new.offload}), which runs through "
                     f"accelerate: {resume_cmd or 'lowvram train RECIPE'} --set techniques.offload={new.offload}")
 
-        new, ckpts = _next_attempt(recipe, err, plan, retries, out, recover, max_retries, refuse=through_accelerate)
+        new, ckpts = _next_attempt(replanner, err, plan, retries, out, recover, max_retries, refuse=through_accelerate)
         _record_retry(err, plan, new, ckpts, retries, max_retries, notify)
         del err
         plan, resume, overwrite = new, True, False
@@ -440,7 +234,7 @@ def _retry_metrics(retries: list[Retry], plan) -> dict:
     return extra
 
 
-def _next_attempt(recipe, err: TrainingOOM, plan, retries: list[Retry], out: Path, recover: bool,
+def _next_attempt(replanner: Replanner | None, err: TrainingOOM, plan, retries: list[Retry], out: Path, recover: bool,
                   max_retries: int, refuse=None):
     """(next cheaper plan, checkpoints to resume from) after ``err``, or the final error when
     recovery is off, spent or impossible (``refuse(new)``: why this caller cannot run the plan).
@@ -449,7 +243,7 @@ def _next_attempt(recipe, err: TrainingOOM, plan, retries: list[Retry], out: Pat
         raise _final_failure(err, [], "automatic recovery is off (--no-recover)")
     if len(retries) >= max_retries:
         raise _final_failure(err, retries, f"--max-retries {max_retries} reached")
-    new = _next_plan(recipe, err)
+    new = replanner.next_cheaper(err.plan, err.measured_peak_bytes) if replanner is not None else None
     if new is None:
         raise _final_failure(err, retries, "no cheaper plan keeps the effective batch and the recipe's fixed settings")
     why = refuse(new) if refuse else None
@@ -457,7 +251,7 @@ def _next_attempt(recipe, err: TrainingOOM, plan, retries: list[Retry], out: Pat
         raise _final_failure(err, retries, why)
     ckpts = complete_checkpoints(out)
     if ckpts and not _carries_over(plan, new):
-        for p in out.glob("checkpoint-*"):  # written for another optimizer/weights/engine: start over
+        for p in out.glob(CHECKPOINT_GLOB):  # written for another optimizer/weights/engine: start over
             shutil.rmtree(p, ignore_errors=True)
         ckpts = []
     return new, ckpts
@@ -479,73 +273,16 @@ def _retry_line(err: TrainingOOM, retry: Retry, n: int, max_retries: int) -> str
     return f"OOM at step {err.step}{measured}; retrying with {retry.changed}; {start} (retry {n} of {max_retries})"
 
 
-def _next_plan(recipe, err: TrainingOOM):
-    """The chooser's next cheaper plan for this recipe (None when the model cannot be read)."""
-    from lowvram.plan.choose import next_cheaper
-    from lowvram.planning import build_request, recipe_model
-
-    try:
-        spec = recipe_model(recipe)
-    except LowvramError:
-        return None
-    req = build_request(spec, recipe)
-    if err.plan.gpus > 1:
-        req = replace(req, gpus=err.plan.gpus)
-    return next_cheaper(err.plan, req, err.measured_peak_bytes)
-
-
-__all__ = [
-    "MARKER", "SignalStop", "TrainingInterrupted", "TrainingOOM", "complete_checkpoints", "describe_change",
-    "emulated_vram_bytes", "is_disk_full", "is_oom", "make_callbacks", "mark_complete", "oom_error",
-    "resume_command", "train_with_recovery",
-]
+__all__ = ["describe_change", "is_disk_full", "launch_with_recovery", "resume_command", "train_with_recovery"]
 
 
 # --------------------------------------------------------------------------------------------
 # Several processes (`lowvram train --gpus N`): the launcher re-plans, the workers report
 
 
-# Set by the launcher: a worker that runs out of memory writes OOM_REPORT for it instead of
-# printing the error (the launcher retries, or prints the final error itself).
-REPORT_ENV = "LOWVRAM_OOM_REPORT"
-EXTRA_METRICS_ENV = "LOWVRAM_EXTRA_METRICS"  # the launcher's retries, for the worker's metrics.json
-OOM_REPORT = "oom-rank{rank}.json"
-
-
-def write_oom_report(out: Path, rank: int, err: TrainingOOM) -> None:
-    from lowvram.train.run import write_atomic
-
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / OOM_REPORT.format(rank=rank), json.dumps(
-        {"rank": rank, "step": err.step, "measured_peak_bytes": err.measured_peak_bytes,
-         "detail": err.detail}) + "\n")
-
-
-def has_oom_reports(out: Path) -> bool:
-    return any(out.glob(OOM_REPORT.format(rank="*")))
-
-
-def collect_oom_reports(out: Path, plan) -> TrainingOOM | None:
-    """The workers' OOM reports as one TrainingOOM (first step, highest measured peak); the
-    report files are removed."""
-    reports = []
-    for p in sorted(out.glob(OOM_REPORT.format(rank="*"))):
-        try:
-            reports.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            pass
-        p.unlink(missing_ok=True)
-    if not reports:
-        return None
-    measured = max((r.get("measured_peak_bytes") or 0 for r in reports), default=0) or None
-    first = min(reports, key=lambda r: r["step"])
-    ranks = ", ".join(str(r["rank"]) for r in sorted(reports, key=lambda r: r["rank"]))
-    return TrainingOOM(first["step"], measured, plan, f"{first['detail']} (rank {ranks})")
-
-
 def launch_with_recovery(recipe, recipe_path, overrides, plan, spec, launched, recover: bool = True,
                          max_retries: int = DEFAULT_MAX_RETRIES, track_memory: bool = True,
-                         notify=None) -> int:
+                         notify=None, replanner: Replanner | None = None) -> int:
     """run_launch, re-launched with the next cheaper plan when the workers run out of memory.
 
     The same loop as train_with_recovery, one level up: the workers report their OOM
@@ -568,7 +305,7 @@ def launch_with_recovery(recipe, recipe_path, overrides, plan, spec, launched, r
         if recover and spec.nodes > 1:
             raise _final_failure(err, retries, "automatic recovery runs on one node only (every node would "
                                  "have to agree on the new plan)")
-        new, ckpts = _next_attempt(recipe, err, plan, retries, out, recover, max_retries)
+        new, ckpts = _next_attempt(replanner, err, plan, retries, out, recover, max_retries)
         try:
             launched = launch.prepare_launch(recipe, recipe_path, overrides, new, spec, resume=bool(ckpts),
                                              check_output=False)

@@ -11,132 +11,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from lowvram.errors import LowvramError, UsageError
-from lowvram.train.types import RunResult
-
-METRICS = "metrics.json"
-PLAN = "plan.json"
-RECIPE = "recipe.yaml"
-_CKPT = re.compile(r"^checkpoint-(\d+)$")
-
+from lowvram.errors import LowvramError
+from lowvram.train.files import METRICS, PLAN, RECIPE, write_atomic
+from lowvram.train.types import Replanner, RunResult
 
 # --------------------------------------------------------------------------------------------
 # The run folder
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder + rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a run's files are like any other
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first (a folder being written when the process died
-    is never one of them: recover.py marks complete checkpoints)."""
-    from lowvram.train.recover import complete_checkpoints
-
-    return complete_checkpoints(out)
-
-
-def _has_content(out: Path) -> bool:
-    # `lowvram train --gpus N` writes its accelerate config and launch plan before the run starts;
-    # a run that stopped before training wrote only its manifest.
-    from lowvram.train import manifest
-    from lowvram.train.launch import LAUNCH_FILES
-
-    return out.is_dir() and not manifest.only_manifest(out, LAUNCH_FILES)
-
-
-def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe=None, plan=None,
-                       notify=None) -> Path | None:
-    """Check the folder against --resume/--overwrite; returns the checkpoint to resume from.
-
-    Called with the folder locked (lock.py). With ``recipe``: a resume is checked against the
-    run's recipe (resume_check.py), and a new run records its data hashes in its manifest."""
-    from lowvram.train import manifest
-
-    if resume and overwrite:
-        raise UsageError("--resume and --overwrite contradict each other", "pass one of them")
-    if out.exists() and not out.is_dir():
-        raise LowvramError(f"training.output_dir {out} is a file", "set training.output_dir to a folder")
-    if resume:
-        from lowvram.train.checkpoints import resume_checkpoint
-
-        checkpoint = resume_checkpoint(out, notify)
-        if recipe is not None:
-            from lowvram.train.resume_check import check_resume
-
-            check_resume(out, recipe, plan, notify)
-        for tmp in out.glob(".final-*"):  # a final save the process did not finish: done again
-            shutil.rmtree(tmp, ignore_errors=True)
-        _unmark_newer(out, checkpoint)
-        return checkpoint
-    manifest.check_output_dir_is_safe(out, recipe.source if recipe is not None else None, overwrite)
-    hashes = manifest.data_hashes(recipe) if recipe is not None else {}
-    if not _has_content(out):
-        old = manifest.read(out) if out.is_dir() else None
-        created = old["created_folder"] if old else not out.is_dir() or not any(out.iterdir())
-        manifest.start(out, bool(created), hashes)
-        return None
-    if not manifest.is_run(out):
-        raise LowvramError(
-            f"training.output_dir {out} is not empty and holds no lowvram run",
-            "choose an empty or new folder for training.output_dir (nothing was deleted)",
-        )
-    if overwrite:
-        created = bool((manifest.read(out) or {}).get("created_folder"))
-        left = manifest.remove_run(out)
-        if left:
-            (notify or _note)(f"note: --overwrite kept what the run did not write in {out}: {', '.join(left[:6])}")
-        manifest.start(out, created, hashes)
-        return None
-    if (out / METRICS).is_file():
-        raise LowvramError(
-            f"{out} already holds a finished run",
-            "pass --overwrite to replace it, or set training.output_dir (--set training.output_dir=runs/new)",
-        )
-    raise LowvramError(
-        f"{out} holds an unfinished run",
-        "pass --resume to continue from its last checkpoint, or --overwrite to start over",
-    )
-
-
-def _note(text: str) -> None:
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-
-
-def _unmark_newer(out: Path, checkpoint: Path) -> None:
-    """Checkpoints after the one resumed from (skipped as corrupt or partial) are written again by
-    the resumed run; until then they are not complete (a crash while rewriting one must not
-    leave its old marker claiming it whole)."""
-    from lowvram.train.recover import MARKER
-
-    step = int(checkpoint.name.rpartition("-")[2])
-    for p in out.glob("checkpoint-*"):
-        if _CKPT.match(p.name) and int(p.name.rpartition("-")[2]) > step:
-            (p / MARKER).unlink(missing_ok=True)
 
 
 def _save_final(trainer, tokenizer, out: Path) -> None:
@@ -180,7 +66,7 @@ def _memory_tracker(plan, model, track: bool = True):
         from lowvram.livebytes import LiveBytes
     except ImportError:
         return None
-    from lowvram.train.recover import emulated_vram_bytes
+    from lowvram.train.oom import emulated_vram_bytes
 
     if not track and emulated_vram_bytes() is None:
         return None
@@ -247,25 +133,26 @@ def _distribution(trainer) -> dict:
     return {"distributed_type": kind, "sharded_parameters": sharded}
 
 
-def _prediction_at_data_length(recipe, plan, bundle) -> dict:
+def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None) -> dict:
     """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
     the plan (made for full seq_len batches). Predict the peak at the longest row as well, so the
     measured peak is compared with what this data can reach."""
-    if plan.predicted_peak_bytes is None or bundle.stats.packed:
+    if plan.predicted_peak_bytes is None or bundle.stats.packed or replanner is None:
         return {}
     longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
     if not 0 < longest < recipe.training.seq_len:
         return {}
-    from lowvram.planning import predict_peak_at
-
-    at_data = predict_peak_at(recipe, plan, longest)
+    at_data = replanner.peak_at(plan, longest)
     return {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": at_data} if at_data else {}
 
 
 def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
                  prepared: bool = False, extra_metrics: dict | None = None,
-                 track_memory: bool | None = None) -> RunResult:
+                 track_memory: bool | None = None, replanner: Replanner | None = None) -> RunResult:
     """Train as the Plan says; returns the metrics also written to output_dir/metrics.json.
+
+    ``replanner`` (lowvram.planning, from the caller): the peak predicted at the data's longest
+    row; without it metrics.json has the plan's prediction only.
 
     ``prepared``: a launcher process already checked output_dir (``lowvram train --gpus N``);
     each rank only finds the checkpoint to resume from. Only rank 0 writes the run files.
@@ -273,10 +160,14 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     from lowvram.train.trainer import output_dir
 
     out = output_dir(recipe)
+    from lowvram.train.checkpoints import complete_checkpoints
+
     if prepared:
-        found = checkpoints(out) if resume and out.is_dir() else []
+        found = complete_checkpoints(out) if resume and out.is_dir() else []
         checkpoint = found[-1] if found else None
     else:
+        from lowvram.train.folder import prepare_output_dir
+
         checkpoint = prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
     at_end = checkpoint is not None and _finished_at(checkpoint, recipe)
 
@@ -297,13 +188,13 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     from lowvram.train.trainer import build_trainer, build_training_args
 
     args = build_training_args(recipe, plan, has_eval=bundle.eval is not None)
-    from lowvram.train import recover
+    from lowvram.train import oom, signals
 
     progress = ProgressCallback()
-    stop = recover.SignalStop()  # SIGINT/SIGTERM: checkpoint at the step's end, then stop
+    stop = signals.SignalStop()  # SIGINT/SIGTERM: checkpoint at the step's end, then stop
     trainer = build_trainer(
         loaded, bundle, args, make_collator(loaded.tokenizer),
-        callbacks=[progress, *recover.make_callbacks(stop), *callbacks],
+        callbacks=[progress, *signals.make_callbacks(stop), *callbacks],
         loss=plan.loss,
     )
 
@@ -341,12 +232,12 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
             if bundle.eval is not None and stop.signum is None:
                 eval_loss = float(trainer.evaluate()["eval_loss"])
     except Exception as e:
-        if not recover.is_oom(e):
+        if not oom.is_oom(e):
             raise
-        raise recover.oom_error(e, trainer.state.global_step, plan, tracker) from None
+        raise oom.oom_error(e, trainer.state.global_step, plan, tracker) from None
     if stop.signum is not None:
-        saved = checkpoints(out)
-        raise recover.TrainingInterrupted(stop.signum, trainer.state.global_step, saved[-1] if saved else None)
+        saved = complete_checkpoints(out)
+        raise signals.TrainingInterrupted(stop.signum, trainer.state.global_step, saved[-1] if saved else None)
     peak = _peak_memory(plan, tracker, mem_history)
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
@@ -366,7 +257,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         **peak,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_device": plan.device,
-        **_prediction_at_data_length(recipe, plan, bundle),
+        **_prediction_at_data_length(recipe, plan, bundle, replanner),
         "memory_history": mem_history.history,  # [[step, peak bytes since the previous log], ...]
         "processes": int(trainer.accelerator.num_processes),
         **_distribution(trainer),

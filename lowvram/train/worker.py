@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from lowvram.errors import LowvramError
+from lowvram.errors import LowvramError, error_text
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -40,40 +40,40 @@ def main(argv: list[str] | None = None) -> int:
         from lowvram.recipe import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
+        from lowvram.planning import plan_for_recipe, replanner_for
+
         if args.plan is not None:
             from lowvram.train.launch import read_plan
 
             plan = read_plan(args.plan)
         else:
-            from lowvram.planning import plan_for_recipe
-
             plan = plan_for_recipe(recipe, gpus=int(os.environ.get("WORLD_SIZE", "1")))
         import json
 
-        from lowvram.train import recover
+        from lowvram.train import oom, signals
         from lowvram.train.run import run_training
         from lowvram.train.trainer import output_dir
 
-        extra = json.loads(os.environ.get(recover.EXTRA_METRICS_ENV) or "{}")
-        reporting = os.environ.get(recover.REPORT_ENV) == "1"  # the launcher re-plans after an OOM
+        extra = json.loads(os.environ.get(oom.EXTRA_METRICS_ENV) or "{}")
+        reporting = os.environ.get(oom.REPORT_ENV) == "1"  # the launcher re-plans after an OOM
         try:
-            run_training(recipe, plan, resume=args.resume, prepared=True, extra_metrics=extra or None)
-        except recover.TrainingOOM as err:
+            run_training(recipe, plan, resume=args.resume, prepared=True, extra_metrics=extra or None,
+                         replanner=replanner_for(recipe))
+        except oom.TrainingOOM as err:
             if not reporting:
                 raise
             # The launcher re-plans and says what happened; torchrun stops the other ranks.
-            recover.write_oom_report(output_dir(recipe), rank(), err)
+            oom.write_oom_report(output_dir(recipe), rank(), err)
             return err.exit_code
-        except recover.TrainingInterrupted as err:
+        except signals.TrainingInterrupted as err:
             # Stopped by torchrun because another rank ran out of memory: the launcher speaks.
-            if reporting and recover.has_oom_reports(output_dir(recipe)):
+            if reporting and oom.has_oom_reports(output_dir(recipe)):
                 return err.exit_code
             raise
     except LowvramError as err:
-        from lowvram.report import print_error
-
-        if rank() == 0:
-            print_error(err)
+        if rank() == 0:  # the CLI's error/hint lines; the launcher shows them to the user
+            sys.stderr.write(error_text(err))
+            sys.stderr.flush()
         return err.exit_code
     return 0
 
