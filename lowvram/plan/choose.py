@@ -288,7 +288,7 @@ def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
     modelled = [s for s in out if memory.unmodelled(s) is None]
     if out and not modelled:
         raise LowvramError(f"cannot plan this run: {memory.unmodelled(out[0])}",
-                           "use attention sdpa, bf16 or fp32, or gradient_checkpointing off; or measure "
+                           "use attention sdpa, or gradient_checkpointing off; or measure "
                            "the real step with `lowvram plan --simulate`")
     return modelled
 
