@@ -260,7 +260,7 @@ def _from_catalog(name: str) -> ModelSpec:
 # Per-architecture defaults that config.json files leave out, from each model's
 # transformers configuration class (configuration_<model>.py).
 _ARCH: dict[str, dict] = {
-    "llama": {}, "mistral": {}, "gemma": {}, "qwen2": dict(qkv_bias=True), "qwen3": {},
+    "llama": {}, "mistral": {}, "gemma": dict(norm_weight_fp32=True), "qwen2": dict(qkv_bias=True), "qwen3": {},
     "phi3": dict(fused_qkv=True, fused_gate_up=True),
     "phi": dict(mlp="plain", norm="layer", qkv_bias=True, out_bias=True, mlp_bias=True,
                 lm_head_bias=True, norms_per_layer=1, parallel_attn=True),
