@@ -180,17 +180,10 @@ def _moe_config_kwargs(spec: ModelSpec) -> dict:
 
 
 def setup_plan(setup, device: str = "cpu"):
-    """The Plan ``lowvram train`` runs a RunSetup with: what train's builders read."""
-    from lowvram.plan.types import Plan
+    """The Plan ``lowvram train`` runs a RunSetup with: what train's builders read (alpha 2r)."""
+    from lowvram.plan.choose import plan_for_setup
 
-    return Plan(
-        device=device, mixed_precision=setup.precision,
-        gradient_checkpointing=setup.gradient_checkpointing, micro_batch_size=setup.micro_batch_size,
-        grad_accum=setup.grad_accum, lora=setup.lora, quantization=setup.quantization,
-        optimizer=setup.optimizer, offload="none", attention=setup.attention, loss=setup.loss,
-        seq_len=setup.seq_len, lora_r=setup.lora_r, lora_alpha=2 * setup.lora_r,
-        lora_dropout=setup.lora_dropout, lora_targets=tuple(setup.lora_targets),
-    )
+    return plan_for_setup(setup, device, 2 * setup.lora_r)
 
 
 def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = "cpu",

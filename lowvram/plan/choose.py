@@ -416,18 +416,23 @@ def describe_setup(s: RunSetup) -> str:
     return ", ".join(parts)
 
 
-def _to_plan(c: Candidate, req: PlanRequest, budget: Budget, reasons: dict[str, str]) -> Plan:
-    s = c.setup
+def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Plan:
+    """The Plan that runs ``setup``: every setting the memory model read (lowvram.measure builds
+    its runs from this too); ``extra``: reasons and the predictions."""
+    s = setup
     return Plan(
-        device=budget.device, mixed_precision=s.precision, gradient_checkpointing=s.gradient_checkpointing,
+        device=device, mixed_precision=s.precision, gradient_checkpointing=s.gradient_checkpointing,
         micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
-        loss=s.loss, gpus=s.gpus, seq_len=s.seq_len, lora_r=s.lora_r, lora_alpha=req.lora_alpha,
-        lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets),
-        reasons=reasons, predicted_peak_bytes=c.peak_bytes,
-        budget_bytes=budget.usable_bytes, breakdown=dict(c.estimate.breakdown),
-        host_ram_bytes=c.estimate.cpu_ram_bytes,
+        loss=s.loss, gpus=s.gpus, seq_len=s.seq_len, lora_r=s.lora_r, lora_alpha=lora_alpha,
+        lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets), **extra,
     )
+
+
+def _to_plan(c: Candidate, req: PlanRequest, budget: Budget, reasons: dict[str, str]) -> Plan:
+    return plan_for_setup(c.setup, budget.device, req.lora_alpha, reasons=reasons,
+                          predicted_peak_bytes=c.peak_bytes, budget_bytes=budget.usable_bytes,
+                          breakdown=dict(c.estimate.breakdown), host_ram_bytes=c.estimate.cpu_ram_bytes)
 
 
 def _alternatives(cands: list[Candidate], chosen: Candidate) -> tuple[Candidate, ...]:
