@@ -120,7 +120,8 @@ def routed_activation_bytes(spec: ModelSpec, tokens: int, c: int, w: int, autoca
     """Bytes one MoE layer's router and routed experts save for backward (the attention and a
     shared expert are counted as a dense block).
 
-    c: bytes of the compute dtype, w: of the stored weights. Per routed row (top-k per token):
+    c: bytes of the experts' compute dtype (the stored dtype: grouped_mm is not autocast), w: of
+    the stored weights, router_c: of the router's autocast input (default c). Per routed row (top-k per token):
     gathered input c*h, gate_up output 2c*I, activation and product 2c*I, down output c*h, fp32
     routing weight, three int64 indices. Per token: fp32 router probabilities (4E), top-k int64
     indices and fp32 values, their fp32 sum; the router's input (c*h) when the router weight
