@@ -330,15 +330,47 @@ def _linear_sources(spec: ModelSpec) -> list[str]:
     return out
 
 
+def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
+    """Which parts of decoder layer 0 carry a gradient under LoRA: (attention, residual after
+    attention, MLP gate branch, MLP up branch). The embedding is frozen, so autograd records (and
+    saves for) nothing upstream of the first adapter: with LoRA on down_proj only, layer 0 saves
+    nothing but down_proj's input (measured on a 3-layer Phi-3: the plan was 15% high). Standard
+    pre-norm gated blocks only; other layouts count everything (over, never under)."""
+    spec = setup.model
+    if (not setup.lora or spec.norms_per_layer != 2 or spec.norm_after or spec.parallel_attn
+            or spec.mlp != "gated" or spec.resid_dropout):
+        return True, True, True, True
+    names = {lin.name for lin in _target_linears(setup)}
+    lins = block_linears(spec)
+    srcs = _linear_sources(spec)
+    attn = any(lin.name in names for lin, s in zip(lins, srcs, strict=True) if s == "norm_attn")
+    resid = attn or any(lin.name in names for lin, s in zip(lins, srcs, strict=True) if s == "attn_out")
+    mlp_in = [lin for lin, s in zip(lins, srcs, strict=True) if s == "norm_mlp"]
+    # [gate, up] or [gate_up] (one tensor: both branches)
+    gate = resid or mlp_in[0].name in names
+    up = resid or mlp_in[-1].name in names
+    return attn, resid, gate, up
+
+
+def _attention_output_copied(spec: ModelSpec) -> bool:
+    """Rotary applied by concatenation (Phi-3's apply_rotary_pos_emb: ``cat([rotated, pass])``)
+    leaves q contiguous head-major, so SDPA's output is head-major too and
+    ``attn_output.transpose(1, 2).contiguous()`` copies it: o_proj reads a new tensor, not SDPA's
+    saved output (Llama's rotated q keeps the token-major layout and the call is a no-op).
+    Measured with the live-bytes tracker on a CPU: a Phi-3 LoRA run on o_proj was 3.4% above its
+    plan without it."""
+    return not spec.learned_positions and (spec.model_type == "phi3" or spec.partial_rotary_factor < 1)
+
+
 def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     """Bytes autograd saves for one decoder layer (no recomputation).
 
     Counted tensor by tensor from what autograd saves (PyTorch derivatives.yaml saves only what a
     backward needs), checked with saved_tensors_hooks and the live-bytes tracker
-    (measured: bench/plan_accuracy.py). Llama block, t tokens, pure bf16 full fine-tuning:
-    t*(20h + 4h_kv + 8I + 4a + 8) at q_dim = h, i.e. the Korthikanti et al. 2022 count without
-    dropout; RMSNorm saves its fp32 upcast (4h) and rsqrt (4); SDPA saves q, k, v, out and an fp32
-    logsumexp per head; SwiGLU saves gate, silu(gate), up and their product.
+    (measured: bench/plan_accuracy.py, bench/plan_fuzz.py). Llama block, t tokens, pure bf16 full
+    fine-tuning: t*(20h + 4h_kv + 8I + 4a + 8) at q_dim = h, i.e. the Korthikanti et al. 2022 count
+    without dropout; RMSNorm saves its fp32 upcast (4h) and rsqrt (4); SDPA saves q, k, v, out and
+    an fp32 logsumexp per head; SwiGLU saves gate, silu(gate), up and their product.
     """
     spec = setup.model
     if spec.is_moe:
@@ -348,32 +380,40 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     h, i = spec.hidden_size, spec.intermediate_size
     full = not setup.lora
     cc = 2 if autocast else c  # dtype of matmul outputs under autocast
-    per_tok = _qk_norm_activation_bytes(setup)
+    attn_grad, resid_grad, gate_grad, up_grad = _first_layer_grads(setup) if first else (True,) * 4
+    grad_of = {"norm_attn": not first or full, "attn_out": attn_grad, "norm_mlp": resid_grad,
+               "mlp_act": gate_grad or up_grad}
+    per_tok = _qk_norm_activation_bytes(setup) if attn_grad else 0
     fixed = 0
     # norms: fp32 upcast of the input + rsqrt; a trainable weight also saves the normalized x
     for n in range(spec.norms_per_layer):
-        if first and n == 0 and not full and not spec.norm_after:
+        if first and not full and ((n == 0 and not spec.norm_after) or (n == 1 and not resid_grad)):
             continue  # LoRA: no gradient flows into the embedding output (OLMo-2: no norm there)
         per_tok += 4 * h + 4 + (_normed_bytes(setup) * h if full else 0)
     fixed += _norm_weight_fixed_bytes(setup)
-    # attention (SDPA / flash): q, k, v, out + fp32 logsumexp per head
-    per_tok += cc * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
+    if attn_grad:
+        # attention (SDPA / flash): q, k, v, out + fp32 logsumexp per head
+        per_tok += cc * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
     if spec.resid_dropout:
         # dropout masks on the attention output and the MLP output: bool from CUDA's fused
         # kernel (native_dropout); on a CPU ATen multiplies by a noise tensor of the input dtype
         per_tok += 2 * h * (1 if setup.device == "cuda" else cc)
-    if spec.fused_qkv and not spec.learned_positions:
+    if spec.fused_qkv and not spec.learned_positions and attn_grad:
         # Fused qkv + rotary (Phi-3): q and k are rotated into new tensors, but v stays a view of
         # the fused output, whose whole storage SDPA keeps alive (measured -3% without this)
         per_tok += cc * (spec.q_dim + spec.kv_dim)
-    # MLP elementwise
+    # MLP elementwise: silu saves its input (gate) and the product saves each factor the other
+    # branch needs a gradient for: silu(gate) for up's, up for gate's
     e = cc if full else (4 if (setup.quantization != "none" and r == 4) or c == 4 else 2)
     if spec.mlp == "gated":
-        per_tok += 3 * e * i  # gate out (silu input), silu out, up out
+        per_tok += e * i * (2 * gate_grad + up_grad)  # gate out (silu input), up out; silu out
     else:
         # act input; transformers' gelu_new is composed in Python (NewGELUActivation:
         # 0.5*x*(1+tanh(...))), so autograd also saves the tanh output, 0.5*x and 1+tanh
         per_tok += e * i * (4 if spec.hidden_act in ("gelu_new", "gelu_fast") else 1)
+    # o_proj's input as it is (what a Linear saves without a cast): SDPA's saved output, unless
+    # that is a copy (Phi-3) or SDPA saved nothing (layer 0 with frozen attention under LoRA)
+    attn_out_extra = cc * spec.q_dim if (_attention_output_copied(spec) or not attn_grad) else 0
     targets = {lin for lin in _target_linears(setup)} if setup.lora else set()
     shared: set[str] = set()
     for lin, src in zip(block_linears(spec), _linear_sources(spec), strict=True):
@@ -386,25 +426,28 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
                 elif src not in shared and src in ("mlp_act", "norm_attn", "norm_mlp"):
                     per_tok += cc * lin.d_in
                     shared.add(src)
-            elif src not in shared and src != "attn_out":
-                per_tok += c * lin.d_in  # one input, shared by the linears reading it
+                elif src == "attn_out":
+                    per_tok += attn_out_extra  # a 16-bit input: autocast's cast is a no-op
+            elif src not in shared:
+                per_tok += attn_out_extra if src == "attn_out" else c * lin.d_in  # one input, shared
                 shared.add(src)
         else:
             if autocast and setup.quantization == "none" and _dtype_bytes(setup)[0] == 4:
                 fixed += 2 * lin.d_in * lin.d_out  # frozen fp32 base: bf16 copy for grad input
             if lin in targets:
-                # layer 0's first norm output needs no gradient (frozen embedding): no mask kept
-                per_tok += _lora_dropout_bytes(setup, lin.d_in, autocast,
-                                               mask=not (first and src == "norm_attn"))
+                # no mask where x needs no gradient (layer 0 upstream of every adapter)
+                per_tok += _lora_dropout_bytes(setup, lin.d_in, autocast, mask=grad_of[src])
                 if autocast:
                     per_tok += 2 * lin.d_in + 2 * setup.lora_r  # peft casts x; lora_A output
                     fixed += 2 * setup.lora_r * (lin.d_in + lin.d_out)  # bf16 adapter copies
                 else:
-                    if not setup.lora_dropout and src not in shared and src != "attn_out":
-                        per_tok += c * lin.d_in  # lora_A saves x (shared); SDPA's output counted above
+                    if not setup.lora_dropout and src not in shared:
+                        # lora_A saves x (shared by the adapters reading it)
+                        per_tok += attn_out_extra if src == "attn_out" else c * lin.d_in
                         shared.add(src)
                     per_tok += c * setup.lora_r
-    return t * per_tok + fixed + _eager_bytes(setup) + _attention_dropout_bytes(setup)
+    attention = _eager_bytes(setup) + _attention_dropout_bytes(setup) if attn_grad else 0
+    return t * per_tok + fixed + attention
 
 
 def _lora_dropout_bytes(setup: RunSetup, d_in: int, autocast: bool, mask: bool = True) -> int:
