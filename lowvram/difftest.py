@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # Targets of the differential test: measured / predicted - 1.
@@ -125,6 +125,17 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
         packing=rng.random() < 0.3, validation=0.2 if rng.random() < 0.25 else None,
         experts=rng.choice([4, 8]) if moe else 0, experts_per_tok=2 if moe else 0,
     )
+    if method == "qlora" and case.validation:
+        # Evaluation runs bitsandbytes' CPU 4-bit inference kernel, which needs each Linear's
+        # output width divisible by 32 and more than 32 inputs (functional.py
+        # _convert_weight_packed_for_cpu, block_n=32): every real model's are, the tiny shapes
+        # drawn above not always (kv width 16). Heads of 32, two kv heads at least; nothing
+        # more is drawn, so every other seed keeps its recipe.
+        kv = max(case.kv_heads, 2)
+        heads = max(case.heads, kv)
+        hidden = heads * 32
+        case = replace(case, heads=heads, kv_heads=kv, hidden=hidden,
+                       intermediate=case.intermediate // case.hidden * hidden)
     return case
 
 

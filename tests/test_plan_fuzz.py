@@ -34,16 +34,46 @@ SEEDS = {
     25: "Phi-3 LoRA on the fused layers, dropout 0.1, bf16-mixed, 8-bit AdamW, chunked loss",
 }
 
+# Seeds of the ten-family draw (bench/plan_fuzz.py --families all) that missed, and what was wrong.
+ALL_FAMILY_SEEDS = {
+    100: "Gemma LoRA all-linear, dropout 0.05, bf16-mixed, checkpointing: the dropout masks were "
+         "inside the layer backward's share, its fp32 mask-product gradient was not (+3.19%)",
+    188: "Phi-3 LoRA fp32 incl. o_proj: o_proj reads a copy of SDPA's output (rotary by cat) (+3.42%)",
+}
+# Layer 0 under LoRA saves only what lies downstream of an adapter (the embedding is frozen).
+OVERRIDES = {
+    "phi3 down_proj only": (188, dict(lora_targets=("down_proj",))),  # was -15%
+    "llama o_proj, up_proj": (188, dict(family="llama", lora_targets=("o_proj", "up_proj"))),
+}
 
-@pytest.mark.parametrize("seed", list(SEEDS))
-def test_run_stays_within_its_plan(seed, tmp_path):
-    case = random_case(seed, families=FIRST_FAMILIES)  # the recipes these seeds were kept for
+
+def _check(case, tmp_path, why):
     out = run_case(case, tmp_path)
     assert out.error is None, f"{case.label()}: {out.error}"
     assert out.details["peak_memory_kind"] == "live tensor bytes (exact, CPU)"
-    assert out.ok, (f"{case.label()} ({SEEDS[seed]}): measured {out.measured_bytes:,} predicted "
+    assert out.ok, (f"{case.label()} ({why}): measured {out.measured_bytes:,} predicted "
                     f"{out.predicted_bytes:,} ({out.ratio:+.2%}; limits +{OVER_LIMIT:.0%}, "
                     f"+-{ANY_LIMIT:.0%})")
+    return out
+
+
+@pytest.mark.parametrize("seed", list(SEEDS))
+def test_run_stays_within_its_plan(seed, tmp_path):
+    _check(random_case(seed, families=FIRST_FAMILIES), tmp_path, SEEDS[seed])  # the recipes these seeds were kept for
+
+
+@pytest.mark.parametrize("seed", list(ALL_FAMILY_SEEDS))
+def test_ten_family_regressions_stay_within_their_plan(seed, tmp_path):
+    _check(random_case(seed), tmp_path, ALL_FAMILY_SEEDS[seed])
+
+
+@pytest.mark.parametrize("name", list(OVERRIDES))
+def test_layer_zero_under_lora_is_counted_from_the_first_adapter(name, tmp_path):
+    from dataclasses import replace
+
+    seed, changes = OVERRIDES[name]
+    out = _check(replace(random_case(seed), **changes), tmp_path, name)
+    assert abs(out.ratio) <= 0.01  # exact terms: within 1% (was -15% for Phi-3 on down_proj only)
 
 
 @pytest.mark.parametrize("techniques", ["", "techniques: {lora: on}\n"], ids=["defaults", "lora on"])
