@@ -86,6 +86,7 @@ class Cell:
     measured_bytes: int | None = None
     oom: bool = False
     seconds: float = 0.0
+    min_card_bytes: int | None = None  # the smallest card the lowest plan fits (a plan that does not fit)
 
     @property
     def fill(self) -> float | None:
@@ -137,7 +138,7 @@ def write_data(path: Path, rows: int = 400) -> Path:
     return path
 
 
-def write_recipe(folder: Path, model_dir: Path) -> Path:
+def write_recipe(folder: Path, model_dir: Path, steps: int = STEPS) -> Path:
     """Every technique auto; model.dtype bfloat16 (the plan of a bf16 card)."""
     if not (folder / "data.jsonl").exists():
         write_data(folder / "data.jsonl")
@@ -147,7 +148,7 @@ model: {{name_or_path: {model_dir}, dtype: bfloat16}}
 data:
   datasets: [{{path: data.jsonl, format: text}}]
   packing: true
-training: {{max_steps: {STEPS}, batch_size: {BATCH}, seq_len: {SEQ_LEN}, learning_rate: 1.0e-4,
+training: {{max_steps: {steps}, batch_size: {BATCH}, seq_len: {SEQ_LEN}, learning_rate: 1.0e-4,
            logging_steps: 1, save_steps: 1000, output_dir: out}}
 lora: {{r: {LORA_R}, alpha: {2 * LORA_R}}}
 """)
@@ -180,7 +181,8 @@ def run_cell(recipe_path: Path, card_gib: int, model: str, scale: float = SCALE,
     recipe, choice = plan_cell(recipe_path, card, scale)
     plan = choice.plan
     cell = Cell(card_gib, model, describe_setup(choice.chosen.setup), choice.fits,
-                plan.predicted_peak_bytes, plan.budget_bytes)
+                plan.predicted_peak_bytes, plan.budget_bytes,
+                min_card_bytes=None if choice.fits else choice.min_vram_bytes)
     if not choice.fits or not train:
         return cell
     from lowvram.hardware import Hardware
@@ -216,9 +218,10 @@ def table(cells: list[Cell], scale: float) -> str:
     lines = [head, "-" * len(head)]
     for c in cells:
         fill = "-" if c.fill is None else f"{100 * c.fill:.1f}%"
-        ok = {None: "-", True: "yes", False: "OOM" if c.oom else "no"}[c.ok]
+        ok = {None: "no fit", True: "yes", False: "OOM" if c.oom else "no"}[c.ok]
         card = f"{c.card_gib} GB" if scale == 1 else f"{c.card_gib} MiB"
-        lines.append(f"{card:>6}  {c.model:8}  {c.plan[:62]:62}  {_mib(c.predicted_bytes, scale):>10}  "
+        plan = c.plan if c.fits else f"does not fit; needs a {_mib(c.min_card_bytes, scale)} card"
+        lines.append(f"{card:>6}  {c.model:8}  {plan[:62]:62}  {_mib(c.predicted_bytes, scale):>10}  "
                      f"{_mib(c.measured_bytes, scale):>10}  {fill:>8}  {ok}")
     run = [c for c in cells if c.fits]
     good = [c for c in run if c.ok]
@@ -310,7 +313,13 @@ def main() -> None:
     ap.add_argument("--plan-only", action="store_true", help="plans only, no training")
     ap.add_argument("--cuda", action="store_true", help="real-size cards on a CUDA GPU")
     ap.add_argument("--out", type=Path, default=None, help=f"results file (default {RESULTS}; --cuda: $OUT)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on the shared 2-core machine two OpenMP threads "
+                         "spin against other processes; a 128x384 bf16 matmul took 16 ms with 2, 0.09 ms with 1)")
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="emulated-cards-") as tmp:
         if args.cuda:
@@ -318,9 +327,12 @@ def main() -> None:
         else:
             cells, scale = grid(Path(tmp), train=not args.plan_only), SCALE
     text = table(cells, scale)
-    header = (f"# bench/emulated_cards.py{' --cuda' if args.cuda else ''}{' --plan-only' if args.plan_only else ''}: "
-              f"{STEPS} steps of lowvram train per cell, batch {BATCH} x seq_len {SEQ_LEN}, scale "
-              f"{'1' if scale == 1 else '1/1024'}; {time.perf_counter() - t0:.0f} s on this machine\n")
+    header = (f"# bench/emulated_cards.py{' --cuda' if args.cuda else ''}{' --plan-only' if args.plan_only else ''}, "
+              f"{time.strftime('%Y-%m-%d')}: {STEPS} steps of lowvram train per cell, batch {BATCH} x seq_len "
+              f"{SEQ_LEN}, scale {'1' if scale == 1 else '1/1024'}, {args.threads} torch thread(s); "
+              f"{time.perf_counter() - t0:.0f} s on this machine\n"
+              "# predicted: the plan's peak; measured: exact live tensor bytes (CUDA: the whole card's use);"
+              " % budget: measured / (card - safety margin)\n")
     print()
     print(header + text)
     out = args.out or (Path(os.environ.get("OUT", ".")) / "emulated_cards.txt" if args.cuda else RESULTS)
