@@ -126,7 +126,8 @@ def save_model(out: Path, shape: dict) -> Path:
 
 
 def write_data(path: Path, rows: int = 400) -> Path:
-    """Text rows; packed into SEQ_LEN windows there are more than STEPS x BATCH of them."""
+    """Text rows of 60 words (at least 60 tokens each): ``rows`` of them pack into more than
+    rows x 60 / seq_len windows."""
     import random
 
     rng = random.Random(0)
@@ -138,19 +139,20 @@ def write_data(path: Path, rows: int = 400) -> Path:
     return path
 
 
-def write_recipe(folder: Path, model_dir: Path, steps: int = STEPS) -> Path:
+def write_recipe(folder: Path, model_dir: Path, steps: int = STEPS, seq_len: int = SEQ_LEN,
+                 lora_r: int = LORA_R) -> Path:
     """Every technique auto; model.dtype bfloat16 (the plan of a bf16 card)."""
     if not (folder / "data.jsonl").exists():
-        write_data(folder / "data.jsonl")
+        write_data(folder / "data.jsonl", rows=max(400, 2 * steps * BATCH * seq_len // 60))
     path = folder / "recipe.yaml"
     path.write_text(f"""\
 model: {{name_or_path: {model_dir}, dtype: bfloat16}}
 data:
   datasets: [{{path: data.jsonl, format: text}}]
   packing: true
-training: {{max_steps: {steps}, batch_size: {BATCH}, seq_len: {SEQ_LEN}, learning_rate: 1.0e-4,
+training: {{max_steps: {steps}, batch_size: {BATCH}, seq_len: {seq_len}, learning_rate: 1.0e-4,
            logging_steps: 1, save_steps: 1000, output_dir: out}}
-lora: {{r: {LORA_R}, alpha: {2 * LORA_R}}}
+lora: {{r: {lora_r}, alpha: {2 * lora_r}}}
 """)
     return path
 
@@ -246,66 +248,74 @@ def grid(work: Path, scale: float = SCALE, train: bool = True, cards=CARDS_GIB, 
 
 
 def run_cuda(work: Path) -> list[Cell]:  # pragma: no cover - needs a GPU
-    """--cuda: real-size cards on the GPU. Each card caps this process's caching allocator at
-    card - (the context the driver shows now) of the GPU's memory, so tensors + slack get what a
-    card of that size leaves after its context; the plan is for a CUDA card (context and slack
-    terms included). Shapes: the scaled ones times 32 in hidden size and 4 in layers would be
-    the real models; here the real catalog configs are random-initialised instead."""
+    """--cuda: real-size cards and models on one GPU (not run here: no GPU so far).
+
+    Each card caps this process's caching allocator at (card - the context the driver shows in
+    use now) / the GPU's memory with torch.cuda.set_per_process_memory_fraction: tensors and
+    allocator slack get what a card of that size leaves after its context. The plan is made for a
+    CUDA card of that size (its cuda_context and allocator terms included); the measured peak is
+    the whole card's use (lowvram.gpumemory: reserved peak + what is in use beyond it). Real
+    work: seq_len 2048, LoRA rank 16, the models' real configs (catalog), random weights."""
     import torch
 
     torch.cuda.init()
     free, total = torch.cuda.mem_get_info()
     context = total - free - torch.cuda.memory_reserved()
     cells = []
-    for card in CARDS_GIB:
-        torch.cuda.set_per_process_memory_fraction((card * 2**30 - context) / total)
-        for name, real, _shape in MODELS:
-            from lowvram.plan.choose import describe_setup
-
-            recipe, choice = plan_cell(_cuda_recipe(work, real), card * 2**30, 1.0, "cuda")
-            cell = Cell(card, name.split("/")[0], describe_setup(choice.chosen.setup), choice.fits,
-                        choice.plan.predicted_peak_bytes, choice.plan.budget_bytes)
-            if choice.fits:
-                cell = _train_cuda(recipe, choice.plan, cell)
+    for _name, real, _shape in MODELS:
+        recipe = _cuda_recipe(work, real)
+        for card in CARDS_GIB:
+            torch.cuda.set_per_process_memory_fraction((card * 2**30 - context) / total)
+            cell = _cuda_cell(recipe, card, real)
             cells.append(cell)
             print(table([cell], 1).splitlines()[2], flush=True)
     return cells
 
 
 def _cuda_recipe(work: Path, real: str) -> Path:  # pragma: no cover - needs a GPU
-    """A folder with the real model's catalog config, random-init weights and the local tokenizer."""
+    """A folder with the real model's catalog config, random bf16 weights and the local tokenizer."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from lowvram.measure import hf_config
     from lowvram.plan.models import resolve_model
     from lowvram.testing import build_tokenizer
 
     folder = work / real
     model_dir = folder / "model"
-    if not (model_dir / "config.json").exists():
-        spec = resolve_model(real.lower())
-        config = AutoConfig.for_model(**spec.config) if getattr(spec, "config", None) else AutoConfig.from_pretrained(real)
-        with torch.device("cuda"):
-            AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).save_pretrained(model_dir)
-        build_tokenizer().save_pretrained(model_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    return write_recipe(folder, model_dir)
+    tokenizer = build_tokenizer()
+    config = hf_config(resolve_model(real.lower()))
+    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    with torch.device("cuda"):  # random init on the GPU: seconds, not minutes
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(model_dir)
+    del model
+    torch.cuda.empty_cache()
+    tokenizer.save_pretrained(model_dir)
+    return write_recipe(folder, model_dir, seq_len=2048, lora_r=16)
 
 
-def _train_cuda(recipe, plan, cell: Cell) -> Cell:  # pragma: no cover - needs a GPU
+def _cuda_cell(recipe_path: Path, card: int, model: str) -> Cell:  # pragma: no cover - needs a GPU
     import torch
 
+    from lowvram import gpumemory
+    from lowvram.plan.choose import describe_setup
     from lowvram.train.oom import TrainingOOM
     from lowvram.train.run import run_training
 
+    recipe, choice = plan_cell(recipe_path, card * 2**30, 1.0, "cuda")
+    cell = Cell(card, model.split("-")[-1], describe_setup(choice.chosen.setup), choice.fits,
+                choice.plan.predicted_peak_bytes, choice.plan.budget_bytes,
+                min_card_bytes=None if choice.fits else choice.min_vram_bytes)
+    if not choice.fits:
+        return cell
     torch.cuda.empty_cache()
     try:
-        result = run_training(recipe, plan, overwrite=True)
+        result = run_training(recipe, choice.plan, overwrite=True)
     except TrainingOOM as e:
         return replace(cell, oom=True, measured_bytes=e.measured_peak_bytes)
-    # The plan's budget holds context and slack: compare the whole card's use (lowvram.gpumemory).
     rows = {r["what"]: r for r in result.metrics.get("memory_comparison", [])}
-    return replace(cell, measured_bytes=rows.get("whole card", {}).get("measured_bytes"))
+    return replace(cell, measured_bytes=rows.get(gpumemory.DEVICE, {}).get("measured_bytes"))
 
 
 def main() -> None:

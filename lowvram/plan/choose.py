@@ -50,9 +50,9 @@ def safety_margin_bytes(vram_bytes: int) -> int:
     return max(MIN_MARGIN_BYTES, int(vram_bytes * MARGIN_FRACTION))
 
 
-def vram_needed_bytes(peak_bytes: int) -> int:
+def vram_needed_bytes(peak_bytes: int, min_margin_bytes: int = MIN_MARGIN_BYTES) -> int:
     """Smallest card (free bytes) whose budget after the margin holds ``peak_bytes``."""
-    return max(peak_bytes + MIN_MARGIN_BYTES, int(peak_bytes / (1 - MARGIN_FRACTION)) + 1)
+    return max(peak_bytes + min_margin_bytes, int(peak_bytes / (1 - MARGIN_FRACTION)) + 1)
 
 
 @dataclass(frozen=True)
@@ -382,7 +382,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
         plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,
         alternatives=_alternatives(cands, chosen), ladder=build_ladder(req, budget, estimate),
         max_seq_len=max_seq, max_micro_batch_size=max_micro,
-        min_vram_bytes=vram_needed_bytes(lowest.peak_bytes), longest=longest, largest_micro=largest,
+        min_vram_bytes=vram_needed_bytes(lowest.peak_bytes, budget.min_margin_bytes), longest=longest, largest_micro=largest,
         suggestion=suggestions[0] if suggestions else None, suggestions=suggestions,
         notes=tuple(notes),
     )
