@@ -142,6 +142,7 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     if node_rank >= nodes:
         raise LowvramError(f"--node-rank {node_rank} with --nodes {nodes}", f"use a rank from 0 to {nodes - 1}")
     launch.check_devices(spec, hardware)
+    hardware = dataclasses.replace(hardware, devices=hardware.devices[:gpus])  # the cards this node uses
     plan = plan_for_recipe(r, vram=vram, hardware=hardware, gpus=spec.world_size)
     if dry_run:
         report.show_dry_run(r, plan, as_json=json_)

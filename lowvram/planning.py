@@ -149,12 +149,44 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
 # Budget
 
 
-def make_budget(vram: str | None = None, hardware=None):
+def make_budget(vram: str | None = None, hardware=None, gpus: int = 1):
     """The memory the plan must fit in (``_budget``), with the optional extras not installed here
-    (plans that need one rank after those that need nothing more)."""
+    (plans that need one rank after those that need nothing more). ``gpus``: processes on this
+    node; the budget is the smallest free card among those they use."""
     from dataclasses import replace
 
-    return replace(_budget(vram, hardware), missing_extras=missing_extras())
+    override = vram or os.environ.get("LOWVRAM_VRAM")
+    if hardware is None and not override:
+        from lowvram.hardware import detect_hardware
+
+        hardware = detect_hardware()
+    budget = _budget(vram, hardware)
+    if hardware is not None and hardware.kind == "cuda" and hardware.devices and not override:
+        budget = replace(budget, **detected_cuda_budget(hardware, gpus))
+    return replace(budget, missing_extras=missing_extras())
+
+
+def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
+    """Budget fields for detected CUDA cards: free memory read once per card, the smallest among
+    the ``gpus`` used, and the CUDA context counted once.
+
+    The plan's peak holds a ``cuda_context`` term. Free memory read after this process's context
+    exists (``hardware.context_in_free``: torch.cuda.mem_get_info creates it) no longer holds it,
+    so the modelled term is added back to the budget: the fit test becomes tensors + allocator
+    slack <= free - margin, whatever the real context's size. A free size that still holds the
+    context (context_in_free False) is the budget as it is."""
+    from lowvram.plan.memory import cuda_overheads
+
+    dev = hardware.tightest_device(gpus)
+    free = hardware.free_bytes(gpus)
+    n = len(hardware.used_devices(gpus))
+    where = f"GPU {dev.index} ({dev.name})" if n == 1 else f"GPU {dev.index} ({dev.name}), the least free of GPUs 0-{n - 1}"
+    if not hardware.context_in_free:
+        return {"vram_bytes": free, "source": f"{where}: free memory"}
+    context = cuda_overheads().context_bytes
+    return {"vram_bytes": free + context,
+            "source": f"{where}: {gib(free)} free after this process's CUDA context + the plan's "
+                      f"{gib(context)} cuda_context term (the context counted once)"}
 
 
 def missing_extras() -> tuple[str, ...]:
@@ -329,7 +361,7 @@ def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus
         return check_runnable(_fixed_with_note(recipe, hardware.kind, hardware.bf16, err, gpus), hardware)
     from lowvram.plan.choose import choose_plan
 
-    budget = make_budget(vram, hardware)
+    budget = make_budget(vram, hardware, gpus)
     flags, sources = ({"gpus": gpus}, {"gpus": f"--gpus {gpus}"}) if gpus > 1 else ({}, {})
     return check_runnable(choose_plan(build_request(spec, recipe, flags, sources), budget).plan, hardware)
 
@@ -360,6 +392,11 @@ class Replanner:
 
         Batches are padded to their longest row, not to ``training.seq_len``: on data shorter than
         seq_len the run peaks at the longest batch it meets, which this predicts."""
+        breakdown = self.breakdown_at(plan, seq_len)
+        return None if breakdown is None else sum(breakdown.values())
+
+    def breakdown_at(self, plan: Plan, seq_len: int) -> dict[str, int] | None:
+        """The parts of :meth:`peak_at` (the plan's breakdown keys, summing to it)."""
         from lowvram.plan.memory import RunSetup, estimate_memory
 
         if self.request is None:
@@ -372,7 +409,7 @@ class Replanner:
             seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
             device=plan.device,
         )
-        return estimate_memory(setup).peak_bytes
+        return dict(estimate_memory(setup).breakdown)
 
     def next_cheaper(self, plan: Plan, measured_peak_bytes: int | None) -> Plan | None:
         """The plan to retry with after ``plan`` ran out of memory (the same request: the recipe's
@@ -402,8 +439,11 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     budget = parse_size(override) if override else hardware.budget_bytes
     context = cuda_overheads().context_bytes
-    # A --vram budget is GPU memory (also when planning on a machine without one).
-    if (hardware.kind == "cuda" or override) and budget is not None and budget <= context:
+    # A --vram budget is GPU memory (also when planning on a machine without one). Free memory
+    # read after this process's context existed does not hold the context: the plan says
+    # whether anything fits in it.
+    holds_context = bool(override) or (hardware.kind == "cuda" and not hardware.context_in_free)
+    if holds_context and budget is not None and budget <= context:
         shown = f"--vram {override}" if override else "the free GPU memory"
         raise LowvramError(
             f"{shown} ({gib(budget)}) is no more than the CUDA context alone "
@@ -506,7 +546,7 @@ def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str 
 
                 hardware = detect_hardware(vram)
             return _fixed_with_note(recipe, hardware.kind, hardware.bf16, err)
-    budget = make_budget(vram, hardware)
+    budget = make_budget(vram, hardware, fields.get("gpus") or 1)
     return choose_plan(build_request(spec, recipe, fields, sources), budget)
 
 

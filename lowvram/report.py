@@ -148,6 +148,8 @@ def show_train_result(result, as_json: bool = False) -> None:
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
     console().print(t)
+    if len(m.get("memory_comparison") or ()) > 1:  # a CUDA run; the CPU's one pair is above
+        console().print(_comparison_table(m["memory_comparison"]))
     _warn_prediction(m)
     if (Path(result.output_dir) / "loss.png").is_file():
         console().print(f"loss plot: {Path(result.output_dir) / 'loss.png'}", markup=False)
@@ -159,12 +161,41 @@ PREDICTION_TOLERANCE = 0.10  # beyond this, the planner is wrong for this run: a
 OVER_PREDICTION_FLOOR_BYTES = 64 * 2**20
 
 
+def _comparison_table(rows: list[dict]):
+    """The plan against the run, part by part, each with the counter that measures exactly it
+    (lowvram.gpumemory); the parts not calibrated on a GPU are named under the table."""
+    from rich.table import Table
+
+    t = Table(title="Memory: predicted vs measured, like with like")
+    for name, justify in (("part", "left"), ("predicted", "right"), ("measured", "right"),
+                          ("measured by", "left"), ("error", "right")):
+        t.add_column(name, justify=justify)
+    for r in rows:
+        err = "-" if r.get("error") is None else f"{100 * r['error']:+.1f}%"
+        t.add_row(r["what"], mem(r["predicted_bytes"]), mem(r["measured_bytes"]), r["measured_by"], err)
+    raw = [r["what"] for r in rows if not r["gpu_calibrated"]]
+    if raw:
+        t.caption = f"not yet calibrated on a GPU (bench/gpu_check.py): {', '.join(raw)}"
+    return t
+
+
+def _compared_tensors(metrics: dict) -> tuple[int | None, int | None]:
+    """(predicted, measured) tensor bytes: the tensors pair of ``memory_comparison``, else (older
+    metrics.json) the predicted peak and the measured one."""
+    from lowvram.gpumemory import tensor_comparison
+
+    row = tensor_comparison(metrics.get("memory_comparison"))
+    if row is not None:
+        return row["predicted_bytes"], row["measured_bytes"]
+    return (metrics.get("predicted_peak_bytes_at_data") or metrics.get("predicted_peak_bytes"),
+            metrics.get("peak_memory_bytes"))
+
+
 def prediction_error(metrics: dict) -> float | None:
     """(measured - predicted) / predicted, when both are tensor memory of the same device.
 
     On data shorter than seq_len the prediction compared is the one at the longest row."""
-    pred = metrics.get("predicted_peak_bytes_at_data") or metrics.get("predicted_peak_bytes")
-    meas = metrics.get("peak_memory_bytes")
+    pred, meas = _compared_tensors(metrics)
     kind = metrics.get("peak_memory_kind") or ""
     if not pred or not meas or "RSS" in kind:  # process RSS is not tensor memory
         return None
@@ -175,11 +206,11 @@ def _warn_prediction(m: dict) -> None:
     err = prediction_error(m)
     if err is None or abs(err) <= PREDICTION_TOLERANCE:
         return
-    pred = m.get("predicted_peak_bytes_at_data") or m["predicted_peak_bytes"]
-    if err < 0 and pred - m["peak_memory_bytes"] < OVER_PREDICTION_FLOOR_BYTES:
+    pred, meas = _compared_tensors(m)
+    if err < 0 and pred - meas < OVER_PREDICTION_FLOOR_BYTES:
         return
     console(stderr=True).print(
-        f"warning: measured peak {mem(m['peak_memory_bytes'])} is {100 * err:+.0f}% off the predicted "
+        f"warning: measured peak {mem(meas)} is {100 * err:+.0f}% off the predicted "
         f"{mem(pred)}; please report it with the output of `lowvram env`, "
         "the recipe and plan.json", markup=False)
 
@@ -271,11 +302,14 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     if sim:
         b.add_column("simulated", justify="right")
     b.add_column("")
+    checked = data.get("checked") or {}
+    if checked:
+        b.add_column("GPU-calibrated")
     for name, value in data["breakdown"].items():
         extra = [gib(sim["breakdown"].get(name, 0))] if sim else []
-        b.add_row(name, gib(value), *extra, _bar(value, peak))
+        b.add_row(name, gib(value), *extra, _bar(value, peak), *_checked(checked, name))
     extra = [f"[bold]{gib(sim['peak_bytes'])}[/bold]"] if sim else []
-    b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", *extra, "")
+    b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", *extra, "", *([""] if checked else []))
     c.print(b)
     if sim:
         c.print(f"simulated (the real step on fake tensors, {sim['seconds']:.1f} s): peak "
@@ -335,6 +369,15 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     if data.get("largest_micro_batch_plan"):
         c.print(f"over all plans: largest micro-batch at seq_len {data['seq_len']}: "
                 f"{data['largest_micro_batch_size']} ({data['largest_micro_batch_plan']})")
+
+
+def _checked(checked: dict, name: str) -> list[str]:
+    """The breakdown table's last cell: what the part was checked against (plan.calibration)."""
+    if not checked:
+        return []
+    from lowvram.plan.calibration import CHECKED
+
+    return [CHECKED.get(checked.get(name, ""), "-")]
 
 
 def _plan_label(alt: dict) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from lowvram.errors import LowvramError
 from lowvram.plan import memory
 from lowvram.plan import techniques as tq
+from lowvram.plan.calibration import term_checks
 from lowvram.plan.explain import Estimator, technique_reasons
 from lowvram.plan.memory import MemoryEstimate, RunSetup, estimate_memory
 from lowvram.plan.models import ModelSpec, catalog_names, count_parameters, resolve_model
@@ -49,9 +50,9 @@ def safety_margin_bytes(vram_bytes: int) -> int:
     return max(MIN_MARGIN_BYTES, int(vram_bytes * MARGIN_FRACTION))
 
 
-def vram_needed_bytes(peak_bytes: int) -> int:
+def vram_needed_bytes(peak_bytes: int, min_margin_bytes: int = MIN_MARGIN_BYTES) -> int:
     """Smallest card (free bytes) whose budget after the margin holds ``peak_bytes``."""
-    return max(peak_bytes + MIN_MARGIN_BYTES, int(peak_bytes / (1 - MARGIN_FRACTION)) + 1)
+    return max(peak_bytes + min_margin_bytes, int(peak_bytes / (1 - MARGIN_FRACTION)) + 1)
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,13 @@ class Budget:
     # Optional extras not installed here ("deepspeed"): plans that need one rank after the plans
     # that need nothing more (lowvram.planning.make_budget fills it; tests pass their own).
     missing_extras: tuple[str, ...] = ()
+    # The margin's floor: MIN_MARGIN_BYTES on a real card; an emulated card scaled down
+    # (bench/emulated_cards.py) scales it by the same factor.
+    min_margin_bytes: int = MIN_MARGIN_BYTES
 
     @property
     def safety_margin_bytes(self) -> int:
-        return safety_margin_bytes(self.vram_bytes)
+        return max(self.min_margin_bytes, int(self.vram_bytes * MARGIN_FRACTION))
 
     @property
     def usable_bytes(self) -> int:
@@ -378,7 +382,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
         plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,
         alternatives=_alternatives(cands, chosen), ladder=build_ladder(req, budget, estimate),
         max_seq_len=max_seq, max_micro_batch_size=max_micro,
-        min_vram_bytes=vram_needed_bytes(lowest.peak_bytes), longest=longest, largest_micro=largest,
+        min_vram_bytes=vram_needed_bytes(lowest.peak_bytes, budget.min_margin_bytes), longest=longest, largest_micro=largest,
         suggestion=suggestions[0] if suggestions else None, suggestions=suggestions,
         notes=tuple(notes),
     )
@@ -705,6 +709,7 @@ def choice_to_dict(choice: Choice) -> dict:
         "headroom_bytes": b.usable_bytes - est.peak_bytes,
         "peak_phase": est.peak_phase,
         "breakdown": dict(est.breakdown),
+        "checked": term_checks(c.setup),  # what each part was checked against (plan.calibration)
         "techniques": _setup_techniques(c.setup),
         "seq_len": req.seq_len,
         "batch_size": req.batch_size,

@@ -75,24 +75,40 @@ def _memory_tracker(plan, model, track: bool = True):
     return tracker
 
 
-def _peak_memory(plan, tracker, history=None) -> dict:
+def _peak_memory(plan, tracker, history=None, breakdown: dict[str, int] | None = None) -> dict:
     """The run's measured peak; ``history`` (measure.memory_history_callback) holds the peaks of
-    the logging intervals, whose maximum is the run's peak."""
+    the logging intervals, whose maximum is the run's peak. ``breakdown``: the prediction to
+    compare with, part by part (``memory_comparison``: lowvram.gpumemory, like with like)."""
+    from lowvram import gpumemory
+
     peak, reserved = history.finish() if history is not None else (0, 0)
     if tracker is not None:
-        return {"peak_memory_bytes": max(peak, int(tracker.peak_bytes)),
-                "peak_memory_kind": "live tensor bytes (exact, CPU)", "peak_rss_bytes": _peak_rss()}
+        measured = max(peak, int(tracker.peak_bytes))
+        rows = gpumemory.compare_tensors(breakdown, measured, "live tensor bytes") if breakdown else ()
+        return {"peak_memory_bytes": measured, "peak_memory_kind": "live tensor bytes (exact, CPU)",
+                "peak_rss_bytes": _peak_rss(), **_comparison(rows)}
     if plan.device == "cuda":
-        import torch
+        from dataclasses import replace
 
+        from lowvram.hardware import read_cuda_memory
+
+        r = read_cuda_memory()  # mem_get_info read once, at the end: every kernel is loaded by now
+        r = replace(r, allocated_peak_bytes=max(peak, r.allocated_peak_bytes),
+                    reserved_peak_bytes=max(reserved, r.reserved_peak_bytes))
         return {
-            "peak_memory_bytes": max(peak, int(torch.cuda.max_memory_allocated())),
-            "peak_reserved_bytes": max(reserved, int(torch.cuda.max_memory_reserved())),
+            "peak_memory_bytes": r.allocated_peak_bytes,
+            "peak_reserved_bytes": r.reserved_peak_bytes,
+            "beyond_reserved_bytes": r.beyond_reserved_bytes,
             "peak_memory_kind": "cuda max_memory_allocated",
+            **_comparison(gpumemory.compare_cuda(breakdown, r) if breakdown else ()),
         }
     # Whole-process RSS (Python, libraries, data, allocator caches): an upper bound on tensor
     # memory, not a measurement of it.
     return {"peak_memory_bytes": _peak_rss(), "peak_memory_kind": "process peak RSS (not tensor memory)"}
+
+
+def _comparison(rows) -> dict:
+    return {"memory_comparison": [r.to_dict() for r in rows]} if rows else {}
 
 
 def _peak_rss() -> int:
@@ -133,17 +149,20 @@ def _distribution(trainer) -> dict:
     return {"distributed_type": kind, "sharded_parameters": sharded}
 
 
-def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None) -> dict:
+def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None) -> tuple[dict, dict[str, int]]:
     """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
     the plan (made for full seq_len batches). Predict the peak at the longest row as well, so the
-    measured peak is compared with what this data can reach."""
+    measured peak is compared with what this data can reach: (metrics, the breakdown the
+    measured peak is compared with, part by part)."""
     if plan.predicted_peak_bytes is None or bundle.stats.packed or replanner is None:
-        return {}
+        return {}, dict(plan.breakdown)
     longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
     if not 0 < longest < recipe.training.seq_len:
-        return {}
-    at_data = replanner.peak_at(plan, longest)
-    return {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": at_data} if at_data else {}
+        return {}, dict(plan.breakdown)
+    breakdown = replanner.breakdown_at(plan, longest)
+    if not breakdown:
+        return {}, dict(plan.breakdown)
+    return {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": sum(breakdown.values())}, breakdown
 
 
 def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
@@ -238,7 +257,8 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     if stop.signum is not None:
         saved = complete_checkpoints(out)
         raise signals.TrainingInterrupted(stop.signum, trainer.state.global_step, saved[-1] if saved else None)
-    peak = _peak_memory(plan, tracker, mem_history)
+    at_data, compared_with = _prediction_at_data_length(recipe, plan, bundle, replanner)
+    peak = _peak_memory(plan, tracker, mem_history, compared_with)
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
     _save_final(trainer, loaded.tokenizer, out)
@@ -257,7 +277,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         **peak,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_device": plan.device,
-        **_prediction_at_data_length(recipe, plan, bundle, replanner),
+        **at_data,
         "memory_history": mem_history.history,  # [[step, peak bytes since the previous log], ...]
         "processes": int(trainer.accelerator.num_processes),
         **_distribution(trainer),

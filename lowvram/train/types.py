@@ -20,5 +20,8 @@ class Replanner(Protocol):
     def peak_at(self, plan, seq_len: int) -> int | None:
         """The plan's predicted peak with batches of ``seq_len`` tokens (None: not predicted)."""
 
+    def breakdown_at(self, plan, seq_len: int) -> dict[str, int] | None:
+        """The parts of that peak, by the plan's breakdown keys (None: not predicted)."""
+
     def next_cheaper(self, plan, measured_peak_bytes: int | None):
         """The Plan to retry with after ``plan`` ran out of memory, or None."""
