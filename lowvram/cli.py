@@ -93,6 +93,7 @@ def train(
     from lowvram.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or [])
+    _fetch_hub_config(_recipe_model_ref(r), explicit=False)  # plan a hub model before downloading it
     from lowvram.planning import plan_for_recipe, require_fit
 
     launched = (r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,

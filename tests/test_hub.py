@@ -70,6 +70,21 @@ def test_cli_plans_a_hub_model_outside_the_catalog(online_cache):
     assert online_cache == [("someorg/new-model", "config.json")]
 
 
+def test_train_plans_a_hub_model_outside_the_catalog_before_loading_it(online_cache, tmp_path):
+    """`lowvram train` on a hub id the catalog does not know: config.json is fetched first, so
+    the plan printed before the (large) download predicts the run instead of a fixed plan."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: {name_or_path: someorg/new-model}\n"
+                      "data: {datasets: [{path: data.jsonl, format: text}]}\n"
+                      "training: {seq_len: 256, batch_size: 2}\ntechniques: {lora: on}\n")
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    r = runner.invoke(app, ["train", str(recipe), "--dry-run", "--json", "--vram", "8GB"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)["plan"]
+    assert plan["predicted_peak_bytes"] > 0
+    assert online_cache == [("someorg/new-model", "config.json")]
+
+
 def test_offline_is_one_error_with_a_hint(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
