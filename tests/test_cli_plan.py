@@ -184,3 +184,14 @@ def test_limits_over_all_plans_are_printed_with_their_plan():
     under = next(x for x in r.stdout.splitlines() if x.startswith("under this plan"))
     assert longest > int(under.split("fits ")[1].split(";")[0].replace(",", ""))
     assert "QLoRA nf4-dq" in line and "chunked loss" in line and "offload" not in line
+
+
+def test_a_reason_says_why_the_fitting_alternative_was_not_taken():
+    """llama-7b at 6 GB (issue 13's case): full fine-tuning with offload fits too; the LoRA line
+    must not read as if full fine-tuning had been ruled out by memory."""
+    d = json.loads(plan("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "6GB",
+                        "--json").stdout)
+    assert d["techniques"]["offload"] == "full" and d["techniques"]["lora"] is True
+    lora = d["reasons"]["lora"]
+    assert "full fine-tuning would be 4.98 GiB <= budget 5.31 GiB" in lora
+    assert "chosen as the faster of the two (step time x4.00 vs x5.00" in lora

@@ -51,8 +51,12 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
             now = sum(c.estimate.breakdown[k] for k in comps)
         name = "+".join(comps)
         verdict = ">" if other.peak_bytes > limit else "<="
-        return (f"{what} would be {gib(other.peak_bytes)} {verdict} budget {gib(limit)} "
+        text = (f"{what} would be {gib(other.peak_bytes)} {verdict} budget {gib(limit)} "
                 f"({name} {gib(was)} -> {gib(now)})")
+        host = budget.host_ram_bytes
+        if other.peak_bytes <= limit and host is not None and budget.device != "cpu" and other.cpu_ram_bytes > host:
+            text += f", but it needs {gib(other.cpu_ram_bytes)} of CPU RAM > {gib(host)} available"
+        return text
 
     def fixed(name: str) -> str | None:
         src = req.sources.get(name)
@@ -127,6 +131,13 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     elif s.lora:
         r["lora"] = (f"on (r={s.lora_r}, {','.join(s.lora_targets)}): "
                      f"{without(('weights', 'gradients', 'optimizer'), 'full fine-tuning', lora=False, quantization='none')}; {trained}")
+        full = replace(s, lora=False, quantization="none")
+        full_est = estimate(full)
+        host = budget.host_ram_bytes
+        if full_est.peak_bytes <= limit and (host is None or budget.device == "cpu" or full_est.cpu_ram_bytes <= host):
+            # Both fit at the same search level (an offloaded plan): the faster one was chosen.
+            r["lora"] += (f"; chosen as the faster of the two (step time x{tq.setup_slowdown(s, largest_micro):.2f} "
+                          f"vs x{tq.setup_slowdown(full, largest_micro):.2f} for full fine-tuning)")
     else:
         r["lora"] = f"off: full fine-tuning fits ({trained})"
 
