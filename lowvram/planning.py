@@ -98,6 +98,11 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
 
     gc = t.gradient_checkpointing == "on"
     reasons["gradient_checkpointing"] = "set in the recipe" if t.gradient_checkpointing != "auto" else "default: off"
+    # GPU only: a CPU run has no device memory to free (lowvram.plan.memory.activation_offloaded)
+    act_off = t.activation_offload == "on" and gc and kind == "cuda"
+    reasons["activation_offload"] = ("set in the recipe" if act_off else
+                                     "off on the CPU: activations are in host RAM already" if t.activation_offload == "on"
+                                     else "default: off")
 
     batch = recipe.training.batch_size
     per_step = batch // gpus if batch % gpus == 0 else None
@@ -137,10 +142,14 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
     reasons["attention"] = "set in the recipe" if t.attention != "auto" else "default: SDPA (no s x s matrix stored)"
     loss = "standard" if t.loss == "auto" else t.loss
     reasons["loss"] = "set in the recipe" if t.loss != "auto" else "default: standard cross-entropy"
+    if loss == "fused" and (kind != "cuda" or "liger" in missing_extras()):
+        loss = "chunked"  # the fallback (lowvram.train.loss); Liger's kernels need CUDA and the extra
+        reasons["loss"] = ("chunked: the recipe asked for fused, but Liger Kernel's fused loss needs CUDA and "
+                           "the liger extra (pip install 'lowvram[liger]'); the chunked loss runs instead")
     return Plan(
         device=kind, mixed_precision=precision, gradient_checkpointing=gc, micro_batch_size=micro,
         grad_accum=accum, lora=lora, quantization=quant, optimizer=optim, offload=offload,
-        attention=attention, loss=loss, gpus=gpus, seq_len=recipe.training.seq_len,
+        attention=attention, loss=loss, gpus=gpus, activation_offload=act_off, seq_len=recipe.training.seq_len,
         **lora_fields(recipe), reasons=reasons,
     )
 
@@ -193,7 +202,8 @@ def missing_extras() -> tuple[str, ...]:
     """Optional extras (pyproject.toml) a plan may need that are not importable here."""
     import importlib.util
 
-    return tuple(e for e in ("deepspeed",) if importlib.util.find_spec(e) is None)
+    return tuple(e for e, module in (("deepspeed", "deepspeed"), ("liger", "liger_kernel"))
+                 if importlib.util.find_spec(module) is None)
 
 
 def _budget(vram: str | None, hardware):
@@ -245,6 +255,8 @@ def recipe_choices(recipe: Recipe) -> dict:
         out["weight_dtype"] = recipe.model.dtype  # the chooser picks a precision storing it
     if t.gradient_checkpointing != "auto":
         out["gradient_checkpointing"] = t.gradient_checkpointing == "on"
+    if t.activation_offload != "auto":
+        out["activation_offload"] = t.activation_offload == "on"
     if isinstance(t.gradient_accumulation, int):
         out["grad_accum"] = t.gradient_accumulation
     elif t.gradient_accumulation == "off":
@@ -273,6 +285,7 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         "optim": ("optimizer", "--optim"), "loss": ("loss", "--loss"), "attn": ("attention", "--attn"),
         "grad_accum": ("grad_accum", "--grad-accum"), "offload": ("offload", "--offload"),
         "gradient_checkpointing": ("gradient_checkpointing", "--gradient-checkpointing"),
+        "activation_offload": ("activation_offload", "--activation-offload"),
         "seq_len": ("seq_len", "--seq-len"), "batch_size": ("batch_size", "--batch-size"),
         "gpus": ("gpus", "--gpus"), "lora_r": ("lora_r", "--lora-r"),
         "lora_targets": ("lora_targets", "--lora-targets"),
@@ -293,10 +306,11 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         field, flag = names[key]
         if key == "lora_targets" and isinstance(value, str):
             value = tuple(x.strip() for x in value.split(",") if x.strip())
-        if key == "gradient_checkpointing":
-            flag = flag if value else "--no-gradient-checkpointing"
+        if key in ("gradient_checkpointing", "activation_offload"):
+            flag = flag if value else flag.replace("--", "--no-", 1)
         out[field] = value
-        sources[field] = flag if key in ("lora_targets",) else f"{flag} {_shown(value)}" if key not in ("gradient_checkpointing",) else flag
+        switch = key in ("lora_targets", "gradient_checkpointing", "activation_offload")
+        sources[field] = flag if switch else f"{flag} {_shown(value)}"
     return out, sources
 
 
@@ -407,7 +421,7 @@ class Replanner:
             optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,
             attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
             seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
-            device=plan.device,
+            device=plan.device, activation_offload=plan.activation_offload,
         )
         return dict(estimate_memory(setup).breakdown)
 

@@ -466,6 +466,8 @@ def _techniques_label(t: dict) -> str:
         parts.append(str(t["quantization"]))
     if t.get("gradient_checkpointing"):
         parts.append("checkpointing")
+    if t.get("activation_offload"):
+        parts.append("activation offload")
     if t.get("optimizer", "adamw") != "adamw":
         parts.append(str(t["optimizer"]))
     if t.get("offload", "none") != "none":

@@ -7,7 +7,7 @@ The bottom of the package: imports nothing (STYLE.md "One canonical name per tec
 
 from __future__ import annotations
 
-# The seven memory techniques, one canonical name each (the same in YAML, --help, plan output
+# The eight memory techniques, one canonical name each (the same in YAML, --help, plan output
 # and code), plus two first-class knobs.
 TECHNIQUES = (
     "mixed_precision",
@@ -17,6 +17,7 @@ TECHNIQUES = (
     "quantization",
     "optimizer",
     "offload",
+    "activation_offload",
 )
 KNOBS = ("attention", "loss")
 CANONICAL = TECHNIQUES + KNOBS
@@ -48,7 +49,9 @@ OPTIMIZERS_8BIT = ("adamw_8bit", "paged_adamw_8bit")
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
             "fsdp", "fsdp-offload")
 ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
-LOSSES = ("standard", "chunked")
+# standard: transformers' loss over the full logits; chunked: lowvram.train.loss (any device);
+# fused: Liger Kernel's fused linear cross-entropy (CUDA, with the `liger` extra installed).
+LOSSES = ("standard", "chunked", "fused")
 
 # What a recipe may write instead of a value: auto (the planner decides), on, off.
 SWITCH = ("auto", "on", "off")

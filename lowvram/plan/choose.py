@@ -103,6 +103,7 @@ class PlanRequest:
     quantization: str | None = None
     optimizer: str | None = None
     offload: str | None = None
+    activation_offload: bool | None = None
     attention: str | None = None
     loss: str | None = None
     # Where each fixed choice came from ("--optim", "the recipe"), for the reasons.
@@ -183,6 +184,9 @@ def validate_request(req: PlanRequest) -> None:
             f"quantization {req.quantization} needs LoRA: a quantized base cannot be trained directly",
             "use --method qlora (or lora), or --quant none for full fine-tuning",
         )
+    if req.activation_offload and req.gradient_checkpointing is False:
+        raise LowvramError("activation_offload needs gradient checkpointing: it moves the checkpointed "
+                           "layer inputs to host RAM", "drop --no-gradient-checkpointing, or the activation offload")
     if req.optimizer is not None and req.offload is not None:
         conflict = memory.offload_conflict(req.optimizer, req.offload)
         if conflict:
@@ -247,14 +251,25 @@ def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
     return {
         "precision": pick("mixed_precision", [auto_precision(budget, req.weight_dtype)]),
         "attention": pick("attention", ["sdpa"]),
-        "loss": pick("loss", ["standard", "chunked"]),
+        "loss": _loss_options(req, budget),
         "micro_batch_size": micros,
         "gradient_checkpointing": pick("gradient_checkpointing", [False, True]),
+        # GPU only: on a CPU there is no device memory to free (memory.activation_offloaded)
+        "activation_offload": pick("activation_offload", [False, True]) if on_gpu else [False],
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
         "offload": pick("offload", _auto_offloads(req, on_gpu)),
     }
+
+
+def _loss_options(req: PlanRequest, budget: Budget) -> list[str]:
+    """standard, chunked, and Liger's fused loss where it can run. A fixed ``fused`` that cannot
+    run here becomes the chunked loss (the fallback; the reason says why)."""
+    fused_ok = tq.fused_loss_unavailable(budget, req.model) is None
+    if req.loss is not None:
+        return ["chunked" if req.loss == "fused" and not fused_ok else req.loss]
+    return ["standard", "chunked"] + (["fused"] if fused_ok else [])
 
 
 def _auto_offloads(req: PlanRequest, on_gpu: bool) -> list[str]:
@@ -271,7 +286,8 @@ def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
         for attention in o["attention"]:
             for loss in o["loss"]:
                 for micro in o["micro_batch_size"]:
-                    for gc in o["gradient_checkpointing"]:
+                    for gc, act_off in [(gc, ao) for gc in o["gradient_checkpointing"]
+                                        for ao in o["activation_offload"] if gc or not ao]:
                         for optim in o["optimizer"]:
                             for lora in o["lora"]:
                                 for quant in o["quantization"]:
@@ -288,6 +304,7 @@ def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                             attention=attention, loss=loss, micro_batch_size=micro,
                                             seq_len=req.seq_len, grad_accum=per_gpu // micro,
                                             gpus=req.gpus, offload=offload, device=budget.device,
+                                            activation_offload=act_off,
                                         ))
     modelled = [s for s in out if memory.unmodelled(s) is None]
     if out and not modelled:
@@ -413,6 +430,7 @@ def describe_setup(s: RunSetup) -> str:
     parts = [s.precision, ("QLoRA " + s.quantization) if s.quantization != "none" else
              ("LoRA" if s.lora else "full")]
     parts += ["checkpointing"] if s.gradient_checkpointing else []
+    parts += ["activation offload"] if s.activation_offload else []
     parts += [s.optimizer] if s.optimizer != "adamw" else []
     parts += [f"{s.loss} loss"] if s.loss != "standard" else []
     parts += [f"offload {s.offload}"] if s.offload != "none" else []
@@ -428,7 +446,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Pl
         device=device, mixed_precision=s.precision, gradient_checkpointing=s.gradient_checkpointing,
         micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
-        loss=s.loss, gpus=s.gpus, seq_len=s.seq_len, lora_r=s.lora_r, lora_alpha=lora_alpha,
+        loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len, lora_r=s.lora_r, lora_alpha=lora_alpha,
         lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets), **extra,
     )
 
@@ -516,9 +534,10 @@ def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
     """One setup per technique combination the request allows, for the limits over all plans.
     Pruned: the chunked loss where the loss is auto (for t <= CHUNK_TOKENS it is the standard
     loss, beyond it smaller: logits_bytes), and one micro-batch (the limits vary it)."""
-    one = replace(req, micro_batch_size=None, grad_accum=None, batch_size=req.gpus,
-                  loss=req.loss or "chunked")
-    return _setups(one, budget)
+    one = replace(req, micro_batch_size=None, grad_accum=None, batch_size=req.gpus)
+    fused = ["fused"] if tq.fused_loss_unavailable(budget, req.model) is None else []
+    return [s for loss in ([req.loss] if req.loss else ["chunked", *fused])
+            for s in _setups(replace(one, loss=loss), budget)]
 
 
 def _limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator
@@ -582,7 +601,7 @@ _RELEASABLE = {
     "lora": "--method", "quantization": "--quant", "offload": "--offload", "optimizer": "--optim",
     "gradient_checkpointing": "--no-gradient-checkpointing", "mixed_precision": "--precision",
     "loss": "--loss", "attention": "--attn", "micro_batch_size": "micro_batch_size",
-    "grad_accum": "--grad-accum",
+    "grad_accum": "--grad-accum", "activation_offload": "--activation-offload",
 }
 
 
@@ -592,6 +611,7 @@ def _describe(name: str, s: RunSetup) -> str:
         "offload": s.offload, "optimizer": s.optimizer, "mixed_precision": s.precision,
         "gradient_checkpointing": "on" if s.gradient_checkpointing else "off", "loss": s.loss,
         "attention": s.attention, "micro_batch_size": s.micro_batch_size, "grad_accum": s.grad_accum,
+        "activation_offload": "on" if s.activation_offload else "off",
     }[name]
     return str(value)
 
@@ -637,17 +657,21 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         lora=bool(req.lora) or (req.quantization not in (None, "none")), lora_r=req.lora_r,
         lora_targets=req.lora_targets, lora_dropout=req.lora_dropout, optimizer=req.optimizer or "adamw",
         gradient_checkpointing=bool(req.gradient_checkpointing), attention=req.attention or "eager",
-        loss=req.loss or "standard", micro_batch_size=largest, seq_len=req.seq_len,
+        loss=_loss_options(req, budget)[0] if req.loss else "standard", micro_batch_size=largest,
+        seq_len=req.seq_len,
         grad_accum=_largest_micro(req) // largest, gpus=req.gpus, offload=req.offload or "none",
         device=budget.device,
+        activation_offload=bool(req.activation_offload and req.gradient_checkpointing) and budget.device != "cpu",
     )
     est = estimate(s)
     rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, _fits(est, budget))]
     for t in tq.LADDER:
         fixed_name = {"mixed_precision": "mixed_precision", "gradient_accumulation": "micro_batch_size"}.get(t.name, t.name)
         fixed = req.fixed(fixed_name) or (t.name == "gradient_accumulation" and req.fixed("grad_accum"))
-        if t.name == "offload" and budget.device == "cpu":
+        if t.name in ("offload", "activation_offload") and budget.device == "cpu":
             continue
+        if t is tq.ACTIVATION_OFFLOAD and req.gradient_checkpointing is False:
+            fixed = True  # it needs checkpointing, which the user turned off
         if fixed:
             rungs.append(Rung(t.name, str(t.value), est.peak_bytes, 0, 1.0, _fits(est, budget), fixed=True))
             continue
@@ -688,7 +712,8 @@ def _setup_techniques(s: RunSetup) -> dict:
     return {
         "mixed_precision": s.precision, "gradient_checkpointing": s.gradient_checkpointing,
         "gradient_accumulation": s.grad_accum, "lora": s.lora, "quantization": s.quantization,
-        "optimizer": s.optimizer, "offload": s.offload, "attention": s.attention, "loss": s.loss,
+        "optimizer": s.optimizer, "offload": s.offload, "activation_offload": s.activation_offload,
+        "attention": s.attention, "loss": s.loss,
     }
 
 

@@ -81,8 +81,15 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
         r["attention"] += "; eager keeps b x a x s x s scores (upcast to fp32)"
 
     # loss
-    if req.fixed("loss"):
+    if req.fixed("loss") and req.loss != s.loss:  # fused asked, not available here
+        r["loss"] = (f"chunked: {req.sources.get('loss', 'the recipe')} asked for fused, but "
+                     f"{tq.fused_loss_unavailable(budget, s.model)}; the chunked loss runs instead "
+                     f"(logits {gib(c.estimate.breakdown['logits'])})")
+    elif req.fixed("loss"):
         r["loss"] = fixed("loss") or "set"
+    elif s.loss == "fused":
+        r["loss"] = (f"fused (Liger Kernel): {without('logits', 'the chunked loss', loss='chunked')}; "
+                     f"no full logits, one {memory.fused_loss_chunk_tokens(s)}-token chunk")
     elif s.loss == "chunked":
         r["loss"] = f"chunked: {without('logits', loss='standard')}; {percent(tq.CHUNKED_LOSS.slowdown)}"
     else:
@@ -108,10 +115,13 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     if req.fixed("gradient_checkpointing"):
         r["gradient_checkpointing"] = fixed("gradient_checkpointing") or "set"
     elif s.gradient_checkpointing:
-        r["gradient_checkpointing"] = (f"on: {without('activations', gradient_checkpointing=False)}; "
+        r["gradient_checkpointing"] = (f"on: {without('activations', gradient_checkpointing=False, activation_offload=False)}; "
                                        f"{percent(tq.GRADIENT_CHECKPOINTING.slowdown)}")
     else:
         r["gradient_checkpointing"] = f"off: activations {gib(c.estimate.breakdown['activations'])} fit; recomputing would cost {percent(tq.GRADIENT_CHECKPOINTING.slowdown)}"
+
+    # activation offload
+    r["activation_offload"] = _activation_offload_reason(c, req, budget, without, fixed)
 
     # optimizer
     if req.fixed("optimizer"):
@@ -165,6 +175,25 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
                             f"holds a full copy; peak {gib(c.peak_bytes)} per "
                             f"{'process' if budget.device == 'cpu' else 'GPU'} fits")
     return r
+
+
+def _activation_offload_reason(c, req, budget, without, fixed) -> str:
+    s = c.setup
+    host = gib(memory.activation_offload_host_bytes(s))
+    if budget.device == "cpu":
+        asked = " (asked for, ignored)" if req.activation_offload else ""
+        return (f"off{asked}: a CPU run keeps activations in host RAM already; there is no device "
+                "memory to free (transformers' offload pins host memory, which needs a GPU)")
+    if req.fixed("activation_offload"):
+        text = fixed("activation_offload") or "set"
+        return f"{text}; {host} of layer inputs in pinned host RAM" if s.activation_offload else text
+    if s.activation_offload:
+        return (f"on: {without('activations', activation_offload=False)}; {host} of checkpointed "
+                f"layer inputs in pinned host RAM; {percent(tq.ACTIVATION_OFFLOAD.slowdown)}")
+    if s.gradient_checkpointing:
+        return (f"off: the checkpoints ({gib(memory.activation_bytes(s))} of activations) fit on the "
+                f"GPU; offloading them would cost {percent(tq.ACTIVATION_OFFLOAD.slowdown)}")
+    return "off: needs gradient checkpointing, which this plan does not use"
 
 
 def _shard_reason(c, estimate: Estimator, limit: int) -> str:

@@ -72,6 +72,9 @@ class RunSetup:
     grad_accum: int = 1
     gpus: int = 1
     offload: str = "none"
+    # techniques.activation_offload: checkpointed layer inputs in pinned host RAM (needs
+    # gradient_checkpointing; no effect on a CPU: activation_offloaded)
+    activation_offload: bool = False
     device: str = "cuda"  # "cpu": no CUDA context, no allocator slack
     # True: peft prepare_model_for_kbit_training (non-quantized params -> fp32). lowvram trains
     # QLoRA without that upcast (lowvram.train.model.prepare_kbit_model), so False is the default.
@@ -615,7 +618,8 @@ def activation_bytes(setup: RunSetup) -> int:
     t = setup.micro_batch_size * setup.seq_len
     head = _head_activation_bytes(setup)
     if setup.gradient_checkpointing:
-        return spec.num_layers * r * t * spec.hidden_size + head + _checkpointed_mask_bytes(setup)
+        kept = 0 if activation_offloaded(setup) else spec.num_layers  # offloaded: in host RAM
+        return kept * r * t * spec.hidden_size + head + _checkpointed_mask_bytes(setup)
     return (layer_activation_bytes(setup, first=True)
             + (spec.num_layers - 1) * layer_activation_bytes(setup) + head
             + spec.sliding_layers * sliding_window_bytes(setup))
@@ -702,10 +706,90 @@ def logits_bytes(setup: RunSetup) -> int:
     same error as the standard loss, within 2%)."""
     spec = setup.model
     t = setup.micro_batch_size * setup.seq_len
+    if setup.loss == "fused":
+        return fused_loss_bytes(setup)
     if setup.loss == "chunked" and t > CHUNK_TOKENS:  # one chunk: the same as the standard loss
         r, _, _ = _dtypes(setup)
         return 12 * CHUNK_TOKENS * spec.vocab_size + 2 * r * t * spec.hidden_size + 8 * t
     return 12 * t * spec.vocab_size
+
+
+def fused_loss_chunk_tokens(setup: RunSetup) -> int:
+    """Rows of one logits chunk in Liger Kernel's fused linear cross-entropy
+    (liger_kernel/ops/fused_linear_cross_entropy.py, ``fused_linear_cross_entropy_forward``,
+    v0.8.2): inc_factor = ceil(V / h), chunk = next_power_of_2(ceil(t / inc_factor)), so that a
+    chunk's logits are about as large as the hidden states; at most t."""
+    spec = setup.model
+    t = setup.micro_batch_size * setup.seq_len
+    inc = -(-spec.vocab_size // spec.hidden_size)
+    rows = -(-t // inc)
+    return min(t, 1 << (rows - 1).bit_length())
+
+
+def fused_loss_bytes(setup: RunSetup) -> int:
+    """Liger Kernel's fused linear cross-entropy (loss: fused; Hsu et al. 2024, arXiv:2410.10989),
+    from ``fused_linear_cross_entropy_forward`` (v0.8.2): the forward computes the loss and the
+    gradients at once, chunk by chunk, and keeps them for the backward. Alive at its highest:
+    ``grad_input`` (zeros_like the hidden states, r*t*h, saved for the backward), one chunk's
+    logits in the compute dtype (their gradient is written in place), the chunk's
+    ``grad_logits @ weight`` product before it is copied into grad_input (rows*h), the fp32
+    ``loss_1d`` (4t), the ``target != ignore_index`` mask (t) and the shifted int64 labels (8t).
+    A trainable lm_head (full fine-tuning) adds ``grad_weight`` (zeros_like the weight) and, off
+    the fp32-accumulator addmm path (bf16/fp16 weights), ``torch.mm(...).float()``: a V x h
+    product in the compute dtype and its fp32 copy. No full logits, ever (the model returns none
+    in training: liger's lce_forward skips them when labels are given). From the source, not
+    measured (Liger needs a GPU)."""
+    spec = setup.model
+    t = setup.micro_batch_size * setup.seq_len
+    h, v = spec.hidden_size, spec.vocab_size
+    r, c, autocast = _dtypes(setup)
+    cc = 2 if autocast else c
+    rows = fused_loss_chunk_tokens(setup)
+    total = r * t * h + cc * rows * v + cc * rows * h + (4 + 1 + 8) * t
+    if not setup.lora:
+        w, _ = _dtype_bytes(setup)
+        total += w * v * h
+        if not (w == 4 and cc == 2):  # the addmm path (fp32 grad_weight, 16-bit logits) makes none
+            total += cc * v * h + (4 * v * h if cc != 4 else 0)
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Activation offloading (techniques.activation_offload)
+
+
+def activation_offloaded(setup: RunSetup) -> bool:
+    """Whether the checkpointed layer inputs leave the device: activation_offload with gradient
+    checkpointing, on a GPU. On a CPU host RAM is the device memory: transformers' offload path
+    (``save_on_cpu`` around the checkpoint) has nowhere to move them (``tensor.cpu()`` of a CPU
+    tensor is itself; its pinned variant needs a GPU), so nothing is saved and nothing is
+    claimed: the live-bytes tracker would see the same tensors."""
+    return setup.activation_offload and setup.gradient_checkpointing and setup.device == "cuda"
+
+
+def offloaded_layer_input_bytes(setup: RunSetup) -> int:
+    """One checkpointed decoder layer's input (r*t*h), the only tensor its checkpoint saves.
+
+    transformers' ``activation_checkpointing_enable(offload=True)`` (modeling_utils
+    ``_activation_checkpointing_enable``: ``save_on_cpu(pin_memory=True)`` *around*
+    ``torch.utils.checkpoint.checkpoint``): the non-reentrant checkpoint saves the positional
+    inputs through ``_NoopSaveInputs`` outside its own saved-tensor hooks, so the outer
+    ``save_on_cpu`` packs exactly those into pinned host RAM; everything the layer's forward saves
+    goes to the checkpoint's own (inner) hooks and is dropped, as without offload. The layer's
+    keyword arguments (rotary cos/sin, masks, position ids) ride in a ``functools.partial``
+    (GradientCheckpointingLayer), not through the checkpoint, so they stay on the GPU, counted
+    as without offload. In the backward ``unpack_from_cpu`` copies the input back for that
+    layer's recompute: one layer's input on the GPU at a time."""
+    r, _, _ = _dtypes(setup)
+    return r * setup.micro_batch_size * setup.seq_len * setup.model.hidden_size
+
+
+def activation_offload_host_bytes(setup: RunSetup) -> int:
+    """Pinned host RAM of the offloaded layer inputs: every decoder layer's, from its forward to
+    its backward (``save_on_cpu`` allocates one pinned tensor per packed input)."""
+    if not activation_offloaded(setup):
+        return 0
+    return setup.model.num_layers * offloaded_layer_input_bytes(setup)
 
 
 # --------------------------------------------------------------------------------------------
@@ -933,6 +1017,10 @@ def _check(setup: RunSetup) -> None:
     ] if v not in opts]
     if setup.quantization != "none" and not setup.lora:
         problems.append("quantization needs lora")
+    if setup.loss == "fused" and setup.device != "cuda":
+        problems.append("loss fused needs CUDA (Liger Kernel's Triton kernels); use chunked")
+    if setup.activation_offload and not setup.gradient_checkpointing:
+        problems.append("activation_offload needs gradient_checkpointing")
     problems += moe.moe_problems(setup.model, setup.lora, setup.lora_r, setup.lora_targets,
                                  setup.lora_dropout)
     conflict = offload_conflict(setup.optimizer, setup.offload)
@@ -998,9 +1086,12 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         candidates.append((0, 0, int(share * total) + 2 * w * embedding_numel(spec), 0))
     if setup.gradient_checkpointing:
         checkpoints = acts - _head_activation_bytes(setup)
+        one_layer = checkpoints // layers
+        if activation_offloaded(setup):  # only the recomputed layer's input is back on the GPU
+            checkpoints = one_layer = checkpoints + offloaded_layer_input_bytes(setup)
         rec = recompute_bytes(setup)
         candidates += [(checkpoints + rec, 0, layer_grads + int(share * head_g), 0),
-                       (checkpoints // layers + rec, 0, late_layer_grads + int(share * late_g), not_gathered)]
+                       (one_layer + rec, 0, late_layer_grads + int(share * late_g), not_gathered)]
         _, c, autocast = _dtypes(setup)
         if autocast and _dtype_bytes(setup)[0] == 4 and not setup.lora:  # LoRA: frozen, not cached
             cache = c * sum(lin.numel for lin in block_linears(spec)) * spec.num_layers
@@ -1052,6 +1143,7 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     # measured RSS of an idle import) plus one checkpoint shard staged while loading (<= 5 GB,
     # the transformers default max_shard_size).
     process = 2 * 2**30
+    host += activation_offload_host_bytes(setup)
     staging = min(count_parameters(setup.model) * _dtype_bytes(setup)[0], 5 * 10**9)
     if setup.device == "cpu":
         cpu_ram = sum(breakdown.values()) + host + process
@@ -1069,7 +1161,8 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
 
 
 __all__ = [
-    "BREAKDOWN_KEYS", "DEEPSPEED_CPU_OPTIMIZER", "ZERO_OFFLOADS", "CudaOverheads", "ZeroSettings", "MemoryEstimate", "RunSetup",
+    "BREAKDOWN_KEYS", "DEEPSPEED_CPU_OPTIMIZER", "activation_offload_host_bytes", "activation_offloaded",
+    "offloaded_layer_input_bytes", "fused_loss_bytes", "fused_loss_chunk_tokens", "ZERO_OFFLOADS", "CudaOverheads", "ZeroSettings", "MemoryEstimate", "RunSetup",
     "activation_bytes", "backward_gradient_bytes", "cuda_overheads", "embedding_numel",
     "estimate_memory", "gradient_bytes", "layer_backward_bytes", "lm_head_numel", "logits_bytes",
     "lora_parameters", "offload_conflict", "optimizer_bytes", "quantized_bytes", "recompute_bytes",

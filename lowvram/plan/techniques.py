@@ -1,4 +1,4 @@
-"""The seven memory techniques plus the attention kernel and the loss: one canonical name each,
+"""The eight memory techniques plus the attention kernel and the loss: one canonical name each,
 the settings each implies, what it saves, and what it costs in step time, with the source.
 
 The chooser (:mod:`lowvram.plan.choose`) climbs these in ``tier`` order: a plan that needs a
@@ -60,6 +60,12 @@ CHUNKED_LOSS = Technique(
     "chunked loop (our estimate)",
     {"loss": "chunked"},
 )
+FUSED_LOSS = Technique(
+    "loss", "fused", TIER_FREE, 1.0, "logits (one chunk, in the compute dtype; gradients made in forward)",
+    "Liger Kernel's fused linear cross-entropy keeps throughput while cutting the loss' memory "
+    "(Hsu et al. 2024, arXiv:2410.10989, sec. 4); taken as free",
+    {"loss": "fused"},
+)
 MICRO_BATCH = Technique(
     "gradient_accumulation", "on", TIER_MICRO_BATCH, 1.0, "activations, logits (per micro-batch)",
     "same effective batch, same maths; only GPU utilisation drops when a micro-batch holds few "
@@ -71,6 +77,17 @@ GRADIENT_CHECKPOINTING = Technique(
     "one extra forward per step: ~20% (Hugging Face 'Efficient training on a single GPU') to "
     "~33% (Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost')",
     {"gradient_checkpointing": True},
+)
+ACTIVATION_OFFLOAD = Technique(
+    "activation_offload", True, TIER_CHECKPOINTING, 1.1,
+    "activations (checkpointed layer inputs moved to pinned host RAM)",
+    "every layer's input crosses PCIe twice per step, on the compute stream in transformers' "
+    "offload (save_on_cpu; AWS SageMaker's model-parallel docs: PyTorch's native activation "
+    "offloading leaves the GPU idle during the fetch); Unsloth/NVIDIA measured 207-279 ms per step "
+    "for the serialized reload of 8B-14B QLoRA checkpoints at 55.7 GB/s, Unsloth's overlapped "
+    "offload ~1% (unslothai/unsloth README); 2 x layers x t x h x 2 bytes over ~25 GB/s PCIe 4 "
+    "against the step's compute gives ~5-10% (our estimate, the upper end taken)",
+    {"activation_offload": True, "gradient_checkpointing": True},
 )
 OPTIMIZER_8BIT = Technique(
     "optimizer", "adamw_8bit", TIER_OPTIMIZER, 1.03, "optimizer (2 bytes/param instead of 8)",
@@ -105,8 +122,8 @@ OFFLOAD_FULL = Technique(
 
 # The ladder in the order the chooser climbs it (and report.py shows it).
 LADDER = (
-    MIXED_PRECISION, SDPA, CHUNKED_LOSS, MICRO_BATCH, GRADIENT_CHECKPOINTING, OPTIMIZER_8BIT,
-    LORA, QUANTIZATION_4BIT, OFFLOAD_OPTIMIZER, OFFLOAD_FULL,
+    MIXED_PRECISION, SDPA, CHUNKED_LOSS, MICRO_BATCH, GRADIENT_CHECKPOINTING, ACTIVATION_OFFLOAD,
+    OPTIMIZER_8BIT, LORA, QUANTIZATION_4BIT, OFFLOAD_OPTIMIZER, OFFLOAD_FULL,
 )
 
 # Step-time factors of values a user can fix (relative to the default value of that technique).
@@ -125,12 +142,33 @@ OFFLOAD_SLOWDOWN = {
     "zero2": 1.1, "zero3": 1.2, "fsdp": 1.2, "zero2-offload": 1.8, "zero3-offload": 4.0,
     "fsdp-offload": 4.0,
 }
+LOSS_SLOWDOWN = {"standard": 1.0, "chunked": CHUNKED_LOSS.slowdown, "fused": FUSED_LOSS.slowdown}
 ATTENTION_SLOWDOWN = {"sdpa": 1.0, "flash_attention_2": 1.0, "eager": 1.3}
 PRECISION_SLOWDOWN = {
     "bf16": 1.0, "fp16": 1.0, "bf16-mixed": 1.05, "fp16-mixed": 1.05,
     # fp32 has no tensor-core path on most cards (NVIDIA mixed precision guide): ~2-3x slower.
     "fp32": 2.5,
 }
+
+
+def fused_loss_unavailable(budget, model) -> str | None:
+    """Why Liger Kernel's fused linear cross-entropy cannot run under ``budget`` (a choose.Budget)
+    for ``model`` (a ModelSpec); None when it can. It needs CUDA (Triton kernels), the `liger`
+    extra, and a model type Liger patches."""
+    if budget.device != "cuda":
+        return "Liger Kernel's fused loss needs CUDA"
+    if "liger" in budget.missing_extras:
+        return "Liger Kernel is not installed (pip install 'lowvram[liger]')"
+    if model.model_type not in LIGER_MODEL_TYPES:
+        return f"Liger Kernel does not patch {model.model_type} models"
+    return None
+
+
+# Model types liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN patches (v0.8.2),
+# among those the planner models; any other type would silently keep the full-logits loss.
+LIGER_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                     "gemma3_text", "phi3", "olmo2", "smollm3", "granite", "glm4")
+
 
 # Below this many tokens per micro-batch a GPU is not kept busy (our rule of thumb).
 _FULL_UTILISATION_TOKENS = 2048
@@ -153,9 +191,10 @@ def setup_slowdown(setup, largest_micro_batch: int) -> float:
     """Step time of a RunSetup relative to bf16 + SDPA + full fine-tuning on the GPU."""
     factor = PRECISION_SLOWDOWN.get(setup.precision, 1.0)
     factor *= ATTENTION_SLOWDOWN.get(setup.attention, 1.0)
-    factor *= CHUNKED_LOSS.slowdown if setup.loss == "chunked" else 1.0
+    factor *= LOSS_SLOWDOWN.get(setup.loss, 1.0)
     factor *= micro_batch_slowdown(setup.micro_batch_size, setup.seq_len, largest_micro_batch)
     factor *= GRADIENT_CHECKPOINTING.slowdown if setup.gradient_checkpointing else 1.0
+    factor *= ACTIVATION_OFFLOAD.slowdown if setup.activation_offload else 1.0
     factor *= OPTIMIZER_SLOWDOWN.get(setup.optimizer, 1.0)
     factor *= LORA.slowdown if setup.lora else 1.0
     factor *= QUANTIZATION_SLOWDOWN.get(setup.quantization, 1.0)

@@ -57,6 +57,8 @@ class Plan:
     attention: Attention
     loss: Loss
     gpus: int = 1
+    # Checkpointed layer inputs kept in pinned host RAM (transformers' offload=True); GPU only.
+    activation_offload: bool = False
     # The rest of the run setup the memory model read; training takes these from the Plan.
     seq_len: int = 1024
     lora_r: int = 16
@@ -81,7 +83,7 @@ class Plan:
         return self.micro_batch_size * self.grad_accum * self.gpus
 
     def techniques(self) -> dict[str, object]:
-        """The seven canonical techniques plus attention and loss, as shown to users."""
+        """The eight canonical techniques plus attention and loss, as shown to users."""
         return {
             "mixed_precision": self.mixed_precision,
             "gradient_checkpointing": self.gradient_checkpointing,
@@ -90,6 +92,7 @@ class Plan:
             "quantization": self.quantization,
             "optimizer": self.optimizer,
             "offload": self.offload,
+            "activation_offload": self.activation_offload,
             "attention": self.attention,
             "loss": self.loss,
         }

@@ -191,8 +191,13 @@ class TechniquesSection(_Section):
     offload: Offload = Field(
         "auto", description="Offload/shard optimizer or parameters via DeepSpeed ZeRO or FSDP; slowest, last resort."
     )
+    activation_offload: OnOffAuto = Field(
+        "auto", description="on: the checkpointed layer inputs wait in pinned host RAM for the backward "
+                            "(needs gradient_checkpointing; a GPU: nothing to move on a CPU); ~10% slower.")
     attention: Attention = Field("auto", description="Attention kernel; sdpa/flash never store the s x s matrix.")
-    loss: Loss = Field("auto", description="chunked: cross-entropy in chunks, no full fp32 logits copy.")
+    loss: Loss = Field(
+        "auto", description="chunked: cross-entropy in chunks, no full fp32 logits copy; fused: Liger Kernel's "
+                            "fused linear cross-entropy (CUDA, pip install 'lowvram[liger]'), else chunked.")
 
     @field_validator("gradient_accumulation")
     @classmethod
@@ -208,6 +213,14 @@ class TechniquesSection(_Section):
                 "quantization needs lora: a quantized base cannot be trained directly "
                 "(set lora: on or quantization: off)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self) -> TechniquesSection:
+        if self.activation_offload == "on" and self.gradient_checkpointing == "off":
+            raise ValueError(
+                "activation_offload needs gradient_checkpointing: it moves the checkpointed layer inputs "
+                "to host RAM (set gradient_checkpointing: on or auto, or activation_offload: off)")
         return self
 
     @model_validator(mode="after")

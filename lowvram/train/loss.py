@@ -1,4 +1,6 @@
-"""Chunked cross-entropy: the causal-LM loss without the full (tokens x vocabulary) logits.
+"""Chunked cross-entropy: the causal-LM loss without the full (tokens x vocabulary) logits; and
+the settings of Liger Kernel's fused linear cross-entropy (``loss: fused``), which replaces it on
+CUDA where the ``liger`` extra is installed (this chunked loss is the fallback and the CPU loss).
 
 transformers computes all logits, upcasts them to fp32 and keeps the log-softmax for backward:
 about 12 bytes x tokens x V around the loss (memory-model.md "Logits and loss"), more than all
@@ -119,3 +121,33 @@ def chunked_loss_trainer_class():
             return (loss, outputs) if return_outputs else loss
 
     return ChunkedLossTrainer
+
+
+# Liger Kernel (``loss: fused``): transformers' ``use_liger_kernel`` flag patches the model through
+# ``liger_kernel.transformers._apply_liger_kernel_to_instance(model, **config)``, which passes each
+# model type's ``apply_liger_kernel_to_*`` the keywords it accepts. Only the fused linear
+# cross-entropy is turned on: Liger's RMSNorm, SwiGLU/GeGLU, RoPE and LayerNorm kernels save other
+# tensors than the transformers modules the planner models (lowvram.plan.memory.fused_loss_bytes
+# models the loss alone).
+LIGER_KERNEL_CONFIG = {
+    "fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False, "rms_norm": False,
+    "swiglu": False, "geglu": False, "layer_norm": False,
+}
+
+
+def fused_loss_arguments(plan) -> dict:
+    """TrainingArguments for ``plan.loss``: Liger's fused loss for ``fused`` (the planner picks it
+    only on CUDA with liger_kernel importable, lowvram.plan.techniques.fused_loss_unavailable);
+    nothing for the other losses. A plan made elsewhere (a launched worker without the extra) is
+    refused rather than silently run with the full logits."""
+    if plan.loss != "fused":
+        return {}
+    import importlib.util
+
+    from lowvram.errors import LowvramError
+
+    if plan.device != "cuda" or importlib.util.find_spec("liger_kernel") is None:
+        raise LowvramError(
+            "the plan uses loss fused (Liger Kernel), which needs CUDA and the liger extra here",
+            "pip install 'lowvram[liger]', or set techniques.loss: chunked")
+    return {"use_liger_kernel": True, "liger_kernel_config": dict(LIGER_KERNEL_CONFIG)}

@@ -339,11 +339,30 @@ def prepare_model(model, plan, seed: int | None = None):
             set_seed(seed)  # the adapters' random init: same seed, same run
         model = apply_lora(model, plan)
     if plan.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, plan)
     return model
 
 
-def prepare_kbit_model(model, gradient_checkpointing: bool):
+def checkpointing_kwargs(plan) -> dict:
+    """The Plan's gradient checkpointing as transformers takes it: ``activation_checkpointing_kwargs``
+    of TrainingArguments (the Trainer enables it again in ``train()``) and, with ``offload`` split
+    off, of ``activation_checkpointing_enable``. Non-reentrant; with ``plan.activation_offload``,
+    transformers' own offload (``offload=True``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
+    around each layer's checkpoint, so only the checkpointed layer inputs go to pinned host RAM;
+    lowvram.plan.memory.offloaded_layer_input_bytes). The planner sets it on GPU plans only."""
+    kwargs: dict = {"use_reentrant": False}
+    if plan.activation_offload:
+        kwargs["offload"] = True
+    return kwargs
+
+
+def enable_checkpointing(model, plan) -> None:
+    kwargs = checkpointing_kwargs(plan)
+    offload = kwargs.pop("offload", False)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
+
+
+def prepare_kbit_model(model, gradient_checkpointing: bool, plan=None):
     """k-bit preparation without peft's fp32 upcast.
 
     peft's prepare_model_for_kbit_training casts every non-quantized param (embeddings, lm_head,
@@ -357,7 +376,10 @@ def prepare_kbit_model(model, gradient_checkpointing: bool):
     for param in model.parameters():
         param.requires_grad_(False)
     if gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if plan is not None:
+            enable_checkpointing(model, plan)
+        else:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -366,7 +388,7 @@ def apply_lora(model, plan):
     from peft import LoraConfig, get_peft_model
 
     if plan.quantization != "none":
-        model = prepare_kbit_model(model, plan.gradient_checkpointing)
+        model = prepare_kbit_model(model, plan.gradient_checkpointing, plan)
     targets = plan.lora_targets
     config = LoraConfig(
         r=plan.lora_r,

@@ -52,6 +52,9 @@ def configure_cpu_fsdp_state() -> None:
 def build_training_args(recipe, plan, has_eval: bool = False):
     from transformers import TrainingArguments
 
+    from lowvram.train.loss import fused_loss_arguments
+    from lowvram.train.model import checkpointing_kwargs
+
     # FSDP/DeepSpeed come from the accelerate config `lowvram train` launches with (the Trainer's
     # Accelerator reads ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED); in-process they cannot.
     launched = any(os.environ.get(k, "").lower() == "true" for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
@@ -84,7 +87,8 @@ def build_training_args(recipe, plan, has_eval: bool = False):
         gradient_accumulation_steps=plan.grad_accum,
         # transformers 5 name; gradient_checkpointing is its deprecated alias (removed in v6).
         activation_checkpointing=plan.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if plan.gradient_checkpointing else None,
+        # non-reentrant; activation_offload adds transformers' offload (train/model.py)
+        activation_checkpointing_kwargs=checkpointing_kwargs(plan) if plan.gradient_checkpointing else None,
         optim=TRAINER_OPTIMIZERS[plan.optimizer],
         learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler,
@@ -111,13 +115,15 @@ def build_training_args(recipe, plan, has_eval: bool = False):
         # Every trainable parameter (adapters or all weights) takes part in each forward: DDP need
         # not search the graph for unused ones (an extra traversal per step, and a warning).
         ddp_find_unused_parameters=False,
+        **fused_loss_arguments(plan),  # loss fused: Liger's fused linear cross-entropy
         **configured,
     )
 
 
 def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard"):
     """The Hugging Face Trainer over a DataBundle (lowvram.train.data); ``loss`` is plan.loss
-    ("chunked": lowvram.train.loss computes the training loss in chunks of tokens)."""
+    ("chunked": lowvram.train.loss computes the training loss in chunks of tokens; "fused": the
+    plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss)."""
     from transformers import PrinterCallback, Trainer
 
     if loss == "chunked":
