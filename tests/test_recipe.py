@@ -147,3 +147,10 @@ def test_paths_resolve_against_recipe(tmp_path):
     p.write_text(GOOD)
     r = load_recipe(p)
     assert r.resolve_path("data.jsonl") == p.resolve().parent / "data.jsonl"
+
+
+def test_activation_offload_needs_checkpointing():
+    off = problems(GOOD + "techniques: {activation_offload: on, gradient_checkpointing: off}\n")
+    assert len(off) == 1 and "activation_offload needs gradient_checkpointing" in off[0]
+    r = parse_recipe(GOOD + "techniques: {activation_offload: yes, loss: fused}\n", "r.yaml")
+    assert (r.techniques.activation_offload, r.techniques.loss) == ("on", "fused")

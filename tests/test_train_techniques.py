@@ -210,3 +210,101 @@ def test_gguf_conversion_is_cached(tmp_path, tiny_model_dir, monkeypatch):
     got = second.model.get_base_model()
     for name, p in reference.named_parameters():
         assert torch.equal(p, got.get_parameter(name)), name
+
+
+def test_activation_offload_on_a_cpu_runs_and_claims_nothing(tmp_path, tiny_model_dir):
+    """A recipe's activation_offload: on trains on the CPU; the plan says why it is off there
+    (activations already live in host RAM) instead of claiming memory it cannot free."""
+    path = write_recipe(tmp_path, tiny_model_dir, steps=2,
+                        techniques="lora: on, gradient_checkpointing: on, activation_offload: on")
+    plan = resolve_fixed(load_recipe(path))
+    assert plan.gradient_checkpointing and not plan.activation_offload
+    assert plan.reasons["activation_offload"].startswith("off on the CPU")
+    m, cap, out = _run(tmp_path, tiny_model_dir,
+                       "lora: on, gradient_checkpointing: on, activation_offload: on", steps=2)
+    assert m["steps"] == 2 and m["train_loss"] is not None
+
+
+def test_trainer_wraps_each_checkpoint_with_transformers_offload(tmp_path, tiny_model_dir, monkeypatch):
+    """A plan with activation_offload (a GPU plan's setting, run here on the CPU) reaches the
+    Trainer as transformers' offload: save_on_cpu(pin_memory=True) around every decoder layer's
+    checkpoint, packing exactly the layer inputs (b x s x h), nothing else (the memory model's
+    offloaded_layer_input_bytes). save_on_cpu is replaced by a pass-through spy: pinned memory
+    needs a GPU."""
+    import torch
+    import transformers.modeling_utils as mu
+    from transformers import AutoConfig
+
+    packed: list[tuple] = []
+    pins: list[bool] = []
+
+    class Spy(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self, pin_memory=False, device_type="cuda"):
+            pins.append(pin_memory)
+
+            def pack(t):
+                packed.append(tuple(t.shape))
+                return t
+
+            super().__init__(pack, lambda t: t)
+
+    monkeypatch.setattr(mu, "save_on_cpu", Spy)
+    from lowvram.train.run import run_training
+
+    path = write_recipe(tmp_path, tiny_model_dir, steps=2, techniques="lora: on, gradient_checkpointing: on")
+    recipe = load_recipe(path)
+    plan = replace(resolve_fixed(recipe), activation_offload=True)
+    result = run_training(recipe, plan)
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    micro_steps = 2 * plan.grad_accum
+    assert pins and all(pins)  # pinned host memory, as on a GPU
+    assert len(packed) == micro_steps * cfg.num_hidden_layers, packed
+    assert {(s[0], s[2]) for s in packed} == {(plan.micro_batch_size, cfg.hidden_size)}
+    assert result.metrics["steps"] == 2
+
+
+def test_trainer_arguments_carry_the_plan():
+    """Checkpointing kwargs and Liger's switch as the Trainer receives them."""
+    from types import SimpleNamespace
+
+    from lowvram.train.loss import LIGER_KERNEL_CONFIG, fused_loss_arguments
+    from lowvram.train.model import checkpointing_kwargs
+
+    assert checkpointing_kwargs(SimpleNamespace(activation_offload=False)) == {"use_reentrant": False}
+    assert checkpointing_kwargs(SimpleNamespace(activation_offload=True)) == {"use_reentrant": False, "offload": True}
+    assert fused_loss_arguments(SimpleNamespace(loss="chunked", device="cuda")) == {}
+    assert LIGER_KERNEL_CONFIG["fused_linear_cross_entropy"] is True
+    assert [k for k, v in LIGER_KERNEL_CONFIG.items() if v] == ["fused_linear_cross_entropy"]
+
+
+def test_fused_loss_reaches_liger_through_the_trainer(monkeypatch, tiny_model_dir):
+    """loss: fused -> TrainingArguments(use_liger_kernel=True, liger_kernel_config=...) -> transformers'
+    apply_liger_kernel -> liger's _apply_liger_kernel_to_instance with only the fused loss on.
+    Liger is faked (it needs CUDA); without it (or on a CPU) a fused plan is refused."""
+    import importlib.util
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    import transformers.integrations.liger as hf_liger
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.errors import LowvramError
+    from lowvram.train.loss import LIGER_KERNEL_CONFIG, fused_loss_arguments
+
+    with pytest.raises(LowvramError, match="needs CUDA and the liger extra"):
+        fused_loss_arguments(SimpleNamespace(loss="fused", device="cpu"))
+    calls = []
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake._apply_liger_kernel_to_instance = lambda model, **kw: calls.append((type(model).__name__, kw))
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "liger_kernel" else real_find_spec(name, *a))
+    monkeypatch.setattr(hf_liger, "is_liger_kernel_available", lambda: True)
+    args = fused_loss_arguments(SimpleNamespace(loss="fused", device="cuda"))
+    assert args == {"use_liger_kernel": True, "liger_kernel_config": LIGER_KERNEL_CONFIG}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    hf_liger.apply_liger_kernel(model, args["liger_kernel_config"])
+    assert calls == [("LlamaForCausalLM", LIGER_KERNEL_CONFIG)]
