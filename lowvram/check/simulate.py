@@ -43,8 +43,11 @@ def unsupported(setup: RunSetup) -> list[str]:
     if setup.attention == "flash_attention_2":
         out.append("attention 'flash_attention_2' needs a CUDA kernel (fake CUDA does not run on a "
                    "CPU build of torch); simulate with sdpa, which stores the same tensors")
-    if setup.loss == "chunked":
-        out.append("loss 'chunked' is not part of the transformers step that is simulated")
+    if setup.loss in ("chunked", "fused"):
+        out.append(f"loss {setup.loss!r} is not part of the transformers step that is simulated")
+    if setup.activation_offload:
+        out.append("activation_offload moves tensors between the GPU and pinned host RAM; the "
+                   "simulation runs one device (the offload is modelled analytically only)")
     if setup.quantization == "int8":
         out.append("quantization 'int8': bitsandbytes Int8Params cannot wrap a fake tensor")
     return out
