@@ -36,6 +36,10 @@ def test_offload_moves_exactly_the_layer_inputs_to_host_ram(llama8b):
     per_layer = 2 * 16384 * 4096
     assert memory.offloaded_layer_input_bytes(on) == per_layer == 134_217_728
     assert estimate_memory(on).cpu_ram_bytes - estimate_memory(off).cpu_ram_bytes == 32 * per_layer
+    # pinned blocks are rounded up to a power of two (PyTorch's CachingHostAllocator)
+    odd = replace(on, seq_len=10429)
+    assert memory.offloaded_layer_input_bytes(odd) == 2 * 10429 * 4096 == 85_434_368
+    assert memory.activation_offload_host_bytes(odd) == 32 * 2**27
     assert memory.activation_bytes(off) - memory.activation_bytes(on) == 32 * per_layer
     e_on, e_off = estimate_memory(on), estimate_memory(off)
     assert sum(e_on.breakdown.values()) == e_on.peak_bytes
