@@ -96,13 +96,15 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
     offload = _fixed_value("offload", t.offload)
     reasons["offload"] = "set in the recipe" if t.offload != "auto" else "default: no offload"
 
-    gc = t.gradient_checkpointing == "on"
-    reasons["gradient_checkpointing"] = "set in the recipe" if t.gradient_checkpointing != "auto" else "default: off"
+    # activation_offload: on needs checkpointing (auto checkpointing follows it, as in the search)
+    gc = t.gradient_checkpointing == "on" or (t.gradient_checkpointing == "auto" and t.activation_offload == "on")
+    reasons["gradient_checkpointing"] = ("set in the recipe" if t.gradient_checkpointing != "auto" else
+                                         "on: activation_offload needs it" if gc else "default: off")
     # GPU only: a CPU run has no device memory to free (lowvram.plan.memory.activation_offloaded)
-    act_off = t.activation_offload == "on" and gc and kind == "cuda"
+    act_off = t.activation_offload == "on" and kind == "cuda"
     reasons["activation_offload"] = ("set in the recipe" if act_off else
-                                     "off on the CPU: activations are in host RAM already" if t.activation_offload == "on"
-                                     else "default: off")
+                                     f"off on the {kind.upper()}: activations are in host RAM already"
+                                     if t.activation_offload == "on" else "default: off")
 
     batch = recipe.training.batch_size
     per_step = batch // gpus if batch % gpus == 0 else None

@@ -254,8 +254,9 @@ def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         "loss": _loss_options(req, budget),
         "micro_batch_size": micros,
         "gradient_checkpointing": pick("gradient_checkpointing", [False, True]),
-        # GPU only: on a CPU there is no device memory to free (memory.activation_offloaded)
-        "activation_offload": pick("activation_offload", [False, True]) if on_gpu else [False],
+        # CUDA only: on a CPU (or MPS's unified memory) there is no device memory to free
+        # (memory.activation_offloaded)
+        "activation_offload": pick("activation_offload", [False, True]) if budget.device == "cuda" else [False],
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
@@ -661,14 +662,14 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         seq_len=req.seq_len,
         grad_accum=_largest_micro(req) // largest, gpus=req.gpus, offload=req.offload or "none",
         device=budget.device,
-        activation_offload=bool(req.activation_offload and req.gradient_checkpointing) and budget.device != "cpu",
+        activation_offload=bool(req.activation_offload and req.gradient_checkpointing) and budget.device == "cuda",
     )
     est = estimate(s)
     rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, _fits(est, budget))]
     for t in tq.LADDER:
         fixed_name = {"mixed_precision": "mixed_precision", "gradient_accumulation": "micro_batch_size"}.get(t.name, t.name)
         fixed = req.fixed(fixed_name) or (t.name == "gradient_accumulation" and req.fixed("grad_accum"))
-        if t.name in ("offload", "activation_offload") and budget.device == "cpu":
+        if (t.name == "offload" and budget.device == "cpu") or (t is tq.ACTIVATION_OFFLOAD and budget.device != "cuda"):
             continue
         if t is tq.ACTIVATION_OFFLOAD and req.gradient_checkpointing is False:
             fixed = True  # it needs checkpointing, which the user turned off

@@ -180,10 +180,10 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
 def _activation_offload_reason(c, req, budget, without, fixed) -> str:
     s = c.setup
     host = gib(memory.activation_offload_host_bytes(s))
-    if budget.device == "cpu":
+    if budget.device != "cuda":
         asked = " (asked for, ignored)" if req.activation_offload else ""
-        return (f"off{asked}: a CPU run keeps activations in host RAM already; there is no device "
-                "memory to free (transformers' offload pins host memory, which needs a GPU)")
+        return (f"off{asked}: a {budget.device.upper()} run keeps activations in host RAM already; there "
+                "is no device memory to free (transformers' offload pins host memory for a CUDA card)")
     if req.fixed("activation_offload"):
         text = fixed("activation_offload") or "set"
         return f"{text}; {host} of layer inputs in pinned host RAM" if s.activation_offload else text
