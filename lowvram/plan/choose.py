@@ -282,13 +282,14 @@ def _auto_offloads(req: PlanRequest, on_gpu: bool) -> list[str]:
 def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
     o = _options(req, budget)
     per_gpu = req.batch_size // req.gpus
+    # activation offload moves the checkpoints: only with checkpointing
+    recompute = [(gc, ao) for gc in o["gradient_checkpointing"] for ao in o["activation_offload"] if gc or not ao]
     out = []
     for precision in o["precision"]:
         for attention in o["attention"]:
             for loss in o["loss"]:
                 for micro in o["micro_batch_size"]:
-                    for gc, act_off in [(gc, ao) for gc in o["gradient_checkpointing"]
-                                        for ao in o["activation_offload"] if gc or not ao]:
+                    for gc, act_off in recompute:
                         for optim in o["optimizer"]:
                             for lora in o["lora"]:
                                 for quant in o["quantization"]:
@@ -447,8 +448,8 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Pl
         device=device, mixed_precision=s.precision, gradient_checkpointing=s.gradient_checkpointing,
         micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
-        loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len, lora_r=s.lora_r, lora_alpha=lora_alpha,
-        lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets), **extra,
+        loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len,
+        lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets), **extra,
     )
 
 
@@ -533,8 +534,9 @@ def _max_micro_batch(setup: RunSetup, budget: Budget, estimate: Estimator) -> in
 
 def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
     """One setup per technique combination the request allows, for the limits over all plans.
-    Pruned: the chunked loss where the loss is auto (for t <= CHUNK_TOKENS it is the standard
-    loss, beyond it smaller: logits_bytes), and one micro-batch (the limits vary it)."""
+    Pruned: the chunked loss (and Liger's fused loss where it runs) where the loss is auto (for
+    t <= CHUNK_TOKENS chunked is the standard loss, beyond it smaller: logits_bytes), and one
+    micro-batch (the limits vary it)."""
     one = replace(req, micro_batch_size=None, grad_accum=None, batch_size=req.gpus)
     fused = ["fused"] if tq.fused_loss_unavailable(budget, req.model) is None else []
     return [s for loss in ([req.loss] if req.loss else ["chunked", *fused])
