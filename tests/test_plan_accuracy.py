@@ -131,3 +131,40 @@ def test_eager_attention_with_checkpointing(kw):
     measured = measure_setup(setup).peak_bytes
     predicted = estimate_memory(setup).peak_bytes
     assert -0.10 <= measured / predicted - 1 <= 0.03, f"measured {measured:,} predicted {predicted:,}"
+
+
+@pytest.mark.slow  # one measured Trainer step: ~13 s on the 2-core machine (make test-all)
+def test_activation_offload_peak_as_planned(monkeypatch):
+    """Activation offload measured on the CPU: transformers' save_on_cpu is replaced by hooks that
+    take each packed tensor out of torch (bytes), as pinned host RAM is out of the GPU's
+    allocator; the measured peak is the plan's GPU tensor bytes (context and slack aside) within
+    3%. Measured -0.12% / -0.08% / exact for LoRA fp32, LoRA bf16, full fp32 on an 8-layer
+    h=256 model at 2 x 512 tokens (the commit that added this test)."""
+    from dataclasses import replace
+
+    import transformers.modeling_utils as mu
+
+    packed = []
+
+    class ToHost(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self, pin_memory=False, device_type="cuda"):
+            def pack(t):
+                packed.append(t.numel() * t.element_size())
+                return t.dtype, t.shape, t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+            def unpack(p):
+                dtype, shape, data = p
+                return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone().view(dtype).reshape(shape)
+
+            super().__init__(pack, unpack)
+
+    monkeypatch.setattr(mu, "save_on_cpu", ToHost)
+    spec = tiny_llama_spec(hidden_size=128, num_layers=6, vocab_size=256)
+    setup = RunSetup(spec, device="cpu", precision="fp32", lora=True, gradient_checkpointing=True,
+                     activation_offload=True, seq_len=256, micro_batch_size=2)
+    measured = measure_setup(setup).peak_bytes
+    on_gpu = estimate_memory(replace(setup, device="cuda"))
+    tensors = on_gpu.peak_bytes - on_gpu.breakdown["cuda_context"] - on_gpu.breakdown["allocator"]
+    assert abs(tensors - measured) <= 0.03 * measured, (tensors, measured)
+    assert set(packed) == {4 * 2 * 256 * 128}  # only layer inputs, fp32 b x s x h
+    assert len(packed) % spec.num_layers == 0
