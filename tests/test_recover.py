@@ -60,9 +60,14 @@ def test_next_cheaper_respects_fixed_settings():
     new = next_cheaper(plan, req, plan.predicted_peak_bytes)
     assert new is not None and not new.gradient_checkpointing and not new.lora and new.optimizer == "adamw"
     assert new.predicted_peak_bytes <= 0.9 * plan.predicted_peak_bytes and new.effective_batch == 16
-    # Everything fixed and micro-batch 1 already: nothing cheaper exists.
+    # All but activation offload fixed: the re-plan offloads the checkpointed layer inputs.
     req, plan = _plan(gradient_checkpointing=True, lora=True, quantization="nf4-dq", optimizer="adamw",
                       micro_batch_size=1, offload="full", loss="chunked")
+    new = next_cheaper(plan, req, plan.predicted_peak_bytes)
+    assert new is not None and new.activation_offload and not plan.activation_offload
+    # Everything fixed and micro-batch 1 already: nothing cheaper exists.
+    req, plan = _plan(gradient_checkpointing=True, lora=True, quantization="nf4-dq", optimizer="adamw",
+                      micro_batch_size=1, offload="full", loss="chunked", activation_offload=True)
     assert next_cheaper(plan, req, plan.predicted_peak_bytes) is None
     assert next_cheaper(replace(plan, predicted_peak_bytes=None), req, 10**9) is None
 
