@@ -159,12 +159,13 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     from lowvram.train.recover import launch_with_recovery
     from lowvram.train.trainer import output_dir
 
+    replanner = replanner_for(r)
     with run_lock(output_dir(r), "lowvram train --gpus"):
-        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume, overwrite=overwrite)
+        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume, overwrite=overwrite,
+                                         replanner=replanner)
         report.show_launch(r, plan, spec, prepared)
         rc = launch_with_recovery(r, recipe_path, overrides, plan, spec, prepared, recover=recover,
-                                  max_retries=max_retries, track_memory=track_memory,
-                                  replanner=replanner_for(r))
+                                  max_retries=max_retries, track_memory=track_memory, replanner=replanner)
     if rc != 0:
         raise typer.Exit(rc)
     if node_rank == 0:

@@ -13,10 +13,10 @@ No torch here unless the hardware has to be detected (no ``--vram`` / ``LOWVRAM_
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
+from lowvram.plan.replan import Replanner
 from lowvram.plan.types import Plan, dtype_precision, precisions_for_dtype
 from lowvram.recipe import Recipe, TrainingSection
 from lowvram.units import gib, parse_size
@@ -344,45 +344,6 @@ def require_fit(plan: Plan, recipe_path) -> None:
         f"`lowvram plan {recipe_path}` names the smallest budget that works and the change that "
         "helps most (shorter training.seq_len, a smaller model, techniques the recipe fixed)",
     )
-
-
-@dataclass(frozen=True)
-class Replanner:
-    """What a run asks the planner once it is under way, built here from the recipe's request and
-    handed down to train/ (which imports nothing from planning, STYLE.md): the peak at another
-    sequence length, and the next cheaper plan after an out-of-memory error. ``request`` None:
-    the model could not be read, so neither can be predicted."""
-
-    request: PlanRequest | None = None
-
-    def peak_at(self, plan: Plan, seq_len: int) -> int | None:
-        """The plan's peak if every batch were ``seq_len`` tokens long.
-
-        Batches are padded to their longest row, not to ``training.seq_len``: on data shorter than
-        seq_len the run peaks at the longest batch it meets, which this predicts."""
-        from lowvram.plan.memory import RunSetup, estimate_memory
-
-        if self.request is None:
-            return None
-        setup = RunSetup(
-            model=self.request.model, precision=plan.mixed_precision, quantization=plan.quantization,
-            lora=plan.lora, lora_r=plan.lora_r, lora_targets=plan.lora_targets, lora_dropout=plan.lora_dropout,
-            optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,
-            attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
-            seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
-            device=plan.device,
-        )
-        return estimate_memory(setup).peak_bytes
-
-    def next_cheaper(self, plan: Plan, measured_peak_bytes: int | None) -> Plan | None:
-        """The plan to retry with after ``plan`` ran out of memory (the same request: the recipe's
-        fixed techniques stay fixed, the effective batch is kept); None when nothing is cheaper."""
-        from lowvram.plan.choose import next_cheaper
-
-        if self.request is None:
-            return None
-        req = replace(self.request, gpus=plan.gpus) if plan.gpus > 1 else self.request
-        return next_cheaper(plan, req, measured_peak_bytes)
 
 
 def replanner_for(recipe: Recipe) -> Replanner:

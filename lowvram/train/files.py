@@ -24,8 +24,9 @@ CHECKPOINT_GLOB = "checkpoint-*"
 # Written by `lowvram train --gpus N` before the run starts (launch.py): not a sign of an earlier run.
 CONFIG = "accelerate_config.yaml"
 LAUNCH_PLAN = "launch-plan.json"
+LAUNCH_REQUEST = "launch-request.json"  # the plan's request, for the workers' Replanner
 LAUNCH_LOG = "launch.log"
-LAUNCH_FILES = (CONFIG, LAUNCH_PLAN, LAUNCH_LOG)
+LAUNCH_FILES = (CONFIG, LAUNCH_PLAN, LAUNCH_REQUEST, LAUNCH_LOG)
 
 OOM_REPORT = "oom-rank{rank}.json"  # a launched worker's out-of-memory, for the launcher (oom.py)
 

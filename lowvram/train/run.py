@@ -19,7 +19,8 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.train.files import METRICS, PLAN, RECIPE, write_atomic
-from lowvram.train.types import Replanner, RunResult
+from lowvram.plan.replan import Replanner
+from lowvram.train.types import RunResult
 
 # --------------------------------------------------------------------------------------------
 # The run folder
