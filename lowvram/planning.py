@@ -13,7 +13,6 @@ No torch here unless the hardware has to be detected (no ``--vram`` / ``LOWVRAM_
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.plan.replan import Replanner
@@ -33,9 +32,6 @@ from lowvram.vocab import (
     WEIGHT_DTYPE,
     on_off,
 )
-
-if TYPE_CHECKING:
-    from lowvram.plan.choose import PlanRequest
 
 # `--method` is a shorthand for the lora and quantization techniques.
 METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, ON_VALUES["quantization"])}

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from lowvram.errors import LowvramError
-from lowvram.train.files import METRICS, PLAN, RECIPE, write_atomic
 from lowvram.plan.replan import Replanner
+from lowvram.train.files import METRICS, PLAN, RECIPE, write_atomic
 from lowvram.train.types import RunResult
 
 # --------------------------------------------------------------------------------------------
