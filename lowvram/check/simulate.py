@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from lowvram.errors import LowvramError
 from lowvram.plan.memory import (
     BREAKDOWN_KEYS,
+    PROCESS_HOST_BYTES,
     MemoryEstimate,
     RunSetup,
     cuda_overheads,
@@ -294,7 +295,7 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
     parts["cuda_context"] = ov.context_bytes if cuda else 0
     parts["allocator"] = int(ov.allocator_fraction * tensors) if cuda else 0
     breakdown = {k: int(parts[k]) for k in BREAKDOWN_KEYS}
-    process = 2 * 2**30  # as estimate_memory: torch + CUDA libraries, idle RSS
+    process = PROCESS_HOST_BYTES  # as estimate_memory
     peak = sum(breakdown.values())
     return MemoryEstimate(
         parameters=parameters, trainable_parameters=trainable, peak_bytes=peak,

@@ -34,6 +34,10 @@ from lowvram.vocab import (
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", "cuda_context",
                   "allocator")
 
+# Host RAM of one training process before any tensor of the run: torch + CUDA libraries, ~2 GiB
+# (measured RSS of an idle import). estimate_memory and lowvram.check.simulate add it.
+PROCESS_HOST_BYTES = 2 * 2**30
+
 # Tokens per chunk of the chunked cross-entropy (lowvram.train.loss uses the same number).
 CHUNK_TOKENS = 1024
 
@@ -987,10 +991,9 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
         parts["cuda_context"] = 0
         parts["allocator"] = 0
     breakdown = {k: int(parts[k]) for k in BREAKDOWN_KEYS}
-    # Host RAM: what is offloaded, plus the process itself (torch + CUDA libraries, ~2 GiB
-    # measured RSS of an idle import) plus one checkpoint shard staged while loading (<= 5 GB,
-    # the transformers default max_shard_size).
-    process = 2 * 2**30
+    # Host RAM: what is offloaded, plus the process itself (PROCESS_HOST_BYTES) plus one
+    # checkpoint shard staged while loading (<= 5 GB, the transformers default max_shard_size).
+    process = PROCESS_HOST_BYTES
     staging = min(count_parameters(setup.model) * _dtype_bytes(setup)[0], 5 * 10**9)
     if setup.device == "cpu":
         cpu_ram = sum(breakdown.values()) + host + process
