@@ -6,7 +6,7 @@
 3. Runs exactly ``lowvram train recipes/quickstart.yaml --overwrite`` (the same CLI command).
 4. Answers the same prompts with base + the trained adapter, and shows the loss falling.
 
-The prompts are rendered as in training (``lowvram.train.data.format_example``: the Alpaca
+The prompts are rendered as in training (``lowvram.train.data.format.format_example``: the Alpaca
 prompt the quickstart data uses), so before and after see the exact text the adapter learned on.
 """
 
@@ -66,7 +66,7 @@ def link_model(root: Path = ROOT) -> Path:
 
 def demo_prompts(recipe, rows=PROMPT_ROWS) -> list[tuple[str, str]]:
     """(prompt as rendered in training, reference answer) for a few rows of the first dataset."""
-    from lowvram.train.data import format_example
+    from lowvram.train.data.format import format_example
 
     spec = recipe.data.datasets[0]
     lines = recipe.resolve_path(spec.path).read_text(encoding="utf-8").splitlines()

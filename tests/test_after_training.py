@@ -144,7 +144,7 @@ def test_generate_streams_tokens(run_dir, tmp_path):
     # The same tokens as transformers' greedy generate on base + adapter with the Alpaca prompt.
     import torch
 
-    from lowvram.train.data import ALPACA_PROMPT_NO_INPUT
+    from lowvram.train.data.format import ALPACA_PROMPT_NO_INPUT
     from lowvram.train.generate import load_generator
 
     gen = load_generator(run_dir)

@@ -179,7 +179,8 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     sys.stdout.flush()
     loaded = load_model(recipe, plan)
 
-    from lowvram.train.data import build_datasets, make_collator
+    from lowvram.train.data.build import build_datasets
+    from lowvram.train.data.collate import make_collator
 
     bundle = build_datasets(recipe, loaded.tokenizer)
     if len(bundle.train) == 0:
