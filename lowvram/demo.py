@@ -124,7 +124,7 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     from lowvram.cli import app
     from lowvram.planning import plan_for_recipe
     from lowvram.recipe import load_recipe
-    from lowvram.report import console
+    from lowvram.report.console import console
     from lowvram.train.model import load_model, quiet_libraries
 
     c = console()
@@ -170,7 +170,7 @@ def _shown(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lowvram.report import print_error
+    from lowvram.report.console import print_error
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -382,7 +382,7 @@ def spec_from_transformers(cfg: dict, name: str):
 
 
 def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: int) -> dict:
-    """The ``simulated`` object of `lowvram plan --simulate --json` (bytes; report.py renders)."""
+    """The ``simulated`` object of `lowvram plan --simulate --json` (bytes; lowvram.report.plans renders)."""
     import time
 
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Light result types of a training run (no torch here; report.py renders them)."""
+"""Light result types of a training run (no torch here; lowvram.report.training renders them)."""
 
 from __future__ import annotations
 
