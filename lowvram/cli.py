@@ -94,7 +94,7 @@ def train(
     from lowvram.report.training import show_train_result
 
     r = load_recipe(recipe, set_ or [])
-    from lowvram.planning import plan_for_recipe, require_fit
+    from lowvram.planning.entry import plan_for_recipe, require_fit
 
     launched = (r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
                 rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, not no_track_memory,
@@ -114,7 +114,7 @@ def train(
         return
     require_fit(plan, recipe)
     show_plan_brief(r, plan)
-    from lowvram.planning import replanner_for
+    from lowvram.planning.entry import replanner_for
     from lowvram.train.recover import resume_command, train_with_recovery
 
     result = train_with_recovery(r, plan, resume=resume, overwrite=overwrite, recover=not no_recover,
@@ -130,7 +130,7 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     import dataclasses
 
     from lowvram.hardware import detect_hardware
-    from lowvram.planning import plan_for_recipe
+    from lowvram.planning.entry import plan_for_recipe
     from lowvram.report.plans import show_dry_run, show_launch
     from lowvram.report.training import show_train_result
     from lowvram.train import launch
@@ -149,14 +149,14 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
         show_dry_run(r, plan, as_json=json_)
         return
     if not print_launch:
-        from lowvram.planning import require_fit
+        from lowvram.planning.entry import require_fit
 
         require_fit(plan, recipe_path)
     if print_launch:
         prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, print_only=True)
         show_launch(r, plan, spec, prepared, print_only=True)
         return
-    from lowvram.planning import replanner_for
+    from lowvram.planning.entry import replanner_for
     from lowvram.train.lock import run_lock
     from lowvram.train.recover import launch_with_recovery
     from lowvram.train.trainer import output_dir
@@ -220,11 +220,11 @@ def plan(
     Every flag given fixes that choice; the rest is chosen so the run fits --vram. Without a GPU
     and without --vram (or LOWVRAM_VRAM), the plan is for a CPU run in the available host RAM.
     """
-    from lowvram import planning
+    from lowvram.planning import entry
     from lowvram.report.plans import show_models, show_plan, show_unpredicted_plan
 
     if list_models:
-        show_models(planning.list_models(), as_json=json_)
+        show_models(entry.list_models(), as_json=json_)
         return
     r = None
     if recipe is not None:
@@ -236,7 +236,7 @@ def plan(
         _fetch_hub_config(model_ref, explicit=model is not None)
     if simulate and model_ref:
         _register_for_simulation(model_ref)
-    result = planning.make_plan(
+    result = entry.make_plan(
         r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
         precision=precision, quant=quant, optim=optim, loss=loss, attn=attn, batch_size=batch_size,
         seq_len=seq_len, grad_accum=grad_accum, gradient_checkpointing=gradient_checkpointing,

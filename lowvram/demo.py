@@ -122,7 +122,7 @@ def show_loss(c, history) -> None:
 
 def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     from lowvram.cli import app
-    from lowvram.planning import plan_for_recipe
+    from lowvram.planning.entry import plan_for_recipe
     from lowvram.recipe import load_recipe
     from lowvram.report.console import console
     from lowvram.train.model import load_model, quiet_libraries

@@ -336,7 +336,7 @@ def test_oom_in_a_launched_run_retries_with_a_smaller_micro_batch(tmp_path, tiny
 def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, tiny_model_dir, monkeypatch):
     """The launcher's loop on its own: workers that report an OOM at step 3 after checkpoint-2."""
     from lowvram.hardware import detect_hardware
-    from lowvram.planning import plan_for_recipe, replanner_for
+    from lowvram.planning.entry import plan_for_recipe, replanner_for
     from lowvram.recipe import load_recipe
     from lowvram.train import launch, oom, recover
     from lowvram.train.checkpoints import mark_complete
@@ -385,7 +385,7 @@ def test_a_rank_stopped_after_anothers_oom_stays_quiet(tmp_path, tiny_model_dir,
     "interrupted" error (the launcher's retry line says what happened); without a report it does."""
     import signal
 
-    from lowvram.planning import plan_for_recipe
+    from lowvram.planning.entry import plan_for_recipe
     from lowvram.recipe import load_recipe
     from lowvram.train import launch, oom, run, signals, worker
 

@@ -174,7 +174,7 @@ def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = Fa
                         max_retries: int = DEFAULT_MAX_RETRIES, resume_cmd: str = "", notify=None,
                         track_memory: bool | None = None, replanner: Replanner | None = None):
     """run_training, retried with ``replanner``'s next cheaper plan after an out-of-memory error
-    (built above train/ by lowvram.planning.replanner_for; None: no retry can be planned); the output folder is locked
+    (built above train/ by lowvram.planning.entry.replanner_for; None: no retry can be planned); the output folder is locked
     for the whole time (lock.py)."""
     from lowvram.train.lock import run_lock
     from lowvram.train.trainer import output_dir
