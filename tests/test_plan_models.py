@@ -141,8 +141,7 @@ def test_count_matches_transformers_model(name):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from lowvram.measure import hf_config
-
+    from lowvram.check.builders import hf_config
     spec = resolve_model(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(spec))

@@ -138,8 +138,7 @@ def test_analytic_equals_the_simulated_step_on_a_small_moe(name, lora):
 @pytest.mark.parametrize("name,lora", [("mixtral", True), ("qwen3_moe", False)])
 def test_analytic_equals_a_real_cpu_step_on_a_small_moe(name, lora):
     pytest.importorskip("torch")
-    from lowvram.measure import measure_setup
-
+    from lowvram.check.step import measure_setup
     spec = spec_from_config(CONFIGS[name], name)
     setup = RunSetup(spec, seq_len=256, micro_batch_size=1, device="cpu", precision="fp32", lora=lora)
     measured = measure_setup(setup).peak_bytes

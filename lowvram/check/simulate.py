@@ -3,11 +3,11 @@
 ``simulate_memory`` builds the transformers (+ peft, + bitsandbytes) model of a setup with fake
 tensors (shapes and dtypes, no data: a 7B model in ~0.4 GB of RAM) with ``lowvram train``'s own
 builders (lowvram.train.model.load_kwargs / prepare_model, the Trainer's create_optimizer),
-runs the Trainer's step as :func:`lowvram.measure.measure_training_step` spells it out (a
+runs the Trainer's step as :func:`lowvram.check.step.measure_training_step` spells it out (a
 Trainer cannot be built on fake tensors: a warm-up step, then a tracked one: forward with labels
 under autocast, backward, clip, optimizer.step, zero_grad) and reads the peak off the live-bytes
 tracker. On a small Llama it equals the real Trainer step measured on a CPU
-(:func:`lowvram.measure.measure_setup`) to within a few KiB (tests/test_plan_simulate.py);
+(:func:`lowvram.check.step.measure_setup`) to within a few KiB (tests/test_plan_simulate.py);
 at full size it checks the analytic model (bench/simulate_full_size.py).
 
 FakeTensorMode needs the workarounds listed in /work/shared/reference/stack-notes.md
@@ -155,8 +155,7 @@ def _fill_bnb_maps() -> None:
 
 
 def _config(setup: RunSetup, config):
-    from lowvram.measure import hf_config
-
+    from lowvram.check.builders import hf_config
     if config is None:
         return hf_config(setup.model, setup.attention)
     if isinstance(config, dict):
@@ -170,10 +169,10 @@ def _config(setup: RunSetup, config):
 
 
 def _build_model(setup: RunSetup, config, mode):
-    """The model of ``setup`` with fake tensors, prepared as lowvram.measure.build_model does."""
+    """The model of ``setup`` with fake tensors, prepared as lowvram.check.builders.build_model does."""
     from transformers import AutoModelForCausalLM
 
-    from lowvram.measure import setup_plan
+    from lowvram.check.builders import setup_plan
     from lowvram.train.model import load_kwargs, precision_compute_dtype, prepare_model
 
     plan = setup_plan(setup)
@@ -234,7 +233,8 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lowvram.measure import autocast_dtype, build_optimizer, make_batch, measure_training_step
+    from lowvram.check.builders import autocast_dtype, build_optimizer, make_batch
+    from lowvram.check.step import measure_training_step
     from lowvram.train.model import quiet_libraries
 
     quiet_libraries()

@@ -296,7 +296,7 @@ def _first_line(e: BaseException) -> str:
 
 def load_kwargs(plan) -> dict:
     """``from_pretrained`` keyword arguments for the plan's weights: dtype, attention kernel, and
-    the bitsandbytes config and device map of a quantized base (shared with lowvram.measure)."""
+    the bitsandbytes config and device map of a quantized base (shared with lowvram.check.builders)."""
     kwargs: dict[str, Any] = {"dtype": weight_dtype(plan), "attn_implementation": plan.attention}
     q = quantization_config(plan)
     if q is not None:
@@ -330,7 +330,7 @@ def prepare_model(model, plan, seed: int | None = None):
     checkpointing (non-reentrant), which the Trainer also switches on in ``train()``. The order
     matters: peft registers an input-requires-grad hook on the embedding when it wraps a model
     that is already checkpointing (and not quantized), which changes what the first layer keeps.
-    lowvram.measure and the simulator prepare their models with this same function."""
+    lowvram.check.builders and the simulator prepare their models with this same function."""
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
     if plan.lora:
         if seed is not None:
