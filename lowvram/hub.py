@@ -16,6 +16,9 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
 
+# A name that may be a hub id (train/ reads anything else as a local path): "org/name", or a bare
+# name (old canonical models and datasets, e.g. "gpt2", "squad").
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # A hub repo id: "org/name" (huggingface_hub validate_repo_id: letters, digits, - _ . ; no "--"
 # or ".." and no leading/trailing - or .).
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")

@@ -96,7 +96,7 @@ def find_base_model(run_dir: Path, adapter: dict, recipe: dict) -> BaseModel:
     if name:
         for c in _candidates(name, run_dir):
             if gguf_file and (c / gguf_file).is_file():
-                from lowvram.train.model import gguf_folder
+                from lowvram.train.gguf import gguf_folder
 
                 folder, hit = gguf_folder(str(c), gguf_file, bool(model.get("trust_remote_code")))
                 how = "recipe.yaml, GGUF (cached conversion)" if hit else "recipe.yaml, GGUF (converted now)"

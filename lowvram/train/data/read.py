@@ -13,13 +13,13 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lowvram.errors import DataError
+from lowvram.hub import HUB_ID
 from lowvram.recipe import DatasetSpec, Recipe
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".ndjson", ".csv", ".parquet", ".txt")
@@ -28,7 +28,6 @@ FILE_LIKE_SUFFIXES = (
     ".tsv", ".xlsx", ".xls", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".tar", ".pkl", ".pickle",
     ".yaml", ".yml", ".md", ".xml", ".html", ".feather", ".orc", ".avro",
 )
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass(frozen=True)
