@@ -280,7 +280,7 @@ def _fetch_hub_config(model_ref: str, explicit: bool) -> None:
 def _register_for_simulation(model_ref: str) -> None:
     """--simulate accepts a config.json lowvram's reader cannot interpret: read it through
     transformers instead (torch is imported only with --simulate)."""
-    from lowvram.check.simulate import local_config, spec_from_transformers
+    from lowvram.check.configs import local_config, spec_from_transformers
     from lowvram.errors import ModelError
     from lowvram.plan.models import register_spec, resolve_model
 
