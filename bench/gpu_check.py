@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = 0 if args.dry_run else other_processes_bytes()
     import torch
 
-    from lowvram.plan.models import resolve_model
+    from lowvram.plan.catalog import resolve_model
 
     if args.dry_run:
         from lowvram.check.cases import tiny_llama_spec

@@ -282,7 +282,7 @@ def _register_for_simulation(model_ref: str) -> None:
     transformers instead (torch is imported only with --simulate)."""
     from lowvram.check.configs import local_config, spec_from_transformers
     from lowvram.errors import ModelError
-    from lowvram.plan.models import register_spec, resolve_model
+    from lowvram.plan.catalog import register_spec, resolve_model
 
     try:
         resolve_model(model_ref)

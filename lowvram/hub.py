@@ -38,7 +38,7 @@ def hub_offline() -> bool:
 def ensure_config(model_ref: str, download=None) -> Path | None:
     """For a hub id that neither the catalog nor the hub cache knows, fetch its config.json (the
     path); None when nothing needed fetching (catalog name, local path, cached hub id)."""
-    from lowvram.plan.models import hub_cache_config, is_catalog_name
+    from lowvram.plan.catalog import hub_cache_config, is_catalog_name
 
     ref = model_ref.strip()
     if not looks_like_hub_id(ref) or is_catalog_name(ref) or hub_cache_config(ref) is not None:

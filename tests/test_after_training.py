@@ -119,7 +119,8 @@ def test_merge_refuses_when_host_ram_is_too_small(run_dir, tmp_path, monkeypatch
 
 
 def test_merge_json_and_plan_numbers(run_dir, tmp_path):
-    from lowvram.plan.models import count_parameters, resolve_model
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import count_parameters
     from lowvram.train.merge import plan_merge
 
     mp = plan_merge(run_dir, tmp_path / "m")

@@ -133,8 +133,8 @@ def test_plan_round_trips_through_json(tmp_path):
 
 def test_request_round_trips_through_json(tmp_path):
     """A launched rank rebuilds the parent's Replanner from launch-request.json (no recipe model)."""
+    from lowvram.plan.catalog import resolve_model
     from lowvram.plan.choose import PlanRequest
-    from lowvram.plan.models import resolve_model
     from lowvram.plan.replan import Replanner
     from lowvram.train.launch import read_replanner, write_request
 
@@ -153,8 +153,8 @@ def test_request_round_trips_through_json(tmp_path):
 
 
 def _choose(model: str, gpus: int, vram: str = "24GB", **fields):
+    from lowvram.plan.catalog import resolve_model
     from lowvram.plan.choose import Budget, PlanRequest, choose_plan
-    from lowvram.plan.models import resolve_model
     from lowvram.units import parse_size
 
     budget = Budget(parse_size(vram), "cuda")

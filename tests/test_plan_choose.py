@@ -9,6 +9,7 @@ import pytest
 
 from lowvram.errors import LowvramError
 from lowvram.plan import techniques as tq
+from lowvram.plan.catalog import resolve_model
 from lowvram.plan.choose import (
     Budget,
     PlanRequest,
@@ -18,7 +19,6 @@ from lowvram.plan.choose import (
     vram_needed_bytes,
 )
 from lowvram.plan.memory import BREAKDOWN_KEYS, MemoryEstimate, estimate_memory
-from lowvram.plan.models import resolve_model
 from lowvram.vocab import CANONICAL
 
 GB = 10**9

@@ -138,7 +138,7 @@ FAMILIES = [
 
 @pytest.mark.parametrize("name, seq_len, kw", FAMILIES, ids=[f[0] for f in FAMILIES])
 def test_analytic_model_matches_the_simulation_beyond_llama(name, seq_len, kw):
-    from lowvram.plan.models import resolve_model
+    from lowvram.plan.catalog import resolve_model
 
     setup = RunSetup(resolve_model(name), device="cpu", seq_len=seq_len, **kw)
     sim = simulate_memory(setup)

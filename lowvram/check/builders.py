@@ -39,7 +39,7 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
 
 
 def _moe_config_kwargs(spec: ModelSpec) -> dict:
-    """The MoE fields of a spec under its config class's names (see models._MOE_ARCH)."""
+    """The MoE fields of a spec under its config class's names (see lowvram.plan.readers._MOE_ARCH)."""
     if not spec.is_moe:
         return {}
     if spec.model_type in ("mixtral", "olmoe"):

@@ -15,7 +15,7 @@ def local_config(model_ref: str | None) -> dict | None:
     import json
     from pathlib import Path
 
-    from lowvram.plan.models import hub_cache_config
+    from lowvram.plan.catalog import hub_cache_config
 
     if not model_ref:
         return None
@@ -41,7 +41,8 @@ def spec_from_transformers(cfg: dict, name: str):
 
     from transformers import AutoConfig
 
-    from lowvram.plan.models import ModelSpec, spec_from_config
+    from lowvram.plan.models import ModelSpec
+    from lowvram.plan.readers import spec_from_config
 
     if "model_type" not in cfg:
         raise LowvramError(f"{name}: config.json has no model_type",

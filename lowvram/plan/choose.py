@@ -21,9 +21,10 @@ from dataclasses import dataclass, field, replace
 from lowvram.errors import LowvramError
 from lowvram.plan import memory
 from lowvram.plan import techniques as tq
+from lowvram.plan.catalog import catalog_names, resolve_model
 from lowvram.plan.explain import Estimator, technique_reasons
 from lowvram.plan.memory import MemoryEstimate, RunSetup, estimate_memory
-from lowvram.plan.models import ModelSpec, catalog_names, count_parameters, resolve_model
+from lowvram.plan.models import ModelSpec, count_parameters
 from lowvram.plan.types import Plan, dtype_precision
 from lowvram.units import gib, mem
 

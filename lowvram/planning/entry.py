@@ -90,8 +90,8 @@ def check_choice(name: str, value: str | None) -> None:
 def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,
               method: str | None = None, hardware=None, **flags):
     """The plan `lowvram plan` shows: a Choice, or a fixed Plan if the model cannot be read."""
+    from lowvram.plan.catalog import resolve_model
     from lowvram.plan.choose import choose_plan
-    from lowvram.plan.models import resolve_model
 
     for name in ("precision", "quant", "optim", "loss", "attn", "offload"):
         check_choice(name, flags.get(name))
@@ -118,7 +118,8 @@ def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str 
 
 
 def list_models() -> list[tuple[str, str, int]]:
-    from lowvram.plan.models import catalog_names, count_parameters, resolve_model
+    from lowvram.plan.catalog import catalog_names, resolve_model
+    from lowvram.plan.models import count_parameters
 
     rows = []
     for name in catalog_names():

@@ -125,7 +125,7 @@ def lora_fields(recipe: Recipe) -> dict:
 
 def recipe_model(recipe: Recipe):
     """The recipe's model as a ModelSpec (a local folder resolves against the recipe file)."""
-    from lowvram.plan.models import resolve_model
+    from lowvram.plan.catalog import resolve_model
 
     name = recipe.model.name_or_path
     local = recipe.resolve_path(name)

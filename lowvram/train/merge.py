@@ -72,7 +72,8 @@ class MergeResult:
 
 def count_base_parameters(source: str) -> int | None:
     """Exact count from config.json (no weights); None if the architecture cannot be read."""
-    from lowvram.plan.models import count_parameters, resolve_model
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import count_parameters
 
     try:
         return count_parameters(resolve_model(source))
