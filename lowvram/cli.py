@@ -228,14 +228,17 @@ def plan(
         return
     r = None
     if recipe is not None:
+        from lowvram.planning.request import recipe_model_ref
         from lowvram.recipe import load_recipe
 
         r = load_recipe(recipe, set_ or [])
-    model_ref = model or (_recipe_model_ref(r) if r else None)
+    model_ref = model or (recipe_model_ref(r) if r else None)
     if model_ref:
         _fetch_hub_config(model_ref, explicit=model is not None)
     if simulate and model_ref:
-        _register_for_simulation(model_ref)
+        from lowvram.check.configs import register_for_simulation
+
+        register_for_simulation(model_ref)
     result = entry.make_plan(
         r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
         precision=precision, quant=quant, optim=optim, loss=loss, attn=attn, batch_size=batch_size,
@@ -259,11 +262,6 @@ def plan(
         raise typer.Exit(1)
 
 
-def _recipe_model_ref(r) -> str:
-    local = r.resolve_path(r.model.name_or_path)
-    return str(local) if local.exists() else r.model.name_or_path
-
-
 def _fetch_hub_config(model_ref: str, explicit: bool) -> None:
     """A hub id the catalog and the hub cache do not know: fetch its config.json (that file only).
     A recipe's model that cannot be fetched keeps the fixed plan with its note; --model errors."""
@@ -275,22 +273,6 @@ def _fetch_hub_config(model_ref: str, explicit: bool) -> None:
     except LowvramError:
         if explicit:
             raise
-
-
-def _register_for_simulation(model_ref: str) -> None:
-    """--simulate accepts a config.json lowvram's reader cannot interpret: read it through
-    transformers instead (torch is imported only with --simulate)."""
-    from lowvram.check.configs import local_config, spec_from_transformers
-    from lowvram.errors import ModelError
-    from lowvram.plan.catalog import register_spec, resolve_model
-
-    try:
-        resolve_model(model_ref)
-    except ModelError:
-        cfg = local_config(model_ref)
-        if cfg is None:
-            raise
-        register_spec(model_ref, spec_from_transformers(cfg, Path(model_ref).name))
 
 
 @app.command()

@@ -80,3 +80,20 @@ def spec_from_transformers(cfg: dict, name: str):
     if isinstance(spec, ModelSpec):
         spec = replace(spec, hf_id=None, model_type=cfg["model_type"])
     return spec
+
+
+def register_for_simulation(model_ref: str) -> None:
+    """--simulate accepts a config.json lowvram's reader cannot interpret: read it through
+    transformers instead, and register that spec for ``model_ref`` in this process."""
+    from pathlib import Path
+
+    from lowvram.errors import ModelError
+    from lowvram.plan.catalog import register_spec, resolve_model
+
+    try:
+        resolve_model(model_ref)
+    except ModelError:
+        cfg = local_config(model_ref)
+        if cfg is None:
+            raise
+        register_spec(model_ref, spec_from_transformers(cfg, Path(model_ref).name))

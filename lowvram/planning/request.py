@@ -127,6 +127,11 @@ def recipe_model(recipe: Recipe):
     """The recipe's model as a ModelSpec (a local folder resolves against the recipe file)."""
     from lowvram.plan.catalog import resolve_model
 
-    name = recipe.model.name_or_path
-    local = recipe.resolve_path(name)
-    return resolve_model(str(local) if local.exists() else name)
+    return resolve_model(recipe_model_ref(recipe))
+
+
+def recipe_model_ref(recipe: Recipe) -> str:
+    """model.name_or_path: a local path resolved against the recipe file, else as written (a
+    catalog name or hub id)."""
+    local = recipe.resolve_path(recipe.model.name_or_path)
+    return str(local) if local.exists() else recipe.model.name_or_path
