@@ -173,9 +173,10 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     if node_rank == 0:
         import json
 
+        from lowvram.runfiles import METRICS
         from lowvram.train.types import RunResult
 
-        metrics = json.loads((prepared.output_dir / "metrics.json").read_text())
+        metrics = json.loads((prepared.output_dir / METRICS).read_text())
         show_train_result(RunResult(output_dir=str(prepared.output_dir), metrics=metrics,
                                            resumed_from=metrics.get("resumed_from")), as_json=json_)
 

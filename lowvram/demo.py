@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lowvram.errors import LowvramError
+from lowvram.runfiles import METRICS
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -153,7 +154,7 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     from lowvram.train.trainer import output_dir
 
     out = output_dir(recipe)
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / METRICS).read_text())
     base = load_model(recipe, replace(plan, lora=False))
     tuned = PeftModel.from_pretrained(base.model, out) if plan.lora else base.model
     after = [answer(tuned, base.tokenizer, p) for p, _ in prompts]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
+from lowvram.runfiles import PLAN, RECIPE
 from lowvram.runs import read_json, read_yaml_dict
 from lowvram.vocab import COMPUTE_DTYPE, WEIGHT_DTYPE
 
@@ -40,7 +41,7 @@ def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
     adapter = read_json(p / "adapter_config.json")
     if adapter:
         info = read_run(p) if is_run_dir(p) else None
-        recipe, plan = (info.recipe, read_json(p / "plan.json")) if info else _parent_run(p)
+        recipe, plan = (info.recipe, read_json(p / PLAN)) if info else _parent_run(p)
         return p, adapter, recipe, plan
     info = read_run(p)  # raises "not a lowvram run" for a foreign folder
     if (p / "config.json").is_file():
@@ -56,7 +57,7 @@ def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
 
 def _parent_run(p: Path) -> tuple[dict, dict]:
     """A checkpoint-* folder: the recipe and plan are in the run folder above it."""
-    return read_yaml_dict(p.parent / "recipe.yaml"), read_json(p.parent / "plan.json")
+    return read_yaml_dict(p.parent / RECIPE), read_json(p.parent / PLAN)
 
 
 def _candidates(name: str, run_dir: Path) -> list[Path]:
@@ -133,7 +134,7 @@ def merge_dtype(recipe: dict, plan: dict, override: str = "auto") -> str:
 def _recipe_of(folder: Path) -> dict:
     from lowvram.runs import read_yaml_dict
 
-    for p in (folder / "recipe.yaml", folder.parent / "recipe.yaml"):  # a run, or a checkpoint in one
+    for p in (folder / RECIPE, folder.parent / RECIPE):  # a run, or a checkpoint in one
         if p.is_file():
             return read_yaml_dict(p)
     return {}

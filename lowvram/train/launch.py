@@ -23,7 +23,7 @@ import yaml
 from lowvram.errors import LowvramError
 from lowvram.plan.replan import Replanner
 from lowvram.plan.types import Plan
-from lowvram.train.files import CONFIG, LAUNCH_LOG, LAUNCH_PLAN, LAUNCH_REQUEST, write_atomic
+from lowvram.runfiles import CONFIG, LAUNCH_LOG, LAUNCH_PLAN, LAUNCH_REQUEST, write_atomic
 from lowvram.vocab import FSDP_QUANTIZATIONS
 
 # plan.offload -> (backend, ZeRO stage, offload optimizer, offload params)

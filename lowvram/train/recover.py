@@ -27,8 +27,8 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.plan.replan import Replanner
+from lowvram.runfiles import CHECKPOINT_GLOB, OOM_REPORT
 from lowvram.train.checkpoints import complete_checkpoints, partial_checkpoints
-from lowvram.train.files import CHECKPOINT_GLOB, OOM_REPORT
 from lowvram.train.oom import EXTRA_METRICS_ENV, REPORT_ENV, TrainingOOM, collect_oom_reports
 from lowvram.train.signals import TrainingInterrupted
 from lowvram.units import shell_line

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.plan.replan import Replanner
-from lowvram.train.files import METRICS, PLAN, RECIPE, write_atomic
+from lowvram.runfiles import METRICS, PLAN, RECIPE, write_atomic
 from lowvram.train.types import RunResult
 
 # --------------------------------------------------------------------------------------------

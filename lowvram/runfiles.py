@@ -1,7 +1,8 @@
 """The names of the files a run writes into its folder, and how each is written (atomically).
 
 The small facts that the run, its checkpoints, the manifest, the launcher and the retry loops
-all need, kept here once so none of them imports another for a name. No torch here.
+(train/) and the readers of run folders (runs.py, `lowvram runs` / `show`) all need, kept here
+once so none of them imports another for a name. No torch here; nothing of lowvram imported.
 """
 
 from __future__ import annotations
