@@ -16,9 +16,8 @@ from pathlib import Path
 from lowvram.errors import LowvramError, ModelError
 from lowvram.runfiles import PLAN, RECIPE
 from lowvram.runs import read_json, read_yaml_dict
-from lowvram.vocab import COMPUTE_DTYPE, WEIGHT_DTYPE
+from lowvram.vocab import COMPUTE_DTYPE, DTYPE_BYTES, WEIGHT_DTYPE
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MERGE_INFO = "lowvram_merge.json"
 
 
