@@ -37,11 +37,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check lowvram tests bench
 	$(BIN)/lint-imports
 
-# plan_speed: seconds; ladder_cpu and trainer_overhead: a few minutes each on 2 cores.
+# plan_speed: seconds; ladder_cpu and trainer_overhead: a few minutes each on 2 cores;
+# readme_numbers: the README's bench figures rewritten from bench/results/ (a test checks them).
 bench: $(STAMP)
 	$(BIN)/python bench/plan_speed.py
 	$(BIN)/python bench/ladder_cpu.py
 	$(BIN)/python bench/trainer_overhead.py
+	$(BIN)/python bench/readme_numbers.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

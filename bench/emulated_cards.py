@@ -164,7 +164,7 @@ lora: {{r: {lora_r}, alpha: {2 * lora_r}}}
 def plan_cell(recipe_path: Path, card_bytes: int, scale: float, device: str = "cpu"):
     """The chooser's answer for the recipe on a card of ``card_bytes`` (every technique auto)."""
     from lowvram.plan.choose import MIN_MARGIN_BYTES, Budget, choose_plan
-    from lowvram.planning import build_request, recipe_model
+    from lowvram.planning.request import build_request, recipe_model
     from lowvram.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
@@ -176,7 +176,8 @@ def plan_cell(recipe_path: Path, card_bytes: int, scale: float, device: str = "c
 def run_cell(recipe_path: Path, card_gib: int, model: str, scale: float = SCALE, train: bool = True) -> Cell:
     """Plan, then train STEPS steps under the emulated card (CPU: the live-bytes cap)."""
     from lowvram.plan.choose import describe_setup
-    from lowvram.planning import check_runnable, replanner_for
+    from lowvram.planning.budget import check_runnable
+    from lowvram.planning.entry import replanner_for
     from lowvram.train.oom import EMULATE_ENV, TrainingOOM
 
     card = int(card_gib * 2**30 * scale)
@@ -277,8 +278,8 @@ def _cuda_recipe(work: Path, real: str) -> Path:  # pragma: no cover - needs a G
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowvram.measure import hf_config
-    from lowvram.plan.models import resolve_model
+    from lowvram.check.builders import hf_config
+    from lowvram.plan.catalog import resolve_model
     from lowvram.testing import build_tokenizer
 
     folder = work / real

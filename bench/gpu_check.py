@@ -3,7 +3,7 @@
 Random-init real architectures from the catalog (no downloads). For each model and technique
 the model is built once; at each sequence length one warm-up step (the optimizer state
 exists) and one measured step of the Trainer lowvram train builds
-(lowvram.measure.measure_trainer_step).
+(lowvram.check.step.measure_trainer_step).
 Measured: torch.cuda.max_memory_allocated (tensors: compared with the planner's tensor terms),
 max_memory_reserved (allocator slack) and, from torch.cuda.mem_get_info, the device memory the
 process holds outside the caching allocator (CUDA context, kernels, cuBLAS/cuDNN handles).
@@ -71,7 +71,7 @@ def other_processes_bytes() -> int:
 
 class CudaProbe:
     """Peak tensor bytes and allocator reserve from the caching allocator, device use from the driver.
-    Called by lowvram.measure.measure_trainer_step around the second Trainer step."""
+    Called by lowvram.check.step.measure_trainer_step around the second Trainer step."""
 
     device = "cuda"
 
@@ -103,9 +103,8 @@ class CudaProbe:
 
 
 def _cpu_probe():
-    """--dry-run: the live tensor bytes of the step (lowvram.measure.TrackerProbe); no allocator."""
-    from lowvram.measure import TrackerProbe
-
+    """--dry-run: the live tensor bytes of the step (lowvram.check.step.TrackerProbe); no allocator."""
+    from lowvram.check.step import TrackerProbe
     class CpuProbe(TrackerProbe):
         total = 24 * GIB
 
@@ -122,8 +121,9 @@ def _cpu_probe():
 
 def run_technique(probe, spec, kw, seq_lens, saved_dir) -> list[dict]:
     """Build the model once (lowvram train's builders) and measure its second Trainer step at
-    each sequence length (lowvram.measure.measure_trainer_step: the Trainer lowvram train makes)."""
-    from lowvram.measure import build_model, measure_trainer_step
+    each sequence length (lowvram.check.step.measure_trainer_step: the Trainer lowvram train makes)."""
+    from lowvram.check.builders import build_model
+    from lowvram.check.step import measure_trainer_step
     from lowvram.plan.memory import RunSetup, estimate_memory
 
     setups = [RunSetup(spec, seq_len=s, device=probe.device, **kw) for s in seq_lens]
@@ -186,11 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     baseline = 0 if args.dry_run else other_processes_bytes()
     import torch
 
-    from lowvram.plan.models import resolve_model
+    from lowvram.plan.catalog import resolve_model
 
     if args.dry_run:
-        from lowvram.measure import tiny_llama_spec
-
+        from lowvram.check.cases import tiny_llama_spec
         probe = _cpu_probe()
         specs = [("tiny-llama", tiny_llama_spec(hidden_size=128, num_layers=2, vocab_size=2048))]
         seq_lens = (64, 128)

@@ -2,7 +2,7 @@
 the planner's prediction beside it (like torchtune's published memory/speed table).
 
 Small Llama (hidden 512, 8 layers, vocab 32000), batch 1 x seq 512, one step after a warm-up,
-measured with lowvram.measure (the Trainer's step: autocast, clip, optimizer, zero_grad).
+measured with lowvram.check.step (the Trainer's step: autocast, clip, optimizer, zero_grad).
 Run: .venv/bin/python bench/ladder_cpu.py  (a few minutes on 2 cores); writes
 bench/results/ladder_cpu-<date>.txt. Also prints the QLoRA upcast saving for Llama-3-8B.
 """
@@ -19,17 +19,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lowvram.measure import _one_step as one_step  # noqa: E402
-from lowvram.measure import (  # noqa: E402
-    autocast_dtype,
-    build_model,
-    build_optimizer,
-    make_batch,
-    measure_trainer_step,
-    tiny_llama_spec,
-)
+from lowvram.check.builders import autocast_dtype, build_model, build_optimizer, make_batch  # noqa: E402
+from lowvram.check.cases import tiny_llama_spec  # noqa: E402
+from lowvram.check.step import measure_trainer_step, one_step  # noqa: E402
+from lowvram.plan.catalog import resolve_model  # noqa: E402
 from lowvram.plan.memory import RunSetup, estimate_memory  # noqa: E402
-from lowvram.plan.models import resolve_model  # noqa: E402
 
 SPEC = tiny_llama_spec(hidden_size=512, num_layers=8, vocab_size=32000)
 BASE = RunSetup(SPEC, precision="fp32", seq_len=512, micro_batch_size=1, device="cpu")

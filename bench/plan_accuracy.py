@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory of real training steps on CPU.
 
-Each case of lowvram.measure.ACCURACY_MATRIX builds a small random-init Llama (transformers,
+Each case of lowvram.check.cases.ACCURACY_MATRIX builds a small random-init Llama (transformers,
 peft, bitsandbytes), runs one warm-up step and one measured step the way the Trainer does, and
 compares the exact live tensor bytes (lowvram.livebytes.LiveBytes) with
 lowvram.plan.memory.estimate_memory(device="cpu").
@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main() -> int:
     import torch
 
-    from lowvram.measure import ACCURACY_MATRIX, SMALL_LOGITS_MATRIX, measure_setup, tiny_llama_spec
+    from lowvram.check.cases import ACCURACY_MATRIX, SMALL_LOGITS_MATRIX, tiny_llama_spec
+    from lowvram.check.step import measure_setup
     from lowvram.plan.memory import RunSetup, estimate_memory
 
     spec = tiny_llama_spec()

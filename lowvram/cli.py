@@ -16,7 +16,7 @@ import typer
 
 from lowvram import vocab
 from lowvram.errors import EXIT_USAGE, LowvramError
-from lowvram.report import print_error
+from lowvram.report.console import print_error
 
 app = typer.Typer(
     name="lowvram",
@@ -57,14 +57,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (fo
 @handle_errors
 def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> None:
     """Check a recipe without loading anything heavy; report every problem at once."""
-    from lowvram import report
     from lowvram.recipe import load_recipe
+    from lowvram.report.info import show_validated
 
     r = load_recipe(recipe, set_ or [])
     from lowvram.train.preflight import check_inputs
 
     check_inputs(r)
-    report.show_validated(r, recipe, as_json=json_)
+    show_validated(r, recipe, as_json=json_)
 
 
 @app.command()
@@ -89,12 +89,15 @@ def train(
     no_recover: Annotated[bool, typer.Option("--no-recover", help="Out of memory: stop with the error instead of re-planning.")] = False,
 ) -> None:
     """Fine-tune a model as the recipe says, with the memory techniques the plan chose."""
-    from lowvram import report
     from lowvram.recipe import load_recipe
+    from lowvram.report.plans import show_dry_run, show_plan_brief
+    from lowvram.report.training import show_train_result
 
     r = load_recipe(recipe, set_ or [])
-    _fetch_hub_config(_recipe_model_ref(r), explicit=False)  # plan a hub model before downloading it
-    from lowvram.planning import plan_for_recipe, require_fit
+    from lowvram.planning.entry import plan_for_recipe, require_fit
+    from lowvram.planning.request import recipe_model_ref
+
+    _fetch_hub_config(recipe_model_ref(r), explicit=False)  # plan a hub model before downloading it
 
     launched = (r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
                 rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, not no_track_memory,
@@ -110,17 +113,17 @@ def train(
         from lowvram.train.preflight import check_inputs
 
         check_inputs(r)
-        report.show_dry_run(r, plan, as_json=json_)
+        show_dry_run(r, plan, as_json=json_)
         return
     require_fit(plan, recipe)
-    report.show_plan_brief(r, plan)
-    from lowvram.planning import replanner_for
+    show_plan_brief(r, plan)
+    from lowvram.planning.entry import replanner_for
     from lowvram.train.recover import resume_command, train_with_recovery
 
     result = train_with_recovery(r, plan, resume=resume, overwrite=overwrite, recover=not no_recover,
                                  max_retries=max_retries, resume_cmd=resume_command(recipe, set_ or [], vram),
                                  track_memory=not no_track_memory, replanner=replanner_for(r))
-    report.show_train_result(result, as_json=json_)
+    show_train_result(result, as_json=json_)
 
 
 def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, main_address, cpu,
@@ -129,9 +132,10 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     """`lowvram train --gpus N`: plan once here, then `accelerate launch` the worker on each GPU."""
     import dataclasses
 
-    from lowvram import report
     from lowvram.hardware import detect_hardware
-    from lowvram.planning import plan_for_recipe
+    from lowvram.planning.entry import plan_for_recipe
+    from lowvram.report.plans import show_dry_run, show_launch
+    from lowvram.report.training import show_train_result
     from lowvram.train import launch
 
     hardware = detect_hardware(vram)
@@ -146,36 +150,38 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     hardware = dataclasses.replace(hardware, devices=hardware.devices[:gpus])  # the cards this node uses
     plan = plan_for_recipe(r, vram=vram, hardware=hardware, gpus=spec.world_size)
     if dry_run:
-        report.show_dry_run(r, plan, as_json=json_)
+        show_dry_run(r, plan, as_json=json_)
         return
     if not print_launch:
-        from lowvram.planning import require_fit
+        from lowvram.planning.entry import require_fit
 
         require_fit(plan, recipe_path)
     if print_launch:
         prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, print_only=True)
-        report.show_launch(r, plan, spec, prepared, print_only=True)
+        show_launch(r, plan, spec, prepared, print_only=True)
         return
-    from lowvram.planning import replanner_for
+    from lowvram.planning.entry import replanner_for
     from lowvram.train.lock import run_lock
     from lowvram.train.recover import launch_with_recovery
     from lowvram.train.trainer import output_dir
 
+    replanner = replanner_for(r)
     with run_lock(output_dir(r), "lowvram train --gpus"):
-        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume, overwrite=overwrite)
-        report.show_launch(r, plan, spec, prepared)
+        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume, overwrite=overwrite,
+                                         replanner=replanner)
+        show_launch(r, plan, spec, prepared)
         rc = launch_with_recovery(r, recipe_path, overrides, plan, spec, prepared, recover=recover,
-                                  max_retries=max_retries, track_memory=track_memory,
-                                  replanner=replanner_for(r))
+                                  max_retries=max_retries, track_memory=track_memory, replanner=replanner)
     if rc != 0:
         raise typer.Exit(rc)
     if node_rank == 0:
         import json
 
+        from lowvram.runfiles import METRICS
         from lowvram.train.types import RunResult
 
-        metrics = json.loads((prepared.output_dir / "metrics.json").read_text())
-        report.show_train_result(RunResult(output_dir=str(prepared.output_dir), metrics=metrics,
+        metrics = json.loads((prepared.output_dir / METRICS).read_text())
+        show_train_result(RunResult(output_dir=str(prepared.output_dir), metrics=metrics,
                                            resumed_from=metrics.get("resumed_from")), as_json=json_)
 
 
@@ -220,22 +226,26 @@ def plan(
     Every flag given fixes that choice; the rest is chosen so the run fits --vram. Without a GPU
     and without --vram (or LOWVRAM_VRAM), the plan is for a CPU run in the available host RAM.
     """
-    from lowvram import planning, report
+    from lowvram.planning import entry
+    from lowvram.report.plans import show_models, show_plan, show_unpredicted_plan
 
     if list_models:
-        report.show_models(planning.list_models(), as_json=json_)
+        show_models(entry.list_models(), as_json=json_)
         return
     r = None
     if recipe is not None:
+        from lowvram.planning.request import recipe_model_ref
         from lowvram.recipe import load_recipe
 
         r = load_recipe(recipe, set_ or [])
-    model_ref = model or (_recipe_model_ref(r) if r else None)
+    model_ref = model or (recipe_model_ref(r) if r else None)
     if model_ref:
         _fetch_hub_config(model_ref, explicit=model is not None)
     if simulate and model_ref:
-        _register_for_simulation(model_ref)
-    result = planning.make_plan(
+        from lowvram.check.configs import register_for_simulation
+
+        register_for_simulation(model_ref)
+    result = entry.make_plan(
         r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
         precision=precision, quant=quant, optim=optim, loss=loss, attn=attn, batch_size=batch_size,
         seq_len=seq_len, grad_accum=grad_accum, gradient_checkpointing=gradient_checkpointing,
@@ -244,7 +254,7 @@ def plan(
     from lowvram.plan.choose import Choice, choice_to_dict
 
     if not isinstance(result, Choice):
-        report.show_unpredicted_plan(result, r.model.name_or_path if r else str(model), as_json=json_)
+        show_unpredicted_plan(result, r.model.name_or_path if r else str(model), as_json=json_)
         if check:
             raise typer.Exit(1)
         return
@@ -253,14 +263,9 @@ def plan(
         from lowvram.check.simulate import simulate_plan
 
         data["simulated"] = simulate_plan(result.chosen.setup, model_ref, data["peak_bytes"])
-    report.show_plan(data, as_json=json_)
+    show_plan(data, as_json=json_)
     if check and not result.fits:
         raise typer.Exit(1)
-
-
-def _recipe_model_ref(r) -> str:
-    local = r.resolve_path(r.model.name_or_path)
-    return str(local) if local.exists() else r.model.name_or_path
 
 
 def _fetch_hub_config(model_ref: str, explicit: bool) -> None:
@@ -276,40 +281,24 @@ def _fetch_hub_config(model_ref: str, explicit: bool) -> None:
             raise
 
 
-def _register_for_simulation(model_ref: str) -> None:
-    """--simulate accepts a config.json lowvram's reader cannot interpret: read it through
-    transformers instead (torch is imported only with --simulate)."""
-    from lowvram.check.simulate import local_config, spec_from_transformers
-    from lowvram.errors import ModelError
-    from lowvram.plan.models import register_spec, resolve_model
-
-    try:
-        resolve_model(model_ref)
-    except ModelError:
-        cfg = local_config(model_ref)
-        if cfg is None:
-            raise
-        register_spec(model_ref, spec_from_transformers(cfg, Path(model_ref).name))
-
-
 @app.command()
 @handle_errors
 def keys(json_: JsonOpt = False) -> None:
     """List every recipe key with its type, default and meaning (from the schema)."""
-    from lowvram import report
     from lowvram.recipe import describe_schema
+    from lowvram.report.info import show_keys
 
-    report.show_keys(describe_schema(), as_json=json_)
+    show_keys(describe_schema(), as_json=json_)
 
 
 @app.command()
 @handle_errors
 def env(json_: JsonOpt = False) -> None:
     """Print versions and devices: paste this block into bug reports."""
-    from lowvram import report
     from lowvram.hardware import collect_env
+    from lowvram.report.info import show_env
 
-    report.show_env(collect_env(), as_json=json_)
+    show_env(collect_env(), as_json=json_)
 
 
 @app.command()
@@ -333,15 +322,15 @@ def merge(
     json_: JsonOpt = False,
 ) -> None:
     """Merge a run's LoRA adapter into its base model and save a plain transformers folder."""
-    from lowvram import report
+    from lowvram.report.runs import show_merge_plan, show_merge_result
     from lowvram.train.lock import run_lock
     from lowvram.train.merge import merge_run, plan_merge
 
     with run_lock(out, "lowvram merge --out"):
         mp = plan_merge(run_dir, out, dtype=dtype)
         if not json_:
-            report.show_merge_plan(mp)
-        report.show_merge_result(merge_run(mp), as_json=json_)
+            show_merge_plan(mp)
+        show_merge_result(merge_run(mp), as_json=json_)
 
 
 @app.command()
@@ -356,19 +345,19 @@ def generate(
     format_: Annotated[str, typer.Option("--format", help="auto | chat | alpaca | raw (auto: the run's training format, else the chat template).")] = "auto",
 ) -> None:
     """Load a trained model and stream its answer to a prompt (or chat with --interactive)."""
-    from lowvram import report
     from lowvram.errors import UsageError
+    from lowvram.report.runs import show_generator, stream_text, write_stream
     from lowvram.train.generate import GenerationSettings, chat_loop, load_generator, stream_reply
 
     if (prompt is None) == (not interactive):
         raise UsageError("pass --prompt TEXT or --interactive (one of them)", 'e.g. lowvram generate runs/quickstart --prompt "Hello"')
     settings = GenerationSettings(max_new_tokens, temperature, greedy)
     gen = load_generator(run_dir, prompt_format=format_)
-    report.show_generator(gen)
+    show_generator(gen)
     if interactive:
-        chat_loop(gen, settings, input, report.write_stream)
+        chat_loop(gen, settings, input, write_stream)
         return
-    report.stream_text(stream_reply(gen, [{"role": "user", "content": prompt}], settings))
+    stream_text(stream_reply(gen, [{"role": "user", "content": prompt}], settings))
 
 
 @app.command()
@@ -378,24 +367,24 @@ def runs(
     json_: JsonOpt = False,
 ) -> None:
     """List runs: recipe, model, techniques, predicted vs measured peak, final loss, status."""
-    from lowvram import report
+    from lowvram.report.runs import show_runs
     from lowvram.runs import list_runs
 
     if folder is None and not Path("runs").is_dir():  # nothing trained here yet: not an error
-        report.show_runs([], Path("runs"), as_json=json_)
+        show_runs([], Path("runs"), as_json=json_)
         return
     folder = folder or Path("runs")
-    report.show_runs(list_runs(folder), folder, as_json=json_)
+    show_runs(list_runs(folder), folder, as_json=json_)
 
 
 @app.command()
 @handle_errors
 def show(run_dir: RunArg, json_: JsonOpt = False) -> None:
     """One run in detail: recipe, plan and reasons, metrics, loss curve, checkpoints."""
-    from lowvram import report
+    from lowvram.report.runs import show_run
     from lowvram.runs import read_run
 
-    report.show_run(read_run(run_dir), as_json=json_)
+    show_run(read_run(run_dir), as_json=json_)
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 3. Runs exactly ``lowvram train recipes/quickstart.yaml --overwrite`` (the same CLI command).
 4. Answers the same prompts with base + the trained adapter, and shows the loss falling.
 
-The prompts are rendered as in training (``lowvram.train.data.format_example``: the Alpaca
+The prompts are rendered as in training (``lowvram.train.data.format.format_example``: the Alpaca
 prompt the quickstart data uses), so before and after see the exact text the adapter learned on.
 """
 
@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lowvram.errors import LowvramError
+from lowvram.runfiles import METRICS
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,7 +67,7 @@ def link_model(root: Path = ROOT) -> Path:
 
 def demo_prompts(recipe, rows=PROMPT_ROWS) -> list[tuple[str, str]]:
     """(prompt as rendered in training, reference answer) for a few rows of the first dataset."""
-    from lowvram.train.data import format_example
+    from lowvram.train.data.format import format_example
 
     spec = recipe.data.datasets[0]
     lines = recipe.resolve_path(spec.path).read_text(encoding="utf-8").splitlines()
@@ -122,9 +123,9 @@ def show_loss(c, history) -> None:
 
 def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     from lowvram.cli import app
-    from lowvram.planning import plan_for_recipe
+    from lowvram.planning.entry import plan_for_recipe
     from lowvram.recipe import load_recipe
-    from lowvram.report import console
+    from lowvram.report.console import console
     from lowvram.train.model import load_model, quiet_libraries
 
     c = console()
@@ -153,7 +154,7 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     from lowvram.train.trainer import output_dir
 
     out = output_dir(recipe)
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / METRICS).read_text())
     base = load_model(recipe, replace(plan, lora=False))
     tuned = PeftModel.from_pretrained(base.model, out) if plan.lora else base.model
     after = [answer(tuned, base.tokenizer, p) for p, _ in prompts]
@@ -170,7 +171,7 @@ def _shown(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lowvram.report import print_error
+    from lowvram.report.console import print_error
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

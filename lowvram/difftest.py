@@ -265,6 +265,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     from typer.testing import CliRunner
 
     from lowvram.cli import app
+    from lowvram.runfiles import METRICS
 
     workdir.mkdir(parents=True, exist_ok=True)
     model = write_model(case, workdir / "model")
@@ -272,7 +273,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     recipe = workdir / "recipe.yaml"
     recipe.write_text(recipe_text(case, model, data, workdir / "run"))
     result = CliRunner().invoke(app, ["train", str(recipe), "--json", "--overwrite"])
-    metrics_file = workdir / "run" / "metrics.json"
+    metrics_file = workdir / "run" / METRICS
     if result.exit_code != 0 or not metrics_file.exists():
         text = (result.stderr or "") + (result.stdout or "")
         if result.exception is not None and not isinstance(result.exception, SystemExit):

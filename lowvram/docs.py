@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lowvram.recipe import describe_schema
-from lowvram.report import keys_markdown
+from lowvram.report.info import keys_markdown
 
 
 def refresh_readme(path: Path) -> None:

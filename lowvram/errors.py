@@ -31,7 +31,7 @@ class LowvramError(Exception):
 
 def error_text(err: LowvramError) -> str:
     """``err`` as the user sees it: one ``error:`` line (plus any further lines of its message)
-    and one ``hint:`` line, each ending in a newline (report.print_error, a launched worker)."""
+    and one ``hint:`` line, each ending in a newline (lowvram.report.console.print_error, a launched worker)."""
     lines = str(err.message).splitlines() or [""]
     text = f"error: {lines[0]}\n" + "".join(f"{extra}\n" for extra in lines[1:])
     return text + (f"hint: {err.hint}\n" if err.hint else "")

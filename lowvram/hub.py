@@ -16,6 +16,9 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
 
+# A name that may be a hub id (train/ reads anything else as a local path): "org/name", or a bare
+# name (old canonical models and datasets, e.g. "gpt2", "squad").
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # A hub repo id: "org/name" (huggingface_hub validate_repo_id: letters, digits, - _ . ; no "--"
 # or ".." and no leading/trailing - or .).
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
@@ -35,7 +38,7 @@ def hub_offline() -> bool:
 def ensure_config(model_ref: str, download=None) -> Path | None:
     """For a hub id that neither the catalog nor the hub cache knows, fetch its config.json (the
     path); None when nothing needed fetching (catalog name, local path, cached hub id)."""
-    from lowvram.plan.models import hub_cache_config, is_catalog_name
+    from lowvram.plan.catalog import hub_cache_config, is_catalog_name
 
     ref = model_ref.strip()
     if not looks_like_hub_id(ref) or is_catalog_name(ref) or hub_cache_config(ref) is not None:

@@ -10,7 +10,7 @@ An optional ``cap_bytes`` turns it into an emulated card: crossing the cap raise
 ``torch.OutOfMemoryError`` exactly where a GPU of that size would.
 
 A torch utility: imports nothing of lowvram; torch and transformers are imported inside
-functions (importing lowvram stays instant). Users: lowvram.measure (the measured step),
+functions (importing lowvram stays instant). Users: lowvram.check.step (the measured step),
 lowvram.train.run (the peak of a run on CPU), benches.
 """
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import yaml
 
 from lowvram.errors import LowvramError
+from lowvram.runfiles import CHECKPOINT_GLOB, METRICS, PLAN, RECIPE, checkpoint_number
 from lowvram.vocab import PLAN_KEYS
 
-MARKERS = ("recipe.yaml", "plan.json")
+MARKERS = (RECIPE, PLAN)
 TECHNIQUE_KEYS = PLAN_KEYS  # the techniques of an older plan.json without its "techniques"
 
 
@@ -80,10 +81,10 @@ def is_run_dir(path: Path) -> bool:
 
 def _checkpoints(path: Path) -> tuple[str, ...]:
     def step(p: Path) -> int:
-        tail = p.name.rpartition("-")[2]
-        return int(tail) if tail.isdigit() else -1
+        n = checkpoint_number(p)
+        return -1 if n is None else n
 
-    return tuple(p.name for p in sorted(path.glob("checkpoint-*"), key=step) if p.is_dir())
+    return tuple(p.name for p in sorted(path.glob(CHECKPOINT_GLOB), key=step) if p.is_dir())
 
 
 def _status(metrics: dict, checkpoints: tuple[str, ...]) -> str:
@@ -105,10 +106,10 @@ def read_run(path: str | Path) -> RunInfo:
             f"{p} is not a lowvram run (no recipe.yaml or plan.json; has: {present or 'nothing'})",
             "pass the training.output_dir of a `lowvram train` run; `lowvram runs DIR` lists them",
         )
-    metrics = read_json(p / "metrics.json")
-    plan = read_json(p / "plan.json")
+    metrics = read_json(p / METRICS)
+    plan = read_json(p / PLAN)
     try:
-        text = (p / "recipe.yaml").read_text() if (p / "recipe.yaml").is_file() else ""
+        text = (p / RECIPE).read_text() if (p / RECIPE).is_file() else ""
         recipe = yaml.safe_load(text) or {}
     except (OSError, yaml.YAMLError):
         text, recipe = "", {}
@@ -154,7 +155,7 @@ def list_runs(root: str | Path) -> list[RunInfo]:
         return [read_run(base)]
     found = []
     for child in sorted(base.iterdir()):
-        if child.is_dir() and not child.name.startswith(("checkpoint-", ".")):
+        if child.is_dir() and not child.name.startswith((CHECKPOINT_GLOB.rstrip("*"), ".")):
             if is_run_dir(child):
                 found.append(child)
             else:

@@ -79,6 +79,7 @@ def on_off(value, on, off):
 
 # Dtype names (torch attribute names), as model.dtype and `lowvram merge --dtype` write them.
 DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of each
 # Precision -> dtype the weights are stored in (*-mixed keeps fp32 master weights).
 WEIGHT_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "bf16-mixed": "float32",
                 "fp16-mixed": "float32", "fp32": "float32"}

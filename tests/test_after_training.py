@@ -119,7 +119,8 @@ def test_merge_refuses_when_host_ram_is_too_small(run_dir, tmp_path, monkeypatch
 
 
 def test_merge_json_and_plan_numbers(run_dir, tmp_path):
-    from lowvram.plan.models import count_parameters, resolve_model
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import count_parameters
     from lowvram.train.merge import plan_merge
 
     mp = plan_merge(run_dir, tmp_path / "m")
@@ -144,7 +145,7 @@ def test_generate_streams_tokens(run_dir, tmp_path):
     # The same tokens as transformers' greedy generate on base + adapter with the Alpaca prompt.
     import torch
 
-    from lowvram.train.data import ALPACA_PROMPT_NO_INPUT
+    from lowvram.train.data.format import ALPACA_PROMPT_NO_INPUT
     from lowvram.train.generate import load_generator
 
     gen = load_generator(run_dir)

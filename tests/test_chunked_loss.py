@@ -10,7 +10,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 
-from lowvram.measure import measure_setup, tiny_llama_spec  # noqa: E402
+from lowvram.check.cases import tiny_llama_spec  # noqa: E402
+from lowvram.check.step import measure_setup  # noqa: E402
 from lowvram.plan.memory import RunSetup, estimate_memory, logits_bytes  # noqa: E402
 from lowvram.train.loss import causal_lm_chunked_loss  # noqa: E402
 

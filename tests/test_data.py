@@ -9,14 +9,10 @@ import pytest
 
 from lowvram.errors import DataError
 from lowvram.recipe import parse_recipe
-from lowvram.train.data import (
-    ALPACA_PROMPT,
-    ALPACA_PROMPT_NO_INPUT,
-    IGNORE_INDEX,
-    build_datasets,
-    format_example,
-    make_collator,
-)
+from lowvram.train.data.build import build_datasets
+from lowvram.train.data.collate import make_collator
+from lowvram.train.data.format import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, format_example
+from lowvram.train.loss import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"

@@ -12,10 +12,11 @@ from types import SimpleNamespace
 import pytest
 import transformers.trainer_callback  # noqa: F401 - imported before torch.cuda is faked (its import probes CUDA)
 
-from lowvram import gpumemory, report
+from lowvram import gpumemory
 from lowvram.plan.choose import safety_margin_bytes
 from lowvram.plan.memory import cuda_overheads
 from lowvram.plan.types import Plan
+from lowvram.report import training as report
 from lowvram.train.types import RunResult
 
 GiB, MiB = 2**30, 2**20
@@ -69,7 +70,7 @@ def cuda(monkeypatch):
 
 def test_two_cards_free_read_once_and_the_budget_is_the_tightest_card(cuda):
     from lowvram.hardware import detect_hardware
-    from lowvram.planning import make_budget
+    from lowvram.planning.budget import make_budget
 
     hw = detect_hardware()
     assert cuda.calls == [1, 1]  # free memory read once per card
@@ -90,7 +91,7 @@ def test_the_context_is_counted_once_in_the_fit(cuda):
     """The plan's peak holds a 300 MiB context term; free memory read after the 500 MiB real
     context holds none. The fit test is then tensors + slack <= free - margin, exactly."""
     from lowvram.hardware import detect_hardware
-    from lowvram.planning import make_plan
+    from lowvram.planning.entry import make_plan
 
     hw = detect_hardware()
     choice = make_plan(model="llama-2-7b", hardware=hw, method="lora", seq_len=2048, batch_size=8, gpus=2)
@@ -109,7 +110,7 @@ def test_the_context_is_counted_once_in_the_fit(cuda):
 def test_a_hand_built_free_size_keeps_its_context():
     """A Hardware built by hand (or a --vram size) still holds the context: the budget is as given."""
     from lowvram.hardware import Device, Hardware
-    from lowvram.planning import make_budget
+    from lowvram.planning.budget import make_budget
 
     hw = Hardware("cuda", (Device(0, "A", 24 * GiB, 12 * GiB, (8, 6), True), Device(1, "B", 24 * GiB, 9 * GiB, (8, 6), True)))
     assert not hw.context_in_free

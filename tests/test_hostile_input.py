@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from lowvram.cli import app
 from lowvram.errors import DataError
 from lowvram.recipe import parse_recipe
-from lowvram.train.data import build_datasets
+from lowvram.train.data.build import build_datasets
 
 REPO = Path(__file__).resolve().parent.parent
 

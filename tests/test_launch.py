@@ -131,13 +131,30 @@ def test_plan_round_trips_through_json(tmp_path):
     assert read_plan(write_plan(plan, tmp_path)) == plan
 
 
+def test_request_round_trips_through_json(tmp_path):
+    """A launched rank rebuilds the parent's Replanner from launch-request.json (no recipe model)."""
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.choose import PlanRequest
+    from lowvram.plan.replan import Replanner
+    from lowvram.train.launch import read_replanner, write_request
+
+    request = PlanRequest(model=resolve_model("qwen2.5-7b"), seq_len=2048, lora=True, lora_targets=("q_proj", "v_proj"),
+                          sources={"lora": "the recipe"})
+    replanner = Replanner(request)
+    again = read_replanner(write_request(replanner, tmp_path))
+    assert again == replanner
+    assert again.peak_at(BASE, 512) == replanner.peak_at(BASE, 512)
+    assert read_replanner(write_request(Replanner(), tmp_path)) == Replanner()
+    assert read_replanner(None) == Replanner()
+
+
 # --------------------------------------------------------------------------------------------
 # The chooser with several GPUs: DDP, then FSDP2 full shard, then FSDP with CPU offload
 
 
 def _choose(model: str, gpus: int, vram: str = "24GB", **fields):
+    from lowvram.plan.catalog import resolve_model
     from lowvram.plan.choose import Budget, PlanRequest, choose_plan
-    from lowvram.plan.models import resolve_model
     from lowvram.units import parse_size
 
     budget = Budget(parse_size(vram), "cuda")

@@ -336,7 +336,7 @@ def test_oom_in_a_launched_run_retries_with_a_smaller_micro_batch(tmp_path, tiny
 def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, tiny_model_dir, monkeypatch):
     """The launcher's loop on its own: workers that report an OOM at step 3 after checkpoint-2."""
     from lowvram.hardware import detect_hardware
-    from lowvram.planning import plan_for_recipe, replanner_for
+    from lowvram.planning.entry import plan_for_recipe, replanner_for
     from lowvram.recipe import load_recipe
     from lowvram.train import launch, oom, recover
     from lowvram.train.checkpoints import mark_complete
@@ -348,7 +348,8 @@ def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, ti
     hardware = dataclasses.replace(detect_hardware(None), kind="cpu", devices=())
     plan = plan_for_recipe(r, hardware=hardware, gpus=2)
     assert plan.micro_batch_size == 2
-    first = launch.prepare_launch(r, recipe_path, [], plan, spec)
+    first = launch.prepare_launch(r, recipe_path, [], plan, spec, replanner=replanner_for(r))
+    assert first.command[first.command.index("--request") + 1] == str(tmp_path / "out" / "launch-request.json")
     calls = []
 
     def fake_run_launch(launched, spec, track_memory=True, env=None, stderr=None):
@@ -384,20 +385,23 @@ def test_a_rank_stopped_after_anothers_oom_stays_quiet(tmp_path, tiny_model_dir,
     "interrupted" error (the launcher's retry line says what happened); without a report it does."""
     import signal
 
-    from lowvram.train import oom, run, signals, worker
+    from lowvram.planning.entry import plan_for_recipe
+    from lowvram.recipe import load_recipe
+    from lowvram.train import launch, oom, run, signals, worker
 
     monkeypatch.chdir(tmp_path)
     recipe = write_recipe(tmp_path, tiny_model_dir)
+    plan_path = launch.write_plan(plan_for_recipe(load_recipe(recipe)), tmp_path)
 
     def stopped(*args, **kwargs):
         raise signals.TrainingInterrupted(signal.SIGTERM, 0, None)
 
     monkeypatch.setattr(run, "run_training", stopped)
     monkeypatch.setenv(oom.REPORT_ENV, "1")
-    assert worker.main([str(recipe)]) == 143
+    assert worker.main([str(recipe), "--plan", str(plan_path)]) == 143
     assert "interrupted" in capsys.readouterr().err  # no OOM report: a real interruption
     oom.write_oom_report(tmp_path / "out", 1, oom.TrainingOOM(1, 100, _FakePlan(), "emulated"))
-    assert worker.main([str(recipe)]) == 143
+    assert worker.main([str(recipe), "--plan", str(plan_path)]) == 143
     assert capsys.readouterr().err == ""
 
 

@@ -1,6 +1,6 @@
 """Predicted peak memory vs the exact live tensor bytes of real CPU training steps.
 
-Small random-init Llama (lowvram.measure.tiny_llama_spec), one warm-up step (optimizer state
+Small random-init Llama (lowvram.check.cases.tiny_llama_spec), one warm-up step (optimizer state
 exists), then one step measured with lowvram.livebytes.LiveBytes the way the Trainer runs it.
 Target: within 3% per case (bench/plan_accuracy.py prints the full matrix at seq 512).
 """
@@ -15,7 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from lowvram.measure import ACCURACY_MATRIX, measure_setup, tiny_llama_spec  # noqa: E402
+from lowvram.check.cases import ACCURACY_MATRIX, tiny_llama_spec  # noqa: E402
+from lowvram.check.step import measure_setup  # noqa: E402
 from lowvram.plan.memory import RunSetup, estimate_memory  # noqa: E402
 
 # A fast subset on a smaller model at a quarter of the sequence length, covering every

@@ -9,6 +9,7 @@ import pytest
 
 from lowvram.errors import LowvramError
 from lowvram.plan import techniques as tq
+from lowvram.plan.catalog import resolve_model
 from lowvram.plan.choose import (
     Budget,
     PlanRequest,
@@ -18,7 +19,6 @@ from lowvram.plan.choose import (
     vram_needed_bytes,
 )
 from lowvram.plan.memory import BREAKDOWN_KEYS, MemoryEstimate, estimate_memory
-from lowvram.plan.models import resolve_model
 from lowvram.vocab import CANONICAL
 
 GB = 10**9
@@ -237,7 +237,7 @@ def test_a_plan_that_needs_a_missing_extra_says_so_and_names_one_that_needs_noth
 def test_plan_for_recipe_uses_the_chooser_and_falls_back(tmp_path):
     """The entry `lowvram train` uses: predicted when config.json is there, fixed defaults if not."""
     from lowvram.hardware import Device, Hardware
-    from lowvram.planning import plan_for_recipe
+    from lowvram.planning.entry import plan_for_recipe
     from lowvram.recipe import parse_recipe
 
     hw = Hardware("cuda", (Device(0, "fake 24GB", 24 * GB, 24 * GB, (8, 6), True),))

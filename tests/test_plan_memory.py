@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lowvram.errors import LowvramError
+from lowvram.plan.catalog import resolve_model
 from lowvram.plan.memory import (
     BREAKDOWN_KEYS,
     RunSetup,
@@ -17,7 +18,7 @@ from lowvram.plan.memory import (
     root_weight_bytes,
     weight_bytes,
 )
-from lowvram.plan.models import count_parameters, resolve_model
+from lowvram.plan.models import count_parameters
 from tests.conftest import published_cuda_context_bytes
 
 LLAMA7 = resolve_model("llama-2-7b")
@@ -158,7 +159,7 @@ def test_invalid_setup_names_every_problem():
 
 
 def test_every_catalog_model_estimates():
-    from lowvram.plan.models import catalog_names
+    from lowvram.plan.catalog import catalog_names
 
     for name in catalog_names():
         spec = resolve_model(name)

@@ -9,7 +9,8 @@ import pytest
 
 from lowvram.errors import LowvramError
 from lowvram.plan import models as models_module
-from lowvram.plan.models import catalog_names, count_parameters, resolve_model
+from lowvram.plan.catalog import catalog_names, resolve_model
+from lowvram.plan.models import count_parameters
 
 # Published parameter counts (model cards / papers; tied embeddings counted once).
 PUBLISHED = {
@@ -141,8 +142,7 @@ def test_count_matches_transformers_model(name):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from lowvram.measure import hf_config
-
+    from lowvram.check.builders import hf_config
     spec = resolve_model(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(spec))
@@ -213,7 +213,7 @@ def test_broken_gguf_is_a_model_error(tmp_path):
 
 
 def test_dropout_is_read_from_the_config():
-    from lowvram.plan.models import spec_from_config
+    from lowvram.plan.readers import spec_from_config
 
     base = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
     gpt2 = spec_from_config({**base, "model_type": "gpt2"}, "g")  # GPT2Config defaults: 0.1 each

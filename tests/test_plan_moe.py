@@ -11,8 +11,10 @@ import json
 import pytest
 
 from lowvram.errors import LowvramError
+from lowvram.plan.catalog import resolve_model
 from lowvram.plan.memory import RunSetup, estimate_memory, lora_parameters
-from lowvram.plan.models import count_parameters, resolve_model, spec_from_config
+from lowvram.plan.models import count_parameters
+from lowvram.plan.readers import spec_from_config
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128)
@@ -138,8 +140,7 @@ def test_analytic_equals_the_simulated_step_on_a_small_moe(name, lora):
 @pytest.mark.parametrize("name,lora", [("mixtral", True), ("qwen3_moe", False)])
 def test_analytic_equals_a_real_cpu_step_on_a_small_moe(name, lora):
     pytest.importorskip("torch")
-    from lowvram.measure import measure_setup
-
+    from lowvram.check.step import measure_setup
     spec = spec_from_config(CONFIGS[name], name)
     setup = RunSetup(spec, seq_len=256, micro_batch_size=1, device="cpu", precision="fp32", lora=lora)
     measured = measure_setup(setup).peak_bytes

@@ -10,9 +10,9 @@ import pytest
 from lowvram.errors import LowvramError
 from lowvram.plan import memory
 from lowvram.plan import techniques as tq
+from lowvram.plan.catalog import resolve_model
 from lowvram.plan.choose import Budget, PlanRequest, choice_to_dict, choose_plan
 from lowvram.plan.memory import RunSetup, estimate_memory
-from lowvram.plan.models import resolve_model
 
 GB = 10**9
 NO_EXTRAS = ("liger", "deepspeed")  # as on the development machine

@@ -1,6 +1,6 @@
 """lowvram.check.simulate: the real step on fake tensors equals the real step on real tensors.
 
-A small Llama is measured for real on CPU (lowvram.measure.measure_setup) and simulated under
+A small Llama is measured for real on CPU (lowvram.check.step.measure_setup) and simulated under
 FakeTensorMode; the peaks must agree to the byte (0.5% allowed). Then `lowvram plan --simulate`
 on a config.json folder (one lowvram reads, one only transformers reads) and on a 7B catalog
 model.
@@ -19,10 +19,11 @@ pytest.importorskip("transformers")
 
 from typer.testing import CliRunner  # noqa: E402
 
+from lowvram.check.cases import tiny_llama_spec  # noqa: E402
 from lowvram.check.simulate import simulate_memory  # noqa: E402
+from lowvram.check.step import measure_setup  # noqa: E402
 from lowvram.cli import app  # noqa: E402
 from lowvram.errors import LowvramError  # noqa: E402
-from lowvram.measure import measure_setup, tiny_llama_spec  # noqa: E402
 from lowvram.plan.memory import BREAKDOWN_KEYS, RunSetup, estimate_memory  # noqa: E402
 from tests.conftest import published_cuda_context_bytes  # noqa: E402
 
@@ -137,7 +138,7 @@ FAMILIES = [
 
 @pytest.mark.parametrize("name, seq_len, kw", FAMILIES, ids=[f[0] for f in FAMILIES])
 def test_analytic_model_matches_the_simulation_beyond_llama(name, seq_len, kw):
-    from lowvram.plan.models import resolve_model
+    from lowvram.plan.catalog import resolve_model
 
     setup = RunSetup(resolve_model(name), device="cpu", seq_len=seq_len, **kw)
     sim = simulate_memory(setup)

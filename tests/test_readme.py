@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from lowvram.cli import app
 from lowvram.recipe import describe_schema
-from lowvram.report import keys_markdown
+from lowvram.report.info import keys_markdown
 from tests.conftest import REPO
 
 README = (REPO / "README.md").read_text()

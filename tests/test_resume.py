@@ -19,9 +19,9 @@ import pytest
 from test_train_e2e import metrics, train, write_recipe
 
 from lowvram.errors import LowvramError
+from lowvram.runfiles import MARKER, write_atomic
 from lowvram.train.checkpoints import complete_checkpoints as checkpoints
 from lowvram.train.checkpoints import mark_complete
-from lowvram.train.files import MARKER, write_atomic
 from lowvram.train.folder import prepare_output_dir
 from lowvram.train.oom import EMULATE_ENV
 

@@ -114,7 +114,7 @@ def _interrupt_after(step: int):
 
 
 def test_resume_continues_from_last_checkpoint(tmp_path, tiny_model_dir):
-    from lowvram.planning import resolve_fixed
+    from lowvram.planning.fixed import resolve_fixed
     from lowvram.recipe import load_recipe
     from lowvram.train.run import run_training
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from test_train_e2e import write_recipe
 
-from lowvram.planning import resolve_fixed
+from lowvram.planning.fixed import resolve_fixed
 from lowvram.recipe import load_recipe, parse_recipe
 
 

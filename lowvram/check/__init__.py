@@ -1,1 +1,1 @@
-"""Checks of a plan by running the real step: the FakeTensor simulator (simulate.py)."""
+"""Checks of a plan by running the real step: measured (step.py) or simulated on fake tensors (simulate.py)."""

@@ -3,11 +3,11 @@
 ``simulate_memory`` builds the transformers (+ peft, + bitsandbytes) model of a setup with fake
 tensors (shapes and dtypes, no data: a 7B model in ~0.4 GB of RAM) with ``lowvram train``'s own
 builders (lowvram.train.model.load_kwargs / prepare_model, the Trainer's create_optimizer),
-runs the Trainer's step as :func:`lowvram.measure.measure_training_step` spells it out (a
+runs the Trainer's step as :func:`lowvram.check.step.measure_training_step` spells it out (a
 Trainer cannot be built on fake tensors: a warm-up step, then a tracked one: forward with labels
 under autocast, backward, clip, optimizer.step, zero_grad) and reads the peak off the live-bytes
 tracker. On a small Llama it equals the real Trainer step measured on a CPU
-(:func:`lowvram.measure.measure_setup`) to within a few KiB (tests/test_plan_simulate.py);
+(:func:`lowvram.check.step.measure_setup`) to within a few KiB (tests/test_plan_simulate.py);
 at full size it checks the analytic model (bench/simulate_full_size.py).
 
 FakeTensorMode needs the workarounds listed in /work/shared/reference/stack-notes.md
@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from lowvram.errors import LowvramError
 from lowvram.plan.memory import (
     BREAKDOWN_KEYS,
+    PROCESS_HOST_BYTES,
     MemoryEstimate,
     RunSetup,
     cuda_overheads,
@@ -157,8 +158,7 @@ def _fill_bnb_maps() -> None:
 
 
 def _config(setup: RunSetup, config):
-    from lowvram.measure import hf_config
-
+    from lowvram.check.builders import hf_config
     if config is None:
         return hf_config(setup.model, setup.attention)
     if isinstance(config, dict):
@@ -172,10 +172,10 @@ def _config(setup: RunSetup, config):
 
 
 def _build_model(setup: RunSetup, config, mode):
-    """The model of ``setup`` with fake tensors, prepared as lowvram.measure.build_model does."""
+    """The model of ``setup`` with fake tensors, prepared as lowvram.check.builders.build_model does."""
     from transformers import AutoModelForCausalLM
 
-    from lowvram.measure import setup_plan
+    from lowvram.check.builders import setup_plan
     from lowvram.train.model import load_kwargs, precision_compute_dtype, prepare_model
 
     plan = setup_plan(setup)
@@ -236,7 +236,8 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lowvram.measure import autocast_dtype, build_optimizer, make_batch, measure_training_step
+    from lowvram.check.builders import autocast_dtype, build_optimizer, make_batch
+    from lowvram.check.step import measure_training_step
     from lowvram.train.model import quiet_libraries
 
     quiet_libraries()
@@ -297,7 +298,7 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
     parts["cuda_context"] = ov.context_bytes if cuda else 0
     parts["allocator"] = int(ov.allocator_fraction * tensors) if cuda else 0
     breakdown = {k: int(parts[k]) for k in BREAKDOWN_KEYS}
-    process = 2 * 2**30  # as estimate_memory: torch + CUDA libraries, idle RSS
+    process = PROCESS_HOST_BYTES  # as estimate_memory
     peak = sum(breakdown.values())
     return MemoryEstimate(
         parameters=parameters, trainable_parameters=trainable, peak_bytes=peak,
@@ -311,83 +312,13 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
 # `lowvram plan --simulate`
 
 
-def local_config(model_ref: str | None) -> dict | None:
-    """The config.json dict of a local folder or file, or of a hub id's cached config.json (None
-    for catalog names and hub ids not cached)."""
-    import json
-    from pathlib import Path
-
-    from lowvram.plan.models import hub_cache_config
-
-    if not model_ref:
-        return None
-    path = Path(model_ref).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    elif not path.exists() and "/" in model_ref:
-        path = hub_cache_config(model_ref.strip()) or path
-    if not path.is_file() or path.suffix != ".json":
-        return None
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
-
-
-def spec_from_transformers(cfg: dict, name: str):
-    """A ModelSpec for a config.json lowvram's reader does not understand, through the
-    transformers config class (its attribute_map maps e.g. n_embd -> hidden_size). The analytic
-    estimate from it is approximate; the simulation builds the real model from ``cfg``."""
-    from dataclasses import replace
-
-    from transformers import AutoConfig
-
-    from lowvram.plan.models import ModelSpec, spec_from_config
-
-    if "model_type" not in cfg:
-        raise LowvramError(f"{name}: config.json has no model_type",
-                           "transformers needs model_type to build the model")
-    try:
-        c = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"})
-    except (ValueError, KeyError, TypeError) as e:
-        raise LowvramError(f"{name}: transformers cannot read this config: {e}",
-                           "pass a causal LM's config.json") from None
-    tc = c.get_text_config() if hasattr(c, "get_text_config") else c
-
-    def get(*keys):
-        for k in keys:
-            v = getattr(tc, k, None)
-            if isinstance(v, int):
-                return v
-        return None
-
-    h = get("hidden_size", "n_embd", "d_model")
-    heads = get("num_attention_heads", "n_head")
-    if h is None or heads is None:
-        raise LowvramError(f"{name}: no hidden size / attention heads in the config",
-                           "pass a decoder-only causal LM's config.json")
-    # A Llama-shaped stand-in (the analytic planner refuses this model_type): only the
-    # techniques are chosen from it; the simulation builds the real model from ``cfg``.
-    flat = dict(model_type="llama", hidden_size=h, num_attention_heads=heads,
-                num_hidden_layers=get("num_hidden_layers", "n_layer", "num_layers"),
-                vocab_size=get("vocab_size"),
-                intermediate_size=get("intermediate_size", "n_inner", "ffn_dim") or 4 * h,
-                num_key_value_heads=get("num_key_value_heads") or heads,
-                head_dim=get("head_dim") or h // heads,
-                tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)),
-                max_position_embeddings=get("max_position_embeddings", "n_positions") or 2048)
-    spec = spec_from_config(flat, name)
-    if isinstance(spec, ModelSpec):
-        spec = replace(spec, hf_id=None, model_type=cfg["model_type"])
-    return spec
-
-
 def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: int) -> dict:
-    """The ``simulated`` object of `lowvram plan --simulate --json` (bytes; report.py renders)."""
+    """The ``simulated`` object of `lowvram plan --simulate --json` (bytes; lowvram.report.plans renders)."""
     import time
 
     t0 = time.perf_counter()
+    from lowvram.check.configs import local_config
+
     sim = simulate_memory(setup, local_config(model_ref))
     return {
         "peak_bytes": sim.peak_bytes,
@@ -401,5 +332,4 @@ def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: i
     }
 
 
-__all__ = ["local_config", "simulate_memory", "simulate_plan", "spec_from_transformers",
-           "unsupported"]
+__all__ = ["simulate_memory", "simulate_plan", "unsupported"]

@@ -22,9 +22,10 @@ from lowvram.errors import LowvramError
 from lowvram.plan import memory
 from lowvram.plan import techniques as tq
 from lowvram.plan.calibration import term_checks
+from lowvram.plan.catalog import catalog_names, resolve_model
 from lowvram.plan.explain import Estimator, technique_reasons
 from lowvram.plan.memory import MemoryEstimate, RunSetup, estimate_memory
-from lowvram.plan.models import ModelSpec, catalog_names, count_parameters, resolve_model
+from lowvram.plan.models import ModelSpec, count_parameters
 from lowvram.plan.types import Plan, dtype_precision
 from lowvram.units import gib, mem
 
@@ -441,7 +442,7 @@ def describe_setup(s: RunSetup) -> str:
 
 
 def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Plan:
-    """The Plan that runs ``setup``: every setting the memory model read (lowvram.measure builds
+    """The Plan that runs ``setup``: every setting the memory model read (lowvram.check.builders builds
     its runs from this too); ``extra``: reasons and the predictions."""
     s = setup
     return Plan(

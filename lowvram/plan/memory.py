@@ -1,7 +1,7 @@
 """Peak memory of one training step: pure functions, bytes in, bytes out (no torch).
 
 Every constant cites its source: a paper or doc, or "measured: bench/plan_accuracy.py", which
-runs real steps of small Llama-style models on CPU under lowvram.measure's exact live-bytes
+runs real steps of small Llama-style models on CPU under lowvram.livebytes' exact live-bytes
 tracker and compares them with these formulas (tests/test_plan_accuracy.py pins them at 3%).
 Symbols as in /work/shared/reference/memory-model.md: h hidden, I MLP width, V vocabulary,
 t = micro_batch_size x seq_len tokens.
@@ -33,6 +33,10 @@ from lowvram.vocab import (
 
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", "cuda_context",
                   "allocator")
+
+# Host RAM of one training process before any tensor of the run: torch + CUDA libraries, ~2 GiB
+# (measured RSS of an idle import). estimate_memory and lowvram.check.simulate add it.
+PROCESS_HOST_BYTES = 2 * 2**30
 
 # Tokens per chunk of the chunked cross-entropy (lowvram.train.loss uses the same number).
 CHUNK_TOKENS = 1024
@@ -997,7 +1001,7 @@ def sharding_overhead_bytes(setup: RunSetup) -> tuple[int, int, int]:
     happens inside the backward.
     DDP (torch DistributedDataParallel, gradient_as_bucket_view=False as the Trainer leaves it)
     keeps its gradient buckets, one more copy of the trainable gradients, for the whole run.
-    Measured on CPU (2-3 processes over gloo, lowvram.measure; bench/multi_process_accuracy.py):
+    Measured on CPU (2-3 processes over gloo, lowvram.livebytes; bench/multi_process_accuracy.py):
     DDP within 0.8%, FSDP2 without checkpointing +0.5% / +3.5% (full / LoRA); with checkpointing
     the recompute term (recompute_bytes) over-predicts small models by 11-14%.
     DeepSpeed ZeRO (any stage, offloaded or not): zero_residency_bytes, from the engine's
@@ -1144,10 +1148,9 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
         parts["cuda_context"] = 0
         parts["allocator"] = 0
     breakdown = {k: int(parts[k]) for k in BREAKDOWN_KEYS}
-    # Host RAM: what is offloaded, plus the process itself (torch + CUDA libraries, ~2 GiB
-    # measured RSS of an idle import) plus one checkpoint shard staged while loading (<= 5 GB,
-    # the transformers default max_shard_size).
-    process = 2 * 2**30
+    # Host RAM: what is offloaded, plus the process itself (PROCESS_HOST_BYTES) plus one
+    # checkpoint shard staged while loading (<= 5 GB, the transformers default max_shard_size).
+    process = PROCESS_HOST_BYTES
     host += activation_offload_host_bytes(setup)
     staging = min(count_parameters(setup.model) * _dtype_bytes(setup)[0], 5 * 10**9)
     if setup.device == "cpu":

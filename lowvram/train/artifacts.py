@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
+from lowvram.runfiles import PLAN, RECIPE
 from lowvram.runs import read_json, read_yaml_dict
-from lowvram.vocab import COMPUTE_DTYPE, WEIGHT_DTYPE
+from lowvram.vocab import COMPUTE_DTYPE, DTYPE_BYTES, WEIGHT_DTYPE
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MERGE_INFO = "lowvram_merge.json"
 
 
@@ -40,7 +40,7 @@ def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
     adapter = read_json(p / "adapter_config.json")
     if adapter:
         info = read_run(p) if is_run_dir(p) else None
-        recipe, plan = (info.recipe, read_json(p / "plan.json")) if info else _parent_run(p)
+        recipe, plan = (info.recipe, read_json(p / PLAN)) if info else _parent_run(p)
         return p, adapter, recipe, plan
     info = read_run(p)  # raises "not a lowvram run" for a foreign folder
     if (p / "config.json").is_file():
@@ -56,7 +56,7 @@ def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
 
 def _parent_run(p: Path) -> tuple[dict, dict]:
     """A checkpoint-* folder: the recipe and plan are in the run folder above it."""
-    return read_yaml_dict(p.parent / "recipe.yaml"), read_json(p.parent / "plan.json")
+    return read_yaml_dict(p.parent / RECIPE), read_json(p.parent / PLAN)
 
 
 def _candidates(name: str, run_dir: Path) -> list[Path]:
@@ -96,7 +96,7 @@ def find_base_model(run_dir: Path, adapter: dict, recipe: dict) -> BaseModel:
     if name:
         for c in _candidates(name, run_dir):
             if gguf_file and (c / gguf_file).is_file():
-                from lowvram.train.model import gguf_folder
+                from lowvram.train.gguf import gguf_folder
 
                 folder, hit = gguf_folder(str(c), gguf_file, bool(model.get("trust_remote_code")))
                 how = "recipe.yaml, GGUF (cached conversion)" if hit else "recipe.yaml, GGUF (converted now)"
@@ -133,7 +133,7 @@ def merge_dtype(recipe: dict, plan: dict, override: str = "auto") -> str:
 def _recipe_of(folder: Path) -> dict:
     from lowvram.runs import read_yaml_dict
 
-    for p in (folder / "recipe.yaml", folder.parent / "recipe.yaml"):  # a run, or a checkpoint in one
+    for p in (folder / RECIPE, folder.parent / RECIPE):  # a run, or a checkpoint in one
         if p.is_file():
             return read_yaml_dict(p)
     return {}

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from lowvram.errors import LowvramError
-from lowvram.train.files import (
+from lowvram.runfiles import (
     CHECKPOINT_GLOB,
     MARKER,
     checkpoint_number,

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from lowvram.errors import LowvramError, UsageError
+from lowvram.runfiles import CHECKPOINT_GLOB, LAUNCH_FILES, MARKER, METRICS, checkpoint_number
 from lowvram.train import manifest
-from lowvram.train.files import CHECKPOINT_GLOB, LAUNCH_FILES, MARKER, METRICS, checkpoint_number
 
 
 def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe=None, plan=None,

@@ -69,7 +69,7 @@ def render_prompt(gen: Generator, messages: list[dict]) -> str:
         return gen.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     text = messages[-1]["content"]
     if gen.prompt_format == "alpaca":
-        from lowvram.train.data import ALPACA_PROMPT_NO_INPUT
+        from lowvram.train.data.format import ALPACA_PROMPT_NO_INPUT
 
         return ALPACA_PROMPT_NO_INPUT.format(instruction=text)
     return text

@@ -21,8 +21,9 @@ from pathlib import Path
 import yaml
 
 from lowvram.errors import LowvramError
+from lowvram.plan.replan import Replanner
 from lowvram.plan.types import Plan
-from lowvram.train.files import CONFIG, LAUNCH_LOG, LAUNCH_PLAN, write_atomic
+from lowvram.runfiles import CONFIG, LAUNCH_LOG, LAUNCH_PLAN, LAUNCH_REQUEST, write_atomic
 from lowvram.vocab import FSDP_QUANTIZATIONS
 
 # plan.offload -> (backend, ZeRO stage, offload optimizer, offload params)
@@ -161,6 +162,28 @@ def read_plan(path: Path) -> Plan:
     return Plan(**data)
 
 
+def write_request(replanner: Replanner, out_dir: Path) -> Path:
+    """The plan's request for the workers (``--request``): what their Replanner asks again."""
+    import json
+
+    path = out_dir / LAUNCH_REQUEST
+    write_atomic(path, json.dumps(replanner.to_dict(), indent=2) + "\n")
+    return path
+
+
+def read_replanner(path: Path | None) -> Replanner:
+    """The Replanner of write_request's file; without one, a Replanner that predicts nothing."""
+    import json
+
+    if path is None:
+        return Replanner()
+    try:
+        return Replanner.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise LowvramError(f"cannot read the launch request {path}: {e}",
+                           "run `lowvram train RECIPE --gpus N` (it writes the plan and the request)") from None
+
+
 def check_backend_installed(plan: Plan) -> None:
     if backend_for(plan) == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise LowvramError(
@@ -178,10 +201,12 @@ def write_config(cfg: dict, out_dir: Path) -> Path:
 
 def launch_command(config_path: Path, recipe_path: Path, overrides: list[str] | tuple = (),
                    extra: list[str] | tuple = (), spec: LaunchSpec | None = None,
-                   plan_path: Path | None = None, plan: Plan | None = None) -> list[str]:
+                   plan_path: Path | None = None, plan: Plan | None = None,
+                   request_path: Path | None = None) -> list[str]:
     """argv for `accelerate launch` on the worker; never run through a shell.
 
-    ``plan_path``: the parent's plan as JSON, so every rank trains with exactly that plan.
+    ``plan_path``: the parent's plan as JSON, so every rank trains with exactly that plan;
+    ``request_path``: its request, so the ranks predict without the recipe's model.
     """
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path)]
     if spec is not None:
@@ -195,6 +220,8 @@ def launch_command(config_path: Path, recipe_path: Path, overrides: list[str] | 
     cmd += ["-m", "lowvram.train.worker", str(recipe_path)]
     if plan_path is not None:
         cmd += ["--plan", str(plan_path)]
+    if request_path is not None:
+        cmd += ["--request", str(request_path)]
     for item in overrides:
         cmd += ["--set", item]
     return cmd + list(extra)
@@ -246,9 +273,9 @@ class Launch:
 
 def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: LaunchSpec,
                    resume: bool = False, overwrite: bool = False, print_only: bool = False,
-                   check_output: bool = True) -> Launch:
+                   check_output: bool = True, replanner: Replanner | None = None) -> Launch:
     """Check the output folder (unless only printing, or ``check_output=False`` when a retry
-    re-launches into it), write the config and the plan, build argv."""
+    re-launches into it), write the config, the plan and its request (``replanner``), build argv."""
     from lowvram.train.trainer import output_dir
 
     accelerate_config(plan, spec)  # FSDP + int8, a bad --main-address: before touching files
@@ -262,8 +289,10 @@ def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: Launc
         prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
     cfg_path = write_config(accelerate_config(plan, spec), out)
     plan_path = write_plan(plan, out)
+    request_path = write_request(replanner, out) if replanner is not None else None
     extra = ["--resume"] if resume else []
-    cmd = launch_command(cfg_path, Path(recipe_path).resolve(), list(overrides), extra, spec, plan_path, plan)
+    cmd = launch_command(cfg_path, Path(recipe_path).resolve(), list(overrides), extra, spec, plan_path, plan,
+                         request_path)
     return Launch(cmd, cfg_path, plan_path, out, backend_for(plan))
 
 

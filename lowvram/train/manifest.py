@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from lowvram.errors import LowvramError
-from lowvram.train.files import (
+from lowvram.runfiles import (
     CHECKPOINT_GLOB,
     LAUNCH_FILES,
     MANIFEST,

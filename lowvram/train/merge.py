@@ -23,7 +23,6 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.train.artifacts import (
-    DTYPE_BYTES,
     MERGE_INFO,
     BaseModel,
     find_base_model,
@@ -34,6 +33,7 @@ from lowvram.train.artifacts import (
     run_prompt_format,
 )
 from lowvram.units import mem as _size  # GiB, or MiB below 1 GiB
+from lowvram.vocab import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ class MergeResult:
 
 def count_base_parameters(source: str) -> int | None:
     """Exact count from config.json (no weights); None if the architecture cannot be read."""
-    from lowvram.plan.models import count_parameters, resolve_model
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import count_parameters
 
     try:
         return count_parameters(resolve_model(source))

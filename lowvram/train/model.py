@@ -2,23 +2,13 @@
 quantization; LoRA adapters (peft). Training never decides techniques: everything comes from
 the Plan (what) and the recipe (model location, LoRA shape).
 
-GGUF: transformers dequantizes a GGUF file on load (~15 s for SmolLM2-135M here), but the
-loaded model refuses ``save_pretrained`` and the Trainer ("quantized with GGUF"). We copy its
-weights into a fresh model of the same class, drop ``quantization_config`` and cache that folder
-under ``~/.cache/lowvram/gguf/<key>``; the next load reads plain safetensors in < 1 s
-(stack-notes.md, measured).
+A GGUF file is converted once to a cached safetensors folder (gguf.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
 import os
-import re
-import shutil
-import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -26,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowvram.errors import LowvramError, ModelError
-
-# A hub id is "name" or "org/name" with these characters (huggingface_hub's validation rule).
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+from lowvram.hub import HUB_ID
 
 _NOISE = (
     # bitsandbytes on CPU tries to fetch an optional kernel from the hub, then falls back (harmless).
@@ -80,7 +68,7 @@ _HUB_HINT = ("check model.name_or_path: a local folder with config.json, or a hu
 
 
 def _looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or not _HUB_ID.match(name)
+    return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or not HUB_ID.match(name)
 
 
 def resolve_model_location(recipe) -> str:
@@ -98,108 +86,6 @@ def resolve_model_location(recipe) -> str:
             hint = "run `make demo` (or `python -m lowvram.demo`) once: it links the quickstart model into models/"
         raise ModelError(f"model not found: {name} (looked in {looked})", hint)
     return name  # a hub id; from_pretrained reports if it cannot be found
-
-
-# --------------------------------------------------------------------------------------------
-# GGUF -> cached safetensors folder
-
-
-def cache_root() -> Path:
-    base = os.environ.get("LOWVRAM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lowvram"
-    )
-    return Path(base)
-
-
-def _gguf_key(gguf: Path) -> str:
-    import transformers
-
-    st = gguf.stat()
-    raw = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|transformers {transformers.__version__}"
-    return f"{gguf.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
-
-
-@contextlib.contextmanager
-def _no_gguf_progress():
-    """transformers' GGUF reader uses a bare tqdm bar (not its own switch); hide it while loading."""
-    try:
-        import transformers.modeling_gguf_pytorch_utils as g
-    except ImportError:  # pragma: no cover - gguf support moved
-        yield
-        return
-    orig = g.tqdm
-    g.tqdm = lambda it, *a, **k: it
-    try:
-        yield
-    finally:
-        g.tqdm = orig
-
-
-def gguf_folder(folder: str, gguf_file: str, trust_remote_code: bool = False) -> tuple[Path, bool]:
-    """A plain from_pretrained folder with the GGUF model's weights and tokenizer; (path, cache hit)."""
-    gguf = Path(folder) / gguf_file
-    if not gguf.is_file():
-        present = sorted(p.name for p in Path(folder).glob("*.gguf"))
-        raise ModelError(
-            f"GGUF file not found: {gguf}",
-            f"GGUF files in {folder}: {', '.join(present)}" if present
-            else "set model.gguf_file to a .gguf file inside model.name_or_path",
-        )
-    out = cache_root() / "gguf" / _gguf_key(gguf)
-    if (out / "config.json").is_file() and (out / ".complete").is_file():
-        return out, True
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # A one-time wait of ~20 s for a 135M model (measured): say what is happening.
-    sys.stderr.write(f"converting {gguf.name} to safetensors once; cached in {out}\n")
-    sys.stderr.flush()
-    try:
-        with _no_gguf_progress():
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
-            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
-    except ImportError as e:
-        raise ModelError(f"cannot read GGUF files: {e}", "pip install gguf") from None
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise ModelError(f"cannot load GGUF file {gguf}: {e}", "check the file is a complete GGUF of a supported architecture") from None
-
-    # The loaded model carries a GGUF quantizer that blocks saving and training: copy the weights
-    # into a fresh model of the same class, without quantization_config.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = _fresh_like(loaded, config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
-        fresh.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / ".complete").write_text(str(gguf.resolve()) + "\n")
-        if out.exists():  # a half-written folder from an interrupted run
-            shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / ".complete").is_file():
-            raise
-    return out, False
-
-
-def _fresh_like(loaded, config):
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # pragma: no cover - older layout
-        from transformers.modeling_utils import no_init_weights
-
-    with no_init_weights():  # every weight is overwritten just below; skip the random init
-        fresh = type(loaded)(config)
-    result = fresh.load_state_dict(loaded.state_dict(), strict=False)
-    if getattr(config, "tie_word_embeddings", False):
-        fresh.tie_weights()
-    missing = [k for k in result.missing_keys if not (k.endswith("lm_head.weight") and config.tie_word_embeddings)]
-    if missing:
-        raise ModelError(f"GGUF conversion left weights unset: {missing[:3]}", "report this model and file")
-    return fresh
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,7 +182,7 @@ def _first_line(e: BaseException) -> str:
 
 def load_kwargs(plan) -> dict:
     """``from_pretrained`` keyword arguments for the plan's weights: dtype, attention kernel, and
-    the bitsandbytes config and device map of a quantized base (shared with lowvram.measure)."""
+    the bitsandbytes config and device map of a quantized base (shared with lowvram.check.builders)."""
     kwargs: dict[str, Any] = {"dtype": weight_dtype(plan), "attn_implementation": plan.attention}
     q = quantization_config(plan)
     if q is not None:
@@ -330,7 +216,7 @@ def prepare_model(model, plan, seed: int | None = None):
     checkpointing (non-reentrant), which the Trainer also switches on in ``train()``. The order
     matters: peft registers an input-requires-grad hook on the embedding when it wraps a model
     that is already checkpointing (and not quantized), which changes what the first layer keeps.
-    lowvram.measure and the simulator prepare their models with this same function."""
+    lowvram.check.builders and the simulator prepare their models with this same function."""
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
     if plan.lora:
         if seed is not None:
@@ -425,6 +311,8 @@ def load_model(recipe, plan) -> LoadedModel:
     source = resolve_model_location(recipe)
     cache_hit = None
     if recipe.model.gguf_file:
+        from lowvram.train.gguf import gguf_folder
+
         folder, cache_hit = gguf_folder(source, recipe.model.gguf_file, recipe.model.trust_remote_code)
         source = str(folder)
     tokenizer = load_tokenizer(recipe, source)

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from lowvram.errors import LowvramError
-from lowvram.train.files import OOM_REPORT, write_atomic
+from lowvram.runfiles import OOM_REPORT, write_atomic
 
 EMULATE_ENV = "LOWVRAM_EMULATE_VRAM"  # testing: cap the CPU live-bytes tracker like a card this size
 

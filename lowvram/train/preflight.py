@@ -15,7 +15,7 @@ _HEAD_BYTES = 1 << 16  # the first rows of a JSON Lines file: enough for a few r
 
 def input_problems(recipe) -> list[str]:
     """One line per missing or unreadable input (empty when all are there)."""
-    from lowvram.train.data import _FILE_LIKE_SUFFIXES, _HUB_ID, LOCAL_SUFFIXES
+    from lowvram.train.data.read import is_local
     from lowvram.train.model import resolve_model_location
 
     problems = []
@@ -26,8 +26,7 @@ def input_problems(recipe) -> list[str]:
     for spec in recipe.data.datasets:
         path = recipe.resolve_path(spec.path)
         suffix = path.suffix.lower()
-        local = suffix in LOCAL_SUFFIXES or path.exists() or suffix in _FILE_LIKE_SUFFIXES or not _HUB_ID.match(spec.path)
-        if not local:
+        if not is_local(path, spec.path):
             continue  # a hub dataset: checked when it downloads
         if not path.is_file():
             problems.append(f"data file not found: {path}" if not path.exists() else f"{path} is a folder, not a data file")
@@ -37,17 +36,17 @@ def input_problems(recipe) -> list[str]:
 
 
 def _first_rows_problem(path) -> list[str]:
-    from lowvram.train.data import _BadRow, _jsonl_rows
+    from lowvram.train.data.read import BadRow, jsonl_rows
 
     with path.open("rb") as f:
         head = f.read(_HEAD_BYTES)
     if len(head) == _HEAD_BYTES:
         head = head[: head.rfind(b"\n") + 1]  # whole lines only
     try:
-        rows = list(_jsonl_rows(head.decode("utf-8-sig"), path.name))
+        rows = list(jsonl_rows(head.decode("utf-8-sig"), path.name))
     except UnicodeDecodeError as e:
         return [f"{path}: not UTF-8 text (byte {e.start})"]
-    bad = [f"{r.where}: {r.data}" for r in rows if isinstance(r.data, _BadRow)]
+    bad = [f"{r.where}: {r.data}" for r in rows if isinstance(r.data, BadRow)]
     if not rows:
         return [f"{path}: the data file is empty"]
     return bad[:1]  # the first; training reports each, or skips them with data.skip_bad_rows

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError
+from lowvram.plan.replan import Replanner
+from lowvram.runfiles import CHECKPOINT_GLOB, OOM_REPORT
 from lowvram.train.checkpoints import complete_checkpoints, partial_checkpoints
-from lowvram.train.files import CHECKPOINT_GLOB, OOM_REPORT
 from lowvram.train.oom import EXTRA_METRICS_ENV, REPORT_ENV, TrainingOOM, collect_oom_reports
 from lowvram.train.signals import TrainingInterrupted
-from lowvram.train.types import Replanner
 from lowvram.units import shell_line
 
 DEFAULT_MAX_RETRIES = 3
@@ -174,7 +174,7 @@ def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = Fa
                         max_retries: int = DEFAULT_MAX_RETRIES, resume_cmd: str = "", notify=None,
                         track_memory: bool | None = None, replanner: Replanner | None = None):
     """run_training, retried with ``replanner``'s next cheaper plan after an out-of-memory error
-    (lowvram.planning.replanner_for; None: no retry can be planned); the output folder is locked
+    (built above train/ by lowvram.planning.entry.replanner_for; None: no retry can be planned); the output folder is locked
     for the whole time (lock.py)."""
     from lowvram.train.lock import run_lock
     from lowvram.train.trainer import output_dir
@@ -308,7 +308,7 @@ def launch_with_recovery(recipe, recipe_path, overrides, plan, spec, launched, r
         new, ckpts = _next_attempt(replanner, err, plan, retries, out, recover, max_retries)
         try:
             launched = launch.prepare_launch(recipe, recipe_path, overrides, new, spec, resume=bool(ckpts),
-                                             check_output=False)
+                                             check_output=False, replanner=replanner)
         except LowvramError as e:
             raise _final_failure(err, retries, f"the next cheaper plan ({describe_change(plan, new)}) cannot "
                                  f"run here: {e.message}") from None

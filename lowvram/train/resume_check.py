@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from lowvram.errors import LowvramError
+from lowvram.runfiles import PLAN, RECIPE
 
 # Recipe keys whose change keeps the training identical, step for step.
 SAFE_KEYS = (
@@ -96,13 +97,13 @@ def check_resume(out: Path, recipe, plan=None, notify=None) -> None:
     from lowvram.runs import read_json, read_yaml_dict
 
     notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
-    old = read_yaml_dict(out / "recipe.yaml")
+    old = read_yaml_dict(out / RECIPE)
     if not old:
         notify(f"note: {out} has no readable recipe.yaml; the recipe was not compared with the run's")
         return
     refused, allowed = recipe_differences(old, recipe.model_dump(mode="json"))
     if plan is not None:
-        refused += plan_differences(read_json(out / "plan.json"), plan)
+        refused += plan_differences(read_json(out / PLAN), plan)
     refused += data_differences(out, recipe)
     if refused:
         raise LowvramError(

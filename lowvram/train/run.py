@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from lowvram.errors import LowvramError
-from lowvram.train.files import METRICS, PLAN, RECIPE, write_atomic
-from lowvram.train.types import Replanner, RunResult
+from lowvram.plan.replan import Replanner
+from lowvram.runfiles import METRICS, PLAN, RECIPE, write_atomic
+from lowvram.train.types import RunResult
 
 # --------------------------------------------------------------------------------------------
 # The run folder
@@ -53,7 +54,7 @@ def _save_final(trainer, tokenizer, out: Path) -> None:
 
 
 def _memory_tracker(plan, model, track: bool = True):
-    """On CPU: lowvram.measure's live-bytes tracker (exact tensor bytes; ``track=False``, from
+    """On CPU: lowvram.livebytes' tracker (exact tensor bytes; ``track=False``, from
     --no-track-memory: none, unless an emulated card needs it); on CUDA: reset the peak."""
     if plan.device == "cuda":
         import torch
@@ -76,7 +77,7 @@ def _memory_tracker(plan, model, track: bool = True):
 
 
 def _peak_memory(plan, tracker, history=None, breakdown: dict[str, int] | None = None) -> dict:
-    """The run's measured peak; ``history`` (measure.memory_history_callback) holds the peaks of
+    """The run's measured peak; ``history`` (livebytes.memory_history_callback) holds the peaks of
     the logging intervals, whose maximum is the run's peak. ``breakdown``: the prediction to
     compare with, part by part (``memory_comparison``: lowvram.gpumemory, like with like)."""
     from lowvram import gpumemory
@@ -197,7 +198,8 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     sys.stdout.flush()
     loaded = load_model(recipe, plan)
 
-    from lowvram.train.data import build_datasets, make_collator
+    from lowvram.train.data.build import build_datasets
+    from lowvram.train.data.collate import make_collator
 
     bundle = build_datasets(recipe, loaded.tokenizer)
     if len(bundle.train) == 0:

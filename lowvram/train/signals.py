@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lowvram.errors import EXIT_SIGINT, EXIT_SIGTERM, LowvramError
-from lowvram.train.files import checkpoint_folder
+from lowvram.runfiles import checkpoint_folder
 
 
 class TrainingInterrupted(LowvramError):

@@ -1,11 +1,14 @@
 """What each rank runs under ``accelerate launch``: ``python -m lowvram.train.worker RECIPE``.
 
-``lowvram train RECIPE --gpus N`` plans once, writes the plan as JSON and starts
-``accelerate launch ... -m lowvram.train.worker RECIPE --plan PLAN.json``: every rank trains with
-exactly the parent's plan (no rank re-plans against its own view of the hardware). Only rank 0
-prints progress and writes the run files; the parent prints the summary from metrics.json.
+``lowvram train RECIPE --gpus N`` plans once, writes the plan and its request as JSON and starts
+``accelerate launch ... -m lowvram.train.worker RECIPE --plan PLAN.json --request REQUEST.json``:
+every rank trains with exactly the parent's plan (no rank plans, against its own view of the
+hardware or otherwise: this module imports nothing from lowvram.planning), and predicts the peak at
+the data's length from the request (lowvram.plan.replan). The recipe gives the data and the output
+folder. Only rank 0 prints progress and writes the run files; the parent prints the summary from
+metrics.json.
 
-    python -m lowvram.train.worker RECIPE [--plan PLAN.json] [--set key=value ...] [--resume]
+    python -m lowvram.train.worker RECIPE --plan PLAN.json [--request REQUEST.json] [--set key=value ...] [--resume]
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from lowvram.errors import LowvramError, error_text
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lowvram.train.worker", description=__doc__.splitlines()[0])
     p.add_argument("recipe", type=Path)
-    p.add_argument("--plan", type=Path, default=None, help="the parent's plan (JSON); default: plan here")
+    p.add_argument("--plan", type=Path, required=True, help="the parent's plan (JSON, launch-plan.json)")
+    p.add_argument("--request", type=Path, default=None,
+                   help="the plan's request (JSON, launch-request.json); without it no peak is predicted")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     return p.parse_args(argv)
@@ -40,14 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         from lowvram.recipe import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
-        from lowvram.planning import plan_for_recipe, replanner_for
+        from lowvram.train.launch import read_plan, read_replanner
 
-        if args.plan is not None:
-            from lowvram.train.launch import read_plan
-
-            plan = read_plan(args.plan)
-        else:
-            plan = plan_for_recipe(recipe, gpus=int(os.environ.get("WORLD_SIZE", "1")))
+        plan = read_plan(args.plan)
+        replanner = read_replanner(args.request)
         import json
 
         from lowvram.train import oom, signals
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         reporting = os.environ.get(oom.REPORT_ENV) == "1"  # the launcher re-plans after an OOM
         try:
             run_training(recipe, plan, resume=args.resume, prepared=True, extra_metrics=extra or None,
-                         replanner=replanner_for(recipe))
+                         replanner=replanner)
         except oom.TrainingOOM as err:
             if not reporting:
                 raise

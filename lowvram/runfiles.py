@@ -1,7 +1,8 @@
 """The names of the files a run writes into its folder, and how each is written (atomically).
 
 The small facts that the run, its checkpoints, the manifest, the launcher and the retry loops
-all need, kept here once so none of them imports another for a name. No torch here.
+(train/) and the readers of run folders (runs.py, `lowvram runs` / `show`) all need, kept here
+once so none of them imports another for a name. No torch here; nothing of lowvram imported.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ CHECKPOINT_GLOB = "checkpoint-*"
 # Written by `lowvram train --gpus N` before the run starts (launch.py): not a sign of an earlier run.
 CONFIG = "accelerate_config.yaml"
 LAUNCH_PLAN = "launch-plan.json"
+LAUNCH_REQUEST = "launch-request.json"  # the plan's request, for the workers' Replanner
 LAUNCH_LOG = "launch.log"
-LAUNCH_FILES = (CONFIG, LAUNCH_PLAN, LAUNCH_LOG)
+LAUNCH_FILES = (CONFIG, LAUNCH_PLAN, LAUNCH_REQUEST, LAUNCH_LOG)
 
 OOM_REPORT = "oom-rank{rank}.json"  # a launched worker's out-of-memory, for the launcher (oom.py)
 

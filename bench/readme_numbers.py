@@ -1,0 +1,124 @@
+"""The README's numbers that come from benches, refreshed from bench/results/ (issue 14).
+
+Each figure is a README pattern with one ``value`` group and the text that group must hold,
+computed from the newest results file of its bench. tests/test_readme_numbers.py fails when a
+bench result changed and the README did not follow; this script rewrites the README then.
+
+    python bench/readme_numbers.py           # rewrite README.md where it drifted, list what changed
+    python bench/readme_numbers.py --check   # exit 1 and list the drift, change nothing
+
+The held-out GPU figures (bench/results/published_accuracy.txt) are checked by
+tests/test_published_accuracy.py, which re-scores them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+README = REPO / "README.md"
+
+# bench/ladder_cpu.py's row names -> the README ladder table's
+LADDER_ROWS = {
+    "fp32 baseline": "fp32 baseline",
+    "+ bf16": "+ bf16",
+    "+ gradient checkpointing": "+ gradient checkpointing",
+    "+ 8-bit AdamW": "+ 8-bit AdamW",
+    "+ LoRA r16 all-linear": "+ LoRA r16 all-linear",
+    "+ QLoRA nf4-dq": "+ QLoRA nf4-dq",
+    "+ chunked loss (1024-token chunks, batch 4)": "+ chunked loss, batch 4 (2048 tokens)",
+    "(same, standard loss)": "same batch 4, standard loss",
+}
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    pattern: str  # a regex over README.md with one group named "value"
+    value: str  # what that group must be
+    source: Path
+
+
+def newest(glob: str) -> Path:
+    """The newest results file of a bench (dated names sort by date)."""
+    found = sorted(RESULTS.glob(glob))
+    if not found:
+        raise FileNotFoundError(f"no bench/results/{glob}")
+    return found[-1]
+
+
+def ladder_figures() -> list[Figure]:
+    """The technique ladder table: measured peak, predicted peak, step time per row."""
+    path = newest("ladder_cpu-*.txt")
+    out = []
+    for line in path.read_text().splitlines():
+        m = re.match(r"^(?P<name>\S.*?)\s{2,}(?P<meas>\d+\.\d)\s+(?P<pred>\d+\.\d)\s+(?:[-+]\d+\.\d%\s+)?(?P<step>\d+\.\d+)$",
+                     line.strip())
+        if not m or m["name"] not in LADDER_ROWS:
+            continue
+        row = LADDER_ROWS[m["name"]]
+        out.append(Figure(f"ladder: {row}", rf"^\| {re.escape(row)} \| (?P<value>[^|]+\|[^|]+\|[^|]+?) \|$",
+                          f"{m['meas']} MiB | {m['pred']} MiB | {m['step']} s", path))
+    if len(out) != len(LADDER_ROWS):
+        raise ValueError(f"{path.name}: found {len(out)} of the {len(LADDER_ROWS)} ladder rows")
+    return out
+
+
+def fuzz_figures() -> list[Figure]:
+    """The held-out paragraph: how many random recipes ran, and their error range and median."""
+    path = RESULTS / "plan_fuzz.txt"
+    text = path.read_text()
+    ran = re.search(r"^cases \d+, ran (\d+),", text, re.M)
+    dist = re.search(r"^measured/predicted - 1: min (\S+)\s+p5 \S+\s+median (\S+)\s+p95 \S+\s+max (\S+)$", text, re.M)
+    if not ran or not dist:
+        raise ValueError(f"{path.name}: no summary lines (cases ..., measured/predicted - 1: ...)")
+    lo, median, hi = dist.groups()
+    return [
+        Figure("fuzz: runs", r"of (?P<value>\d+) runs, \*\*all within", ran[1], path),
+        Figure("fuzz: range", r"measured/predicted - 1 from (?P<value>[-+]\S+ to [-+]\S+, median [-+]\S+?)\)",
+               f"{lo} to {hi}, median {median}", path),
+    ]
+
+
+def figures() -> list[Figure]:
+    return ladder_figures() + fuzz_figures()
+
+
+def drift(readme: str) -> list[str]:
+    """One line per figure the README does not hold as its results file says."""
+    problems = []
+    for f in figures():
+        m = re.search(f.pattern, readme, re.M)
+        if m is None:
+            problems.append(f"{f.name}: not found in README.md (pattern {f.pattern!r})")
+        elif m["value"] != f.value:
+            problems.append(f"{f.name}: README says {m['value']!r}, {f.source.relative_to(REPO)} gives {f.value!r}")
+    return problems
+
+
+def refresh(readme: str) -> str:
+    """The README with every figure set to its results file's value."""
+    for f in figures():
+        readme = re.sub(f.pattern, lambda m, v=f.value: m[0].replace(m["value"], v, 1), readme, count=1, flags=re.M)
+    return readme
+
+
+def main(argv: list[str]) -> int:
+    text = README.read_text()
+    problems = drift(text)
+    for line in problems:
+        print(line)
+    if "--check" in argv:
+        return 1 if problems else 0
+    if problems:
+        README.write_text(refresh(text))
+        print(f"README.md: {len(problems)} figure(s) refreshed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

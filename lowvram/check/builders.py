@@ -1,0 +1,150 @@
+"""The model, optimizer and batch of a RunSetup, built with ``lowvram train``'s own builders
+(lowvram.train.model, the Trainer's create_optimizer) for the measured step (step.py), the
+simulator (simulate.py), tests and benches.
+
+torch and friends are imported inside functions (importing lowvram stays instant).
+"""
+
+from __future__ import annotations
+
+import os
+
+from lowvram.plan.models import ModelSpec
+
+
+def hf_config(spec: ModelSpec, attention: str = "sdpa"):
+    """A transformers config for a ModelSpec of a family the analytic planner models."""
+    from transformers import AutoConfig
+
+    kw = dict(
+        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size, tie_word_embeddings=spec.tie_word_embeddings,
+        max_position_embeddings=spec.max_position_embeddings,
+    )
+    if spec.rope_theta:
+        kw["rope_theta"] = spec.rope_theta
+    kw.update(_moe_config_kwargs(spec))
+    if spec.sliding_window:  # Gemma-3: its default layer pattern, the spec's window
+        kw["sliding_window"] = spec.sliding_window
+    cfg = AutoConfig.for_model(spec.model_type, **kw)
+    cfg._attn_implementation = attention
+    # the spec's dropout, under whichever names this config class uses
+    for name, value in (("resid_pdrop", spec.resid_dropout), ("embd_pdrop", spec.embd_dropout),
+                        ("attn_pdrop", spec.attn_dropout), ("attention_dropout", spec.attn_dropout)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
+    return cfg
+
+
+def _moe_config_kwargs(spec: ModelSpec) -> dict:
+    """The MoE fields of a spec under its config class's names (see lowvram.plan.readers._MOE_ARCH)."""
+    if not spec.is_moe:
+        return {}
+    if spec.model_type in ("mixtral", "olmoe"):
+        return dict(num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                    intermediate_size=spec.moe_intermediate_size)
+    kw = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+              moe_intermediate_size=spec.moe_intermediate_size, mlp_only_layers=[],
+              decoder_sparse_step=1)
+    if spec.model_type == "qwen2_moe":
+        kw.update(shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+                  qkv_bias=spec.qkv_bias)
+    return kw
+
+
+def setup_plan(setup, device: str = "cpu"):
+    """The Plan ``lowvram train`` runs a RunSetup with: what train's builders read (alpha 2r)."""
+    from lowvram.plan.choose import plan_for_setup
+
+    return plan_for_setup(setup, device, 2 * setup.lora_r)
+
+
+def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = "cpu",
+                saved_dir: str | None = None):
+    """The model a RunSetup trains, random init, on ``device``, loaded and prepared by the
+    functions ``lowvram train`` uses (lowvram.train.model: ``load_kwargs`` for dtype, attention
+    and bitsandbytes, ``prepare_model`` for k-bit preparation, adapters and checkpointing).
+
+    Unquantized models are built from their config on ``device`` directly (what
+    ``from_pretrained`` of a random checkpoint gives, without writing one: a 7B model on a GPU
+    in seconds). Quantized ones go through ``from_pretrained`` (bitsandbytes quantizes while
+    loading) from a random-init checkpoint: saved to ``saved_dir`` once and reused when it
+    already holds one, else to a temporary folder.
+    """
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.train.model import load_kwargs, prepare_model
+
+    torch.manual_seed(seed)
+    plan = setup_plan(setup, device)
+    kwargs = load_kwargs(plan)
+    cfg = hf_config(setup.model, setup.attention)
+    if setup.quantization == "none":
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=kwargs["dtype"])
+        return prepare_model(model, plan, seed)
+
+    def load(d):
+        if not os.path.exists(os.path.join(d, "config.json")):
+            with torch.device(device):
+                AutoModelForCausalLM.from_config(cfg, dtype=kwargs["dtype"]).save_pretrained(d)
+        return AutoModelForCausalLM.from_pretrained(d, **kwargs)
+
+    if saved_dir is not None:
+        model = load(saved_dir)
+    else:
+        with tempfile.TemporaryDirectory(dir=workdir) as d:
+            model = load(d)
+    return prepare_model(model, plan, seed)
+
+
+class _OptimizerOf:
+    """What ``transformers.Trainer.create_optimizer`` reads of its Trainer: that method builds
+    the optimizer here, so the optimizer measured is the one a run gets (param groups, the
+    8-bit embedding override, fused AdamW), also on fake tensors where no Trainer can be made."""
+
+    optimizer = None
+    optimizer_cls_and_kwargs = None
+
+    def __init__(self, model, args) -> None:
+        from transformers import Trainer
+
+        self.model, self.args = model, args
+        self.get_decay_parameter_names = Trainer.get_decay_parameter_names.__get__(self)
+        self.get_optimizer_cls_and_kwargs = Trainer.get_optimizer_cls_and_kwargs
+
+
+def build_optimizer(model, name: str, lr: float = 1e-4):
+    """The optimizer ``lowvram train`` makes for the plan optimizer ``name``: the Trainer's own
+    ``create_optimizer`` over ``lowvram.vocab.TRAINER_OPTIMIZERS`` (adamw -> adamw_torch_fused)."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from lowvram.vocab import TRAINER_OPTIMIZERS
+
+    device = next(model.parameters()).device.type
+    args = TrainingArguments(output_dir=tempfile.gettempdir(), optim=TRAINER_OPTIMIZERS[name], learning_rate=lr,
+                             report_to=[], use_cpu=device == "cpu")
+    return Trainer.create_optimizer(_OptimizerOf(model, args))
+
+
+def make_batch(setup, seed: int = 0, device: str = "cpu") -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, setup.model.vocab_size, (setup.micro_batch_size, setup.seq_len), generator=g)
+    return {"input_ids": ids.to(device), "labels": ids.to(device)}
+
+
+def autocast_dtype(setup):
+    """The dtype the Trainer's autocast uses for a setup's precision (None for fp32; the rule is
+    train/model.py's)."""
+    from lowvram.train.model import autocast_dtype as for_precision
+
+    return for_precision(setup.precision)

@@ -1,0 +1,150 @@
+"""The hardware side of planning: the memory budget (``--vram``, ``LOWVRAM_VRAM`` or the detected
+card), and the checks of what the card can run before and after planning (bf16, bitsandbytes).
+
+No torch here unless the hardware has to be detected (no ``--vram`` / ``LOWVRAM_VRAM``)."""
+
+from __future__ import annotations
+
+import os
+
+from lowvram.errors import LowvramError
+from lowvram.plan.types import Plan
+from lowvram.recipe import Recipe
+from lowvram.units import gib, parse_size
+from lowvram.vocab import BNB_OPTIMIZERS, ON_VALUES
+
+
+def make_budget(vram: str | None = None, hardware=None, gpus: int = 1):
+    """The memory the plan must fit in (``_budget``), with the optional extras not installed here
+    (plans that need one rank after those that need nothing more). ``gpus``: processes on this
+    node; the budget is the smallest free card among those they use."""
+    from dataclasses import replace
+
+    override = vram or os.environ.get("LOWVRAM_VRAM")
+    if hardware is None and not override:
+        from lowvram.hardware import detect_hardware
+
+        hardware = detect_hardware()
+    budget = _budget(vram, hardware)
+    if hardware is not None and hardware.kind == "cuda" and hardware.devices and not override:
+        budget = replace(budget, **detected_cuda_budget(hardware, gpus))
+    return replace(budget, missing_extras=missing_extras())
+
+
+def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
+    """Budget fields for detected CUDA cards: free memory read once per card, the smallest among
+    the ``gpus`` used, and the CUDA context counted once.
+
+    The plan's peak holds a ``cuda_context`` term. Free memory read after this process's context
+    exists (``hardware.context_in_free``: torch.cuda.mem_get_info creates it) no longer holds it,
+    so the modelled term is added back to the budget: the fit test becomes tensors + allocator
+    slack <= free - margin, whatever the real context's size. A free size that still holds the
+    context (context_in_free False) is the budget as it is."""
+    from lowvram.plan.memory import cuda_overheads
+
+    dev = hardware.tightest_device(gpus)
+    free = hardware.free_bytes(gpus)
+    n = len(hardware.used_devices(gpus))
+    where = f"GPU {dev.index} ({dev.name})" if n == 1 else f"GPU {dev.index} ({dev.name}), the least free of GPUs 0-{n - 1}"
+    if not hardware.context_in_free:
+        return {"vram_bytes": free, "source": f"{where}: free memory"}
+    context = cuda_overheads().context_bytes
+    return {"vram_bytes": free + context,
+            "source": f"{where}: {gib(free)} free after this process's CUDA context + the plan's "
+                      f"{gib(context)} cuda_context term (the context counted once)"}
+
+
+def missing_extras() -> tuple[str, ...]:
+    """Optional extras (pyproject.toml) a plan may need that are not importable here."""
+    import importlib.util
+
+    return tuple(e for e, module in (("deepspeed", "deepspeed"), ("liger", "liger_kernel"))
+                 if importlib.util.find_spec(module) is None)
+
+
+def _budget(vram: str | None, hardware):
+    """The memory the plan must fit in.
+
+    - ``--vram`` / ``LOWVRAM_VRAM`` with no ``hardware`` given: a GPU of that free size is assumed
+      (bf16 assumed too, and said so); torch is not imported.
+    - Otherwise the hardware is detected: the first GPU's free memory; on a CPU-only machine the
+      plan is for a CPU run against the available host RAM, and a note says so.
+    """
+    from lowvram.plan.choose import Budget
+
+    override = vram or os.environ.get("LOWVRAM_VRAM") or None
+    flag = "--vram" if vram else "LOWVRAM_VRAM"
+    if override and hardware is None:
+        return Budget(parse_size(override), "cuda", bf16=True, bf16_known=False, source=f"{flag} {override}")
+    if hardware is None:
+        from lowvram.hardware import detect_hardware
+
+        hardware = detect_hardware(override)
+    hw = hardware
+    if hw.kind == "cpu":
+        if override:
+            return Budget(parse_size(override), "cpu", bf16=False, bf16_known=True,
+                          host_ram_bytes=hw.host_available_bytes, source=f"{flag} {override} (CPU run)")
+        note = ("no GPU found: planning a CPU run against the available host RAM; "
+                "pass --vram 24GB (or set LOWVRAM_VRAM) to plan for a GPU")
+        return Budget(hw.host_available_bytes, "cpu", bf16=False, bf16_known=True,
+                      host_ram_bytes=hw.host_available_bytes, source="host RAM available", notes=(note,))
+    dev = hw.devices[0] if hw.devices else None
+    source = f"{flag} {override}" if override else (f"{dev.name}: free memory" if dev else hw.kind)
+    return Budget(hw.budget_bytes, hw.kind, bf16=hw.bf16, bf16_known=True,
+                  host_ram_bytes=hw.host_available_bytes or None, source=source,
+                  notes=tuple(hw.notes))
+
+
+def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
+    """Before planning: a budget no run fits in, or a recipe forcing what the card cannot do."""
+    from lowvram.plan.memory import cuda_overheads
+
+    override = vram or os.environ.get("LOWVRAM_VRAM") or None
+    budget = parse_size(override) if override else hardware.budget_bytes
+    context = cuda_overheads().context_bytes
+    # A --vram budget is GPU memory (also when planning on a machine without one). Free memory
+    # read after this process's context existed does not hold the context: the plan says
+    # whether anything fits in it.
+    holds_context = bool(override) or (hardware.kind == "cuda" and not hardware.context_in_free)
+    if holds_context and budget is not None and budget <= context:
+        shown = f"--vram {override}" if override else "the free GPU memory"
+        raise LowvramError(
+            f"{shown} ({gib(budget)}) is no more than the CUDA context alone "
+            f"({gib(context)}): nothing can train in it",
+            "pass the card's free memory, e.g. --vram 8GB (nvidia-smi shows it), or free the GPU")
+    mp = recipe.techniques.mixed_precision
+    if hardware.kind == "cuda" and mp in ("bf16", "bf16-mixed") and not hardware.bf16:
+        name = hardware.devices[0].name if hardware.devices else "this GPU"
+        raise LowvramError(
+            f"techniques.mixed_precision: {mp} needs bf16, which {name} does not support "
+            "(bf16 needs compute capability 8.0, Ampere or newer)",
+            "set techniques.mixed_precision: fp16-mixed (or auto: lowvram picks what the card supports)")
+    quant = recipe.techniques.quantization
+    _check_bnb(ON_VALUES["quantization"] if quant == "on" else quant, recipe.techniques.optimizer, hardware)
+
+
+def check_runnable(plan: Plan, hardware) -> Plan:
+    """After planning: bitsandbytes techniques need bitsandbytes, on a device it supports."""
+    _check_bnb(plan.quantization, plan.optimizer, hardware)
+    return plan
+
+
+def _check_bnb(quantization: str, optimizer: str, hardware) -> None:
+    needs_bnb = [f"quantization {quantization}"] if quantization not in ("none", "off", "auto") else []
+    if optimizer in (*BNB_OPTIMIZERS, "on"):
+        needs_bnb.append(f"optimizer {ON_VALUES['optimizer'] if optimizer == 'on' else optimizer}")
+    if not needs_bnb:
+        return
+    import importlib.util
+
+    why = None
+    if hardware.kind == "mps":
+        why = "bitsandbytes has no Apple MPS support"
+    elif importlib.util.find_spec("bitsandbytes") is None:
+        why = "bitsandbytes is not installed"
+    if why:
+        raise LowvramError(
+            f"{' and '.join(needs_bnb)} need bitsandbytes: {why}",
+            "set techniques.quantization: off and techniques.optimizer: adamw"
+            + (" (or pip install bitsandbytes)" if hardware.kind != "mps" else ""))

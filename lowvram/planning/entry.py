@@ -1,0 +1,128 @@
+"""The entry points `lowvram train` and `lowvram plan` share, so the two never disagree: a recipe
+(+ flags, + detected hardware) -> request (request.py) -> :mod:`lowvram.plan` -> Plan or Choice.
+
+When the model's architecture can be read (catalog name, a folder with config.json, a cached hub
+id) the memory-driven chooser (:mod:`lowvram.plan.choose`) picks every ``auto`` technique. When it
+cannot, fixed.py gives fixed defaults and the plan says that its memory was not predicted."""
+
+from __future__ import annotations
+
+import os
+
+from lowvram.errors import LowvramError
+from lowvram.plan.replan import Replanner
+from lowvram.plan.types import Plan
+from lowvram.planning.budget import check_card, check_runnable, make_budget
+from lowvram.planning.fixed import fixed_with_note
+from lowvram.planning.request import METHODS, build_request, flag_choices, recipe_model
+from lowvram.recipe import Recipe
+from lowvram.units import gib
+from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
+
+
+def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus: int = 1) -> Plan:
+    """The plan `lowvram train` runs with (and `lowvram plan RECIPE` shows).
+
+    ``gpus``: data-parallel processes in all (``--gpus`` x ``--nodes``); memory is per GPU."""
+    if hardware is None:
+        from lowvram.hardware import detect_hardware
+
+        hardware = detect_hardware(vram)
+    check_card(recipe, hardware, vram)
+    try:
+        spec = recipe_model(recipe)
+    except LowvramError as err:
+        return check_runnable(fixed_with_note(recipe, hardware.kind, hardware.bf16, err, gpus), hardware)
+    from lowvram.plan.choose import choose_plan
+
+    budget = make_budget(vram, hardware, gpus)
+    flags, sources = ({"gpus": gpus}, {"gpus": f"--gpus {gpus}"}) if gpus > 1 else ({}, {})
+    return check_runnable(choose_plan(build_request(spec, recipe, flags, sources), budget).plan, hardware)
+
+
+def require_fit(plan: Plan, recipe_path) -> None:
+    """`lowvram train` refuses a plan the planner itself says does not fit (no technique left)."""
+    if plan.fits is not False:
+        return
+    raise LowvramError(
+        f"the run does not fit: predicted peak {gib(plan.predicted_peak_bytes)} > budget "
+        f"{gib(plan.budget_bytes)} even with every technique left on auto",
+        f"`lowvram plan {recipe_path}` names the smallest budget that works and the change that "
+        "helps most (shorter training.seq_len, a smaller model, techniques the recipe fixed)",
+    )
+
+
+def replanner_for(recipe: Recipe) -> Replanner:
+    """The Replanner for a run of ``recipe`` (its request without command-line flags, as the
+    chooser's OOM re-plan has always used it)."""
+    try:
+        spec = recipe_model(recipe)
+    except LowvramError:
+        return Replanner()
+    return Replanner(build_request(spec, recipe))
+
+
+_CHOICES = {
+    "method": tuple(METHODS),
+    "precision": PRECISIONS,
+    "quant": QUANTIZATIONS,
+    "optim": OPTIMIZERS,
+    "loss": LOSSES,
+    "attn": ATTENTIONS,
+    "offload": OFFLOADS,
+}
+
+
+def check_choice(name: str, value: str | None) -> None:
+    """A flag value outside its choices -> UsageError (exit 2) listing them."""
+    from lowvram.errors import UsageError
+
+    allowed = _CHOICES[name]
+    if value is not None and value not in allowed:
+        import difflib
+
+        close = difflib.get_close_matches(value, allowed, n=1)
+        guess = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(f"--{name} {value!r} is not one of: {', '.join(allowed)}",
+                         f"{guess}e.g. --{name} {allowed[0]}")
+
+
+def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,
+              method: str | None = None, hardware=None, **flags):
+    """The plan `lowvram plan` shows: a Choice, or a fixed Plan if the model cannot be read."""
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.choose import choose_plan
+
+    for name in ("precision", "quant", "optim", "loss", "attn", "offload"):
+        check_choice(name, flags.get(name))
+    check_choice("method", method)
+    if recipe is None and model is None:
+        raise LowvramError("nothing to plan: give a recipe or --model",
+                           "e.g. lowvram plan --model llama-2-7b --vram 24GB, or lowvram plan recipes/quickstart.yaml")
+    fields, sources = flag_choices(method, **flags)
+    if model is not None:
+        spec = resolve_model(model)
+    else:
+        try:
+            spec = recipe_model(recipe)
+        except LowvramError as err:
+            if hardware is None and (vram or os.environ.get("LOWVRAM_VRAM")):
+                return fixed_with_note(recipe, "cuda", True, err)  # a GPU budget, bf16 assumed
+            if hardware is None:
+                from lowvram.hardware import detect_hardware
+
+                hardware = detect_hardware(vram)
+            return fixed_with_note(recipe, hardware.kind, hardware.bf16, err)
+    budget = make_budget(vram, hardware, fields.get("gpus") or 1)
+    return choose_plan(build_request(spec, recipe, fields, sources), budget)
+
+
+def list_models() -> list[tuple[str, str, int]]:
+    from lowvram.plan.catalog import catalog_names, resolve_model
+    from lowvram.plan.models import count_parameters
+
+    rows = []
+    for name in catalog_names():
+        spec = resolve_model(name)
+        rows.append((name, spec.hf_id or "", count_parameters(spec)))
+    return rows

@@ -1,0 +1,141 @@
+"""Recipe + command-line choices -> PlanRequest: the recipe's fixed techniques, then the flags on
+top (flags win), and the recipe's model as a ModelSpec."""
+
+from __future__ import annotations
+
+from lowvram.errors import LowvramError
+from lowvram.plan.types import precisions_for_dtype
+from lowvram.recipe import Recipe, TrainingSection
+from lowvram.vocab import OFF_VALUES, ON_VALUES, WEIGHT_DTYPE, on_off
+
+# `--method` is a shorthand for the lora and quantization techniques.
+METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, ON_VALUES["quantization"])}
+
+
+def check_dtype(recipe: Recipe) -> None:
+    """model.dtype and a fixed mixed_precision must agree on the weights' dtype."""
+    dtype, mp = recipe.model.dtype, recipe.techniques.mixed_precision
+    fixed = "fp32" if mp == "off" else mp
+    if dtype == "auto" or fixed in ("auto", "on") or fixed in precisions_for_dtype(dtype):
+        return
+    raise LowvramError(
+        f"model.dtype {dtype} and techniques.mixed_precision {mp} disagree: {fixed} keeps "
+        f"{WEIGHT_DTYPE[fixed]} weights",
+        f"set mixed_precision to one of {', '.join(precisions_for_dtype(dtype))}, or model.dtype: auto")
+
+
+def recipe_choices(recipe: Recipe) -> dict:
+    """The recipe's fixed (non-auto) techniques as PlanRequest fields."""
+    t = recipe.techniques
+    out: dict = {}
+    check_dtype(recipe)
+    if t.mixed_precision not in ("auto", "on"):  # on = bf16 where supported: what auto picks
+        out["mixed_precision"] = on_off(t.mixed_precision, None, OFF_VALUES["mixed_precision"])
+    elif recipe.model.dtype != "auto":
+        out["weight_dtype"] = recipe.model.dtype  # the chooser picks a precision storing it
+    if t.gradient_checkpointing != "auto":
+        out["gradient_checkpointing"] = t.gradient_checkpointing == "on"
+    if t.activation_offload != "auto":
+        out["activation_offload"] = t.activation_offload == "on"
+    if isinstance(t.gradient_accumulation, int):
+        out["grad_accum"] = t.gradient_accumulation
+    elif t.gradient_accumulation == "off":
+        out["grad_accum"] = 1
+    if isinstance(recipe.training.micro_batch_size, int):
+        out["micro_batch_size"] = recipe.training.micro_batch_size
+    if t.lora != "auto":
+        out["lora"] = t.lora == "on"
+    if t.quantization != "auto":
+        out["quantization"] = on_off(t.quantization, ON_VALUES["quantization"], OFF_VALUES["quantization"])
+    if t.optimizer != "auto":
+        out["optimizer"] = on_off(t.optimizer, ON_VALUES["optimizer"], OFF_VALUES["optimizer"])
+    if t.offload != "auto":
+        out["offload"] = on_off(t.offload, ON_VALUES["offload"], OFF_VALUES["offload"])
+    if t.attention != "auto":
+        out["attention"] = t.attention
+    if t.loss != "auto":
+        out["loss"] = t.loss
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
+    """Command-line choices as PlanRequest fields, and which flag set each (for the reasons)."""
+    names = {
+        "precision": ("mixed_precision", "--precision"), "quant": ("quantization", "--quant"),
+        "optim": ("optimizer", "--optim"), "loss": ("loss", "--loss"), "attn": ("attention", "--attn"),
+        "grad_accum": ("grad_accum", "--grad-accum"), "offload": ("offload", "--offload"),
+        "gradient_checkpointing": ("gradient_checkpointing", "--gradient-checkpointing"),
+        "activation_offload": ("activation_offload", "--activation-offload"),
+        "seq_len": ("seq_len", "--seq-len"), "batch_size": ("batch_size", "--batch-size"),
+        "gpus": ("gpus", "--gpus"), "lora_r": ("lora_r", "--lora-r"),
+        "lora_targets": ("lora_targets", "--lora-targets"),
+    }
+    out: dict = {}
+    sources: dict = {}
+    if method is not None:
+        if method not in METHODS:
+            raise LowvramError(f"unknown method {method!r}", "use --method full, lora or qlora")
+        out["lora"], quant = METHODS[method]
+        sources["lora"] = f"--method {method}"
+        if flags.get("quant") is None:
+            out["quantization"] = quant
+            sources["quantization"] = f"--method {method}"
+    for key, value in flags.items():
+        if value is None:
+            continue
+        field, flag = names[key]
+        if key == "lora_targets" and isinstance(value, str):
+            value = tuple(x.strip() for x in value.split(",") if x.strip())
+        if key in ("gradient_checkpointing", "activation_offload"):
+            flag = flag if value else flag.replace("--", "--no-", 1)
+        out[field] = value
+        switch = key in ("lora_targets", "gradient_checkpointing", "activation_offload")
+        sources[field] = flag if switch else f"{flag} {_shown(value)}"
+    return out, sources
+
+
+def _shown(value) -> str:
+    return ",".join(value) if isinstance(value, tuple) else str(value)
+
+
+def build_request(model, recipe: Recipe | None = None, flags: dict | None = None,
+                  flag_sources: dict | None = None):
+    """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
+    from lowvram.plan.choose import PlanRequest
+
+    training = recipe.training if recipe else TrainingSection()
+    fields: dict = {"seq_len": training.seq_len, "batch_size": training.batch_size}
+    sources: dict = {}
+    if recipe is not None:
+        fields.update(lora_fields(recipe))
+        fixed = recipe_choices(recipe)
+        fields.update(fixed)
+        sources.update({k: "the recipe" for k in fixed})
+    for key, value in (flags or {}).items():
+        fields[key] = value
+    sources.update(flag_sources or {})
+    # A flag fixing accumulation releases a micro-batch fixed by the recipe (and vice versa).
+    if flags and "grad_accum" in flags and "micro_batch_size" not in flags:
+        fields.pop("micro_batch_size", None)
+    return PlanRequest(model=model, sources=sources, **fields)
+
+
+def lora_fields(recipe: Recipe) -> dict:
+    """The recipe's lora section as PlanRequest / Plan fields."""
+    lc = recipe.lora
+    targets = (lc.target_modules,) if isinstance(lc.target_modules, str) else tuple(lc.target_modules)
+    return {"lora_r": lc.r, "lora_alpha": lc.alpha, "lora_dropout": lc.dropout, "lora_targets": targets}
+
+
+def recipe_model(recipe: Recipe):
+    """The recipe's model as a ModelSpec (a local folder resolves against the recipe file)."""
+    from lowvram.plan.catalog import resolve_model
+
+    return resolve_model(recipe_model_ref(recipe))
+
+
+def recipe_model_ref(recipe: Recipe) -> str:
+    """model.name_or_path: a local path resolved against the recipe file, else as written (a
+    catalog name or hub id)."""
+    local = recipe.resolve_path(recipe.model.name_or_path)
+    return str(local) if local.exists() else recipe.model.name_or_path

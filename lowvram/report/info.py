@@ -1,0 +1,55 @@
+"""Printing what is not a plan or a run: `lowvram validate`, `lowvram keys` (also the README's
+recipe reference), `lowvram env`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from lowvram.report.console import console, print_json
+from lowvram.units import gib
+
+
+def show_validated(recipe, path: Path, as_json: bool = False) -> None:
+    if as_json:
+        print_json({"valid": True, "recipe": recipe.model_dump(mode="json")})
+        return
+    c = console()
+    ds = ", ".join(f"{d.path} ({d.format})" for d in recipe.data.datasets)
+    c.print(f"[green]ok[/green] {path}: model {recipe.model.name_or_path}; data {ds}; "
+            f"seq_len {recipe.training.seq_len}, batch {recipe.training.batch_size}")
+
+
+def keys_markdown(rows) -> str:
+    """The recipe reference as a Markdown table (also pasted in the README; a test keeps them equal)."""
+    out = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, typ, default, help_ in rows:
+        out.append(f"| `{key}` | {typ} | {default} | {help_} |")
+    return "\n".join(out)
+
+
+def show_keys(rows, as_json: bool = False) -> None:
+    if as_json:
+        print_json([{"key": k, "type": t, "default": d, "help": h} for k, t, d, h in rows])
+        return
+    sys.stdout.write(keys_markdown(rows) + "\n")
+
+
+def show_env(info: dict, as_json: bool = False) -> None:
+    if as_json:
+        print_json(info)
+        return
+    lines = ["```", "lowvram env"]
+    for k, v in info.get("versions", {}).items():
+        lines.append(f"- {k}: {v}")
+    hw = info.get("hardware", {})
+    if "error" in hw:
+        lines.append(f"- hardware: detection failed: {hw['error']}")
+    else:
+        lines.append(f"- device kind: {hw.get('kind')}")
+        for d in hw.get("devices", ()):
+            lines.append(f"- device {d['index']}: {d['name']}, {gib(d['free_bytes'])} free of {gib(d['total_bytes'])}, "
+                         f"compute capability {d.get('compute_capability')}, bf16 {d.get('bf16')}")
+        lines.append(f"- host RAM: {gib(hw.get('host_available_bytes'))} available of {gib(hw.get('host_total_bytes'))}")
+    lines.append("```")
+    sys.stdout.write("\n".join(lines) + "\n")

@@ -1,0 +1,225 @@
+"""Printing a plan: `lowvram plan` (the dict from lowvram.plan.choose.choice_to_dict, bytes
+inside), the plan table before `lowvram train`, --dry-run, --print-launch, --list-models."""
+
+from __future__ import annotations
+
+from lowvram.report.console import console, print_json, setting_cell, techniques_label
+from lowvram.units import gib, percent, shell_line
+
+
+def _plan_table(plan):
+    from rich.table import Table
+
+    t = Table(title="Plan", show_lines=False)
+    t.add_column("technique")
+    t.add_column("setting")
+    t.add_column("why")
+    for name, value in plan.techniques().items():
+        t.add_row(name, setting_cell(value), plan.reasons.get(name, ""))
+    t.add_row("micro_batch_size", str(plan.micro_batch_size), f"x {plan.grad_accum} accumulation x {plan.gpus} GPU(s)")
+    if "memory" in plan.reasons:  # the architecture could not be read: no prediction
+        t.add_row("memory", "not predicted", plan.reasons["memory"])
+    if plan.predicted_peak_bytes is not None:
+        budget = gib(plan.budget_bytes) if plan.budget_bytes else "no budget"
+        verdict = "does not fit: over the budget" if plan.fits is False else "budget"
+        t.add_row("predicted peak", gib(plan.predicted_peak_bytes), f"{verdict} {budget}")
+    return t
+
+
+def _warn_remote_code(c, recipe) -> None:
+    if recipe.model.trust_remote_code:
+        c.print("warning: model.trust_remote_code is on: Python code shipped with the model will run "
+                "on this machine (turn it off unless you trust the model's source)", markup=False)
+
+
+def show_dry_run(recipe, plan, as_json: bool = False) -> None:
+    if as_json:
+        print_json({"recipe": recipe.model_dump(mode="json"), "plan": plan.to_dict()})
+        return
+    c = console()
+    c.print("# resolved recipe (defaults filled in)", markup=False)
+    c.print(recipe.to_yaml(), markup=False)
+    c.print(_plan_table(plan))
+    _warn_remote_code(c, recipe)
+    c.print("dry run: nothing was trained.")
+
+
+def show_plan_brief(recipe, plan) -> None:
+    """Printed before the model is loaded (nanoGPT habit: show the numbers that matter first)."""
+    c = console()
+    c.print(_plan_table(plan))
+    _warn_remote_code(c, recipe)
+    tokens = plan.effective_batch * recipe.training.seq_len
+    c.print(f"tokens per optimizer step (at most): {tokens:,}")
+
+
+def show_launch(recipe, plan, spec, launch, print_only: bool = False) -> None:
+    """Several GPUs: the plan with memory per GPU and host RAM per node, then the command."""
+    c = console()
+    if not print_only:
+        show_plan_brief(recipe, plan)
+    unit = "process" if spec.cpu else "GPU"
+    backend = {"ddp": "DDP", "fsdp": "FSDP2", "deepspeed": "DeepSpeed ZeRO"}[launch.backend]
+    c.print(f"{spec.world_size} {unit}(s) on {spec.nodes} node(s), {backend} (offload: {plan.offload})",
+            markup=False)
+    if plan.predicted_peak_bytes is not None:
+        c.print(f"predicted memory per {unit}: {gib(plan.predicted_peak_bytes)}", markup=False)
+    if plan.host_ram_bytes is not None:
+        c.print(f"predicted host RAM per node: {gib(plan.host_ram_bytes * spec.gpus)} "
+                f"({spec.gpus} x {gib(plan.host_ram_bytes)})", markup=False)
+    c.print(f"accelerate config: {launch.config_path}", markup=False)
+    c.print(f"{'command' if print_only else 'launching'}: {shell_line(launch.command)}", markup=False,
+            soft_wrap=True)
+    if print_only:
+        c.print("--print-launch: nothing was trained; run the command above (on every node).", markup=False)
+
+
+_BAR_WIDTH = 30
+
+
+def _bar(part: int, whole: int) -> str:
+    if whole <= 0 or part <= 0:
+        return ""
+    return "█" * max(1, round(_BAR_WIDTH * part / whole))
+
+
+def show_plan(data: dict, as_json: bool = False) -> None:
+    """The chosen setup with reasons, the breakdown, headroom, ladder and limits."""
+    if as_json:
+        print_json(data)
+        return
+    from rich.table import Table
+
+    c = console()
+    n = data["parameters"]
+    c.print(f"[bold]lowvram plan[/bold]: {data['model']} ({n / 1e9:.2f}B params), seq_len {data['seq_len']}, "
+            f"batch {data['batch_size']}, {data['device']}")
+    c.print(f"budget: {gib(data['vram_bytes'])} ({data['vram_source']}) - safety margin "
+            f"{gib(data['safety_margin_bytes'])} = {gib(data['budget_bytes'])}")
+    for note in data.get("notes", ()):
+        c.print(f"note: {note}", markup=False)
+
+    t = Table(title="Chosen setup")
+    t.add_column("technique")
+    t.add_column("setting")
+    t.add_column("why")
+    for name, value in data["techniques"].items():
+        t.add_row(name, setting_cell(value), data["reasons"].get(name, ""))
+    c.print(t)
+
+    peak = data["peak_bytes"]
+    sim = data.get("simulated")  # `lowvram plan --simulate`
+    b = Table(title=f"Peak memory ({data['peak_phase'].replace('_', ' ')})")
+    b.add_column("component")
+    b.add_column("size", justify="right")
+    if sim:
+        b.add_column("simulated", justify="right")
+    b.add_column("")
+    checked = data.get("checked") or {}
+    if checked:
+        b.add_column("GPU-calibrated")
+    for name, value in data["breakdown"].items():
+        extra = [gib(sim["breakdown"].get(name, 0))] if sim else []
+        b.add_row(name, gib(value), *extra, _bar(value, peak), *_checked(checked, name))
+    extra = [f"[bold]{gib(sim['peak_bytes'])}[/bold]"] if sim else []
+    b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", *extra, "", *([""] if checked else []))
+    c.print(b)
+    if sim:
+        c.print(f"simulated (the real step on fake tensors, {sim['seconds']:.1f} s): peak "
+                f"{gib(sim['peak_bytes'])} ({sim['peak_phase'].replace('_', ' ')}); analytic "
+                f"{gib(sim['analytic_peak_bytes'])}, {100 * sim['difference']:+.2f}% vs simulated")
+    head = data["headroom_bytes"]
+    if data["fits"]:
+        c.print(f"[green]fits[/green]: peak {gib(peak)} of {gib(data['budget_bytes'])} budget, "
+                f"{gib(head)} headroom; CPU RAM needed {gib(data['cpu_ram_bytes'])}")
+        if data.get("gpus", 1) > 1:
+            n = data["gpus"]
+            c.print(f"{n} GPUs: {gib(peak)} per GPU, host RAM {gib(data['cpu_ram_bytes'])} per GPU process "
+                    f"({gib(n * data['cpu_ram_bytes'])} for {n} processes on one node); "
+                    f"train with: lowvram train RECIPE --gpus {n}", markup=False)
+    else:
+        c.print(f"[red]does not fit[/red]: the lowest-memory plan peaks at {gib(peak)}, "
+                f"{gib(-head)} over the {gib(data['budget_bytes'])} budget; it needs a card with "
+                f"{gib(data['min_vram_bytes'])} free")
+        if data.get("suggestion"):
+            c.print(f"[bold]most helpful change[/bold]: {data['suggestion']}", markup=True)
+        for other in data.get("suggestions", [])[1:]:
+            c.print(f"  or: {other}", markup=False)
+
+    ladder = Table(title="Ladder: each technique applied on top of the ones above")
+    ladder.add_column("technique")
+    ladder.add_column("setting")
+    ladder.add_column("peak", justify="right")
+    ladder.add_column("saves", justify="right")
+    ladder.add_column("speed")
+    ladder.add_column("fits")
+    for r in data["ladder"]:
+        if r["fixed"]:
+            ladder.add_row(r["technique"], "fixed by you", gib(r["peak_bytes"]), "-", "-", "yes" if r["fits"] else "no")
+            continue
+        speed = "-" if r["technique"] == "baseline" else percent(r["slowdown"])
+        saves = "-" if r["technique"] == "baseline" else gib(r["saved_bytes"])
+        ladder.add_row(r["technique"], r["value"], gib(r["peak_bytes"]), saves, speed,
+                       "[green]yes[/green]" if r["fits"] else "no")
+    c.print(ladder)
+
+    if data["alternatives"]:
+        a = Table(title="Other plans considered (best of each ladder tier)")
+        a.add_column("plan")
+        a.add_column("peak", justify="right")
+        a.add_column("fits")
+        a.add_column("speed vs chosen", justify="right")
+        for alt in data["alternatives"]:
+            a.add_row(_plan_label(alt), gib(alt["peak_bytes"]), "yes" if alt["fits"] else "no",
+                      f"{alt['relative_speed']:.2f}x")
+        c.print(a)
+
+    c.print(f"under this plan: longest seq_len that fits {data['max_seq_len']:,}; largest micro-batch "
+            f"at seq_len {data['seq_len']}: {data['max_micro_batch_size']}")
+    if data.get("longest_seq_len_plan"):
+        c.print(f"over all plans: longest seq_len {data['longest_seq_len']:,} "
+                f"({data['longest_seq_len_plan']})")
+    if data.get("largest_micro_batch_plan"):
+        c.print(f"over all plans: largest micro-batch at seq_len {data['seq_len']}: "
+                f"{data['largest_micro_batch_size']} ({data['largest_micro_batch_plan']})")
+
+
+def _checked(checked: dict, name: str) -> list[str]:
+    """The breakdown table's last cell: what the part was checked against (plan.calibration)."""
+    if not checked:
+        return []
+    from lowvram.plan.calibration import CHECKED
+
+    return [CHECKED.get(checked.get(name, ""), "-")]
+
+
+def _plan_label(alt: dict) -> str:
+    return f"{techniques_label(alt['techniques'])}, micro {alt['micro_batch_size']}x{alt['grad_accum']}"
+
+
+def show_unpredicted_plan(plan, model: str, as_json: bool = False) -> None:
+    """A plan from fixed defaults: the model's architecture could not be read."""
+    if as_json:
+        print_json({
+            "model": model, "fits": None, "peak_bytes": None, "breakdown": None,
+            "techniques": plan.techniques(), "micro_batch_size": plan.micro_batch_size,
+            "grad_accum": plan.grad_accum, "reasons": dict(plan.reasons),
+        })
+        return
+    console().print(_plan_table(plan))
+
+
+def show_models(rows: list[tuple[str, str, int]], as_json: bool = False) -> None:
+    """`lowvram plan --list-models`: catalog name, hub id, parameters."""
+    if as_json:
+        print_json([{"name": n, "hf_id": h, "parameters": p} for n, h, p in rows])
+        return
+    from rich.table import Table
+
+    t = Table(title="Models lowvram knows without a download")
+    t.add_column("name")
+    t.add_column("hub id")
+    t.add_column("params", justify="right")
+    for n, h, p in rows:
+        t.add_row(n, h or "-", f"{p / 1e9:.2f}B")
+    console().print(t)

@@ -1,0 +1,148 @@
+"""Printing after training: `lowvram runs`, `show`, `merge`, `generate`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from lowvram.report.console import console, number_cell, print_json, setting_cell, techniques_label
+from lowvram.units import mem, sparkline
+
+
+def show_merge_plan(mp) -> None:
+    """Printed before anything is loaded: what will be merged, where, and the memory it needs."""
+    c = console(stderr=True)
+    c.print(f"merge: {mp.run_dir} + base {mp.base.source} (found via {mp.base.found_via})", markup=False)
+    params = f"{mp.parameters:,} parameters" if mp.parameters is not None else "parameters unknown"
+    where = "GPU" if mp.device == "cuda" else "CPU"
+    c.print(f"needs {mem(mp.needed_bytes)} ({params} x {mp.dtype} + adapter {mem(mp.adapter_bytes)}) "
+            f"on the {where}; host RAM available {mem(mp.host_available_bytes)}"
+            + (f", GPU free {mem(mp.gpu_free_bytes)}" if mp.gpu_free_bytes is not None else ""), markup=False)
+    for note in mp.notes:
+        c.print(f"note: {note}", markup=False)
+
+
+def show_merge_result(result, as_json: bool = False) -> None:
+    if as_json:
+        print_json(result.to_dict())
+        return
+    c = console()
+    c.print(f"[green]merged[/green] into {result.out_dir} in {result.seconds:.1f} s "
+            f"(process peak RSS {mem(result.peak_rss_bytes)})")
+    c.print(f"files: {', '.join(result.files)}", markup=False)
+    c.print(f"load it with AutoModelForCausalLM.from_pretrained({result.out_dir!r}), "
+            f"or: lowvram generate {result.out_dir} --prompt ...", markup=False)
+
+
+def show_generator(gen) -> None:
+    """On stderr, so stdout carries only the generated text."""
+    console(stderr=True).print(f"model: {gen.source} on {gen.device}; prompt format: {gen.prompt_format}",
+                               markup=False, style="dim")
+
+
+def write_stream(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def stream_text(chunks) -> None:
+    for chunk in chunks:
+        write_stream(chunk)
+    write_stream("\n")
+
+
+_STATUS_STYLE = {"finished": "green", "interrupted": "yellow", "failed": "red"}
+
+
+def show_runs(runs, folder, as_json: bool = False) -> None:
+    if as_json:
+        print_json([r.to_dict(full=False) for r in runs])
+        return
+    c = console()
+    if not runs:
+        c.print(f"no runs in {folder} (a run folder holds recipe.yaml and plan.json)", markup=False)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"Runs in {folder} (peak memory: predicted / measured)")
+    t.add_column("run", no_wrap=True)
+    t.add_column("recipe")
+    t.add_column("model")
+    t.add_column("techniques")
+    t.add_column("peak", justify="right")
+    t.add_column("loss", justify="right", no_wrap=True)
+    t.add_column("time", justify="right", no_wrap=True)
+    t.add_column("status", no_wrap=True)
+    for r in runs:
+        style = _STATUS_STYLE.get(r.status, "")
+        t.add_row(_relative(r.path, folder), r.recipe_name, Path(r.model).name or r.model, techniques_label(r.techniques),
+                  f"{mem(r.predicted_peak_bytes)} / {mem(r.measured_peak_bytes)}", number_cell(r.final_loss, 3),
+                  f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
+                  f"[{style}]{r.status}[/{style}]" if style else r.status)
+    c.print(t)
+
+
+def _relative(path: str, folder) -> str:
+    try:
+        return str(Path(path).relative_to(folder)) if Path(path) != Path(folder) else str(path)
+    except ValueError:
+        return str(path)
+
+
+def show_run(r, as_json: bool = False) -> None:
+    if as_json:
+        print_json(r.to_dict())
+        return
+    from rich.table import Table
+
+    c = console()
+    style = _STATUS_STYLE.get(r.status, "")
+    c.print(f"[bold]{r.path}[/bold]: [{style}]{r.status}[/{style}]" if style else f"{r.path}: {r.status}")
+    rec = r.recipe
+    tr = rec.get("training") or {}
+    ds = ", ".join(f"{d.get('path')} ({d.get('format')})" for d in (rec.get("data") or {}).get("datasets", []))
+    c.print(f"recipe: {r.recipe_path or '(not recorded)'}", markup=False)
+    c.print(f"model: {r.model}; data: {ds or '-'}; seq_len {tr.get('seq_len', '-')}, batch {tr.get('batch_size', '-')}, "
+            f"lr {tr.get('learning_rate', '-')}, max_steps {tr.get('max_steps') or '-'}", markup=False)
+    p = Table(title="Plan")
+    p.add_column("technique")
+    p.add_column("setting")
+    p.add_column("why")
+    for name, value in r.techniques.items():
+        key = "gradient_accumulation" if name == "grad_accum" else name
+        p.add_row(key, setting_cell(value), r.reasons.get(key, ""))
+    c.print(p)
+    m = r.metrics
+    t = Table(title="Metrics")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("steps", r.steps), ("first train loss", number_cell(r.first_loss)), ("final train loss", number_cell(r.final_loss)),
+        ("eval loss", number_cell(r.eval_loss)),
+        ("runtime", f"{r.runtime_s:.1f} s" if r.runtime_s is not None else None),
+        ("tokens/s", number_cell(m.get("tokens_per_s"), 1) if m.get("tokens_per_s") is not None else None),
+        ("peak memory (predicted)", mem(r.predicted_peak_bytes)),
+        (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", mem(r.measured_peak_bytes)),
+        ("trainable / total params", f"{m['trainable_params']:,} / {m['total_params']:,}"
+         if m.get("trainable_params") is not None and m.get("total_params") is not None else None),
+    ]
+    for k, v in rows:
+        t.add_row(k, "-" if v is None else str(v))
+    c.print(t)
+    if r.loss_history:
+        lo, hi = min(v for _, v in r.loss_history), max(v for _, v in r.loss_history)
+        c.print(f"loss {sparkline([v for _, v in r.loss_history])}  (steps {r.loss_history[0][0]}-"
+                f"{r.loss_history[-1][0]}, {hi:.3f} max, {lo:.3f} min)", markup=False)
+    if r.eval_history:
+        c.print("eval loss: " + ", ".join(f"step {s} {v:.3f}" for s, v in r.eval_history), markup=False)
+    c.print(f"checkpoints: {', '.join(r.checkpoints) or 'none'}", markup=False)
+    if r.status == "interrupted":
+        from pathlib import Path
+
+        from lowvram.train.recover import resume_command
+
+        # The run's other --set flags are in its recipe.yaml; output_dir is the one that locates it.
+        here = f"training.output_dir={Path(r.path).resolve()}"
+        c.print(f"resume with: {resume_command(r.recipe_path or 'RECIPE', [here])}", markup=False)
+    if r.files:
+        c.print(f"files: {', '.join(r.files)}", markup=False)

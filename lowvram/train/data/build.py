@@ -1,0 +1,82 @@
+"""Datasets for training: ``build_datasets(recipe, tokenizer)`` turns the recipe's ``data``
+section into tokenized ``datasets.Dataset`` objects with ``input_ids``, ``attention_mask`` and
+``labels`` columns (read.py -> format.py -> tokenize.py -> collate.py); ``make_collator``
+(collate.py) pads them per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lowvram.errors import DataError
+from lowvram.recipe import Recipe
+from lowvram.train.data.collate import columns, hold_out, pack, to_dataset
+from lowvram.train.data.read import load_rows
+from lowvram.train.data.tokenize import Counts, tokenize_rows
+from lowvram.train.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:  # pragma: no cover
+    import datasets
+
+
+@dataclass(frozen=True)
+class DataStats:
+    train_rows: int  # rows of the train Dataset (windows when packed)
+    eval_rows: int
+    skipped_bad_rows: int  # rows skipped because data.skip_bad_rows was true
+    truncated: int  # samples longer than seq_len (cut, or dropped below)
+    train_tokens: int  # non-pad tokens in the train set
+    response_tokens: int  # tokens with a label != -100 in the train set
+    packed: bool
+    dropped_no_response: int = 0  # of `truncated`: dropped, no trained token left after the cut
+    train_samples: int = 0  # samples in the train set before packing
+
+
+@dataclass(frozen=True)
+class DataBundle:
+    train: datasets.Dataset  # input_ids, attention_mask, labels (+ position_ids when packed)
+    eval: datasets.Dataset | None
+    stats: DataStats
+
+
+def build_datasets(recipe: Recipe, tokenizer) -> DataBundle:
+    """Load, format, tokenize, mask, truncate (and pack) the recipe's datasets."""
+    data = recipe.data
+    counts = Counts()
+    split_eval = isinstance(data.validation, str)
+    train_samples: list[tuple[list[int], list[int]]] = []
+    eval_samples: list[tuple[list[int], list[int]]] = []
+    for spec in data.datasets:
+        rows = load_rows(recipe, spec, spec.split, spec.max_samples)
+        train_samples += tokenize_rows(rows, spec, recipe, tokenizer, counts)
+        if split_eval:
+            eval_rows = load_rows(recipe, spec, data.validation, None)
+            eval_samples += tokenize_rows(eval_rows, spec, recipe, tokenizer, counts)
+    if not train_samples:
+        raise DataError(
+            "no training samples left after formatting and truncation",
+            f"check the data (skipped bad rows: {counts.skipped}, dropped as too long: "
+            f"{counts.dropped}) or raise training.seq_len",
+        )
+    if isinstance(data.validation, float):
+        train_samples, eval_samples = hold_out(train_samples, data.validation, recipe.training.seed)
+    n_samples = len(train_samples)
+    if data.packing:
+        train_cols = pack(train_samples, recipe.training.seq_len)
+    else:
+        train_cols = columns(train_samples)
+    train = to_dataset(train_cols)
+    eval_ds = to_dataset(columns(eval_samples)) if data.validation is not None else None
+    stats = DataStats(
+        train_rows=len(train),
+        eval_rows=len(eval_ds) if eval_ds is not None else 0,
+        skipped_bad_rows=counts.skipped,
+        truncated=counts.truncated,
+        train_tokens=sum(len(ids) for ids in train_cols["input_ids"]),
+        response_tokens=sum(sum(lab != IGNORE_INDEX for lab in labs) for labs in train_cols["labels"]),
+        packed=data.packing,
+        dropped_no_response=counts.dropped,
+        train_samples=n_samples,
+    )
+    return DataBundle(train=train, eval=eval_ds, stats=stats)

@@ -1,0 +1,138 @@
+"""After tokenizing: hold out an eval split, pack samples into windows, build the Datasets, and
+pad each batch (PadCollator)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lowvram.errors import DataError
+from lowvram.train.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:  # pragma: no cover
+    import datasets
+
+
+@dataclass(frozen=True)
+class PadCollator:
+    """Right-pads a batch to its longest row (rounded up to ``pad_to_multiple_of``).
+
+    input_ids get ``pad_id``, labels ``-100``. No attention_mask by default (``padding_mask``
+    False): in a causal LM a right-padded tail is never seen by a real token (each token attends
+    only to earlier positions), so the mask changes nothing the loss sees, and without it
+    transformers takes SDPA's ``is_causal`` path instead of building a b x 1 x s x s mask, which
+    on CPU also forces the math kernel that stores the attention matrix (measured: +13% peak at
+    seq 224 on the tiny Llama, tests/test_fit_to_card.py). It keeps the run on the shape the
+    planner models. ``padding_mask=True`` adds attention_mask ``1``/``0`` for other uses. Packed rows (with
+    ``position_ids``) get no attention_mask: transformers then reads the sample boundaries from
+    the position_ids resets and keeps attention inside each sample; the padding tail gets its
+    own run of positions so it forms a separate block. That detection is skipped when the model
+    builds a KV cache, so train packed data with ``model.config.use_cache = False``
+    (transformers 5.24, ``masking_utils._preprocess_mask_arguments``).
+    """
+
+    pad_id: int
+    pad_to_multiple_of: int | None = None
+    padding_mask: bool = False
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+
+        longest = max(len(f["input_ids"]) for f in features)
+        m = self.pad_to_multiple_of
+        if m:
+            longest = -(-longest // m) * m
+        packed = "position_ids" in features[0]
+        batch: dict[str, list] = {"input_ids": [], "labels": []}
+        if packed or self.padding_mask:
+            batch["position_ids" if packed else "attention_mask"] = []
+        for f in features:
+            ids = list(f["input_ids"])
+            n = longest - len(ids)
+            batch["input_ids"].append(ids + [self.pad_id] * n)
+            labels = list(f["labels"]) if "labels" in f else list(ids)
+            batch["labels"].append(labels + [IGNORE_INDEX] * n)
+            if packed:
+                batch["position_ids"].append(list(f["position_ids"]) + list(range(n)))
+            elif self.padding_mask:
+                mask = list(f["attention_mask"]) if "attention_mask" in f else [1] * len(ids)
+                batch["attention_mask"].append(mask + [0] * n)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+
+def make_collator(tokenizer, pad_to_multiple_of: int | None = None, padding_mask: bool = False) -> PadCollator:
+    """Dynamic per-batch padding with the tokenizer's pad id (its eos id if it has no pad)."""
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id
+    if pad_id is None:
+        raise DataError(
+            "the tokenizer has neither a pad token nor an eos token",
+            "use the tokenizer of a causal language model (it defines eos_token)",
+        )
+    return PadCollator(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, padding_mask=padding_mask)
+
+
+def hold_out(samples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """Hold out ``fraction`` of the samples (at least one), chosen with the recipe seed."""
+    if len(samples) < 2:
+        raise DataError(
+            f"data.validation: {fraction} needs at least 2 samples, got {len(samples)}",
+            "add data or remove data.validation",
+        )
+    n_eval = min(len(samples) - 1, max(1, round(len(samples) * fraction)))
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n_eval])
+    train = [s for i, s in enumerate(samples) if i not in held]
+    evals = [s for i, s in enumerate(samples) if i in held]
+    return train, evals
+
+
+def columns(samples: list[tuple[list[int], list[int]]]) -> dict[str, list]:
+    return {
+        "input_ids": [ids for ids, _ in samples],
+        "attention_mask": [[1] * len(ids) for ids, _ in samples],
+        "labels": [labels for _, labels in samples],
+    }
+
+
+def pack(samples: list[tuple[list[int], list[int]]], seq_len: int) -> dict[str, list]:
+    """Greedy in-order packing of whole samples into windows of at most ``seq_len`` tokens.
+
+    Samples are never split (each is already <= seq_len). ``position_ids`` restart at 0 for each
+    sample; with no attention_mask in the batch (see ``PadCollator``) and ``use_cache`` off,
+    transformers builds a block-diagonal causal mask from them, so attention does not cross
+    sample boundaries (tests/test_data.py checks the logits equal unpacked ones). Each
+    sample keeps its own labels, so no loss crosses a boundary either (a sample's first token is
+    never a label: it is predicted from nothing of its own).
+    """
+    cols: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": [], "position_ids": []}
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+
+    def flush() -> None:
+        if ids:
+            cols["input_ids"].append(list(ids))
+            cols["attention_mask"].append([1] * len(ids))
+            cols["labels"].append(list(labels))
+            cols["position_ids"].append(list(positions))
+            ids.clear(), labels.clear(), positions.clear()
+
+    for s_ids, s_labels in samples:
+        if len(ids) + len(s_ids) > seq_len:
+            flush()
+        ids.extend(s_ids)
+        labels.extend([IGNORE_INDEX] + s_labels[1:])
+        positions.extend(range(len(s_ids)))
+    flush()
+    return cols
+
+
+def to_dataset(cols: dict[str, list]) -> datasets.Dataset:
+    import datasets
+
+    features = datasets.Features({k: datasets.Sequence(datasets.Value("int32")) for k in cols})
+    return datasets.Dataset.from_dict(cols, features=features)

@@ -1,0 +1,196 @@
+"""Read a recipe's dataset into raw rows, each with where it came from (for error messages).
+
+- ``.jsonl`` / ``.ndjson`` / ``.json`` and ``.txt`` are read with the standard library, so a bad row
+  is reported by its exact line and one row with a number where text is expected does not make
+  Arrow's type inference reject the whole file. A ``.json`` file holds a list of objects (or JSON
+  Lines). A ``.txt`` file gives one ``text`` row per non-blank line.
+- ``.csv`` and ``.parquet`` go through ``datasets.load_dataset`` (csv columns are read as text, so
+  an answer such as ``42`` stays the string ``"42"``).
+- Anything else that is not an existing file is a hub id: ``datasets.load_dataset(path, name,
+  split=...)``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowvram.errors import DataError
+from lowvram.hub import HUB_ID
+from lowvram.recipe import DatasetSpec, Recipe
+
+LOCAL_SUFFIXES = (".json", ".jsonl", ".ndjson", ".csv", ".parquet", ".txt")
+# Suffixes that name a file, never a hub dataset: a missing or unsupported file, not a hub id.
+FILE_LIKE_SUFFIXES = (
+    ".tsv", ".xlsx", ".xls", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".tar", ".pkl", ".pickle",
+    ".yaml", ".yml", ".md", ".xml", ".html", ".feather", ".orc", ".avro",
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One raw row and where it came from, for error messages."""
+
+    data: Any
+    where: str  # "file.jsonl:12" or "file.csv: row 3"
+
+
+class BadRow(ValueError):
+    """A malformed row; becomes a DataError (or a skip) with the row's location."""
+
+
+def is_local(path: Path, shown: str) -> bool:
+    """A data path names a local file (``shown`` as the recipe wrote it), not a hub dataset id."""
+    suffix = path.suffix.lower()
+    return suffix in LOCAL_SUFFIXES or path.exists() or suffix in FILE_LIKE_SUFFIXES or not HUB_ID.match(shown)
+
+
+def load_rows(recipe: Recipe, spec: DatasetSpec, split: str, max_samples: int | None) -> list[Row]:
+    path = recipe.resolve_path(spec.path)
+    if is_local(path, spec.path):
+        if split != "train":
+            raise DataError(
+                f"{spec.path}: a local file has only the 'train' split, not '{split}'",
+                "set data.validation to a fraction (e.g. 0.1) or list the eval file as its own dataset",
+            )
+        rows = _load_local(path, spec.path)
+    else:
+        rows = _load_hub(spec, split, max_samples)
+    return rows[:max_samples] if max_samples else rows
+
+
+def _load_local(path: Path, shown: str) -> list[Row]:
+    if not path.exists():
+        raise DataError(
+            f"data file not found: {path}",
+            f"'{shown}' is resolved relative to the recipe file; check the path or use an absolute one",
+        )
+    if path.is_dir():
+        raise DataError(f"{path} is a folder, not a data file", "point path at a .jsonl, .json, .csv, .parquet or .txt file")
+    suffix = path.suffix.lower()
+    if suffix not in LOCAL_SUFFIXES:
+        raise DataError(
+            f"{path}: unknown data file extension '{path.suffix}'",
+            "use .jsonl, .json, .csv, .parquet or .txt (a hub dataset id has no file extension)",
+        )
+    name = path.name
+    if suffix == ".parquet":
+        rows = _load_parquet(path, name)
+    else:
+        text = _read_text(path)
+        if suffix in (".jsonl", ".ndjson"):
+            rows = list(jsonl_rows(text, name))
+        elif suffix == ".json":
+            rows = _json_rows(text, name)
+        elif suffix == ".txt":
+            rows = [Row({"text": line}, f"{name}:{i}") for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        else:
+            rows = _load_csv(path, text, name)
+    if not rows:
+        raise DataError(f"{path}: the data file has no rows", "add examples to the file or remove it from data.datasets")
+    return rows
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise DataError(f"{path}: the data file is empty", "add examples to the file or remove it from data.datasets")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {e.start}, line {line})",
+            "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+        ) from None
+
+
+def jsonl_rows(text: str, name: str) -> Iterator[Row]:
+    # Only "\n" ends a row: str.splitlines() also splits at U+2028, U+0085, \x1c..., which JSON
+    # strings may hold raw (a trailing "\r" is JSON whitespace).
+    for i, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            yield Row(json.loads(line), f"{name}:{i}")
+        except json.JSONDecodeError as e:
+            yield Row(BadRow(f"invalid JSON: {e.msg} (column {e.colno})"), f"{name}:{i}")
+
+
+def _json_rows(text: str, name: str) -> list[Row]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several JSON values: JSON Lines in a .json file
+            return list(jsonl_rows(text, name))
+        raise DataError(
+            f"{name}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}",
+            "a .json data file holds a list of objects; use .jsonl for one object per line",
+        ) from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"data": [...]}, a common wrapper
+    if not isinstance(data, list):
+        raise DataError(f"{name}: expected a list of objects, got a {type(data).__name__}",
+                        "a .json data file holds a list of objects, e.g. [{\"instruction\": ...}]")
+    return [Row(r, f"{name}: row {i}") for i, r in enumerate(data, 1)]
+
+
+def _load_csv(path: Path, text: str, name: str) -> list[Row]:
+    import csv
+
+    import datasets
+
+    header = next(csv.reader(text.splitlines()), [])
+    if not header:
+        raise DataError(f"{path}: the data file is empty", "the first line of a .csv file names the columns")
+    # Every column as text: "42" stays "42"; keep_default_na=False keeps "NA" and empty cells as
+    # strings (an empty cell is then reported as empty, not as a missing field).
+    features = datasets.Features({c: datasets.Value("string") for c in header})
+    try:
+        ds = datasets.load_dataset("csv", data_files=str(path), split="train", features=features,
+                                   keep_default_na=False)
+    except Exception as e:  # noqa: BLE001 - pandas/arrow raise many kinds
+        raise DataError(f"{path}: cannot read as CSV: {_root_cause(e)}",
+                        "check the quoting and that every line has the header's columns") from None
+    return [Row(r, f"{name}: row {i}") for i, r in enumerate(ds, 1)]
+
+
+def _load_parquet(path: Path, name: str) -> list[Row]:
+    import datasets
+
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the data file is empty", "write the parquet file again")
+    try:
+        ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{path}: cannot read as Parquet: {_root_cause(e)}",
+                        "check the file is a Parquet table (e.g. written by pandas.DataFrame.to_parquet)") from None
+    return [Row(r, f"{name}: row {i}") for i, r in enumerate(ds, 1)]
+
+
+def _load_hub(spec: DatasetSpec, split: str, max_samples: int | None) -> list[Row]:
+    import datasets
+
+    # A slice lets the hub loader stop early on large datasets.
+    sliced = f"{split}[:{max_samples}]" if max_samples else split
+    try:
+        ds = datasets.load_dataset(spec.path, spec.name, split=sliced)
+    except Exception as e:  # noqa: BLE001 - network, auth, missing config or split
+        raise DataError(
+            f"cannot load dataset '{spec.path}'"
+            + (f" (config {spec.name})" if spec.name else "") + f" split '{split}': {_root_cause(e)}",
+            "no local file has that path, so it was read as a hub id: check the file path (relative "
+            "to the recipe), or the hub id, config name, split and network (HF_DATASETS_OFFLINE=1 "
+            "blocks downloads)",
+        ) from None
+    return [Row(r, f"{spec.path}[{split}]: row {i}") for i, r in enumerate(ds, 1)]
+
+
+def _root_cause(e: BaseException) -> str:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"
