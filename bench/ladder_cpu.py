@@ -28,8 +28,9 @@ from lowvram.measure import (  # noqa: E402
     measure_trainer_step,
     tiny_llama_spec,
 )
-from lowvram.plan.memory import RunSetup, estimate_memory  # noqa: E402
+from lowvram.plan.memory import estimate_memory  # noqa: E402
 from lowvram.plan.models import resolve_model  # noqa: E402
+from lowvram.plan.setup import RunSetup  # noqa: E402
 
 SPEC = tiny_llama_spec(hidden_size=512, num_layers=8, vocab_size=32000)
 BASE = RunSetup(SPEC, precision="fp32", seq_len=512, micro_batch_size=1, device="cpu")

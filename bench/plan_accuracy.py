@@ -22,7 +22,8 @@ def main() -> int:
     import torch
 
     from lowvram.measure import ACCURACY_MATRIX, SMALL_LOGITS_MATRIX, measure_setup, tiny_llama_spec
-    from lowvram.plan.memory import RunSetup, estimate_memory
+    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.setup import RunSetup
 
     spec = tiny_llama_spec()
     print(f"# lowvram plan accuracy on CPU ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "

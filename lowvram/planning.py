@@ -100,7 +100,7 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
     gc = t.gradient_checkpointing == "on" or (t.gradient_checkpointing == "auto" and t.activation_offload == "on")
     reasons["gradient_checkpointing"] = ("set in the recipe" if t.gradient_checkpointing != "auto" else
                                          "on: activation_offload needs it" if gc else "default: off")
-    # GPU only: a CPU run has no device memory to free (lowvram.plan.memory.activation_offloaded)
+    # GPU only: a CPU run has no device memory to free (lowvram.plan.activations.activation_offloaded)
     act_off = t.activation_offload == "on" and kind == "cuda"
     reasons["activation_offload"] = ("set in the recipe" if act_off else
                                      f"off on the {kind.upper()}: activations are in host RAM already"
@@ -186,7 +186,7 @@ def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
     so the modelled term is added back to the budget: the fit test becomes tensors + allocator
     slack <= free - margin, whatever the real context's size. A free size that still holds the
     context (context_in_free False) is the budget as it is."""
-    from lowvram.plan.memory import cuda_overheads
+    from lowvram.plan.setup import cuda_overheads
 
     dev = hardware.tightest_device(gpus)
     free = hardware.free_bytes(gpus)
@@ -413,7 +413,8 @@ class Replanner:
 
     def breakdown_at(self, plan: Plan, seq_len: int) -> dict[str, int] | None:
         """The parts of :meth:`peak_at` (the plan's breakdown keys, summing to it)."""
-        from lowvram.plan.memory import RunSetup, estimate_memory
+        from lowvram.plan.memory import estimate_memory
+        from lowvram.plan.setup import RunSetup
 
         if self.request is None:
             return None
@@ -450,7 +451,7 @@ def replanner_for(recipe: Recipe) -> Replanner:
 
 def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     """Before planning: a budget no run fits in, or a recipe forcing what the card cannot do."""
-    from lowvram.plan.memory import cuda_overheads
+    from lowvram.plan.setup import cuda_overheads
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     budget = parse_size(override) if override else hardware.budget_bytes

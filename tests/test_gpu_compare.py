@@ -14,7 +14,7 @@ import transformers.trainer_callback  # noqa: F401 - imported before torch.cuda 
 
 from lowvram import gpumemory, report
 from lowvram.plan.choose import safety_margin_bytes
-from lowvram.plan.memory import cuda_overheads
+from lowvram.plan.setup import cuda_overheads
 from lowvram.plan.types import Plan
 from lowvram.train.types import RunResult
 

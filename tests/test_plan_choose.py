@@ -17,8 +17,9 @@ from lowvram.plan.choose import (
     safety_margin_bytes,
     vram_needed_bytes,
 )
-from lowvram.plan.memory import BREAKDOWN_KEYS, MemoryEstimate, estimate_memory
+from lowvram.plan.memory import estimate_memory
 from lowvram.plan.models import resolve_model
+from lowvram.plan.setup import BREAKDOWN_KEYS, MemoryEstimate
 from lowvram.vocab import CANONICAL
 
 GB = 10**9

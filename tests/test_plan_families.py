@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from lowvram.plan.memory import RunSetup, estimate_memory, sliding_window_bytes
+from lowvram.plan.activations import sliding_window_bytes
+from lowvram.plan.memory import estimate_memory
 from lowvram.plan.models import count_parameters, resolve_model, spec_from_config
+from lowvram.plan.setup import RunSetup
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128)

@@ -19,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from lowvram.errors import LowvramError
-from lowvram.plan import memory
+from lowvram.plan import memory, sharding
 from lowvram.plan import techniques as tq
 from lowvram.plan.calibration import term_checks
 from lowvram.plan.explain import Estimator, technique_reasons
-from lowvram.plan.memory import MemoryEstimate, RunSetup, estimate_memory
+from lowvram.plan.memory import estimate_memory
 from lowvram.plan.models import ModelSpec, catalog_names, count_parameters, resolve_model
+from lowvram.plan.setup import MemoryEstimate, RunSetup, offload_conflict
 from lowvram.plan.types import Plan, dtype_precision
 from lowvram.units import gib, mem
 
@@ -188,7 +189,7 @@ def validate_request(req: PlanRequest) -> None:
         raise LowvramError("activation_offload needs gradient checkpointing: it moves the checkpointed "
                            "layer inputs to host RAM", "drop --no-gradient-checkpointing, or the activation offload")
     if req.optimizer is not None and req.offload is not None:
-        conflict = memory.offload_conflict(req.optimizer, req.offload)
+        conflict = offload_conflict(req.optimizer, req.offload)
         if conflict:
             raise LowvramError(conflict, "use --optim adamw with it, or --offload fsdp-offload (FSDP2 "
                                "keeps your optimizer, its step on the CPU)")
@@ -255,7 +256,7 @@ def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         "micro_batch_size": micros,
         "gradient_checkpointing": pick("gradient_checkpointing", [False, True]),
         # CUDA only: on a CPU (or MPS's unified memory) there is no device memory to free
-        # (memory.activation_offloaded)
+        # (activations.activation_offloaded)
         "activation_offload": pick("activation_offload", [False, True]) if budget.device == "cuda" else [False],
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
         "lora": pick("lora", [False, True]),
@@ -296,7 +297,7 @@ def _setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                     if quant != "none" and not lora:
                                         continue
                                     for offload in o["offload"]:
-                                        if memory.offload_conflict(optim, offload):
+                                        if offload_conflict(optim, offload):
                                             continue  # DeepSpeed's CPU Adam replaces it
                                         out.append(RunSetup(
                                             model=req.model, precision=precision, quantization=quant,
@@ -348,7 +349,7 @@ def _candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Esti
 LEVEL_NAMES = ("full fine-tuning on the GPU", "LoRA", "QLoRA", "offload to CPU RAM")
 
 # Optional extras each offload needs (pyproject.toml [project.optional-dependencies]).
-EXTRAS = {o: ("deepspeed",) for o in memory.ZERO_OFFLOADS}
+EXTRAS = {o: ("deepspeed",) for o in sharding.ZERO_OFFLOADS}
 
 
 def plan_level(setup: RunSetup) -> int:
@@ -687,7 +688,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             s = replace(s, micro_batch_size=1, grad_accum=_largest_micro(req))
         else:
             settings = dict(t.settings)
-            if memory.offload_conflict(settings.get("optimizer", s.optimizer), settings.get("offload", s.offload)):
+            if offload_conflict(settings.get("optimizer", s.optimizer), settings.get("offload", s.offload)):
                 if req.fixed("optimizer") or "offload" not in settings:
                     continue  # the user's optimizer (or offload) rules this rung out
                 settings["optimizer"] = "adamw"  # DeepSpeed's CPU Adam takes its place
