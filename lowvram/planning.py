@@ -35,7 +35,7 @@ from lowvram.vocab import (
 )
 
 if TYPE_CHECKING:
-    from lowvram.plan.choose import PlanRequest
+    from lowvram.plan.request import PlanRequest
 
 # `--method` is a shorthand for the lora and quantization techniques.
 METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, ON_VALUES["quantization"])}
@@ -216,7 +216,7 @@ def _budget(vram: str | None, hardware):
     - Otherwise the hardware is detected: the first GPU's free memory; on a CPU-only machine the
       plan is for a CPU run against the available host RAM, and a note says so.
     """
-    from lowvram.plan.choose import Budget
+    from lowvram.plan.request import Budget
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     flag = "--vram" if vram else "LOWVRAM_VRAM"
@@ -323,7 +323,7 @@ def _shown(value) -> str:
 def build_request(model, recipe: Recipe | None = None, flags: dict | None = None,
                   flag_sources: dict | None = None):
     """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
-    from lowvram.plan.choose import PlanRequest
+    from lowvram.plan.request import PlanRequest
 
     training = recipe.training if recipe else TrainingSection()
     fields: dict = {"seq_len": training.seq_len, "batch_size": training.batch_size}

@@ -255,7 +255,7 @@ def show_env(info: dict, as_json: bool = False) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# `lowvram plan`: renders the dict from lowvram.plan.choose.choice_to_dict (bytes inside)
+# `lowvram plan`: renders the dict from lowvram.plan.serialize.choice_to_dict (bytes inside)
 
 _BAR_WIDTH = 30
 

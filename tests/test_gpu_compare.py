@@ -13,7 +13,7 @@ import pytest
 import transformers.trainer_callback  # noqa: F401 - imported before torch.cuda is faked (its import probes CUDA)
 
 from lowvram import gpumemory, report
-from lowvram.plan.choose import safety_margin_bytes
+from lowvram.plan.request import safety_margin_bytes
 from lowvram.plan.setup import cuda_overheads
 from lowvram.plan.types import Plan
 from lowvram.train.types import RunResult

@@ -136,8 +136,9 @@ def test_plan_round_trips_through_json(tmp_path):
 
 
 def _choose(model: str, gpus: int, vram: str = "24GB", **fields):
-    from lowvram.plan.choose import Budget, PlanRequest, choose_plan
+    from lowvram.plan.choose import choose_plan
     from lowvram.plan.models import resolve_model
+    from lowvram.plan.request import Budget, PlanRequest
     from lowvram.units import parse_size
 
     budget = Budget(parse_size(vram), "cuda")

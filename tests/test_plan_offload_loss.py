@@ -10,9 +10,11 @@ import pytest
 from lowvram.errors import LowvramError
 from lowvram.plan import activations, backward
 from lowvram.plan import techniques as tq
-from lowvram.plan.choose import Budget, PlanRequest, choice_to_dict, choose_plan
+from lowvram.plan.choose import choose_plan
 from lowvram.plan.memory import estimate_memory
 from lowvram.plan.models import resolve_model
+from lowvram.plan.request import Budget, PlanRequest
+from lowvram.plan.serialize import choice_to_dict
 from lowvram.plan.setup import RunSetup
 
 GB = 10**9

@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 from test_train_e2e import metrics, train, write_recipe
 
-from lowvram.plan.choose import Budget, PlanRequest, choose_plan, next_cheaper
+from lowvram.plan.choose import choose_plan, next_cheaper
 from lowvram.plan.models import resolve_model
+from lowvram.plan.request import Budget, PlanRequest
 from lowvram.train import oom, recover, signals
 
 # Live tensor bytes of the tiny LoRA run (seq_len 64, batch 4), measured on CPU: micro-batch 4 peaks

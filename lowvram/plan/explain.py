@@ -30,8 +30,8 @@ _COMPONENTS = {
 
 
 def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -> dict[str, str]:
-    """One line per technique for the chosen candidate ``c`` (choose.Candidate) of ``req``
-    (choose.PlanRequest) under ``budget`` (choose.Budget): what it is set to and the numbers
+    """One line per technique for the chosen candidate ``c`` (request.Candidate) of ``req``
+    (request.PlanRequest) under ``budget`` (request.Budget): what it is set to and the numbers
     behind it, each measured against the peak without it. ``largest_micro``: the micro-batch
     that holds the whole batch in one pass per GPU."""
     s = c.setup
