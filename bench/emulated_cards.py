@@ -20,7 +20,7 @@ whole grid trains on a 2-core CPU in minutes:
   plan it picks: a plan that says "fits" fits, and does not waste the card.
 - **Budget**: what `lowvram train --vram SIZE` plans for on a machine without a GPU (a CPU run:
   no CUDA context or allocator slack in the plan, lowvram.plan.memory.estimate_memory) minus
-  the safety margin, 5% of the card with a floor of 256 MiB (lowvram.plan.choose.Budget) that is
+  the safety margin, 5% of the card with a floor of 256 MiB (lowvram.plan.request.Budget) that is
   scaled by SCALE too (the floor never binds on a real card of 6 GB or more: 5% of 6 GB is
   300 MB). The "% budget" column is measured peak / that budget.
 
@@ -79,7 +79,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "emulated_cards.txt"
 class Cell:
     card_gib: int
     model: str
-    plan: str  # lowvram.plan.choose.describe_setup, or why there is none
+    plan: str  # lowvram.plan.search.describe_setup, or why there is none
     fits: bool
     predicted_bytes: int | None = None
     budget_bytes: int | None = None
@@ -163,7 +163,8 @@ lora: {{r: {lora_r}, alpha: {2 * lora_r}}}
 
 def plan_cell(recipe_path: Path, card_bytes: int, scale: float, device: str = "cpu"):
     """The chooser's answer for the recipe on a card of ``card_bytes`` (every technique auto)."""
-    from lowvram.plan.choose import MIN_MARGIN_BYTES, Budget, choose_plan
+    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.request import MIN_MARGIN_BYTES, Budget
     from lowvram.planning.request import build_request, recipe_model
     from lowvram.recipe import load_recipe
 
@@ -175,7 +176,7 @@ def plan_cell(recipe_path: Path, card_bytes: int, scale: float, device: str = "c
 
 def run_cell(recipe_path: Path, card_gib: int, model: str, scale: float = SCALE, train: bool = True) -> Cell:
     """Plan, then train STEPS steps under the emulated card (CPU: the live-bytes cap)."""
-    from lowvram.plan.choose import describe_setup
+    from lowvram.plan.search import describe_setup
     from lowvram.planning.budget import check_runnable
     from lowvram.planning.entry import replanner_for
     from lowvram.train.oom import EMULATE_ENV, TrainingOOM
@@ -300,7 +301,7 @@ def _cuda_cell(recipe_path: Path, card: int, model: str) -> Cell:  # pragma: no 
     import torch
 
     from lowvram import gpumemory
-    from lowvram.plan.choose import describe_setup
+    from lowvram.plan.search import describe_setup
     from lowvram.train.oom import TrainingOOM
     from lowvram.train.run import run_training
 

@@ -7,7 +7,7 @@ exists) and one measured step of the Trainer lowvram train builds
 Measured: torch.cuda.max_memory_allocated (tensors: compared with the planner's tensor terms),
 max_memory_reserved (allocator slack) and, from torch.cuda.mem_get_info, the device memory the
 process holds outside the caching allocator (CUDA context, kernels, cuBLAS/cuDNN handles).
-The end of the output suggests calibrated values for lowvram.plan.memory.cuda_overheads().
+The end of the output suggests calibrated values for lowvram.plan.setup.cuda_overheads().
 
     HF_HUB_OFFLINE=1 python bench/gpu_check.py   # table on stdout, JSON to $OUT/gpu_check.json
     bash bench/gpu_check.sh                       # the same on the device machine (see its header)
@@ -124,7 +124,8 @@ def run_technique(probe, spec, kw, seq_lens, saved_dir) -> list[dict]:
     each sequence length (lowvram.check.step.measure_trainer_step: the Trainer lowvram train makes)."""
     from lowvram.check.builders import build_model
     from lowvram.check.step import measure_trainer_step
-    from lowvram.plan.memory import RunSetup, estimate_memory
+    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.setup import RunSetup
 
     setups = [RunSetup(spec, seq_len=s, device=probe.device, **kw) for s in seq_lens]
     ests = [estimate_memory(s) for s in setups]

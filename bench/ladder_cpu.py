@@ -23,7 +23,8 @@ from lowvram.check.builders import autocast_dtype, build_model, build_optimizer,
 from lowvram.check.cases import tiny_llama_spec  # noqa: E402
 from lowvram.check.step import measure_trainer_step, one_step  # noqa: E402
 from lowvram.plan.catalog import resolve_model  # noqa: E402
-from lowvram.plan.memory import RunSetup, estimate_memory  # noqa: E402
+from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.setup import RunSetup  # noqa: E402
 
 SPEC = tiny_llama_spec(hidden_size=512, num_layers=8, vocab_size=32000)
 BASE = RunSetup(SPEC, precision="fp32", seq_len=512, micro_batch_size=1, device="cpu")

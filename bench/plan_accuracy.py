@@ -23,7 +23,8 @@ def main() -> int:
 
     from lowvram.check.cases import ACCURACY_MATRIX, SMALL_LOGITS_MATRIX, tiny_llama_spec
     from lowvram.check.step import measure_setup
-    from lowvram.plan.memory import RunSetup, estimate_memory
+    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.setup import RunSetup
 
     spec = tiny_llama_spec()
     print(f"# lowvram plan accuracy on CPU ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "

@@ -10,7 +10,7 @@ the row's settings, lowvram.plan.memory.estimate_memory) and compares like with 
     device    (nvidia-smi, the whole process)                vs tensors x (1 + fraction) + context
     capacity  (the longest run that fit a card of this size) vs the same device total
 
-The CUDA context and the allocator fraction of lowvram.plan.memory.cuda_overheads() are fitted
+The CUDA context and the allocator fraction of lowvram.plan.setup.cuda_overheads() are fitted
 here, on the sources marked `split: fit` only (fit_overheads); every other source is held out.
 The headline is the error on the held-out rows.
 
@@ -36,7 +36,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from lowvram.plan.catalog import resolve_model  # noqa: E402
-from lowvram.plan.memory import RunSetup, cuda_overheads, estimate_memory  # noqa: E402
+from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.setup import RunSetup, cuda_overheads  # noqa: E402
 
 DATA = REPO / "bench" / "gpu_truth"
 RESULTS = REPO / "bench" / "results" / "published_accuracy.txt"
@@ -317,7 +318,7 @@ def report(sources: list[Source]) -> str:
         f"{len(fit.context_rows)} published CUDA-context readings ({', '.join(fit.context_rows)})",
         f"allocator_fraction = {fit.allocator_fraction:.2f}: least squares of device - allocated - context "
         f"against allocated over {len(fit.pair_rows)} single-GPU runs ({', '.join(fit.pair_rows)})",
-        f"shipped in lowvram.plan.memory.cuda_overheads(): context_bytes={shipped.context_bytes:,}, "
+        f"shipped in lowvram.plan.setup.cuda_overheads(): context_bytes={shipped.context_bytes:,}, "
         f"allocator_fraction={shipped.allocator_fraction}"
         + ("" if (shipped.context_bytes, shipped.allocator_fraction) == (fit.context_bytes, fit.allocator_fraction)
            else "  <-- DIFFERS FROM THE FIT"),

@@ -22,7 +22,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from lowvram.plan.catalog import resolve_model  # noqa: E402
-from lowvram.plan.memory import RunSetup, estimate_memory  # noqa: E402
+from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.setup import RunSetup  # noqa: E402
 
 MODELS = ["llama-2-7b", "llama-3-8b", "qwen2.5-7b"]
 MOE_MODELS = ["mixtral-8x7b", "qwen3-30b-a3b"]

@@ -251,7 +251,8 @@ def plan(
         seq_len=seq_len, grad_accum=grad_accum, gradient_checkpointing=gradient_checkpointing,
         activation_offload=activation_offload, gpus=gpus, offload=offload,
     )
-    from lowvram.plan.choose import Choice, choice_to_dict
+    from lowvram.plan.request import Choice
+    from lowvram.plan.serialize import choice_to_dict
 
     if not isinstance(result, Choice):
         show_unpredicted_plan(result, r.model.name_or_path if r else str(model), as_json=json_)

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lowvram.plan.memory import cuda_overheads
+from lowvram.plan.setup import cuda_overheads
 
-# The plan's breakdown keys that are not tensors (lowvram.plan.memory.BREAKDOWN_KEYS).
+# The plan's breakdown keys that are not tensors (lowvram.plan.setup.BREAKDOWN_KEYS).
 CONTEXT_KEY = "cuda_context"
 SLACK_KEY = "allocator"
 

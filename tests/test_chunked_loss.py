@@ -12,7 +12,9 @@ torch = pytest.importorskip("torch")
 
 from lowvram.check.cases import tiny_llama_spec  # noqa: E402
 from lowvram.check.step import measure_setup  # noqa: E402
-from lowvram.plan.memory import RunSetup, estimate_memory, logits_bytes  # noqa: E402
+from lowvram.plan.backward import logits_bytes  # noqa: E402
+from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.setup import RunSetup  # noqa: E402
 from lowvram.train.loss import causal_lm_chunked_loss  # noqa: E402
 
 

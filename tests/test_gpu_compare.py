@@ -13,8 +13,8 @@ import pytest
 import transformers.trainer_callback  # noqa: F401 - imported before torch.cuda is faked (its import probes CUDA)
 
 from lowvram import gpumemory
-from lowvram.plan.choose import safety_margin_bytes
-from lowvram.plan.memory import cuda_overheads
+from lowvram.plan.request import safety_margin_bytes
+from lowvram.plan.setup import cuda_overheads
 from lowvram.plan.types import Plan
 from lowvram.report import training as report
 from lowvram.train.types import RunResult

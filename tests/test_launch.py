@@ -134,8 +134,8 @@ def test_plan_round_trips_through_json(tmp_path):
 def test_request_round_trips_through_json(tmp_path):
     """A launched rank rebuilds the parent's Replanner from launch-request.json (no recipe model)."""
     from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.choose import PlanRequest
     from lowvram.plan.replan import Replanner
+    from lowvram.plan.request import PlanRequest
     from lowvram.train.launch import read_replanner, write_request
 
     request = PlanRequest(model=resolve_model("qwen2.5-7b"), seq_len=2048, lora=True, lora_targets=("q_proj", "v_proj"),
@@ -154,7 +154,8 @@ def test_request_round_trips_through_json(tmp_path):
 
 def _choose(model: str, gpus: int, vram: str = "24GB", **fields):
     from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.choose import Budget, PlanRequest, choose_plan
+    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.request import Budget, PlanRequest
     from lowvram.units import parse_size
 
     budget = Budget(parse_size(vram), "cuda")

@@ -17,7 +17,8 @@ pytest.importorskip("transformers")
 
 from lowvram.check.cases import ACCURACY_MATRIX, tiny_llama_spec  # noqa: E402
 from lowvram.check.step import measure_setup  # noqa: E402
-from lowvram.plan.memory import RunSetup, estimate_memory  # noqa: E402
+from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.setup import RunSetup  # noqa: E402
 
 # A fast subset on a smaller model at a quarter of the sequence length, covering every
 # technique of the matrix (the bench runs all of it on the h256/L4/V4096 model at seq 512).

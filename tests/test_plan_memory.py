@@ -6,19 +6,11 @@ import pytest
 
 from lowvram.errors import LowvramError
 from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import (
-    BREAKDOWN_KEYS,
-    RunSetup,
-    cuda_overheads,
-    estimate_memory,
-    layer_weight_bytes,
-    lora_parameters,
-    optimizer_bytes,
-    quantized_bytes,
-    root_weight_bytes,
-    weight_bytes,
-)
+from lowvram.plan.memory import estimate_memory
 from lowvram.plan.models import count_parameters
+from lowvram.plan.setup import BREAKDOWN_KEYS, RunSetup, cuda_overheads
+from lowvram.plan.sharding import layer_weight_bytes, root_weight_bytes
+from lowvram.plan.states import lora_parameters, optimizer_bytes, quantized_bytes, weight_bytes
 from tests.conftest import published_cuda_context_bytes
 
 LLAMA7 = resolve_model("llama-2-7b")
@@ -193,7 +185,7 @@ def test_zero2_shards_fp32_master_and_adam_and_holds_its_reduce_bucket():
 
 
 def test_auto_zero_settings_follow_accelerate():
-    from lowvram.plan.memory import auto_zero_settings, zero_settings
+    from lowvram.plan.sharding import auto_zero_settings, zero_settings
 
     s = RunSetup(LLAMA7, offload="zero3", gpus=2)
     auto = auto_zero_settings(s)
@@ -204,7 +196,7 @@ def test_auto_zero_settings_follow_accelerate():
 
 
 def test_zero_offloads_match_the_launch_config():
-    from lowvram.plan.memory import ZERO_OFFLOADS
+    from lowvram.plan.sharding import ZERO_OFFLOADS
     from lowvram.train.launch import BACKENDS
 
     deepspeed = {k: v[1:] for k, v in BACKENDS.items() if v[0] == "deepspeed"}

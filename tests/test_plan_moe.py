@@ -12,9 +12,11 @@ import pytest
 
 from lowvram.errors import LowvramError
 from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import RunSetup, estimate_memory, lora_parameters
+from lowvram.plan.memory import estimate_memory
 from lowvram.plan.models import count_parameters
 from lowvram.plan.readers import spec_from_config
+from lowvram.plan.setup import RunSetup
+from lowvram.plan.states import lora_parameters
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128)

@@ -8,11 +8,14 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan import memory
+from lowvram.plan import activations, backward
 from lowvram.plan import techniques as tq
 from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import Budget, PlanRequest, choice_to_dict, choose_plan
-from lowvram.plan.memory import RunSetup, estimate_memory
+from lowvram.plan.choose import choose_plan
+from lowvram.plan.memory import estimate_memory
+from lowvram.plan.request import Budget, PlanRequest
+from lowvram.plan.serialize import choice_to_dict
+from lowvram.plan.setup import RunSetup
 
 GB = 10**9
 NO_EXTRAS = ("liger", "deepspeed")  # as on the development machine
@@ -34,17 +37,17 @@ def test_offload_moves_exactly_the_layer_inputs_to_host_ram(llama8b):
     the recomputed layer."""
     on, off = _qlora(llama8b, activation_offload=True), _qlora(llama8b)
     per_layer = 2 * 16384 * 4096
-    assert memory.offloaded_layer_input_bytes(on) == per_layer == 134_217_728
+    assert activations.offloaded_layer_input_bytes(on) == per_layer == 134_217_728
     assert estimate_memory(on).cpu_ram_bytes - estimate_memory(off).cpu_ram_bytes == 32 * per_layer
     # pinned blocks are rounded up to a power of two (PyTorch's CachingHostAllocator)
     odd = replace(on, seq_len=10429)
-    assert memory.offloaded_layer_input_bytes(odd) == 2 * 10429 * 4096 == 85_434_368
-    assert memory.activation_offload_host_bytes(odd) == 32 * 2**27
-    assert memory.activation_bytes(off) - memory.activation_bytes(on) == 32 * per_layer
+    assert activations.offloaded_layer_input_bytes(odd) == 2 * 10429 * 4096 == 85_434_368
+    assert activations.activation_offload_host_bytes(odd) == 32 * 2**27
+    assert activations.activation_bytes(off) - activations.activation_bytes(on) == 32 * per_layer
     e_on, e_off = estimate_memory(on), estimate_memory(off)
     assert sum(e_on.breakdown.values()) == e_on.peak_bytes
     # the peak is a layer's backward: one layer's input + its recompute, not 32 inputs
-    recompute = memory.recompute_bytes(on)
+    recompute = backward.recompute_bytes(on)
     assert e_on.breakdown["activations"] == per_layer + recompute
     assert e_off.breakdown["activations"] == 32 * per_layer + recompute
     assert e_off.breakdown["activations"] - e_on.breakdown["activations"] == 31 * per_layer
@@ -57,7 +60,7 @@ def test_offload_claims_nothing_on_a_cpu(llama8b):
     on = RunSetup(small, gradient_checkpointing=True, activation_offload=True, device="cpu", precision="fp32")
     off = replace(on, activation_offload=False)
     assert estimate_memory(on) == estimate_memory(off)
-    assert memory.activation_offload_host_bytes(on) == 0
+    assert activations.activation_offload_host_bytes(on) == 0
 
 
 def test_offload_needs_checkpointing(llama8b):
@@ -110,8 +113,8 @@ def test_long_context_on_a_12gb_card(llama8b):
     with_liger = choose_plan(req, replace(budget, missing_extras=("deepspeed",))).longest
     assert with_liger[0] == 10429 and with_liger[1].loss == "fused"
     at16k = estimate_memory(replace(s, seq_len=16384))
-    assert at16k.breakdown["activations"] == (memory.offloaded_layer_input_bytes(replace(s, seq_len=16384))
-                                              + memory.recompute_bytes(replace(s, seq_len=16384)))
+    assert at16k.breakdown["activations"] == (activations.offloaded_layer_input_bytes(replace(s, seq_len=16384))
+                                              + backward.recompute_bytes(replace(s, seq_len=16384)))
     anything = choose_plan(replace(req, offload=None), budget)
     assert anything.longest[0] == 22616 and anything.longest[1].offload == "full"
     assert choice_to_dict(anything)["longest_seq_len"] == 22616
@@ -124,15 +127,15 @@ def test_long_context_on_a_12gb_card(llama8b):
 def test_fused_loss_bytes_from_liger_source(llama8b):
     """chunk = next_power_of_2(ceil(t / ceil(V / h))): 512 rows at 16k tokens for V = 128,256."""
     s = _qlora(llama8b, loss="fused")
-    assert memory.fused_loss_chunk_tokens(s) == 512
+    assert backward.fused_loss_chunk_tokens(s) == 512
     t, h, v = 16384, 4096, 128256
-    assert memory.logits_bytes(s) == 2 * t * h + 2 * 512 * v + 2 * 512 * h + 13 * t
-    assert memory.logits_bytes(s) < memory.logits_bytes(replace(s, loss="chunked")) // 6
+    assert backward.logits_bytes(s) == 2 * t * h + 2 * 512 * v + 2 * 512 * h + 13 * t
+    assert backward.logits_bytes(s) < backward.logits_bytes(replace(s, loss="chunked")) // 6
     short = replace(s, seq_len=100)  # ceil(100 / 32) = 4 rows
-    assert memory.fused_loss_chunk_tokens(short) == 4
+    assert backward.fused_loss_chunk_tokens(short) == 4
     # full fine-tuning: grad_weight (bf16) plus torch.mm(...).float() temporaries (bf16 and fp32)
     full = replace(s, lora=False, quantization="none")
-    assert memory.logits_bytes(full) - memory.logits_bytes(s) == (2 + 2 + 4) * v * h
+    assert backward.logits_bytes(full) - backward.logits_bytes(s) == (2 + 2 + 4) * v * h
 
 
 @pytest.mark.parametrize("budget, why", [

@@ -24,7 +24,8 @@ from lowvram.check.simulate import simulate_memory  # noqa: E402
 from lowvram.check.step import measure_setup  # noqa: E402
 from lowvram.cli import app  # noqa: E402
 from lowvram.errors import LowvramError  # noqa: E402
-from lowvram.plan.memory import BREAKDOWN_KEYS, RunSetup, estimate_memory  # noqa: E402
+from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.setup import BREAKDOWN_KEYS, RunSetup  # noqa: E402
 from tests.conftest import published_cuda_context_bytes  # noqa: E402
 
 SPEC = tiny_llama_spec(hidden_size=128, num_layers=2, vocab_size=2048)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from lowvram.plan.memory import cuda_overheads
+from lowvram.plan.setup import cuda_overheads
 from tests.conftest import REPO
 
 _spec = importlib.util.spec_from_file_location("published_accuracy", REPO / "bench" / "published_accuracy.py")

@@ -11,7 +11,8 @@ import pytest
 from test_train_e2e import metrics, train, write_recipe
 
 from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import Budget, PlanRequest, choose_plan, next_cheaper
+from lowvram.plan.choose import choose_plan, next_cheaper
+from lowvram.plan.request import Budget, PlanRequest
 from lowvram.train import oom, recover, signals
 
 # Live tensor bytes of the tiny LoRA run (seq_len 64, batch 4), measured on CPU: micro-batch 4 peaks

@@ -56,7 +56,7 @@ def _moe_config_kwargs(spec: ModelSpec) -> dict:
 
 def setup_plan(setup, device: str = "cpu"):
     """The Plan ``lowvram train`` runs a RunSetup with: what train's builders read (alpha 2r)."""
-    from lowvram.plan.choose import plan_for_setup
+    from lowvram.plan.search import plan_for_setup
 
     return plan_for_setup(setup, device, 2 * setup.lora_r)
 

@@ -13,7 +13,7 @@ at full size it checks the analytic model (bench/simulate_full_size.py).
 FakeTensorMode needs the workarounds listed in /work/shared/reference/stack-notes.md
 ("Simulating a large model's step without allocating it"), each marked below as [W1]..[W7].
 CUDA is not simulated [W7]: the tensors are the same on CUDA, and the context and allocator
-slack come from :func:`lowvram.plan.memory.cuda_overheads`, as in the analytic model.
+slack come from :func:`lowvram.plan.setup.cuda_overheads`, as in the analytic model.
 
 torch, transformers, peft and bitsandbytes are imported only here, inside functions.
 """
@@ -23,15 +23,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from lowvram.errors import LowvramError
-from lowvram.plan.memory import (
+from lowvram.plan.memory import validate_setup
+from lowvram.plan.models import count_parameters
+from lowvram.plan.setup import (
     BREAKDOWN_KEYS,
     PROCESS_HOST_BYTES,
     MemoryEstimate,
     RunSetup,
     cuda_overheads,
-    validate_setup,
 )
-from lowvram.plan.models import count_parameters
 from lowvram.vocab import OPTIMIZERS_8BIT
 
 

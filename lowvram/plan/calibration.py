@@ -16,7 +16,8 @@ run), so every part says what it *was* checked against instead:
 
 from __future__ import annotations
 
-from lowvram.plan.memory import BREAKDOWN_KEYS, ZERO_OFFLOADS, RunSetup, cuda_overheads
+from lowvram.plan.setup import BREAKDOWN_KEYS, RunSetup, cuda_overheads
+from lowvram.plan.sharding import ZERO_OFFLOADS
 
 CHECKED = {
     "gpu": "yes",

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from lowvram.plan import memory
+from lowvram.plan import activations, backward, states
 from lowvram.plan import techniques as tq
-from lowvram.plan.memory import MemoryEstimate, RunSetup
+from lowvram.plan.setup import DEEPSPEED_CPU_OPTIMIZER, MemoryEstimate, RunSetup
 from lowvram.units import gib, percent
 
 Estimator = Callable[[RunSetup], MemoryEstimate]
@@ -23,15 +23,15 @@ _ONE_STEP_CHEAPER = {"fsdp": "none", "zero3": "none", "zero2": "none", "fsdp-off
 
 
 _COMPONENTS = {
-    "weights": memory.weight_bytes, "gradients": memory.gradient_bytes,
-    "optimizer": memory.optimizer_bytes, "activations": memory.activation_bytes,
-    "logits": memory.logits_bytes,
+    "weights": states.weight_bytes, "gradients": states.gradient_bytes,
+    "optimizer": states.optimizer_bytes, "activations": activations.activation_bytes,
+    "logits": backward.logits_bytes,
 }
 
 
 def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -> dict[str, str]:
-    """One line per technique for the chosen candidate ``c`` (choose.Candidate) of ``req``
-    (choose.PlanRequest) under ``budget`` (choose.Budget): what it is set to and the numbers
+    """One line per technique for the chosen candidate ``c`` (request.Candidate) of ``req``
+    (request.PlanRequest) under ``budget`` (request.Budget): what it is set to and the numbers
     behind it, each measured against the peak without it. ``largest_micro``: the micro-batch
     that holds the whole batch in one pass per GPU."""
     s = c.setup
@@ -89,7 +89,7 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
         r["loss"] = fixed("loss") or "set"
     elif s.loss == "fused":
         r["loss"] = (f"fused (Liger Kernel): {without('logits', 'the chunked loss', loss='chunked')}; "
-                     f"no full logits, one {memory.fused_loss_chunk_tokens(s)}-token chunk")
+                     f"no full logits, one {backward.fused_loss_chunk_tokens(s)}-token chunk")
     elif s.loss == "chunked":
         r["loss"] = f"chunked: {without('logits', loss='standard')}; {percent(tq.CHUNKED_LOSS.slowdown)}"
     else:
@@ -128,7 +128,7 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
         r["optimizer"] = fixed("optimizer") or "set"
     elif s.optimizer != "adamw":
         r["optimizer"] = f"{s.optimizer}: {without('optimizer', optimizer='adamw')}; {percent(tq.OPTIMIZER_8BIT.slowdown)}"
-    elif s.offload in memory.DEEPSPEED_CPU_OPTIMIZER:
+    elif s.offload in DEEPSPEED_CPU_OPTIMIZER:
         r["optimizer"] = (f"adamw: offload {s.offload} runs DeepSpeed's CPU Adam, its fp32 state and "
                           "master weights in CPU RAM (16 bytes per trained parameter)")
     else:
@@ -179,7 +179,7 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
 
 def _activation_offload_reason(c, req, budget, without, fixed) -> str:
     s = c.setup
-    host = gib(memory.activation_offload_host_bytes(s))
+    host = gib(activations.activation_offload_host_bytes(s))
     if budget.device != "cuda":
         asked = " (asked for, ignored)" if req.activation_offload else ""
         return (f"off{asked}: a {budget.device.upper()} run keeps activations in host RAM already; there "
@@ -191,7 +191,7 @@ def _activation_offload_reason(c, req, budget, without, fixed) -> str:
         return (f"on: {without('activations', activation_offload=False)}; {host} of checkpointed "
                 f"layer inputs in pinned host RAM; {percent(tq.ACTIVATION_OFFLOAD.slowdown)}")
     if s.gradient_checkpointing:
-        return (f"off: the checkpoints ({gib(memory.activation_bytes(s))} of activations) fit on the "
+        return (f"off: the checkpoints ({gib(activations.activation_bytes(s))} of activations) fit on the "
                 f"GPU; offloading them would cost {percent(tq.ACTIVATION_OFFLOAD.slowdown)}")
     return "off: needs gradient checkpointing, which this plan does not use"
 

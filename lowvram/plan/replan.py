@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from lowvram.plan.choose import PlanRequest
 from lowvram.plan.models import ModelSpec
+from lowvram.plan.request import PlanRequest
 from lowvram.plan.types import Plan
 
 
@@ -29,7 +29,8 @@ class Replanner:
 
     def breakdown_at(self, plan: Plan, seq_len: int) -> dict[str, int] | None:
         """The parts of :meth:`peak_at` (the plan's breakdown keys, summing to it)."""
-        from lowvram.plan.memory import RunSetup, estimate_memory
+        from lowvram.plan.memory import estimate_memory
+        from lowvram.plan.setup import RunSetup
 
         if self.request is None:
             return None

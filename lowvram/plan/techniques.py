@@ -152,7 +152,7 @@ PRECISION_SLOWDOWN = {
 
 
 def fused_loss_unavailable(budget, model) -> str | None:
-    """Why Liger Kernel's fused linear cross-entropy cannot run under ``budget`` (a choose.Budget)
+    """Why Liger Kernel's fused linear cross-entropy cannot run under ``budget`` (a request.Budget)
     for ``model`` (a ModelSpec); None when it can. It needs CUDA (Triton kernels), the `liger`
     extra, and a model type Liger patches."""
     if budget.device != "cuda":

@@ -40,7 +40,7 @@ def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
     so the modelled term is added back to the budget: the fit test becomes tensors + allocator
     slack <= free - margin, whatever the real context's size. A free size that still holds the
     context (context_in_free False) is the budget as it is."""
-    from lowvram.plan.memory import cuda_overheads
+    from lowvram.plan.setup import cuda_overheads
 
     dev = hardware.tightest_device(gpus)
     free = hardware.free_bytes(gpus)
@@ -70,7 +70,7 @@ def _budget(vram: str | None, hardware):
     - Otherwise the hardware is detected: the first GPU's free memory; on a CPU-only machine the
       plan is for a CPU run against the available host RAM, and a note says so.
     """
-    from lowvram.plan.choose import Budget
+    from lowvram.plan.request import Budget
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     flag = "--vram" if vram else "LOWVRAM_VRAM"
@@ -98,7 +98,7 @@ def _budget(vram: str | None, hardware):
 
 def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     """Before planning: a budget no run fits in, or a recipe forcing what the card cannot do."""
-    from lowvram.plan.memory import cuda_overheads
+    from lowvram.plan.setup import cuda_overheads
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     budget = parse_size(override) if override else hardware.budget_bytes

@@ -101,7 +101,7 @@ def _shown(value) -> str:
 def build_request(model, recipe: Recipe | None = None, flags: dict | None = None,
                   flag_sources: dict | None = None):
     """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
-    from lowvram.plan.choose import PlanRequest
+    from lowvram.plan.request import PlanRequest
 
     training = recipe.training if recipe else TrainingSection()
     fields: dict = {"seq_len": training.seq_len, "batch_size": training.batch_size}

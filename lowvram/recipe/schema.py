@@ -225,7 +225,7 @@ class TechniquesSection(_Section):
 
     @model_validator(mode="after")
     def _offload_keeps_optimizer(self) -> TechniquesSection:
-        from lowvram.plan.memory import offload_conflict
+        from lowvram.plan.setup import offload_conflict
 
         optimizer = on_off(self.optimizer, ON_VALUES["optimizer"], OFF_VALUES["optimizer"])
         offload = on_off(self.offload, ON_VALUES["offload"], OFF_VALUES["offload"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowvram.plan.memory import CHUNK_TOKENS
+from lowvram.plan.backward import CHUNK_TOKENS
 
 IGNORE_INDEX = -100
 
@@ -127,7 +127,7 @@ def chunked_loss_trainer_class():
 # ``liger_kernel.transformers._apply_liger_kernel_to_instance(model, **config)``, which passes each
 # model type's ``apply_liger_kernel_to_*`` the keywords it accepts. Only the fused linear
 # cross-entropy is turned on: Liger's RMSNorm, SwiGLU/GeGLU, RoPE and LayerNorm kernels save other
-# tensors than the transformers modules the planner models (lowvram.plan.memory.fused_loss_bytes
+# tensors than the transformers modules the planner models (lowvram.plan.backward.fused_loss_bytes
 # models the loss alone).
 LIGER_KERNEL_CONFIG = {
     "fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False, "rms_norm": False,

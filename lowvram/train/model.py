@@ -235,7 +235,7 @@ def checkpointing_kwargs(plan) -> dict:
     off, of ``activation_checkpointing_enable``. Non-reentrant; with ``plan.activation_offload``,
     transformers' own offload (``offload=True``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
     around each layer's checkpoint, so only the checkpointed layer inputs go to pinned host RAM;
-    lowvram.plan.memory.offloaded_layer_input_bytes). The planner sets it on GPU plans only."""
+    lowvram.plan.activations.offloaded_layer_input_bytes). The planner sets it on GPU plans only."""
     kwargs: dict = {"use_reentrant": False}
     if plan.activation_offload:
         kwargs["offload"] = True

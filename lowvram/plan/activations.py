@@ -1,0 +1,387 @@
+"""What the forward saves for the backward: one decoder layer's activations (dropout, eager
+attention, q/k norms, experts), the head's, the sliding-window masks, all layers' with or without
+checkpointing, and activation offloading to host RAM. Fitted terms, each with its measurement;
+symbols as in :mod:`lowvram.plan.memory`."""
+
+from __future__ import annotations
+
+from lowvram.plan import moe
+from lowvram.plan.models import ModelSpec, block_linears
+from lowvram.plan.setup import RunSetup
+from lowvram.plan.states import dtype_bytes, target_linears
+
+# --------------------------------------------------------------------------------------------
+# Activations
+
+
+def dtypes(setup: RunSetup) -> tuple[int, int, bool]:
+    """(r, c, autocast): bytes of the residual stream, of 16/32-bit compute, and whether the
+    forward runs under autocast (the Trainer/accelerate wraps forward in autocast whenever
+    bf16/fp16 is on, also for 16-bit weights). A quantized base after
+    prepare_model_for_kbit_training has fp32 embeddings and norms, so its residual stream is fp32.
+    """
+    w, c = dtype_bytes(setup)
+    autocast = setup.precision != "fp32"
+    r = w
+    if setup.quantization != "none" and setup.kbit_prepare:
+        r = 4
+    return r, c, autocast
+
+
+def _linear_sources(spec: ModelSpec) -> list[str]:
+    """Which tensor feeds each block linear: the attention norm, the attention output, the MLP
+    norm, or the MLP activation (same order as block_linears)."""
+    out = []
+    for lin in block_linears(spec):
+        d_in = lin.d_in
+        if len(out) < (1 if spec.fused_qkv else 3):
+            out.append("norm_attn")
+        elif len(out) == (1 if spec.fused_qkv else 3):
+            out.append("attn_out")
+        elif d_in == spec.intermediate_size:
+            out.append("mlp_act")
+        else:
+            out.append("norm_attn" if spec.parallel_attn else "norm_mlp")
+    return out
+
+
+def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
+    """Which parts of decoder layer 0 carry a gradient under LoRA: (attention, residual after
+    attention, MLP gate branch, MLP up branch). The embedding is frozen, so autograd records (and
+    saves for) nothing upstream of the first adapter: with LoRA on down_proj only, layer 0 saves
+    nothing but down_proj's input (measured on a 3-layer Phi-3: the plan was 15% high). Standard
+    pre-norm gated blocks only; other layouts count everything (over, never under)."""
+    spec = setup.model
+    if (not setup.lora or spec.norms_per_layer != 2 or spec.norm_after or spec.parallel_attn
+            or spec.mlp != "gated" or spec.resid_dropout):
+        return True, True, True, True
+    names = {lin.name for lin in target_linears(setup)}
+    lins = block_linears(spec)
+    srcs = _linear_sources(spec)
+    attn = any(lin.name in names for lin, s in zip(lins, srcs, strict=True) if s == "norm_attn")
+    resid = attn or any(lin.name in names for lin, s in zip(lins, srcs, strict=True) if s == "attn_out")
+    mlp_in = [lin for lin, s in zip(lins, srcs, strict=True) if s == "norm_mlp"]
+    # [gate, up] or [gate_up] (one tensor: both branches)
+    gate = resid or mlp_in[0].name in names
+    up = resid or mlp_in[-1].name in names
+    return attn, resid, gate, up
+
+
+def _attention_output_copied(spec: ModelSpec) -> bool:
+    """Rotary applied by concatenation (Phi-3's apply_rotary_pos_emb: ``cat([rotated, pass])``)
+    leaves q contiguous head-major, so SDPA's output is head-major too and
+    ``attn_output.transpose(1, 2).contiguous()`` copies it: o_proj reads a new tensor, not SDPA's
+    saved output (Llama's rotated q keeps the token-major layout and the call is a no-op).
+    Measured with the live-bytes tracker on a CPU: a Phi-3 LoRA run on o_proj was 3.4% above its
+    plan without it."""
+    return not spec.learned_positions and (spec.model_type == "phi3" or spec.partial_rotary_factor < 1)
+
+
+def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
+    """Bytes autograd saves for one decoder layer (no recomputation).
+
+    Counted tensor by tensor from what autograd saves (PyTorch derivatives.yaml saves only what a
+    backward needs), checked with saved_tensors_hooks and the live-bytes tracker
+    (measured: bench/plan_accuracy.py, bench/plan_fuzz.py). Llama block, t tokens, pure bf16 full
+    fine-tuning: t*(20h + 4h_kv + 8I + 4a + 8) at q_dim = h, i.e. the Korthikanti et al. 2022 count
+    without dropout; RMSNorm saves its fp32 upcast (4h) and rsqrt (4); SDPA saves q, k, v, out and
+    an fp32 logsumexp per head; SwiGLU saves gate, silu(gate), up and their product.
+    """
+    spec = setup.model
+    if spec.is_moe:
+        return _moe_layer_activation_bytes(setup, first)
+    r, c, autocast = dtypes(setup)
+    t = setup.micro_batch_size * setup.seq_len
+    h, i = spec.hidden_size, spec.intermediate_size
+    full = not setup.lora
+    cc = 2 if autocast else c  # dtype of matmul outputs under autocast
+    attn_grad, resid_grad, gate_grad, up_grad = _first_layer_grads(setup) if first else (True,) * 4
+    grad_of = {"norm_attn": not first or full, "attn_out": attn_grad, "norm_mlp": resid_grad,
+               "mlp_act": gate_grad or up_grad}
+    per_tok = _qk_norm_activation_bytes(setup) if attn_grad else 0
+    fixed = 0
+    # norms: fp32 upcast of the input + rsqrt; a trainable weight also saves the normalized x
+    for n in range(spec.norms_per_layer):
+        if first and not full and ((n == 0 and not spec.norm_after) or (n == 1 and not resid_grad)):
+            continue  # LoRA: no gradient flows into the embedding output (OLMo-2: no norm there)
+        per_tok += 4 * h + 4 + (_normed_bytes(setup) * h if full else 0)
+    fixed += _norm_weight_fixed_bytes(setup)
+    if attn_grad:
+        # attention (SDPA / flash): q, k, v, out + fp32 logsumexp per head
+        per_tok += cc * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
+    if spec.resid_dropout:
+        # dropout masks on the attention output and the MLP output: bool from CUDA's fused
+        # kernel (native_dropout); on a CPU ATen multiplies by a noise tensor of the input dtype
+        per_tok += 2 * h * (1 if setup.device == "cuda" else cc)
+    if spec.fused_qkv and not spec.learned_positions and attn_grad:
+        # Fused qkv + rotary (Phi-3): q and k are rotated into new tensors, but v stays a view of
+        # the fused output, whose whole storage SDPA keeps alive (measured -3% without this)
+        per_tok += cc * (spec.q_dim + spec.kv_dim)
+    # MLP elementwise: silu saves its input (gate) and the product saves each factor the other
+    # branch needs a gradient for: silu(gate) for up's, up for gate's
+    e = cc if full else (4 if (setup.quantization != "none" and r == 4) or c == 4 else 2)
+    if spec.mlp == "gated":
+        per_tok += e * i * (2 * gate_grad + up_grad)  # gate out (silu input), up out; silu out
+    else:
+        # act input; transformers' gelu_new is composed in Python (NewGELUActivation:
+        # 0.5*x*(1+tanh(...))), so autograd also saves the tanh output, 0.5*x and 1+tanh
+        per_tok += e * i * (4 if spec.hidden_act in ("gelu_new", "gelu_fast") else 1)
+    # o_proj's input as it is (what a Linear saves without a cast): SDPA's saved output, unless
+    # that is a copy (Phi-3) or SDPA saved nothing (layer 0 with frozen attention under LoRA)
+    attn_out_extra = cc * spec.q_dim if (_attention_output_copied(spec) or not attn_grad) else 0
+    targets = {lin for lin in target_linears(setup)} if setup.lora else set()
+    shared: set[str] = set()
+    for lin, src in zip(block_linears(spec), _linear_sources(spec), strict=True):
+        src_fp32 = src.startswith("norm") and r == 4
+        if full:
+            if autocast and dtype_bytes(setup)[0] == 4:
+                fixed += 2 * lin.d_in * lin.d_out  # autocast's bf16 weight copy, saved
+                if src_fp32 and autocast:
+                    per_tok += 2 * lin.d_in  # bf16 cast of the fp32 input, per linear
+                elif src not in shared and src in ("mlp_act", "norm_attn", "norm_mlp"):
+                    per_tok += cc * lin.d_in
+                    shared.add(src)
+                elif src == "attn_out":
+                    per_tok += attn_out_extra  # a 16-bit input: autocast's cast is a no-op
+            elif src not in shared:
+                per_tok += attn_out_extra if src == "attn_out" else c * lin.d_in  # one input, shared
+                shared.add(src)
+        else:
+            if autocast and setup.quantization == "none" and dtype_bytes(setup)[0] == 4:
+                fixed += 2 * lin.d_in * lin.d_out  # frozen fp32 base: bf16 copy for grad input
+            if lin in targets:
+                # no mask where x needs no gradient (layer 0 upstream of every adapter)
+                per_tok += _lora_dropout_bytes(setup, lin.d_in, autocast, mask=grad_of[src])
+                if autocast:
+                    per_tok += 2 * lin.d_in + 2 * setup.lora_r  # peft casts x; lora_A output
+                    fixed += 2 * setup.lora_r * (lin.d_in + lin.d_out)  # bf16 adapter copies
+                else:
+                    if not setup.lora_dropout and src not in shared:
+                        # lora_A saves x (shared by the adapters reading it)
+                        per_tok += attn_out_extra if src == "attn_out" else c * lin.d_in
+                        shared.add(src)
+                    per_tok += c * setup.lora_r
+    attention = eager_bytes(setup) + _attention_dropout_bytes(setup) if attn_grad else 0
+    return t * per_tok + fixed + attention
+
+
+def lora_dropout_layer_bytes(setup: RunSetup) -> tuple[int, int]:
+    """(bytes, widest d_in): what lora.dropout adds to one decoder layer's saved tensors
+    (_lora_dropout_bytes over its adapted Linears), and the widest adapted input."""
+    if not setup.lora or not setup.lora_dropout or setup.model.is_moe:
+        return 0, 0
+    _, _, autocast = dtypes(setup)
+    t = setup.micro_batch_size * setup.seq_len
+    lins = target_linears(setup)
+    return (t * sum(_lora_dropout_bytes(setup, lin.d_in, autocast) for lin in lins),
+            max((lin.d_in for lin in lins), default=0))
+
+
+def _lora_dropout_bytes(setup: RunSetup, d_in: int, autocast: bool, mask: bool = True) -> int:
+    """Per token, what lora.dropout > 0 adds to one adapted Linear (peft ``lora.Linear.forward``:
+    ``lora_B(lora_A(dropout(x)))`` on x cast to the fp32 adapter dtype; each adapter has its own
+    dropout module, so nothing is shared between q, k and v). The dropout keeps its mask: bool
+    from CUDA's fused kernel (``native_dropout``), on a CPU a noise tensor of x's dtype (ATen
+    ``_dropout``: ``x * noise``, noise saved). Without autocast lora_A saves the dropped fp32
+    input itself (instead of x, which several adapters share); under autocast it saves its
+    16-bit cast, counted with the adapter either way. No mask where x needs no gradient (the
+    first layer's q/k/v under LoRA: autograd records no dropout node). Measured: tests/test_plan_accuracy.py
+    dropout cases (a new user's recipe with dropout 0.05 was 40% above the plan before this)."""
+    if not setup.lora_dropout:
+        return 0
+    mask_bytes = (1 if setup.device == "cuda" else 4) if mask else 0
+    return d_in * (mask_bytes + (0 if autocast else 4))
+
+
+def _qk_norm_activation_bytes(setup: RunSetup) -> int:
+    """Per token: q_norm and k_norm (RMSNorm, Qwen3 / OLMo-2 / OLMoE) save their fp32 upcast and
+    rsqrt, and with trainable weights the normalized input, like the block's norms."""
+    spec = setup.model
+    if not spec.qk_norm:
+        return 0
+    r, _, _ = dtypes(setup)
+    width = spec.q_dim + spec.kv_dim
+    rows = spec.num_heads + spec.num_kv_heads if spec.qk_norm == "head" else 2
+    return 4 * width + 4 * rows + (_normed_bytes(setup) * width if not setup.lora else 0)
+
+
+def _normed_bytes(setup: RunSetup) -> int:
+    """Bytes per element of the normalized x an RMSNorm with a trainable weight saves: the residual
+    dtype where the weight multiplies the cast-back x (LlamaRMSNorm), fp32 where it multiplies
+    the fp32 x (Gemma3RMSNorm, Olmo2RMSNorm; measured with saved_tensors_hooks)."""
+    return 4 if setup.model.norm_weight_fp32 else dtypes(setup)[0]
+
+
+def _norm_weight_fixed_bytes(setup: RunSetup) -> int:
+    """Gemma3RMSNorm saves its fp32 (1 + weight) for the input gradient, trainable or frozen: 4
+    bytes per weight element of one layer's norms and q/k norms (measured with
+    saved_tensors_hooks)."""
+    spec = setup.model
+    if spec.model_type != "gemma3_text":
+        return 0
+    return 4 * (spec.norms_per_layer * spec.hidden_size + 2 * spec.head_dim)
+
+
+def _moe_layer_activation_bytes(setup: RunSetup, first: bool) -> int:
+    """An MoE layer: its Linears as a dense block (attention, a shared expert) plus the router and
+    routed experts (lowvram.plan.moe.routed_activation_bytes)."""
+    from dataclasses import replace
+
+    from lowvram.plan.models import dense_view
+
+    spec = setup.model
+    dense = layer_activation_bytes(replace(setup, model=dense_view(spec)), first)
+    w, c = dtype_bytes(setup)
+    _, _, autocast = dtypes(setup)
+    cc = 2 if autocast else c
+    # the router reads the MLP norm's output, which a trainable shared-expert Linear saves already
+    shared_saves = bool(spec.shared_expert_intermediate_size) and (
+        not setup.lora or any(lin.name in ("gate_proj", "up_proj") for lin in target_linears(setup)))
+    t = setup.micro_batch_size * setup.seq_len
+    # transformers' grouped_mm is not autocast-enabled (integrations/moe.py casts the input to
+    # the weights' dtype): the routed experts compute in the stored dtype, fp32 under *-mixed;
+    # the router is an autocast linear (its saved input is the 16-bit copy).
+    return dense + moe.routed_activation_bytes(spec, t, w, w, autocast, setup.lora, setup.lora_r,
+                                               setup.lora_targets, shared_saves, router_c=cc)
+
+
+def _attention_dropout_bytes(setup: RunSetup) -> int:
+    """Attention dropout under SDPA: CUDA's flash and memory-efficient kernels drop inside the
+    kernel (a random seed is saved, nothing s x s); on a CPU SDPA falls back to its math path
+    and keeps the probabilities, the dropout noise and the dropped probabilities in fp32:
+    12*a*s^2*b (measured with the simulated step, GPT-2: 12.1-12.5)."""
+    spec = setup.model
+    if not spec.attn_dropout or setup.attention != "sdpa" or setup.device == "cuda":
+        return 0
+    return 12 * spec.num_heads * setup.seq_len**2 * setup.micro_batch_size
+
+
+def eager_bytes(setup: RunSetup) -> int:
+    """Eager attention stores the s x s scores: softmax in fp32 (saved) and its 16-bit copy
+    (saved by the matmul with v): (4 + c)*a*s^2*b (Korthikanti et al. 2022 sec. 4.1, with
+    transformers' fp32 softmax upcast). In fp32 the cast back is a no-op: the matmul saves the
+    softmax output itself, 4*a*s^2*b (a plain fp32 LoRA run was 17% under its plan with 8)."""
+    if setup.attention != "eager":
+        return 0
+    _, c, autocast = dtypes(setup)
+    cc = 2 if autocast else c
+    copy = 0 if cc == 4 else cc
+    return (4 + copy) * setup.model.num_heads * setup.seq_len**2 * setup.micro_batch_size
+
+
+def head_activation_bytes(setup: RunSetup) -> int:
+    """Final norm, lm_head input, rotary cos/sin, labels (not the logits: logits_bytes)."""
+    spec = setup.model
+    r, c, autocast = dtypes(setup)
+    t = setup.micro_batch_size * setup.seq_len
+    h = spec.hidden_size
+    full = not setup.lora
+    per_tok = 4 * h + 4 + (_normed_bytes(setup) * h if full else 0) + 8  # final norm; int64 labels
+    # rotary cos and sin, shared by all layers (of a type: Gemma-3 has two tables)
+    per_tok += 2 * spec.head_dim * (4 if spec.rotary_fp32 else r) * spec.rotary_tables
+    if spec.embd_dropout and full:  # its mask (as above); LoRA: no gradient flows there
+        per_tok += h * (1 if setup.device == "cuda" else r)
+    if full:
+        per_tok += 2 * h if (autocast and r == 4) else c * h
+    fixed = 0
+    w = dtype_bytes(setup)[0]
+    head_fp32 = w == 4 or (setup.quantization != "none" and setup.kbit_prepare)
+    if autocast and head_fp32:
+        fixed += 2 * spec.vocab_size * h  # autocast's bf16 copy of lm_head, saved for backward
+    return t * per_tok + fixed
+
+
+def sliding_window_bytes(setup: RunSetup) -> int:
+    """What one sliding-window layer (Gemma-3) saves beyond a full-attention one. From
+    seq_len >= sliding_window on, transformers builds the sliding mask (masking_utils
+    _ignore_causal_mask_sdpa skips it only below the window); with a mask, sdpa_attention_forward
+    expands k and v to all heads (use_gqa_in_sdpa: only without a mask) and SDPA saves the
+    additive mask it makes from the bool one, b*s*s in the query's dtype, in every such layer
+    (measured with saved_tensors_hooks on a 2-layer Gemma-3: q, expanded k and v, out, mask)."""
+    spec = setup.model
+    if not spec.sliding_layers or setup.seq_len < spec.sliding_window or setup.attention != "sdpa":
+        return 0
+    _, c, autocast = dtypes(setup)
+    cc = 2 if autocast else c
+    t = setup.micro_batch_size * setup.seq_len
+    # one kv head: repeat_kv's expand + reshape stays a view (no copy; measured at Gemma-3-1B size)
+    expanded = 2 * (spec.q_dim - spec.kv_dim) if spec.num_kv_heads > 1 else 0
+    return cc * (t * expanded + setup.micro_batch_size * setup.seq_len**2)
+
+
+def _checkpointed_mask_bytes(setup: RunSetup) -> int:
+    """With checkpointing, the sliding layers' bool mask (b*s*s bytes, one for all of them) is an
+    input the checkpoints keep for the recompute (measured: lowvram train on a 2-layer Gemma-3,
+    seq 512 x 2, was 2.9% above its plan without it)."""
+    if not sliding_window_bytes(setup):
+        return 0
+    return setup.micro_batch_size * setup.seq_len**2
+
+
+def activation_bytes(setup: RunSetup) -> int:
+    """All layers' saved activations at the start of backward.
+
+    Gradient checkpointing (Chen et al. 2016; transformers checkpoints each decoder layer,
+    use_reentrant=False): each layer keeps only its input (r*t*h); at the peak one layer is
+    recomputed (its saved tensors alive again).
+    """
+    spec = setup.model
+    r, _, _ = dtypes(setup)
+    t = setup.micro_batch_size * setup.seq_len
+    head = head_activation_bytes(setup)
+    if setup.gradient_checkpointing:
+        kept = 0 if activation_offloaded(setup) else spec.num_layers  # offloaded: in host RAM
+        return kept * r * t * spec.hidden_size + head + _checkpointed_mask_bytes(setup)
+    return (layer_activation_bytes(setup, first=True)
+            + (spec.num_layers - 1) * layer_activation_bytes(setup) + head
+            + spec.sliding_layers * sliding_window_bytes(setup))
+
+
+# --------------------------------------------------------------------------------------------
+# Activation offloading (techniques.activation_offload)
+
+
+def activation_offloaded(setup: RunSetup) -> bool:
+    """Whether the checkpointed layer inputs leave the device: activation_offload with gradient
+    checkpointing, on a GPU. On a CPU host RAM is the device memory: transformers' offload path
+    (``save_on_cpu`` around the checkpoint) has nowhere to move them (``tensor.cpu()`` of a CPU
+    tensor is itself; its pinned variant needs a GPU), so nothing is saved and nothing is
+    claimed: the live-bytes tracker would see the same tensors."""
+    return setup.activation_offload and setup.gradient_checkpointing and setup.device == "cuda"
+
+
+def offloaded_layer_input_bytes(setup: RunSetup) -> int:
+    """One checkpointed decoder layer's input (r*t*h), the only tensor its checkpoint saves.
+
+    transformers' ``activation_checkpointing_enable(offload=True)`` (modeling_utils
+    ``_activation_checkpointing_enable``: ``save_on_cpu(pin_memory=True)`` *around*
+    ``torch.utils.checkpoint.checkpoint``): the non-reentrant checkpoint saves the positional
+    inputs through ``_NoopSaveInputs`` outside its own saved-tensor hooks, so the outer
+    ``save_on_cpu`` packs exactly those into pinned host RAM; everything the layer's forward saves
+    goes to the checkpoint's own (inner) hooks and is dropped, as without offload. The layer's
+    keyword arguments (rotary cos/sin, masks, position ids) ride in a ``functools.partial``
+    (GradientCheckpointingLayer), not through the checkpoint, so they stay on the GPU, counted
+    as without offload. In the backward ``unpack_from_cpu`` copies the input back for that
+    layer's recompute: one layer's input on the GPU at a time."""
+    r, _, _ = dtypes(setup)
+    return r * setup.micro_batch_size * setup.seq_len * setup.model.hidden_size
+
+
+def activation_offload_host_bytes(setup: RunSetup) -> int:
+    """Pinned host RAM of the offloaded layer inputs: every decoder layer's, from its forward to
+    its backward (``save_on_cpu`` allocates one pinned tensor per packed input). PyTorch's
+    pinned-memory allocator rounds each block up to a power of two and caches it
+    (ATen/core/CachingHostAllocator.h ``allocate``: ``PowerOf2Ceil(size)`` below
+    ``pinned_max_round_threshold``, unlimited by default), so a 10,429-token Llama-3.1-8B input
+    of 81.5 MiB holds 128 MiB."""
+    if not activation_offloaded(setup):
+        return 0
+    size = offloaded_layer_input_bytes(setup)
+    return setup.model.num_layers * (1 << (size - 1).bit_length())
+
+
+__all__ = [
+    "activation_bytes", "activation_offload_host_bytes", "activation_offloaded", "dtypes",
+    "eager_bytes", "head_activation_bytes", "layer_activation_bytes", "lora_dropout_layer_bytes",
+    "offloaded_layer_input_bytes", "sliding_window_bytes",
+]

@@ -1,0 +1,78 @@
+"""The technique ladder of a plan: one technique after another in tier order, each rung with the
+peak it leaves, the bytes it saves and its step-time cost (the plan's explanation, not the search)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lowvram.plan import memory
+from lowvram.plan import techniques as tq
+from lowvram.plan.explain import Estimator
+from lowvram.plan.memory import estimate_memory
+from lowvram.plan.request import Budget, PlanRequest, Rung
+from lowvram.plan.search import auto_precision, fits_budget, largest_micro_batch_size, loss_options
+from lowvram.plan.setup import RunSetup, offload_conflict
+
+# --------------------------------------------------------------------------------------------
+# The ladder: what each technique saves and costs, applied one after another
+
+
+def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimate_memory) -> tuple[Rung, ...]:
+    """Peaks from the plain run (fp32, eager, full batch, AdamW, full fine-tuning) up the ladder.
+
+    Techniques the user fixed are applied from the start and their rung is marked ``fixed``.
+    """
+    largest = largest_micro_batch_size(req)
+    if req.micro_batch_size is not None:
+        largest = req.micro_batch_size
+    elif req.grad_accum is not None:
+        largest = largest // req.grad_accum
+    s = RunSetup(
+        model=req.model, precision=req.mixed_precision or "fp32", quantization=req.quantization or "none",
+        lora=bool(req.lora) or (req.quantization not in (None, "none")), lora_r=req.lora_r,
+        lora_targets=req.lora_targets, lora_dropout=req.lora_dropout, optimizer=req.optimizer or "adamw",
+        gradient_checkpointing=bool(req.gradient_checkpointing), attention=req.attention or "eager",
+        loss=loss_options(req, budget)[0] if req.loss else "standard", micro_batch_size=largest,
+        seq_len=req.seq_len,
+        grad_accum=largest_micro_batch_size(req) // largest, gpus=req.gpus, offload=req.offload or "none",
+        device=budget.device,
+        activation_offload=bool(req.activation_offload and req.gradient_checkpointing) and budget.device == "cuda",
+    )
+    est = estimate(s)
+    rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, fits_budget(est, budget))]
+    for t in tq.LADDER:
+        fixed_name = {"mixed_precision": "mixed_precision", "gradient_accumulation": "micro_batch_size"}.get(t.name, t.name)
+        fixed = req.fixed(fixed_name) or (t.name == "gradient_accumulation" and req.fixed("grad_accum"))
+        if (t.name == "offload" and budget.device == "cpu") or (t is tq.ACTIVATION_OFFLOAD and budget.device != "cuda"):
+            continue
+        if t is tq.ACTIVATION_OFFLOAD and req.gradient_checkpointing is False:
+            fixed = True  # it needs checkpointing, which the user turned off
+        if fixed:
+            rungs.append(Rung(t.name, str(t.value), est.peak_bytes, 0, 1.0, fits_budget(est, budget), fixed=True))
+            continue
+        before = s
+        if t is tq.MIXED_PRECISION:
+            s = replace(s, precision=auto_precision(budget, req.weight_dtype))
+        elif t is tq.MICRO_BATCH:
+            s = replace(s, micro_batch_size=1, grad_accum=largest_micro_batch_size(req))
+        else:
+            settings = dict(t.settings)
+            if offload_conflict(settings.get("optimizer", s.optimizer), settings.get("offload", s.offload)):
+                if req.fixed("optimizer") or "offload" not in settings:
+                    continue  # the user's optimizer (or offload) rules this rung out
+                settings["optimizer"] = "adamw"  # DeepSpeed's CPU Adam takes its place
+            s = replace(s, **settings)
+        new = estimate(s)
+        slowdown = tq.setup_slowdown(s, largest_micro_batch_size(req)) / tq.setup_slowdown(before, largest_micro_batch_size(req))
+        value = s.precision if t is tq.MIXED_PRECISION else (
+            f"micro-batch 1 x {s.grad_accum}" if t is tq.MICRO_BATCH else
+            {True: "on", False: "off"}.get(t.value, str(t.value)))
+        rungs.append(Rung(t.name, value, new.peak_bytes, est.peak_bytes - new.peak_bytes, slowdown,
+                          fits_budget(new, budget) and memory.unmodelled(s) is None))
+        est = new
+    return tuple(rungs)
+
+
+__all__ = [
+    "build_ladder",
+]

@@ -1,0 +1,229 @@
+"""What the search takes and returns: the Budget (a card's usable bytes after the safety margin),
+the PlanRequest (what the user fixed, the rest on auto) and its validation, and a Candidate, a Rung of
+the ladder and the Choice; the levels a plan gives up (plan_level) and the extras it needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lowvram.errors import LowvramError
+from lowvram.plan import sharding
+from lowvram.plan.models import ModelSpec
+from lowvram.plan.setup import MemoryEstimate, RunSetup, offload_conflict
+from lowvram.plan.types import Plan
+
+# Safety margin: memory the plan leaves unused for what the model does not see (other processes
+# on the card, fragmentation spikes, the first-step warm-up). 5% of the card, at least 256 MiB.
+MARGIN_FRACTION = 0.05
+MIN_MARGIN_BYTES = 256 * 2**20
+
+# The offloads that shard the model states over several GPUs (lowvram.plan.search.TIER_SHARD).
+SHARDED = ("zero2", "zero3", "fsdp")
+
+
+def safety_margin_bytes(vram_bytes: int) -> int:
+    return max(MIN_MARGIN_BYTES, int(vram_bytes * MARGIN_FRACTION))
+
+
+def vram_needed_bytes(peak_bytes: int, min_margin_bytes: int = MIN_MARGIN_BYTES) -> int:
+    """Smallest card (free bytes) whose budget after the margin holds ``peak_bytes``."""
+    return max(peak_bytes + min_margin_bytes, int(peak_bytes / (1 - MARGIN_FRACTION)) + 1)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the plan must fit in. Bytes."""
+
+    vram_bytes: int  # free memory of the card (or the --vram override, or host RAM on CPU)
+    device: str = "cuda"  # "cuda" | "mps" | "cpu"
+    bf16: bool = True  # the card supports bf16
+    bf16_known: bool = True  # False: assumed (a --vram budget; no card was queried)
+    host_ram_bytes: int | None = None  # available host RAM, when planning for this machine
+    source: str = ""  # where vram_bytes came from, shown to the user
+    notes: tuple[str, ...] = ()
+    # Optional extras not installed here ("deepspeed"): plans that need one rank after the plans
+    # that need nothing more (lowvram.planning.make_budget fills it; tests pass their own).
+    missing_extras: tuple[str, ...] = ()
+    # The margin's floor: MIN_MARGIN_BYTES on a real card; an emulated card scaled down
+    # (bench/emulated_cards.py) scales it by the same factor.
+    min_margin_bytes: int = MIN_MARGIN_BYTES
+
+    @property
+    def safety_margin_bytes(self) -> int:
+        return max(self.min_margin_bytes, int(self.vram_bytes * MARGIN_FRACTION))
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.vram_bytes - self.safety_margin_bytes
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for. ``None`` = auto (the chooser decides); anything else is fixed."""
+
+    model: ModelSpec
+    seq_len: int = 1024
+    batch_size: int = 16  # effective batch: micro_batch_size x grad_accum x gpus
+    gpus: int = 1
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    lora_alpha: int = 32  # no memory effect; carried into the Plan for training
+    lora_dropout: float = 0.0
+    weight_dtype: str | None = None  # model.dtype fixed in the recipe: auto precision follows it
+    mixed_precision: str | None = None
+    gradient_checkpointing: bool | None = None
+    grad_accum: int | None = None
+    micro_batch_size: int | None = None
+    lora: bool | None = None
+    quantization: str | None = None
+    optimizer: str | None = None
+    offload: str | None = None
+    activation_offload: bool | None = None
+    attention: str | None = None
+    loss: str | None = None
+    # Where each fixed choice came from ("--optim", "the recipe"), for the reasons.
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def fixed(self, name: str) -> bool:
+        return getattr(self, name) is not None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    setup: RunSetup
+    estimate: MemoryEstimate
+    tier: float
+    slowdown: float  # step time relative to bf16 + SDPA + full fine-tuning, largest micro-batch
+    fits: bool
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.estimate.peak_bytes
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One row of the ladder: the peak after applying one more technique."""
+
+    technique: str
+    value: str
+    peak_bytes: int
+    saved_bytes: int
+    slowdown: float
+    fits: bool
+    fixed: bool = False  # the user fixed this technique otherwise; the rung is skipped
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chooser's answer: the plan and everything the report shows about it."""
+
+    plan: Plan
+    request: PlanRequest
+    budget: Budget
+    chosen: Candidate
+    fits: bool
+    alternatives: tuple[Candidate, ...]
+    ladder: tuple[Rung, ...]
+    max_seq_len: int  # longest seq_len that fits under this plan (0: none)
+    max_micro_batch_size: int  # largest micro-batch that fits at this seq_len (0: none)
+    min_vram_bytes: int  # smallest card that holds the lowest-peak plan allowed
+    # Over every plan the request allows (not only the chosen one): the longest seq_len at
+    # micro-batch 1 and the largest micro-batch at this seq_len, with the plan that reaches each.
+    longest: tuple[int, RunSetup | None] = (0, None)
+    largest_micro: tuple[int, RunSetup | None] = (0, None)
+    suggestion: str | None = None  # when nothing fits: the single change that helps most
+    suggestions: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def validate_request(req: PlanRequest) -> None:
+    """Impossible values -> one LowvramError naming the flag and a fix."""
+    positive = {
+        "seq_len": req.seq_len, "batch_size": req.batch_size, "gpus": req.gpus, "lora_r": req.lora_r,
+    }
+    for name, value in positive.items():
+        if value is None or value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise LowvramError(f"{name} must be a positive integer, got {value}", f"e.g. {flag} {_EXAMPLE[name]}")
+    for name in ("grad_accum", "micro_batch_size"):
+        value = getattr(req, name)
+        if value is not None and value <= 0:
+            raise LowvramError(f"{name} must be a positive integer, got {value}", "leave it out to let the planner choose")
+    if req.quantization not in (None, "none") and req.lora is False:
+        raise LowvramError(
+            f"quantization {req.quantization} needs LoRA: a quantized base cannot be trained directly",
+            "use --method qlora (or lora), or --quant none for full fine-tuning",
+        )
+    if req.activation_offload and req.gradient_checkpointing is False:
+        raise LowvramError("activation_offload needs gradient checkpointing: it moves the checkpointed "
+                           "layer inputs to host RAM", "drop --no-gradient-checkpointing, or the activation offload")
+    if req.optimizer is not None and req.offload is not None:
+        conflict = offload_conflict(req.optimizer, req.offload)
+        if conflict:
+            raise LowvramError(conflict, "use --optim adamw with it, or --offload fsdp-offload (FSDP2 "
+                               "keeps your optimizer, its step on the CPU)")
+    if req.batch_size % req.gpus:
+        raise LowvramError(
+            f"batch_size {req.batch_size} is not divisible by {req.gpus} GPUs",
+            f"use a batch size that is a multiple of {req.gpus}",
+        )
+    per_gpu = req.batch_size // req.gpus
+    if req.grad_accum is not None and per_gpu % req.grad_accum:
+        raise LowvramError(
+            f"batch_size {req.batch_size} is not divisible by grad_accum {req.grad_accum} x {req.gpus} GPU(s)",
+            "make batch_size = micro_batch_size x grad_accum x GPUs",
+        )
+    if req.micro_batch_size is not None and per_gpu % req.micro_batch_size:
+        raise LowvramError(
+            f"batch_size {req.batch_size} is not divisible by micro_batch_size {req.micro_batch_size} x {req.gpus} GPU(s)",
+            "make batch_size = micro_batch_size x grad_accum x GPUs",
+        )
+    if req.micro_batch_size is not None and req.grad_accum is not None:
+        if req.micro_batch_size * req.grad_accum != per_gpu:
+            raise LowvramError(
+                f"micro_batch_size {req.micro_batch_size} x grad_accum {req.grad_accum} x {req.gpus} GPU(s) "
+                f"!= batch_size {req.batch_size}",
+                "fix two of the three and let the planner derive the third",
+            )
+
+
+_EXAMPLE = {"seq_len": 1024, "batch_size": 16, "gpus": 1, "lora_r": 16}
+
+
+# What a plan gives up, beyond speed: the search picks the fastest plan within the first of these
+# levels that has a plan that fits. Level 0 trains the whole model with the same maths (precision,
+# kernels, chunked loss, micro-batch + accumulation, checkpointing, 8-bit optimizer state, which
+# matches 32-bit Adam's results: Dettmers et al. 2022; sharding over several GPUs); 1 trains
+# adapters only (LoRA); 2 on a quantized base (QLoRA); 3 moves model states to CPU RAM (host RAM,
+# PCIe, several times slower). Inside a level speed decides, not the ladder's order: the 8-bit
+# optimizer (~3%) is taken before checkpointing (~25%) when either alone fits.
+LEVEL_NAMES = ("full fine-tuning on the GPU", "LoRA", "QLoRA", "offload to CPU RAM")
+
+# Optional extras each offload needs (pyproject.toml [project.optional-dependencies]).
+EXTRAS = {o: ("deepspeed",) for o in sharding.ZERO_OFFLOADS}
+
+
+def plan_level(setup: RunSetup) -> int:
+    """The LEVEL_NAMES index of a plan."""
+    if setup.offload not in ("none",) + SHARDED:
+        return 3
+    if setup.quantization != "none":
+        return 2
+    return 1 if setup.lora else 0
+
+
+def missing_extras(setup: RunSetup, budget: Budget) -> tuple[str, ...]:
+    """The extras ``setup`` needs that are not installed where the plan will run."""
+    return tuple(e for e in EXTRAS.get(setup.offload, ()) if e in budget.missing_extras)
+
+
+__all__ = [
+    "Budget", "Candidate", "Choice", "EXTRAS", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
+    "missing_extras", "plan_level", "PlanRequest", "Rung", "safety_margin_bytes", "SHARDED",
+    "validate_request", "vram_needed_bytes",
+]

@@ -1,0 +1,182 @@
+"""The search space and its order: the options left on auto, one RunSetup per combination, a
+Candidate per setup (its peak, step time, whether it fits the budget), and the ranking of candidates
+(:func:`rank`). Also a setup in words (describe_setup) and as a Plan (plan_for_setup)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lowvram.errors import LowvramError
+from lowvram.plan import memory
+from lowvram.plan import techniques as tq
+from lowvram.plan.explain import Estimator
+from lowvram.plan.request import SHARDED, Budget, Candidate, PlanRequest, missing_extras, plan_level
+from lowvram.plan.setup import MemoryEstimate, RunSetup, offload_conflict
+from lowvram.plan.types import Plan, dtype_precision
+
+# Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
+# communication (~1.2x, techniques.OFFLOAD_SLOWDOWN), about what gradient checkpointing costs; so
+# it is tried right after checkpointing, before the 8-bit optimizer, LoRA and a quantized base.
+# Offload to CPU RAM (fsdp-offload) stays on the last tier. FSDP2 comes before DeepSpeed ZeRO-3:
+# the same memory (ZeRO-3 = FSDP full shard, 16P/N) and it needs nothing beyond torch.
+TIER_SHARD = tq.TIER_CHECKPOINTING + 0.5
+MULTI_GPU_OFFLOADS = ["none", "fsdp", "fsdp-offload"]
+
+
+# --------------------------------------------------------------------------------------------
+# Candidates
+
+
+def auto_precision(budget: Budget, weight_dtype: str | None = None) -> str:
+    """bf16 where the card has it, else fp16-mixed; fp32 on a CPU. A fixed model.dtype picks the
+    precision that stores weights in it (lowvram.plan.types.dtype_precision)."""
+    if weight_dtype is not None:
+        return dtype_precision(weight_dtype, budget.device, budget.bf16)
+    if budget.device == "cpu":
+        return "fp32"
+    return "bf16" if budget.bf16 else "fp16-mixed"
+
+
+def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
+    per_gpu = req.batch_size // req.gpus
+    if req.micro_batch_size is not None:
+        micros = [req.micro_batch_size]
+    elif req.grad_accum is not None:
+        micros = [per_gpu // req.grad_accum]
+    else:
+        micros = [d for d in range(per_gpu, 0, -1) if per_gpu % d == 0]
+    on_gpu = budget.device != "cpu"
+
+    def pick(name: str, auto: list) -> list:
+        value = getattr(req, name)
+        return [value] if value is not None else auto
+
+    return {
+        "precision": pick("mixed_precision", [auto_precision(budget, req.weight_dtype)]),
+        "attention": pick("attention", ["sdpa"]),
+        "loss": loss_options(req, budget),
+        "micro_batch_size": micros,
+        "gradient_checkpointing": pick("gradient_checkpointing", [False, True]),
+        # CUDA only: on a CPU (or MPS's unified memory) there is no device memory to free
+        # (activations.activation_offloaded)
+        "activation_offload": pick("activation_offload", [False, True]) if budget.device == "cuda" else [False],
+        "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
+        "lora": pick("lora", [False, True]),
+        "quantization": pick("quantization", ["none", "nf4-dq"]),
+        "offload": pick("offload", _auto_offloads(req, on_gpu)),
+    }
+
+
+def loss_options(req: PlanRequest, budget: Budget) -> list[str]:
+    """standard, chunked, and Liger's fused loss where it can run. A fixed ``fused`` that cannot
+    run here becomes the chunked loss (the fallback; the reason says why)."""
+    fused_ok = tq.fused_loss_unavailable(budget, req.model) is None
+    if req.loss is not None:
+        return ["chunked" if req.loss == "fused" and not fused_ok else req.loss]
+    return ["standard", "chunked"] + (["fused"] if fused_ok else [])
+
+
+def _auto_offloads(req: PlanRequest, on_gpu: bool) -> list[str]:
+    if not on_gpu:
+        return ["none"]  # a CPU run (several processes: DDP over gloo)
+    return MULTI_GPU_OFFLOADS if req.gpus > 1 else ["none", "optimizer", "full"]
+
+
+def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
+    o = _options(req, budget)
+    per_gpu = req.batch_size // req.gpus
+    # activation offload moves the checkpoints: only with checkpointing
+    recompute = [(gc, ao) for gc in o["gradient_checkpointing"] for ao in o["activation_offload"] if gc or not ao]
+    out = []
+    for precision in o["precision"]:
+        for attention in o["attention"]:
+            for loss in o["loss"]:
+                for micro in o["micro_batch_size"]:
+                    for gc, act_off in recompute:
+                        for optim in o["optimizer"]:
+                            for lora in o["lora"]:
+                                for quant in o["quantization"]:
+                                    if quant != "none" and not lora:
+                                        continue
+                                    for offload in o["offload"]:
+                                        if offload_conflict(optim, offload):
+                                            continue  # DeepSpeed's CPU Adam replaces it
+                                        out.append(RunSetup(
+                                            model=req.model, precision=precision, quantization=quant,
+                                            lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
+                                            lora_dropout=req.lora_dropout,
+                                            optimizer=optim, gradient_checkpointing=gc,
+                                            attention=attention, loss=loss, micro_batch_size=micro,
+                                            seq_len=req.seq_len, grad_accum=per_gpu // micro,
+                                            gpus=req.gpus, offload=offload, device=budget.device,
+                                            activation_offload=act_off,
+                                        ))
+    modelled = [s for s in out if memory.unmodelled(s) is None]
+    if out and not modelled:
+        raise LowvramError(f"cannot plan this run: {memory.unmodelled(out[0])}",
+                           "use attention sdpa, or gradient_checkpointing off; or measure "
+                           "the real step with `lowvram plan --simulate`")
+    return modelled
+
+
+def largest_micro_batch_size(req: PlanRequest) -> int:
+    return req.batch_size // req.gpus
+
+
+def fits_budget(est: MemoryEstimate, budget: Budget) -> bool:
+    if est.peak_bytes > budget.usable_bytes:
+        return False
+    # Offload needs the host RAM too, when we know it (planning for this machine).
+    return budget.host_ram_bytes is None or budget.device == "cpu" or est.cpu_ram_bytes <= budget.host_ram_bytes
+
+
+def candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Estimator) -> Candidate:
+    est = estimate(setup)
+    largest = largest_micro_batch_size(req)
+    tier = tq.setup_tier(setup)
+    if setup.offload in SHARDED and setup.gpus > 1:
+        tier = max(tq.setup_tier(replace(setup, offload="none")), TIER_SHARD)
+    if setup.micro_batch_size < largest:
+        tier = max(tier, tq.TIER_MICRO_BATCH)
+    return Candidate(setup, est, tier, tq.setup_slowdown(setup, largest), fits_budget(est, budget))
+
+
+def rank(c: Candidate, budget: Budget | None = None) -> tuple:
+    """Search order among fitting plans: the lowest level (plan_level), then plans that need no
+    missing extra, then the fastest (techniques.setup_slowdown); ties in speed go to the larger
+    micro-batch (fewer passes), then to the smaller peak."""
+    missing = bool(missing_extras(c.setup, budget)) if budget else False
+    return (plan_level(c.setup), missing, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
+
+
+def describe_setup(s: RunSetup) -> str:
+    """A plan in a few words, for notes."""
+    parts = [s.precision, ("QLoRA " + s.quantization) if s.quantization != "none" else
+             ("LoRA" if s.lora else "full")]
+    parts += ["checkpointing"] if s.gradient_checkpointing else []
+    parts += ["activation offload"] if s.activation_offload else []
+    parts += [s.optimizer] if s.optimizer != "adamw" else []
+    parts += [f"{s.loss} loss"] if s.loss != "standard" else []
+    parts += [f"offload {s.offload}"] if s.offload != "none" else []
+    parts.append(f"micro-batch {s.micro_batch_size} x {s.grad_accum}")
+    return ", ".join(parts)
+
+
+def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Plan:
+    """The Plan that runs ``setup``: every setting the memory model read (lowvram.measure builds
+    its runs from this too); ``extra``: reasons and the predictions."""
+    s = setup
+    return Plan(
+        device=device, mixed_precision=s.precision, gradient_checkpointing=s.gradient_checkpointing,
+        micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
+        quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
+        loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len,
+        lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets), **extra,
+    )
+
+
+__all__ = [
+    "auto_precision", "candidate", "candidate_setups", "describe_setup", "fits_budget",
+    "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
+    "TIER_SHARD",
+]

@@ -1,0 +1,87 @@
+"""A Choice as plain data for `lowvram plan --json` and the report (bytes; report.py formats)."""
+
+from __future__ import annotations
+
+from lowvram.plan.calibration import term_checks
+from lowvram.plan.request import Choice
+from lowvram.plan.search import describe_setup
+from lowvram.plan.setup import RunSetup
+
+# --------------------------------------------------------------------------------------------
+# Plain data for `lowvram plan --json` and the report (bytes; report.py formats)
+
+
+def _setup_techniques(s: RunSetup) -> dict:
+    return {
+        "mixed_precision": s.precision, "gradient_checkpointing": s.gradient_checkpointing,
+        "gradient_accumulation": s.grad_accum, "lora": s.lora, "quantization": s.quantization,
+        "optimizer": s.optimizer, "offload": s.offload, "activation_offload": s.activation_offload,
+        "attention": s.attention, "loss": s.loss,
+    }
+
+
+def choice_to_dict(choice: Choice) -> dict:
+    c, b, req = choice.chosen, choice.budget, choice.request
+    est = c.estimate
+    return {
+        "model": req.model.name,
+        "parameters": est.parameters,
+        "trainable_parameters": est.trainable_parameters,
+        "device": b.device,
+        "vram_bytes": b.vram_bytes,
+        "vram_source": b.source,
+        "safety_margin_bytes": b.safety_margin_bytes,
+        "budget_bytes": b.usable_bytes,
+        "fits": choice.fits,
+        "peak_bytes": est.peak_bytes,
+        "headroom_bytes": b.usable_bytes - est.peak_bytes,
+        "peak_phase": est.peak_phase,
+        "breakdown": dict(est.breakdown),
+        "checked": term_checks(c.setup),  # what each part was checked against (plan.calibration)
+        "techniques": _setup_techniques(c.setup),
+        "seq_len": req.seq_len,
+        "batch_size": req.batch_size,
+        "micro_batch_size": c.setup.micro_batch_size,
+        "grad_accum": c.setup.grad_accum,
+        "gpus": c.setup.gpus,
+        "lora_r": c.setup.lora_r if c.setup.lora else None,
+        "lora_targets": list(c.setup.lora_targets) if c.setup.lora else None,
+        "cpu_ram_bytes": est.cpu_ram_bytes,
+        "relative_step_time": round(c.slowdown, 3),
+        "reasons": dict(choice.plan.reasons),
+        "max_seq_len": choice.max_seq_len,
+        "max_micro_batch_size": choice.max_micro_batch_size,
+        "longest_seq_len": choice.longest[0],
+        "longest_seq_len_plan": describe_setup(choice.longest[1]) if choice.longest[1] else None,
+        "largest_micro_batch_size": choice.largest_micro[0],
+        "largest_micro_batch_plan": describe_setup(choice.largest_micro[1]) if choice.largest_micro[1] else None,
+        "min_vram_bytes": choice.min_vram_bytes,
+        "suggestion": choice.suggestion,
+        "suggestions": list(choice.suggestions),
+        "alternatives": [
+            {
+                "techniques": _setup_techniques(a.setup),
+                "micro_batch_size": a.setup.micro_batch_size,
+                "grad_accum": a.setup.grad_accum,
+                "peak_bytes": a.peak_bytes,
+                "fits": a.fits,
+                # > 1: faster than the chosen plan; < 1: slower (techniques.py factors).
+                "relative_speed": round(c.slowdown / a.slowdown, 3),
+            }
+            for a in choice.alternatives
+        ],
+        "ladder": [
+            {
+                "technique": r.technique, "value": r.value, "peak_bytes": r.peak_bytes,
+                "saved_bytes": r.saved_bytes, "slowdown": round(r.slowdown, 3), "fits": r.fits,
+                "fixed": r.fixed,
+            }
+            for r in choice.ladder
+        ],
+        "notes": list(choice.notes),
+    }
+
+
+__all__ = [
+    "choice_to_dict",
+]

@@ -1,0 +1,103 @@
+"""A training run as the memory model sees it (RunSetup), its estimate (MemoryEstimate), the
+CUDA overheads beyond tensors, and which optimizer each offload allows. The bottom of plan/'s
+memory model: the modules of the terms (states, activations, backward, sharding) build on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowvram.plan.models import ModelSpec
+
+BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", "cuda_context",
+                  "allocator")
+
+# DeepSpeed offloads that run the optimizer on the CPU. There DeepSpeed's own CPU Adam takes the
+# place of the Trainer's optimizer (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed,
+# called from Accelerator._prepare_deepspeed when offload_optimizer is set): only adamw keeps
+# its meaning (a bitsandbytes 8-bit AdamW would silently become Adam with L2 decay).
+DEEPSPEED_CPU_OPTIMIZER = ("optimizer", "full", "zero2-offload", "zero3-offload")
+
+
+def offload_conflict(optimizer: str, offload: str) -> str | None:
+    """Why ``optimizer`` cannot run under ``offload`` (None when it can)."""
+    if offload in DEEPSPEED_CPU_OPTIMIZER and optimizer != "adamw":
+        return (f"offload {offload} runs DeepSpeed's CPU Adam on the CPU; optimizer {optimizer} "
+                "cannot run there")
+    return None
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """One training run, as the memory model sees it."""
+
+    model: ModelSpec
+    precision: str = "bf16"  # bf16/fp16: weights stored and trained in 16 bit; *-mixed: fp32 + autocast
+    quantization: str = "none"  # none | nf4 | nf4-dq | fp4 | int8 (needs lora)
+    lora: bool = False
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    lora_dropout: float = 0.0  # lora.dropout: > 0 saves a dropped input and a mask per adapter
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    attention: str = "sdpa"  # sdpa | eager | flash_attention_2
+    loss: str = "standard"  # standard | chunked
+    micro_batch_size: int = 1
+    seq_len: int = 512
+    grad_accum: int = 1
+    gpus: int = 1
+    offload: str = "none"
+    # techniques.activation_offload: checkpointed layer inputs in pinned host RAM (needs
+    # gradient_checkpointing; no effect on a CPU: activation_offloaded)
+    activation_offload: bool = False
+    device: str = "cuda"  # "cpu": no CUDA context, no allocator slack
+    # True: peft prepare_model_for_kbit_training (non-quantized params -> fp32). lowvram trains
+    # QLoRA without that upcast (lowvram.train.model.prepare_kbit_model), so False is the default.
+    kbit_prepare: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parameters: int
+    trainable_parameters: int
+    peak_bytes: int
+    breakdown: dict[str, int]  # BREAKDOWN_KEYS, bytes at the peak moment, summing to peak_bytes
+    peak_phase: str  # "forward_backward" or "optimizer_step"
+    cpu_ram_bytes: int
+    persistent_bytes: int
+
+
+# Host RAM of one training process before any tensor of the run: torch + CUDA libraries, ~2 GiB
+# (measured RSS of an idle import). estimate_memory and lowvram.check.simulate add it.
+PROCESS_HOST_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class CudaOverheads:
+    """Memory a CUDA process holds beyond tensors. Fitted on published measurements; not yet
+    calibrated on a GPU by this project (bench/gpu_check.py)."""
+
+    context_bytes: int
+    allocator_fraction: float  # reserved - allocated, as a fraction of the tensor peak
+    calibrated: bool = False
+
+
+def cuda_overheads() -> CudaOverheads:
+    """Fitted on published GPU measurements (bench/published_accuracy.py, the `split: fit`
+    sources of bench/gpu_truth; not yet measured by this project's bench/gpu_check.py, hence
+    calibrated=False). CUDA context: 300 MiB, the median of three published nvidia-smi readings
+    right after CUDA init with lazy module loading (~300 MB in pytorch/pytorch#107667, ~400 MB in
+    #109888, 256 MiB in invoke-ai/InvokeAI#9413). Allocator fraction: 0.12, the least-squares
+    slope of (nvidia-smi peak - peak allocated - context) over peak allocated in nine
+    single-GPU Hugging Face Trainer runs of the fms-acceleration benchmark
+    (scripts/benchmarks/refs/a100_80gb.csv): it carries the caching allocator's slack and the
+    kernels training loads beyond the initial context. Held-out error of the device and reserved
+    predictions: bench/results/published_accuracy.txt. The slack there tracks the largest
+    transient (the fp32 logits) more than the total: 4-11 GiB on 20-70 GiB runs."""
+    return CudaOverheads(context_bytes=300 * 2**20, allocator_fraction=0.12)
+
+
+__all__ = [
+    "PROCESS_HOST_BYTES",
+    "BREAKDOWN_KEYS", "cuda_overheads", "CudaOverheads", "DEEPSPEED_CPU_OPTIMIZER",
+    "MemoryEstimate", "offload_conflict", "RunSetup",
+]

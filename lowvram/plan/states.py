@@ -1,0 +1,197 @@
+"""The exact model states of a run: parameter counts (LoRA included), bytes of weights (quantized
+or not), gradients and optimizer states, bytes per element. Exact where the math is exact; sources
+as in :mod:`lowvram.plan.memory`."""
+
+from __future__ import annotations
+
+from lowvram.plan import moe
+from lowvram.plan.models import ModelSpec, block_linears, count_parameters
+from lowvram.plan.setup import RunSetup
+from lowvram.vocab import OPTIMIZERS_8BIT
+
+# --------------------------------------------------------------------------------------------
+# Sizes per element
+
+
+def dtype_bytes(setup: RunSetup) -> tuple[int, int]:
+    """(weight storage bytes, compute/activation bytes) per element.
+
+    bf16/fp16: 16-bit storage and compute; *-mixed: fp32 master weights, 16-bit autocast compute
+    (PyTorch AMP docs); fp32: 4 and 4.
+    """
+    p = setup.precision
+    if p in ("bf16", "fp16"):
+        return 2, 2
+    if p in ("bf16-mixed", "fp16-mixed"):
+        return 4, 2
+    return 4, 4
+
+
+def quantized_bytes(numel: int, quantization: str, d_out: int) -> int:
+    """Bytes of one bitsandbytes-quantized weight matrix.
+
+    NF4/FP4 (bitsandbytes functional.quantize_4bit, blocksize 64): numel/2 packed bytes + one fp32
+    absmax per 64 + the 16-entry fp32 code. Double quantization (QLoRA paper sec. 3): absmax in
+    uint8 + fp32 absmax per 256 blocks + 256-entry fp32 code + fp32 offset.
+    int8 (LLM.int8, Int8Params): 1 byte per element + fp32 scale per output row (SCB).
+    """
+    if quantization == "int8":
+        return numel + 4 * d_out
+    blocks = -(-numel // 64)
+    packed = -(-numel // 2)
+    code = 16 * 4
+    if quantization == "nf4-dq":
+        return packed + blocks + 4 * -(-blocks // 256) + 256 * 4 + 4 + code
+    return packed + 4 * blocks + code
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+
+
+def target_linears(setup: RunSetup):
+    lins = block_linears(setup.model)
+    if "all-linear" in setup.lora_targets:
+        return lins  # peft all-linear: every Linear in the blocks, never the output layer
+    return [lin for lin in lins if lin.name in setup.lora_targets]
+
+
+def lora_parameters(setup: RunSetup) -> int:
+    """r x (d_in + d_out) per adapted Linear (LoRA paper, Hu et al. 2021, sec. 4)."""
+    per_block = sum(setup.lora_r * (lin.d_in + lin.d_out) for lin in target_linears(setup))
+    return per_block * setup.model.num_layers + _moe_lora_parameters(setup)
+
+
+def _moe_lora_parameters(setup: RunSetup) -> int:
+    """peft's adapters on fused experts and the router (lowvram.plan.moe)."""
+    return moe.expert_lora_parameters(setup.model, setup.lora_r, setup.lora_targets)
+
+
+def trainable_parameters(setup: RunSetup) -> int:
+    return lora_parameters(setup) if setup.lora else count_parameters(setup.model)
+
+
+def weight_bytes(setup: RunSetup) -> int:
+    """Base weights (+ LoRA adapters in fp32: peft autocast_adapter_dtype=True upcasts them)."""
+    spec = setup.model
+    w, _ = dtype_bytes(setup)
+    total = count_parameters(spec)
+    if setup.quantization != "none":
+        qlins = block_linears(spec)
+        q_numel = sum(lin.d_in * lin.d_out for lin in qlins) * spec.num_layers
+        q_bytes = sum(quantized_bytes(lin.d_in * lin.d_out, setup.quantization, lin.d_out)
+                      for lin in qlins) * spec.num_layers
+        rest = total - q_numel  # embeddings, lm_head, norms, biases stay in the load dtype
+        # peft prepare_model_for_kbit_training casts every non-quantized fp16/bf16 param to fp32.
+        rest_bytes = rest * (4 if setup.kbit_prepare else w)
+        base = q_bytes + rest_bytes
+    else:
+        base = total * w
+    lora = 4 * lora_parameters(setup) if setup.lora else 0
+    return base + lora
+
+
+def gradient_bytes(setup: RunSetup) -> int:
+    """One gradient per trainable param in the param's dtype (PyTorch autograd)."""
+    if setup.lora:
+        return 4 * lora_parameters(setup)
+    w, _ = dtype_bytes(setup)
+    return w * count_parameters(setup.model)
+
+
+def trainable_tensors(setup: RunSetup) -> list[tuple[int, ...]]:
+    """Shapes of the trainable tensors (optimizer states are allocated per tensor)."""
+    spec = setup.model
+    if setup.lora:
+        per = [s for lin in target_linears(setup)
+               for s in ((setup.lora_r, lin.d_in), (lin.d_out, setup.lora_r))]
+        per += moe.expert_trainable_shapes(spec, True, setup.lora_r, setup.lora_targets)
+        return per * spec.num_layers
+    h = spec.hidden_size
+    norm = [(h,)] * (2 if spec.norm == "layer" else 1)
+    per = [s for lin in block_linears(spec)
+           for s in ([(lin.d_out, lin.d_in)] + ([(lin.d_out,)] if lin.bias else []))]
+    per += norm * spec.norms_per_layer + _qk_norm_shapes(spec)
+    per += moe.expert_trainable_shapes(spec, False, setup.lora_r, setup.lora_targets)
+    out = [(spec.vocab_size, h)] + per * spec.num_layers + norm
+    if spec.learned_positions:
+        out.append((spec.learned_positions, h))
+    if spec.embedding_norm:
+        out += norm
+    if not spec.tie_word_embeddings:
+        out.append((spec.vocab_size, h))
+        if spec.lm_head_bias:
+            out.append((spec.vocab_size,))
+    return out
+
+
+def _qk_norm_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
+    if spec.qk_norm == "head":
+        return [(spec.head_dim,)] * 2
+    if spec.qk_norm == "full":
+        return [(spec.q_dim,), (spec.kv_dim,)]
+    return []
+
+
+def shape_numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def optimizer_bytes(setup: RunSetup) -> int:
+    """Optimizer state of the trainable tensors.
+
+    AdamW (torch.optim.AdamW; the Trainer default adamw_torch_fused): exp_avg + exp_avg_sq in
+    the param dtype (fp32 LoRA adapters: 8 bytes/param). bitsandbytes 8-bit AdamW (Dettmers et al.
+    2022, blockwise): two uint8 states + fp32 absmax per 256 elements; tensors under 4096
+    elements (min_8bit_size) keep two fp32 states; plus two shared 256-entry fp32 maps.
+    Paged variants: same bytes, in CUDA unified memory. Adafactor (Shazeer & Stern 2018,
+    transformers.optimization.Adafactor, no momentum): fp32 row + column factors per matrix, a full
+    fp32 second moment per vector. SGD without momentum: 0.
+    """
+    w = 4 if setup.lora else dtype_bytes(setup)[0]
+    shapes = trainable_tensors(setup)
+    o = setup.optimizer
+    if o in ("adamw", "paged_adamw_32bit"):
+        return 2 * w * sum(shape_numel(s) for s in shapes)
+    if o in OPTIMIZERS_8BIT:
+        # The Trainer registers every nn.Embedding weight for 32-bit state (bnb
+        # GlobalOptimManager override, transformers Trainer.create_optimizer): 8 bytes/param.
+        h = setup.model.hidden_size
+        embeddings = [] if setup.lora else [(setup.model.vocab_size, h)] + (
+            [(setup.model.learned_positions, h)] if setup.model.learned_positions else [])
+        total = 2 * 256 * 4
+        for s in shapes:
+            n = shape_numel(s)
+            if s in embeddings:
+                embeddings.remove(s)
+                total += 8 * n
+                continue
+            total += 8 * n if n < 4096 else 2 * n + 2 * 4 * -(-n // 256)
+        return total
+    if o == "adafactor":
+        # factored over the last two dims (transformers Adafactor: exp_avg_sq_row = shape[:-1],
+        # exp_avg_sq_col = shape[:-2] + shape[-1:]): 3-D fused MoE experts too
+        return sum(4 * (shape_numel(s[:-1]) + shape_numel(s[:-2]) * s[-1]) if len(s) >= 2 else 4 * shape_numel(s)
+                   for s in shapes)
+    return 0
+
+
+def optimizer_step_temp_bytes(setup: RunSetup) -> int:
+    """Temporaries inside optimizer.step(). Fused AdamW and bitsandbytes update in place (0,
+    measured: bench/plan_accuracy.py). transformers' Adafactor works one tensor at a time on
+    fp32 copies (grad.float(), update, p.float()): about 8 bytes x the largest tensor for fp32
+    params, 16 for 16-bit (measured: bench/plan_accuracy.py)."""
+    if setup.optimizer != "adafactor":
+        return 0
+    largest = max(shape_numel(s) for s in trainable_tensors(setup))
+    return largest * (8 if (setup.lora or dtype_bytes(setup)[0] == 4) else 16)
+
+
+__all__ = [
+    "dtype_bytes", "gradient_bytes", "lora_parameters", "optimizer_bytes",
+    "optimizer_step_temp_bytes", "quantized_bytes", "shape_numel", "target_linears",
+    "trainable_parameters", "trainable_tensors", "weight_bytes",
+]
