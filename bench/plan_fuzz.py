@@ -105,12 +105,23 @@ def _summary(rows, t0) -> list[str]:
     return summary
 
 
+def _commit() -> str:
+    """The checked-out commit (what planner the results are of), or "unknown" outside git."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent.parent, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _write(out: str, seeds: range, families: str, rows, lines: list[str], summary: list[str]) -> None:
     RESULTS.mkdir(exist_ok=True)
     header = ["# bench/plan_fuzz.py: plan vs `lowvram train` (2 steps, CPU, live tensor bytes)",
               f"# --families {families} --seeds {seeds.start}:{seeds.stop} ({len(rows)} run); ratio = measured / predicted - 1",
-              "# no constant of the planner is fitted on these cases; seeds 0-39 were seen while the MoE",
-              "# terms were corrected (from saved tensors, not fitted), seeds 40-199 never before this run", ""]
+              f"# planner of commit {_commit()}; which seeds were seen while the planner was corrected",
+              "# (in-sample) and which never were (held out): README, Accuracy", ""]
     Path(out).write_text("\n".join(header + lines + [""] + summary) + "\n")
     Path(out).with_suffix(".json").write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
 

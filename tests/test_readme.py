@@ -45,3 +45,28 @@ def test_readme_command_runs(cmd, monkeypatch):
     monkeypatch.chdir(REPO)
     r = CliRunner().invoke(app, shlex.split(cmd)[1:])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("args, shown", [
+    (("--model", "llama-2-70b", "--method", "qlora", "--gpus", "2", "--vram", "24GB"),
+     ("| 19.85 GiB | 50.3 GiB (2 x 25.13) |", "plain `fsdp` would peak at 40.11 GiB")),
+    (("--model", "llama-3.1-8b", "--method", "full", "--gpus", "4", "--vram", "24GB"),
+     ("| 21.04 GiB | 26.63 GiB (4 x 6.66) | DDP would peak at 84.06 GiB",)),
+    (("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "6GB"),
+     ("shows ZeRO-3 full offload at 5.05 GiB (2.05 GiB of it parameters",)),
+])
+def test_readme_plan_figures_are_what_the_plan_says(args, shown):
+    """The README's multi-GPU table and the ZeRO example quote `lowvram plan`: the numbers must be
+    the ones it prints now (they had drifted: 18.37 / 37.37 GiB for 70B)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+
+    d = json.loads(CliRunner().invoke(app, ["plan", *args, "--json"]).stdout)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    peak = f"{d['peak_bytes'] / 2**30:.2f} GiB"
+    assert any(peak in s for s in shown), (peak, shown)
+    for s in shown:
+        assert s in readme, s
