@@ -36,14 +36,17 @@ from lowvram.difftest import (  # noqa: E402
     FAMILIES,
     FIRST_FAMILIES,
     OVER_LIMIT,
+    TEN_FAMILIES,
     random_case,
     recipe_text,
     run_case,
 )
 
 # "seven": the generator's first families (bench/results/plan_fuzz.txt was made with them, so its
-# seeds name the same recipes); "all": also Gemma-3, OLMo-2 and SmolLM3.
-FAMILY_SETS = {"seven": FIRST_FAMILIES, "all": FAMILIES}
+# seeds name the same recipes); "ten": also Gemma-3, OLMo-2 and SmolLM3 (what "all" drew before
+# gpt-oss was added); "all": also gpt-oss (a seed draws another recipe than under "ten");
+# "gpt_oss": gpt-oss alone (bench/results/plan_fuzz_gpt_oss.txt).
+FAMILY_SETS = {"seven": FIRST_FAMILIES, "ten": TEN_FAMILIES, "all": FAMILIES, "gpt_oss": ("gpt_oss",)}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

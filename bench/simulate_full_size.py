@@ -10,7 +10,8 @@ Output committed in bench/results/simulate_full_size.txt. About 5 s per row, < 1
 ``--moe``: Mixtral-8x7B and Qwen3-30B-A3B (catalog shapes) with full, LoRA and QLoRA, with and
 without checkpointing, in bench/results/simulate_full_size_moe.txt (30-100 s per row).
 ``--families``: Gemma-3-1B, OLMo-2-7B and SmolLM3-3B (catalog shapes), every case, in
-bench/results/simulate_full_size_families.txt.
+bench/results/simulate_full_size_families.txt. ``--gpt-oss``: gpt-oss-20b with the MoE cases,
+eager attention (its only path in transformers), in bench/results/simulate_full_size_gpt_oss.txt.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from lowvram.plan.catalog import resolve_model  # noqa: E402
 from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.moe import default_attention  # noqa: E402
 from lowvram.plan.setup import RunSetup  # noqa: E402
 
 MODELS = ["llama-2-7b", "llama-3-8b", "qwen2.5-7b"]
 MOE_MODELS = ["mixtral-8x7b", "qwen3-30b-a3b"]
 FAMILY_MODELS = ["gemma-3-1b", "olmo-2-7b", "smollm3-3b"]
+GPT_OSS_MODELS = ["gpt-oss-20b"]
 SEQ_LENS = [512, 2048]
 CASES: list[tuple[str, dict]] = [
     ("full bf16 adamw", dict(precision="bf16")),
@@ -46,13 +49,16 @@ CASES: list[tuple[str, dict]] = [
 MOE_CASES = [c for c in CASES if "adamw_8bit" not in c[0]]
 
 
-def main(quick: bool = False, moe: bool = False, families: bool = False) -> int:
+def main(quick: bool = False, moe: bool = False, families: bool = False,
+         gpt_oss: bool = False) -> int:
     from lowvram.check.simulate import simulate_memory
 
     gib = 2**30
     models, cases = (MOE_MODELS, MOE_CASES) if moe else (MODELS, CASES)
     if families:
         models = FAMILY_MODELS
+    if gpt_oss:
+        models, cases = GPT_OSS_MODELS, MOE_CASES
     print(f"{'model':<14} {'seq':>5} {'case':<32} {'analytic':>9} {'simulated':>9} {'diff':>7}  "
           f"{'phase (sim)':<16} {'time':>5}")
     worst = 0.0
@@ -60,7 +66,8 @@ def main(quick: bool = False, moe: bool = False, families: bool = False) -> int:
         spec = resolve_model(name)
         for seq in SEQ_LENS:
             for label, kw in cases:
-                setup = RunSetup(spec, seq_len=seq, micro_batch_size=1, device="cpu", **kw)
+                setup = RunSetup(spec, seq_len=seq, micro_batch_size=1, device="cpu",
+                                 attention=default_attention(spec), **kw)
                 est = estimate_memory(setup)
                 t0 = time.perf_counter()
                 sim = simulate_memory(setup)
@@ -75,4 +82,5 @@ def main(quick: bool = False, moe: bool = False, families: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main("--quick" in sys.argv, "--moe" in sys.argv, "--families" in sys.argv))
+    sys.exit(main("--quick" in sys.argv, "--moe" in sys.argv, "--families" in sys.argv,
+                  "--gpt-oss" in sys.argv))

@@ -152,10 +152,12 @@ def test_invalid_setup_names_every_problem():
 
 def test_every_catalog_model_estimates():
     from lowvram.plan.catalog import catalog_names
+    from lowvram.plan.moe import default_attention
 
     for name in catalog_names():
         spec = resolve_model(name)
-        est = estimate_memory(RunSetup(spec, lora=True, quantization="nf4-dq"))
+        est = estimate_memory(RunSetup(spec, lora=True, quantization="nf4-dq",
+                                       attention=default_attention(spec)))  # gpt-oss: eager
         assert est.peak_bytes > count_parameters(spec) // 2
 
 

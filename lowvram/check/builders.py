@@ -42,7 +42,7 @@ def _moe_config_kwargs(spec: ModelSpec) -> dict:
     """The MoE fields of a spec under its config class's names (see lowvram.plan.readers._MOE_ARCH)."""
     if not spec.is_moe:
         return {}
-    if spec.model_type in ("mixtral", "olmoe"):
+    if spec.model_type in ("mixtral", "olmoe", "gpt_oss"):
         return dict(num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
                     intermediate_size=spec.moe_intermediate_size)
     kw = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,

@@ -238,6 +238,8 @@ def _moe_layer_activation_bytes(setup: RunSetup, first: bool) -> int:
     shared_saves = bool(spec.shared_expert_intermediate_size) and (
         not setup.lora or any(lin.name in ("gate_proj", "up_proj") for lin in target_linears(setup)))
     t = setup.micro_batch_size * setup.seq_len
+    if spec.expert_bias:  # gpt-oss: its own router, biased experts and clamped SwiGLU
+        return dense + moe.sink_routed_bytes(spec, t, w, cc, w, autocast, setup.lora)
     # transformers' grouped_mm is not autocast-enabled (integrations/moe.py casts the input to
     # the weights' dtype): the routed experts compute in the stored dtype, fp32 under *-mixed;
     # the router is an autocast linear (its saved input is the 16-bit copy).
@@ -265,6 +267,9 @@ def eager_bytes(setup: RunSetup) -> int:
         return 0
     _, c, autocast = dtypes(setup)
     cc = 2 if autocast else c
+    if setup.model.attention_sinks:  # gpt-oss: its own eager path (lowvram.plan.moe)
+        return moe.sink_eager_bytes(setup.model, setup.micro_batch_size, setup.seq_len, cc,
+                                    dtype_bytes(setup)[0])
     copy = 0 if cc == 4 else cc
     return (4 + copy) * setup.model.num_heads * setup.seq_len**2 * setup.micro_batch_size
 

@@ -77,7 +77,10 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
 
     # attention
     r["attention"] = fixed("attention") or "sdpa: never stores the s x s attention matrix; fastest kernel in torch"
-    if s.attention == "eager":
+    if s.model.attention_sinks and not req.fixed("attention"):
+        r["attention"] = (f"eager: {s.model.model_type}'s attention sinks have no SDPA path in "
+                          "transformers; keeps b x a x s x (s+1) scores")
+    elif s.attention == "eager":
         r["attention"] += "; eager keeps b x a x s x s scores (upcast to fp32)"
 
     # loss

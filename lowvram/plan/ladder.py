@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lowvram.plan import memory
+from lowvram.plan import memory, moe
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
 from lowvram.plan.memory import estimate_memory
@@ -57,6 +57,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             s = replace(s, micro_batch_size=1, grad_accum=largest_micro_batch_size(req))
         else:
             settings = dict(t.settings)
+            if moe.attention_problems(s.model, settings.get("attention", s.attention)):
+                continue  # gpt-oss trains with eager attention only
             if offload_conflict(settings.get("optimizer", s.optimizer), settings.get("offload", s.offload)):
                 if req.fixed("optimizer") or "offload" not in settings:
                     continue  # the user's optimizer (or offload) rules this rung out

@@ -71,6 +71,7 @@ def _check(setup: RunSetup) -> None:
         problems.append("activation_offload needs gradient_checkpointing")
     problems += moe.moe_problems(setup.model, setup.lora, setup.lora_r, setup.lora_targets,
                                  setup.lora_dropout)
+    problems += moe.attention_problems(setup.model, setup.attention)
     conflict = offload_conflict(setup.optimizer, setup.offload)
     if conflict:
         problems.append(conflict)
@@ -140,12 +141,29 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         rec = recompute_bytes(setup)
         candidates += [(checkpoints + rec, 0, layer_grads + int(share * head_g), 0),
                        (one_layer + rec, 0, late_layer_grads + int(share * late_g), not_gathered)]
-        _, c, autocast = dtypes(setup)
+        r, c, autocast = dtypes(setup)
+        if spec.attention_sinks and setup.attention == "eager":
+            # gpt-oss: the checkpoints keep both additive masks (full and sliding, b*s*s each in
+            # the residual dtype), and the recomputed layer makes its s x s gradients
+            b, s, t = setup.micro_batch_size, setup.seq_len, setup.micro_batch_size * setup.seq_len
+            masks = 2 * b * s * s * r
+            extra = moe.sink_eager_backward_bytes(spec, b, s, 2 if autocast else c, dtype_bytes(setup)[0])
+            candidates.append((checkpoints + masks + layer_activation_bytes(setup) + extra
+                               + 2 * r * t * spec.hidden_size, 0, layer_grads + int(share * head_g), 0))
         if autocast and dtype_bytes(setup)[0] == 4 and not setup.lora:  # LoRA: frozen, not cached
             cache = c * sum(lin.numel for lin in block_linears(spec)) * spec.num_layers
             candidates.append((acts + cache, logits * 10 // 12, 0, 0))  # forward: no logits gradient
     else:
         first_layer = layer_activation_bytes(setup, first=True)
+        if spec.attention_sinks and setup.attention == "eager":  # gpt-oss: s x s gradients
+            _, c, autocast = dtypes(setup)
+            extra = moe.sink_eager_backward_bytes(spec, setup.micro_batch_size, setup.seq_len,
+                                                  2 if autocast else c, dtype_bytes(setup)[0])
+            candidates.append((acts + extra, 0, int(share * head_g), 0))
+            t = setup.micro_batch_size * setup.seq_len
+            experts = moe.sink_experts_backward_bytes(spec, t, dtype_bytes(setup)[0], setup.lora)
+            hidden_grads = 2 * dtypes(setup)[0] * t * spec.hidden_size
+            candidates.append((acts + experts + hidden_grads, 0, int(share * head_g), 0))
         candidates.append((first_layer + layer_backward_bytes(setup), 0,
                            late_layer_grads + int(share * late_g), not_gathered))
     return max(candidates, key=lambda cand: cand[0] + cand[1] + cand[2] - cand[3])

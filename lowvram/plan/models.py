@@ -64,6 +64,12 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # I of one expert
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on gated MLP + a sigmoid gate
+    # gpt-oss (transformers 5 modeling_gpt_oss.py): a learned sink logit per head (attention
+    # ``sinks`` [a]), a router with a bias, experts stored transposed with biases
+    # (gate_up_proj [E, h, 2I] + gate_up_proj_bias [E, 2I], down_proj [E, I, h] + down_proj_bias
+    # [E, h]) and a clamped SwiGLU (GptOssExperts._apply_gate)
+    attention_sinks: bool = False
+    expert_bias: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -177,13 +183,19 @@ def dense_view(spec: ModelSpec) -> ModelSpec:
 
 
 def expert_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
-    """One MoE layer's parameters that are no nn.Linear: router [E, h], experts.gate_up_proj
-    [E, 2I, h], experts.down_proj [E, h, I] (transformers 5 MixtralExperts / Qwen3MoeExperts /
-    OlmoeExperts / Qwen2MoeExperts)."""
+    """One MoE layer's parameters that are no nn.Linear and no norm: router [E, h],
+    experts.gate_up_proj [E, 2I, h], experts.down_proj [E, h, I] (transformers 5 MixtralExperts /
+    Qwen3MoeExperts / OlmoeExperts / Qwen2MoeExperts). gpt-oss (GptOssTopKRouter, GptOssExperts,
+    GptOssAttention): router weight [E, h] and bias [E], gate_up_proj [E, h, 2I] and its bias
+    [E, 2I], down_proj [E, I, h] and its bias [E, h], and the attention sinks [a]."""
     if not spec.is_moe:
         return []
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-    return [(e, h), (e, 2 * i, h), (e, h, i)]
+    if spec.expert_bias:
+        out = [(e, h), (e,), (e, h, 2 * i), (e, 2 * i), (e, i, h), (e, h)]
+    else:
+        out = [(e, h), (e, 2 * i, h), (e, h, i)]
+    return out + ([(spec.num_heads,)] if spec.attention_sinks else [])
 
 
 def moe_numel(spec: ModelSpec) -> int:

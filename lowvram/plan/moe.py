@@ -23,6 +23,9 @@ transformers_weight_conversion.py), each checked on tiny models (tests/test_plan
   activation and product, the down output (for the routing-weight product), its routing weight and
   three int64 permutation indices; per token the fp32 router probabilities and the top-k indices
   and values (measured with saved_tensors_hooks, exact on a tiny Mixtral).
+- gpt-oss (modeling_gpt_oss.py) has its own layout: a biased router, experts stored transposed
+  with biases, a clamped SwiGLU, and attention sinks that only the eager path trains (no SDPA in
+  transformers): the ``sink_*`` functions below; peft's all-linear adapts its attention only.
 """
 
 from __future__ import annotations
@@ -142,5 +145,99 @@ def routed_activation_bytes(spec: ModelSpec, tokens: int, c: int, w: int, autoca
     return tokens * per_tok + fixed
 
 
-__all__ = ["ExpertAdapter", "expert_adapters", "expert_lora_parameters",
+# gpt-oss (transformers 5.24 modeling_gpt_oss.py): GptOssPreTrainedModel._supports_sdpa is False
+# (from_pretrained with attn_implementation="sdpa" raises), and its flash path needs a kernel with
+# sink support (the hub's vllm-flash-attn3); eager_attention_forward is the path that trains.
+SINK_ATTENTIONS = ("eager",)
+
+
+def attention_problems(spec: ModelSpec, attention: str) -> list[str]:
+    """Attention kernels a model with attention sinks cannot train with (empty when fine)."""
+    if spec.attention_sinks and attention not in SINK_ATTENTIONS:
+        return [f"attention {attention} with {spec.model_type}: transformers has no {attention} "
+                "path for its attention sinks (GptOssPreTrainedModel._supports_sdpa = False): "
+                "set attention: eager (--attn eager)"]
+    return []
+
+
+def default_attention(spec: ModelSpec) -> str:
+    """The attention the chooser plans when the recipe names none."""
+    return SINK_ATTENTIONS[0] if spec.attention_sinks else "sdpa"
+
+
+def sink_eager_bytes(spec: ModelSpec, batch: int, seq_len: int, cc: int, w: int) -> int:
+    """gpt-oss eager attention (eager_attention_forward with ``sinks``) per layer, beyond what the
+    dense block counts for attention (SDPA's q, k, v, output and fp32 logsumexp per head).
+
+    The scores get the additive mask (in the embeddings' dtype) and a sink column
+    (``cat([scores, sinks])``), then ``softmax(dtype=scores.dtype)``: softmax keeps its output
+    over s+1 columns, fp32 when the weights are fp32 (the fp32 mask and sinks promote autocast's
+    16-bit scores), else the compute dtype; with fp32 scores and 16-bit values the sliced
+    probabilities' cast is a copy the second matmul saves (s columns). The max subtracted first
+    keeps its int64 indices per head and query; repeat_kv's k and v are copies of all heads
+    (when grouped). Measured with saved_tensors_hooks on a 1-layer gpt-oss, pure bf16 / fp32 /
+    bf16 autocast over fp32 and bf16 weights, exact."""
+    a, t = spec.num_heads, batch * seq_len
+    fp32_scores = w == 4
+    soft = 4 if fp32_scores else cc
+    copy = cc if (fp32_scores and cc != 4) else 0
+    scores = a * batch * seq_len * (soft * (seq_len + 1) + copy * seq_len)
+    grouped = spec.num_kv_heads < spec.num_heads
+    expanded = 2 * cc * (spec.q_dim - spec.kv_dim) if grouped else 0
+    return scores + t * (expanded + 8 * a - 4 * a)
+
+
+def sink_eager_backward_bytes(spec: ModelSpec, batch: int, seq_len: int, cc: int, w: int) -> int:
+    """The s x s gradients gpt-oss's eager backward makes in the last decoder layer, while every
+    layer's saved activations are still alive: the probabilities' gradient padded back to s+1
+    columns (the sink's slice) and the softmax's input gradient, in the softmax's dtype, and with
+    fp32 scores over 16-bit values the gradient of the probabilities' 16-bit copy. Fitted on six
+    2-layer gpt-oss CPU steps (live-bytes tracker; fp32 / bf16 / bf16-mixed, full and LoRA,
+    b2 s256): 1.5 softmax-sized tensors, measured -5.7%..+2.9% of the plan (without this
+    candidate the plans were 4-25% low; with two tensors 2-11% high)."""
+    soft = 4 if w == 4 else cc
+    copy = cc if (w == 4 and cc != 4) else 0
+    cells = spec.num_heads * batch * seq_len
+    return 3 * cells * (seq_len + 1) * soft // 2 + cells * seq_len * copy
+
+
+def sink_experts_backward_bytes(spec: ModelSpec, tokens: int, ce: int, lora: bool) -> int:
+    """What gpt-oss's routed experts' backward makes in the last decoder layer, while every
+    layer's saved activations are still alive: the clamped SwiGLU's elementwise gradients and the
+    strided gate/up slices' zero-filled [rows, 2I] gradients, in the experts' dtype. Fitted on
+    2-layer gpt-oss CPU steps (live-bytes tracker, fp32; b1-2, s128-256, I 48-256): at most
+    4.7 x rows x I element-bytes with frozen experts (LoRA), 2.4 x with trainable ones; 5 and
+    2.5 taken (a LoRA fp32 recipe of the differential test, seed 8, was +4.5% over its plan)."""
+    rows = tokens * spec.num_experts_per_tok
+    return (5 if lora else 5 // 2) * rows * spec.moe_intermediate_size * ce
+
+
+def sink_routed_bytes(spec: ModelSpec, tokens: int, ce: int, cc: int, w: int, autocast: bool,
+                      lora: bool) -> int:
+    """Bytes gpt-oss's router and routed experts save for backward, per layer
+    (GptOssTopKRouter, GptOssExperts through transformers' grouped_mm_experts_forward with
+    is_transposed and biases; measured with saved_tensors_hooks on a 1-layer gpt-oss, exact).
+
+    ce: bytes of the experts' dtype (the stored one: grouped_mm is not autocast), cc: of the
+    router's (autocast) output. Per routed row: gate_up's output (2I; the clamps save views of
+    it), the clamped gate, sigmoid(alpha*gate), their product glu and up+1 (4I), the down output
+    (h, for the routing-weight gradient), the routing weight (cc), int64 indices of the token
+    gather, the weight gather and the un-permute. With trainable experts also the gathered input
+    (h), the gated product (I, down_proj's input) and the bias gathers' int64 expert ids. Per
+    token: the top-k int64 indices and softmax output (softmax over the top-k logits only), and
+    with a trainable router its (autocast) input. Per layer: grouped_mm's int32 offsets, and
+    under autocast over fp32 weights the router weight's 16-bit copy."""
+    h, e, i, k = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size, spec.num_experts_per_tok
+    if lora:  # peft does not convert gpt-oss: all-linear adapts attention only, experts frozen
+        per_row = ce * (h + 6 * i) + cc + 3 * 8
+    else:
+        per_row = ce * (2 * h + 7 * i) + cc + 4 * 8
+    per_tok = k * per_row + 8 * k + cc * k + (0 if lora else cc * h)
+    fixed = 4 * e + (2 * e * h if autocast and w == 4 else 0)
+    return tokens * per_tok + fixed
+
+
+__all__ = ["ExpertAdapter", "attention_problems", "default_attention", "sink_eager_backward_bytes",
+           "sink_eager_bytes", "sink_experts_backward_bytes",
+           "sink_routed_bytes", "expert_adapters", "expert_lora_parameters",
            "expert_trainable_shapes", "moe_problems", "routed_activation_bytes"]

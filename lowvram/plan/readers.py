@@ -38,6 +38,8 @@ _TIE_DEFAULT = {"gemma": True, "gemma3_text": True, "smollm3": True, "gpt2": Tru
 _MOE_ARCH: dict[str, dict] = {
     "mixtral": {}, "qwen3_moe": dict(qk_norm="head"), "olmoe": dict(qk_norm="full"),
     "qwen2_moe": dict(qkv_bias=True),
+    # gpt-oss: GptOssRMSNorm multiplies its weight into the fp32 normalized x (like OLMo-2's)
+    "gpt_oss": dict(attention_sinks=True, expert_bias=True, norm_weight_fp32=True),
 }
 _ARCH.update({"qwen3": dict(qk_norm="head")})
 # Dense families with norms or q/k norms beyond Llama's (transformers 5 modeling_<type>.py):
@@ -82,6 +84,8 @@ def _moe_fields(cfg: dict, mt: str, name: str) -> dict:
                          "check the file is the model's config.json")
     out = dict(num_experts=int(experts), num_experts_per_tok=int(top_k),
                moe_intermediate_size=int(inter), **_MOE_ARCH[mt])
+    if mt == "gpt_oss":  # GptOssConfig.attention_bias defaults to True (q, k, v and o)
+        out["qkv_bias"] = out["out_bias"] = bool(cfg.get("attention_bias", True))
     if mt == "qwen2_moe":
         out["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
         out["qkv_bias"] = bool(cfg.get("qkv_bias", True))
@@ -151,6 +155,13 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         types = _gemma3_layer_types(cfg, layers)
         arch["rotary_tables"] = len(set(types))
         arch["sliding_window"] = int(cfg.get("sliding_window") or 4096)
+        arch["sliding_layers"] = sum(1 for lt in types if lt == "sliding_attention")
+    if mt == "gpt_oss":
+        # GptOssConfig: layer_types given, or every other layer sliding (window 128 by default);
+        # one rotary table for both types
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        arch["sliding_window"] = int(cfg.get("sliding_window") or 128)
         arch["sliding_layers"] = sum(1 for lt in types if lt == "sliding_attention")
     if mt == "gpt2":
         arch["learned_positions"] = positions

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lowvram.errors import LowvramError
-from lowvram.plan import memory
+from lowvram.plan import memory, moe
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
 from lowvram.plan.request import SHARDED, Budget, Candidate, PlanRequest, missing_extras, plan_level
@@ -53,7 +53,7 @@ def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
 
     return {
         "precision": pick("mixed_precision", [auto_precision(budget, req.weight_dtype)]),
-        "attention": pick("attention", ["sdpa"]),
+        "attention": pick("attention", [moe.default_attention(req.model)]),
         "loss": loss_options(req, budget),
         "micro_batch_size": micros,
         "gradient_checkpointing": pick("gradient_checkpointing", [False, True]),
@@ -113,8 +113,9 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                         ))
     modelled = [s for s in out if memory.unmodelled(s) is None]
     if out and not modelled:
+        first = "" if req.model.attention_sinks else "use attention sdpa, or "  # gpt-oss: eager only
         raise LowvramError(f"cannot plan this run: {memory.unmodelled(out[0])}",
-                           "use attention sdpa, or gradient_checkpointing off; or measure "
+                           f"{first}set gradient_checkpointing off; or measure "
                            "the real step with `lowvram plan --simulate`")
     return modelled
 

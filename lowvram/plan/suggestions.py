@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lowvram.errors import LowvramError
+from lowvram.plan import moe
 from lowvram.plan.catalog import catalog_names, resolve_model
 from lowvram.plan.explain import Estimator
 from lowvram.plan.limits import max_fitting_seq_len
@@ -83,6 +84,8 @@ def _smaller_model(req: PlanRequest, budget: Budget, lowest: Candidate, estimate
         n = count_parameters(spec)
         if n >= size or (best and n <= best[0]):
             continue
+        if moe.attention_problems(spec, lowest.setup.attention):
+            continue  # gpt-oss cannot run this setup's attention
         if fits_budget(estimate(replace(lowest.setup, model=spec)), budget):
             best = (n, name)
     if best is None:
