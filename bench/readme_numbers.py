@@ -68,20 +68,37 @@ def ladder_figures() -> list[Figure]:
     return out
 
 
-def fuzz_figures() -> list[Figure]:
-    """The held-out paragraph: how many random recipes ran, and their error range and median."""
-    path = RESULTS / "plan_fuzz.txt"
+def _fuzz_summary(path: Path) -> tuple[str, str, str, str, str]:
+    """(ran, misses, min, median, max) of a bench/plan_fuzz.py results file."""
     text = path.read_text()
-    ran = re.search(r"^cases \d+, ran (\d+),", text, re.M)
+    ran = re.search(r"^cases \d+, ran (\d+), errors/refusals \d+, misses (\d+)", text, re.M)
     dist = re.search(r"^measured/predicted - 1: min (\S+)\s+p5 \S+\s+median (\S+)\s+p95 \S+\s+max (\S+)$", text, re.M)
     if not ran or not dist:
         raise ValueError(f"{path.name}: no summary lines (cases ..., measured/predicted - 1: ...)")
     lo, median, hi = dist.groups()
-    return [
-        Figure("fuzz: runs", r"of (?P<value>\d+) runs, \*\*all within", ran[1], path),
-        Figure("fuzz: range", r"measured/predicted - 1 from (?P<value>[-+]\S+ to [-+]\S+, median [-+]\S+?)\)",
+    return ran[1], ran[2], lo, median, hi
+
+
+def fuzz_figures() -> list[Figure]:
+    """The two differential-test paragraphs: the held-out seeds (plan_fuzz_heldout.txt) and the
+    in-sample ones (plan_fuzz.txt): how many ran, how many met the target, range and median."""
+    out = []
+    held = RESULTS / "plan_fuzz_heldout.txt"
+    ran, misses, lo, median, hi = _fuzz_summary(held)
+    out += [
+        Figure("fuzz held out: runs", r"of (?P<value>\d+) held-out runs", ran, held),
+        Figure("fuzz held out: met", r"\*\*(?P<value>\d+) meet the target\*\*", str(int(ran) - int(misses)), held),
+        Figure("fuzz held out: range", r"held out: measured/predicted - 1 from (?P<value>[-+]\S+ to [-+]\S+,\s+median [-+]\S+?)\)",
+               f"{lo} to {hi}, median {median}", held),
+    ]
+    path = RESULTS / "plan_fuzz.txt"
+    ran, _, lo, median, hi = _fuzz_summary(path)
+    out += [
+        Figure("fuzz in sample: runs", r"of (?P<value>\d+) runs, \*\*all within", ran, path),
+        Figure("fuzz in sample: range", r"\(measured/predicted - 1 from (?P<value>[-+]\S+ to [-+]\S+, median [-+]\S+?)\)",
                f"{lo} to {hi}, median {median}", path),
     ]
+    return out
 
 
 def figures() -> list[Figure]:
