@@ -40,6 +40,8 @@ ALL_FAMILY_SEEDS = {
     100: "Gemma LoRA all-linear, dropout 0.05, bf16-mixed, checkpointing: the dropout masks were "
          "inside the layer backward's share, its fp32 mask-product gradient was not (+3.19%)",
     188: "Phi-3 LoRA fp32 incl. o_proj: o_proj reads a copy of SDPA's output (rotary by cat) (+3.42%)",
+    206: "held out (seeds 200-299), Llama LoRA on o/up/v only, fp32, checkpointing: the MLP backward's "
+         "t x I gradients with gate and down_proj frozen (+14.53%; plan.backward.mlp_backward_floor_bytes)",
 }
 # Layer 0 under LoRA saves only what lies downstream of an adapter (the embedding is frozen).
 OVERRIDES = {
