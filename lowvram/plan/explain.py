@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from lowvram.plan import activations, backward, states
 from lowvram.plan import techniques as tq
+from lowvram.plan.request import fits_budget
 from lowvram.plan.setup import DEEPSPEED_CPU_OPTIMIZER, MemoryEstimate, RunSetup
 from lowvram.units import gib, percent
 
@@ -38,9 +39,16 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     r: dict[str, str] = {}
     limit = budget.usable_bytes
 
+    estimates: dict[RunSetup, MemoryEstimate] = {}
+
+    def estimate_of(setup: RunSetup) -> MemoryEstimate:  # each alternative estimated once
+        if setup not in estimates:
+            estimates[setup] = estimate(setup)
+        return estimates[setup]
+
     def without(component: str | tuple, what: str = "without it the peak", **change) -> str:
         changed = replace(s, **change)
-        other = estimate(changed)
+        other = estimate_of(changed)
         comps = (component,) if isinstance(component, str) else component
         if s.offload == "none" and changed.offload == "none":
             # Component sizes, not their share at the peak moment (which may be another phase).
@@ -53,9 +61,8 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
         verdict = ">" if other.peak_bytes > limit else "<="
         text = (f"{what} would be {gib(other.peak_bytes)} {verdict} budget {gib(limit)} "
                 f"({name} {gib(was)} -> {gib(now)})")
-        host = budget.host_ram_bytes
-        if other.peak_bytes <= limit and host is not None and budget.device != "cpu" and other.cpu_ram_bytes > host:
-            text += f", but it needs {gib(other.cpu_ram_bytes)} of CPU RAM > {gib(host)} available"
+        if other.peak_bytes <= limit and not fits_budget(other, budget):  # the card, not the host RAM
+            text += f", but it needs {gib(other.cpu_ram_bytes)} of CPU RAM > {gib(budget.host_ram_bytes)} available"
         return text
 
     def fixed(name: str) -> str | None:
@@ -145,9 +152,7 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
         r["lora"] = (f"on (r={s.lora_r}, {','.join(s.lora_targets)}): "
                      f"{without(('weights', 'gradients', 'optimizer'), 'full fine-tuning', lora=False, quantization='none')}; {trained}")
         full = replace(s, lora=False, quantization="none")
-        full_est = estimate(full)
-        host = budget.host_ram_bytes
-        if full_est.peak_bytes <= limit and (host is None or budget.device == "cpu" or full_est.cpu_ram_bytes <= host):
+        if fits_budget(estimate_of(full), budget):
             # Both fit at the same search level (an offloaded plan): the faster one was chosen.
             r["lora"] += (f"; chosen as the faster of the two (step time x{tq.setup_slowdown(s, largest_micro):.2f} "
                           f"vs x{tq.setup_slowdown(full, largest_micro):.2f} for full fine-tuning)")

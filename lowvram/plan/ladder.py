@@ -9,8 +9,8 @@ from lowvram.plan import memory, moe
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
 from lowvram.plan.memory import estimate_memory
-from lowvram.plan.request import Budget, PlanRequest, Rung
-from lowvram.plan.search import auto_precision, fits_budget, largest_micro_batch_size, loss_options
+from lowvram.plan.request import Budget, PlanRequest, Rung, fits_budget
+from lowvram.plan.search import auto_precision, largest_micro_batch_size, loss_options
 from lowvram.plan.setup import RunSetup, offload_conflict
 
 # --------------------------------------------------------------------------------------------

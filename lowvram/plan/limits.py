@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
-from lowvram.plan.request import Budget, PlanRequest, plan_level
-from lowvram.plan.search import candidate_setups, fits_budget
+from lowvram.plan.request import Budget, PlanRequest, fits_budget, plan_level
+from lowvram.plan.search import candidate_setups
 from lowvram.plan.setup import RunSetup
 
 # Longest micro-batch the max_micro_batch_size search tries.

@@ -57,6 +57,14 @@ class Budget:
         return self.vram_bytes - self.safety_margin_bytes
 
 
+def fits_budget(est: MemoryEstimate, budget: Budget) -> bool:
+    """The estimate fits the card (less the margin) and, where planned for this machine, its host RAM."""
+    if est.peak_bytes > budget.usable_bytes:
+        return False
+    # Offload needs the host RAM too, when we know it (planning for this machine).
+    return budget.host_ram_bytes is None or budget.device == "cpu" or est.cpu_ram_bytes <= budget.host_ram_bytes
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """What the user asked for. ``None`` = auto (the chooser decides); anything else is fixed."""
@@ -223,7 +231,7 @@ def missing_extras(setup: RunSetup, budget: Budget) -> tuple[str, ...]:
 
 
 __all__ = [
-    "Budget", "Candidate", "Choice", "EXTRAS", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
+    "Budget", "Candidate", "Choice", "EXTRAS", "fits_budget", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
     "missing_extras", "plan_level", "PlanRequest", "Rung", "safety_margin_bytes", "SHARDED",
     "validate_request", "vram_needed_bytes",
 ]

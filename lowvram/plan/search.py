@@ -10,8 +10,16 @@ from lowvram.errors import LowvramError
 from lowvram.plan import memory, moe
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
-from lowvram.plan.request import SHARDED, Budget, Candidate, PlanRequest, missing_extras, plan_level
-from lowvram.plan.setup import MemoryEstimate, RunSetup, offload_conflict
+from lowvram.plan.request import (
+    SHARDED,
+    Budget,
+    Candidate,
+    PlanRequest,
+    fits_budget,
+    missing_extras,
+    plan_level,
+)
+from lowvram.plan.setup import RunSetup, offload_conflict
 from lowvram.plan.types import Plan, dtype_precision
 
 # Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
@@ -124,13 +132,6 @@ def largest_micro_batch_size(req: PlanRequest) -> int:
     return req.batch_size // req.gpus
 
 
-def fits_budget(est: MemoryEstimate, budget: Budget) -> bool:
-    if est.peak_bytes > budget.usable_bytes:
-        return False
-    # Offload needs the host RAM too, when we know it (planning for this machine).
-    return budget.host_ram_bytes is None or budget.device == "cpu" or est.cpu_ram_bytes <= budget.host_ram_bytes
-
-
 def candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Estimator) -> Candidate:
     est = estimate(setup)
     largest = largest_micro_batch_size(req)
@@ -177,7 +178,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Pl
 
 
 __all__ = [
-    "auto_precision", "candidate", "candidate_setups", "describe_setup", "fits_budget",
+    "auto_precision", "candidate", "candidate_setups", "describe_setup",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
     "TIER_SHARD",
 ]

@@ -11,8 +11,8 @@ from lowvram.plan.catalog import catalog_names, resolve_model
 from lowvram.plan.explain import Estimator
 from lowvram.plan.limits import max_fitting_seq_len
 from lowvram.plan.models import count_parameters
-from lowvram.plan.request import Budget, Candidate, PlanRequest, vram_needed_bytes
-from lowvram.plan.search import candidate, candidate_setups, fits_budget, rank
+from lowvram.plan.request import Budget, Candidate, PlanRequest, fits_budget, vram_needed_bytes
+from lowvram.plan.search import candidate, candidate_setups, rank
 from lowvram.plan.setup import RunSetup
 from lowvram.units import gib
 
