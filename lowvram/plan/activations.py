@@ -56,11 +56,11 @@ def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
             or spec.mlp != "gated" or spec.resid_dropout):
         return True, True, True, True
     names = {lin.name for lin in target_linears(setup)}
-    lins = block_linears(spec)
-    srcs = _linear_sources(spec)
-    attn = any(lin.name in names for lin, s in zip(lins, srcs, strict=True) if s == "norm_attn")
-    resid = attn or any(lin.name in names for lin, s in zip(lins, srcs, strict=True) if s == "attn_out")
-    mlp_in = [lin for lin, s in zip(lins, srcs, strict=True) if s == "norm_mlp"]
+    pairs = list(zip(block_linears(spec), _linear_sources(spec), strict=True))
+    adapted = {src for lin, src in pairs if lin.name in names}  # the inputs some adapter reads
+    attn = "norm_attn" in adapted
+    resid = attn or "attn_out" in adapted
+    mlp_in = [lin for lin, src in pairs if src == "norm_mlp"]
     # [gate, up] or [gate_up] (one tensor: both branches)
     gate = resid or mlp_in[0].name in names
     up = resid or mlp_in[-1].name in names
