@@ -220,3 +220,33 @@ def test_cli_plans_gpt_oss_with_eager_and_refuses_sdpa(tmp_path):
     assert out["parameters"] == 20_914_757_184 + out["trainable_parameters"]  # + LoRA adapters
     r = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--vram", "80GB", "--attn", "sdpa"])
     assert r.exit_code == 1 and "set attention: eager" in r.stderr
+
+
+def test_gpt_oss_mxfp4_checkpoint_trains_dequantized(tmp_path):
+    """gpt-oss's published checkpoint is MXFP4 (quantization_config.quant_method): train loads it
+    with Mxfp4Config(dequantize=True), so the experts are the bf16 tensors the planner counts;
+    bitsandbytes on top of it is refused with a hint."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from lowvram.difftest import random_case, write_model
+    from lowvram.train.model import checkpoint_quant_method, load_base_model
+
+    model_dir = write_model(random_case(8, families=("gpt_oss",)), tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert checkpoint_quant_method(str(model_dir)) is None
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert checkpoint_quant_method(str(model_dir)) == "mxfp4"
+    recipe = SimpleNamespace(model=SimpleNamespace(trust_remote_code=False, revision=None,
+                                                   name_or_path=str(model_dir)))
+    plan = SimpleNamespace(precision="bf16", mixed_precision="bf16", dtype="auto", attention="eager",
+                           quantization="none", device="cpu", offload="none", lora=True)
+    try:
+        model = load_base_model(recipe, plan, str(model_dir))
+    except AttributeError as e:  # a Plan field the stand-in lacks: name it
+        pytest.fail(f"stand-in plan lacks {e}")
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype.is_floating_point and experts.gate_up_proj.element_size() == 2
+    with pytest.raises(LowvramError, match="MXFP4"):
+        load_base_model(recipe, SimpleNamespace(**{**vars(plan), "quantization": "nf4"}), str(model_dir))

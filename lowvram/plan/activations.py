@@ -28,7 +28,7 @@ def dtypes(setup: RunSetup) -> tuple[int, int, bool]:
     return r, c, autocast
 
 
-def _linear_sources(spec: ModelSpec) -> list[str]:
+def linear_sources(spec: ModelSpec) -> list[str]:
     """Which tensor feeds each block linear: the attention norm, the attention output, the MLP
     norm, or the MLP activation (same order as block_linears)."""
     out = []
@@ -56,7 +56,7 @@ def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
             or spec.mlp != "gated" or spec.resid_dropout):
         return True, True, True, True
     names = {lin.name for lin in target_linears(setup)}
-    pairs = list(zip(block_linears(spec), _linear_sources(spec), strict=True))
+    pairs = list(zip(block_linears(spec), linear_sources(spec), strict=True))
     adapted = {src for lin, src in pairs if lin.name in names}  # the inputs some adapter reads
     attn = "norm_attn" in adapted
     resid = attn or "attn_out" in adapted
@@ -65,6 +65,17 @@ def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
     gate = resid or mlp_in[0].name in names
     up = resid or mlp_in[-1].name in names
     return attn, resid, gate, up
+
+
+def mlp_elementwise_bytes(setup: RunSetup) -> int:
+    """Bytes per element of the MLP's activation, product and their gradients: the matmul
+    outputs' dtype under full fine-tuning; under LoRA fp32 when the compute is fp32 or a quantized
+    base's Linear4bit casts its output back to an fp32 residual (prepare_model_for_kbit_training),
+    else 16-bit (measured with saved_tensors_hooks)."""
+    r, c, autocast = dtypes(setup)
+    if not setup.lora:
+        return 2 if autocast else c
+    return 4 if (setup.quantization != "none" and r == 4) or c == 4 else 2
 
 
 def _attention_output_copied(spec: ModelSpec) -> bool:
@@ -98,7 +109,7 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     attn_grad, resid_grad, gate_grad, up_grad = _first_layer_grads(setup) if first else (True,) * 4
     grad_of = {"norm_attn": not first or full, "attn_out": attn_grad, "norm_mlp": resid_grad,
                "mlp_act": gate_grad or up_grad}
-    per_tok = _qk_norm_activation_bytes(setup) if attn_grad else 0
+    per_tok = qk_norm_activation_bytes(setup) if attn_grad else 0
     fixed = 0
     # norms: fp32 upcast of the input + rsqrt; a trainable weight also saves the normalized x
     for n in range(spec.norms_per_layer):
@@ -119,7 +130,7 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
         per_tok += cc * (spec.q_dim + spec.kv_dim)
     # MLP elementwise: silu saves its input (gate) and the product saves each factor the other
     # branch needs a gradient for: silu(gate) for up's, up for gate's
-    e = cc if full else (4 if (setup.quantization != "none" and r == 4) or c == 4 else 2)
+    e = mlp_elementwise_bytes(setup)
     if spec.mlp == "gated":
         per_tok += e * i * (2 * gate_grad + up_grad)  # gate out (silu input), up out; silu out
     else:
@@ -131,7 +142,7 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     attn_out_extra = cc * spec.q_dim if (_attention_output_copied(spec) or not attn_grad) else 0
     targets = {lin for lin in target_linears(setup)} if setup.lora else set()
     shared: set[str] = set()
-    for lin, src in zip(block_linears(spec), _linear_sources(spec), strict=True):
+    for lin, src in zip(block_linears(spec), linear_sources(spec), strict=True):
         src_fp32 = src.startswith("norm") and r == 4
         if full:
             if autocast and dtype_bytes(setup)[0] == 4:
@@ -193,7 +204,7 @@ def _lora_dropout_bytes(setup: RunSetup, d_in: int, autocast: bool, mask: bool =
     return d_in * (mask_bytes + (0 if autocast else 4))
 
 
-def _qk_norm_activation_bytes(setup: RunSetup) -> int:
+def qk_norm_activation_bytes(setup: RunSetup) -> int:
     """Per token: q_norm and k_norm (RMSNorm, Qwen3 / OLMo-2 / OLMoE) save their fp32 upcast and
     rsqrt, and with trainable weights the normalized input, like the block's norms."""
     spec = setup.model
@@ -387,6 +398,7 @@ def activation_offload_host_bytes(setup: RunSetup) -> int:
 
 __all__ = [
     "activation_bytes", "activation_offload_host_bytes", "activation_offloaded", "dtypes",
+    "linear_sources", "mlp_elementwise_bytes", "qk_norm_activation_bytes",
     "eager_bytes", "head_activation_bytes", "layer_activation_bytes", "lora_dropout_layer_bytes",
     "offloaded_layer_input_bytes", "sliding_window_bytes",
 ]

@@ -191,10 +191,46 @@ def load_kwargs(plan) -> dict:
     return kwargs
 
 
+def checkpoint_quant_method(source: str) -> str | None:
+    """``quantization_config.quant_method`` of the checkpoint's config.json (a local folder, or a
+    hub id whose config.json is cached: ``lowvram train`` fetches it before planning), or None."""
+    import json
+
+    from lowvram.plan.catalog import hub_cache_config
+
+    path = Path(source) / "config.json" if Path(source).is_dir() else hub_cache_config(source)
+    if path is None or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return ((config.get("quantization_config") or {}).get("quant_method")) or None
+
+
+def prequantized_kwargs(plan, source: str) -> dict:
+    """from_pretrained arguments for a checkpoint stored quantized by its publisher. gpt-oss ships
+    its experts in MXFP4, which transformers runs for inference only: training loads them
+    dequantized to bf16 (``Mxfp4Config(dequantize=True)``, as OpenAI's fine-tuning cookbook
+    does), which is what the planner counts (lowvram.plan.moe: bf16 experts). bitsandbytes on
+    top of it is refused."""
+    if checkpoint_quant_method(source) != "mxfp4":
+        return {}
+    if plan.quantization != "none":
+        raise ModelError(
+            f"{source} is stored in MXFP4 (gpt-oss): lowvram trains it dequantized to bf16, and "
+            f"bitsandbytes quantization ({plan.quantization}) on top of that is not supported",
+            "set techniques.quantization: none (LoRA trains on the bf16 weights)")
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
 def load_base_model(recipe, plan, source: str):
     from transformers import AutoModelForCausalLM
 
-    kwargs = {**load_kwargs(plan), "trust_remote_code": recipe.model.trust_remote_code}
+    kwargs = {**load_kwargs(plan), **prequantized_kwargs(plan, source),
+              "trust_remote_code": recipe.model.trust_remote_code}
     if recipe.model.revision and not Path(source).is_dir():
         kwargs["revision"] = recipe.model.revision
     try:
