@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from lowvram.plan.activations import (
     dtypes,
-    linear_sources,
-    mlp_elementwise_bytes,
-    qk_norm_activation_bytes,
     eager_bytes,
     layer_activation_bytes,
+    linear_sources,
     lora_dropout_layer_bytes,
+    mlp_elementwise_bytes,
+    qk_norm_activation_bytes,
     sliding_window_bytes,
 )
 from lowvram.plan.models import block_linears, embedding_numel, lm_head_numel, norm_numel
