@@ -25,7 +25,8 @@ def test_a_changed_result_is_drift_and_refresh_fixes_it():
     assert old != readme
     assert [line.split(":")[1].strip() for line in rn.drift(old)] == ["fp32 baseline"]
     assert rn.refresh(old) == readme
-    fuzz = readme.replace("median +0.05%)", "median +9.99%)", 1)
-    held = readme.replace("median +0.11%)", "median +9.99%)", 1)
+    ranges = {f.name: f.value for f in rn.fuzz_figures()}  # "<min> to <max>, median <m>"
+    held = readme.replace(ranges["fuzz held out: range"] + ")", "-1.00% to +1.00%, median +9.99%)", 1)
+    fuzz = readme.replace(ranges["fuzz in sample: range"] + ")", "-1.00% to +1.00%, median +9.99%)", 1)
     assert held != readme and len(rn.drift(held)) == 1 and rn.refresh(held) == readme
     assert fuzz != readme and len(rn.drift(fuzz)) == 1 and rn.refresh(fuzz) == readme
