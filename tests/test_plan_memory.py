@@ -138,9 +138,17 @@ def test_offloads_that_run_deepspeeds_cpu_adam_refuse_other_optimizers():
 
 
 def test_eager_attention_costs_the_s_squared_scores():
-    a = estimate_memory(RunSetup(LLAMA7, lora=True, seq_len=2048, attention="eager", device="cpu"))
-    b = estimate_memory(RunSetup(LLAMA7, lora=True, seq_len=2048, device="cpu"))
-    assert a.peak_bytes - b.peak_bytes == 32 * (4 + 2) * 32 * 2048**2  # L x (fp32 + bf16) x a x s^2
+    from lowvram.plan.backward import eager_softmax_backward_bytes, logits_bytes
+
+    eager = RunSetup(LLAMA7, lora=True, seq_len=2048, attention="eager", device="cpu")
+    sdpa = RunSetup(LLAMA7, lora=True, seq_len=2048, device="cpu")
+    a, b = estimate_memory(eager), estimate_memory(sdpa)
+    scores = 32 * (4 + 2) * 32 * 2048**2  # L x (fp32 + bf16) x a x s^2, saved
+    # the last layer's softmax backward (two fp32 s x s per head, less the freed bf16 copy: 6 x
+    # a x s^2) and the two hidden-state gradients bind above the loss's logits (SDPA's peak)
+    last = eager_softmax_backward_bytes(eager) + 2 * 2 * 2048 * 4096
+    assert eager_softmax_backward_bytes(eager) == 6 * 32 * 2048**2
+    assert a.peak_bytes - b.peak_bytes == scores + last - logits_bytes(sdpa)
 
 
 def test_invalid_setup_names_every_problem():
