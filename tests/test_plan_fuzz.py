@@ -45,6 +45,12 @@ ALL_FAMILY_SEEDS = {
     244: "held out (seeds 200-299), Mixtral full fine-tuning, bf16-mixed, checkpointing: the routed "
          "experts' combine starts the backward with k x t x h gradients (+3.66%; "
          "plan.backward.moe_combine_backward_bytes)",
+    349: "held out (seeds 300-499), Mixtral QLoRA, checkpointing: the share covered the routed experts (-12.06%)",
+    350: "held out (seeds 300-499), Qwen3-MoE LoRA, checkpointing: the same (-10.84%)",
+    420: "held out (seeds 300-499), Llama QLoRA fp32, small vocabulary: the last layer's MLP gradients "
+         "and dequantized weight with every activation alive (+3.04%)",
+    470: "held out (seeds 300-499), Llama LoRA bf16-mixed, eager, 512 tokens: the last layer's fp32 "
+         "softmax gradients (+5.94%)",
 }
 # One-adapter recipes the random draw rarely makes (found by varying held-out seed 272's targets,
 # precision and method on a 2-layer Llama with checkpointing), each once above its plan.
