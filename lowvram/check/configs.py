@@ -7,30 +7,7 @@ transformers is imported inside the functions."""
 from __future__ import annotations
 
 from lowvram.errors import LowvramError
-
-
-def local_config(model_ref: str | None) -> dict | None:
-    """The config.json dict of a local folder or file, or of a hub id's cached config.json (None
-    for catalog names and hub ids not cached)."""
-    import json
-    from pathlib import Path
-
-    from lowvram.plan.catalog import hub_cache_config
-
-    if not model_ref:
-        return None
-    path = Path(model_ref).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    elif not path.exists() and "/" in model_ref:
-        path = hub_cache_config(model_ref.strip()) or path
-    if not path.is_file() or path.suffix != ".json":
-        return None
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
+from lowvram.plan.catalog import local_config
 
 
 def spec_from_transformers(cfg: dict, name: str):

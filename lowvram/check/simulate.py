@@ -317,7 +317,7 @@ def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: i
     import time
 
     t0 = time.perf_counter()
-    from lowvram.check.configs import local_config
+    from lowvram.plan.catalog import local_config
 
     sim = simulate_memory(setup, local_config(model_ref))
     return {

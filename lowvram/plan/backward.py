@@ -198,11 +198,12 @@ def moe_combine_backward_bytes(setup: RunSetup) -> int:
     integrations/moe.py ``grouped_mm_experts_forward``: ``weighted_out[inv_perm]`` then
     ``.view(t, k, h).sum(1)``): the incoming hidden gradient, the sum's expanded gradient made
     contiguous and the index's backward (zeros and their index_put), k x t x h each in fp32 (the
-    fp32 routing weights promote ``proj_out * routing_weights``, also over bf16 experts). Measured with the live-bytes tracker on a tiny Mixtral, full fine-tuning
-    bf16-mixed with checkpointing (held-out fuzz seed 244: 3.7% above its plan without it; the
-    term is 1.75 MiB where 1.50 MiB was measured; a 2-layer Mixtral in pure bf16, seq 1024, was
-    7.4% under a real CPU step with the experts' dtype here). gpt-oss's experts combine their own way (not
-    counted here)."""
+    fp32 routing weights promote ``proj_out * routing_weights``, also over bf16 experts).
+    Measured with the live-bytes tracker on a tiny Mixtral, full fine-tuning bf16-mixed with
+    checkpointing (held-out fuzz seed 244: 3.7% above its plan without it; the term is 1.75 MiB
+    where 1.50 MiB was measured; a 2-layer Mixtral in pure bf16, seq 1024, was 7.4% under a real
+    CPU step with the experts' dtype here). gpt-oss's experts combine their own way (not counted
+    here)."""
     spec = setup.model
     if not spec.is_moe or spec.expert_bias:
         return 0

@@ -63,6 +63,25 @@ def hub_cache_config(hub_id: str) -> Path | None:
     return found[-1] if found else None
 
 
+def local_config(model_ref: str | None) -> dict | None:
+    """The config.json dict of a local folder or file, or of a hub id's cached config.json (None
+    for catalog names and hub ids not cached)."""
+    if not model_ref:
+        return None
+    path = Path(model_ref).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    elif not path.exists() and "/" in model_ref:
+        path = hub_cache_config(model_ref.strip()) or path
+    if not path.is_file() or path.suffix != ".json":
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
 # Specs registered in this process for names the resolver cannot read itself (e.g. `lowvram
 # plan --simulate` on a config.json whose fields only transformers can interpret).
 _REGISTERED: dict[str, ModelSpec] = {}

@@ -158,14 +158,14 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             candidates.append((acts + cache, logits * 10 // 12, 0, 0))  # forward: no logits gradient
     else:
         first_layer = layer_activation_bytes(setup, first=True)
+        t = setup.micro_batch_size * setup.seq_len
+        hidden_grads = 2 * dtypes(setup)[0] * t * spec.hidden_size  # the last layer's in and out
         if spec.attention_sinks and setup.attention == "eager":  # gpt-oss: s x s gradients
             _, c, autocast = dtypes(setup)
             extra = moe.sink_eager_backward_bytes(spec, setup.micro_batch_size, setup.seq_len,
                                                   2 if autocast else c, dtype_bytes(setup)[0])
             candidates.append((acts + extra, 0, int(share * head_g), 0))
-            t = setup.micro_batch_size * setup.seq_len
             experts = moe.sink_experts_backward_bytes(spec, t, dtype_bytes(setup)[0], setup.lora)
-            hidden_grads = 2 * dtypes(setup)[0] * t * spec.hidden_size
             candidates.append((acts + experts + hidden_grads, 0, int(share * head_g), 0))
         # the last decoder layer's backward, every layer's activations alive (the loss's logits
         # freed): its MLP product's gradients with a 4/8-bit base's dequantized weight, and eager
@@ -176,8 +176,6 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                                0, int(share * head_g), 0))
         eager = eager_softmax_backward_bytes(setup)
         if eager:
-            r, _, _ = dtypes(setup)
-            hidden_grads = 2 * r * setup.micro_batch_size * setup.seq_len * spec.hidden_size
             candidates.append((acts + eager + hidden_grads, 0, int(share * head_g), 0))
         candidates.append((first_layer + layer_backward_bytes(setup), 0,
                            late_layer_grads + int(share * late_g), not_gathered))

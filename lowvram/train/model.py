@@ -194,18 +194,10 @@ def load_kwargs(plan) -> dict:
 def checkpoint_quant_method(source: str) -> str | None:
     """``quantization_config.quant_method`` of the checkpoint's config.json (a local folder, or a
     hub id whose config.json is cached: ``lowvram train`` fetches it before planning), or None."""
-    import json
+    from lowvram.plan.catalog import local_config
 
-    from lowvram.plan.catalog import hub_cache_config
-
-    path = Path(source) / "config.json" if Path(source).is_dir() else hub_cache_config(source)
-    if path is None or not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return ((config.get("quantization_config") or {}).get("quant_method")) or None
+    config = local_config(source) or {}
+    return (config.get("quantization_config") or {}).get("quant_method") or None
 
 
 def prequantized_kwargs(plan, source: str) -> dict:
