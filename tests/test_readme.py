@@ -41,7 +41,8 @@ def test_readme_has_commands():
 
 
 @pytest.mark.parametrize("cmd", QUICK)
-def test_readme_command_runs(cmd, monkeypatch):
+def test_readme_command_runs(cmd, monkeypatch, quickstart_model):
+    # quickstart_model: the recipes' model folder, as `make demo` links it (not left to test order)
     monkeypatch.chdir(REPO)
     r = CliRunner().invoke(app, shlex.split(cmd)[1:])
     assert r.exit_code == 0, r.output
