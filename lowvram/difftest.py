@@ -128,9 +128,8 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
         experts=rng.choice([4, 8]) if moe else 0, experts_per_tok=2 if moe else 0,
     )
     if family == "gpt_oss":
-        # transformers trains gpt-oss with eager attention only (no SDPA path for its sinks), and
-        # the planner does not model eager attention with checkpointing (memory.unmodelled)
-        case = replace(case, attention="eager", gradient_checkpointing=False)
+        # transformers trains gpt-oss with eager attention only (no SDPA path for its sinks)
+        case = replace(case, attention="eager")
     if method == "qlora" and case.validation:
         # Evaluation runs bitsandbytes' CPU 4-bit inference kernel, which needs each Linear's
         # output width divisible by 32 and more than 32 inputs (functional.py

@@ -50,9 +50,12 @@ def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
     attention, MLP gate branch, MLP up branch). The embedding is frozen, so autograd records (and
     saves for) nothing upstream of the first adapter: with LoRA on down_proj only, layer 0 saves
     nothing but down_proj's input (measured on a 3-layer Phi-3: the plan was 15% high). Standard
-    pre-norm gated blocks only; other layouts count everything (over, never under)."""
+    pre-norm gated blocks only, with two norms or Gemma-2/3's four (input, post-attention,
+    pre-feedforward, post-feedforward: held-out fuzz seed 653, Gemma-3 LoRA on gate/down_proj
+    with eager attention, was 19.8% under its plan with layer 0's scores counted); other layouts
+    count everything (over, never under)."""
     spec = setup.model
-    if (not setup.lora or spec.norms_per_layer != 2 or spec.norm_after or spec.parallel_attn
+    if (not setup.lora or spec.norms_per_layer not in (2, 4) or spec.norm_after or spec.parallel_attn
             or spec.mlp != "gated" or spec.resid_dropout):
         return True, True, True, True
     names = {lin.name for lin in target_linears(setup)}
@@ -88,8 +91,12 @@ def _attention_output_copied(spec: ModelSpec) -> bool:
     return not spec.learned_positions and (spec.model_type == "phi3" or spec.partial_rotary_factor < 1)
 
 
-def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
+def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side: bool = False) -> int:
     """Bytes autograd saves for one decoder layer (no recomputation).
+
+    ``attention_side``: only what is still alive when the backward reaches the attention's
+    scores, the MLP's and o_proj's saved tensors freed: the input norm, q/k norms, q, k, v, the
+    q/k/v projections' inputs and adapters, the scores (eager_softmax_backward_bytes' setting).
 
     Counted tensor by tensor from what autograd saves (PyTorch derivatives.yaml saves only what a
     backward needs), checked with saved_tensors_hooks and the live-bytes tracker
@@ -100,6 +107,11 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     """
     spec = setup.model
     if spec.is_moe:
+        if attention_side:  # the routed experts are freed by then: the dense block's attention
+            from dataclasses import replace
+
+            from lowvram.plan.models import dense_view
+            return layer_activation_bytes(replace(setup, model=dense_view(spec)), attention_side=True)
         return _moe_layer_activation_bytes(setup, first)
     r, c, autocast = dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
@@ -113,14 +125,18 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     fixed = 0
     # norms: fp32 upcast of the input + rsqrt; a trainable weight also saves the normalized x
     for n in range(spec.norms_per_layer):
-        if first and not full and ((n == 0 and not spec.norm_after) or (n == 1 and not resid_grad)):
+        # the norms on the attention's output and the MLP's input (n = 1, and Gemma's n = 2)
+        after_attention = n == 1 or (n == 2 and spec.norms_per_layer == 4)
+        if first and not full and ((n == 0 and not spec.norm_after) or (after_attention and not resid_grad)):
             continue  # LoRA: no gradient flows into the embedding output (OLMo-2: no norm there)
+        if attention_side and (n > 0 or spec.norm_after):
+            continue  # the norms after the attention (and OLMo-2's post-norms) are done
         per_tok += 4 * h + 4 + (_normed_bytes(setup) * h if full else 0)
     fixed += _norm_weight_fixed_bytes(setup)
     if attn_grad:
         # attention (SDPA / flash): q, k, v, out + fp32 logsumexp per head
         per_tok += cc * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
-    if spec.resid_dropout:
+    if spec.resid_dropout and not attention_side:
         # dropout masks on the attention output and the MLP output: bool from CUDA's fused
         # kernel (native_dropout); on a CPU ATen multiplies by a noise tensor of the input dtype
         per_tok += 2 * h * (1 if setup.device == "cuda" else cc)
@@ -130,7 +146,7 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
         per_tok += cc * (spec.q_dim + spec.kv_dim)
     # MLP elementwise: silu saves its input (gate) and the product saves each factor the other
     # branch needs a gradient for: silu(gate) for up's, up for gate's
-    e = mlp_elementwise_bytes(setup)
+    e = 0 if attention_side else mlp_elementwise_bytes(setup)
     if spec.mlp == "gated":
         per_tok += e * i * (2 * gate_grad + up_grad)  # gate out (silu input), up out; silu out
     else:
@@ -143,6 +159,8 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False) -> int:
     targets = {lin for lin in target_linears(setup)} if setup.lora else set()
     shared: set[str] = set()
     for lin, src in zip(block_linears(spec), linear_sources(spec), strict=True):
+        if attention_side and src != "norm_attn":
+            continue
         src_fp32 = src.startswith("norm") and r == 4
         if full:
             if autocast and dtype_bytes(setup)[0] == 4:
@@ -334,6 +352,21 @@ def _checkpointed_mask_bytes(setup: RunSetup) -> int:
     return setup.micro_batch_size * setup.seq_len**2
 
 
+def eager_mask_bytes(setup: RunSetup) -> int:
+    """With eager attention and checkpointing, the additive float masks transformers builds
+    (masking_utils eager_mask: b x 1 x s x s in the embeddings' dtype; one more for sliding-window
+    layers, Gemma-3 and gpt-oss) are inputs every checkpoint keeps for its recompute, alive through
+    forward and backward (measured with the live-bytes tracker in lowvram train: a 2-layer Qwen2
+    LoRA bf16, b2 s512, held a (2, 1, 512, 512) bf16 mask at its peak; a Gemma LoRA fp32 run the
+    same in fp32). Without checkpointing nothing saves them: freed when the forward ends."""
+    if setup.attention != "eager" or not setup.gradient_checkpointing:
+        return 0
+    r, _, _ = dtypes(setup)
+    spec = setup.model
+    masks = 2 if 0 < spec.sliding_layers < spec.num_layers else 1  # full and sliding layers
+    return masks * r * setup.micro_batch_size * setup.seq_len**2
+
+
 def activation_bytes(setup: RunSetup) -> int:
     """All layers' saved activations at the start of backward.
 
@@ -347,7 +380,8 @@ def activation_bytes(setup: RunSetup) -> int:
     head = head_activation_bytes(setup)
     if setup.gradient_checkpointing:
         kept = 0 if activation_offloaded(setup) else spec.num_layers  # offloaded: in host RAM
-        return kept * r * t * spec.hidden_size + head + _checkpointed_mask_bytes(setup)
+        return (kept * r * t * spec.hidden_size + head + _checkpointed_mask_bytes(setup)
+                + eager_mask_bytes(setup))
     return (layer_activation_bytes(setup, first=True)
             + (spec.num_layers - 1) * layer_activation_bytes(setup) + head
             + spec.sliding_layers * sliding_window_bytes(setup))

@@ -53,7 +53,8 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     -1.4% without it, Phi-3-mini -2.7%, now +0.5% / +0.9%)."""
     r, c, autocast = dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
-    # Eager attention's s x s part has a backward of its own (below); the shares are of the rest.
+    # Eager attention's s x s part has a backward of its own (eager_softmax_backward_bytes, a
+    # peak candidate of its own in memory.py); the shares are of the rest.
     eager = eager_bytes(setup)
     dropout, widest = lora_dropout_layer_bytes(setup)
     spec = setup.model
@@ -72,10 +73,6 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     else:
         backward = layer // 8 if mixed else layer // 4
     dequant = dequantized_weight_bytes(setup)
-    # Eager attention: the softmax backward's fp32 gradients beside the saved scores, measured
-    # 0.7-2.0 x a*s^2*b beyond them (eager + checkpointing on a 3-layer Llama, b4 s512: LoRA bf16,
-    # QLoRA, full bf16, LoRA fp32; two of them in tests/test_plan_accuracy.py); 2 taken.
-    scores = 2 * setup.model.num_heads * setup.seq_len**2 * setup.micro_batch_size if eager else 0
     # lora.dropout: its masks and dropped inputs make no gradients of their own (not in the
     # share); the backward multiplies the widest adapter's fp32 input gradient by the mask, one
     # more fp32 t x d_in (measured: a Gemma LoRA run, dropout 0.05 under bf16-mixed with
@@ -85,7 +82,7 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     shared = max(backward + 2 * r * t * setup.model.hidden_size + dequant, mlp_backward_floor_bytes(setup),
                  adapter_forward_bytes(setup), moe_combine_backward_bytes(setup),
                  post_norm_backward_bytes(setup))
-    return shared + scores + drop_grad
+    return shared + drop_grad
 
 
 def _extra_norm_saved_bytes(setup: RunSetup) -> int:

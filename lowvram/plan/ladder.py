@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lowvram.plan import memory, moe
+from lowvram.plan import moe
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
 from lowvram.plan.memory import estimate_memory
@@ -70,7 +70,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             f"micro-batch 1 x {s.grad_accum}" if t is tq.MICRO_BATCH else
             {True: "on", False: "off"}.get(t.value, str(t.value)))
         rungs.append(Rung(t.name, value, new.peak_bytes, est.peak_bytes - new.peak_bytes, slowdown,
-                          fits_budget(new, budget) and memory.unmodelled(s) is None))
+                          fits_budget(new, budget)))
         est = new
     return tuple(rungs)
 

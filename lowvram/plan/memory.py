@@ -21,6 +21,7 @@ from lowvram.plan.activations import (
     activation_offload_host_bytes,
     activation_offloaded,
     dtypes,
+    eager_mask_bytes,
     head_activation_bytes,
     layer_activation_bytes,
     offloaded_layer_input_bytes,
@@ -88,16 +89,6 @@ def _check(setup: RunSetup) -> None:
 validate_setup = _check  # public name: simulate.py validates the same way
 
 
-def unmodelled(setup: RunSetup) -> str | None:
-    """Why the analytic model cannot be trusted for this setup (None when it can): the chooser
-    never picks such a setup and refuses when nothing else is allowed (never a silent guess on the
-    side that says "fits": lowvram train on the CPU measured these above the plan)."""
-    if setup.attention == "eager" and setup.gradient_checkpointing:
-        return ("eager attention with gradient checkpointing is not modelled (lowvram train measured "
-                "-6% to +21% off the analytic peak: bench/plan_fuzz.py, tests/test_plan_accuracy.py)")
-    return None
-
-
 def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                            layer_grads: int) -> tuple[int, int, int, int]:
     """(activations, logits, gradients made so far, weights not gathered) at the highest moment
@@ -138,21 +129,32 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         candidates.append((0, 0, int(share * total) + 2 * w * embedding_numel(spec), 0))
     if setup.gradient_checkpointing:
         checkpoints = acts - head_activation_bytes(setup)
-        one_layer = checkpoints // layers
+        masks = eager_mask_bytes(setup)  # kept to the end of the backward (layer 0's checkpoint)
+        one_layer = (checkpoints - masks) // layers + masks
         if activation_offloaded(setup):  # only the recomputed layer's input is back on the GPU
             checkpoints = one_layer = checkpoints + offloaded_layer_input_bytes(setup)
         rec = recompute_bytes(setup)
         candidates += [(checkpoints + rec, 0, layer_grads + int(share * head_g), 0),
                        (one_layer + rec, 0, late_layer_grads + int(share * late_g), not_gathered)]
         r, c, autocast = dtypes(setup)
-        if spec.attention_sinks and setup.attention == "eager":
-            # gpt-oss: the checkpoints keep both additive masks (full and sliding, b*s*s each in
-            # the residual dtype), and the recomputed layer makes its s x s gradients
-            b, s, t = setup.micro_batch_size, setup.seq_len, setup.micro_batch_size * setup.seq_len
-            masks = 2 * b * s * s * r
-            extra = moe.sink_eager_backward_bytes(spec, b, s, 2 if autocast else c, dtype_bytes(setup)[0])
-            candidates.append((checkpoints + masks + layer_activation_bytes(setup) + extra
+        if setup.attention == "eager":
+            # The recomputed layer's softmax backward: its s x s gradients (eager_softmax_backward
+            # _bytes; gpt-oss: moe.sink_eager_backward_bytes) beside the layer's activations, every
+            # checkpoint and the masks they keep (activation_bytes), and the hidden-state gradients
+            t = setup.micro_batch_size * setup.seq_len
+            if spec.attention_sinks:
+                extra = moe.sink_eager_backward_bytes(spec, setup.micro_batch_size, setup.seq_len,
+                                                      2 if autocast else c, dtype_bytes(setup)[0])
+            else:
+                extra = eager_softmax_backward_bytes(setup)
+            candidates.append((checkpoints + layer_activation_bytes(setup, attention_side=True) + extra
                                + 2 * r * t * spec.hidden_size, 0, layer_grads + int(share * head_g), 0))
+            if spec.attention_sinks:
+                # gpt-oss: the recomputed layer's experts backward, as without checkpointing (a
+                # 2-layer LoRA fp32 run through lowvram train, b4 s256, was 13% over without it)
+                experts = moe.sink_experts_backward_bytes(spec, t, dtype_bytes(setup)[0], setup.lora)
+                candidates.append((checkpoints + layer_activation_bytes(setup) + experts
+                                   + 2 * r * t * spec.hidden_size, 0, layer_grads + int(share * head_g), 0))
         if autocast and dtype_bytes(setup)[0] == 4 and not setup.lora:  # LoRA: frozen, not cached
             cache = c * sum(lin.numel for lin in block_linears(spec)) * spec.num_layers
             candidates.append((acts + cache, logits * 10 // 12, 0, 0))  # forward: no logits gradient
@@ -239,5 +241,5 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
 
 
 __all__ = [
-    "estimate_memory", "unmodelled", "validate_setup",
+    "estimate_memory", "validate_setup",
 ]

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lowvram.errors import LowvramError
-from lowvram.plan import memory, moe
+from lowvram.plan import moe
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
 from lowvram.plan.request import (
@@ -119,13 +118,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                             gpus=req.gpus, offload=offload, device=budget.device,
                                             activation_offload=act_off,
                                         ))
-    modelled = [s for s in out if memory.unmodelled(s) is None]
-    if out and not modelled:
-        first = "" if req.model.attention_sinks else "use attention sdpa, or "  # gpt-oss: eager only
-        raise LowvramError(f"cannot plan this run: {memory.unmodelled(out[0])}",
-                           f"{first}set gradient_checkpointing off; or measure "
-                           "the real step with `lowvram plan --simulate`")
-    return modelled
+    return out
 
 
 def largest_micro_batch_size(req: PlanRequest) -> int:
