@@ -9,6 +9,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --families seven  # the seven families the committed results used
     python bench/plan_fuzz.py --seeds 0:20    # a range
     python bench/plan_fuzz.py --seed 17 -v    # one case, with its recipe
+    python bench/plan_fuzz.py --eager-checkpointing  # every recipe made eager + checkpointing
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
 it become regression cases in tests/test_plan_fuzz.py. ~5 s a case on 2 cores.
@@ -23,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,14 +65,20 @@ def main() -> int:
     ap.add_argument("-v", action="store_true", help="print each case's recipe")
     ap.add_argument("--families", choices=sorted(FAMILY_SETS), default="all",
                     help="which model families the recipes draw from (default all)")
+    ap.add_argument("--eager-checkpointing", action="store_true",
+                    help="make every recipe eager attention with gradient checkpointing (the draw "
+                         "makes it rarely: 15% eager, 40% checkpointing)")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
     rows, lines = [], []
     t0 = time.perf_counter()
     write = bool(args.out) and args.seed is None
+    families = args.families + (" --eager-checkpointing" if args.eager_checkpointing else "")
     for seed in seeds:
         case = random_case(seed, FAMILY_SETS[args.families])
+        if args.eager_checkpointing:
+            case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:
             if args.v:
                 print(recipe_text(case, Path(d) / "model", Path(d) / "data.jsonl", Path(d) / "run"))
@@ -85,11 +93,11 @@ def main() -> int:
         print(line, flush=True)
         lines.append(line)
         if write:  # after every case: a run cut short keeps its rows and their summary
-            _write(args.out, seeds, args.families, rows, lines, _summary(rows, t0))
+            _write(args.out, seeds, families, rows, lines, _summary(rows, t0))
     summary = _summary(rows, t0)
     print("\n".join(summary))
     if write:
-        _write(args.out, seeds, args.families, rows, lines, summary)
+        _write(args.out, seeds, families, rows, lines, summary)
     return 1 if any(r.ratio is not None and not r.ok for r in rows) else 0
 
 
