@@ -60,6 +60,8 @@ ALL_FAMILY_SEEDS = {
 EAGER_CHECKPOINTING = {
     14: "Qwen2 LoRA bf16, b2 s512: three fp32 s x s tensors at the softmax backward, a bf16 mask (+13.3%)",
     18: "Gemma LoRA on v_proj, fp32, dropout, b1 s512: the same in fp32, an fp32 mask (+18.2%)",
+    96: "Qwen3-MoE LoRA all-linear, fp32, b1 s64: the merged expert weight's gradient (+4.0%; "
+        "plan.backward.expert_weight_gradient_bytes)",
 }
 # One-adapter recipes the random draw rarely makes (found by varying held-out seed 272's targets,
 # precision and method on a 2-layer Llama with checkpointing), each once above its plan.
