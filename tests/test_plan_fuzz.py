@@ -62,6 +62,8 @@ EAGER_CHECKPOINTING = {
     18: "Gemma LoRA on v_proj, fp32, dropout, b1 s512: the same in fp32, an fp32 mask (+18.2%)",
     96: "Qwen3-MoE LoRA all-linear, fp32, b1 s64: the merged expert weight's gradient (+4.0%; "
         "plan.backward.expert_weight_gradient_bytes)",
+    1013: "held out (eager + checkpointing seeds 1000-1099), Gemma-3 full bf16, s256: the softmax "
+          "backward of the first layer, with nearly every gradient made (+3.42%)",
 }
 # One-adapter recipes the random draw rarely makes (found by varying held-out seed 272's targets,
 # precision and method on a 2-layer Llama with checkpointing), each once above its plan.
