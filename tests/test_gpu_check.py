@@ -27,6 +27,7 @@ def _load():
     return mod
 
 
+@pytest.mark.slow  # ~1 min on 2 cores (make test-all); the failing-row test below runs the dry run on 3 rows
 def test_dry_run_measures_every_technique_at_both_lengths(tmp_path, monkeypatch, capsys):
     pytest.importorskip("bitsandbytes")
     gc = _load()

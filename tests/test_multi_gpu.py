@@ -306,6 +306,7 @@ def _long_rows_recipe(tmp: Path, model_dir: Path) -> Path:
     return recipe
 
 
+@pytest.mark.slow  # three launched runs, ~50 s (make test-all); the launcher's loop is tested below without launching
 def test_oom_in_a_launched_run_retries_with_a_smaller_micro_batch(tmp_path, tiny_model_dir, monkeypatch):
     # Measured per rank on this recipe: micro-batch 2 peaks at 2,665,932 bytes, 1 x 2 at 1,813,964.
     recipe = _long_rows_recipe(tmp_path, tiny_model_dir)

@@ -98,7 +98,9 @@ def test_run_stays_within_its_plan(seed, tmp_path):
     _check(random_case(seed, families=FIRST_FAMILIES), tmp_path, SEEDS[seed])  # the recipes these seeds were kept for
 
 
-@pytest.mark.parametrize("seed", list(ALL_FAMILY_SEEDS))
+# seed 100 (~15 s) runs in make test-all only; every other fixed miss runs in make test
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s == 100 else s
+                                  for s in ALL_FAMILY_SEEDS])
 def test_ten_family_regressions_stay_within_their_plan(seed, tmp_path):
     _check(random_case(seed, families=TEN_FAMILIES), tmp_path, ALL_FAMILY_SEEDS[seed])
 
