@@ -5,8 +5,10 @@ symbols as in :mod:`lowvram.plan.memory`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lowvram.plan import moe
-from lowvram.plan.models import ModelSpec, block_linears
+from lowvram.plan.models import ModelSpec, block_linears, dense_view
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import dtype_bytes, target_linears
 
@@ -108,9 +110,6 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
     spec = setup.model
     if spec.is_moe:
         if attention_side:  # the routed experts are freed by then: the dense block's attention
-            from dataclasses import replace
-
-            from lowvram.plan.models import dense_view
             return layer_activation_bytes(replace(setup, model=dense_view(spec)), attention_side=True)
         return _moe_layer_activation_bytes(setup, first)
     r, c, autocast = dtypes(setup)
@@ -254,10 +253,6 @@ def _norm_weight_fixed_bytes(setup: RunSetup) -> int:
 def _moe_layer_activation_bytes(setup: RunSetup, first: bool) -> int:
     """An MoE layer: its Linears as a dense block (attention, a shared expert) plus the router and
     routed experts (lowvram.plan.moe.routed_activation_bytes)."""
-    from dataclasses import replace
-
-    from lowvram.plan.models import dense_view
-
     spec = setup.model
     dense = layer_activation_bytes(replace(setup, model=dense_view(spec)), first)
     w, c = dtype_bytes(setup)

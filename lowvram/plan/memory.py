@@ -127,51 +127,48 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # +0.5 GiB, found by bench/simulate_full_size.py-style simulation).
         w, _ = dtype_bytes(setup)
         candidates.append((0, 0, int(share * total) + 2 * w * embedding_numel(spec), 0))
+    r, c, autocast = dtypes(setup)
+    t = setup.micro_batch_size * setup.seq_len
+    hidden_grads = 2 * r * t * spec.hidden_size  # a decoder layer's incoming and outgoing gradients
+    sinks = spec.attention_sinks and setup.attention == "eager"  # gpt-oss: its own backward terms
+    if sinks:  # its s x s gradients and its experts' backward in one decoder layer
+        sink_scores = moe.sink_eager_backward_bytes(spec, setup.micro_batch_size, setup.seq_len,
+                                                    2 if autocast else c, dtype_bytes(setup)[0])
+        sink_experts = moe.sink_experts_backward_bytes(spec, t, dtype_bytes(setup)[0], setup.lora)
     if setup.gradient_checkpointing:
         checkpoints = acts - head_activation_bytes(setup)
         masks = eager_mask_bytes(setup)  # kept to the end of the backward (layer 0's checkpoint)
         one_layer = (checkpoints - masks) // layers + masks
         if activation_offloaded(setup):  # only the recomputed layer's input is back on the GPU
             checkpoints = one_layer = checkpoints + offloaded_layer_input_bytes(setup)
+        # gradients made when the backward reaches the last decoder layer, and the first
+        last_grads = layer_grads + int(share * head_g)
+        first_grads = late_layer_grads + int(share * late_g)
         rec = recompute_bytes(setup)
-        candidates += [(checkpoints + rec, 0, layer_grads + int(share * head_g), 0),
-                       (one_layer + rec, 0, late_layer_grads + int(share * late_g), not_gathered)]
-        r, c, autocast = dtypes(setup)
+        candidates += [(checkpoints + rec, 0, last_grads, 0), (one_layer + rec, 0, first_grads, not_gathered)]
         if setup.attention == "eager":
             # The recomputed layer's softmax backward: its s x s gradients (eager_softmax_backward
             # _bytes; gpt-oss: moe.sink_eager_backward_bytes) beside the layer's activations, every
             # checkpoint and the masks they keep (activation_bytes), and the hidden-state gradients
-            t = setup.micro_batch_size * setup.seq_len
-            if spec.attention_sinks:
-                extra = moe.sink_eager_backward_bytes(spec, setup.micro_batch_size, setup.seq_len,
-                                                      2 if autocast else c, dtype_bytes(setup)[0])
-            else:
-                extra = eager_softmax_backward_bytes(setup)
             # in the last decoder layer (every checkpoint) and in the first (nearly every gradient
             # made: full fine-tuning peaks there; a Gemma-3 full bf16 run was 3.4% over without it)
-            attention_side = layer_activation_bytes(setup, attention_side=True) + extra + 2 * r * t * spec.hidden_size
-            candidates += [(checkpoints + attention_side, 0, layer_grads + int(share * head_g), 0),
-                           (one_layer + attention_side, 0, late_layer_grads + int(share * late_g), not_gathered)]
-            if spec.attention_sinks:
+            scores = sink_scores if sinks else eager_softmax_backward_bytes(setup)
+            attention_side = layer_activation_bytes(setup, attention_side=True) + scores + hidden_grads
+            candidates += [(checkpoints + attention_side, 0, last_grads, 0),
+                           (one_layer + attention_side, 0, first_grads, not_gathered)]
+            if sinks:
                 # gpt-oss: the recomputed layer's experts backward, as without checkpointing (a
                 # 2-layer LoRA fp32 run through lowvram train, b4 s256, was 13% over without it)
-                experts = moe.sink_experts_backward_bytes(spec, t, dtype_bytes(setup)[0], setup.lora)
-                candidates.append((checkpoints + layer_activation_bytes(setup) + experts
-                                   + 2 * r * t * spec.hidden_size, 0, layer_grads + int(share * head_g), 0))
+                candidates.append((checkpoints + layer_activation_bytes(setup) + sink_experts + hidden_grads,
+                                   0, last_grads, 0))
         if autocast and dtype_bytes(setup)[0] == 4 and not setup.lora:  # LoRA: frozen, not cached
             cache = c * sum(lin.numel for lin in block_linears(spec)) * spec.num_layers
             candidates.append((acts + cache, logits * 10 // 12, 0, 0))  # forward: no logits gradient
     else:
         first_layer = layer_activation_bytes(setup, first=True)
-        t = setup.micro_batch_size * setup.seq_len
-        hidden_grads = 2 * dtypes(setup)[0] * t * spec.hidden_size  # the last layer's in and out
-        if spec.attention_sinks and setup.attention == "eager":  # gpt-oss: s x s gradients
-            _, c, autocast = dtypes(setup)
-            extra = moe.sink_eager_backward_bytes(spec, setup.micro_batch_size, setup.seq_len,
-                                                  2 if autocast else c, dtype_bytes(setup)[0])
-            candidates.append((acts + extra, 0, int(share * head_g), 0))
-            experts = moe.sink_experts_backward_bytes(spec, t, dtype_bytes(setup)[0], setup.lora)
-            candidates.append((acts + experts + hidden_grads, 0, int(share * head_g), 0))
+        if sinks:  # gpt-oss: s x s gradients; the experts' backward
+            candidates.append((acts + sink_scores, 0, int(share * head_g), 0))
+            candidates.append((acts + sink_experts + hidden_grads, 0, int(share * head_g), 0))
         # the last decoder layer's backward, every layer's activations alive (the loss's logits
         # freed): its MLP product's gradients with a 4/8-bit base's dequantized weight, and eager
         # attention's s x s gradients (measured: held-out fuzz seeds 420 and 470, a
