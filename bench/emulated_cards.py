@@ -125,17 +125,20 @@ def save_model(out: Path, shape: dict) -> Path:
     return out
 
 
-def write_data(path: Path, rows: int = 400) -> Path:
-    """Text rows of 60 words (at least 60 tokens each): ``rows`` of them pack into more than
-    rows x 60 / seq_len windows."""
+def write_data(path: Path, rows: int = 400, seq_len: int = SEQ_LEN) -> Path:
+    """Text rows of exactly seq_len / 4 tokens with their eos: packing puts four samples in every
+    window (what packing is for; the plan counts the block-diagonal mask it makes), ``rows`` / 4
+    full windows."""
     import random
+
+    from lowvram.testing import texts_of_exact_length
 
     rng = random.Random(0)
     words = ("memory gradient adapter quantized layer token budget card optimizer checkpoint "
              "activation logits batch sequence weight fits plan lowvram peak").split()
     with path.open("w") as f:
-        for _ in range(rows):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(60))}) + "\n")
+        for text in texts_of_exact_length(seq_len // 4 - 1, rows, rng, tuple(words)):
+            f.write(json.dumps({"text": text}) + "\n")
     return path
 
 
@@ -143,7 +146,7 @@ def write_recipe(folder: Path, model_dir: Path, steps: int = STEPS, seq_len: int
                  lora_r: int = LORA_R) -> Path:
     """Every technique auto; model.dtype bfloat16 (the plan of a bf16 card)."""
     if not (folder / "data.jsonl").exists():
-        write_data(folder / "data.jsonl", rows=max(400, 2 * steps * BATCH * seq_len // 60))
+        write_data(folder / "data.jsonl", rows=max(400, 2 * 4 * steps * BATCH), seq_len=seq_len)
     path = folder / "recipe.yaml"
     path.write_text(f"""\
 model: {{name_or_path: {model_dir}, dtype: bfloat16}}

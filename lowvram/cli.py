@@ -212,6 +212,7 @@ def plan(
     grad_accum: Annotated[int | None, _opt("--grad-accum", "Fix the accumulation steps (micro-batch follows).", "N")] = None,
     gradient_checkpointing: Annotated[bool | None, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Fix gradient checkpointing on or off.", show_default=False)] = None,
     activation_offload: Annotated[bool | None, typer.Option("--activation-offload/--no-activation-offload", help="Fix activation offloading (checkpointed layer inputs in pinned host RAM; needs checkpointing, a GPU) on or off.", show_default=False)] = None,
+    packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="Plan for data.packing: several samples per seq_len window (SDPA then keeps a b x s x s mask per layer).", show_default=False)] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
     offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,
     vram: Annotated[str | None, _opt("--vram", "Free GPU memory to plan for, e.g. 24GB, 24GiB, 12000MB (default: LOWVRAM_VRAM, else detected).", "SIZE")] = None,
@@ -249,7 +250,7 @@ def plan(
         r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
         precision=precision, quant=quant, optim=optim, loss=loss, attn=attn, batch_size=batch_size,
         seq_len=seq_len, grad_accum=grad_accum, gradient_checkpointing=gradient_checkpointing,
-        activation_offload=activation_offload, gpus=gpus, offload=offload,
+        activation_offload=activation_offload, packing=packing, gpus=gpus, offload=offload,
     )
     from lowvram.plan.request import Choice
     from lowvram.plan.serialize import choice_to_dict

@@ -194,11 +194,26 @@ def write_model(case: Case, folder: Path) -> Path:
 
 
 def write_data(case: Case, path: Path, rows: int = 24) -> Path:
-    """Text rows longer than seq_len: every batch is full (truncated, or packed into full windows)."""
+    """Text rows longer than seq_len: every batch is full (truncated). With packing, what packing
+    is for: short samples, four to a window, each exactly seq_len / 4 tokens with its eos, so the
+    windows are full and hold several samples (their position_ids restart, and SDPA gets the
+    block-diagonal mask a user's packed run gets)."""
     rng = random.Random(case.seed)
+    if case.packing:
+        return _write_packed_data(case, path, rng, 4 * rows)
     with open(path, "w") as f:
         for _ in range(rows):
             f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(3 * case.seq_len))}) + "\n")
+    return path
+
+
+def _write_packed_data(case: Case, path: Path, rng: random.Random, rows: int) -> Path:
+    """Rows of exactly seq_len / 4 - 1 tokens (+ the eos lowvram's text format appends)."""
+    from lowvram.testing import texts_of_exact_length
+
+    with open(path, "w") as f:
+        for text in texts_of_exact_length(case.seq_len // 4 - 1, rows, rng, tuple(WORDS)):
+            f.write(json.dumps({"text": text}) + "\n")
     return path
 
 

@@ -56,6 +56,32 @@ def build_tokenizer(vocab_size: int = 512, chat_template: bool = True):
     return fast
 
 
+def texts_of_exact_length(tokens: int, rows: int, rng, words: tuple[str, ...]) -> list[str]:
+    """``rows`` texts of exactly ``tokens`` tokens of build_tokenizer() (the default one). Its
+    byte-level pre-tokenizer splits at spaces, so a text's tokens are the sum of its words';
+    " the" is one token and fills the rest exactly. For packed data whose windows are full:
+    rows of seq_len / k - 1 tokens (+ the eos lowvram's text format appends) pack k to a window."""
+    tok = build_tokenizer()
+
+    def count(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    cost = {w: count(" " + w) for w in words}
+    filler, first = " the", "the"
+    if count(filler) != 1 or count(first) > tokens:
+        raise ValueError(f"cannot make texts of {tokens} tokens")
+    out = []
+    for _ in range(rows):
+        text, n = first, count(first)
+        while True:
+            w = rng.choice(words)
+            if n + cost[w] > tokens - max(cost.values()):
+                break
+            text, n = text + " " + w, n + cost[w]
+        out.append(text + filler * (tokens - n))
+    return out
+
+
 def tiny_llama_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                       intermediate: int = 128, max_positions: int = 1024):
     from transformers import LlamaConfig

@@ -88,6 +88,27 @@ def test_flags_fix_choices():
     assert "--optim" in d["reasons"]["optimizer"]
 
 
+def test_packing_is_a_plan_input():
+    """--packing (data.packing in a recipe): every layer's SDPA keeps a b x s x s mask."""
+    from lowvram.plan.activations import masked_attention_bytes
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.setup import RunSetup
+
+    fixed = ("--model", "llama-7b", "--vram", "80GB", "--method", "lora", "--precision", "bf16",
+             "--attn", "sdpa", "--gradient-checkpointing", "--loss", "chunked", "--grad-accum", "1",
+             "--seq-len", "2048")
+    plain, packed = plan_json(*fixed, "--no-packing"), plan_json(*fixed, "--packing")
+    assert (plain["packing"], packed["packing"]) == (False, True)
+    assert plain["techniques"] == packed["techniques"] and packed["micro_batch_size"] == 16
+    mask = masked_attention_bytes(RunSetup(resolve_model("llama-7b"), precision="bf16", lora=True,
+                                           micro_batch_size=16, seq_len=2048, packing=True))
+    assert mask == 2 * 16 * 2048**2  # bf16, 32 kv heads: nothing expanded
+    # checkpointing with small logits: the recomputed layer's mask and the bool mask the
+    # checkpoints keep (and the allocator's share of them on a GPU)
+    assert packed["peak_bytes"] - plain["peak_bytes"] >= mask + 16 * 2048**2
+    assert "packed" in plan(*fixed, "--packing").stdout
+
+
 def test_vram_from_env():
     r = plan("--model", "llama-7b", "--json", env={"LOWVRAM_VRAM": "12000MB"})
     assert r.exit_code == 0, r.output

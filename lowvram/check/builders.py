@@ -139,7 +139,13 @@ def make_batch(setup, seed: int = 0, device: str = "cpu") -> dict:
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, setup.model.vocab_size, (setup.micro_batch_size, setup.seq_len), generator=g)
-    return {"input_ids": ids.to(device), "labels": ids.to(device)}
+    batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
+    if getattr(setup, "packing", False):
+        # data.packing: four samples to a window, position_ids restarting at each (as
+        # lowvram.train.data.collate.pack makes them), so transformers builds the packed mask
+        positions = torch.arange(setup.seq_len) % max(1, setup.seq_len // 4)
+        batch["position_ids"] = positions.expand(setup.micro_batch_size, -1).to(device)
+    return batch
 
 
 def autocast_dtype(setup):

@@ -58,8 +58,16 @@ def unsupported(setup: RunSetup) -> list[str]:
 # Workarounds for fake tensors
 
 
+def _packed_sequence_indices(position_ids):
+    """masking_utils.find_packed_sequence_indices without its ``.all()`` (fake tensors have no data)."""
+    import torch
+
+    diff = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (diff != 1).cumsum(-1)
+
+
 @contextmanager
-def _fake_friendly():
+def _fake_friendly(packing: bool = False):
     """[W1] transformers takes fake tensors for tracing and builds a 4D mask: make it take the
     SDPA ``is_causal`` path of a real unpadded batch. [W2] ``nn.Module._apply`` swaps tensors,
     which fails for fake params (``.to()``, peft's adapter moves): re-create them instead."""
@@ -94,7 +102,9 @@ def _fake_friendly():
 
     saved = (mu.is_tracing, mu.find_packed_sequence_indices)
     mu.is_tracing = lambda tensor=None: is_tracing()  # ignore "fake tensor means tracing"
-    mu.find_packed_sequence_indices = lambda position_ids: None  # one sequence per row
+    # one sequence per row, or with packing (make_batch's restarting position_ids) the sample
+    # index of each token, without the data-dependent "is anything packed" check
+    mu.find_packed_sequence_indices = _packed_sequence_indices if packing else (lambda position_ids: None)
     torch.nn.Module._apply = apply
     try:
         yield
@@ -248,7 +258,7 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
     if setup.optimizer in OPTIMIZERS_8BIT or setup.quantization == "nf4-dq":
         _fill_bnb_maps()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _fake_friendly():
+    with _fake_friendly(setup.packing):
         model = _build_model(setup, config, mode)
         parameters = _parameters(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -320,16 +320,40 @@ def head_activation_bytes(setup: RunSetup) -> int:
     return t * per_tok + fixed
 
 
-def sliding_window_bytes(setup: RunSetup) -> int:
-    """What one sliding-window layer (Gemma-3) saves beyond a full-attention one. From
-    seq_len >= sliding_window on, transformers builds the sliding mask (masking_utils
-    _ignore_causal_mask_sdpa skips it only below the window); with a mask, sdpa_attention_forward
-    expands k and v to all heads (use_gqa_in_sdpa: only without a mask) and SDPA saves the
-    additive mask it makes from the bool one, b*s*s in the query's dtype, in every such layer
-    (measured with saved_tensors_hooks on a 2-layer Gemma-3: q, expanded k and v, out, mask)."""
-    spec = setup.model
-    if not spec.sliding_layers or setup.seq_len < spec.sliding_window or setup.attention != "sdpa":
+def masked_layers(setup: RunSetup) -> int:
+    """How many decoder layers call SDPA with an attention mask (0 without SDPA: eager attention
+    adds its mask to the scores and saves none of it; flash-attention reads packed samples from
+    position_ids, varlen, no mask).
+
+    With data.packing, each seq_len window holds several samples and their position_ids restart
+    at 0 (lowvram.train.data.collate.pack): transformers builds a block-diagonal b x 1 x s x s mask
+    (masking_utils find_packed_sequence_indices) for every layer. Without packing lowvram's
+    collator sends no attention_mask (PadCollator), so only Gemma-3's sliding-window layers get
+    one, from seq_len >= sliding_window on (masking_utils _ignore_causal_mask_sdpa skips it
+    below the window). The planner takes packed windows to hold more than one sample (what packing
+    is for); a window of one sample gets no mask, which is below the plan."""
+    if setup.attention != "sdpa":
         return 0
+    spec = setup.model
+    if setup.packing:
+        return spec.num_layers
+    if spec.sliding_layers and setup.seq_len >= spec.sliding_window:
+        return spec.sliding_layers
+    return 0
+
+
+def masked_attention_bytes(setup: RunSetup) -> int:
+    """What one decoder layer whose SDPA gets a mask (masked_layers) saves beyond one without:
+    with a mask sdpa_attention_forward expands k and v to all heads (use_gqa_in_sdpa: only
+    without a mask), and SDPA saves the additive mask it makes from the bool one
+    (convert_boolean_attn_mask: b x 1 x s x s in the query's dtype). Measured with
+    saved_tensors_hooks on a 2-layer Gemma-3 (q, expanded k and v, out, mask), and with the
+    live-bytes tracker in lowvram train on packed data: a 2-layer SmolLM3 LoRA fp32 run, b4 s512,
+    held two (4, 1, 500, 500) fp32 masks at its peak, 21.5% above its plan before packing was a
+    plan input."""
+    if not masked_layers(setup):
+        return 0
+    spec = setup.model
     _, c, autocast = dtypes(setup)
     cc = 2 if autocast else c
     t = setup.micro_batch_size * setup.seq_len
@@ -339,12 +363,19 @@ def sliding_window_bytes(setup: RunSetup) -> int:
 
 
 def _checkpointed_mask_bytes(setup: RunSetup) -> int:
-    """With checkpointing, the sliding layers' bool mask (b*s*s bytes, one for all of them) is an
-    input the checkpoints keep for the recompute (measured: lowvram train on a 2-layer Gemma-3,
-    seq 512 x 2, was 2.9% above its plan without it)."""
-    if not sliding_window_bytes(setup):
+    """With checkpointing, the bool masks SDPA's masks are made from are inputs the checkpoints
+    keep for the recompute, one per attention type. Without padding or packing the sliding-window
+    mask depends on no row, so it is built once for the batch (measured: (1, 1, 512, 512) bool
+    in lowvram train on a 2-layer Gemma-3, b4 s512, whose plan was 2.9% low without it); packed
+    samples make it b x 1 x s x s, with the full-attention layers' packed mask beside it."""
+    if not masked_layers(setup):
         return 0
-    return setup.micro_batch_size * setup.seq_len**2
+    spec = setup.model
+    s = setup.seq_len
+    if not setup.packing:
+        return s * s
+    masks = 2 if 0 < spec.sliding_layers < spec.num_layers else 1
+    return masks * setup.micro_batch_size * s * s
 
 
 def eager_mask_bytes(setup: RunSetup) -> int:
@@ -377,9 +408,13 @@ def activation_bytes(setup: RunSetup) -> int:
         kept = 0 if activation_offloaded(setup) else spec.num_layers  # offloaded: in host RAM
         return (kept * r * t * spec.hidden_size + head + _checkpointed_mask_bytes(setup)
                 + eager_mask_bytes(setup))
+    # layer 0 (sliding in Gemma-3, masked with packing) saves no mask when its attention makes no
+    # gradient (LoRA with no adapter upstream of it: _first_layer_grads; measured: a 2-layer
+    # OLMo-2 LoRA on o_proj, packed, held one of its two layers' masks)
+    masks = masked_layers(setup) - (0 if _first_layer_grads(setup)[0] or not masked_layers(setup) else 1)
     return (layer_activation_bytes(setup, first=True)
             + (spec.num_layers - 1) * layer_activation_bytes(setup) + head
-            + spec.sliding_layers * sliding_window_bytes(setup))
+            + masks * masked_attention_bytes(setup))
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,5 +464,5 @@ __all__ = [
     "activation_bytes", "activation_offload_host_bytes", "activation_offloaded", "dtypes",
     "linear_sources", "mlp_elementwise_bytes", "qk_norm_activation_bytes",
     "eager_bytes", "head_activation_bytes", "layer_activation_bytes", "lora_dropout_layer_bytes",
-    "offloaded_layer_input_bytes", "sliding_window_bytes",
+    "masked_attention_bytes", "masked_layers", "offloaded_layer_input_bytes",
 ]

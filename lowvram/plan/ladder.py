@@ -37,6 +37,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         grad_accum=largest_micro_batch_size(req) // largest, gpus=req.gpus, offload=req.offload or "none",
         device=budget.device,
         activation_offload=bool(req.activation_offload and req.gradient_checkpointing) and budget.device == "cuda",
+        packing=req.packing,
     )
     est = estimate(s)
     rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, fits_budget(est, budget))]

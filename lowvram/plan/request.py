@@ -89,6 +89,9 @@ class PlanRequest:
     activation_offload: bool | None = None
     attention: str | None = None
     loss: str | None = None
+    # data.packing (a data setting, not a technique): several samples per window, so SDPA gets a
+    # block-diagonal mask in every layer (lowvram.plan.activations.masked_layers)
+    packing: bool = False
     # Where each fixed choice came from ("--optim", "the recipe"), for the reasons.
     sources: dict[str, str] = field(default_factory=dict)
 

@@ -116,7 +116,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                             attention=attention, loss=loss, micro_batch_size=micro,
                                             seq_len=req.seq_len, grad_accum=per_gpu // micro,
                                             gpus=req.gpus, offload=offload, device=budget.device,
-                                            activation_offload=act_off,
+                                            activation_offload=act_off, packing=req.packing,
                                         ))
     return out
 

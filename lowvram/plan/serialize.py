@@ -40,6 +40,7 @@ def choice_to_dict(choice: Choice) -> dict:
         "checked": term_checks(c.setup),  # what each part was checked against (plan.calibration)
         "techniques": _setup_techniques(c.setup),
         "seq_len": req.seq_len,
+        "packing": req.packing,
         "batch_size": req.batch_size,
         "micro_batch_size": c.setup.micro_batch_size,
         "grad_accum": c.setup.grad_accum,

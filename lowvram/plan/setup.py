@@ -49,6 +49,9 @@ class RunSetup:
     # techniques.activation_offload: checkpointed layer inputs in pinned host RAM (needs
     # gradient_checkpointing; no effect on a CPU: activation_offloaded)
     activation_offload: bool = False
+    # data.packing: several samples per window, so SDPA gets a block-diagonal mask in every
+    # layer (activations.masked_layers)
+    packing: bool = False
     device: str = "cuda"  # "cpu": no CUDA context, no allocator slack
     # True: peft prepare_model_for_kbit_training (non-quantized params -> fp32). lowvram trains
     # QLoRA without that upcast (lowvram.train.model.prepare_kbit_model), so False is the default.

@@ -68,7 +68,7 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         "activation_offload": ("activation_offload", "--activation-offload"),
         "seq_len": ("seq_len", "--seq-len"), "batch_size": ("batch_size", "--batch-size"),
         "gpus": ("gpus", "--gpus"), "lora_r": ("lora_r", "--lora-r"),
-        "lora_targets": ("lora_targets", "--lora-targets"),
+        "lora_targets": ("lora_targets", "--lora-targets"), "packing": ("packing", "--packing"),
     }
     out: dict = {}
     sources: dict = {}
@@ -86,10 +86,10 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         field, flag = names[key]
         if key == "lora_targets" and isinstance(value, str):
             value = tuple(x.strip() for x in value.split(",") if x.strip())
-        if key in ("gradient_checkpointing", "activation_offload"):
+        if key in ("gradient_checkpointing", "activation_offload", "packing"):
             flag = flag if value else flag.replace("--", "--no-", 1)
         out[field] = value
-        switch = key in ("lora_targets", "gradient_checkpointing", "activation_offload")
+        switch = key in ("lora_targets", "gradient_checkpointing", "activation_offload", "packing")
         sources[field] = flag if switch else f"{flag} {_shown(value)}"
     return out, sources
 
@@ -108,6 +108,7 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     sources: dict = {}
     if recipe is not None:
         fields.update(lora_fields(recipe))
+        fields["packing"] = recipe.data.packing
         fixed = recipe_choices(recipe)
         fields.update(fixed)
         sources.update({k: "the recipe" for k in fixed})

@@ -92,8 +92,8 @@ def show_plan(data: dict, as_json: bool = False) -> None:
 
     c = console()
     n = data["parameters"]
-    c.print(f"[bold]lowvram plan[/bold]: {data['model']} ({n / 1e9:.2f}B params), seq_len {data['seq_len']}, "
-            f"batch {data['batch_size']}, {data['device']}")
+    c.print(f"[bold]lowvram plan[/bold]: {data['model']} ({n / 1e9:.2f}B params), seq_len {data['seq_len']}"
+            f"{' packed' if data.get('packing') else ''}, batch {data['batch_size']}, {data['device']}")
     c.print(f"budget: {gib(data['vram_bytes'])} ({data['vram_source']}) - safety margin "
             f"{gib(data['safety_margin_bytes'])} = {gib(data['budget_bytes'])}")
     for note in data.get("notes", ()):

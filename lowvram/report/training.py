@@ -36,7 +36,9 @@ def show_train_result(result, as_json: bool = False) -> None:
            ("peak memory per rank", ", ".join(mem(b) for b in m["peak_memory_bytes_per_rank"]))]
           if m.get("peak_memory_bytes_per_rank") else []),
         ("peak memory (predicted)", mem(m.get("predicted_peak_bytes"))),
-        *([(f"  at the longest row ({m['data_longest_tokens']} tokens)", mem(m["predicted_peak_bytes_at_data"]))]
+        *([(f"  at the longest row ({m['data_longest_tokens']} tokens"
+            + (", one sample per packed window)" if m.get("data_windows_one_sample") else ")"),
+            mem(m["predicted_peak_bytes_at_data"]))]
           if m.get("predicted_peak_bytes_at_data") else []),
     ]
     if m.get("load_s") is not None:

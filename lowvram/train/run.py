@@ -154,16 +154,23 @@ def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None
     """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
     the plan (made for full seq_len batches). Predict the peak at the longest row as well, so the
     measured peak is compared with what this data can reach: (metrics, the breakdown the
-    measured peak is compared with, part by part)."""
-    if plan.predicted_peak_bytes is None or bundle.stats.packed or replanner is None:
+    measured peak is compared with, part by part). Packed data: the plan takes every window to
+    hold several samples (SDPA's block-diagonal mask in every layer); where none does (samples
+    as long as seq_len), the windows are plain rows."""
+    if plan.predicted_peak_bytes is None or replanner is None:
         return {}, dict(plan.breakdown)
+    several = bundle.stats.packed and bundle.stats.train_samples > bundle.stats.train_rows
     longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
-    if not 0 < longest < recipe.training.seq_len:
+    if not 0 < longest <= recipe.training.seq_len or (longest == recipe.training.seq_len
+                                                      and several == bundle.stats.packed):
         return {}, dict(plan.breakdown)
-    breakdown = replanner.breakdown_at(plan, longest)
+    breakdown = replanner.breakdown_at(plan, longest, packing=several)
     if not breakdown:
         return {}, dict(plan.breakdown)
-    return {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": sum(breakdown.values())}, breakdown
+    metrics = {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": sum(breakdown.values())}
+    if bundle.stats.packed and not several:
+        metrics["data_windows_one_sample"] = True  # packing on, but no window holds two samples
+    return metrics, breakdown
 
 
 def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
