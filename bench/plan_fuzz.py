@@ -67,7 +67,7 @@ def main() -> int:
                     help="which model families the recipes draw from (default all)")
     ap.add_argument("--eager-checkpointing", action="store_true",
                     help="make every recipe eager attention with gradient checkpointing (the draw "
-                         "makes it rarely: 15% eager, 40% checkpointing)")
+                         "makes it rarely: 15%% eager, 40%% checkpointing)")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
