@@ -55,7 +55,10 @@ ALL_FAMILY_SEEDS = {
          "attention saves nothing under LoRA with Gemma's four norms too (-19.77%)",
     861: "held out (seeds 700-899), Gemma-3 full fp32, checkpointing, b4 s512, packed: the sliding "
          "bool mask was counted per row, though built once for the batch without real packing "
-         "(-12.84%; -7.72% with real packing, whose masks are per row)",
+         "(-12.84%; -7.72% with real packing, whose masks are per row; -4.21% once the share "
+         "left out the further norms in pure fp32)",
+    1127: "held out (seeds 1100-1299), Gemma-3 full fp32, checkpointing, b4 s128: the recompute's "
+          "backward share covered the four norms' and q/k norms' saved tensors (-10.18%)",
 }
 # Real packing (several samples per window; the draw's packed recipes had one sample per window
 # before lowvram.difftest wrote short rows for them): each once above its plan.

@@ -130,7 +130,7 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
             continue  # LoRA: no gradient flows into the embedding output (OLMo-2: no norm there)
         if attention_side and (n > 0 or spec.norm_after):
             continue  # the norms after the attention (and OLMo-2's post-norms) are done
-        per_tok += 4 * h + 4 + (_normed_bytes(setup) * h if full else 0)
+        per_tok += 4 * h + 4 + (normed_bytes(setup) * h if full else 0)
     fixed += _norm_weight_fixed_bytes(setup)
     if attn_grad:
         # attention (SDPA / flash): q, k, v, out + fp32 logsumexp per head
@@ -230,10 +230,10 @@ def qk_norm_activation_bytes(setup: RunSetup) -> int:
     r, _, _ = dtypes(setup)
     width = spec.q_dim + spec.kv_dim
     rows = spec.num_heads + spec.num_kv_heads if spec.qk_norm == "head" else 2
-    return 4 * width + 4 * rows + (_normed_bytes(setup) * width if not setup.lora else 0)
+    return 4 * width + 4 * rows + (normed_bytes(setup) * width if not setup.lora else 0)
 
 
-def _normed_bytes(setup: RunSetup) -> int:
+def normed_bytes(setup: RunSetup) -> int:
     """Bytes per element of the normalized x an RMSNorm with a trainable weight saves: the residual
     dtype where the weight multiplies the cast-back x (LlamaRMSNorm), fp32 where it multiplies
     the fp32 x (Gemma3RMSNorm, Olmo2RMSNorm; measured with saved_tensors_hooks)."""
@@ -305,7 +305,7 @@ def head_activation_bytes(setup: RunSetup) -> int:
     t = setup.micro_batch_size * setup.seq_len
     h = spec.hidden_size
     full = not setup.lora
-    per_tok = 4 * h + 4 + (_normed_bytes(setup) * h if full else 0) + 8  # final norm; int64 labels
+    per_tok = 4 * h + 4 + (normed_bytes(setup) * h if full else 0) + 8  # final norm; int64 labels
     # rotary cos and sin, shared by all layers (of a type: Gemma-3 has two tables)
     per_tok += 2 * spec.head_dim * (4 if spec.rotary_fp32 else r) * spec.rotary_tables
     if spec.embd_dropout and full:  # its mask (as above); LoRA: no gradient flows there
@@ -464,5 +464,5 @@ __all__ = [
     "activation_bytes", "activation_offload_host_bytes", "activation_offloaded", "dtypes",
     "linear_sources", "mlp_elementwise_bytes", "qk_norm_activation_bytes",
     "eager_bytes", "head_activation_bytes", "layer_activation_bytes", "lora_dropout_layer_bytes",
-    "masked_attention_bytes", "masked_layers", "offloaded_layer_input_bytes",
+    "masked_attention_bytes", "masked_layers", "normed_bytes", "offloaded_layer_input_bytes",
 ]

@@ -14,6 +14,7 @@ from lowvram.plan.activations import (
     lora_dropout_layer_bytes,
     masked_attention_bytes,
     mlp_elementwise_bytes,
+    normed_bytes,
     qk_norm_activation_bytes,
 )
 from lowvram.plan.models import (
@@ -66,11 +67,13 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     shared_part = replace(setup, model=dense_view(spec)) if spec.is_moe and not spec.expert_bias else setup
     layer = layer_activation_bytes(shared_part) - eager - dropout
     mixed = autocast and dtype_bytes(setup)[0] == 4
-    # the shares were measured on Llama-style blocks (two norms): under LoRA the fp32 upcasts a
-    # block's further frozen norms save (Gemma-3's post-norms, q/k norms) make no gradients in
-    # proportion (not under full fine-tuning: taking them out there put a 2-layer Gemma-3, full
-    # bf16 with checkpointing, 3.9% under its simulated step, tests/test_plan_families.py)
-    if setup.lora:
+    # the shares were measured on Llama-style blocks (two norms): what a block's further norms
+    # save (Gemma-3's post-norms, q/k norms) makes no gradients in proportion under LoRA (frozen:
+    # fp32 upcasts) and in pure fp32 (held-out seeds 861 and 1127, Gemma-3 full fp32 with
+    # checkpointing, were 12.8% and 10.2% under their plans); not under 16-bit full fine-tuning,
+    # where taking them out put a 2-layer Gemma-3, full bf16 with checkpointing, 3.9% under its
+    # simulated step (tests/test_plan_families.py)
+    if setup.lora or (r == 4 and not autocast):
         layer -= _extra_norm_saved_bytes(setup)
     if setup.lora and c == 2:
         backward = layer * 3 // 8 if mixed else layer // 2
@@ -92,14 +95,16 @@ def layer_backward_bytes(setup: RunSetup) -> int:
 
 
 def _extra_norm_saved_bytes(setup: RunSetup) -> int:
-    """What a decoder layer's frozen norms beyond a Llama block's two save under LoRA (the fp32
-    upcast of the input and the rsqrt per norm, as in layer_activation_bytes): Gemma-3's
-    post-attention and post-MLP norms, q/k norms. Held-out fuzz seed 272 (Gemma-3 QLoRA on
-    k_proj with checkpointing) was 12.4% over its plan with them inside the share."""
+    """What a decoder layer's norms beyond a Llama block's two save (the fp32 upcast of the input
+    and the rsqrt per norm, and the normalized input for a trainable weight, as in
+    layer_activation_bytes): Gemma-3's post-attention and post-MLP norms, q/k norms. Held-out fuzz
+    seed 272 (Gemma-3 QLoRA on k_proj with checkpointing) was 12.4% over its plan with them
+    inside the share."""
     spec = setup.model
     t = setup.micro_batch_size * setup.seq_len
     extra = max(0, spec.norms_per_layer - 2)
-    return t * (extra * (4 * spec.hidden_size + 4) + qk_norm_activation_bytes(setup))
+    normed = 0 if setup.lora else normed_bytes(setup) * spec.hidden_size  # a trainable weight's
+    return t * (extra * (4 * spec.hidden_size + 4 + normed) + qk_norm_activation_bytes(setup))
 
 
 def expert_weight_gradient_bytes(setup: RunSetup) -> int:
