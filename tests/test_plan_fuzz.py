@@ -59,6 +59,8 @@ ALL_FAMILY_SEEDS = {
          "left out the further norms in pure fp32)",
     1127: "held out (seeds 1100-1299), Gemma-3 full fp32, checkpointing, b4 s128: the recompute's "
           "backward share covered the four norms' and q/k norms' saved tensors (-10.18%)",
+    1301: "held out (seeds 1300-1499), Mixtral full fp32, b2 s64: the last layer's expert weight "
+          "gradients beside every layer's activations (+3.23%)",
 }
 # Real packing (several samples per window; the draw's packed recipes had one sample per window
 # before lowvram.difftest wrote short rows for them): each once above its plan.
