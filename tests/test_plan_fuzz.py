@@ -61,6 +61,8 @@ ALL_FAMILY_SEEDS = {
           "backward share covered the four norms' and q/k norms' saved tensors (-10.18%)",
     1301: "held out (seeds 1300-1499), Mixtral full fp32, b2 s64: the last layer's expert weight "
           "gradients beside every layer's activations (+3.23%)",
+    1397: "held out (seeds 1300-1499), Qwen2 QLoRA on k/down_proj, bf16-mixed, eager, 512 tokens: "
+          "layer 0 keeps no 16-bit copy of its probabilities when v is frozen (-11.97%)",
 }
 # Real packing (several samples per window; the draw's packed recipes had one sample per window
 # before lowvram.difftest wrote short rows for them): each once above its plan.
