@@ -140,7 +140,7 @@ def make_batch(setup, seed: int = 0, device: str = "cpu") -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, setup.model.vocab_size, (setup.micro_batch_size, setup.seq_len), generator=g)
     batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
-    if getattr(setup, "packing", False):
+    if setup.packing:
         # data.packing: four samples to a window, position_ids restarting at each (as
         # lowvram.train.data.collate.pack makes them), so transformers builds the packed mask
         positions = torch.arange(setup.seq_len) % max(1, setup.seq_len // 4)

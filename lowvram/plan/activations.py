@@ -322,8 +322,7 @@ def eager_bytes(setup: RunSetup) -> int:
     if setup.model.attention_sinks:  # gpt-oss: its own eager path (lowvram.plan.moe)
         return moe.sink_eager_bytes(setup.model, setup.micro_batch_size, setup.seq_len, cc,
                                     dtype_bytes(setup)[0])
-    copy = 0 if cc == 4 else cc
-    return (4 + copy) * setup.model.num_heads * setup.seq_len**2 * setup.micro_batch_size
+    return 4 * setup.model.num_heads * setup.seq_len**2 * setup.micro_batch_size + _eager_copy_bytes(setup)
 
 
 def head_activation_bytes(setup: RunSetup) -> int:
@@ -402,8 +401,7 @@ def _checkpointed_mask_bytes(setup: RunSetup) -> int:
     s = setup.seq_len
     if not setup.packing:
         return s * s
-    masks = 2 if 0 < spec.sliding_layers < spec.num_layers else 1
-    return masks * setup.micro_batch_size * s * s
+    return _attention_types(spec) * setup.micro_batch_size * s * s
 
 
 def eager_mask_bytes(setup: RunSetup) -> int:
@@ -416,9 +414,13 @@ def eager_mask_bytes(setup: RunSetup) -> int:
     if setup.attention != "eager" or not setup.gradient_checkpointing:
         return 0
     r, _, _ = dtypes(setup)
-    spec = setup.model
-    masks = 2 if 0 < spec.sliding_layers < spec.num_layers else 1  # full and sliding layers
-    return masks * r * setup.micro_batch_size * setup.seq_len**2
+    return _attention_types(setup.model) * r * setup.micro_batch_size * setup.seq_len**2
+
+
+def _attention_types(spec: ModelSpec) -> int:
+    """How many masks transformers builds per batch: one per attention type (full and sliding
+    window layers: 2 for Gemma-3 and gpt-oss with both, else 1)."""
+    return 2 if 0 < spec.sliding_layers < spec.num_layers else 1
 
 
 def activation_bytes(setup: RunSetup) -> int:
@@ -439,7 +441,9 @@ def activation_bytes(setup: RunSetup) -> int:
     # layer 0 (sliding in Gemma-3, masked with packing) saves no mask when its attention makes no
     # gradient (LoRA with no adapter upstream of it: _first_layer_grads; measured: a 2-layer
     # OLMo-2 LoRA on o_proj, packed, held one of its two layers' masks)
-    masks = masked_layers(setup) - (0 if _first_layer_grads(setup)[0] or not masked_layers(setup) else 1)
+    masks = masked_layers(setup)
+    if masks and not _first_layer_grads(setup)[0]:
+        masks -= 1
     return (layer_activation_bytes(setup, first=True)
             + (spec.num_layers - 1) * layer_activation_bytes(setup) + head
             + masks * masked_attention_bytes(setup))

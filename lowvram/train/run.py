@@ -160,16 +160,17 @@ def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None
     if plan.predicted_peak_bytes is None or replanner is None:
         return {}, dict(plan.breakdown)
     several = bundle.stats.packed and bundle.stats.train_samples > bundle.stats.train_rows
+    one_sample_windows = bundle.stats.packed and not several  # packing on, no window holds two
     longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
     if not 0 < longest <= recipe.training.seq_len or (longest == recipe.training.seq_len
-                                                      and several == bundle.stats.packed):
-        return {}, dict(plan.breakdown)
+                                                      and not one_sample_windows):
+        return {}, dict(plan.breakdown)  # the data reaches what the plan was made for
     breakdown = replanner.breakdown_at(plan, longest, packing=several)
     if not breakdown:
         return {}, dict(plan.breakdown)
     metrics = {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": sum(breakdown.values())}
-    if bundle.stats.packed and not several:
-        metrics["data_windows_one_sample"] = True  # packing on, but no window holds two samples
+    if one_sample_windows:
+        metrics["data_windows_one_sample"] = True
     return metrics, breakdown
 
 
