@@ -8,6 +8,7 @@ A GGUF file is converted once to a cached safetensors folder (gguf.py).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -319,13 +320,25 @@ def apply_lora(model, plan):
                            "use all-linear, or names of Linear modules in this model (e.g. [q_proj, v_proj])") from None
 
 
+def _weights_in(p) -> int:
+    """How many model weights a parameter holds. A quantized bitsandbytes Params4bit packs two
+    4-bit values per byte of its storage dtype (bnb_4bit_quant_storage: uint8 by default, the
+    compute dtype under FSDP, where one bf16 element holds four); its quant_state keeps the
+    unpacked shape (bitsandbytes/functional.py quantize_4bit: QuantState(shape=input_shape);
+    nn/modules.py Params4bit._quantize). Not yet quantized (bnb_quantized False), it holds the
+    weights themselves."""
+    if p.__class__.__name__ != "Params4bit" or not getattr(p, "bnb_quantized", True):
+        return p.numel()
+    state = getattr(p, "quant_state", None)
+    if state is not None and getattr(state, "shape", None) is not None:
+        return math.prod(state.shape)
+    return p.numel() * p.element_size() * 2  # two 4-bit values per byte of storage
+
+
 def count_params(model) -> tuple[int, int]:
     trainable = total = 0
     for p in model.parameters():
-        n = p.numel()
-        # bitsandbytes packs two 4-bit weights per uint8 element.
-        if p.__class__.__name__ == "Params4bit":
-            n *= 2
+        n = _weights_in(p)
         total += n
         if p.requires_grad:
             trainable += n
