@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from lowvram.errors import LowvramError
 from lowvram.plan import sharding
 from lowvram.plan.models import ModelSpec
-from lowvram.plan.setup import MemoryEstimate, RunSetup, offload_conflict
+from lowvram.plan.setup import MemoryEstimate, RunSetup, offload_conflict, offload_conflict_hint
 from lowvram.plan.types import Plan
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
@@ -176,8 +176,9 @@ def validate_request(req: PlanRequest) -> None:
     if req.optimizer is not None and req.offload is not None:
         conflict = offload_conflict(req.optimizer, req.offload)
         if conflict:
-            raise LowvramError(conflict, "use --optim adamw with it, or --offload fsdp-offload (FSDP2 "
-                               "keeps your optimizer, its step on the CPU)")
+            flag = {"optimizer": "--optim", "offload": "--offload"}
+            raise LowvramError(conflict, offload_conflict_hint(req.optimizer, req.offload,
+                                                               lambda key, value: f"{flag[key]} {value}"))
     if req.batch_size % req.gpus:
         raise LowvramError(
             f"batch_size {req.batch_size} is not divisible by {req.gpus} GPUs",
