@@ -130,9 +130,10 @@ def quantization_config(plan):
 
     if plan.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    # QLoRA + FSDP (peft's "Use PEFT QLoRA and FSDP" guide): the packed 4-bit weights are stored
-    # in the compute dtype so FSDP sees one float dtype across the module it flattens/shards.
-    storage = {"bnb_4bit_quant_storage": compute_dtype(plan)} if plan.offload.startswith("fsdp") else {}
+    # QLoRA + FSDP or ZeRO-3 (peft's "Use PEFT QLoRA and FSDP" and "DeepSpeed" guides, accelerate's
+    # QLoRA + ZeRO-3 example): the packed 4-bit weights are stored in the compute dtype so the
+    # engine that shards them sees one float dtype across the module it flattens/partitions.
+    storage = {"bnb_4bit_quant_storage": compute_dtype(plan)} if shards_parameters(plan) else {}
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="fp4" if plan.quantization == "fp4" else "nf4",
@@ -142,7 +143,24 @@ def quantization_config(plan):
     )
 
 
+def _zero3(plan) -> bool:
+    from lowvram.plan.sharding import ZERO_OFFLOADS
+
+    return ZERO_OFFLOADS.get(plan.offload, (0,))[0] == 3
+
+
+def shards_parameters(plan) -> bool:
+    """FSDP or DeepSpeed ZeRO-3: the parameters themselves are sharded across the processes."""
+    return plan.offload.startswith("fsdp") or _zero3(plan)
+
+
 def _device_map(plan):
+    if _zero3(plan):
+        # transformers refuses a device_map under ZeRO-3 (integrations/accelerate.py,
+        # check_and_set_device_map); the bnb quantizer then places the base on
+        # torch.cuda.current_device() (quantizer_bnb_4bit.update_device_map), which the
+        # TrainingArguments' accelerate state has set to this process's LOCAL_RANK.
+        return None
     if plan.device == "cpu":
         return {"": "cpu"}
     if plan.device == "cuda":

@@ -199,12 +199,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         checkpoint = prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
     at_end = checkpoint is not None and _finished_at(checkpoint, recipe)
 
-    from lowvram.train.model import load_model, quiet_libraries
-
-    quiet_libraries()
-    sys.stdout.write(f"loading {recipe.model.name_or_path} ...\n")  # seconds for a large model: not silence
-    sys.stdout.flush()
-    loaded = load_model(recipe, plan)
+    args, loaded = _arguments_then_model(recipe, plan)
 
     from lowvram.train.data.build import build_datasets
     from lowvram.train.data.collate import make_collator
@@ -213,11 +208,9 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     if len(bundle.train) == 0:
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
 
-    from lowvram.train.progress import ProgressCallback
-    from lowvram.train.trainer import build_trainer, build_training_args
-
-    args = build_training_args(recipe, plan, has_eval=bundle.eval is not None)
     from lowvram.train import oom, signals
+    from lowvram.train.progress import ProgressCallback
+    from lowvram.train.trainer import build_trainer
 
     progress = ProgressCallback()
     stop = signals.SignalStop()  # SIGINT/SIGTERM: checkpoint at the step's end, then stop
@@ -312,6 +305,24 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         write_atomic(out / METRICS, json.dumps(metrics, indent=2) + "\n")
         _plot(metrics, out)
     return RunResult(output_dir=str(out), metrics=metrics, resumed_from=str(checkpoint) if checkpoint else None)
+
+
+def _arguments_then_model(recipe, plan):
+    """(TrainingArguments, LoadedModel), in that order. Under ``accelerate launch`` with DeepSpeed,
+    TrainingArguments.__post_init__ makes the DeepSpeedPlugin whose HfDeepSpeedConfig sets
+    transformers' global weakref (accelerate utils/dataclasses.py set_deepspeed_weakref); only
+    with it alive does from_pretrained see ``is_deepspeed_zero3_enabled()`` (modeling_utils
+    get_init_context: zero.Init, or for a 4-bit base the meta device and the quantized state),
+    as peft's ZeRO-3 QLoRA recipe and accelerate's example do. The datasets come later: whether
+    there is an evaluation set follows from data.validation (data/build.py)."""
+    from lowvram.train.model import load_model, quiet_libraries
+    from lowvram.train.trainer import build_training_args
+
+    quiet_libraries()
+    args = build_training_args(recipe, plan, has_eval=recipe.data.validation is not None)
+    sys.stdout.write(f"loading {recipe.model.name_or_path} ...\n")  # seconds for a large model: not silence
+    sys.stdout.flush()
+    return args, load_model(recipe, plan)
 
 
 def _finished_at(checkpoint: Path, recipe) -> bool:
