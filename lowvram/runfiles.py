@@ -41,6 +41,11 @@ def write_atomic(path: Path, text: str) -> None:
             f.write(text)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a run's files are like any other
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.filename is None:  # a failed write()/close() names no file: say which one did not fit
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -160,11 +161,28 @@ def merge_run(plan: MergePlan) -> MergeResult:
         if out.exists():
             out.rmdir()  # empty (plan_merge checked)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
+        failed = _disk_full(e, tmp, out)
         shutil.rmtree(tmp, ignore_errors=True)
+        if failed is not None:
+            raise failed from None
         raise
     seconds = time.perf_counter() - t0
     return MergeResult(str(out), round(seconds, 3), _peak_rss(), tuple(sorted(f.name for f in out.iterdir())), plan)
+
+
+def _disk_full(exc: BaseException, tmp: Path, out: Path) -> LowvramError | None:
+    """The error for a disk that filled while the merged folder was written (None: another
+    failure). The half-written folder is removed by the caller: nothing of it stays."""
+    from lowvram.train.recover import in_place_of, is_disk_full, written_file
+
+    if not is_disk_full(exc):
+        return None
+    written = written_file(exc, tmp)
+    what = in_place_of(written, tmp, out) if written else out
+    return LowvramError(f"disk full while writing {what} (the merged model did not fit; nothing of it was kept)",
+                        f"free space on that disk (df -h {shlex.quote(str(out.parent))}) and merge again, "
+                        f"or merge to a disk with room for it (--out)")
 
 
 def _peak_rss() -> int:

@@ -46,6 +46,13 @@ DEFAULT_MAX_RETRIES = 3
 # full 30 MB tmpfs gave the first).
 DISK_FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "PytorchStreamWriter failed",
                       "unexpected pos", "file write failed")
+# The Rust writers raise exceptions that are neither OSError nor RuntimeError, with the errno in
+# the text only (issue 24, on a real tmpfs): safetensors' SafetensorError (a plain Exception
+# subclass, safetensors/src/lib.rs) "Error while serializing: I/O error: No space left on device
+# (os error 28)", and tokenizers' Tokenizer.save a plain ``Exception: No space left on device (os
+# error 28)``. Their messages are the OS's own strings (strerror of ENOSPC / EDQUOT, 122 on Linux),
+# so for those any exception counts; the torch writer's own words only from a RuntimeError.
+_OS_MESSAGES = ("No space left on device", "Disk quota exceeded", "(os error 28)", "(os error 122)")
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -54,6 +61,8 @@ def is_disk_full(exc: BaseException) -> bool:
     while exc is not None and id(exc) not in seen:  # torch.save wraps the OSError in a RuntimeError
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in codes:
+            return True
+        if isinstance(exc, Exception) and any(m in str(exc) for m in _OS_MESSAGES):
             return True
         if isinstance(exc, (OSError, RuntimeError)) and any(m in str(exc) for m in DISK_FULL_MESSAGES):
             return True
@@ -163,6 +172,7 @@ def _final_failure(err: TrainingOOM, retries: list[Retry], why: str) -> LowvramE
 
 
 def _disk_full(exc: BaseException, out: Path, hint_cmd: str) -> LowvramError:
+    name = written_file(exc, out)  # before the partial folder goes
     removed = []
     for p in partial_checkpoints(out):  # cannot be resumed from; frees the space it took
         shutil.rmtree(p, ignore_errors=True)
@@ -170,7 +180,7 @@ def _disk_full(exc: BaseException, out: Path, hint_cmd: str) -> LowvramError:
     last = complete_checkpoints(out)
     kept = f"the last complete checkpoint {last[-1].name} is intact" if last else "no complete checkpoint was written"
     gone = f" (removed the partial {', '.join(removed)})" if removed else ""
-    name = _failed_file(exc) or (out / removed[0] if removed else out)
+    name = name or (out / removed[0] if removed else out)
     then = f", then {hint_cmd}" if last and hint_cmd else ""
     return LowvramError(f"disk full while writing {name}{gone}",
                         f"free space on that disk (df -h {shlex.quote(str(out))}); {kept}{then}")
@@ -183,6 +193,51 @@ def _failed_file(exc: BaseException | None) -> str | None:
             return str(exc.filename)
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def written_file(exc: BaseException | None, under: Path) -> Path | None:
+    """The file that a failed save was writing: the one an OSError in ``exc`` names, else the
+    path below ``under`` (not a folder) held by a local of the innermost frame of the traceback
+    that holds one: safetensors.torch.save_file's ``filename``, the tokenizer's ``tokenizer_file``
+    (transformers tokenization_utils_tokenizers._save_pretrained), torch.save's ``f``. The Rust
+    writers' errors name no file and safetensors removes its half-written one, so neither the
+    error nor the folder says which file did not fit."""
+    if named := _failed_file(exc):
+        return Path(named)
+    root = str(under.resolve())
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        frames, tb = [], exc.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        for frame in reversed(frames):
+            for value in list(frame.f_locals.values()):
+                path = _path_below(value, root)
+                if path is not None:
+                    return path
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def in_place_of(path: Path, tmp: Path, out: Path) -> Path:
+    """``path`` as it would have been named in ``out`` (the files are written into ``tmp``, which
+    is removed before the error is shown, then moved into ``out``)."""
+    try:
+        return out / Path(path).resolve().relative_to(tmp.resolve())
+    except ValueError:
+        return Path(path)
+
+
+def _path_below(value, root: str) -> Path | None:
+    if not isinstance(value, (str, Path)) or len(str(value)) > 4096 or "\0" in str(value):
+        return None
+    try:
+        p = Path(value).resolve()
+        return p if str(p).startswith(root + "/") and not p.is_dir() else None
+    except (OSError, ValueError, RuntimeError):
+        return None
 
 
 def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = False, recover: bool = True,

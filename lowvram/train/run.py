@@ -9,6 +9,7 @@ run), ``metrics.json`` last (it marks the run finished).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -45,8 +46,23 @@ def _save_final(trainer, tokenizer, out: Path) -> None:
             if f.is_dir():
                 shutil.rmtree(dest, ignore_errors=True)
             os.replace(f, dest)
+    except Exception as e:
+        _name_what_did_not_fit(e, tmp, out)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _name_what_did_not_fit(exc: Exception, tmp: Path, out: Path) -> None:
+    """A full disk during the final save: an OSError naming the file of the run that did not fit
+    (``tmp`` is removed before the error is shown; the Rust writers' errors name no file)."""
+    from lowvram.train.recover import in_place_of, is_disk_full, written_file
+
+    if not is_disk_full(exc):
+        return
+    written = written_file(exc, tmp)
+    what = in_place_of(written, tmp, out) if written else out
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(what)) from exc
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,8 +318,8 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     if per_rank:
         metrics["peak_memory_bytes"] = max(per_rank)  # the largest rank: what must fit one card
     if main:
+        _plot(metrics, out)  # before metrics.json: a plot the disk had no room for leaves the run unfinished
         write_atomic(out / METRICS, json.dumps(metrics, indent=2) + "\n")
-        _plot(metrics, out)
     return RunResult(output_dir=str(out), metrics=metrics, resumed_from=str(checkpoint) if checkpoint else None)
 
 
@@ -354,12 +370,18 @@ def _load_finished(trainer, checkpoint: Path):
 
 
 def _plot(metrics: dict, out: Path) -> None:
-    """loss.png next to metrics.json; a plotting problem never fails a finished run."""
+    """loss.png next to metrics.json (written before it); a plotting problem never fails a
+    finished run, a full disk does (an OSError naming loss.png: recover._disk_full's error)."""
     import warnings
+
+    from lowvram.train.plots import LOSS_PNG
+    from lowvram.train.recover import is_disk_full
 
     try:
         from lowvram.train.plots import save_loss_plot
 
         save_loss_plot(metrics, out)
     except Exception as e:  # noqa: BLE001 - e.g. matplotlib missing or a bad font cache
+        if is_disk_full(e):  # a full disk is the run's error (recover._disk_full), not a plotting one
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / LOSS_PNG)) from e
         warnings.warn(f"loss.png not written: {e}", stacklevel=2)
