@@ -359,3 +359,14 @@ def test_flash_attention_is_refused_where_it_cannot_run_and_never_picked(llama7b
     for gb in (8, 24, 80):
         c = _plan(llama7b, gb)
         assert all(a.setup.attention != "flash_attention_2" for a in (c.chosen, *c.alternatives))
+
+
+def test_bloom_plans_eager_attention_the_only_one_transformers_has_for_it():
+    """Found by tests/test_library_configs.py: transformers' Bloom has no SDPA (or flash) path, so
+    the sdpa plans lowvram made for bloom-7b1 failed in from_pretrained."""
+    spec = resolve_model("bloom-7b1")
+    c = _plan(spec, 24, lora=True)
+    assert c.plan.attention == "eager" and "only eager attention for bloom" in c.plan.reasons["attention"]
+    assert all(a.setup.attention == "eager" for a in c.alternatives)
+    with pytest.raises(LowvramError, match="only eager attention"):
+        _plan(spec, 24, lora=True, attention="sdpa")
