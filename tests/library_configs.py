@@ -10,11 +10,24 @@ are lowvram's build_training_args under that environment. Two things are faked, 
 these: the bf16 device probe TrainingArguments makes (``is_torch_bf16_gpu_available``: there
 is no Ampere card here) and, for DeepSpeed's batch-size check, the world size (no process group
 is started). Everything else runs as it would on the GPU machine.
+
+Validated per plan (validate_plan): accelerate launch's parsing of lowvram's written config
+(_validate_launch_command, prepare_*_env); TrainingArguments.__post_init__ under that environment
+(every check but the bf16 device probe); accelerate's FullyShardedDataParallelPlugin and
+DeepSpeedPlugin as the Accelerator / TrainingArguments build them from it; transformers'
+HfTrainerDeepSpeedConfig trainer_config_process + trainer_config_finalize (with deepspeed
+installed); BitsAndBytesConfig.post_init; from_config with the plan's dtype and
+attn_implementation (transformers' attention-implementation check) on the meta device; peft's
+LoraConfig + get_peft_model target matching and transformers' checkpointing switch, through
+lowvram's prepare_model, on a 2-layer meta copy of the model's architecture. Not validated (they
+need a GPU): bitsandbytes' quantizer environment check and the quantization itself, the
+Accelerator's process group (NCCL), fully_shard on CUDA, DeepSpeed's engine initialisation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from pathlib import Path
 from unittest import mock
@@ -47,7 +60,8 @@ def launch_environment(cfg: dict, out_dir: Path) -> dict[str, str]:
 @contextlib.contextmanager
 def launched(env: dict[str, str]):
     """``env`` set (and every other ACCELERATE_*/FSDP_* variable removed) for the block; the
-    accelerate state reset before and after, so each plan starts as a fresh worker."""
+    accelerate state reset before and after, and transformers' ZeRO-3 weakref dropped after, so
+    each plan starts as a fresh worker."""
     from accelerate.state import AcceleratorState
 
     saved = {k: v for k, v in os.environ.items() if k.startswith(_LAUNCH_PREFIXES)}
@@ -58,10 +72,13 @@ def launched(env: dict[str, str]):
     try:
         yield
     finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
         for k in env:
             os.environ.pop(k, None)
         os.environ.update(saved)
         AcceleratorState._reset_state(reset_partial_state=True)
+        unset_hf_deepspeed_config()  # ZeRO-3 TrainingArguments leave a global weakref behind
 
 
 def training_arguments(recipe, plan):
@@ -103,3 +120,114 @@ def finalize_deepspeed(args, model, world_size: int, steps: int = 10) -> dict:
         propagate_args_to_deepspeed(accelerator, args)
         args.deepspeed_plugin.hf_ds_config.trainer_config_finalize(args, model, steps)
     return args.deepspeed_plugin.deepspeed_config
+
+
+# --------------------------------------------------------------------------------------------
+# Every plan the search returns for CUDA cards, and the libraries' verdict on its configuration
+
+CARDS_GB = (8, 12, 16, 24, 40, 48, 80)
+GPU_COUNTS = (1, 2, 4)
+METHOD_NAMES = (None, "full", "lora", "qlora")  # None: --method left to the planner
+
+
+def searched_plan(name: str, method: str | None, card_gb: int, gpus: int):
+    """What `lowvram plan --model NAME [--method M] --vram {card_gb}GB [--gpus N]` chooses, by the
+    planning layer's own request and budget builders (no hardware queried: a bf16 card). Plans
+    that need DeepSpeed count as runnable (the extra may be installed where they run); Liger's
+    fused loss only where liger_kernel is installed, as make_budget says. None: nothing fits."""
+    from dataclasses import replace
+
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.choose import choose_plan
+    from lowvram.planning.budget import make_budget, missing_extras
+    from lowvram.planning.request import build_request, flag_choices
+
+    fields, sources = flag_choices(method, gpus=gpus if gpus > 1 else None)
+    budget = make_budget(f"{card_gb}GB", None, gpus)
+    budget = replace(budget, missing_extras=tuple(e for e in missing_extras() if e != "deepspeed"))
+    choice = choose_plan(build_request(resolve_model(name), None, fields, sources), budget)
+    return choice.plan if choice.fits else None
+
+
+def config_key(name: str, plan) -> tuple:
+    """What a plan hands the libraries (two plans with the same key build the same configurations)."""
+    return (name, plan.mixed_precision, plan.quantization, plan.lora, plan.optimizer, plan.offload,
+            plan.attention, plan.loss, plan.gradient_checkpointing, plan.activation_offload, plan.gpus,
+            plan.micro_batch_size, plan.grad_accum, plan.lora_targets)
+
+
+def _small_config(name: str, attention: str):
+    """The model's own architecture (lowvram.check.builders.hf_config of its catalog spec) cut to
+    two decoder layers: the module names LoRA targets and the attention classes are the same."""
+    from dataclasses import replace
+
+    from lowvram.check.builders import hf_config
+    from lowvram.plan.catalog import resolve_model
+
+    return hf_config(replace(resolve_model(name), num_layers=2), attention)
+
+
+def validate_plan(name: str, plan, work: Path) -> list[str]:
+    """Build every configuration ``plan`` hands the libraries, with lowvram's own builders, and run
+    each library's own validation on it; a rejection raises. Returns what was validated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.train.launch import LaunchSpec, accelerate_config
+    from lowvram.train.model import load_kwargs, prepare_model, quantization_config
+
+    done = []
+    # from_pretrained arguments: dtype and attention implementation through transformers' own
+    # checks (from_config on the meta device); the BitsAndBytesConfig through its post_init.
+    kwargs = load_kwargs(plan)
+    q = quantization_config(plan)
+    if q is not None:
+        q.post_init()
+        assert kwargs["quantization_config"].to_dict() == q.to_dict()
+        done.append("BitsAndBytesConfig")
+    cfg = _small_config(name, plan.attention)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=kwargs["dtype"], attn_implementation=kwargs["attn_implementation"])
+    done.append("from_pretrained dtype/attn_implementation")
+    # LoRA (peft's LoraConfig and get_peft_model matching its targets) and checkpointing, as
+    # lowvram.train.model.prepare_model applies them
+    model = prepare_model(model, plan, seed=0)
+    if plan.lora:
+        done.append("LoraConfig")
+    recipe = _recipe(work, plan)
+    launched_run = plan.gpus > 1 or plan.offload != "none"
+    env = launch_environment(accelerate_config(plan, LaunchSpec(gpus=plan.gpus)), work) if launched_run else {}
+    if launched_run:
+        done.append("accelerate launch config")
+    with launched(env):
+        args = training_arguments(recipe, plan)
+        done.append("TrainingArguments")
+        if env.get("ACCELERATE_USE_FSDP") == "true":
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            plugin = FullyShardedDataParallelPlugin()  # what the Accelerator builds from this env
+            assert plugin.fsdp_version == 2 and plugin.cpu_ram_efficient_loading
+            done.append("FullyShardedDataParallelPlugin")
+        if env.get("ACCELERATE_USE_DEEPSPEED") == "true":
+            assert args.deepspeed_plugin is not None
+            done.append("DeepSpeedPlugin")
+    if env.get("ACCELERATE_USE_DEEPSPEED") == "true" and importlib.util.find_spec("deepspeed") is not None:
+        ds_model = meta_model(cfg)  # outside the block: under ZeRO-3 it would go to zero.Init
+        with launched(env):
+            args = training_arguments(recipe, plan)
+            ds = finalize_deepspeed(args, ds_model, plan.gpus)
+        assert ds["train_micro_batch_size_per_gpu"] == plan.micro_batch_size
+        done.append("HfTrainerDeepSpeedConfig")
+    return done
+
+
+def _recipe(work: Path, plan):
+    """A recipe with the schema's training defaults and the plan's batch (what build_training_args reads)."""
+    from lowvram.recipe import parse_recipe
+
+    batch = plan.micro_batch_size * plan.grad_accum * plan.gpus
+    return parse_recipe(f"""
+model: {{name_or_path: unused}}
+data: {{datasets: [{{path: data.jsonl, format: completion}}]}}
+training: {{output_dir: {work / "out"}, batch_size: {batch}, seq_len: {plan.seq_len}}}
+""", source=work / "recipe.yaml")

@@ -46,3 +46,23 @@ def test_bitsandbytes_8bit_adamw_fails_at_fsdp2s_first_step(tmp_path, tiny_model
 def test_every_bitsandbytes_optimizer_fails_under_fsdp2(tmp_path, tiny_model_dir, optimizer):
     out = fsdp_step(tmp_path, tiny_model_dir, optimizer=optimizer)
     assert "bitsandbytes" in out.get("error", ""), out
+
+
+def test_fsdp2_bf16_full_finetuning_keeps_the_dtype_the_plan_counts(tmp_path, tiny_model_dir):
+    """Issue 24 item 2: with the Trainer's bf16=True, accelerate's fsdp2_prepare_model upcast every
+    trainable bf16 parameter to fp32 (weights, gradients and AdamW state twice the plan). lowvram
+    now trains FSDP2 bf16 full fine-tuning without autocast: the shards stay in the dtype the
+    planner counts for them (plan.states.dtype_bytes), here after a real optimizer step."""
+    import torch
+
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.setup import RunSetup
+    from lowvram.plan.states import dtype_bytes
+
+    out = fsdp_step(tmp_path, tiny_model_dir, mixed_precision="bf16")
+    assert "error" not in out, out
+    assert out["distributed_type"] == "DistributedType.FSDP" and out["sharded"] > 0
+    assert out["trainable_dtypes_before"] == ["torch.bfloat16"]
+    planned = dtype_bytes(RunSetup(resolve_model("llama-2-7b"), precision="bf16", offload="fsdp", gpus=4))[0]
+    assert [getattr(torch, d.removeprefix("torch.")).itemsize for d in out["trainable_dtypes"]] == [planned], out
+    assert out["mixed_precision"] == "no"  # no Trainer autocast: what keeps accelerate from upcasting

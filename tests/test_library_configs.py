@@ -75,3 +75,66 @@ def test_deepspeed_runs_with_any_max_grad_norm(tmp_path, offload, max_grad_norm)
     assert ds["gradient_clipping"] == max_grad_norm
     assert ds["train_batch_size"] == 2 * gpus and ds["train_micro_batch_size_per_gpu"] == 1
     assert ds["gradient_accumulation_steps"] == 2 and ds["bf16"]["enabled"] is True
+
+
+# --------------------------------------------------------------------------------------------
+# Every plan the search returns for CUDA cards, through the libraries' own validation
+
+
+def _sweep(requests, tmp_path) -> dict:
+    """Plan each (model, method, card GB, GPUs) request, validate each distinct configuration;
+    every library rejection is collected (one failure lists them all)."""
+    from collections import Counter
+
+    from library_configs import config_key, searched_plan, validate_plan
+
+    plans, failures, validated = {}, [], Counter()
+    for name, method, gb, gpus in requests:
+        plan = searched_plan(name, method, gb, gpus)
+        if plan is not None:
+            plans.setdefault(config_key(name, plan), (name, plan, (method, gb, gpus)))
+    for i, (name, plan, asked) in enumerate(plans.values()):
+        work = tmp_path / f"p{i}"
+        work.mkdir()
+        try:
+            validated.update(validate_plan(name, plan, work))
+        except Exception as e:  # a library rejected what lowvram builds for this plan
+            failures.append(f"{name} {asked}: {plan.mixed_precision} {plan.quantization} lora={plan.lora} "
+                            f"{plan.optimizer} {plan.offload} {plan.attention} {plan.loss}: {type(e).__name__}: {e}")
+    print(f"\n{len(requests)} requests, {len(plans)} distinct plan configurations validated: {dict(validated)}")
+    assert not failures, "\n".join(failures)
+    return {"requests": len(requests), "plans": len(plans), "validated": validated}
+
+
+def _sampled_requests(per_model: int) -> list[tuple]:
+    """Every catalog model, each with ``per_model`` (method, card, GPUs) triples spread over the
+    grid, deterministic."""
+    import itertools
+
+    from library_configs import CARDS_GB, GPU_COUNTS, METHOD_NAMES
+
+    from lowvram.plan.catalog import catalog_names
+
+    grid = list(itertools.product(METHOD_NAMES, CARDS_GB, GPU_COUNTS))
+    return [(name, *grid[(7 * i + 31 * k) % len(grid)])
+            for i, name in enumerate(catalog_names()) for k in range(per_model)]
+
+
+def test_sampled_plans_pass_every_librarys_validation(tmp_path):
+    """The configuration test (issue 24): a sample of the grid catalog models x methods (auto,
+    full, lora, qlora) x 8-80 GB cards x 1/2/4 GPUs, every model at least twice."""
+    out = _sweep(_sampled_requests(2), tmp_path)
+    assert out["plans"] > 40 and out["validated"]["TrainingArguments"] == out["plans"]
+    assert out["validated"]["FullyShardedDataParallelPlugin"] and out["validated"]["LoraConfig"]
+    assert out["validated"]["BitsAndBytesConfig"] and out["validated"]["DeepSpeedPlugin"]
+
+
+@pytest.mark.slow  # the whole grid: 41 models x 4 methods x 7 cards x 3 GPU counts, ~15 min
+def test_every_plan_passes_every_librarys_validation(tmp_path):
+    import itertools
+
+    from library_configs import CARDS_GB, GPU_COUNTS, METHOD_NAMES
+
+    from lowvram.plan.catalog import catalog_names
+
+    _sweep(list(itertools.product(catalog_names(), METHOD_NAMES, CARDS_GB, GPU_COUNTS)), tmp_path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from lowvram.plan import activations, backward, states
+from lowvram.plan import activations, backward, moe, states
 from lowvram.plan import techniques as tq
 from lowvram.plan.request import fits_budget
 from lowvram.plan.setup import DEEPSPEED_CPU_OPTIMIZER, FSDP_OFFLOADS, MemoryEstimate, RunSetup
@@ -87,6 +87,9 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     if s.model.attention_sinks and not req.fixed("attention"):
         r["attention"] = (f"eager: {s.model.model_type}'s attention sinks have no SDPA path in "
                           "transformers; keeps b x a x s x (s+1) scores")
+    elif s.model.model_type in moe.EAGER_ONLY_MODEL_TYPES and not req.fixed("attention"):
+        r["attention"] = (f"eager: transformers has only eager attention for {s.model.model_type} "
+                          "(no SDPA or flash path); keeps b x a x s x s scores")
     elif s.attention == "eager":
         r["attention"] += "; eager keeps b x a x s x s scores (upcast to fp32)"
 

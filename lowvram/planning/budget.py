@@ -11,7 +11,7 @@ from lowvram.errors import LowvramError
 from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
 from lowvram.units import gib, parse_size
-from lowvram.vocab import BNB_OPTIMIZERS, ON_VALUES
+from lowvram.vocab import BNB_OPTIMIZERS, ON_VALUES, PRECISIONS
 
 
 def make_budget(vram: str | None = None, hardware=None, gpus: int = 1):
@@ -46,10 +46,11 @@ def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
     free = hardware.free_bytes(gpus)
     n = len(hardware.used_devices(gpus))
     where = f"GPU {dev.index} ({dev.name})" if n == 1 else f"GPU {dev.index} ({dev.name}), the least free of GPUs 0-{n - 1}"
+    capability = _lowest_capability(hardware.used_devices(gpus))
     if not hardware.context_in_free:
-        return {"vram_bytes": free, "source": f"{where}: free memory"}
+        return {"vram_bytes": free, "source": f"{where}: free memory", "compute_capability": capability}
     context = cuda_overheads().context_bytes
-    return {"vram_bytes": free + context,
+    return {"vram_bytes": free + context, "compute_capability": capability,
             "source": f"{where}: {gib(free)} free after this process's CUDA context + the plan's "
                       f"{gib(context)} cuda_context term (the context counted once)"}
 
@@ -92,8 +93,14 @@ def _budget(vram: str | None, hardware):
     dev = hw.devices[0] if hw.devices else None
     source = f"{flag} {override}" if override else (f"{dev.name}: free memory" if dev else hw.kind)
     return Budget(hw.budget_bytes, hw.kind, bf16=hw.bf16, bf16_known=True,
+                  compute_capability=_lowest_capability(hw.devices),
                   host_ram_bytes=hw.host_available_bytes or None, source=source,
                   notes=tuple(hw.notes))
+
+
+def _lowest_capability(devices) -> tuple[int, int] | None:
+    """The lowest CUDA compute capability among ``devices`` (what every rank can run), or None."""
+    return min((tuple(d.compute_capability) for d in devices if d.compute_capability), default=None)
 
 
 def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
@@ -122,6 +129,25 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
             "set techniques.mixed_precision: fp16-mixed (or auto: lowvram picks what the card supports)")
     quant = recipe.techniques.quantization
     _check_bnb(ON_VALUES["quantization"] if quant == "on" else quant, recipe.techniques.optimizer, hardware)
+    _check_flash_attention(recipe, hardware, vram)
+
+
+def _check_flash_attention(recipe: Recipe, hardware, vram: str | None) -> None:
+    """techniques.attention: flash_attention_2 where flash-attn cannot run (not CUDA, a card
+    before Ampere, fp32): refused before the model loads (flash-attn raises at the first forward)."""
+    if recipe.techniques.attention != "flash_attention_2":
+        return
+    from lowvram.plan.search import auto_precision
+    from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
+
+    budget = _budget(vram, hardware)
+    mp, dtype = recipe.techniques.mixed_precision, recipe.model.dtype
+    precision = ("fp32" if mp == "off" else mp if mp in PRECISIONS else
+                 auto_precision(budget, None if dtype == "auto" else dtype))
+    why = flash_attention_unavailable(budget, precision)
+    if why:
+        raise LowvramError(f"techniques.attention: flash_attention_2 cannot run here: {why}",
+                           flash_attention_hint(budget, precision, lambda key, value: f"techniques.{key}: {value}"))
 
 
 def check_runnable(plan: Plan, hardware) -> Plan:
