@@ -138,7 +138,9 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     from lowvram.report.training import show_train_result
     from lowvram.train import launch
 
-    hardware = detect_hardware(vram)
+    # Only the cards this node's processes use are read (--cpu: none), in a child process: this
+    # one launches the workers and must hold no CUDA context while they train (hardware.py).
+    hardware = detect_hardware(vram, gpus=0 if cpu else gpus)
     cpu = cpu or hardware.kind == "cpu"
     if cpu:
         hardware = dataclasses.replace(hardware, kind="cpu", devices=())

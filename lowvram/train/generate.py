@@ -131,7 +131,7 @@ def _load_run_base(base: BaseModel, recipe: dict, plan: dict, dtype: str, device
     size = trained_size(base, plan) if quantized else dense_size(base, dt, folder)
     from lowvram.hardware import detect_hardware
 
-    check_fits(size, device, detect_hardware())
+    check_fits(size, device, detect_hardware(gpus=1))  # generate uses the first card
     return load_trained_base(base, trained_plan(plan), device) if quantized else load_base(base, dt, device)
 
 

@@ -88,7 +88,7 @@ def plan_merge(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", de
 
     from lowvram.hardware import detect_hardware
 
-    hw = detect_hardware()
+    hw = detect_hardware(gpus=1)  # merge uses the first card
     gpu_free = hw.devices[0].free_bytes if hw.kind == "cuda" and hw.devices else None
     notes = []
     if plan.get("quantization", "none") != "none":
