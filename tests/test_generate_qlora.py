@@ -102,3 +102,15 @@ def test_a_13b_qlora_run_fits_a_16gb_card_in_4bit_not_dequantized(tmp_path):
     with pytest.raises(LowvramError) as small:  # another process holds most of the card
         check_fits(four_bit, "cuda", _card(4))
     assert "4.00 GiB available" in small.value.message and "--cpu" in small.value.hint
+
+
+def test_generate_checks_a_full_model_folder_too(tiny_model_dir, monkeypatch):
+    """A merged folder or a full fine-tune: its parameters x config.json's dtype."""
+    import lowvram.hardware
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import count_parameters
+
+    n = count_parameters(resolve_model(str(tiny_model_dir)))
+    monkeypatch.setattr(lowvram.hardware, "_host_memory", lambda: (2**30, 100 * 2**10))
+    result = cli("generate", str(tiny_model_dir), "--prompt", "hi")
+    assert_user_error(result, f"generate needs {n * 4 / 2**20:.1f} MiB of host RAM", f"{n:,} parameters x 4 bytes (float32)")

@@ -107,6 +107,10 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
         source = f"{base.source} + adapter {p}"
         tok_source = p if (p / "tokenizer_config.json").is_file() else Path(base.source)
     elif (p / "config.json").is_file():
+        from lowvram.hardware import detect_hardware
+
+        check_fits(dense_size(BaseModel(str(p), "folder"), _stored_dtype(p) if dtype == "auto" else dtype, p),
+                   device, detect_hardware(gpus=1))
         kwargs = {"dtype": getattr(torch, dtype) if dtype != "auto" else "auto", "device_map": {"": device}}
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
         source, tok_source = str(p), p
@@ -133,6 +137,21 @@ def _load_run_base(base: BaseModel, recipe: dict, plan: dict, dtype: str, device
 
     check_fits(size, device, detect_hardware(gpus=1))  # generate uses the first card
     return load_trained_base(base, trained_plan(plan), device) if quantized else load_base(base, dt, device)
+
+
+def _stored_dtype(folder: Path) -> str:
+    """The dtype ``dtype="auto"`` loads a folder in: config.json's ``dtype`` (transformers 5;
+    ``torch_dtype`` before), else float32 (transformers' default)."""
+    import json
+
+    from lowvram.vocab import DTYPE_BYTES
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return stored if stored in DTYPE_BYTES else "float32"
 
 
 def check_fits(size: LoadSize, device: str, hw) -> None:
