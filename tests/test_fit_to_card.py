@@ -24,7 +24,7 @@ def fake_card(monkeypatch, hw: Hardware) -> None:
     """detect_hardware() answers with a fake Hardware (no CUDA involved)."""
     import lowvram.hardware
 
-    monkeypatch.setattr(lowvram.hardware, "detect_hardware", lambda vram=None: dataclasses.replace(
+    monkeypatch.setattr(lowvram.hardware, "detect_hardware", lambda vram=None, gpus=None: dataclasses.replace(
         hw, vram_override_bytes=parse_size(vram) if vram else None))
 
 

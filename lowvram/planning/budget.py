@@ -24,7 +24,7 @@ def make_budget(vram: str | None = None, hardware=None, gpus: int = 1):
     if hardware is None and not override:
         from lowvram.hardware import detect_hardware
 
-        hardware = detect_hardware()
+        hardware = detect_hardware(gpus=gpus)
     budget = _budget(vram, hardware)
     if hardware is not None and hardware.kind == "cuda" and hardware.devices and not override:
         budget = replace(budget, **detected_cuda_budget(hardware, gpus))
@@ -35,11 +35,12 @@ def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
     """Budget fields for detected CUDA cards: free memory read once per card, the smallest among
     the ``gpus`` used, and the CUDA context counted once.
 
-    The plan's peak holds a ``cuda_context`` term. Free memory read after this process's context
-    exists (``hardware.context_in_free``: torch.cuda.mem_get_info creates it) no longer holds it,
-    so the modelled term is added back to the budget: the fit test becomes tensors + allocator
-    slack <= free - margin, whatever the real context's size. A free size that still holds the
-    context (context_in_free False) is the budget as it is."""
+    The plan's peak holds a ``cuda_context`` term. Free memory read after a context exists
+    (``hardware.context_in_free``: torch.cuda.mem_get_info creates it, in the probe's child
+    process, whose context ends before the run's own takes its place; the process that plans and
+    launches holds none) no longer holds it, so the modelled term is added back to the budget:
+    the fit test becomes tensors + allocator slack <= free - margin, whatever the real context's
+    size. A free size that still holds the context (context_in_free False) is the budget as it is."""
     from lowvram.plan.setup import cuda_overheads
 
     dev = hardware.tightest_device(gpus)
@@ -51,7 +52,7 @@ def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
         return {"vram_bytes": free, "source": f"{where}: free memory", "compute_capability": capability}
     context = cuda_overheads().context_bytes
     return {"vram_bytes": free + context, "compute_capability": capability,
-            "source": f"{where}: {gib(free)} free after this process's CUDA context + the plan's "
+            "source": f"{where}: {gib(free)} free after a CUDA context + the plan's "
                       f"{gib(context)} cuda_context term (the context counted once)"}
 
 
@@ -111,7 +112,7 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     budget = parse_size(override) if override else hardware.budget_bytes
     context = cuda_overheads().context_bytes
     # A --vram budget is GPU memory (also when planning on a machine without one). Free memory
-    # read after this process's context existed does not hold the context: the plan says
+    # read after a context existed (the probe's) does not hold the context: the plan says
     # whether anything fits in it.
     holds_context = bool(override) or (hardware.kind == "cuda" and not hardware.context_in_free)
     if holds_context and budget is not None and budget <= context:
