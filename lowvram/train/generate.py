@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lowvram.errors import LowvramError
+from lowvram.runfiles import require_intact
 from lowvram.train.artifacts import (
     find_base_model,
     load_adapter,
@@ -98,12 +99,14 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
         source = f"{base.source} + adapter {p}"
         tok_source = p if (p / "tokenizer_config.json").is_file() else Path(base.source)
     elif (p / "config.json").is_file():
+        require_intact(p)  # a merged or full fine-tuned folder: its weights and config
         kwargs = {"dtype": getattr(torch, dtype) if dtype != "auto" else "auto", "device_map": {"": device}}
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
         source, tok_source = str(p), p
     else:
         read_adapter_run(p)  # raises the precise error: not a run / unfinished run
         raise LowvramError(f"no model in {p}", "pass a run folder or a merged folder")  # pragma: no cover
+    require_intact(Path(tok_source))
     tokenizer = AutoTokenizer.from_pretrained(str(tok_source))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
