@@ -379,7 +379,12 @@ def runs(
         show_runs([], Path("runs"), as_json=json_)
         return
     folder = folder or Path("runs")
-    show_runs(list_runs(folder), folder, as_json=json_)
+    found = list_runs(folder)
+    show_runs(found, folder, as_json=json_)
+    from lowvram.runs import damaged_error
+
+    if (err := damaged_error(found)) is not None:  # after the list: the other runs are shown
+        raise err
 
 
 @app.command()
@@ -387,9 +392,12 @@ def runs(
 def show(run_dir: RunArg, json_: JsonOpt = False) -> None:
     """One run in detail: recipe, plan and reasons, metrics, loss curve, checkpoints."""
     from lowvram.report.runs import show_run
-    from lowvram.runs import read_run
+    from lowvram.runs import damaged_error, read_run
 
-    show_run(read_run(run_dir), as_json=json_)
+    info = read_run(run_dir)
+    if (err := damaged_error([info])) is not None:
+        raise err
+    show_run(info, as_json=json_)
 
 
 def main() -> None:

@@ -2,12 +2,14 @@
 
 The small facts that the run, its checkpoints, the manifest, the launcher and the retry loops
 (train/) and the readers of run folders (runs.py, `lowvram runs` / `show`) all need, kept here
-once so none of them imports another for a name. No torch here; nothing of lowvram imported.
+once so none of them imports another for a name; and the check for damaged files that each of
+them runs before a library reads one. No torch here; of lowvram only its errors.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -74,3 +76,113 @@ def checkpoint_number(p: Path) -> int | None:
     """N of a ``checkpoint-N`` folder name, else None."""
     m = CHECKPOINT.match(p.name)
     return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------------------------
+# Damaged files: what a library would fail on with its own traceback, found before it reads them
+
+
+def file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be what its name says (truncated, garbage), or None: a JSON file that
+    does not parse, a safetensors file whose header or length is wrong, a torch zip file
+    (``torch.save``'s format since torch 1.6) without its central directory, a GGUF file without
+    its magic. Cheap: headers and small files only, never a tensor's data."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            json.loads(path.read_text(encoding="utf-8"))
+        elif suffix == ".safetensors":
+            return _safetensors_problem(path)
+        elif suffix in (".pt", ".pth", ".bin"):
+            return _torch_zip_problem(path)
+        elif suffix == ".gguf":
+            return _gguf_problem(path)
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text (byte {e.start})"
+    except ValueError as e:  # json.JSONDecodeError
+        return f"not valid JSON ({e})"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    # The format (safetensors' README, "Format"): 8 bytes little-endian N, N bytes of JSON header,
+    # then the tensors' bytes; each tensor's data_offsets end at or before the data's length,
+    # and the file ends where the last tensor does (safetensors' "file not fully covered").
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"truncated ({size} bytes: no safetensors header)"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"truncated ({size} bytes; its header alone is {n + 8})"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return "not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "not a safetensors file (its header is not a JSON object)"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2]
+    data = size - 8 - n
+    if ends and max(ends) != data:
+        return f"truncated ({size} bytes; its tensors need {max(ends) + 8 + n})" if max(ends) > data else \
+            f"has {data - max(ends)} bytes after its last tensor (not a whole safetensors file)"
+    return None
+
+
+def _torch_zip_problem(path: Path) -> str | None:
+    import zipfile
+
+    with path.open("rb") as f:
+        if f.read(2) != b"PK":
+            return None  # the legacy pickle format (or not torch's at all): nothing to check cheaply
+    try:
+        with zipfile.ZipFile(path):
+            return None
+    except zipfile.BadZipFile:
+        return f"cut short or overwritten ({path.stat().st_size} bytes; torch.save's zip archive has no central directory)"
+
+
+def _gguf_problem(path: Path) -> str | None:
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            return "not a GGUF file (no GGUF magic at its start)"
+    try:
+        from gguf import GGUFReader  # the reader transformers loads GGUF files with
+    except ImportError:
+        return None
+    try:
+        GGUFReader(str(path))  # parses every tensor's description against the file's length (a memmap)
+    except Exception as e:  # noqa: BLE001 - the reader's ValueError / IndexError / struct.error of a cut file
+        return f"cannot be parsed ({path.stat().st_size} bytes: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    return None
+
+
+def folder_problem(folder: Path, only: tuple[str, ...] | None = None) -> tuple[Path, str] | None:
+    """The first damaged file directly in ``folder`` (file_problem), with why; None if none is.
+    ``only``: the names to check (a GGUF model folder: its gguf_file, not the other GGUFs)."""
+    if not folder.is_dir():
+        return None
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and not p.name.startswith(".") and (only is None or p.name in only):
+            why = file_problem(p)
+            if why:
+                return p, why
+    return None
+
+
+DAMAGED_HINT = "copy or download the file again (a full disk or a copy that stopped leaves such files)"
+
+
+def require_intact(folder: Path, hint: str = DAMAGED_HINT, only: tuple[str, ...] | None = None) -> None:
+    """LowvramError naming the first damaged file in ``folder`` (folder_problem), before a
+    library reads it and fails with its own traceback (a truncated safetensors file gives
+    safetensors' SafetensorError, a broken tokenizer.json a JSONDecodeError)."""
+    from lowvram.errors import LowvramError
+
+    found = folder_problem(Path(folder), only)
+    if found:
+        raise LowvramError(f"{found[0]} is damaged: {found[1]}", hint)

@@ -41,6 +41,7 @@ class RunInfo:
     eval_history: tuple[tuple[int, float], ...] = ()
     reasons: dict = field(default_factory=dict)
     files: tuple[str, ...] = ()  # loss.png, TensorBoard logs, the model files
+    damaged: tuple[str, ...] = ()  # "PATH is damaged: why" for each run file that does not parse
     recipe: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
 
@@ -118,11 +119,12 @@ def read_run(path: str | Path) -> RunInfo:
     recipe_path = head[len("# recipe: "):].strip() if head.startswith("# recipe: ") else None
     recipe = recipe if isinstance(recipe, dict) else {}
     ckpts = _checkpoints(p)
+    damaged = _damaged_files(p)
     techniques = plan.get("techniques") or {k: plan[k] for k in TECHNIQUE_KEYS if k in plan}
     return RunInfo(
         path=str(p), name=p.name, recipe_path=recipe_path,
         model=str((recipe.get("model") or {}).get("name_or_path", "?")),
-        status=_status(metrics, ckpts),
+        status="damaged" if damaged else _status(metrics, ckpts),
         techniques=techniques,
         predicted_peak_bytes=metrics.get("predicted_peak_bytes", plan.get("predicted_peak_bytes")),
         measured_peak_bytes=metrics.get("peak_memory_bytes"),
@@ -134,8 +136,34 @@ def read_run(path: str | Path) -> RunInfo:
         reasons=dict(plan.get("reasons") or {}),
         files=tuple(n for n in ("loss.png", "runs", "adapter_model.safetensors", "model.safetensors",
                                 "model.safetensors.index.json") if (p / n).exists()),
-        recipe=recipe, metrics=metrics,
+        recipe=recipe, metrics=metrics, damaged=damaged,
     )
+
+
+def _damaged_files(p: Path) -> tuple[str, ...]:
+    """The run's own files that exist and do not parse (read as empty above, they would make a
+    finished run look failed or interrupted): metrics.json, plan.json, recipe.yaml."""
+    from lowvram.runfiles import file_problem
+
+    out = [f"{p / n} is damaged: {why}" for n in (METRICS, PLAN) if (p / n).is_file() and (why := file_problem(p / n))]
+    try:
+        yaml.safe_load((p / RECIPE).read_text()) if (p / RECIPE).is_file() else None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        out.append(f"{p / RECIPE} is damaged: not valid YAML ({str(e).splitlines()[0]})")
+    except OSError:
+        pass  # unreadable: read_run already shows no recipe
+    return tuple(out)
+
+
+def damaged_error(runs: list[RunInfo]) -> LowvramError | None:
+    """One error naming every damaged run file of ``runs`` (`lowvram show`, `lowvram runs`)."""
+    lines = [line for r in runs for line in r.damaged]
+    if not lines:
+        return None
+    return LowvramError("\n  ".join(lines) if len(lines) == 1 else
+                        f"{len(lines)} run files are damaged:\n  " + "\n  ".join(lines),
+                        "restore the file from a copy; a damaged metrics.json can be removed instead: "
+                        "`lowvram train RECIPE --resume` writes it again from the last complete checkpoint")
 
 
 def _pairs(rows) -> tuple[tuple[int, float], ...]:

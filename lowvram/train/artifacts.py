@@ -37,6 +37,7 @@ def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
     from lowvram.runs import is_run_dir, read_run
 
     p = Path(run_dir)
+    _require_intact_run(p)
     adapter = read_json(p / "adapter_config.json")
     if adapter:
         info = read_run(p) if is_run_dir(p) else None
@@ -52,6 +53,17 @@ def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
         f"finish it with `lowvram train RECIPE --resume`, or merge a checkpoint: `lowvram merge {p}/CHECKPOINT --out DIR`"
         if info.checkpoints else "train the run to the end first (`lowvram train RECIPE`)",
     )
+
+
+def _require_intact_run(p: Path) -> None:
+    """A damaged adapter, tokenizer or run file names itself (the hint: a checkpoint's copy)."""
+    from lowvram.runfiles import CHECKPOINT_GLOB, require_intact
+
+    ckpts = sorted(c.name for c in p.glob(CHECKPOINT_GLOB) if c.is_dir())
+    hint = (f"the run's checkpoints hold earlier copies: pass {p / ckpts[-1]} instead, or remove the damaged "
+            "file and finish the run again with `lowvram train RECIPE --resume`" if ckpts else
+            "restore the file from a copy, or train the run again (`lowvram train RECIPE --overwrite`)")
+    require_intact(p, hint)
 
 
 def _parent_run(p: Path) -> tuple[dict, dict]:
@@ -257,8 +269,10 @@ def load_base(base: BaseModel, dtype: str, device: str):
 def _from_pretrained(base: BaseModel, **kwargs):
     from transformers import AutoModelForCausalLM
 
+    from lowvram.runfiles import require_intact
     from lowvram.train.model import _first_line
 
+    require_intact(Path(base.source))  # a hub id: no such folder, nothing to check
     try:
         # quantization_config=None is not enough for a pre-quantized checkpoint; plain folders
         # (hub bases, the GGUF cache) carry none, and that is what a lowvram run trains on.

@@ -21,6 +21,7 @@ from lowvram.runfiles import (
     MARKER,
     checkpoint_number,
     file_sha256,
+    folder_problem,
     write_atomic,
 )
 
@@ -103,7 +104,7 @@ def resume_checkpoint(out: Path, notify=None) -> Path:
     skipped = [f"{p.name} (incomplete: written when the process stopped)" for p in folders
                if p not in complete and complete and _step(p) > _step(complete[-1])]
     for p in reversed(complete):
-        why = content_problem(p)
+        why = content_problem(p) or _damaged(p)
         if why is None:
             for line in skipped:
                 notify(f"note: skipped {line}")
@@ -115,6 +116,13 @@ def resume_checkpoint(out: Path, notify=None) -> Path:
         f"no checkpoint to resume from in {out} (checkpoint folders: {listed}){detail}",
         "checkpoints are written every training.save_steps steps; run with --overwrite to start over",
     )
+
+
+def _damaged(folder: Path) -> str | None:
+    """A checkpoint without hashes (another tool, an older lowvram) whose weights, optimizer
+    state or JSON are cut short: torch.load or safetensors would fail in the Trainer's resume."""
+    found = folder_problem(folder)
+    return f"{found[0].name} is damaged: {found[1]}" if found else None
 
 
 def _step(p: Path) -> int:

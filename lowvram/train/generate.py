@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lowvram.errors import LowvramError
+from lowvram.runfiles import require_intact
 from lowvram.train.artifacts import (
     BaseModel,
     LoadSize,
@@ -109,6 +110,7 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
     elif (p / "config.json").is_file():
         from lowvram.hardware import detect_hardware
 
+        require_intact(p)  # a merged or full fine-tuned folder: its weights and config
         check_fits(dense_size(BaseModel(str(p), "folder"), _stored_dtype(p) if dtype == "auto" else dtype, p),
                    device, detect_hardware(gpus=1))
         kwargs = {"dtype": getattr(torch, dtype) if dtype != "auto" else "auto", "device_map": {"": device}}
@@ -117,6 +119,7 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
     else:
         read_adapter_run(p)  # raises the precise error: not a run / unfinished run
         raise LowvramError(f"no model in {p}", "pass a run folder or a merged folder")  # pragma: no cover
+    require_intact(Path(tok_source))
     tokenizer = AutoTokenizer.from_pretrained(str(tok_source))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError
+from lowvram.runfiles import require_intact
 from lowvram.train.artifacts import (
     MERGE_INFO,
     BaseModel,
@@ -131,6 +132,7 @@ def merge_run(plan: MergePlan) -> MergeResult:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     tok_source = run if (run / "tokenizer_config.json").is_file() else plan.base.source
+    require_intact(Path(tok_source))
     tokenizer = AutoTokenizer.from_pretrained(str(tok_source))
 
     out = Path(plan.out_dir)
@@ -158,7 +160,7 @@ def merge_run(plan: MergePlan) -> MergeResult:
 def _disk_full(exc: BaseException, tmp: Path, out: Path) -> LowvramError | None:
     """The error for a disk that filled while the merged folder was written (None: another
     failure). The half-written folder is removed by the caller: nothing of it stays."""
-    from lowvram.train.recover import in_place_of, is_disk_full, written_file
+    from lowvram.train.diskfull import in_place_of, is_disk_full, written_file
 
     if not is_disk_full(exc):
         return None

@@ -1,4 +1,5 @@
-"""`validate` and `train --dry-run`: the recipe's local files exist and its first rows parse.
+"""`validate` and `train --dry-run`: the recipe's local files exist, its first rows parse and
+the model folder's JSON and weight files are whole (runfiles.folder_problem).
 
 The same rules as training uses (data.py decides what is a local file and what a hub id,
 model.py where a model folder is), without loading a model or a whole dataset: a few
@@ -8,6 +9,8 @@ has loaded. No torch here.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lowvram.errors import LowvramError
 
 _HEAD_BYTES = 1 << 16  # the first rows of a JSON Lines file: enough for a few rows, read in microseconds
@@ -15,12 +18,15 @@ _HEAD_BYTES = 1 << 16  # the first rows of a JSON Lines file: enough for a few r
 
 def input_problems(recipe) -> list[str]:
     """One line per missing or unreadable input (empty when all are there)."""
+    from lowvram.runfiles import folder_problem
     from lowvram.train.data.read import is_local
     from lowvram.train.model import resolve_model_location
 
     problems = []
     try:
-        resolve_model_location(recipe)
+        damaged = folder_problem(Path(resolve_model_location(recipe)), model_files(recipe))  # a hub id: no folder
+        if damaged:
+            problems.append(f"{damaged[0]} is damaged: {damaged[1]}")
     except LowvramError as e:
         problems.append(e.message)
     for spec in recipe.data.datasets:
@@ -33,6 +39,12 @@ def input_problems(recipe) -> list[str]:
         elif suffix in (".jsonl", ".ndjson") and not recipe.data.skip_bad_rows:
             problems += _first_rows_problem(path)
     return problems
+
+
+def model_files(recipe) -> tuple[str, ...] | None:
+    """The files of the model folder that training reads and that runfiles.folder_problem
+    checks: a GGUF model's gguf_file only (a folder may hold several quantizations); else all."""
+    return (recipe.model.gguf_file,) if recipe.model.gguf_file else None
 
 
 def _first_rows_problem(path) -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.plan.replan import Replanner
-from lowvram.runfiles import METRICS, PLAN, RECIPE, write_atomic
+from lowvram.runfiles import METRICS, PLAN, RECIPE, require_intact, write_atomic
 from lowvram.train.types import RunResult
 
 # --------------------------------------------------------------------------------------------
@@ -56,7 +56,7 @@ def _save_final(trainer, tokenizer, out: Path) -> None:
 def _name_what_did_not_fit(exc: Exception, tmp: Path, out: Path) -> None:
     """A full disk during the final save: an OSError naming the file of the run that did not fit
     (``tmp`` is removed before the error is shown; the Rust writers' errors name no file)."""
-    from lowvram.train.recover import in_place_of, is_disk_full, written_file
+    from lowvram.train.diskfull import in_place_of, is_disk_full, written_file
 
     if not is_disk_full(exc):
         return
@@ -215,6 +215,11 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         checkpoint = prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
     at_end = checkpoint is not None and _finished_at(checkpoint, recipe)
 
+    from lowvram.train.model import resolve_model_location
+    from lowvram.train.preflight import model_files
+
+    # A damaged model file names itself before a library fails on it (a hub id: no folder).
+    require_intact(Path(resolve_model_location(recipe)), only=model_files(recipe))
     args, loaded = _arguments_then_model(recipe, plan)
 
     from lowvram.train.data.build import build_datasets
@@ -374,8 +379,8 @@ def _plot(metrics: dict, out: Path) -> None:
     finished run, a full disk does (an OSError naming loss.png: recover._disk_full's error)."""
     import warnings
 
+    from lowvram.train.diskfull import is_disk_full
     from lowvram.train.plots import LOSS_PNG
-    from lowvram.train.recover import is_disk_full
 
     try:
         from lowvram.train.plots import save_loss_plot
