@@ -129,7 +129,8 @@ def test_sampled_plans_pass_every_librarys_validation(tmp_path):
     assert out["validated"]["BitsAndBytesConfig"] and out["validated"]["DeepSpeedPlugin"]
 
 
-@pytest.mark.slow  # the whole grid: 41 models x 4 methods x 7 cards x 3 GPU counts, ~15 min
+@pytest.mark.slow  # the whole grid, 41 models x 4 methods x 7 cards x 3 GPU counts: 3444 requests, 2000
+# distinct configurations, all valid (2026-12-02, 34 min on the shared 2-core machine)
 def test_every_plan_passes_every_librarys_validation(tmp_path):
     import itertools
 
