@@ -94,6 +94,9 @@ def train(
     from lowvram.report.training import show_train_result
 
     r = load_recipe(recipe, set_ or [])
+    from lowvram.train.preflight import check_shape
+
+    check_shape(r)  # before planning: a batch the rows cannot fill, seq_len past the model's positions
     from lowvram.planning.entry import plan_for_recipe, require_fit
     from lowvram.planning.request import recipe_model_ref
 

@@ -216,10 +216,11 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     at_end = checkpoint is not None and _finished_at(checkpoint, recipe)
 
     from lowvram.train.model import load_model, quiet_libraries, resolve_model_location
-    from lowvram.train.preflight import model_files
+    from lowvram.train.preflight import check_shape, model_files
 
     # A damaged model file names itself before a library fails on it (a hub id: no folder).
     require_intact(Path(resolve_model_location(recipe)), only=model_files(recipe))
+    check_shape(recipe)  # seq_len past the model's positions; a batch the local rows cannot fill
     quiet_libraries()
     sys.stdout.write(f"loading {recipe.model.name_or_path} ...\n")  # seconds for a large model: not silence
     sys.stdout.flush()
@@ -231,6 +232,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     bundle = build_datasets(recipe, loaded.tokenizer)
     if len(bundle.train) == 0:
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
+    check_shape(recipe, train_rows=len(bundle.train))  # the rows (windows) as built: hub data, packing
 
     from lowvram.train.progress import ProgressCallback
     from lowvram.train.trainer import build_trainer, build_training_args
