@@ -119,9 +119,10 @@ def _cpu_probe():
     return CpuProbe()
 
 
-def run_technique(probe, spec, kw, seq_lens, saved_dir) -> list[dict]:
+def run_technique(probe, spec, kw, seq_lens, saved_dir):
     """Build the model once (lowvram train's builders) and measure its second Trainer step at
-    each sequence length (lowvram.check.step.measure_trainer_step: the Trainer lowvram train makes)."""
+    each sequence length (lowvram.check.step.measure_trainer_step: the Trainer lowvram train makes).
+    Yields each row as soon as it is measured, so the caller can write it before the next one."""
     from lowvram.check.builders import build_model
     from lowvram.check.step import measure_trainer_step
     from lowvram.plan.memory import estimate_memory
@@ -129,16 +130,15 @@ def run_technique(probe, spec, kw, seq_lens, saved_dir) -> list[dict]:
 
     setups = [RunSetup(spec, seq_len=s, device=probe.device, **kw) for s in seq_lens]
     ests = [estimate_memory(s) for s in setups]
-    rows: list[dict] = []
     fitting = []
     for s, e in zip(setups, ests, strict=True):
         if e.peak_bytes <= 0.9 * probe.total:
             fitting.append((s, e))
         else:
-            rows.append(dict(seq_len=s.seq_len, predicted=e.peak_bytes,
-                             skipped="predicted over 90% of the device"))
+            yield dict(seq_len=s.seq_len, predicted=e.peak_bytes,
+                       skipped="predicted over 90% of the device")
     if not fitting:
-        return rows
+        return
     t0 = time.time()
     model = build_model(setups[0], device=probe.device,
                         saved_dir=saved_dir if setups[0].quantization != "none" else None)
@@ -146,12 +146,46 @@ def run_technique(probe, spec, kw, seq_lens, saved_dir) -> list[dict]:
     for setup, est in fitting:
         measured = measure_trainer_step(model, setup, probe, device=probe.device)
         tensors = est.peak_bytes - est.breakdown["cuda_context"] - est.breakdown["allocator"]
-        rows.append(dict(seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
-                         predicted=est.peak_bytes, predicted_tensors=tensors,
-                         predicted_phase=est.peak_phase, build_s=round(build_s, 1), **measured))
+        yield dict(seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
+                   predicted=est.peak_bytes, predicted_tensors=tensors,
+                   predicted_phase=est.peak_phase, build_s=round(build_s, 1), **measured)
     del model
     probe.release()
-    return rows
+
+
+def report_versions() -> list[str]:
+    """What this process imports, and from where (carried wheels on PYTHONPATH win over the
+    machine's site-packages), then lowvram's bounds (lowvram.deps): printed before measuring.
+    Returns the problems: a bounded library missing or too old, or pydantic missing."""
+    import importlib.util
+    import platform
+
+    from lowvram.deps import installed_versions, version_problems
+
+    found = installed_versions()
+    from importlib import metadata
+
+    for extra in ("pydantic", "pydantic-core"):
+        try:
+            found[extra] = metadata.version(extra)
+        except metadata.PackageNotFoundError:
+            found[extra] = None
+    parts = [f"python {platform.python_version()}"]
+    for name, version in found.items():
+        spec = importlib.util.find_spec(name.replace("-", "_"))
+        where = os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else "-"
+        parts.append(f"{name} {version or 'MISSING'} ({where})")
+    try:
+        import torch
+
+        parts.append(f"torch CUDA {torch.version.cuda or 'none'}")
+    except ImportError:
+        pass
+    print("# versions: " + "; ".join(parts), flush=True)
+    problems = version_problems(found)
+    if found["pydantic"] is None:
+        problems.append("pydantic is not installed (lowvram.recipe needs it)")
+    return problems
 
 
 def summarize(rows: list[dict], baseline: int) -> list[str]:
@@ -182,7 +216,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the same code on CPU with a tiny model (no GPU needed)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this")
     ap.add_argument("--models", default=None, help="comma-separated catalog names")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated technique names (default: all), e.g. 'full bf16,lora bf16'")
     args = ap.parse_args(argv)
+    problems = report_versions()
+    if problems:  # before any measurement: every row would fail the same way
+        print("error: " + "; ".join(problems) + f"\nhint: {_hint()}", file=sys.stderr)
+        return 1
+    techniques = TECHNIQUES + ([] if args.dry_run else CUDA_TECHNIQUES)
+    if args.only:
+        wanted = [t.strip() for t in args.only.split(",")]
+        unknown = [t for t in wanted if t not in {name for name, _ in techniques}]
+        if unknown:
+            print(f"error: no technique {unknown[0]!r}\nhint: one of: "
+                  + ", ".join(name for name, _ in techniques), file=sys.stderr)
+            return 2
+        techniques = [t for t in techniques if t[0] in wanted]
 
     baseline = 0 if args.dry_run else other_processes_bytes()
     import torch
@@ -221,43 +270,62 @@ def main(argv: list[str] | None = None) -> int:
         for name, spec in specs:
             saved = os.path.join(tmp, name)  # one random-init checkpoint per model for the QLoRA rows
             os.makedirs(saved, exist_ok=True)
-            for tech, kw in TECHNIQUES + ([] if args.dry_run else CUDA_TECHNIQUES):
+            for tech, kw in techniques:
                 if time.time() - start > args.budget_s:
                     print(f"time budget reached: {name} {tech} and later not run", file=sys.stderr)
                     break
+                done = set()
                 failed = None
                 try:
-                    got = run_technique(probe, spec, kw, seq_lens, saved)
+                    for r in run_technique(probe, spec, kw, seq_lens, saved):
+                        done.add(r["seq_len"])
+                        _record(rows, r, name, tech, scale, baseline, out_dir, title)
                 except torch.OutOfMemoryError as e:
                     failed = f"OOM: {e}"
                 except Exception as e:  # noqa: BLE001 - one device call: a broken row (bitsandbytes
                     # missing or built for another CUDA) is recorded, the other rows still run
                     failed = f"{type(e).__name__}: {e}"
                 if failed is not None:  # out of the except block: its traceback no longer holds the model
-                    got = [dict(seq_len=s, error=failed[:200]) for s in seq_lens]
                     probe.release()
-                for r in got:
-                    r.update(model=name, technique=tech)
-                    rows.append(r)
-                    if "allocated" in r:
-                        err = (r["predicted_tensors"] - r["allocated"]) / r["allocated"] * 100
-                        print(f"{name:14} {tech:32} {r['seq_len']:>5} {r['predicted_tensors'] / scale:>12.3f} "
-                              f"{r['allocated'] / scale:>10.3f} {err:>+6.1f}% {r['predicted'] / scale:>10.3f} "
-                              f"{r['reserved'] / scale:>9.3f} {(r['outside_allocator'] - baseline) / scale:>8.3f}"
-                              f"  {r['step_s']}", flush=True)
-                    else:
-                        print(f"{name:14} {tech:32} {r['seq_len']:>5} {r.get('skipped') or r.get('error')}",
-                              flush=True)
-                if out_dir:  # after every technique: a run cut short still leaves its rows
-                    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-                        json.dump(dict(title=title, baseline_bytes=baseline, rows=rows), f, indent=1)
+                    for s in seq_lens:
+                        if s not in done:
+                            _record(rows, dict(seq_len=s, error=failed[:200]), name, tech, scale,
+                                    baseline, out_dir, title)
             if os.path.isdir(saved):
                 import shutil
 
                 shutil.rmtree(saved, ignore_errors=True)
     for line in summarize(rows, baseline):
         print(f"# {line}")
+    if not any("allocated" in r for r in rows):
+        print("error: no case measured\nhint: each row's error is above and in $OUT/gpu_check.json",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _hint() -> str:
+    from lowvram.deps import pip_line
+
+    return ("on the device machine, run bench/gpu_wheels.sh here first and carry .whl "
+            f"(bench/gpu_check.sh installs it); elsewhere: {pip_line()} 'pydantic>=2.7,<3'")
+
+
+def _record(rows, r, name, tech, scale, baseline, out_dir, title) -> None:
+    """Print one row and rewrite $OUT/gpu_check.json: a run cut short still leaves every row so far."""
+    r.update(model=name, technique=tech)
+    rows.append(r)
+    if "allocated" in r:
+        err = (r["predicted_tensors"] - r["allocated"]) / r["allocated"] * 100
+        print(f"{name:14} {tech:32} {r['seq_len']:>5} {r['predicted_tensors'] / scale:>12.3f} "
+              f"{r['allocated'] / scale:>10.3f} {err:>+6.1f}% {r['predicted'] / scale:>10.3f} "
+              f"{r['reserved'] / scale:>9.3f} {(r['outside_allocator'] - baseline) / scale:>8.3f}"
+              f"  {r['step_s']}", flush=True)
+    else:
+        print(f"{name:14} {tech:32} {r['seq_len']:>5} {r.get('skipped') or r.get('error')}", flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            json.dump(dict(title=title, baseline_bytes=baseline, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,9 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
     from lowvram.report.training import show_train_result
     from lowvram.train import launch
 
-    hardware = detect_hardware(vram)
+    # Only the cards this node's processes use are read (--cpu: none), in a child process: this
+    # one launches the workers and must hold no CUDA context while they train (hardware.py).
+    hardware = detect_hardware(vram, gpus=0 if cpu else gpus)
     cpu = cpu or hardware.kind == "cpu"
     if cpu:
         hardware = dataclasses.replace(hardware, kind="cpu", devices=())
@@ -348,6 +350,7 @@ def generate(
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (0 = greedy).", min=0.0)] = 0.7,
     greedy: Annotated[bool, typer.Option("--greedy", help="Always take the most likely token (deterministic).")] = False,
     format_: Annotated[str, typer.Option("--format", help="auto | chat | alpaca | raw (auto: the run's training format, else the chat template).")] = "auto",
+    cpu: Annotated[bool, typer.Option("--cpu", help="Load and generate on the CPU (slower; for a model the GPU cannot hold).")] = False,
 ) -> None:
     """Load a trained model and stream its answer to a prompt (or chat with --interactive)."""
     from lowvram.errors import UsageError
@@ -357,7 +360,7 @@ def generate(
     if (prompt is None) == (not interactive):
         raise UsageError("pass --prompt TEXT or --interactive (one of them)", 'e.g. lowvram generate runs/quickstart --prompt "Hello"')
     settings = GenerationSettings(max_new_tokens, temperature, greedy)
-    gen = load_generator(run_dir, prompt_format=format_)
+    gen = load_generator(run_dir, prompt_format=format_, cpu=cpu)
     show_generator(gen)
     if interactive:
         chat_loop(gen, settings, input, write_stream)

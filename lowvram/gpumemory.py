@@ -14,6 +14,8 @@ tensors + ``allocator``        ``torch.cuda.max_memory_reserved``: the caching a
 ``cuda_context``               ``total - free - memory_reserved`` from ``torch.cuda.mem_get_info``:
                                what the process holds outside the allocator (the context, kernels
                                loaded lazily, library handles), plus any other process on the card
+                               (not lowvram's launcher: it reads the cards in a child process and
+                               holds no context, lowvram.hardware)
 the whole peak                 the reserved peak plus that
 =============================  ===============================================================
 

@@ -1,6 +1,10 @@
 """Hardware detection: the only module that asks CUDA / MPS / the OS about memory.
 
-``detect_hardware()`` returns a frozen :class:`Hardware`; tests build a fake one directly.
+``detect_hardware()`` returns a frozen :class:`Hardware`; tests build a fake one directly. The
+cards are read by a short child process (:func:`probe_cuda`): reading a card's free memory
+(``torch.cuda.mem_get_info``) creates a CUDA context on it, which would stay in this process,
+the one that launches the workers, for the whole run (a second context on every card), and on
+cards the run does not use at all.
 ``read_cuda_memory()`` reads a CUDA run's memory counters once, at the end of the run
 (:mod:`lowvram.gpumemory` compares them with the plan, like with like).
 """
@@ -20,7 +24,9 @@ class Device:
     index: int
     name: str
     total_bytes: int
-    free_bytes: int  # CUDA: torch.cuda.mem_get_info, read once (see Hardware.context_in_free)
+    # CUDA: torch.cuda.mem_get_info, read once by the probe (see Hardware.context_in_free);
+    # None: not read (a card the run does not use)
+    free_bytes: int | None
     compute_capability: tuple[int, int] | None = None
     bf16: bool = False
 
@@ -33,11 +39,13 @@ class Hardware:
     host_available_bytes: int = 0
     vram_override_bytes: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
-    # True: each Device.free_bytes was read by this process after its own CUDA context existed
-    # (torch.cuda.mem_get_info creates the context before it asks the driver), so the context is
-    # already out of free_bytes and the plan must not take its cuda_context term off again
-    # (lowvram.planning adds it back to the budget). False: a free size that still holds it (a
-    # Hardware built by hand, a --vram size).
+    # True: each Device.free_bytes was read by a process after its own CUDA context existed
+    # (torch.cuda.mem_get_info creates the context before it asks the driver): the probe's child
+    # process, whose context is gone when the run starts, so free_bytes is what the process that
+    # trains on the card has once its own context exists. The context is already out of
+    # free_bytes and the plan must not take its cuda_context term off again (lowvram.planning
+    # adds it back to the budget). False: a free size that still holds it (a Hardware built by
+    # hand, a --vram size).
     context_in_free: bool = False
 
     @property
@@ -89,29 +97,88 @@ def _host_memory() -> tuple[int, int]:
             return 0, 0
 
 
-def detect_hardware(vram: str | None = None) -> Hardware:
-    """Detect GPUs and host memory. ``vram`` (or LOWVRAM_VRAM) overrides the budget."""
+def detect_hardware(vram: str | None = None, gpus: int | None = None) -> Hardware:
+    """Detect GPUs and host memory. ``vram`` (or LOWVRAM_VRAM) overrides the budget. ``gpus``:
+    the cards the run uses (accelerate gives local rank K card K), the only ones whose free
+    memory is read; None: every visible card (`lowvram env`, `lowvram plan`)."""
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     override_bytes = parse_size(override) if override else None
     host_total, host_avail = _host_memory()
     import torch
 
+    # torch.cuda.is_available() only counts the devices (torch/cuda/__init__.py: cudaGetDeviceCount,
+    # which runs cuInit, or NVML): no torch CUDA state (_lazy_init), no context on a card.
     if torch.cuda.is_available():
-        devices = []
-        for i in range(torch.cuda.device_count()):
-            # Read once per card. mem_get_info creates this process's CUDA context on card i
-            # first, so `free` no longer holds it: context_in_free=True below.
-            free, total = torch.cuda.mem_get_info(i)
-            props = torch.cuda.get_device_properties(i)
-            cc = (props.major, props.minor)
-            devices.append(Device(i, props.name, int(total), int(free), cc, bool(cc >= (8, 0))))
-        return Hardware("cuda", tuple(devices), host_total, host_avail, override_bytes, context_in_free=True)
+        devices = probe_cuda(None if gpus is None else range(gpus))
+        return Hardware("cuda", devices, host_total, host_avail, override_bytes, context_in_free=True)
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         # MPS shares host memory; report the recommended working set as the budget.
         total = int(getattr(torch.mps, "recommended_max_memory", lambda: host_total)())
         dev = Device(0, "Apple MPS", total, total, None, True)
         return Hardware("mps", (dev,), host_total, host_avail, override_bytes)
     return Hardware("cpu", (), host_total, host_avail, override_bytes, ("no GPU found: training runs on the CPU",))
+
+
+def read_cards(wanted: list[int] | None) -> list[dict]:
+    """Every visible card's name, total memory and compute capability, and the free memory of
+    the cards in ``wanted`` (None: all). Run in the probe's child process: mem_get_info creates a
+    CUDA context on each card it reads, and the child's contexts end with it."""
+    import torch
+
+    cards = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i) if wanted is None or i in wanted else (None, p.total_memory)
+        cards.append({"index": i, "name": p.name, "total": int(total), "free": free, "cc": [p.major, p.minor]})
+    return cards
+
+
+def devices_from(cards: list[dict]) -> tuple[Device, ...]:
+    """read_cards' answer (JSON from the child) as Devices; bf16 from compute capability 8.0."""
+    devices = []
+    for c in cards:
+        cc = (int(c["cc"][0]), int(c["cc"][1]))
+        free = None if c["free"] is None else int(c["free"])
+        devices.append(Device(int(c["index"]), str(c["name"]), int(c["total"]), free, cc, cc >= (8, 0)))
+    return tuple(devices)
+
+
+_PROBE = "import json, sys; from lowvram.hardware import read_cards; print(json.dumps(read_cards(json.loads(sys.argv[1]))))"
+PROBE_TIMEOUT_S = 120  # importing torch and creating a context per card read: seconds
+
+
+def probe_cuda(indices=None) -> tuple[Device, ...]:
+    """:func:`read_cards` in a child process (this interpreter, this environment:
+    CUDA_VISIBLE_DEVICES gives it the numbering the workers get; PYTHONPATH gets this lowvram)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    wanted = None if indices is None else sorted(indices)
+    env = dict(os.environ)
+    here = Path(__file__).resolve().parent.parent
+    if here.name not in ("site-packages", "dist-packages"):  # a source tree: the child imports this lowvram
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(wanted)], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, check=False, env=env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise _probe_failed(str(e)) from None
+    try:
+        return devices_from(json.loads(done.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError, KeyError, TypeError):
+        raise _probe_failed((done.stderr.strip().splitlines() or [f"exit {done.returncode}, no output"])[-1]) from None
+
+
+def _probe_failed(why: str):
+    import sys
+
+    from lowvram.errors import LowvramError
+
+    return LowvramError(f"cannot read the GPUs' memory: a child `{sys.executable} -c` asking torch failed ({why})",
+                        f"check that `{sys.executable} -c 'import torch; print(torch.cuda.mem_get_info())'` "
+                        "works in this environment (driver, CUDA_VISIBLE_DEVICES)")
 
 
 def read_cuda_memory(device: int | None = None) -> CudaMemoryReading:

@@ -218,3 +218,11 @@ def test_a_reason_says_why_the_fitting_alternative_was_not_taken():
     lora = d["reasons"]["lora"]
     assert "full fine-tuning would be 4.98 GiB <= budget 5.31 GiB" in lora
     assert "chosen as the faster of the two (step time x4.00 vs x5.00" in lora
+
+
+def test_flash_attention_in_fp32_does_not_fit_it_is_refused():
+    """Issue 24 item 8: `lowvram plan --precision fp32 --attn flash_attention_2` said "fits"."""
+    r = plan("--model", "llama-2-7b", "--vram", "24GB", "--precision", "fp32", "--attn", "flash_attention_2")
+    assert r.exit_code == 1 and "fits" not in r.output
+    assert "error: attention flash_attention_2 (set by --attn flash_attention_2) cannot run here: precision fp32" in r.output
+    assert "hint: use a 16-bit precision (--precision bf16, bf16-mixed or fp16-mixed) with it, or --attn sdpa" in r.output

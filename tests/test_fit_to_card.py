@@ -24,7 +24,7 @@ def fake_card(monkeypatch, hw: Hardware) -> None:
     """detect_hardware() answers with a fake Hardware (no CUDA involved)."""
     import lowvram.hardware
 
-    monkeypatch.setattr(lowvram.hardware, "detect_hardware", lambda vram=None: dataclasses.replace(
+    monkeypatch.setattr(lowvram.hardware, "detect_hardware", lambda vram=None, gpus=None: dataclasses.replace(
         hw, vram_override_bytes=parse_size(vram) if vram else None))
 
 
@@ -203,6 +203,29 @@ def test_4bit_without_bitsandbytes_support(recipe_8b, monkeypatch):
                     "--set", "techniques.lora=on")
     assert result.exit_code == 1 and "bitsandbytes is not installed" in result.output
     assert "pip install bitsandbytes" in result.output
+
+
+@pytest.mark.parametrize("hw, settings, error, hint", [
+    ("T4", [], "flash-attn 2 needs an Ampere or newer GPU (compute capability 8.0), this is compute "
+     "capability 7.5", "hint: use techniques.attention: sdpa"),
+    ("RTX_4070", ["techniques.mixed_precision=fp32"], "precision fp32 keeps q, k and v in fp32",
+     "hint: use a 16-bit precision (techniques.mixed_precision: bf16, bf16-mixed or fp16-mixed) with it, "
+     "or techniques.attention: sdpa"),
+    ("MPS", [], "flash-attn runs on CUDA GPUs only", "hint: use techniques.attention: sdpa"),
+])
+def test_flash_attention_where_it_cannot_run_is_refused(recipe_8b, monkeypatch, hw, settings, error, hint):
+    """Issue 24 item 8: flash-attn raises at the first forward on cards before Ampere and on fp32
+    tensors; `lowvram train` refuses both before loading the model."""
+    fake_card(monkeypatch, {"T4": T4, "RTX_4070": RTX_4070, "MPS": MPS}[hw])
+    overrides = [a for kv in ["techniques.attention=flash_attention_2", *settings] for a in ("--set", kv)]
+    result = invoke("train", str(recipe_8b), "--dry-run", *overrides)
+    assert result.exit_code == 1, result.output
+    assert "error: techniques.attention: flash_attention_2 cannot run here: " + error in result.output
+    assert hint in result.output
+    # the same card with a 16-bit precision (or sdpa) plans
+    if hw == "RTX_4070":
+        ok = invoke("train", str(recipe_8b), "--dry-run", "--set", "techniques.attention=flash_attention_2")
+        assert ok.exit_code == 0 and "flash_attention_2" in ok.output, ok.output
 
 
 # --------------------------------------------------------------------------------------------

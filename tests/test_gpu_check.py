@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,17 +82,65 @@ def test_a_failing_row_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch)
     real = gc.run_technique
 
     def flaky(probe, spec, kw, seq_lens, saved):
-        if kw.get("optimizer") == "adafactor":
+        rows = real(probe, spec, kw, seq_lens, saved)
+        if kw.get("optimizer") == "adafactor":  # the first length measured, then the second breaks
+            yield next(rows)
             raise RuntimeError("CUDA Setup failed despite GPU being available")
-        return real(probe, spec, kw, seq_lens, saved)
+        yield from rows
 
     monkeypatch.setattr(gc, "run_technique", flaky)
     # the failing row and the rows around it (the whole dry run is the test above)
-    keep = ("full bf16 adamw_8bit", "full bf16 adafactor", "lora bf16")
+    keep = ("full bf16 adafactor", "lora bf16")
     monkeypatch.setattr(gc, "TECHNIQUES", [t for t in gc.TECHNIQUES if t[0] in keep])
     monkeypatch.setenv("OUT", str(tmp_path))
     assert gc.main(["--dry-run"]) == 0
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     broken = [r for r in rows if r["technique"] == "full bf16 adafactor"]
-    assert len(broken) == 2 and all(r["error"].startswith("RuntimeError: CUDA Setup failed") for r in broken)
-    assert sum("allocated" in r for r in rows) == len(rows) - 2
+    assert [r["seq_len"] for r in broken] == [64, 128]
+    assert "allocated" in broken[0]  # written as it came, before the second length failed
+    assert broken[1]["error"].startswith("RuntimeError: CUDA Setup failed")
+    assert sum("allocated" in r for r in rows) == len(rows) - 1
+
+
+def test_nothing_measured_is_a_failure(tmp_path, monkeypatch, capsys):
+    # issue 24 item 11: every row failed and the script still exited 0 ("no case measured")
+    gc = _load()
+
+    def broken(probe, spec, kw, seq_lens, saved):
+        raise ModuleNotFoundError("No module named 'pydantic'")
+        yield  # a generator, as the real one
+
+    monkeypatch.setattr(gc, "run_technique", broken)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gc.main(["--dry-run", "--only", "lora bf16"]) == 1
+    captured = capsys.readouterr()
+    assert "# no case measured" in captured.out
+    assert "error: no case measured" in captured.err
+    assert captured.out.index("# versions: python ") < captured.out.index("# gpu_check ")
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [r["error"] for r in rows] == ["ModuleNotFoundError: No module named 'pydantic'"] * 2
+
+
+def _gpu_check_sh(tmp_path, *args):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
+               LOWVRAM_SITE=str(tmp_path / "site"), LOWVRAM_WHEELS=str(tmp_path))  # no wheels here
+    return subprocess.run(["bash", str(SCRIPT.with_suffix(".sh")), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_shell_script_prints_versions_then_measures_row_by_row(tmp_path):
+    done = _gpu_check_sh(tmp_path, "--dry-run", "--only", "lora bf16")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = (tmp_path / "gpu_check.txt").read_text()
+    assert out.index("# versions: python ") < out.index("# gpu_check ") < out.index("lora bf16")
+    assert "transformers " in out and "bitsandbytes " in out and "pydantic " in out
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [(r["technique"], r["seq_len"]) for r in rows] == [("lora bf16", 64), ("lora bf16", 128)]
+    assert all("allocated" in r for r in rows)
+
+
+def test_the_shell_script_passes_a_failure_through_tee(tmp_path):
+    # set -o pipefail: without it `python ... | tee` exits with tee's 0 whatever python returned
+    done = _gpu_check_sh(tmp_path, "--dry-run", "--only", "no such technique")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "error: no technique 'no such technique'" in (tmp_path / "gpu_check.txt").read_text()

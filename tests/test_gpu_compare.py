@@ -49,6 +49,12 @@ class FakeCuda:
     def install(self, monkeypatch):
         import torch
 
+        import lowvram.hardware as hardware
+
+        # The faked torch.cuda lives in this process: the probe reads it here, not in a child.
+        monkeypatch.setattr(hardware, "probe_cuda",
+                            lambda indices=None: hardware.devices_from(hardware.read_cards(None if indices is None else list(indices))))
+
         for name, fn in {
             "is_available": lambda: True, "device_count": lambda: len(self.free_before),
             "current_device": lambda: 0, "mem_get_info": self.mem_get_info,
@@ -85,6 +91,23 @@ def test_two_cards_free_read_once_and_the_budget_is_the_tightest_card(cuda):
     assert "GPU 1 (Fake GPU 1), the least free of GPUs 0-1" in two.source
     assert "counted once" in two.source
     assert cuda.calls == [1, 1]  # planning read nothing more
+
+
+def test_a_one_gpu_run_reads_only_its_card(cuda):
+    """`lowvram train` on one GPU plans through make_budget(gpus=1): card 1 is never read (no
+    context on it, not even in the probe's child), its free memory is unknown and unused."""
+    import json
+
+    from lowvram.hardware import detect_hardware, devices_from, read_cards
+    from lowvram.planning.budget import make_budget
+
+    budget = make_budget(gpus=1)
+    assert cuda.calls == [1, 0]
+    assert budget.vram_bytes == 20 * GiB - REAL_CONTEXT + cuda_overheads().context_bytes
+    hw = detect_hardware(gpus=1)
+    assert [d.free_bytes for d in hw.devices] == [20 * GiB - REAL_CONTEXT, None] and hw.free_bytes(1) is not None
+    # What the child prints parses back to the same cards (the probe's JSON round trip).
+    assert devices_from(json.loads(json.dumps(read_cards([0])))) == hw.devices
 
 
 def test_the_context_is_counted_once_in_the_fit(cuda):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -189,3 +190,38 @@ def test_sharding_comes_before_lora_and_8bit_optimizer():
 def test_recipe_can_force_the_backend():
     c = _choose("llama-3.1-8b", 4, lora=False, offload="zero3", sources={"offload": "the recipe"})
     assert c.plan.offload == "zero3" and c.plan.reasons["offload"] == "set by the recipe"
+
+
+def test_the_search_never_pairs_fsdp_with_a_bitsandbytes_optimizer():
+    """Issue 24 item 1: `lowvram plan --model llama-2-7b --method full --gpus 2 --vram 32GB`
+    returned fsdp + adamw_8bit, which fails at the first step (bitsandbytes has no DTensor
+    support: tests/test_fsdp2_step.py). Now neither the plan nor any alternative pairs them, and
+    the reason says why the optimizer stays adamw."""
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+    from lowvram.vocab import BNB_OPTIMIZERS
+
+    r = CliRunner().invoke(app, ["plan", "--model", "llama-2-7b", "--method", "full", "--gpus", "2",
+                                 "--vram", "32GB", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    t = d["techniques"]
+    assert t["offload"].startswith("fsdp") and t["optimizer"] == "adamw"
+    assert "cannot step FSDP2's sharded parameters" in d["reasons"]["optimizer"]
+    for model, gpus, vram in [("llama-2-7b", 2, "32GB"), ("llama-3.1-8b", 4, "24GB"), ("llama-2-13b", 2, "40GB"),
+                              ("llama-2-70b", 4, "80GB"), ("qwen2.5-1.5b", 2, "8GB")]:
+        for method in ({"lora": False}, {}):
+            c = _choose(model, gpus, vram, **method)
+            for s in [c.chosen.setup, *(a.setup for a in c.alternatives)]:
+                assert not (s.offload.startswith("fsdp") and s.optimizer in BNB_OPTIMIZERS), (model, s)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"])
+def test_a_fixed_bitsandbytes_optimizer_with_fsdp_is_refused(optimizer):
+    with pytest.raises(LowvramError, match="cannot step FSDP2's sharded parameters") as e:
+        _choose("llama-2-7b", 2, lora=False, optimizer=optimizer, offload="fsdp")
+    assert e.value.hint.startswith("use --optim adamw with --offload fsdp") and "--offload none (DDP)" in e.value.hint
+    # a fixed 8-bit optimizer alone: the search shards without FSDP (DDP, or DeepSpeed ZeRO)
+    c = _choose("llama-2-7b", 2, vram="32GB", lora=False, optimizer=optimizer)
+    assert not c.plan.offload.startswith("fsdp")

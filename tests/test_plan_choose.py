@@ -337,3 +337,36 @@ def test_eager_attention_with_checkpointing_is_planned_and_chosen():
     fixed = choose_plan(PlanRequest(spec, seq_len=2048, batch_size=1, mixed_precision="bf16-mixed",
                                     attention="eager", gradient_checkpointing=True), Budget(80 * GB))
     assert fixed.chosen.setup.gradient_checkpointing and fixed.chosen.setup.attention == "eager"
+
+
+def test_flash_attention_is_refused_where_it_cannot_run_and_never_picked(llama7b):
+    """Issue 24 item 8: fp32, cards before Ampere (compute capability < 8.0) and CPU runs cannot
+    run flash-attn 2; a fixed flash_attention_2 there is refused, and the search never picks it."""
+    fixed = {"attention": "flash_attention_2", "sources": {"attention": "--attn flash_attention_2"}}
+    for budget, precision, why in [
+        (Budget(24 * GB), "fp32", "precision fp32 keeps q, k and v in fp32"),
+        (Budget(24 * GB, bf16=False, compute_capability=(7, 5)), None, "compute capability 7.5"),
+        (Budget(24 * GB, bf16=False, compute_capability=(7, 5)), "fp16-mixed", "compute capability 7.5"),
+        (Budget(24 * GB, "cpu", bf16=False), None, "CUDA GPUs only"),
+    ]:
+        with pytest.raises(LowvramError, match=why) as e:
+            choose_plan(PlanRequest(llama7b, mixed_precision=precision, **fixed), budget)
+        assert "--attn sdpa" in e.value.hint
+    for budget, precision in [(Budget(24 * GB, compute_capability=(8, 0)), None), (Budget(24 * GB), "bf16-mixed"),
+                              (Budget(80 * GB, compute_capability=(9, 0)), "fp16-mixed")]:
+        c = choose_plan(PlanRequest(llama7b, mixed_precision=precision, **fixed), budget)
+        assert c.plan.attention == "flash_attention_2"
+    for gb in (8, 24, 80):
+        c = _plan(llama7b, gb)
+        assert all(a.setup.attention != "flash_attention_2" for a in (c.chosen, *c.alternatives))
+
+
+def test_bloom_plans_eager_attention_the_only_one_transformers_has_for_it():
+    """Found by tests/test_library_configs.py: transformers' Bloom has no SDPA (or flash) path, so
+    the sdpa plans lowvram made for bloom-7b1 failed in from_pretrained."""
+    spec = resolve_model("bloom-7b1")
+    c = _plan(spec, 24, lora=True)
+    assert c.plan.attention == "eager" and "only eager attention for bloom" in c.plan.reasons["attention"]
+    assert all(a.setup.attention == "eager" for a in c.alternatives)
+    with pytest.raises(LowvramError, match="only eager attention"):
+        _plan(spec, 24, lora=True, attention="sdpa")

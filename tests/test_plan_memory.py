@@ -133,8 +133,10 @@ def test_offloads_that_run_deepspeeds_cpu_adam_refuse_other_optimizers():
     for offload in ("optimizer", "full", "zero2-offload", "zero3-offload"):
         with pytest.raises(LowvramError, match="DeepSpeed's CPU Adam"):
             estimate_memory(RunSetup(LLAMA7, offload=offload, optimizer="adamw_8bit"))
-    # FSDP2 keeps the Trainer's optimizer (its step on the CPU)
-    estimate_memory(RunSetup(LLAMA7, offload="fsdp-offload", gpus=2, optimizer="adamw_8bit"))
+    # FSDP2 keeps the Trainer's optimizer (its step on the CPU), a torch one: bitsandbytes' fail
+    estimate_memory(RunSetup(LLAMA7, offload="fsdp-offload", gpus=2, optimizer="adafactor"))
+    with pytest.raises(LowvramError, match="no DTensor support"):
+        estimate_memory(RunSetup(LLAMA7, offload="fsdp-offload", gpus=2, optimizer="adamw_8bit"))
 
 
 def test_eager_attention_costs_the_s_squared_scores():

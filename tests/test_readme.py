@@ -55,6 +55,8 @@ def test_readme_command_runs(cmd, monkeypatch, quickstart_model):
      ("| 21.04 GiB | 26.63 GiB (4 x 6.66) | DDP would peak at 84.06 GiB",)),
     (("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "6GB"),
      ("shows ZeRO-3 full offload at 5.05 GiB (2.05 GiB of it parameters",)),
+    (("--model", "llama-2-7b", "--method", "full", "--gpus", "4", "--vram", "40GB"),
+     ("Llama-2-7B on 4 x 40 GB, planned 29.38 GiB per GPU",)),
 ])
 def test_readme_plan_figures_are_what_the_plan_says(args, shown):
     """The README's multi-GPU table and the ZeRO example quote `lowvram plan`: the numbers must be

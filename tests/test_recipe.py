@@ -80,12 +80,22 @@ def test_quantization_without_lora_is_rejected():
 
 def test_deepspeed_offload_with_another_optimizer_is_rejected():
     (p,) = problems(GOOD + "techniques:\n  optimizer: on\n  offload: on\n")  # adamw_8bit + optimizer
-    assert "DeepSpeed's CPU Adam" in p and "optimizer adamw_8bit" in p and "set optimizer: adamw" in p
+    assert "DeepSpeed's CPU Adam" in p and "optimizer adamw_8bit" in p and "use optimizer: adamw" in p
     (p,) = problems(GOOD + "techniques:\n  optimizer: adafactor\n  offload: zero3-offload\n")
-    assert "optimizer adafactor" in p
-    for ok in ("optimizer: adamw\n  offload: full", "optimizer: adamw_8bit\n  offload: fsdp-offload",
+    assert "optimizer adafactor" in p and "offload: fsdp-offload" in p
+    for ok in ("optimizer: adamw\n  offload: full", "optimizer: adafactor\n  offload: fsdp-offload",
                "optimizer: adamw_8bit\n  offload: auto", "optimizer: off\n  offload: on"):
         parse_recipe(GOOD + f"techniques:\n  {ok}\n", "r.yaml")
+
+
+@pytest.mark.parametrize("optimizer", ["on", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"])
+@pytest.mark.parametrize("offload", ["fsdp", "fsdp-offload"])
+def test_fsdp_with_a_bitsandbytes_optimizer_is_rejected(optimizer, offload):
+    """Issue 24 item 1: bitsandbytes' optimizers fail at FSDP2's first step (no DTensor support,
+    tests/test_fsdp2_step.py); a recipe asking for the pair is refused, naming what works."""
+    (p,) = problems(GOOD + f"techniques:\n  optimizer: {optimizer}\n  offload: {offload}\n")
+    assert "cannot step FSDP2's sharded parameters" in p and "no DTensor support" in p
+    assert f"use optimizer: adamw with offload: {offload}" in p and "with offload: none (DDP)" in p
 
 
 def test_overrides_are_validated_and_named():

@@ -184,3 +184,58 @@ def test_readme_examples_have_the_printed_formats():
     assert hint == "hint: resume with: " + recover.resume_command(
         "recipes/qwen2.5-1.5b-lora.yaml", ["training.output_dir=runs/my run"])
     assert "`--max-retries` (default 3)" in section and "`--no-recover`" in section
+
+
+
+def test_retry_loads_its_model_after_the_failed_attempt_is_collected(tmp_path, tiny_model_dir, monkeypatch):
+    """Issue 24 item 4: the retry loads its model only once the first attempt's model (with its
+    optimizer and Trainer) is collected, and _free_memory runs after that (torch.cuda.empty_cache
+    can only return blocks that are free). bf16-mixed: accelerate's prepare_model wraps the
+    forward in autocast as a method bound to the model (accelerator.py, ``model.forward =
+    MethodType(...)``), a reference cycle that only the collector frees. The OOM is raised inside
+    the real Trainer's first step; the spies only record weakrefs around the real functions.
+    Automatic collection is off, so an incidental collection between the attempts cannot hide a
+    reference the loop keeps."""
+    import gc
+    import weakref
+
+    import torch
+    from transformers import TrainerCallback
+
+    from lowvram.train import model as model_mod
+
+    class OomInStep1(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if args.per_device_train_batch_size == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    make = signals.make_callbacks
+    monkeypatch.setattr(signals, "make_callbacks", lambda stop: [*make(stop), OomInStep1()])
+    models: list[weakref.ref] = []
+    alive_at_load: list[bool] = []
+    alive_after_free: list[bool] = []
+    real_load, real_free = model_mod.load_model, recover._free_memory
+
+    def load_spy(recipe, plan):
+        alive_at_load.append(any(ref() is not None for ref in models))
+        loaded = real_load(recipe, plan)
+        models.append(weakref.ref(loaded.model))
+        return loaded
+
+    def free_spy():
+        real_free()
+        alive_after_free.append(any(ref() is not None for ref in models))
+
+    monkeypatch.setattr(model_mod, "load_model", load_spy)
+    monkeypatch.setattr(recover, "_free_memory", free_spy)
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=2, techniques="lora: on, mixed_precision: bf16-mixed")
+    gc.disable()
+    try:
+        result = train(str(recipe))
+    finally:
+        gc.enable()
+    assert result.exit_code == 0, result.output
+    assert "OOM at step 1" in result.output and "retry 1 of 3" in result.output, result.output
+    assert len(models) == 2
+    assert alive_after_free == [False], "the first attempt's model outlived _free_memory (empty_cache frees nothing)"
+    assert alive_at_load == [False, False], "the first attempt's model was alive when the retry loaded its own"

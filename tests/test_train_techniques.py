@@ -152,6 +152,29 @@ def test_quantization_configs():
     assert weight_dtype(replace(base, mixed_precision="fp32")) == torch.float32
 
 
+@pytest.mark.parametrize("offload", ["none", "fsdp"])
+def test_count_params_of_a_4bit_base_for_any_quant_storage(tiny_model_dir, offload):
+    """Issue 24 item 9: a real bitsandbytes 4-bit model on the CPU, loaded with lowvram's own
+    from_pretrained arguments: uint8 storage (single GPU) and, for FSDP, the bf16 quant storage
+    that packs four 4-bit values per element. Both count the unquantized model's parameters
+    (count_params assumed uint8 and halved the FSDP total)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.train.model import count_params, load_kwargs
+
+    plan = replace(resolve_fixed(parse_recipe(RECIPE)), quantization="nf4", mixed_precision="bf16",
+                   offload=offload)
+    kwargs = load_kwargs(plan)
+    storage = torch.bfloat16 if offload == "fsdp" else torch.uint8
+    assert kwargs["quantization_config"].bnb_4bit_quant_storage == storage
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, **kwargs)
+    packed = [p for p in model.parameters() if p.__class__.__name__ == "Params4bit"]
+    assert packed and {p.dtype for p in packed} == {storage}
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert count_params(model)[1] == sum(p.numel() for p in plain.parameters())
+
+
 def test_offload_is_not_a_single_process_run():
     from lowvram.errors import LowvramError
     from lowvram.train.trainer import build_training_args

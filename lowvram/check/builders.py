@@ -28,6 +28,10 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
     kw.update(_moe_config_kwargs(spec))
     if spec.sliding_window:  # Gemma-3: its default layer pattern, the spec's window
         kw["sliding_window"] = spec.sliding_window
+    from transformers import CONFIG_MAPPING
+
+    if isinstance(getattr(CONFIG_MAPPING[spec.model_type], "head_dim", None), property):
+        kw.pop("head_dim")  # derived, not settable (FalconConfig.head_dim: hidden_size // heads)
     cfg = AutoConfig.for_model(spec.model_type, **kw)
     cfg._attn_implementation = attention
     # the spec's dropout, under whichever names this config class uses

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from lowvram.plan import activations, backward, states
+from lowvram.plan import activations, backward, moe, states
 from lowvram.plan import techniques as tq
 from lowvram.plan.request import fits_budget
-from lowvram.plan.setup import DEEPSPEED_CPU_OPTIMIZER, MemoryEstimate, RunSetup
+from lowvram.plan.setup import DEEPSPEED_CPU_OPTIMIZER, FSDP_OFFLOADS, MemoryEstimate, RunSetup
 from lowvram.units import gib, percent
 
 Estimator = Callable[[RunSetup], MemoryEstimate]
@@ -87,6 +87,9 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     if s.model.attention_sinks and not req.fixed("attention"):
         r["attention"] = (f"eager: {s.model.model_type}'s attention sinks have no SDPA path in "
                           "transformers; keeps b x a x s x (s+1) scores")
+    elif s.model.model_type in moe.EAGER_ONLY_MODEL_TYPES and not req.fixed("attention"):
+        r["attention"] = (f"eager: transformers has only eager attention for {s.model.model_type} "
+                          "(no SDPA or flash path); keeps b x a x s x s scores")
     elif s.attention == "eager":
         r["attention"] += "; eager keeps b x a x s x s scores (upcast to fp32)"
 
@@ -141,6 +144,12 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     elif s.offload in DEEPSPEED_CPU_OPTIMIZER:
         r["optimizer"] = (f"adamw: offload {s.offload} runs DeepSpeed's CPU Adam, its fp32 state and "
                           "master weights in CPU RAM (16 bytes per trained parameter)")
+    elif s.offload in FSDP_OFFLOADS:
+        # lowvram.plan.setup.offload_conflict: the search never pairs FSDP with bitsandbytes
+        r["optimizer"] = (f"adamw: 8-bit AdamW (bitsandbytes) cannot step FSDP2's sharded parameters (no "
+                          f"DTensor support), so {s.offload} keeps torch AdamW; its state " +
+                          ("in CPU RAM with the shards" if s.offload == "fsdp-offload" else
+                           f"{gib(c.estimate.breakdown['optimizer'])} per GPU at the peak"))
     else:
         r["optimizer"] = f"adamw: optimizer state {gib(c.estimate.breakdown['optimizer'])} fits"
 

@@ -151,18 +151,29 @@ def routed_activation_bytes(spec: ModelSpec, tokens: int, c: int, w: int, autoca
 SINK_ATTENTIONS = ("eager",)
 
 
+# Model types whose transformers class has neither an SDPA nor a flash-attention path (transformers
+# 5.24: BloomPreTrainedModel sets no _supports_sdpa / _supports_flash_attn, so from_pretrained
+# with attn_implementation="sdpa" raises): they train with eager attention only.
+EAGER_ONLY_MODEL_TYPES = ("bloom",)
+
+
 def attention_problems(spec: ModelSpec, attention: str) -> list[str]:
-    """Attention kernels a model with attention sinks cannot train with (empty when fine)."""
+    """Attention kernels a model with attention sinks, or a model type with eager attention only,
+    cannot train with (empty when fine)."""
     if spec.attention_sinks and attention not in SINK_ATTENTIONS:
         return [f"attention {attention} with {spec.model_type}: transformers has no {attention} "
                 "path for its attention sinks (GptOssPreTrainedModel._supports_sdpa = False): "
                 "set attention: eager (--attn eager)"]
+    if spec.model_type in EAGER_ONLY_MODEL_TYPES and attention != "eager":
+        return [f"attention {attention} with {spec.model_type}: transformers has only eager "
+                f"attention for it (no _supports_sdpa / _supports_flash_attn): set attention: eager (--attn eager)"]
     return []
 
 
 def default_attention(spec: ModelSpec) -> str:
     """The attention the chooser plans when the recipe names none."""
-    return SINK_ATTENTIONS[0] if spec.attention_sinks else "sdpa"
+    eager = spec.attention_sinks or spec.model_type in EAGER_ONLY_MODEL_TYPES
+    return SINK_ATTENTIONS[0] if eager else "sdpa"
 
 
 def sink_eager_bytes(spec: ModelSpec, batch: int, seq_len: int, cc: int, w: int) -> int:

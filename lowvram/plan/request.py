@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from lowvram.errors import LowvramError
 from lowvram.plan import sharding
 from lowvram.plan.models import ModelSpec
-from lowvram.plan.setup import MemoryEstimate, RunSetup, offload_conflict
+from lowvram.plan.setup import MemoryEstimate, RunSetup, offload_conflict, offload_conflict_hint
+from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.types import Plan
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
@@ -38,6 +39,8 @@ class Budget:
     device: str = "cuda"  # "cuda" | "mps" | "cpu"
     bf16: bool = True  # the card supports bf16
     bf16_known: bool = True  # False: assumed (a --vram budget; no card was queried)
+    # The lowest CUDA compute capability of the cards used (None: not queried, e.g. --vram)
+    compute_capability: tuple[int, int] | None = None
     host_ram_bytes: int | None = None  # available host RAM, when planning for this machine
     source: str = ""  # where vram_bytes came from, shown to the user
     notes: tuple[str, ...] = ()
@@ -176,8 +179,9 @@ def validate_request(req: PlanRequest) -> None:
     if req.optimizer is not None and req.offload is not None:
         conflict = offload_conflict(req.optimizer, req.offload)
         if conflict:
-            raise LowvramError(conflict, "use --optim adamw with it, or --offload fsdp-offload (FSDP2 "
-                               "keeps your optimizer, its step on the CPU)")
+            flag = {"optimizer": "--optim", "offload": "--offload"}
+            raise LowvramError(conflict, offload_conflict_hint(req.optimizer, req.offload,
+                                                               lambda key, value: f"{flag[key]} {value}"))
     if req.batch_size % req.gpus:
         raise LowvramError(
             f"batch_size {req.batch_size} is not divisible by {req.gpus} GPUs",
@@ -204,6 +208,21 @@ def validate_request(req: PlanRequest) -> None:
 
 
 _EXAMPLE = {"seq_len": 1024, "batch_size": 16, "gpus": 1, "lora_r": 16}
+
+
+def check_attention(req: PlanRequest, budget: Budget, precision: str) -> None:
+    """A fixed flash_attention_2 that cannot run under ``budget`` at ``precision`` -> LowvramError
+    (the search never picks flash_attention_2 itself: lowvram.plan.search._options)."""
+    if req.attention != "flash_attention_2":
+        return
+    why = flash_attention_unavailable(budget, precision)
+    if why:
+        src = req.sources.get("attention", "--attn")
+        flags = {"mixed_precision": "--precision", "attention": "--attn"}
+        spell = ((lambda key, value: f"{flags[key]} {value}") if src.startswith("--") else
+                 (lambda key, value: f"techniques.{key}: {value}"))
+        raise LowvramError(f"attention flash_attention_2 (set by {src}) cannot run here: {why}",
+                           flash_attention_hint(budget, precision, spell))
 
 
 # What a plan gives up, beyond speed: the search picks the fastest plan within the first of these
@@ -234,7 +253,7 @@ def missing_extras(setup: RunSetup, budget: Budget) -> tuple[str, ...]:
 
 
 __all__ = [
-    "Budget", "Candidate", "Choice", "EXTRAS", "fits_budget", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
+    "Budget", "Candidate", "check_attention", "Choice", "EXTRAS", "fits_budget", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
     "missing_extras", "plan_level", "PlanRequest", "Rung", "safety_margin_bytes", "SHARDED",
     "validate_request", "vram_needed_bytes",
 ]

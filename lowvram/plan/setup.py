@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowvram.plan.models import ModelSpec
+from lowvram.vocab import BNB_OPTIMIZERS
 
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", "cuda_context",
                   "allocator")
@@ -18,12 +19,36 @@ BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", 
 DEEPSPEED_CPU_OPTIMIZER = ("optimizer", "full", "zero2-offload", "zero3-offload")
 
 
+# FSDP2 shards every parameter as a torch DTensor; bitsandbytes' optimizers (8-bit and paged,
+# vocab.BNB_OPTIMIZERS) call their own kernels (torch.ops.bitsandbytes.optimizer_update_8bit_blockwise
+# / optimizer_update_32bit, bitsandbytes/optim/optimizer.py and functional.py) on the shards, and
+# bitsandbytes 0.50 registers no DTensor sharding rule for them: the first optimizer step raises
+# ("got mixed torch.Tensor and DTensor" on GPUs, "does not have a sharding strategy registered"
+# in one process; tests/test_fsdp2_step.py runs it). torch's optimizers take DTensors.
+FSDP_OFFLOADS = ("fsdp", "fsdp-offload")
+
+
 def offload_conflict(optimizer: str, offload: str) -> str | None:
     """Why ``optimizer`` cannot run under ``offload`` (None when it can)."""
     if offload in DEEPSPEED_CPU_OPTIMIZER and optimizer != "adamw":
         return (f"offload {offload} runs DeepSpeed's CPU Adam on the CPU; optimizer {optimizer} "
                 "cannot run there")
+    if offload in FSDP_OFFLOADS and optimizer in BNB_OPTIMIZERS:
+        return (f"optimizer {optimizer} (bitsandbytes) cannot step FSDP2's sharded parameters "
+                "(bitsandbytes has no DTensor support: the first optimizer step fails)")
     return None
+
+
+def offload_conflict_hint(optimizer: str, offload: str, spell=lambda key, value: f"{key} {value}") -> str:
+    """What to set instead, for an ``offload_conflict``; ``spell(key, value)`` writes a setting
+    as the caller's user writes it (a flag, a recipe key)."""
+    if offload in FSDP_OFFLOADS:
+        return (f"use {spell('optimizer', 'adamw')} with {spell('offload', offload)} (FSDP2 shards "
+                f"AdamW's state over the GPUs already), or keep {optimizer} with {spell('offload', 'none')} (DDP)")
+    if optimizer in BNB_OPTIMIZERS:
+        return f"use {spell('optimizer', 'adamw')} with it (DeepSpeed's CPU Adam runs in its place)"
+    return (f"use {spell('optimizer', 'adamw')} with it, or {spell('offload', 'fsdp-offload')} (FSDP2 "
+            "keeps your optimizer, its step on the CPU)")
 
 
 @dataclass(frozen=True)
@@ -101,6 +126,6 @@ def cuda_overheads() -> CudaOverheads:
 
 __all__ = [
     "PROCESS_HOST_BYTES",
-    "BREAKDOWN_KEYS", "cuda_overheads", "CudaOverheads", "DEEPSPEED_CPU_OPTIMIZER",
-    "MemoryEstimate", "offload_conflict", "RunSetup",
+    "BREAKDOWN_KEYS", "cuda_overheads", "CudaOverheads", "DEEPSPEED_CPU_OPTIMIZER", "FSDP_OFFLOADS",
+    "MemoryEstimate", "offload_conflict", "offload_conflict_hint", "RunSetup",
 ]

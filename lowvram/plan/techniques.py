@@ -164,6 +164,39 @@ def fused_loss_unavailable(budget, model) -> str | None:
     return None
 
 
+# flash-attn 2 runs on Ampere or newer (compute capability 8.0) and on fp16/bf16 tensors only: its
+# kernels raise "FlashAttention only supports Ampere GPUs or newer." and "FlashAttention only
+# support fp16 and bf16 data type" at the first forward (flash-attn csrc/flash_attn/flash_api.cpp).
+# Under *-mixed, transformers casts fp32 q/k/v to the autocast dtype first
+# (transformers/integrations/flash_attention.py get_target_dtype); in pure fp32 there is none.
+FLASH_ATTENTION_MIN_CAPABILITY = (8, 0)
+
+
+def flash_attention_unavailable(budget, precision: str) -> str | None:
+    """Why flash_attention_2 cannot run under ``budget`` (a request.Budget) at ``precision``; None
+    when it can. A card not queried (--vram) counts as bf16-capable, i.e. Ampere or newer (the
+    budget says so); a detected card's bf16 is compute capability >= 8.0 (lowvram.hardware)."""
+    if budget.device != "cuda":
+        return f"flash-attn runs on CUDA GPUs only (this is a {budget.device.upper()} run)"
+    cc = budget.compute_capability
+    if (cc is not None and tuple(cc) < FLASH_ATTENTION_MIN_CAPABILITY) or (cc is None and not budget.bf16):
+        have = f"compute capability {cc[0]}.{cc[1]}" if cc else "a card without bf16"
+        return f"flash-attn 2 needs an Ampere or newer GPU (compute capability 8.0), this is {have}"
+    if precision == "fp32":
+        return "precision fp32 keeps q, k and v in fp32, and flash-attn computes in fp16/bf16 only"
+    return None
+
+
+def flash_attention_hint(budget, precision: str, spell=lambda key, value: f"{key} {value}") -> str:
+    """What to set instead of an unavailable flash_attention_2; ``spell(key, value)`` writes a
+    setting as the caller's user writes it (a flag, a recipe key)."""
+    sdpa = spell("attention", "sdpa")
+    if budget.device == "cuda" and precision == "fp32" and flash_attention_unavailable(budget, "bf16") is None:
+        return (f"use a 16-bit precision ({spell('mixed_precision', 'bf16')}, bf16-mixed or fp16-mixed) "
+                f"with it, or {sdpa} (PyTorch's kernels, any dtype)")
+    return f"use {sdpa} (PyTorch's flash/memory-efficient kernels where the card has them)"
+
+
 # Model types liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN patches (v0.8.2),
 # among those the planner models; any other type would silently keep the full-logits loss.
 LIGER_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2",

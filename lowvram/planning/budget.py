@@ -11,7 +11,7 @@ from lowvram.errors import LowvramError
 from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
 from lowvram.units import gib, parse_size
-from lowvram.vocab import BNB_OPTIMIZERS, ON_VALUES
+from lowvram.vocab import BNB_OPTIMIZERS, ON_VALUES, PRECISIONS
 
 
 def make_budget(vram: str | None = None, hardware=None, gpus: int = 1):
@@ -24,7 +24,7 @@ def make_budget(vram: str | None = None, hardware=None, gpus: int = 1):
     if hardware is None and not override:
         from lowvram.hardware import detect_hardware
 
-        hardware = detect_hardware()
+        hardware = detect_hardware(gpus=gpus)
     budget = _budget(vram, hardware)
     if hardware is not None and hardware.kind == "cuda" and hardware.devices and not override:
         budget = replace(budget, **detected_cuda_budget(hardware, gpus))
@@ -35,22 +35,24 @@ def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
     """Budget fields for detected CUDA cards: free memory read once per card, the smallest among
     the ``gpus`` used, and the CUDA context counted once.
 
-    The plan's peak holds a ``cuda_context`` term. Free memory read after this process's context
-    exists (``hardware.context_in_free``: torch.cuda.mem_get_info creates it) no longer holds it,
-    so the modelled term is added back to the budget: the fit test becomes tensors + allocator
-    slack <= free - margin, whatever the real context's size. A free size that still holds the
-    context (context_in_free False) is the budget as it is."""
+    The plan's peak holds a ``cuda_context`` term. Free memory read after a context exists
+    (``hardware.context_in_free``: torch.cuda.mem_get_info creates it, in the probe's child
+    process, whose context ends before the run's own takes its place; the process that plans and
+    launches holds none) no longer holds it, so the modelled term is added back to the budget:
+    the fit test becomes tensors + allocator slack <= free - margin, whatever the real context's
+    size. A free size that still holds the context (context_in_free False) is the budget as it is."""
     from lowvram.plan.setup import cuda_overheads
 
     dev = hardware.tightest_device(gpus)
     free = hardware.free_bytes(gpus)
     n = len(hardware.used_devices(gpus))
     where = f"GPU {dev.index} ({dev.name})" if n == 1 else f"GPU {dev.index} ({dev.name}), the least free of GPUs 0-{n - 1}"
+    capability = _lowest_capability(hardware.used_devices(gpus))
     if not hardware.context_in_free:
-        return {"vram_bytes": free, "source": f"{where}: free memory"}
+        return {"vram_bytes": free, "source": f"{where}: free memory", "compute_capability": capability}
     context = cuda_overheads().context_bytes
-    return {"vram_bytes": free + context,
-            "source": f"{where}: {gib(free)} free after this process's CUDA context + the plan's "
+    return {"vram_bytes": free + context, "compute_capability": capability,
+            "source": f"{where}: {gib(free)} free after a CUDA context + the plan's "
                       f"{gib(context)} cuda_context term (the context counted once)"}
 
 
@@ -92,8 +94,14 @@ def _budget(vram: str | None, hardware):
     dev = hw.devices[0] if hw.devices else None
     source = f"{flag} {override}" if override else (f"{dev.name}: free memory" if dev else hw.kind)
     return Budget(hw.budget_bytes, hw.kind, bf16=hw.bf16, bf16_known=True,
+                  compute_capability=_lowest_capability(hw.devices),
                   host_ram_bytes=hw.host_available_bytes or None, source=source,
                   notes=tuple(hw.notes))
+
+
+def _lowest_capability(devices) -> tuple[int, int] | None:
+    """The lowest CUDA compute capability among ``devices`` (what every rank can run), or None."""
+    return min((tuple(d.compute_capability) for d in devices if d.compute_capability), default=None)
 
 
 def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
@@ -104,7 +112,7 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     budget = parse_size(override) if override else hardware.budget_bytes
     context = cuda_overheads().context_bytes
     # A --vram budget is GPU memory (also when planning on a machine without one). Free memory
-    # read after this process's context existed does not hold the context: the plan says
+    # read after a context existed (the probe's) does not hold the context: the plan says
     # whether anything fits in it.
     holds_context = bool(override) or (hardware.kind == "cuda" and not hardware.context_in_free)
     if holds_context and budget is not None and budget <= context:
@@ -122,6 +130,25 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
             "set techniques.mixed_precision: fp16-mixed (or auto: lowvram picks what the card supports)")
     quant = recipe.techniques.quantization
     _check_bnb(ON_VALUES["quantization"] if quant == "on" else quant, recipe.techniques.optimizer, hardware)
+    _check_flash_attention(recipe, hardware, vram)
+
+
+def _check_flash_attention(recipe: Recipe, hardware, vram: str | None) -> None:
+    """techniques.attention: flash_attention_2 where flash-attn cannot run (not CUDA, a card
+    before Ampere, fp32): refused before the model loads (flash-attn raises at the first forward)."""
+    if recipe.techniques.attention != "flash_attention_2":
+        return
+    from lowvram.plan.search import auto_precision
+    from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
+
+    budget = _budget(vram, hardware)
+    mp, dtype = recipe.techniques.mixed_precision, recipe.model.dtype
+    precision = ("fp32" if mp == "off" else mp if mp in PRECISIONS else
+                 auto_precision(budget, None if dtype == "auto" else dtype))
+    why = flash_attention_unavailable(budget, precision)
+    if why:
+        raise LowvramError(f"techniques.attention: flash_attention_2 cannot run here: {why}",
+                           flash_attention_hint(budget, precision, lambda key, value: f"techniques.{key}: {value}"))
 
 
 def check_runnable(plan: Plan, hardware) -> Plan:

@@ -27,7 +27,7 @@ def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus
     if hardware is None:
         from lowvram.hardware import detect_hardware
 
-        hardware = detect_hardware(vram)
+        hardware = detect_hardware(vram, gpus=gpus)  # only the cards the run uses
     check_card(recipe, hardware, vram)
     try:
         spec = recipe_model(recipe)

@@ -225,13 +225,14 @@ class TechniquesSection(_Section):
 
     @model_validator(mode="after")
     def _offload_keeps_optimizer(self) -> TechniquesSection:
-        from lowvram.plan.setup import offload_conflict
+        from lowvram.plan.setup import offload_conflict, offload_conflict_hint
 
         optimizer = on_off(self.optimizer, ON_VALUES["optimizer"], OFF_VALUES["optimizer"])
         offload = on_off(self.offload, ON_VALUES["offload"], OFF_VALUES["offload"])
         conflict = offload_conflict(optimizer, offload) if "auto" not in (optimizer, offload) else None
         if conflict:
-            raise ValueError(f"{conflict} (set optimizer: adamw, or offload: fsdp-offload, which keeps your optimizer)")
+            hint = offload_conflict_hint(optimizer, offload, lambda key, value: f"{key}: {value}")
+            raise ValueError(f"{conflict} ({hint})")
         return self
 
 

@@ -172,11 +172,101 @@ def run_prompt_format(folder: str | Path) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
+# Memory: what loading base + adapter needs, checked before anything is loaded
+
+
+@dataclass(frozen=True)
+class LoadSize:
+    parameters: int | None  # of the base, from config.json (None: its architecture is unknown)
+    needed_bytes: int | None
+    counted: str  # how needed_bytes was counted, for the message
+
+
+def count_base_parameters(source: str) -> int | None:
+    """Exact count from config.json (no weights); None if the architecture cannot be read."""
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import count_parameters
+
+    try:
+        return count_parameters(resolve_model(source))
+    except LowvramError:
+        return None
+
+
+def adapter_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("adapter_model.*") if f.is_file())
+
+
+def dense_size(base: BaseModel, dtype: str, folder: Path) -> LoadSize:
+    """The base in ``dtype`` (every weight an ordinary tensor) + the adapter (its file size)."""
+    n = count_base_parameters(base.source)
+    needed = n * DTYPE_BYTES[dtype] + adapter_bytes(folder) if n is not None else None
+    return LoadSize(n, needed, f"{n or 0:,} parameters x {DTYPE_BYTES[dtype]} bytes ({dtype}) + adapter")
+
+
+def trained_size(base: BaseModel, plan: dict) -> LoadSize:
+    """The base as the run trained it (4/8-bit linears, the rest in the plan's weight dtype) + the
+    fp32 adapters: the planner's exact weight bytes (lowvram.plan.states.weight_bytes)."""
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import count_parameters
+    from lowvram.plan.setup import RunSetup
+    from lowvram.plan.states import weight_bytes
+
+    try:
+        spec = resolve_model(base.source)
+    except LowvramError:
+        return LoadSize(None, None, "")
+    setup = RunSetup(model=spec, precision=plan["mixed_precision"], quantization=plan["quantization"], lora=True,
+                     lora_r=int(plan["lora_r"]), lora_targets=tuple(plan["lora_targets"]))
+    return LoadSize(count_parameters(spec), weight_bytes(setup),
+                    f"{count_parameters(spec):,} parameters, {plan['quantization']} as trained, + adapter")
+
+
+def refuse_if_short(job: str, size: LoadSize, free_bytes: int, where: str, hint: str) -> None:
+    """LowvramError when ``size`` does not fit the ``free_bytes`` of ``where`` (host RAM, the GPU)."""
+    from lowvram.units import mem
+
+    if size.needed_bytes is not None and size.needed_bytes > free_bytes:
+        raise LowvramError(f"{job} needs {mem(size.needed_bytes)} of {where} ({size.counted}), "
+                           f"{mem(free_bytes)} available", hint)
+
+
+# --------------------------------------------------------------------------------------------
 # Loading base + adapter
+
+
+def trained_plan(plan: dict):
+    """plan.json as a Plan (older runs' extra keys dropped; JSON lists back to tuples)."""
+    from dataclasses import fields
+
+    from lowvram.plan.types import Plan
+
+    names = {f.name for f in fields(Plan)}
+    data = {k: tuple(v) if isinstance(v, list) else v for k, v in plan.items() if k in names}
+    try:
+        return Plan(**data)
+    except TypeError as e:
+        raise LowvramError(f"the run's plan.json cannot be read as a plan: {e}",
+                           "pass --dtype to load the base dequantized, or retrain with this lowvram") from None
+
+
+def load_trained_base(base: BaseModel, plan, device: str):
+    """The base as the run trained it: the BitsAndBytesConfig and weight dtype of train/model.py's
+    builder (load_kwargs), on ``device``."""
+    from lowvram.train.model import load_kwargs
+
+    kwargs = load_kwargs(plan)
+    return _from_pretrained(base, dtype=kwargs["dtype"], quantization_config=kwargs.get("quantization_config"),
+                            device_map={"": device})
 
 
 def load_base(base: BaseModel, dtype: str, device: str):
     import torch
+
+    return _from_pretrained(base, dtype=getattr(torch, dtype), device_map={"": device})
+
+
+def _from_pretrained(base: BaseModel, **kwargs):
     from transformers import AutoModelForCausalLM
 
     from lowvram.runfiles import require_intact
@@ -186,7 +276,7 @@ def load_base(base: BaseModel, dtype: str, device: str):
     try:
         # quantization_config=None is not enough for a pre-quantized checkpoint; plain folders
         # (hub bases, the GGUF cache) carry none, and that is what a lowvram run trains on.
-        return AutoModelForCausalLM.from_pretrained(base.source, dtype=getattr(torch, dtype), device_map={"": device})
+        return AutoModelForCausalLM.from_pretrained(base.source, **kwargs)
     except OSError as e:
         raise ModelError(f"cannot load the base model {base.source}: {_first_line(e)}",
                          "check the folder (or hub cache; HF_HUB_OFFLINE=1 reads only the cache)") from None

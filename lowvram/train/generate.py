@@ -17,13 +17,21 @@ from typing import Any
 from lowvram.errors import LowvramError
 from lowvram.runfiles import require_intact
 from lowvram.train.artifacts import (
+    BaseModel,
+    LoadSize,
+    dense_size,
     find_base_model,
     load_adapter,
     load_base,
+    load_trained_base,
     merge_dtype,
     read_adapter_run,
+    refuse_if_short,
     run_prompt_format,
+    trained_plan,
+    trained_size,
 )
+from lowvram.units import mem
 
 FORMATS = ("auto", "chat", "alpaca", "raw")
 
@@ -80,8 +88,9 @@ def render_prompt(gen: Generator, messages: list[dict]) -> str:
 # Loading
 
 
-def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "auto") -> Generator:
-    """A run folder (base + adapter), a checkpoint, a merged folder or a full fine-tune."""
+def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "auto", cpu: bool = False) -> Generator:
+    """A run folder (base + adapter), a checkpoint, a merged folder or a full fine-tune; on the
+    GPU when there is one (``cpu``: on the CPU)."""
     from lowvram.train.model import quiet_libraries
 
     quiet_libraries()
@@ -91,15 +100,19 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
     if prompt_format not in FORMATS:
         raise LowvramError(f"unknown --format {prompt_format!r}", f"use one of {', '.join(FORMATS)}")
     p = Path(path)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not cpu else "cpu"
     if (p / "adapter_config.json").is_file():
         p, adapter, recipe, plan = read_adapter_run(p)
         base = find_base_model(p, adapter, recipe)
-        model = load_adapter(load_base(base, merge_dtype(recipe, plan, dtype), device), p)
+        model = load_adapter(_load_run_base(base, recipe, plan, dtype, device, p), p)
         source = f"{base.source} + adapter {p}"
         tok_source = p if (p / "tokenizer_config.json").is_file() else Path(base.source)
     elif (p / "config.json").is_file():
+        from lowvram.hardware import detect_hardware
+
         require_intact(p)  # a merged or full fine-tuned folder: its weights and config
+        check_fits(dense_size(BaseModel(str(p), "folder"), _stored_dtype(p) if dtype == "auto" else dtype, p),
+                   device, detect_hardware(gpus=1))
         kwargs = {"dtype": getattr(torch, dtype) if dtype != "auto" else "auto", "device_map": {"": device}}
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
         source, tok_source = str(p), p
@@ -113,6 +126,49 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
     model.eval()
     fmt = choose_format(prompt_format, run_prompt_format(p), bool(getattr(tokenizer, "chat_template", None)))
     return Generator(model, tokenizer, fmt, source, device)
+
+
+def _load_run_base(base: BaseModel, recipe: dict, plan: dict, dtype: str, device: str, folder: Path):
+    """A run's base, checked against the free memory first. A QLoRA run's base is loaded as it
+    trained (4/8-bit, the same BitsAndBytesConfig: train/model.py's builder), as Unsloth and
+    Axolotl load a QLoRA adapter for inference; ``--dtype`` loads it dequantized instead (what
+    `lowvram merge` needs)."""
+    quantized = plan.get("quantization", "none") != "none" and dtype == "auto"
+    dt = merge_dtype(recipe, plan, dtype)
+    size = trained_size(base, plan) if quantized else dense_size(base, dt, folder)
+    from lowvram.hardware import detect_hardware
+
+    check_fits(size, device, detect_hardware(gpus=1))  # generate uses the first card
+    return load_trained_base(base, trained_plan(plan), device) if quantized else load_base(base, dt, device)
+
+
+def _stored_dtype(folder: Path) -> str:
+    """The dtype ``dtype="auto"`` loads a folder in: config.json's ``dtype`` (transformers 5;
+    ``torch_dtype`` before), else float32 (transformers' default)."""
+    import json
+
+    from lowvram.vocab import DTYPE_BYTES
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return stored if stored in DTYPE_BYTES else "float32"
+
+
+def check_fits(size: LoadSize, device: str, hw) -> None:
+    """The weights (a lower bound: the replies' KV cache and activations come on top, small for
+    short replies) against the free memory of the device they load on (merge's check, shared)."""
+    if device == "cuda":
+        free = hw.devices[0].free_bytes if hw.devices else 0
+        ram = f"{mem(hw.host_available_bytes)} of host RAM available"
+        refuse_if_short("generate", size, free, f"GPU memory on {hw.devices[0].name if hw.devices else 'the GPU'}",
+                        f"pass --cpu to generate on the CPU (slower; {ram}), use a card with more memory, "
+                        "or free the GPU (nvidia-smi shows what holds it)")
+    else:
+        refuse_if_short("generate", size, hw.host_available_bytes, "host RAM",
+                        "close other programs, or generate on a machine with more RAM or on a GPU that holds it")
 
 
 # --------------------------------------------------------------------------------------------

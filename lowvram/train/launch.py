@@ -133,7 +133,11 @@ def accelerate_config(plan: Plan, spec: LaunchSpec, layer_cls: str | None = None
             "offload_optimizer_device": "cpu" if off_opt else "none",
             "offload_param_device": "cpu" if off_params else "none",
             "gradient_accumulation_steps": plan.grad_accum,
-            "gradient_clipping": 1.0,
+            # "auto": the Trainer fills it from training.max_grad_norm. A number here must equal
+            # max_grad_norm, or HfTrainerDeepSpeedConfig.trainer_config_process (transformers/
+            # integrations/deepspeed.py, fill_match) refuses the run at train start; accelerate
+            # passes "auto" through (DeepSpeedPlugin.__post_init__, ACCELERATE_GRADIENT_CLIPPING).
+            "gradient_clipping": "auto",
             "zero3_init_flag": stage == 3,
             "zero3_save_16bit_model": stage == 3,
         }

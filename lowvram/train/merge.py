@@ -27,11 +27,14 @@ from lowvram.runfiles import require_intact
 from lowvram.train.artifacts import (
     MERGE_INFO,
     BaseModel,
+    adapter_bytes,
+    dense_size,
     find_base_model,
     load_adapter,
     load_base,
     merge_dtype,
     read_adapter_run,
+    refuse_if_short,
     run_prompt_format,
 )
 from lowvram.units import mem as _size  # GiB, or MiB below 1 GiB
@@ -72,21 +75,6 @@ class MergeResult:
 # Memory and device
 
 
-def count_base_parameters(source: str) -> int | None:
-    """Exact count from config.json (no weights); None if the architecture cannot be read."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.models import count_parameters
-
-    try:
-        return count_parameters(resolve_model(source))
-    except LowvramError:
-        return None
-
-
-def _adapter_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.glob("adapter_model.*") if f.is_file())
-
-
 def plan_merge(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", device: str = "auto") -> MergePlan:
     """Find the base, size the merge, pick the device; LowvramError if it cannot work."""
     p, adapter, recipe, plan = read_adapter_run(run_dir)
@@ -97,13 +85,12 @@ def plan_merge(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", de
         raise LowvramError(f"unknown dtype {dtype!r}", "use auto, bfloat16, float16 or float32")
     base = find_base_model(p, adapter, recipe)
     dt = merge_dtype(recipe, plan, dtype)
-    n = count_base_parameters(base.source)
-    adapter_bytes = _adapter_bytes(p)
-    needed = n * DTYPE_BYTES[dt] + adapter_bytes if n is not None else None
+    size = dense_size(base, dt, p)
+    n, needed = size.parameters, size.needed_bytes
 
     from lowvram.hardware import detect_hardware
 
-    hw = detect_hardware()
+    hw = detect_hardware(gpus=1)  # merge uses the first card
     gpu_free = hw.devices[0].free_bytes if hw.kind == "cuda" and hw.devices else None
     notes = []
     if plan.get("quantization", "none") != "none":
@@ -119,14 +106,11 @@ def plan_merge(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", de
             if gpu_free is not None:
                 notes.append(f"the GPU has {_size(gpu_free)} free, the merge needs "
                              f"{_size(needed or 0)}: merging on the CPU (slower)")
-    if chosen == "cpu" and needed is not None and needed > hw.host_available_bytes:
+    if chosen == "cpu":
         half = " or --dtype bfloat16 (half the memory)" if dt == "float32" else ""
-        raise LowvramError(
-            f"merge needs {_size(needed)} of host RAM ({n:,} parameters x {DTYPE_BYTES[dt]} bytes "
-            f"({dt}) + adapter), {_size(hw.host_available_bytes)} available",
-            f"close other programs, or merge on a machine with more RAM{half}",
-        )
-    return MergePlan(str(p), str(out), base, dt, chosen, n, adapter_bytes, needed,
+        refuse_if_short("merge", size, hw.host_available_bytes, "host RAM",
+                        f"close other programs, or merge on a machine with more RAM{half}")
+    return MergePlan(str(p), str(out), base, dt, chosen, n, adapter_bytes(p), needed,
                      hw.host_available_bytes, gpu_free, tuple(notes))
 
 

@@ -8,6 +8,7 @@ A GGUF file is converted once to a cached safetensors folder (gguf.py).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -129,9 +130,10 @@ def quantization_config(plan):
 
     if plan.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    # QLoRA + FSDP (peft's "Use PEFT QLoRA and FSDP" guide): the packed 4-bit weights are stored
-    # in the compute dtype so FSDP sees one float dtype across the module it flattens/shards.
-    storage = {"bnb_4bit_quant_storage": compute_dtype(plan)} if plan.offload.startswith("fsdp") else {}
+    # QLoRA + FSDP or ZeRO-3 (peft's "Use PEFT QLoRA and FSDP" and "DeepSpeed" guides, accelerate's
+    # QLoRA + ZeRO-3 example): the packed 4-bit weights are stored in the compute dtype so the
+    # engine that shards them sees one float dtype across the module it flattens/partitions.
+    storage = {"bnb_4bit_quant_storage": compute_dtype(plan)} if shards_parameters(plan) else {}
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="fp4" if plan.quantization == "fp4" else "nf4",
@@ -141,7 +143,24 @@ def quantization_config(plan):
     )
 
 
+def _zero3(plan) -> bool:
+    from lowvram.plan.sharding import ZERO_OFFLOADS
+
+    return ZERO_OFFLOADS.get(plan.offload, (0,))[0] == 3
+
+
+def shards_parameters(plan) -> bool:
+    """FSDP or DeepSpeed ZeRO-3: the parameters themselves are sharded across the processes."""
+    return plan.offload.startswith("fsdp") or _zero3(plan)
+
+
 def _device_map(plan):
+    if _zero3(plan):
+        # transformers refuses a device_map under ZeRO-3 (integrations/accelerate.py,
+        # check_and_set_device_map); the bnb quantizer then places the base on
+        # torch.cuda.current_device() (quantizer_bnb_4bit.update_device_map), which the
+        # TrainingArguments' accelerate state has set to this process's LOCAL_RANK.
+        return None
     if plan.device == "cpu":
         return {"": "cpu"}
     if plan.device == "cuda":
@@ -319,13 +338,25 @@ def apply_lora(model, plan):
                            "use all-linear, or names of Linear modules in this model (e.g. [q_proj, v_proj])") from None
 
 
+def _weights_in(p) -> int:
+    """How many model weights a parameter holds. A quantized bitsandbytes Params4bit packs two
+    4-bit values per byte of its storage dtype (bnb_4bit_quant_storage: uint8 by default, the
+    compute dtype under FSDP, where one bf16 element holds four); its quant_state keeps the
+    unpacked shape (bitsandbytes/functional.py quantize_4bit: QuantState(shape=input_shape);
+    nn/modules.py Params4bit._quantize). Not yet quantized (bnb_quantized False), it holds the
+    weights themselves."""
+    if p.__class__.__name__ != "Params4bit" or not getattr(p, "bnb_quantized", True):
+        return p.numel()
+    state = getattr(p, "quant_state", None)
+    if state is not None and getattr(state, "shape", None) is not None:
+        return math.prod(state.shape)
+    return p.numel() * p.element_size() * 2  # two 4-bit values per byte of storage
+
+
 def count_params(model) -> tuple[int, int]:
     trainable = total = 0
     for p in model.parameters():
-        n = p.numel()
-        # bitsandbytes packs two 4-bit weights per uint8 element.
-        if p.__class__.__name__ == "Params4bit":
-            n *= 2
+        n = _weights_in(p)
         total += n
         if p.requires_grad:
             trainable += n

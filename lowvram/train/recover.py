@@ -98,6 +98,10 @@ def _carries_over(old, new) -> bool:
 
 
 def _free_memory() -> None:
+    """Collect the failed attempt, then return its blocks to the card. The collector is needed:
+    under mixed precision accelerate's prepare_model binds the autocast forward to the model
+    (accelerate/accelerator.py, ``model.forward = MethodType(..., model)``), a reference cycle
+    that reference counting never frees; empty_cache only returns blocks already free."""
     gc.collect()
     try:
         import torch
@@ -106,6 +110,17 @@ def _free_memory() -> None:
             torch.cuda.empty_cache()
     except ImportError:  # pragma: no cover
         pass
+
+
+def _without_frames(err: TrainingOOM) -> TrainingOOM:
+    """``err`` without what keeps the failed attempt alive. Its traceback holds run_training's
+    frame (the model, the optimizer, the Trainer in its locals) and, through ``__context__`` (set
+    even by ``raise ... from None``, PEP 415), the original OOM whose traceback reaches down into
+    the model's forward. The retry needs only the message, the step, the measured peak and the
+    plan."""
+    err.__traceback__ = None
+    err.__context__ = err.__cause__ = None
+    return err
 
 
 def _final_failure(err: TrainingOOM, retries: list[Retry], why: str) -> LowvramError:
@@ -173,7 +188,7 @@ def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries
                                 extra_metrics=_retry_metrics(retries, plan), track_memory=track_memory,
                                 replanner=replanner)
         except TrainingOOM as e:
-            err = e
+            err = _without_frames(e)
         except TrainingInterrupted as e:
             if resume_cmd:
                 e.hint = f"resume with: {resume_cmd}"
@@ -183,7 +198,7 @@ def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries
                 raise _disk_full(e, out, resume_cmd) from None
             raise
         first = False
-        _free_memory()
+        _free_memory()  # err holds no frame now: the failed attempt's model, optimizer and Trainer go
 
         def through_accelerate(new) -> str | None:
             if new.offload == "none":

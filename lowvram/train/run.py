@@ -215,16 +215,13 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         checkpoint = prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
     at_end = checkpoint is not None and _finished_at(checkpoint, recipe)
 
-    from lowvram.train.model import load_model, quiet_libraries, resolve_model_location
+    from lowvram.train.model import resolve_model_location
     from lowvram.train.preflight import check_shape, model_files
 
     # A damaged model file names itself before a library fails on it (a hub id: no folder).
     require_intact(Path(resolve_model_location(recipe)), only=model_files(recipe))
     check_shape(recipe)  # seq_len past the model's positions; a batch the local rows cannot fill
-    quiet_libraries()
-    sys.stdout.write(f"loading {recipe.model.name_or_path} ...\n")  # seconds for a large model: not silence
-    sys.stdout.flush()
-    loaded = load_model(recipe, plan)
+    args, loaded = _arguments_then_model(recipe, plan)
 
     from lowvram.train.data.build import build_datasets
     from lowvram.train.data.collate import make_collator
@@ -234,11 +231,9 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
     check_shape(recipe, train_rows=len(bundle.train))  # the rows (windows) as built: hub data, packing
 
-    from lowvram.train.progress import ProgressCallback
-    from lowvram.train.trainer import build_trainer, build_training_args
-
-    args = build_training_args(recipe, plan, has_eval=bundle.eval is not None)
     from lowvram.train import oom, signals
+    from lowvram.train.progress import ProgressCallback
+    from lowvram.train.trainer import build_trainer
 
     progress = ProgressCallback()
     stop = signals.SignalStop()  # SIGINT/SIGTERM: checkpoint at the step's end, then stop
@@ -333,6 +328,24 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         _plot(metrics, out)  # before metrics.json: a plot the disk had no room for leaves the run unfinished
         write_atomic(out / METRICS, json.dumps(metrics, indent=2) + "\n")
     return RunResult(output_dir=str(out), metrics=metrics, resumed_from=str(checkpoint) if checkpoint else None)
+
+
+def _arguments_then_model(recipe, plan):
+    """(TrainingArguments, LoadedModel), in that order. Under ``accelerate launch`` with DeepSpeed,
+    TrainingArguments.__post_init__ makes the DeepSpeedPlugin whose HfDeepSpeedConfig sets
+    transformers' global weakref (accelerate utils/dataclasses.py set_deepspeed_weakref); only
+    with it alive does from_pretrained see ``is_deepspeed_zero3_enabled()`` (modeling_utils
+    get_init_context: zero.Init, or for a 4-bit base the meta device and the quantized state),
+    as peft's ZeRO-3 QLoRA recipe and accelerate's example do. The datasets come later: whether
+    there is an evaluation set follows from data.validation (data/build.py)."""
+    from lowvram.train.model import load_model, quiet_libraries
+    from lowvram.train.trainer import build_training_args
+
+    quiet_libraries()
+    args = build_training_args(recipe, plan, has_eval=recipe.data.validation is not None)
+    sys.stdout.write(f"loading {recipe.model.name_or_path} ...\n")  # seconds for a large model: not silence
+    sys.stdout.flush()
+    return args, load_model(recipe, plan)
 
 
 def _finished_at(checkpoint: Path, recipe) -> bool:

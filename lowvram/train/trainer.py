@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from lowvram.errors import LowvramError
+from lowvram.plan.setup import FSDP_OFFLOADS
 from lowvram.vocab import TRAINER_OPTIMIZERS
 
 
@@ -19,8 +20,18 @@ def output_dir(recipe) -> Path:
 def precision_flags(plan) -> dict:
     """bf16/fp16 for the Trainer. bf16 = bf16 weights (model.py) + bf16 autocast; *-mixed = fp32
     weights + autocast; fp16 weights cannot be trained with the Trainer's GradScaler, so "fp16" also
-    runs as autocast over whatever dtype model.py loaded."""
+    runs as autocast over whatever dtype model.py loaded.
+
+    FSDP2 full fine-tuning in bf16 runs without the Trainer's autocast: with bf16=True the
+    Accelerator's mixed precision is "bf16", and accelerate's fsdp2_prepare_model
+    (accelerate/utils/fsdp_utils.py) then upcasts every trainable non-fp32 parameter to fp32
+    (fp32 master weights, fp32 gradients and AdamW state: twice what the plan counts). Off, the
+    shards stay bf16 and train in pure bf16, as the plan counts (plan.states.dtype_bytes) and as
+    torchtune's FSDP2 recipes train (bf16 weights, no MixedPrecisionPolicy). LoRA is unaffected
+    (its trainable adapters are fp32 already), a 4-bit base too (accelerate skips the upcast)."""
     mp = plan.mixed_precision
+    if mp == "bf16" and not plan.lora and plan.offload in FSDP_OFFLOADS:
+        return {"bf16": False, "fp16": False}
     return {"bf16": mp.startswith("bf16"), "fp16": mp.startswith("fp16")}
 
 

@@ -1,0 +1,69 @@
+"""The lowest library versions lowvram runs on, and the check that the installed ones meet them.
+
+pyproject.toml's dependencies carry the same lower bounds (tests/test_deps.py keeps the two equal).
+Each bound was run once in a fresh virtualenv holding exactly those versions
+(bench/lowest_versions.sh; bench/results/lowest_versions-*.txt). pip enforces them on install; this
+module is for code that runs where pip's metadata was never consulted, such as the GPU check on a
+machine whose packages come from its image and a PYTHONPATH of carried wheels
+(bench/gpu_check.py), where transformers 5.17 otherwise fails deep inside TrainingArguments.
+"""
+
+from __future__ import annotations
+
+# package: (lowest version, what sets it). Lower bounds only: pip then keeps a torch (a CUDA build
+# matching the driver, say) that already meets them instead of replacing it.
+MIN_VERSIONS: dict[str, tuple[str, str]] = {
+    "torch": ("2.11", "the lowest torch run (bench/lowest_versions.sh; the GPU machine's 2.11+cu130); "
+              "transformers 5.23 itself asks >=2.6, versions below 2.11 are not checked"),
+    "transformers": ("5.23", "TrainingArguments(activation_checkpointing=, activation_checkpointing_kwargs=) "
+                     "and PreTrainedModel.activation_checkpointing_enable(offload=) (lowvram.train.trainer, "
+                     ".model), first in 5.23; 5.17-5.22 raise in TrainingArguments"),
+    "peft": ("0.18", "LoraConfig/get_peft_model and PeftModel on transformers 5 models "
+             "(the first peft release for transformers 5)"),
+    "accelerate": ("1.10", "the Trainer of transformers 5.23 and the FSDP2 launch config "
+                   "(fsdp_version: 2, lowvram.train.launch)"),
+    "bitsandbytes": ("0.50", "bnb.optim 8-bit AdamW on CPU tensors (lowvram train --cpu, the CPU tests): 0.48-0.49 "
+                     "raise in functional.is_on_gpu at the first step; transformers 5's BitsAndBytesConfig "
+                     "asks >=0.46.1; bnb.functional.quantize_4bit under FakeTensorMode (lowvram.check.simulate)"),
+    "datasets": ("4.0", "Dataset.from_dict/load_dataset('json') with huggingface-hub 1.x "
+                 "(lowvram.train.data)"),
+}
+
+
+def _parse(version: str):
+    from packaging.version import Version  # transformers and accelerate both depend on packaging
+
+    return Version(version.split("+")[0])  # "2.11.0+cu130": the local build tag does not count
+
+
+def version_problems(installed: dict[str, str | None]) -> list[str]:
+    """One line per bounded package that is missing or older than its bound; [] when all are met."""
+    problems = []
+    for name, (low, why) in MIN_VERSIONS.items():
+        if name not in installed:
+            continue
+        got = installed[name]
+        if got is None:
+            problems.append(f"{name} is not installed (lowvram needs >={low}: {why})")
+        elif _parse(got) < _parse(low):
+            problems.append(f"{name} {got} is older than lowvram needs (>={low}: {why})")
+    return problems
+
+
+def installed_versions() -> dict[str, str | None]:
+    """The installed version of each bounded package (None: not installed), as importlib sees it:
+    the first distribution on sys.path, so a PYTHONPATH of carried wheels wins over site-packages."""
+    from importlib import metadata
+
+    found: dict[str, str | None] = {}
+    for name in MIN_VERSIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def pip_line() -> str:
+    """The pip command that meets every bound (for a hint)."""
+    return "pip install " + " ".join(f"'{n}>={low}'" for n, (low, _) in MIN_VERSIONS.items())
