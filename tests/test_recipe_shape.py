@@ -56,11 +56,14 @@ def test_validate_refuses_a_batch_the_rows_cannot_fill(recipe):
     assert refused(capped) == _batch_lines(16, 10)
 
 
-def test_train_refuses_a_batch_the_rows_cannot_fill_before_planning(recipe, tmp_path):
-    """The plan's micro-batch search walks every divisor of the batch: 10^12 never finished."""
+def test_train_refuses_a_batch_the_rows_cannot_fill(recipe, tmp_path):
+    """Counted once the data is built (after a bad row or a missing file is named in training's
+    own words). The plan's micro-batch search walked every number up to the batch: 10^12 never
+    finished planning; now its divisors, in sqrt(batch) steps."""
     result = run("train", str(recipe), "--set", "training.batch_size=1000000000000", *NO_TENSORBOARD)
     assert refused(result) == _batch_lines(1_000_000_000_000, 64)
-    assert not (tmp_path / "out").exists()
+    assert not list((tmp_path / "out").glob("checkpoint-*")) and not (tmp_path / "out" / "metrics.json").exists()
+    assert run("train", str(recipe), *NO_TENSORBOARD).exit_code == 0  # the folder is not taken by the refusal
 
 
 def test_train_refuses_a_batch_the_packed_windows_cannot_fill(recipe, tmp_path):
@@ -69,6 +72,7 @@ def test_train_refuses_a_batch_the_packed_windows_cannot_fill(recipe, tmp_path):
     64 (the template alone is), so each fills a window of its own: 64 windows."""
     packed = ("--set", "data.packing=true", "--set", "training.batch_size=65")
     assert run("validate", str(recipe), *packed).exit_code == 0
+    assert run("train", str(recipe), *packed, "--dry-run").exit_code == 0  # the plan for the recipe as it is
     result = run("train", str(recipe), *packed, *NO_TENSORBOARD)
     assert refused(result) == _batch_lines(65, 64, what="packed windows")
     assert not list((tmp_path / "out").glob("checkpoint-*"))
@@ -81,10 +85,12 @@ def _seq_len_lines(seq_len: int, positions: int) -> list[str]:
             "rope_scaling (rope_parameters) with a factor for longer contexts"]
 
 
-def test_validate_and_train_refuse_a_seq_len_beyond_the_models_positions(recipe):
+def test_validate_and_train_refuse_a_seq_len_beyond_the_models_positions(recipe, tmp_path):
+    """train refuses before planning (config.json is all it needs): nothing is written."""
     long = ("--set", "training.seq_len=2048")
     assert refused(run("validate", str(recipe), *long)) == _seq_len_lines(2048, 1024)
     assert refused(run("train", str(recipe), *long, *NO_TENSORBOARD)) == _seq_len_lines(2048, 1024)
+    assert not (tmp_path / "out").exists()
     assert run("validate", str(recipe), "--set", "training.seq_len=1024").exit_code == 0
 
 
@@ -112,3 +118,12 @@ def test_rope_scaled_reads_both_spellings_and_per_layer_types():
                                              "sliding_attention": {"rope_type": "default"}}})  # Gemma-3
     assert not _rope_scaled({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
     assert not _rope_scaled({"rope_scaling": None}) and not _rope_scaled({})
+
+
+def test_divisors_descending_are_every_micro_batch_a_batch_allows():
+    from lowvram.plan.explain import divisors_descending
+
+    assert divisors_descending(12) == [12, 6, 4, 3, 2, 1] and divisors_descending(1) == [1]
+    assert divisors_descending(49) == [49, 7, 1]
+    big = divisors_descending(10**12)  # 2^12 x 5^12: 13 x 13 divisors, found in 10^6 steps
+    assert len(big) == 169 and big[0] == 10**12 and big[-1] == 1

@@ -72,7 +72,6 @@ def check_inputs(recipe) -> None:
             + "\n  ".join(problems),
             "paths in a recipe are relative to the recipe file; fix them and run `lowvram validate RECIPE` again",
         )
-    check_shape(recipe)
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,12 +80,13 @@ def check_inputs(recipe) -> None:
 
 def check_shape(recipe, train_rows: int | None = None) -> None:
     """LowvramError when one optimizer step needs more rows than the training data has, or
-    seq_len is beyond the model's positions without rope scaling. ``train_rows``: the rows (packed
-    windows) training built; None: counted here from local JSON Lines files (an upper bound: bad
-    rows and empty samples are dropped later), skipped when a file cannot be counted cheaply (a hub
-    dataset, another format, packing)."""
+    seq_len is beyond the model's positions without rope scaling (`validate`; `train` once its
+    data is built). ``train_rows``: the rows (packed windows) training built; None: counted here
+    from local JSON Lines files (an upper bound: bad rows and empty samples are dropped later),
+    skipped when a file cannot be counted cheaply (a hub dataset, another format, packing).
+    `train --dry-run` checks neither: it shows the plan for the recipe as it is."""
     _check_batch(recipe, train_rows if train_rows is not None else _counted_train_rows(recipe))
-    _check_seq_len(recipe)
+    check_seq_len(recipe)
 
 
 def _check_batch(recipe, rows: int | None) -> None:
@@ -130,7 +130,7 @@ def _non_blank_lines(path) -> int:
     return n
 
 
-def _check_seq_len(recipe) -> None:
+def check_seq_len(recipe) -> None:
     positions, scaled = _model_positions(recipe)
     seq_len = recipe.training.seq_len
     if positions is None or seq_len <= positions or scaled:

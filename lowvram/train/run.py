@@ -220,7 +220,6 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
 
     # A damaged model file names itself before a library fails on it (a hub id: no folder).
     require_intact(Path(resolve_model_location(recipe)), only=model_files(recipe))
-    check_shape(recipe)  # seq_len past the model's positions; a batch the local rows cannot fill
     args, loaded = _arguments_then_model(recipe, plan)
 
     from lowvram.train.data.build import build_datasets
