@@ -66,9 +66,10 @@ def test_zero3_qlora_loads_with_zero3_enabled(tmp_path, tiny_model_dir, monkeypa
     # fp32: TrainingArguments refuses bf16 on a machine without a bf16 GPU unless use_cpu.
     plan = replace(resolve_fixed(recipe), lora=True, quantization="nf4", mixed_precision="fp32",
                    offload="zero3", device="cuda")
-    for key, value in _launched_env(plan, tmp_path).items():
+    env = _launched_env(plan, tmp_path)
+    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3" and env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
+    for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert "ACCELERATE_DEEPSPEED_ZERO3_INIT" in {k for k in _launched_env(plan, tmp_path)}
     seen = []
     real = AutoModelForCausalLM.from_pretrained.__func__
 
