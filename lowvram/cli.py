@@ -64,6 +64,9 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.train.preflight import check_inputs
 
     check_inputs(r)
+    from lowvram.train.preflight import check_shape
+
+    check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
     show_validated(r, recipe, as_json=json_)
 
 
@@ -94,6 +97,10 @@ def train(
     from lowvram.report.training import show_train_result
 
     r = load_recipe(recipe, set_ or [])
+    if not dry_run:  # before planning and loading; the rows are counted once built (run.py)
+        from lowvram.train.preflight import check_seq_len
+
+        check_seq_len(r)
     from lowvram.planning.entry import plan_for_recipe, require_fit
     from lowvram.planning.request import recipe_model_ref
 

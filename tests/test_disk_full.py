@@ -153,3 +153,17 @@ def test_disk_full_while_merging_on_a_real_tmpfs_is_an_error_and_keeps_nothing(t
                      f"hint: free space on that disk (df -h {tmpfs}) and merge again, or merge to a disk with room "
                      "for it (--out)"], result.output
     assert sorted(p.name for p in tmpfs.iterdir()) == ["filler"]
+
+
+def test_quota_and_the_rust_writers_words_count_as_disk_full():
+    """EDQUOT as an OSError and in the Rust writers' text (errno 122 on Linux), any exception
+    class; the torch serializer's own words only from a RuntimeError (they are not the OS's)."""
+    import errno
+
+    from lowvram.train.diskfull import is_disk_full
+
+    assert is_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert is_disk_full(Exception("Disk quota exceeded (os error 122)"))  # tokenizers' Tokenizer.save
+    assert is_disk_full(ValueError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    assert not is_disk_full(ValueError("unexpected pos 12 vs 10"))
+    assert not is_disk_full(Exception("Error while deserializing header: invalid header length"))

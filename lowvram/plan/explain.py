@@ -7,6 +7,7 @@ it calls :func:`technique_reasons` for the plan it chose. Pure: no torch, no CUD
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -29,6 +30,13 @@ _COMPONENTS = {
     "logits": backward.logits_bytes,
 }
 
+
+
+def divisors_descending(n: int) -> list[int]:
+    """Every divisor of ``n``, largest first, in sqrt(n) steps (the micro-batch sizes a batch
+    allows: walking 1..n never finished for a batch of 10^12)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)}, reverse=True)
 
 def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -> dict[str, str]:
     """One line per technique for the chosen candidate ``c`` (request.Candidate) of ``req``
@@ -117,7 +125,7 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     elif s.micro_batch_size == largest:
         r["gradient_accumulation"] = f"{batch}: the whole batch fits in one pass"
     else:
-        bigger = min(d for d in range(s.micro_batch_size + 1, largest + 1) if largest % d == 0)
+        bigger = min(d for d in divisors_descending(largest) if d > s.micro_batch_size)
         other = estimate(replace(s, micro_batch_size=bigger, grad_accum=largest // bigger))
         r["gradient_accumulation"] = (
             f"{batch}: micro-batch {bigger} would peak at {gib(other.peak_bytes)} "

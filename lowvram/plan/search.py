@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from lowvram.plan import moe
 from lowvram.plan import techniques as tq
-from lowvram.plan.explain import Estimator
+from lowvram.plan.explain import Estimator, divisors_descending
 from lowvram.plan.request import (
     SHARDED,
     Budget,
@@ -51,7 +51,7 @@ def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
     elif req.grad_accum is not None:
         micros = [per_gpu // req.grad_accum]
     else:
-        micros = [d for d in range(per_gpu, 0, -1) if per_gpu % d == 0]
+        micros = divisors_descending(per_gpu)
     on_gpu = budget.device != "cpu"
 
     def pick(name: str, auto: list) -> list:

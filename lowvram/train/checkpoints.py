@@ -104,7 +104,7 @@ def resume_checkpoint(out: Path, notify=None) -> Path:
     skipped = [f"{p.name} (incomplete: written when the process stopped)" for p in folders
                if p not in complete and complete and _step(p) > _step(complete[-1])]
     for p in reversed(complete):
-        why = content_problem(p) or _damaged(p)
+        why = content_problem(p) or (None if _hashed(p) else _damaged(p))
         if why is None:
             for line in skipped:
                 notify(f"note: skipped {line}")
@@ -116,6 +116,14 @@ def resume_checkpoint(out: Path, notify=None) -> Path:
         f"no checkpoint to resume from in {out} (checkpoint folders: {listed}){detail}",
         "checkpoints are written every training.save_steps steps; run with --overwrite to start over",
     )
+
+
+def _hashed(folder: Path) -> bool:
+    """Its marker records every file's sha256 (this lowvram's): content_problem checked them all."""
+    try:
+        return bool(json.loads((folder / MARKER).read_text()).get("sha256"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _damaged(folder: Path) -> str | None:

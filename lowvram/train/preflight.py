@@ -72,3 +72,116 @@ def check_inputs(recipe) -> None:
             + "\n  ".join(problems),
             "paths in a recipe are relative to the recipe file; fix them and run `lowvram validate RECIPE` again",
         )
+
+
+# --------------------------------------------------------------------------------------------
+# What the data and the model can hold: a full optimizer step, seq_len positions
+
+
+def check_shape(recipe, train_rows: int | None = None) -> None:
+    """LowvramError when one optimizer step needs more rows than the training data has, or
+    seq_len is beyond the model's positions without rope scaling (`validate`; `train` once its
+    data is built). ``train_rows``: the rows (packed windows) training built; None: counted here
+    from local JSON Lines files (an upper bound: bad rows and empty samples are dropped later),
+    skipped when a file cannot be counted cheaply (a hub dataset, another format, packing).
+    `train --dry-run` checks neither: it shows the plan for the recipe as it is."""
+    _check_batch(recipe, train_rows if train_rows is not None else _counted_train_rows(recipe))
+    check_seq_len(recipe)
+
+
+def _check_batch(recipe, rows: int | None) -> None:
+    batch = recipe.training.batch_size
+    if rows is None or rows >= batch:
+        return
+    what = "packed windows" if recipe.data.packing else "rows"
+    held = " after data.validation's hold-out" if isinstance(recipe.data.validation, float) else ""
+    raise LowvramError(
+        f"training.batch_size {batch:,} is more than the training data holds: one optimizer step takes "
+        f"{batch:,} samples, the data has {rows:,} training {what}{held}",
+        f"lower training.batch_size to {rows:,} or less, or add rows to the data",
+    )
+
+
+def _counted_train_rows(recipe) -> int | None:
+    """Training rows of local .jsonl/.ndjson files (non-blank lines, capped by max_samples, less the
+    validation fraction as collate.hold_out takes it); None when any dataset cannot be counted."""
+    from lowvram.train.data.read import is_local
+
+    if recipe.data.packing:
+        return None  # windows are known only after tokenizing
+    total = 0
+    for spec in recipe.data.datasets:
+        path = recipe.resolve_path(spec.path)
+        if not is_local(path, spec.path) or path.suffix.lower() not in (".jsonl", ".ndjson") or not path.is_file():
+            return None
+        n = _non_blank_lines(path)
+        total += min(n, spec.max_samples) if spec.max_samples else n
+    fraction = recipe.data.validation
+    if isinstance(fraction, float) and total >= 2:
+        total -= min(total - 1, max(1, round(total * fraction)))  # collate.hold_out's n_eval
+    return total
+
+
+def _non_blank_lines(path) -> int:
+    n = 0
+    with path.open("rb") as f:
+        for line in f:
+            n += bool(line.strip())
+    return n
+
+
+def check_seq_len(recipe) -> None:
+    positions, scaled = _model_positions(recipe)
+    seq_len = recipe.training.seq_len
+    if positions is None or seq_len <= positions or scaled:
+        return
+    raise LowvramError(
+        f"training.seq_len {seq_len:,} is beyond the model's max_position_embeddings {positions:,}, and its "
+        "config.json sets no rope scaling: positions past it were never trained",
+        f"lower training.seq_len to {positions:,} or less, or use a model whose config.json sets rope_scaling "
+        "(rope_parameters) with a factor for longer contexts",
+    )
+
+
+def _model_positions(recipe) -> tuple[int | None, bool]:
+    """(max_position_embeddings, whether rope scaling is set) from the model's config.json (a
+    local folder or the hub cache; plan.catalog.local_config), else the catalog; (None, False)
+    when neither knows the model (a GGUF file: its own metadata)."""
+    from lowvram.plan.catalog import local_config, resolve_model
+    from lowvram.train.model import resolve_model_location
+
+    if recipe.model.gguf_file:
+        return None, False
+    try:
+        ref = resolve_model_location(recipe)
+    except LowvramError:
+        return None, False  # input_problems names the missing model
+    cfg = local_config(ref)
+    if cfg is None:
+        try:
+            return resolve_model(ref).max_position_embeddings, False
+        except LowvramError:
+            return None, False
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    # The keys plan.readers.spec_from_config reads the positions from (GPT-2: n_positions).
+    for source in (cfg, text):
+        positions = next((source[k] for k in ("max_position_embeddings", "n_positions", "seq_length")
+                          if isinstance(source.get(k), int)), None)
+        if positions is not None:
+            return positions, _rope_scaled(source)
+    return None, False
+
+
+def _rope_scaled(cfg: dict) -> bool:
+    """Rope scaling with a factor: ``rope_scaling`` (transformers 4) or ``rope_parameters``
+    (transformers 5, modeling_rope_utils: linear, dynamic, yarn, longrope and llama3 all carry
+    ``factor``), also per layer type (Gemma-3: {"full_attention": {...}, ...})."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if not isinstance(value, dict):
+            continue
+        for params in (value, *(v for v in value.values() if isinstance(v, dict))):
+            factor = params.get("factor")
+            if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+                return True
+    return False

@@ -216,7 +216,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     at_end = checkpoint is not None and _finished_at(checkpoint, recipe)
 
     from lowvram.train.model import resolve_model_location
-    from lowvram.train.preflight import model_files
+    from lowvram.train.preflight import check_shape, model_files
 
     # A damaged model file names itself before a library fails on it (a hub id: no folder).
     require_intact(Path(resolve_model_location(recipe)), only=model_files(recipe))
@@ -228,6 +228,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     bundle = build_datasets(recipe, loaded.tokenizer)
     if len(bundle.train) == 0:
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
+    check_shape(recipe, train_rows=len(bundle.train))  # the rows (windows) as built: hub data, packing
 
     from lowvram.train import oom, signals
     from lowvram.train.progress import ProgressCallback
