@@ -13,7 +13,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch==2.13.0 first: resolving bitsandbytes with no torch present pulls a CUDA build of several GB.
+# torch==2.13.0 first: this machine's CPU wheel. pyproject.toml only bounds torch from below (>=2.11,
+# so a user's CUDA torch is kept), and resolving bitsandbytes with no torch present would pull a
+# CUDA build of several GB; with the pin installed first, `pip install -e` keeps it.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'

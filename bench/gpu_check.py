@@ -165,14 +165,15 @@ def report_versions() -> list[str]:
     found = installed_versions()
     from importlib import metadata
 
-    for extra in ("pydantic", "pydantic-core"):
+    # and what the carried wheels lean on from the machine (datasets 5.2 needs pyarrow>=24)
+    for extra in ("pydantic", "pydantic-core", "huggingface-hub", "tokenizers", "pyarrow"):
         try:
             found[extra] = metadata.version(extra)
         except metadata.PackageNotFoundError:
             found[extra] = None
     parts = [f"python {platform.python_version()}"]
     for name, version in found.items():
-        spec = importlib.util.find_spec(name.replace("-", "_"))
+        spec = importlib.util.find_spec({"huggingface-hub": "huggingface_hub"}.get(name, name.replace("-", "_")))
         where = os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else "-"
         parts.append(f"{name} {version or 'MISSING'} ({where})")
     try:

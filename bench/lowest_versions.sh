@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # lowvram on the lowest versions pyproject.toml admits (issue 24, item 10), in a fresh virtualenv:
-#   1. python 3.12 venv with torch 2.11.0 from PyPI (the CUDA 13 build: no CPU wheel of 2.11 is
-#      reachable here; it runs on the CPU; its nvidia-* wheels take ~4.5 GB of disk);
+#   1. python 3.12 venv with torch $TORCH (default 2.11.0, the lowest) from PyPI: the CUDA build (no
+#      CPU wheel of an older torch is reachable here), which runs on the CPU; its nvidia-* wheels
+#      take 3-5 GB of disk;
 #   2. `pip install -e '.[dev]' -c bench/lowest_versions.txt`: every other bounded dependency at
 #      its lower bound; torch is not in the constraints, so this step also shows that installing
 #      lowvram into a venv that already holds another supported torch keeps that torch;
 #   3. a representative subset of the tests (each library's API that sets a bound is exercised).
 #
 #   bash bench/lowest_versions.sh [VENV]      # default /work/venvs/lowest; output on stdout
+#   TORCH=2.6.0 bash bench/lowest_versions.sh /work/venvs/torch26   # below the bound: FSDP2 on CPU fails
 # The dated output is kept in bench/results/lowest_versions-<date>.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-/work/venvs/lowest}
 PY312=${PY312:-/root/.pyenv/versions/3.12.1/bin/python}
+TORCH=${TORCH:-2.11.0}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PIP_DISABLE_PIP_VERSION_CHECK=1
 
 echo "# lowest_versions $(date -u +%Y-%m-%d) ($(git rev-parse --short HEAD)), venv $VENV"
 rm -rf "$VENV"
 "$PY312" -m venv "$VENV"
-"$VENV/bin/pip" install -q torch==2.11.0
+"$VENV/bin/pip" install -q "torch==$TORCH" 2>&1 | grep -vE "^WARNING: Location 'file:" || true
 before=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
 echo "torch before lowvram: $before"
 
@@ -52,10 +55,14 @@ done
 
 # One test file or case per bounded API: training through the Trainer (TrainingArguments'
 # activation_checkpointing, LoRA, 8-bit AdamW, QLoRA through BitsAndBytesConfig, datasets), merge
-# and generate (PeftModel), the launch configs (accelerate), the fake-mode simulation
-# (bitsandbytes.functional under torch's FakeTensorMode), and the GPU check's dry run.
+# and generate (PeftModel), the launch configs, two-process DDP and FSDP2 launches on the CPU
+# (accelerate), the fake-mode simulation (bitsandbytes.functional under torch's FakeTensorMode),
+# and the GPU check's dry run. About 15 minutes on 2 shared cores.
 echo "## tests"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+"$VENV/bin/python" -m pytest -q -rfE -p no:cacheprovider \
   tests/test_train_techniques.py tests/test_train_e2e.py tests/test_data.py \
   tests/test_after_training.py tests/test_launch.py tests/test_plan_simulate.py \
-  tests/test_deps.py tests/test_gpu_check.py 2>&1 | tail -n 25
+  tests/test_deps.py tests/test_gpu_check.py \
+  "tests/test_multi_gpu.py::test_two_processes_match_one" \
+  "tests/test_multi_gpu.py::test_fsdp_two_processes_match_one" 2>&1 \
+  | grep -vE "^WARNING: Location 'file:" || exit 1

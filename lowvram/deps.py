@@ -13,20 +13,23 @@ from __future__ import annotations
 # package: (lowest version, what sets it). Lower bounds only: pip then keeps a torch (a CUDA build
 # matching the driver, say) that already meets them instead of replacing it.
 MIN_VERSIONS: dict[str, tuple[str, str]] = {
-    "torch": ("2.11", "the lowest torch run (bench/lowest_versions.sh; the GPU machine's 2.11+cu130); "
-              "transformers 5.23 itself asks >=2.6, versions below 2.11 are not checked"),
+    "torch": ("2.11", "FSDP2 on the CPU (lowvram train --gpus N --cpu, offload fsdp): torch 2.6's "
+              "fully_shard all-gather calls Stream.record_event, which CPU streams lack there; 2.6 ran "
+              "everything else; 2.7-2.10 not checked; transformers 5.23 itself asks >=2.6"),
     "transformers": ("5.23", "TrainingArguments(activation_checkpointing=, activation_checkpointing_kwargs=) "
                      "and PreTrainedModel.activation_checkpointing_enable(offload=) (lowvram.train.trainer, "
                      ".model), first in 5.23; 5.17-5.22 raise in TrainingArguments"),
     "peft": ("0.18", "LoraConfig/get_peft_model and PeftModel on transformers 5 models "
-             "(the first peft release for transformers 5)"),
-    "accelerate": ("1.10", "the Trainer of transformers 5.23 and the FSDP2 launch config "
-                   "(fsdp_version: 2, lowvram.train.launch)"),
+             "(0.17.1 imports transformers' HybridCache, gone in 5)"),
+    "accelerate": ("1.8", "FSDP2's full-state-dict load onto the CPU mesh (utils/fsdp_utils.py "
+                   "fsdp2_load_full_state_dict: 1.7 calls .cuda(), a --cpu FSDP launch fails), for the "
+                   "FSDP2 launch config (fsdp_version: 2, lowvram.train.launch)"),
     "bitsandbytes": ("0.50", "bnb.optim 8-bit AdamW on CPU tensors (lowvram train --cpu, the CPU tests): 0.48-0.49 "
                      "raise in functional.is_on_gpu at the first step; transformers 5's BitsAndBytesConfig "
                      "asks >=0.46.1; bnb.functional.quantize_4bit under FakeTensorMode (lowvram.check.simulate)"),
-    "datasets": ("4.0", "Dataset.from_dict/load_dataset('json') with huggingface-hub 1.x "
-                 "(lowvram.train.data)"),
+    "datasets": ("4.0", "the lowest pip installs beside the other bounds (3.0 and 3.6: ResolutionImpossible with "
+                 "transformers 5.23); lowvram's calls (Dataset.from_dict, load_dataset('json'), Features, "
+                 "Sequence, Value: lowvram.train.data) are older: its data tests passed on 2.21, 3.0 and 3.6"),
 }
 
 

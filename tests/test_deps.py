@@ -60,5 +60,5 @@ def test_an_old_or_missing_library_is_named_with_its_bound():
     assert len(problems) == 2, problems
     assert problems[0].startswith("transformers 5.17.0 is older than lowvram needs (>=5.23: ")
     assert "activation_checkpointing" in problems[0]
-    assert problems[1].startswith("bitsandbytes is not installed (lowvram needs >=0.48")
+    assert problems[1].startswith("bitsandbytes is not installed (lowvram needs >=0.50: ")
     assert "'transformers>=5.23'" in pip_line()
