@@ -59,7 +59,7 @@ done
 # (accelerate), the fake-mode simulation (bitsandbytes.functional under torch's FakeTensorMode),
 # and the GPU check's dry run. About 15 minutes on 2 shared cores.
 echo "## tests"
-"$VENV/bin/python" -m pytest -q -rfE -p no:cacheprovider \
+"$VENV/bin/python" -m pytest -rfE -p no:cacheprovider \
   tests/test_train_techniques.py tests/test_train_e2e.py tests/test_data.py \
   tests/test_after_training.py tests/test_launch.py tests/test_plan_simulate.py \
   tests/test_deps.py tests/test_gpu_check.py \
