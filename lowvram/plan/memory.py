@@ -36,6 +36,7 @@ from lowvram.plan.backward import (
     recompute_bytes,
 )
 from lowvram.plan.models import block_linears, count_parameters, embedding_numel, moe_numel
+from lowvram.plan.moments import Moment
 from lowvram.plan.setup import (
     BREAKDOWN_KEYS,
     PROCESS_HOST_BYTES,
@@ -90,9 +91,8 @@ validate_setup = _check  # public name: simulate.py validates the same way
 
 
 def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
-                           layer_grads: int) -> tuple[int, int, int, int]:
-    """(activations, logits, gradients made so far, weights not gathered) at the highest moment
-    of forward + backward.
+                           layer_grads: int) -> Moment:
+    """The highest moment of forward + backward (:class:`Moment`; its name in ``MOMENTS``).
 
     Candidates: the start of the backward (every saved activation plus the logits; logits_bytes);
     the backward of the last decoder layer and of the first. Going down the layers, saved
@@ -118,7 +118,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     fsdp = setup.offload in ("fsdp", "fsdp-offload")
     not_gathered = layer_weight_bytes(setup) if fsdp else 0  # layer 0: no prefetch
     late_layer_grads = layer_grads // 2 if fsdp else layer_grads
-    candidates = [(acts, logits, 0, 0)]
+    candidates = [Moment("backward_start", acts, logits)]
     if spec.tie_word_embeddings and not setup.lora:
         # The very end of the backward, with a tied embedding: every gradient exists (lm_head's
         # in the shared .grad) when the embedding's dense gradient arrives and is accumulated
@@ -126,7 +126,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # AccumulateGrad's sum). Peaks at short sequences (Qwen2.5-0.5B full bf16, seq 256:
         # +0.5 GiB, found by bench/simulate_full_size.py-style simulation).
         w, _ = dtype_bytes(setup)
-        candidates.append((0, 0, int(share * total) + 2 * w * embedding_numel(spec), 0))
+        candidates.append(Moment("tied_embedding_gradient", 0, 0, int(share * total) + 2 * w * embedding_numel(spec)))
     r, c, autocast = dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
     hidden_grads = 2 * r * t * spec.hidden_size  # a decoder layer's incoming and outgoing gradients
@@ -145,7 +145,8 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         last_grads = layer_grads + int(share * head_g)
         first_grads = late_layer_grads + int(share * late_g)
         rec = recompute_bytes(setup)
-        candidates += [(checkpoints + rec, 0, last_grads, 0), (one_layer + rec, 0, first_grads, not_gathered)]
+        candidates += [Moment("last_layer_recompute", checkpoints + rec, 0, last_grads),
+                       Moment("first_layer_recompute", one_layer + rec, 0, first_grads, not_gathered)]
         if setup.attention == "eager":
             # The recomputed layer's softmax backward: its s x s gradients (eager_softmax_backward
             # _bytes; gpt-oss: moe.sink_eager_backward_bytes) beside the layer's activations, every
@@ -154,45 +155,51 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             # made: full fine-tuning peaks there; a Gemma-3 full bf16 run was 3.4% over without it)
             scores = sink_scores if sinks else eager_softmax_backward_bytes(setup)
             attention_side = layer_activation_bytes(setup, attention_side=True) + scores + hidden_grads
-            candidates += [(checkpoints + attention_side, 0, last_grads, 0),
-                           (one_layer + attention_side, 0, first_grads, not_gathered)]
+            candidates += [Moment("last_layer_softmax_backward", checkpoints + attention_side, 0, last_grads),
+                           Moment("first_layer_softmax_backward", one_layer + attention_side, 0, first_grads,
+                                  not_gathered)]
             if sinks:
                 # gpt-oss: the recomputed layer's experts backward, as without checkpointing (a
                 # 2-layer LoRA fp32 run through lowvram train, b4 s256, was 13% over without it)
-                candidates.append((checkpoints + layer_activation_bytes(setup) + sink_experts + hidden_grads,
-                                   0, last_grads, 0))
+                candidates.append(Moment("last_layer_experts_backward",
+                                         checkpoints + layer_activation_bytes(setup) + sink_experts + hidden_grads,
+                                         0, last_grads))
         if autocast and dtype_bytes(setup)[0] == 4 and not setup.lora:  # LoRA: frozen, not cached
             cache = c * sum(lin.numel for lin in block_linears(spec)) * spec.num_layers
-            candidates.append((acts + cache, logits * 10 // 12, 0, 0))  # forward: no logits gradient
+            candidates.append(Moment("forward_end_autocast_cache", acts + cache, logits * 10 // 12))  # no logits gradient
     else:
         first_layer = layer_activation_bytes(setup, first=True)
         if sinks:  # gpt-oss: s x s gradients; the experts' backward
-            candidates.append((acts + sink_scores, 0, int(share * head_g), 0))
-            candidates.append((acts + sink_experts + hidden_grads, 0, int(share * head_g), 0))
+            candidates.append(Moment("last_layer_softmax_backward", acts + sink_scores, 0, int(share * head_g)))
+            candidates.append(Moment("last_layer_experts_backward", acts + sink_experts + hidden_grads, 0,
+                                     int(share * head_g)))
         # the last decoder layer's backward, every layer's activations alive (the loss's logits
         # freed): its MLP product's gradients with a 4/8-bit base's dequantized weight, and eager
         # attention's s x s gradients (measured: held-out fuzz seeds 420 and 470, a
         # small-vocabulary QLoRA and an eager LoRA run, were 3.0% and 5.9% above their plans)
         if setup.quantization != "none":
-            candidates.append((acts + mlp_backward_floor_bytes(setup) + dequantized_weight_bytes(setup),
-                               0, int(share * head_g), 0))
+            candidates.append(Moment("last_layer_mlp_backward",
+                                     acts + mlp_backward_floor_bytes(setup) + dequantized_weight_bytes(setup),
+                                     0, int(share * head_g)))
         if spec.is_moe and not spec.expert_bias and not setup.lora:
             # the last layer's routed experts' backward makes their weight gradients (E x 3 x I x
             # h, full fine-tuning) with every layer's activations alive (measured: held-out seed
             # 1301, Mixtral full fp32, b2 s64, was 3.2% above its plan with a (4, 512, 128)
             # gate_up and a (4, 128, 256) down_proj gradient at its peak)
             experts = int(share * dtype_bytes(setup)[0] * moe_numel(spec))
-            candidates.append((acts + hidden_grads, 0, int(share * head_g) + experts, 0))
+            candidates.append(Moment("last_layer_expert_weight_gradients", acts + hidden_grads, 0,
+                                     int(share * head_g) + experts))
         eager = eager_softmax_backward_bytes(setup)
         if eager:
             # at the last layer's softmax backward its MLP's and o_proj's saved tensors are freed
             # (measured: held-out seed 855, Phi-3 full fp32, eager, 512 tokens, 10.5% under its
             # plan with them)
             done = layer_activation_bytes(setup) - layer_activation_bytes(setup, attention_side=True)
-            candidates.append((acts - done + eager + hidden_grads, 0, int(share * head_g), 0))
-        candidates.append((first_layer + layer_backward_bytes(setup), 0,
-                           late_layer_grads + int(share * late_g), not_gathered))
-    return max(candidates, key=lambda cand: cand[0] + cand[1] + cand[2] - cand[3])
+            candidates.append(Moment("last_layer_softmax_backward", acts - done + eager + hidden_grads, 0,
+                                     int(share * head_g)))
+        candidates.append(Moment("first_layer_backward", first_layer + layer_backward_bytes(setup), 0,
+                                 late_layer_grads + int(share * late_g), not_gathered))
+    return max(candidates, key=lambda m: m.bytes)  # the first of equals, as listed
 
 
 def estimate_memory(setup: RunSetup) -> MemoryEstimate:
@@ -207,18 +214,18 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     kept_grads += buckets
     live_weights = weights + gathered  # FSDP: shards plus the units gathered for compute
     persistent = weights + optim + kept_grads  # what lives across steps
-    fb_acts, fb_logits, made, not_gathered = _forward_backward_peak(setup, acts, logits, grads, layer_grads)
-    kept_grads += made
-    acts, logits = fb_acts, fb_logits
-    live_weights -= not_gathered
+    moment = _forward_backward_peak(setup, acts, logits, grads, layer_grads)
+    kept_grads += moment.gradients
+    acts, logits = moment.activations, moment.logits
+    live_weights -= moment.not_gathered
     fb = live_weights + optim + kept_grads + acts + logits
     step = weights + optim + grads + buckets + optimizer_step_temp_bytes(setup)
     if fb >= step:
-        phase = "forward_backward"
+        phase, peak_moment = "forward_backward", moment.name
         parts = dict(weights=live_weights, gradients=kept_grads, optimizer=optim, activations=acts,
                      logits=logits)
     else:
-        phase = "optimizer_step"
+        phase = peak_moment = "optimizer_step"
         # step temporaries are working memory of the optimizer: reported under "optimizer"
         parts = dict(weights=weights, gradients=grads + buckets, optimizer=step - weights - grads - buckets,
                      activations=0, logits=0)
@@ -246,6 +253,7 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
         peak_bytes=sum(breakdown.values()),
         breakdown=breakdown,
         peak_phase=phase,
+        peak_moment=peak_moment,
         cpu_ram_bytes=int(cpu_ram),
         persistent_bytes=int(persistent),
     )

@@ -36,6 +36,7 @@ def choice_to_dict(choice: Choice) -> dict:
         "peak_bytes": est.peak_bytes,
         "headroom_bytes": b.usable_bytes - est.peak_bytes,
         "peak_phase": est.peak_phase,
+        "peak_moment": est.peak_moment,  # lowvram.plan.moments.MOMENTS, or "optimizer_step"
         "breakdown": dict(est.breakdown),
         "checked": term_checks(c.setup),  # what each part was checked against (plan.calibration)
         "techniques": _setup_techniques(c.setup),

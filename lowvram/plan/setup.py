@@ -92,6 +92,8 @@ class MemoryEstimate:
     peak_phase: str  # "forward_backward" or "optimizer_step"
     cpu_ram_bytes: int
     persistent_bytes: int
+    # the moment that binds (a key of lowvram.plan.moments.MOMENTS, or "optimizer_step")
+    peak_moment: str = ""
 
 
 # Host RAM of one training process before any tensor of the run: torch + CUDA libraries, ~2 GiB

@@ -3,6 +3,7 @@ inside), the plan table before `lowvram train`, --dry-run, --print-launch, --lis
 
 from __future__ import annotations
 
+from lowvram.plan.moments import MOMENTS
 from lowvram.report.console import console, print_json, setting_cell, techniques_label
 from lowvram.units import gib, percent, shell_line
 
@@ -109,7 +110,7 @@ def show_plan(data: dict, as_json: bool = False) -> None:
 
     peak = data["peak_bytes"]
     sim = data.get("simulated")  # `lowvram plan --simulate`
-    b = Table(title=f"Peak memory ({data['peak_phase'].replace('_', ' ')})")
+    b = Table(title=f"Peak memory ({_peak_title(data)})")
     b.add_column("component")
     b.add_column("size", justify="right")
     if sim:
@@ -124,6 +125,9 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     extra = [f"[bold]{gib(sim['peak_bytes'])}[/bold]"] if sim else []
     b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", *extra, "", *([""] if checked else []))
     c.print(b)
+    moment = MOMENTS.get(data.get("peak_moment", ""))
+    if moment:
+        c.print(f"peak at {data['peak_moment']}: {moment[0]}", markup=False)
     if sim:
         c.print(f"simulated (the real step on fake tensors, {sim['seconds']:.1f} s): peak "
                 f"{gib(sim['peak_bytes'])} ({sim['peak_phase'].replace('_', ' ')}); analytic "
@@ -223,3 +227,10 @@ def show_models(rows: list[tuple[str, str, int]], as_json: bool = False) -> None
     for n, h, p in rows:
         t.add_row(n, h or "-", f"{p / 1e9:.2f}B")
     console().print(t)
+
+
+def _peak_title(data: dict) -> str:
+    """The phase, and the named moment when it is one of forward + backward's."""
+    phase = data["peak_phase"].replace("_", " ")
+    moment = data.get("peak_moment", "")
+    return f"{phase}: {moment}" if moment and moment != data["peak_phase"] else phase

@@ -1,0 +1,74 @@
+"""The named moments of a training step: the instants whose live bytes the planner compares.
+
+A step's peak is the largest of a few moments; each has a name here, what is alive at it, and
+where the term was derived or measured. :func:`lowvram.plan.memory.estimate_memory` reports the
+moment that binds (``MemoryEstimate.peak_moment``; ``peak_moment`` in ``lowvram plan --json``),
+so a plan says *where* its peak is, not only which phase. A new term (a technique, an objective,
+a model kind) adds a moment here or a named part of one.
+
+Sources: "measured" names the live-bytes tracker (lowvram.livebytes) through ``lowvram train``
+(bench/plan_fuzz.py, seed numbers in bench/results/) or a real CPU step (bench/plan_accuracy.py);
+library files are the code that allocates what the moment counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Moment:
+    """Bytes alive at one instant of forward + backward, beside the weights and optimizer state."""
+
+    name: str  # a key of MOMENTS
+    activations: int  # saved activations, checkpoints and the working tensors of the moment
+    logits: int = 0
+    gradients: int = 0  # parameter gradients made by then (this process's share)
+    not_gathered: int = 0  # FSDP: one unit's gathered weights not held (layer 0: nothing to prefetch)
+
+    @property
+    def bytes(self) -> int:
+        return self.activations + self.logits + self.gradients - self.not_gathered
+
+
+# name: (what is alive, source). The optimizer step is the other phase (estimate_memory).
+MOMENTS: dict[str, tuple[str, str]] = {
+    "backward_start": (
+        "every saved activation (or checkpoint) and the logits with their gradient, at the loss",
+        "activations.activation_bytes, backward.logits_bytes; measured: bench/plan_accuracy.py"),
+    "tied_embedding_gradient": (
+        "the end of the backward with a tied embedding: every gradient and two V x h tensors "
+        "(embedding_dense_backward, then AccumulateGrad's sum into lm_head's .grad)",
+        "measured: 2.0 x V*h*w, Qwen2.5-0.5B full bf16 at 256 tokens (simulated step)"),
+    "last_layer_recompute": (
+        "checkpointing: the last decoder layer recomputed and its backward, every checkpoint alive",
+        "backward.recompute_bytes; measured: held-out seeds (bench/results/plan_fuzz_heldout*.txt)"),
+    "first_layer_recompute": (
+        "checkpointing: the first decoder layer recomputed and its backward, nearly every gradient made",
+        "backward.recompute_bytes, backward.backward_gradient_bytes; measured as above"),
+    "last_layer_softmax_backward": (
+        "eager attention: the last layer's softmax backward, its s x s gradients beside its "
+        "attention-side activations (gpt-oss: its sink backward)",
+        "activations.eager_softmax_backward_bytes, moe.sink_eager_backward_bytes; measured: seeds 470, 855"),
+    "first_layer_softmax_backward": (
+        "eager attention with checkpointing: the first layer's softmax backward, nearly every gradient made",
+        "measured: held-out seeds 1000-1099 (a Gemma-3 full bf16 run was 3.4% over without it)"),
+    "last_layer_experts_backward": (
+        "gpt-oss: the last layer's experts backward beside every activation or checkpoint",
+        "moe.sink_experts_backward_bytes; measured: a 2-layer LoRA fp32 run, b4 s256 (13% over without it)"),
+    "forward_end_autocast_cache": (
+        "*-mixed full fine-tuning with checkpointing: the forward's end, autocast's 16-bit copy of "
+        "every trainable fp32 weight still cached (torch autocast cached_cast)",
+        "torch/csrc/autograd autocast cached_cast (leaves that require grad); measured on CPU steps"),
+    "last_layer_mlp_backward": (
+        "a 4/8-bit base without checkpointing: the last layer's MLP product gradients and the "
+        "dequantized weight beside every activation",
+        "backward.mlp_backward_floor_bytes, backward.dequantized_weight_bytes; measured: seed 420"),
+    "last_layer_expert_weight_gradients": (
+        "MoE full fine-tuning without checkpointing: the last layer's routed experts' weight "
+        "gradients (E x 3 x I x h) beside every activation",
+        "measured: held-out seed 1301 (Mixtral full fp32, b2 s64)"),
+    "first_layer_backward": (
+        "without checkpointing: the first decoder layer's backward, nearly every gradient made",
+        "activations.layer_activation_bytes(first=True), backward.layer_backward_bytes"),
+}
