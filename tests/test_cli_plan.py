@@ -121,7 +121,7 @@ def test_vram_from_env():
         (["--model", "llama-7bb"], 1, "unknown model"),
         (["--model", "llama-7b", "--seq-len", "0"], 1, "seq_len must be a positive"),
         (["--model", "llama-7b", "--batch-size", "-2"], 1, "batch_size must be a positive"),
-        (["--model", "llama-7b", "--quant", "nf4", "--method", "full"], 1, "needs LoRA"),
+        (["--model", "llama-7b", "--quant", "nf4", "--method", "full"], 1, "needs lora"),
         (["--model", "llama-7b", "--method", "half"], 2, "--method"),
         (["--model", "llama-7b", "--optim", "adam"], 2, "--optim"),
         (["--model", "llama-7b", "--vram", "lots"], 1, "cannot read memory size"),

@@ -173,7 +173,7 @@ def test_cpu_budget_plans_a_cpu_run():
         ({"seq_len": 0}, "seq_len"),
         ({"batch_size": -4}, "batch_size"),
         ({"gpus": 0}, "gpus"),
-        ({"lora": False, "quantization": "nf4"}, "needs LoRA"),
+        ({"lora": False, "quantization": "nf4"}, "needs lora"),
         ({"batch_size": 10, "gpus": 3}, "not divisible"),
         ({"grad_accum": 3}, "not divisible"),
         ({"micro_batch_size": 4, "grad_accum": 2}, "!= batch_size"),

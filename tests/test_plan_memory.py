@@ -166,7 +166,7 @@ def test_invalid_setup_names_every_problem():
     with pytest.raises(LowvramError) as e:
         estimate_memory(RunSetup(LLAMA7, precision="int3", optimizer="lion", quantization="nf4"))
     assert "precision 'int3'" in e.value.message and "optimizer 'lion'" in e.value.message
-    assert "quantization needs lora" in e.value.message
+    assert "needs lora: a quantized base cannot be trained directly" in e.value.message
 
 
 def test_every_catalog_model_estimates():

@@ -66,7 +66,7 @@ def test_offload_claims_nothing_on_a_cpu(llama8b):
 def test_offload_needs_checkpointing(llama8b):
     with pytest.raises(LowvramError, match="needs gradient_checkpointing"):
         estimate_memory(_qlora(llama8b, gradient_checkpointing=False, activation_offload=True))
-    with pytest.raises(LowvramError, match="needs gradient checkpointing"):
+    with pytest.raises(LowvramError, match="needs gradient_checkpointing"):
         choose_plan(PlanRequest(llama8b, lora=True, activation_offload=True, gradient_checkpointing=False),
                     Budget(12 * GB))
 

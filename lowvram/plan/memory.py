@@ -42,8 +42,10 @@ from lowvram.plan.setup import (
     PROCESS_HOST_BYTES,
     MemoryEstimate,
     RunSetup,
+    activation_offload_conflict,
     cuda_overheads,
     offload_conflict,
+    quantization_conflict,
 )
 from lowvram.plan.sharding import layer_weight_bytes, shard, sharding_overhead_bytes
 from lowvram.plan.states import (
@@ -68,12 +70,10 @@ def _check(setup: RunSetup) -> None:
         ("attention", setup.attention, ATTENTIONS),
         ("loss", setup.loss, LOSSES), ("device", setup.device, ("cuda", "cpu")),
     ] if v not in opts]
-    if setup.quantization != "none" and not setup.lora:
-        problems.append("quantization needs lora")
+    problems += [p for p in (quantization_conflict(setup.quantization, setup.lora),
+                             activation_offload_conflict(setup.activation_offload, setup.gradient_checkpointing)) if p]
     if setup.loss == "fused" and setup.device != "cuda":
         problems.append("loss fused needs CUDA (Liger Kernel's Triton kernels); use chunked")
-    if setup.activation_offload and not setup.gradient_checkpointing:
-        problems.append("activation_offload needs gradient_checkpointing")
     problems += moe.moe_problems(setup.model, setup.lora, setup.lora_r, setup.lora_targets,
                                  setup.lora_dropout)
     problems += moe.attention_problems(setup.model, setup.attention)

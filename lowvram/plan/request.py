@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from lowvram.errors import LowvramError
 from lowvram.plan import sharding
 from lowvram.plan.models import ModelSpec
-from lowvram.plan.setup import MemoryEstimate, RunSetup, offload_conflict, offload_conflict_hint
+from lowvram.plan.setup import (
+    MemoryEstimate,
+    RunSetup,
+    activation_offload_conflict,
+    offload_conflict,
+    offload_conflict_hint,
+    quantization_conflict,
+)
 from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.types import Plan
 
@@ -168,14 +175,12 @@ def validate_request(req: PlanRequest) -> None:
         value = getattr(req, name)
         if value is not None and value <= 0:
             raise LowvramError(f"{name} must be a positive integer, got {value}", "leave it out to let the planner choose")
-    if req.quantization not in (None, "none") and req.lora is False:
-        raise LowvramError(
-            f"quantization {req.quantization} needs LoRA: a quantized base cannot be trained directly",
-            "use --method qlora (or lora), or --quant none for full fine-tuning",
-        )
-    if req.activation_offload and req.gradient_checkpointing is False:
-        raise LowvramError("activation_offload needs gradient checkpointing: it moves the checkpointed "
-                           "layer inputs to host RAM", "drop --no-gradient-checkpointing, or the activation offload")
+    conflict = quantization_conflict(req.quantization or "none", req.lora is not False)
+    if conflict:
+        raise LowvramError(conflict, "use --method qlora (or lora), or --quant none for full fine-tuning")
+    conflict = activation_offload_conflict(bool(req.activation_offload), req.gradient_checkpointing is not False)
+    if conflict:
+        raise LowvramError(conflict, "drop --no-gradient-checkpointing, or the activation offload")
     if req.optimizer is not None and req.offload is not None:
         conflict = offload_conflict(req.optimizer, req.offload)
         if conflict:

@@ -39,6 +39,25 @@ def offload_conflict(optimizer: str, offload: str) -> str | None:
     return None
 
 
+# The rules between techniques that hold for every run, stated once: the recipe schema, the plan
+# request, the fixed defaults and the memory model each ask here and add their own hint.
+def quantization_conflict(quantization: str, lora: bool) -> str | None:
+    """Why ``quantization`` cannot train without LoRA (None when it can): bitsandbytes' 4/8-bit
+    weights hold no gradient, only adapters on top of them train (QLoRA)."""
+    if quantization not in ("none", "off", "auto") and not lora:
+        return f"quantization {quantization} needs lora: a quantized base cannot be trained directly"
+    return None
+
+
+def activation_offload_conflict(activation_offload: bool, gradient_checkpointing: bool) -> str | None:
+    """Why activation offload cannot run (None when it can): transformers' offload moves the
+    checkpointed layer inputs to host RAM, and without checkpointing there are none."""
+    if activation_offload and not gradient_checkpointing:
+        return ("activation_offload needs gradient_checkpointing: it moves the checkpointed layer "
+                "inputs to host RAM")
+    return None
+
+
 def offload_conflict_hint(optimizer: str, offload: str, spell=lambda key, value: f"{key} {value}") -> str:
     """What to set instead, for an ``offload_conflict``; ``spell(key, value)`` writes a setting
     as the caller's user writes it (a flag, a recipe key)."""

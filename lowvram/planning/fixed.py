@@ -5,6 +5,7 @@ that its memory was not predicted."""
 from __future__ import annotations
 
 from lowvram.errors import LowvramError
+from lowvram.plan.setup import quantization_conflict
 from lowvram.plan.types import Plan, dtype_precision
 from lowvram.planning.budget import missing_extras
 from lowvram.planning.request import check_dtype, lora_fields
@@ -46,8 +47,9 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
 
     quant = _fixed_value("quantization", t.quantization)
     reasons["quantization"] = "set in the recipe" if t.quantization not in ("auto",) else "default: full-precision base"
-    if quant != "none" and not lora:
-        raise LowvramError("quantization needs lora", "set techniques.lora: on, or quantization: off")
+    conflict = quantization_conflict(quant, lora)
+    if conflict:
+        raise LowvramError(conflict, "set techniques.lora: on, or quantization: off")
 
     optim = _fixed_value("optimizer", t.optimizer)
     reasons["optimizer"] = "set in the recipe" if t.optimizer != "auto" else "default: torch AdamW"

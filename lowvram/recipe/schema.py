@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lowvram.plan.setup import activation_offload_conflict, quantization_conflict
 from lowvram.vocab import (
     ATTENTIONS,
     DTYPES,
@@ -208,19 +209,16 @@ class TechniquesSection(_Section):
 
     @model_validator(mode="after")
     def _quant_needs_lora(self) -> TechniquesSection:
-        if self.quantization not in ("auto", "off") and self.lora == "off":
-            raise ValueError(
-                "quantization needs lora: a quantized base cannot be trained directly "
-                "(set lora: on or quantization: off)"
-            )
+        conflict = quantization_conflict(self.quantization, self.lora != "off")
+        if conflict:
+            raise ValueError(f"{conflict} (set lora: on or quantization: off)")
         return self
 
     @model_validator(mode="after")
     def _offload_needs_checkpointing(self) -> TechniquesSection:
-        if self.activation_offload == "on" and self.gradient_checkpointing == "off":
-            raise ValueError(
-                "activation_offload needs gradient_checkpointing: it moves the checkpointed layer inputs "
-                "to host RAM (set gradient_checkpointing: on or auto, or activation_offload: off)")
+        conflict = activation_offload_conflict(self.activation_offload == "on", self.gradient_checkpointing != "off")
+        if conflict:
+            raise ValueError(f"{conflict} (set gradient_checkpointing: on or auto, or activation_offload: off)")
         return self
 
     @model_validator(mode="after")
