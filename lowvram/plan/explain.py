@@ -31,12 +31,12 @@ _COMPONENTS = {
 }
 
 
-
 def divisors_descending(n: int) -> list[int]:
     """Every divisor of ``n``, largest first, in sqrt(n) steps (the micro-batch sizes a batch
     allows: walking 1..n never finished for a batch of 10^12)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)}, reverse=True)
+
 
 def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -> dict[str, str]:
     """One line per technique for the chosen candidate ``c`` (request.Candidate) of ``req``

@@ -12,40 +12,36 @@ from pathlib import Path
 # torch.save's zip writer (caffe2 inline_container.cc) reports a short write as a RuntimeError
 # without the errno: "[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 1180" or
 # "PytorchStreamWriter failed writing file data/0: file write failed" (issue 15: optimizer.pt on a
-# full 30 MB tmpfs gave the first).
-DISK_FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "PytorchStreamWriter failed",
-                      "unexpected pos", "file write failed")
-# The Rust writers raise exceptions that are neither OSError nor RuntimeError, with the errno in
-# the text only (issue 24, on a real tmpfs): safetensors' SafetensorError (a plain Exception
+# full 30 MB tmpfs gave the first). Its words count only from a RuntimeError (or an OSError).
+TORCH_WRITER_MESSAGES = ("PytorchStreamWriter failed", "unexpected pos", "file write failed")
+# The OS's own strings (strerror of ENOSPC / EDQUOT, 122 on Linux) count from any exception: the
+# Rust writers raise exceptions that are neither OSError nor RuntimeError, with the errno in the
+# text only (issue 24, on a real tmpfs): safetensors' SafetensorError (a plain Exception
 # subclass, safetensors/src/lib.rs) "Error while serializing: I/O error: No space left on device
 # (os error 28)", and tokenizers' Tokenizer.save a plain ``Exception: No space left on device (os
-# error 28)``. Their messages are the OS's own strings (strerror of ENOSPC / EDQUOT, 122 on Linux),
-# so for those any exception counts; the torch writer's own words only from a RuntimeError.
-_OS_MESSAGES = ("No space left on device", "Disk quota exceeded", "(os error 28)", "(os error 122)")
+# error 28)``.
+OS_MESSAGES = ("No space left on device", "Disk quota exceeded", "(os error 28)", "(os error 122)")
+
+
+def _chain(exc: BaseException | None):
+    """``exc`` and the exceptions it wraps (``__cause__``, else ``__context__``), each once."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def is_disk_full(exc: BaseException) -> bool:
     codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-    seen = set()
-    while exc is not None and id(exc) not in seen:  # torch.save wraps the OSError in a RuntimeError
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in codes:
+    for e in _chain(exc):  # torch.save wraps the OSError in a RuntimeError
+        if isinstance(e, OSError) and e.errno in codes:
             return True
-        if isinstance(exc, Exception) and any(m in str(exc) for m in _OS_MESSAGES):
+        if isinstance(e, Exception) and any(m in str(e) for m in OS_MESSAGES):
             return True
-        if isinstance(exc, (OSError, RuntimeError)) and any(m in str(exc) for m in DISK_FULL_MESSAGES):
+        if isinstance(e, (OSError, RuntimeError)) and any(m in str(e) for m in TORCH_WRITER_MESSAGES):
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _failed_file(exc: BaseException | None) -> str | None:
-    """The file an OSError names, in the exception or the one it wraps."""
-    while exc is not None:
-        if getattr(exc, "filename", None):
-            return str(exc.filename)
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def written_file(exc: BaseException | None, under: Path) -> Path | None:
@@ -55,13 +51,12 @@ def written_file(exc: BaseException | None, under: Path) -> Path | None:
     (transformers tokenization_utils_tokenizers._save_pretrained), torch.save's ``f``. The Rust
     writers' errors name no file and safetensors removes its half-written one, so neither the
     error nor the folder says which file did not fit."""
-    if named := _failed_file(exc):
-        return Path(named)
+    for e in _chain(exc):  # the file an OSError names, in the exception or one it wraps
+        if getattr(e, "filename", None):
+            return Path(e.filename)
     root = str(under.resolve())
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        frames, tb = [], exc.__traceback__
+    for e in _chain(exc):
+        frames, tb = [], e.__traceback__
         while tb is not None:
             frames.append(tb.tb_frame)
             tb = tb.tb_next
@@ -70,11 +65,20 @@ def written_file(exc: BaseException | None, under: Path) -> Path | None:
                 path = _path_below(value, root)
                 if path is not None:
                     return path
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
-def in_place_of(path: Path, tmp: Path, out: Path) -> Path:
+def staged_file_that_did_not_fit(exc: BaseException, tmp: Path, out: Path) -> Path | None:
+    """For a save staged in ``tmp`` and moved into ``out`` (the final save, a merge): None when
+    ``exc`` is not a full disk; else the file that did not fit, named as it would be in ``out``
+    (``out`` itself when no file can be told)."""
+    if not is_disk_full(exc):
+        return None
+    written = written_file(exc, tmp)
+    return _in_place_of(written, tmp, out) if written else out
+
+
+def _in_place_of(path: Path, tmp: Path, out: Path) -> Path:
     """``path`` as it would have been named in ``out`` (the files are written into ``tmp``, which
     is removed before the error is shown, then moved into ``out``)."""
     try:

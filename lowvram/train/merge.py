@@ -160,12 +160,11 @@ def merge_run(plan: MergePlan) -> MergeResult:
 def _disk_full(exc: BaseException, tmp: Path, out: Path) -> LowvramError | None:
     """The error for a disk that filled while the merged folder was written (None: another
     failure). The half-written folder is removed by the caller: nothing of it stays."""
-    from lowvram.train.diskfull import in_place_of, is_disk_full, written_file
+    from lowvram.train.diskfull import staged_file_that_did_not_fit
 
-    if not is_disk_full(exc):
+    what = staged_file_that_did_not_fit(exc, tmp, out)
+    if what is None:
         return None
-    written = written_file(exc, tmp)
-    what = in_place_of(written, tmp, out) if written else out
     return LowvramError(f"disk full while writing {what} (the merged model did not fit; nothing of it was kept)",
                         f"free space on that disk (df -h {shlex.quote(str(out.parent))}) and merge again, "
                         f"or merge to a disk with room for it (--out)")

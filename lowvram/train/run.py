@@ -56,13 +56,11 @@ def _save_final(trainer, tokenizer, out: Path) -> None:
 def _name_what_did_not_fit(exc: Exception, tmp: Path, out: Path) -> None:
     """A full disk during the final save: an OSError naming the file of the run that did not fit
     (``tmp`` is removed before the error is shown; the Rust writers' errors name no file)."""
-    from lowvram.train.diskfull import in_place_of, is_disk_full, written_file
+    from lowvram.train.diskfull import staged_file_that_did_not_fit
 
-    if not is_disk_full(exc):
-        return
-    written = written_file(exc, tmp)
-    what = in_place_of(written, tmp, out) if written else out
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(what)) from exc
+    what = staged_file_that_did_not_fit(exc, tmp, out)
+    if what is not None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(what)) from exc
 
 
 # --------------------------------------------------------------------------------------------
