@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-all demo lint bench clean
+.PHONY: install test test-all demo lint bench clean golden
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,11 @@ test-all: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m lowvram.demo
+
+# The planner's golden snapshot (tests/golden/): prints what moved (case, field, old -> new) and
+# rewrites tests/golden/plans.json.gz; a refactoring must print "0 difference(s)".
+golden: $(STAMP)
+	$(BIN)/python -m tests.golden.snapshot --refresh
 
 lint: $(STAMP)
 	$(BIN)/ruff check lowvram tests bench
