@@ -49,7 +49,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 # plan_speed: seconds; ladder_cpu and trainer_overhead: a few minutes each on 2 cores;
-# readme_numbers: the README's bench figures rewritten from bench/results/ (a test checks them).
+# readme_numbers: the bench figures of docs/accuracy.md and the README rewritten from bench/results/ (a test checks them).
 bench: $(STAMP)
 	$(BIN)/python bench/plan_speed.py
 	$(BIN)/python bench/ladder_cpu.py

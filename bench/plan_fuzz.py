@@ -132,7 +132,7 @@ def _write(out: str, seeds: range, families: str, rows, lines: list[str], summar
     header = ["# bench/plan_fuzz.py: plan vs `lowvram train` (2 steps, CPU, live tensor bytes)",
               f"# --families {families} --seeds {seeds.start}:{seeds.stop} ({len(rows)} run); ratio = measured / predicted - 1",
               f"# planner of commit {_commit()}; which seeds were seen while the planner was corrected",
-              "# (in-sample) and which never were (held out): README, Accuracy", ""]
+              "# (in-sample) and which never were (held out): docs/accuracy.md, docs/accuracy-history.md", ""]
     Path(out).write_text("\n".join(header + lines + [""] + summary) + "\n")
     Path(out).with_suffix(".json").write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
 

@@ -1,10 +1,11 @@
-"""The README's numbers that come from benches, refreshed from bench/results/ (issue 14).
+"""The documents' numbers that come from benches, refreshed from bench/results/.
 
-Each figure is a README pattern with one ``value`` group and the text that group must hold,
-computed from the newest results file of its bench. tests/test_readme_numbers.py fails when a
-bench result changed and the README did not follow; this script rewrites the README then.
+Each figure is a pattern in one document (docs/accuracy.md, or the README's headline) with one
+``value`` group and the text that group must hold, computed from the newest results file of its
+bench. tests/test_readme_numbers.py fails when a bench result changed and a document did not
+follow; this script rewrites the documents then.
 
-    python bench/readme_numbers.py           # rewrite README.md where it drifted, list what changed
+    python bench/readme_numbers.py           # rewrite the documents where they drifted, list what changed
     python bench/readme_numbers.py --check   # exit 1 and list the drift, change nothing
 
 The held-out GPU figures (bench/results/published_accuracy.txt) are checked by
@@ -21,8 +22,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 README = REPO / "README.md"
+ACCURACY = REPO / "docs" / "accuracy.md"
+DOCS = (README, ACCURACY)
 
-# bench/ladder_cpu.py's row names -> the README ladder table's
+# bench/ladder_cpu.py's row names -> the ladder table's in docs/accuracy.md
 LADDER_ROWS = {
     "fp32 baseline": "fp32 baseline",
     "+ bf16": "+ bf16",
@@ -38,9 +41,10 @@ LADDER_ROWS = {
 @dataclass(frozen=True)
 class Figure:
     name: str
-    pattern: str  # a regex over README.md with one group named "value"
+    pattern: str  # a regex over the document with one group named "value"
     value: str  # what that group must be
     source: Path
+    doc: Path = ACCURACY  # the document that holds it
 
 
 def newest(glob: str) -> Path:
@@ -80,17 +84,20 @@ def _fuzz_summary(path: Path) -> tuple[str, str, str, str, str]:
 
 
 def fuzz_figures() -> list[Figure]:
-    """The two differential-test paragraphs: the held-out seeds (plan_fuzz_heldout.txt) and the
-    in-sample ones (plan_fuzz.txt): how many ran, how many met the target, range and median."""
+    """The two differential-test paragraphs: the held-out seeds (plan_fuzz_heldout.txt, also the
+    README's headline) and the in-sample ones (plan_fuzz.txt): how many ran, how many met the
+    target, range and median."""
     out = []
     held = RESULTS / "plan_fuzz_heldout.txt"
     ran, misses, lo, median, hi = _fuzz_summary(held)
-    out += [
-        Figure("fuzz held out: runs", r"of (?P<value>\d+) held-out runs", ran, held),
-        Figure("fuzz held out: met", r"\*\*(?P<value>\d+) meet the target\*\*", str(int(ran) - int(misses)), held),
-        Figure("fuzz held out: range", r"held out: measured/predicted - 1 from (?P<value>[-+]\S+ to [-+]\S+,\s+median [-+]\S+?)\)",
-               f"{lo} to {hi}, median {median}", held),
-    ]
+    for doc in (README, ACCURACY):
+        out += [
+            Figure("fuzz held out: runs", r"of (?P<value>\d+) held-out runs", ran, held, doc),
+            Figure("fuzz held out: met", r"\*\*(?P<value>\d+) meet the target\*\*", str(int(ran) - int(misses)), held, doc),
+            Figure("fuzz held out: range",
+                   r"held out: measured/predicted - 1 from (?P<value>[-+]\S+ to [-+]\S+,\s+median [-+]\S+?)\)",
+                   f"{lo} to {hi}, median {median}", held, doc),
+        ]
     path = RESULTS / "plan_fuzz.txt"
     ran, _, lo, median, hi = _fuzz_summary(path)
     out += [
@@ -105,36 +112,42 @@ def figures() -> list[Figure]:
     return ladder_figures() + fuzz_figures()
 
 
-def drift(readme: str) -> list[str]:
-    """One line per figure the README does not hold as its results file says."""
+def drift(text: str, doc: Path = ACCURACY) -> list[str]:
+    """One line per figure of ``doc`` that ``text`` (its contents) does not hold as its results
+    file says."""
     problems = []
+    name = doc.relative_to(REPO)
     for f in figures():
-        m = re.search(f.pattern, readme, re.M)
+        if f.doc != doc:
+            continue
+        m = re.search(f.pattern, text, re.M)
         if m is None:
-            problems.append(f"{f.name}: not found in README.md (pattern {f.pattern!r})")
+            problems.append(f"{f.name}: not found in {name} (pattern {f.pattern!r})")
         elif m["value"] != f.value:
-            problems.append(f"{f.name}: README says {m['value']!r}, {f.source.relative_to(REPO)} gives {f.value!r}")
+            problems.append(f"{f.name}: {name} says {m['value']!r}, {f.source.relative_to(REPO)} gives {f.value!r}")
     return problems
 
 
-def refresh(readme: str) -> str:
-    """The README with every figure set to its results file's value."""
+def refresh(text: str, doc: Path = ACCURACY) -> str:
+    """``text`` (the contents of ``doc``) with every figure set to its results file's value."""
     for f in figures():
-        readme = re.sub(f.pattern, lambda m, v=f.value: m[0].replace(m["value"], v, 1), readme, count=1, flags=re.M)
-    return readme
+        if f.doc == doc:
+            text = re.sub(f.pattern, lambda m, v=f.value: m[0].replace(m["value"], v, 1), text, count=1, flags=re.M)
+    return text
 
 
 def main(argv: list[str]) -> int:
-    text = README.read_text()
-    problems = drift(text)
-    for line in problems:
-        print(line)
-    if "--check" in argv:
-        return 1 if problems else 0
-    if problems:
-        README.write_text(refresh(text))
-        print(f"README.md: {len(problems)} figure(s) refreshed")
-    return 0
+    drifted = 0
+    for doc in DOCS:
+        text = doc.read_text()
+        problems = drift(text, doc)
+        for line in problems:
+            print(line)
+        drifted += len(problems)
+        if problems and "--check" not in argv:
+            doc.write_text(refresh(text, doc))
+            print(f"{doc.relative_to(REPO)}: {len(problems)} figure(s) refreshed")
+    return 1 if drifted and "--check" in argv else 0
 
 
 if __name__ == "__main__":

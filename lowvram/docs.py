@@ -1,4 +1,5 @@
-"""Refresh generated parts of the README: `python -m lowvram.docs`."""
+"""Refresh the generated parts of docs/: `python -m lowvram.docs` (the recipe reference in
+docs/recipes.md, from the schema as `lowvram keys` prints it)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from pathlib import Path
 from lowvram.recipe import describe_schema
 from lowvram.report.info import keys_markdown
 
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-def refresh_readme(path: Path) -> None:
+
+def refresh_keys(path: Path) -> None:
+    """Rewrite the table between ``<!-- keys:begin -->`` and ``<!-- keys:end -->`` in ``path``."""
     text = path.read_text()
     head, rest = text.split("<!-- keys:begin -->\n", 1)
     _, tail = rest.split("<!-- keys:end -->", 1)
@@ -16,4 +20,4 @@ def refresh_readme(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    refresh_readme(Path(__file__).resolve().parent.parent / "README.md")
+    refresh_keys(DOCS / "recipes.md")

@@ -292,7 +292,7 @@ def test_deepspeed_offload_plans_use_adamw_and_a_fixed_8bit_optimizer_is_refused
     ("llama-3.2-3b", 4096, 1, 40, "chunked", 1.03 * 1.02),
 ])
 def test_search_finds_plans_the_ladder_missed(model, seq_len, batch, gb, loss, slowdown):
-    """The README's two examples: the ladder's first rung that fits is checkpointing (~25%); the
+    """docs/planner.md's two examples: the ladder's first rung that fits is checkpointing (~25%); the
     search takes the 8-bit optimizer without checkpointing."""
     c = choose_plan(PlanRequest(resolve_model(model), seq_len=seq_len, batch_size=batch), Budget(gb * GB))
     s = c.chosen.setup

@@ -1,4 +1,4 @@
-"""The README's Development tree names every module of the package, and only modules that exist."""
+"""The tree in docs/architecture.md names every module of the package, and only modules that exist."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from tests.conftest import REPO
 
 
 def readme_tree() -> set[str]:
-    """Paths of the ```text tree under "## Development" (indentation gives the folders)."""
-    section = (REPO / "README.md").read_text().split("## Development", 1)[1]
+    """Paths of the ```text tree under "## The tree" (indentation gives the folders)."""
+    section = (REPO / "docs" / "architecture.md").read_text().split("## The tree", 1)[1]
     block = re.search(r"```text\n(.*?)```", section, re.S).group(1)
     paths, folders = set(), {}
     for line in block.splitlines():
@@ -29,5 +29,5 @@ def test_tree_lists_every_module():
     modules = {str(p.relative_to(REPO)) for p in (REPO / "lowvram").rglob("*.py")
                if p.name not in ("__init__.py", "__main__.py")}
     listed = readme_tree()
-    assert modules - listed == set(), "add these to the README's Development tree"
-    assert listed - modules == set(), "the README's Development tree names files that do not exist"
+    assert modules - listed == set(), "add these to the tree in docs/architecture.md"
+    assert listed - modules == set(), "the tree in docs/architecture.md names files that do not exist"
