@@ -168,7 +168,7 @@ def plan_cell(recipe_path: Path, card_bytes: int, scale: float, device: str = "c
     """The chooser's answer for the recipe on a card of ``card_bytes`` (every technique auto)."""
     from lowvram.plan.choose import choose_plan
     from lowvram.plan.request import MIN_MARGIN_BYTES, Budget
-    from lowvram.planning.request import build_request, recipe_model
+    from lowvram.planning.from_recipe import build_request, recipe_model
     from lowvram.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)

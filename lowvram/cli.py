@@ -102,7 +102,7 @@ def train(
 
         check_seq_len(r)
     from lowvram.planning.entry import plan_for_recipe, require_fit
-    from lowvram.planning.request import recipe_model_ref
+    from lowvram.planning.from_recipe import recipe_model_ref
 
     _fetch_hub_config(recipe_model_ref(r), explicit=False)  # plan a hub model before downloading it
 
@@ -194,8 +194,10 @@ def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, mai
                                            resumed_from=metrics.get("resumed_from")), as_json=json_)
 
 
-def _opt(flag: str, help_: str, metavar: str | None = None):
-    return typer.Option(flag, help=help_, metavar=metavar, show_default=False)
+def _opt(flag: str | list[str], help_: str, metavar: str | None = None):
+    """An option; ``flag`` a list: its canonical spelling first, then the aliases kept."""
+    flags = [flag] if isinstance(flag, str) else flag
+    return typer.Option(*flags, help=help_, metavar=metavar, show_default=False)
 
 
 def _values(values: tuple[str, ...], note: str | None = None) -> str:
@@ -211,14 +213,14 @@ def plan(
     method: Annotated[str | None, _opt("--method", "full | lora | qlora (shorthand for lora + quantization).", "METHOD")] = None,
     lora_r: Annotated[int | None, _opt("--lora-r", "LoRA rank.", "N")] = None,
     lora_targets: Annotated[str | None, _opt("--lora-targets", "q_proj,v_proj | all-linear | ...", "LIST")] = None,
-    precision: Annotated[str | None, _opt("--precision", _values(vocab.PRECISIONS), "P")] = None,
-    quant: Annotated[str | None, _opt("--quant", _values(vocab.QUANTIZATIONS, "needs LoRA"), "Q")] = None,
-    optim: Annotated[str | None, _opt("--optim", _values(vocab.OPTIMIZERS), "O")] = None,
+    mixed_precision: Annotated[str | None, _opt(["--mixed-precision", "--precision"], _values(vocab.PRECISIONS), "P")] = None,
+    quantization: Annotated[str | None, _opt(["--quantization", "--quant"], _values(vocab.QUANTIZATIONS, "needs LoRA"), "Q")] = None,
+    optimizer: Annotated[str | None, _opt(["--optimizer", "--optim"], _values(vocab.OPTIMIZERS), "O")] = None,
     loss: Annotated[str | None, _opt("--loss", _values(vocab.LOSSES), "L")] = None,
-    attn: Annotated[str | None, _opt("--attn", _values(vocab.ATTENTIONS), "A")] = None,
+    attention: Annotated[str | None, _opt(["--attention", "--attn"], _values(vocab.ATTENTIONS), "A")] = None,
     batch_size: Annotated[int | None, _opt("--batch-size", "Effective batch = micro_batch_size x grad_accum x GPUs (default 16).", "N")] = None,
     seq_len: Annotated[int | None, _opt("--seq-len", "Tokens per sample (default 1024).", "N")] = None,
-    grad_accum: Annotated[int | None, _opt("--grad-accum", "Fix the accumulation steps (micro-batch follows).", "N")] = None,
+    gradient_accumulation: Annotated[int | None, _opt(["--gradient-accumulation", "--grad-accum"], "Fix the accumulation steps (micro-batch follows).", "N")] = None,
     gradient_checkpointing: Annotated[bool | None, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Fix gradient checkpointing on or off.", show_default=False)] = None,
     activation_offload: Annotated[bool | None, typer.Option("--activation-offload/--no-activation-offload", help="Fix activation offloading (checkpointed layer inputs in pinned host RAM; needs checkpointing, a GPU) on or off.", show_default=False)] = None,
     packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="Plan for data.packing: several samples per seq_len window (SDPA then keeps a b x s x s mask per layer).", show_default=False)] = None,
@@ -244,7 +246,7 @@ def plan(
         return
     r = None
     if recipe is not None:
-        from lowvram.planning.request import recipe_model_ref
+        from lowvram.planning.from_recipe import recipe_model_ref
         from lowvram.recipe import load_recipe
 
         r = load_recipe(recipe, set_ or [])
@@ -257,8 +259,9 @@ def plan(
         register_for_simulation(model_ref)
     result = entry.make_plan(
         r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
-        precision=precision, quant=quant, optim=optim, loss=loss, attn=attn, batch_size=batch_size,
-        seq_len=seq_len, grad_accum=grad_accum, gradient_checkpointing=gradient_checkpointing,
+        mixed_precision=mixed_precision, quantization=quantization, optimizer=optimizer, loss=loss,
+        attention=attention, batch_size=batch_size, seq_len=seq_len,
+        gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,
         activation_offload=activation_offload, packing=packing, gpus=gpus, offload=offload,
     )
     from lowvram.plan.request import Choice
@@ -333,7 +336,7 @@ def merge(
     json_: JsonOpt = False,
 ) -> None:
     """Merge a run's LoRA adapter into its base model and save a plain transformers folder."""
-    from lowvram.report.runs import show_merge_plan, show_merge_result
+    from lowvram.report.results import show_merge_plan, show_merge_result
     from lowvram.train.lock import run_lock
     from lowvram.train.merge import merge_run, plan_merge
 
@@ -358,7 +361,7 @@ def generate(
 ) -> None:
     """Load a trained model and stream its answer to a prompt (or chat with --interactive)."""
     from lowvram.errors import UsageError
-    from lowvram.report.runs import show_generator, stream_text, write_stream
+    from lowvram.report.results import show_generator, stream_text, write_stream
     from lowvram.train.generate import GenerationSettings, chat_loop, load_generator, stream_reply
 
     if (prompt is None) == (not interactive):
@@ -379,8 +382,8 @@ def runs(
     json_: JsonOpt = False,
 ) -> None:
     """List runs: recipe, model, techniques, predicted vs measured peak, final loss, status."""
-    from lowvram.report.runs import show_runs
-    from lowvram.runs import list_runs
+    from lowvram.past_runs import list_runs
+    from lowvram.report.results import show_runs
 
     if folder is None and not Path("runs").is_dir():  # nothing trained here yet: not an error
         show_runs([], Path("runs"), as_json=json_)
@@ -388,7 +391,7 @@ def runs(
     folder = folder or Path("runs")
     found = list_runs(folder)
     show_runs(found, folder, as_json=json_)
-    from lowvram.runs import damaged_error
+    from lowvram.past_runs import damaged_error
 
     if (err := damaged_error(found)) is not None:  # after the list: the other runs are shown
         raise err
@@ -398,8 +401,8 @@ def runs(
 @handle_errors
 def show(run_dir: RunArg, json_: JsonOpt = False) -> None:
     """One run in detail: recipe, plan and reasons, metrics, loss curve, checkpoints."""
-    from lowvram.report.runs import show_run
-    from lowvram.runs import damaged_error, read_run
+    from lowvram.past_runs import damaged_error, read_run
+    from lowvram.report.results import show_run
 
     info = read_run(run_dir)
     if (err := damaged_error([info])) is not None:

@@ -1,7 +1,7 @@
 """The names of the files a run writes into its folder, and how each is written (atomically).
 
 The small facts that the run, its checkpoints, the manifest, the launcher and the retry loops
-(train/) and the readers of run folders (runs.py, `lowvram runs` / `show`) all need, kept here
+(train/) and the readers of run folders (past_runs.py, `lowvram runs` / `show`) all need, kept here
 once so none of them imports another for a name; and the check for damaged files that each of
 them runs before a library reads one. No torch here; of lowvram only its errors.
 """

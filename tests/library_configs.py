@@ -140,7 +140,7 @@ def searched_plan(name: str, method: str | None, card_gb: int, gpus: int):
     from lowvram.plan.catalog import resolve_model
     from lowvram.plan.choose import choose_plan
     from lowvram.planning.budget import make_budget, missing_extras
-    from lowvram.planning.request import build_request, flag_choices
+    from lowvram.planning.from_recipe import build_request, flag_choices
 
     fields, sources = flag_choices(method, gpus=gpus if gpus > 1 else None)
     budget = make_budget(f"{card_gb}GB", None, gpus)

@@ -76,16 +76,16 @@ def test_nothing_fits_says_what_helps():
 
 
 def test_flags_fix_choices():
-    d = plan_json("--model", "llama-7b", "--vram", "80GB", "--method", "qlora", "--optim",
+    d = plan_json("--model", "llama-7b", "--vram", "80GB", "--method", "qlora", "--optimizer",
                   "paged_adamw_8bit", "--gradient-checkpointing", "--loss", "chunked",
-                  "--grad-accum", "4", "--seq-len", "2048", "--lora-r", "8",
+                  "--gradient-accumulation", "4", "--seq-len", "2048", "--lora-r", "8",
                   "--lora-targets", "q_proj,v_proj")
     t = d["techniques"]
     assert t["lora"] is True and t["quantization"] == "nf4-dq"
     assert t["optimizer"] == "paged_adamw_8bit" and t["gradient_checkpointing"] is True
     assert t["loss"] == "chunked" and d["grad_accum"] == 4 and d["micro_batch_size"] == 4
     assert d["lora_r"] == 8 and d["lora_targets"] == ["q_proj", "v_proj"]
-    assert "--optim" in d["reasons"]["optimizer"]
+    assert "--optimizer" in d["reasons"]["optimizer"]
 
 
 def test_packing_is_a_plan_input():
@@ -94,8 +94,8 @@ def test_packing_is_a_plan_input():
     from lowvram.plan.catalog import resolve_model
     from lowvram.plan.setup import RunSetup
 
-    fixed = ("--model", "llama-7b", "--vram", "80GB", "--method", "lora", "--precision", "bf16",
-             "--attn", "sdpa", "--gradient-checkpointing", "--loss", "chunked", "--grad-accum", "1",
+    fixed = ("--model", "llama-7b", "--vram", "80GB", "--method", "lora", "--mixed-precision", "bf16",
+             "--attention", "sdpa", "--gradient-checkpointing", "--loss", "chunked", "--gradient-accumulation", "1",
              "--seq-len", "2048")
     plain, packed = plan_json(*fixed, "--no-packing"), plan_json(*fixed, "--packing")
     assert (plain["packing"], packed["packing"]) == (False, True)
@@ -121,9 +121,9 @@ def test_vram_from_env():
         (["--model", "llama-7bb"], 1, "unknown model"),
         (["--model", "llama-7b", "--seq-len", "0"], 1, "seq_len must be a positive"),
         (["--model", "llama-7b", "--batch-size", "-2"], 1, "batch_size must be a positive"),
-        (["--model", "llama-7b", "--quant", "nf4", "--method", "full"], 1, "needs lora"),
+        (["--model", "llama-7b", "--quantization", "nf4", "--method", "full"], 1, "needs lora"),
         (["--model", "llama-7b", "--method", "half"], 2, "--method"),
-        (["--model", "llama-7b", "--optim", "adam"], 2, "--optim"),
+        (["--model", "llama-7b", "--optimizer", "adam"], 2, "--optimizer"),
         (["--model", "llama-7b", "--vram", "lots"], 1, "cannot read memory size"),
         ([], 1, "nothing to plan"),
     ],
@@ -221,8 +221,8 @@ def test_a_reason_says_why_the_fitting_alternative_was_not_taken():
 
 
 def test_flash_attention_in_fp32_does_not_fit_it_is_refused():
-    """Issue 24 item 8: `lowvram plan --precision fp32 --attn flash_attention_2` said "fits"."""
-    r = plan("--model", "llama-2-7b", "--vram", "24GB", "--precision", "fp32", "--attn", "flash_attention_2")
+    """Issue 24 item 8: `lowvram plan --mixed-precision fp32 --attention flash_attention_2` said "fits"."""
+    r = plan("--model", "llama-2-7b", "--vram", "24GB", "--mixed-precision", "fp32", "--attention", "flash_attention_2")
     assert r.exit_code == 1 and "fits" not in r.output
-    assert "error: attention flash_attention_2 (set by --attn flash_attention_2) cannot run here: precision fp32" in r.output
-    assert "hint: use a 16-bit precision (--precision bf16, bf16-mixed or fp16-mixed) with it, or --attn sdpa" in r.output
+    assert "error: attention flash_attention_2 (set by --attention flash_attention_2) cannot run here: precision fp32" in r.output
+    assert "hint: use a 16-bit precision (--mixed-precision bf16, bf16-mixed or fp16-mixed) with it, or --attention sdpa" in r.output

@@ -221,7 +221,7 @@ def test_the_search_never_pairs_fsdp_with_a_bitsandbytes_optimizer():
 def test_a_fixed_bitsandbytes_optimizer_with_fsdp_is_refused(optimizer):
     with pytest.raises(LowvramError, match="cannot step FSDP2's sharded parameters") as e:
         _choose("llama-2-7b", 2, lora=False, optimizer=optimizer, offload="fsdp")
-    assert e.value.hint.startswith("use --optim adamw with --offload fsdp") and "--offload none (DDP)" in e.value.hint
+    assert e.value.hint.startswith("use --optimizer adamw with --offload fsdp") and "--offload none (DDP)" in e.value.hint
     # a fixed 8-bit optimizer alone: the search shards without FSDP (DDP, or DeepSpeed ZeRO)
     c = _choose("llama-2-7b", 2, vram="32GB", lora=False, optimizer=optimizer)
     assert not c.plan.offload.startswith("fsdp")

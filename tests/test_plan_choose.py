@@ -280,7 +280,7 @@ def test_deepspeed_offload_plans_use_adamw_and_a_fixed_8bit_optimizer_is_refused
     assert set(rungs) == {"optimizer", "full"}
     with pytest.raises(LowvramError, match="DeepSpeed's CPU Adam") as e:
         _plan(llama7b, 24, optimizer="adamw_8bit", offload="optimizer")
-    assert "--optim adamw" in e.value.hint
+    assert "--optimizer adamw" in e.value.hint
     # an 8-bit optimizer the user fixed: the ladder leaves out the DeepSpeed offload rungs
     c = _plan(spec, 6, lora=False, optimizer="adamw_8bit")
     assert c.plan.offload not in ("optimizer", "full")
@@ -342,7 +342,7 @@ def test_eager_attention_with_checkpointing_is_planned_and_chosen():
 def test_flash_attention_is_refused_where_it_cannot_run_and_never_picked(llama7b):
     """Issue 24 item 8: fp32, cards before Ampere (compute capability < 8.0) and CPU runs cannot
     run flash-attn 2; a fixed flash_attention_2 there is refused, and the search never picks it."""
-    fixed = {"attention": "flash_attention_2", "sources": {"attention": "--attn flash_attention_2"}}
+    fixed = {"attention": "flash_attention_2", "sources": {"attention": "--attention flash_attention_2"}}
     for budget, precision, why in [
         (Budget(24 * GB), "fp32", "precision fp32 keeps q, k and v in fp32"),
         (Budget(24 * GB, bf16=False, compute_capability=(7, 5)), None, "compute capability 7.5"),
@@ -351,7 +351,7 @@ def test_flash_attention_is_refused_where_it_cannot_run_and_never_picked(llama7b
     ]:
         with pytest.raises(LowvramError, match=why) as e:
             choose_plan(PlanRequest(llama7b, mixed_precision=precision, **fixed), budget)
-        assert "--attn sdpa" in e.value.hint
+        assert "--attention sdpa" in e.value.hint
     for budget, precision in [(Budget(24 * GB, compute_capability=(8, 0)), None), (Budget(24 * GB), "bf16-mixed"),
                               (Budget(80 * GB, compute_capability=(9, 0)), "fp16-mixed")]:
         c = choose_plan(PlanRequest(llama7b, mixed_precision=precision, **fixed), budget)

@@ -239,7 +239,7 @@ def test_cli_plans_gpt_oss_with_eager_and_refuses_sdpa(tmp_path):
     out = json.loads(r.stdout)
     assert out["techniques"]["attention"] == "eager"
     assert out["parameters"] == 20_914_757_184 + out["trainable_parameters"]  # + LoRA adapters
-    r = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--vram", "80GB", "--attn", "sdpa"])
+    r = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--vram", "80GB", "--attention", "sdpa"])
     assert r.exit_code == 1 and "set attention: eager" in r.stderr
 
 

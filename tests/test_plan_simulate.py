@@ -110,9 +110,9 @@ def test_cli_simulate_accepts_a_config_only_transformers_reads(tmp_path):
     r = runner.invoke(app, ["plan", "--model", str(tmp_path), "--vram", "1GB", "--json"])
     assert r.exit_code == 1 and "does not model model_type 'mpt'" in r.stderr and "--simulate" in r.stderr
     r = runner.invoke(app, ["plan", "--model", str(tmp_path), "--vram", "1GB", "--simulate"])
-    assert r.exit_code == 1 and "--attn eager" in r.stderr  # MPT has no SDPA in transformers
+    assert r.exit_code == 1 and "--attention eager" in r.stderr  # MPT has no SDPA in transformers
     d = _plan_json("--model", str(tmp_path), "--vram", "1GB", "--seq-len", "64",
-                   "--batch-size", "1", "--attn", "eager")
+                   "--batch-size", "1", "--attention", "eager")
     assert d["simulated"]["peak_bytes"] > 0
 
 

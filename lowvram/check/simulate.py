@@ -195,7 +195,7 @@ def _build_model(setup: RunSetup, config, mode):
         try:
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         except (ValueError, KeyError, TypeError) as e:
-            hint = ("this architecture has no SDPA in transformers: add --attn eager"
+            hint = ("this architecture has no SDPA in transformers: add --attention eager"
                     if "attention implementation" in str(e)
                     else "pass a causal LM's config.json (AutoModelForCausalLM)")
             raise LowvramError(f"transformers cannot build this config: {str(e)[:200]}",

@@ -115,9 +115,9 @@ def _alternatives(cands: list[Candidate], chosen: Candidate) -> tuple[Candidate,
     """The best candidate of each tier other than the chosen one (fitting first)."""
     best: dict[float, Candidate] = {}
     for c in cands:
-        cur = best.get(c.tier)
+        cur = best.get(c.ladder_tier)
         if cur is None or (not c.fits, rank(c)) < (not cur.fits, rank(cur)):
-            best[c.tier] = c
+            best[c.ladder_tier] = c
     return tuple(best[t] for t in sorted(best) if best[t].setup != chosen.setup)
 
 

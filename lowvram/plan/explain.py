@@ -85,7 +85,7 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     elif budget.device == "cpu":
         r["mixed_precision"] = "fp32: CPU run (bf16 on CPU is slower here); mixed precision applies on a GPU"
     elif s.precision == "bf16":
-        how = "the card supports bf16" if budget.bf16_known else "bf16 assumed (budget from --vram/LOWVRAM_VRAM: the card is not queried; pass --precision fp16-mixed for cards before Ampere)"
+        how = "the card supports bf16" if budget.bf16_known else "bf16 assumed (budget from --vram/LOWVRAM_VRAM: the card is not queried; pass --mixed-precision fp16-mixed for cards before Ampere)"
         r["mixed_precision"] = f"bf16: {how}; 2 bytes/weight instead of 4, no speed cost"
     else:
         r["mixed_precision"] = "fp16-mixed: the card has no bf16; fp16 autocast, fp32 master weights, loss scaling"

@@ -1,5 +1,6 @@
-"""The technique ladder of a plan: one technique after another in tier order, each rung with the
-peak it leaves, the bytes it saves and its step-time cost (the plan's explanation, not the search)."""
+"""A plan's explanation as a ladder: from the run as asked, one technique of the technique table
+(plan/techniques.py) after another in tier order, each rung with the peak it leaves, the bytes it
+saves and its step-time cost. It explains; the search (plan/search.py) chooses."""
 
 from __future__ import annotations
 

@@ -163,10 +163,10 @@ def attention_problems(spec: ModelSpec, attention: str) -> list[str]:
     if spec.attention_sinks and attention not in SINK_ATTENTIONS:
         return [f"attention {attention} with {spec.model_type}: transformers has no {attention} "
                 "path for its attention sinks (GptOssPreTrainedModel._supports_sdpa = False): "
-                "set attention: eager (--attn eager)"]
+                "set attention: eager (--attention eager)"]
     if spec.model_type in EAGER_ONLY_MODEL_TYPES and attention != "eager":
         return [f"attention {attention} with {spec.model_type}: transformers has only eager "
-                f"attention for it (no _supports_sdpa / _supports_flash_attn): set attention: eager (--attn eager)"]
+                f"attention for it (no _supports_sdpa / _supports_flash_attn): set attention: eager (--attention eager)"]
     return []
 
 

@@ -102,7 +102,7 @@ class PlanRequest:
     # data.packing (a data setting, not a technique): several samples per window, so SDPA gets a
     # block-diagonal mask in every layer (lowvram.plan.activations.masked_layers)
     packing: bool = False
-    # Where each fixed choice came from ("--optim", "the recipe"), for the reasons.
+    # Where each fixed choice came from ("--optimizer", "the recipe"), for the reasons.
     sources: dict[str, str] = field(default_factory=dict)
 
     def fixed(self, name: str) -> bool:
@@ -113,7 +113,7 @@ class PlanRequest:
 class Candidate:
     setup: RunSetup
     estimate: MemoryEstimate
-    tier: float
+    ladder_tier: float  # the explained ladder's tier (groups the alternatives shown; not the search order)
     slowdown: float  # step time relative to bf16 + SDPA + full fine-tuning, largest micro-batch
     fits: bool
 
@@ -177,14 +177,14 @@ def validate_request(req: PlanRequest) -> None:
             raise LowvramError(f"{name} must be a positive integer, got {value}", "leave it out to let the planner choose")
     conflict = quantization_conflict(req.quantization or "none", req.lora is not False)
     if conflict:
-        raise LowvramError(conflict, "use --method qlora (or lora), or --quant none for full fine-tuning")
+        raise LowvramError(conflict, "use --method qlora (or lora), or --quantization none for full fine-tuning")
     conflict = activation_offload_conflict(bool(req.activation_offload), req.gradient_checkpointing is not False)
     if conflict:
         raise LowvramError(conflict, "drop --no-gradient-checkpointing, or the activation offload")
     if req.optimizer is not None and req.offload is not None:
         conflict = offload_conflict(req.optimizer, req.offload)
         if conflict:
-            flag = {"optimizer": "--optim", "offload": "--offload"}
+            flag = {"optimizer": "--optimizer", "offload": "--offload"}
             raise LowvramError(conflict, offload_conflict_hint(req.optimizer, req.offload,
                                                                lambda key, value: f"{flag[key]} {value}"))
     if req.batch_size % req.gpus:
@@ -222,8 +222,8 @@ def check_attention(req: PlanRequest, budget: Budget, precision: str) -> None:
         return
     why = flash_attention_unavailable(budget, precision)
     if why:
-        src = req.sources.get("attention", "--attn")
-        flags = {"mixed_precision": "--precision", "attention": "--attn"}
+        src = req.sources.get("attention", "--attention")
+        flags = {"mixed_precision": "--mixed-precision", "attention": "--attention"}
         spell = ((lambda key, value: f"{flags[key]} {value}") if src.startswith("--") else
                  (lambda key, value: f"techniques.{key}: {value}"))
         raise LowvramError(f"attention flash_attention_2 (set by {src}) cannot run here: {why}",

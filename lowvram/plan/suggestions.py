@@ -51,10 +51,10 @@ def suggest_changes(req: PlanRequest, budget: Budget, lowest: Candidate, estimat
 
 
 _RELEASABLE = {
-    "lora": "--method", "quantization": "--quant", "offload": "--offload", "optimizer": "--optim",
-    "gradient_checkpointing": "--no-gradient-checkpointing", "mixed_precision": "--precision",
-    "loss": "--loss", "attention": "--attn", "micro_batch_size": "micro_batch_size",
-    "grad_accum": "--grad-accum", "activation_offload": "--activation-offload",
+    "lora": "--method", "quantization": "--quantization", "offload": "--offload", "optimizer": "--optimizer",
+    "gradient_checkpointing": "--no-gradient-checkpointing", "mixed_precision": "--mixed-precision",
+    "loss": "--loss", "attention": "--attention", "micro_batch_size": "micro_batch_size",
+    "grad_accum": "--gradient-accumulation", "activation_offload": "--activation-offload",
 }
 
 

@@ -1,9 +1,10 @@
-"""The eight memory techniques plus the attention kernel and the loss: one canonical name each,
-the settings each implies, what it saves, and what it costs in step time, with the source.
+"""The technique table: the eight memory techniques plus the attention kernel and the loss, one
+canonical name each, the settings each implies, what it saves, and what it costs in step time
+(``slowdown``, step time relative to not using it), with the source.
 
-The chooser (:mod:`lowvram.plan.choose`) climbs these in ``tier`` order: a plan that needs a
-higher tier is only taken when nothing on the lower tiers fits. Within one tier the fastest
-plan wins, using ``slowdown`` (step time relative to not using the technique).
+``tier`` is each technique's place in the explanation a plan prints (:mod:`lowvram.plan.ladder`
+climbs them in that order) and groups the alternatives shown; it does not order the search,
+which ranks candidates by what the plan gives up, then speed (:func:`lowvram.plan.search.rank`).
 
 The speed factors are rules of thumb from the cited sources, not measurements of this code; they
 rank plans, they do not predict wall time. No torch here.
@@ -16,11 +17,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Technique:
-    """One rung of the ladder: the setting it applies and what it costs."""
+    """One technique at one value: the setting it applies and what it costs."""
 
     name: str  # canonical technique name (one of lowvram.vocab.CANONICAL)
     value: object  # the value of that technique when this rung is used
-    tier: int  # ladder order; a higher tier is used only when the lower ones do not fit
+    tier: int  # its place in the explained ladder (plan/ladder.py); not the search's order
     slowdown: float  # step time with / without it (1.0 = free; < 1 = faster)
     saves: str  # the memory component(s) it shrinks
     source: str  # where the slowdown figure comes from

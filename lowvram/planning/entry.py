@@ -14,7 +14,7 @@ from lowvram.plan.replan import Replanner
 from lowvram.plan.types import Plan
 from lowvram.planning.budget import check_card, check_runnable, make_budget
 from lowvram.planning.fixed import fixed_with_note
-from lowvram.planning.request import METHODS, build_request, flag_choices, recipe_model
+from lowvram.planning.from_recipe import METHODS, build_request, flag_choices, recipe_model
 from lowvram.recipe import Recipe
 from lowvram.units import gib
 from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
@@ -62,13 +62,14 @@ def replanner_for(recipe: Recipe) -> Replanner:
     return Replanner(build_request(spec, recipe))
 
 
+# the flag of each choice is its name with "-" for "_" (--mixed-precision, --quantization, ...)
 _CHOICES = {
     "method": tuple(METHODS),
-    "precision": PRECISIONS,
-    "quant": QUANTIZATIONS,
-    "optim": OPTIMIZERS,
+    "mixed_precision": PRECISIONS,
+    "quantization": QUANTIZATIONS,
+    "optimizer": OPTIMIZERS,
     "loss": LOSSES,
-    "attn": ATTENTIONS,
+    "attention": ATTENTIONS,
     "offload": OFFLOADS,
 }
 
@@ -83,8 +84,9 @@ def check_choice(name: str, value: str | None) -> None:
 
         close = difflib.get_close_matches(value, allowed, n=1)
         guess = f"did you mean {close[0]}? " if close else ""
-        raise UsageError(f"--{name} {value!r} is not one of: {', '.join(allowed)}",
-                         f"{guess}e.g. --{name} {allowed[0]}")
+        flag = "--" + name.replace("_", "-")
+        raise UsageError(f"{flag} {value!r} is not one of: {', '.join(allowed)}",
+                         f"{guess}e.g. {flag} {allowed[0]}")
 
 
 def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,
@@ -93,7 +95,7 @@ def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str 
     from lowvram.plan.catalog import resolve_model
     from lowvram.plan.choose import choose_plan
 
-    for name in ("precision", "quant", "optim", "loss", "attn", "offload"):
+    for name in ("mixed_precision", "quantization", "optimizer", "loss", "attention", "offload"):
         check_choice(name, flags.get(name))
     check_choice("method", method)
     if recipe is None and model is None:

@@ -8,7 +8,7 @@ from lowvram.errors import LowvramError
 from lowvram.plan.setup import quantization_conflict
 from lowvram.plan.types import Plan, dtype_precision
 from lowvram.planning.budget import missing_extras
-from lowvram.planning.request import check_dtype, lora_fields
+from lowvram.planning.from_recipe import check_dtype, lora_fields
 from lowvram.recipe import Recipe
 from lowvram.vocab import OFF_VALUES, ON_VALUES, PRECISIONS, on_off
 

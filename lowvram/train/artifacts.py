@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError, ModelError
+from lowvram.past_runs import read_json, read_yaml_dict
 from lowvram.runfiles import PLAN, RECIPE
-from lowvram.runs import read_json, read_yaml_dict
 from lowvram.vocab import COMPUTE_DTYPE, DTYPE_BYTES, WEIGHT_DTYPE
 
 MERGE_INFO = "lowvram_merge.json"
@@ -34,7 +34,7 @@ class BaseModel:
 
 def read_adapter_run(run_dir: str | Path) -> tuple[Path, dict, dict, dict]:
     """(folder, adapter_config, recipe, plan) of a run (or checkpoint) that holds a LoRA adapter."""
-    from lowvram.runs import is_run_dir, read_run
+    from lowvram.past_runs import is_run_dir, read_run
 
     p = Path(run_dir)
     _require_intact_run(p)
@@ -143,7 +143,7 @@ def merge_dtype(recipe: dict, plan: dict, override: str = "auto") -> str:
 
 
 def _recipe_of(folder: Path) -> dict:
-    from lowvram.runs import read_yaml_dict
+    from lowvram.past_runs import read_yaml_dict
 
     for p in (folder / RECIPE, folder.parent / RECIPE):  # a run, or a checkpoint in one
         if p.is_file():

@@ -94,7 +94,7 @@ def data_differences(out: Path, recipe) -> list[str]:
 
 def check_resume(out: Path, recipe, plan=None, notify=None) -> None:
     """Refuse a resume that would mix two runs; say which safe changes it takes."""
-    from lowvram.runs import read_json, read_yaml_dict
+    from lowvram.past_runs import read_json, read_yaml_dict
 
     notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
     old = read_yaml_dict(out / RECIPE)

@@ -29,7 +29,7 @@ SHAPES = ((1024, 16), (8192, 1))  # (seq_len, batch_size)
 VARIANTS = {
     "checkpointing+chunked": {"gradient_checkpointing": True, "loss": "chunked"},
     "2gpus": {"gpus": 2},  # at batch 1 this is the planner's refusal (batch not divisible)
-    "packing+eager": {"packing": True, "attn": "eager"},
+    "packing+eager": {"packing": True, "attention": "eager"},
 }
 
 

@@ -61,9 +61,10 @@ def recipe_choices(recipe: Recipe) -> dict:
 def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
     """Command-line choices as PlanRequest fields, and which flag set each (for the reasons)."""
     names = {
-        "precision": ("mixed_precision", "--precision"), "quant": ("quantization", "--quant"),
-        "optim": ("optimizer", "--optim"), "loss": ("loss", "--loss"), "attn": ("attention", "--attn"),
-        "grad_accum": ("grad_accum", "--grad-accum"), "offload": ("offload", "--offload"),
+        "mixed_precision": ("mixed_precision", "--mixed-precision"),
+        "quantization": ("quantization", "--quantization"), "optimizer": ("optimizer", "--optimizer"),
+        "loss": ("loss", "--loss"), "attention": ("attention", "--attention"),
+        "gradient_accumulation": ("grad_accum", "--gradient-accumulation"), "offload": ("offload", "--offload"),
         "gradient_checkpointing": ("gradient_checkpointing", "--gradient-checkpointing"),
         "activation_offload": ("activation_offload", "--activation-offload"),
         "seq_len": ("seq_len", "--seq-len"), "batch_size": ("batch_size", "--batch-size"),
@@ -77,7 +78,7 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
             raise LowvramError(f"unknown method {method!r}", "use --method full, lora or qlora")
         out["lora"], quant = METHODS[method]
         sources["lora"] = f"--method {method}"
-        if flags.get("quant") is None:
+        if flags.get("quantization") is None:
             out["quantization"] = quant
             sources["quantization"] = f"--method {method}"
     for key, value in flags.items():
