@@ -261,7 +261,7 @@ class Recipe(_Section):
 
 
 # --------------------------------------------------------------------------------------------
-# The schema as documentation (`lowvram keys`, the README's recipe reference)
+# The schema as documentation (`lowvram keys`, the recipe reference in docs/recipes.md)
 
 
 def _type_name(ann: Any) -> str:

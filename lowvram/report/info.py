@@ -1,4 +1,4 @@
-"""Printing what is not a plan or a run: `lowvram validate`, `lowvram keys` (also the README's
+"""Printing what is not a plan or a run: `lowvram validate`, `lowvram keys` (also docs/recipes.md's
 recipe reference), `lowvram env`."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def show_validated(recipe, path: Path, as_json: bool = False) -> None:
 
 
 def keys_markdown(rows) -> str:
-    """The recipe reference as a Markdown table (also pasted in the README; a test keeps them equal)."""
+    """The recipe reference as a Markdown table (also in docs/recipes.md, written by lowvram.docs; a test keeps them equal)."""
     out = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key, typ, default, help_ in rows:
         out.append(f"| `{key}` | {typ} | {default} | {help_} |")
