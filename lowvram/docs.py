@@ -1,9 +1,11 @@
-"""Refresh generated parts of the README: `python -m lowvram.docs`."""
+"""Refresh the generated docs: the README's key reference and docs/constants.md (the planner's
+fitted constants, from lowvram.plan.constants): `python -m lowvram.docs` (`make docs`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from lowvram.plan.constants import markdown_table
 from lowvram.recipe import describe_schema
 from lowvram.report.info import keys_markdown
 
@@ -15,5 +17,13 @@ def refresh_readme(path: Path) -> None:
     path.write_text(head + "<!-- keys:begin -->\n" + keys_markdown(describe_schema()) + "\n<!-- keys:end -->" + tail)
 
 
+def write_constants(path: Path) -> None:
+    """docs/constants.md, generated from lowvram.plan.constants.CONSTANTS."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown_table())
+
+
 if __name__ == "__main__":
-    refresh_readme(Path(__file__).resolve().parent.parent / "README.md")
+    root = Path(__file__).resolve().parent.parent
+    refresh_readme(root / "README.md")
+    write_constants(root / "docs" / "constants.md")
