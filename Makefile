@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-all demo lint bench clean golden
+.PHONY: install test test-all demo lint bench clean golden docs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,11 @@ demo: $(STAMP)
 # rewrites tests/golden/plans.json.gz; a refactoring must print "0 difference(s)".
 golden: $(STAMP)
 	$(BIN)/python -m tests.golden.snapshot --refresh
+
+# Generated docs: the README's key reference and docs/constants.md (lowvram/plan/constants.py);
+# tests fail when either drifts from the code.
+docs: $(STAMP)
+	$(BIN)/python -m lowvram.docs
 
 lint: $(STAMP)
 	$(BIN)/ruff check lowvram tests bench

@@ -4,7 +4,8 @@
 op returns (``storage._cdata`` -> ``nbytes``) and subtracts it through ``weakref.finalize`` when
 the storage dies. Tensors that existed before the mode (params, buffers, optimizer state, inputs,
 bitsandbytes quant states) are registered first. On CPU this is the exact tensor memory (it agrees
-to the byte with torch's MemTracker; stack-notes.md); process RSS is useless for it.
+to the byte with torch.distributed._tools.mem_tracker.MemTracker, about 10x slower, and with the
+profiler's memory events; measured); process RSS is useless for it.
 
 An optional ``cap_bytes`` turns it into an emulated card: crossing the cap raises
 ``torch.OutOfMemoryError`` exactly where a GPU of that size would.

@@ -2,7 +2,8 @@
 and the few facts that hang on a value (its dtype, its Trainer name). The recipe schema, the
 planner, the CLI and training all read these; none spells them again.
 
-The bottom of the package: imports nothing (STYLE.md "One canonical name per technique").
+The bottom of the package: imports nothing. One canonical name per technique, the same in YAML,
+``--help``, plan output and code.
 """
 
 from __future__ import annotations

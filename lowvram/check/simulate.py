@@ -10,8 +10,7 @@ tracker. On a small Llama it equals the real Trainer step measured on a CPU
 (:func:`lowvram.check.step.measure_setup`) to within a few KiB (tests/test_plan_simulate.py);
 at full size it checks the analytic model (bench/simulate_full_size.py).
 
-FakeTensorMode needs the workarounds listed in /work/shared/reference/stack-notes.md
-("Simulating a large model's step without allocating it"), each marked below as [W1]..[W7].
+FakeTensorMode needs seven workarounds, each explained where it is applied below as [W1]..[W7].
 CUDA is not simulated [W7]: the tensors are the same on CUDA, and the context and allocator
 slack come from :func:`lowvram.plan.setup.cuda_overheads`, as in the analytic model.
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from lowvram.plan import constants as fitted
 from lowvram.plan import moe
+from lowvram.plan.layer import describe_layer
 from lowvram.plan.models import ModelSpec, block_linears, dense_view
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import dtype_bytes, target_linears
@@ -47,13 +49,6 @@ def linear_sources(spec: ModelSpec) -> list[str]:
     return out
 
 
-def _standard_first_layer(setup: RunSetup) -> bool:
-    """A pre-norm gated block with two norms or Gemma-2/3's four (what _first_layer_grads knows)."""
-    spec = setup.model
-    return not (spec.norms_per_layer not in (2, 4) or spec.norm_after or spec.parallel_attn
-                or spec.mlp != "gated" or spec.resid_dropout)
-
-
 def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
     """Which parts of decoder layer 0 carry a gradient under LoRA: (attention, residual after
     attention, MLP gate branch, MLP up branch). The embedding is frozen, so autograd records (and
@@ -63,7 +58,7 @@ def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
     pre-feedforward, post-feedforward: held-out fuzz seed 653, Gemma-3 LoRA on gate/down_proj
     with eager attention, was 19.8% under its plan with layer 0's scores counted); other layouts
     count everything (over, never under)."""
-    if not setup.lora or not _standard_first_layer(setup):
+    if not setup.lora or not describe_layer(setup.model).standard_block:
         return True, True, True, True
     spec = setup.model
     names = {lin.name for lin in target_linears(setup)}
@@ -89,16 +84,6 @@ def mlp_elementwise_bytes(setup: RunSetup) -> int:
     return 4 if (setup.quantization != "none" and r == 4) or c == 4 else 2
 
 
-def _attention_output_copied(spec: ModelSpec) -> bool:
-    """Rotary applied by concatenation (Phi-3's apply_rotary_pos_emb: ``cat([rotated, pass])``)
-    leaves q contiguous head-major, so SDPA's output is head-major too and
-    ``attn_output.transpose(1, 2).contiguous()`` copies it: o_proj reads a new tensor, not SDPA's
-    saved output (Llama's rotated q keeps the token-major layout and the call is a no-op).
-    Measured with the live-bytes tracker on a CPU: a Phi-3 LoRA run on o_proj was 3.4% above its
-    plan without it."""
-    return not spec.learned_positions and (spec.model_type == "phi3" or spec.partial_rotary_factor < 1)
-
-
 def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side: bool = False) -> int:
     """Bytes autograd saves for one decoder layer (no recomputation).
 
@@ -114,7 +99,8 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
     an fp32 logsumexp per head; SwiGLU saves gate, silu(gate), up and their product.
     """
     spec = setup.model
-    if spec.is_moe:
+    layer = describe_layer(spec)
+    if layer.experts != "none":
         if attention_side:  # the routed experts are freed by then: the dense block's attention
             return layer_activation_bytes(replace(setup, model=dense_view(spec)), attention_side=True)
         return _moe_layer_activation_bytes(setup, first)
@@ -129,12 +115,12 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
     per_tok = qk_norm_activation_bytes(setup) if attn_grad else 0
     fixed = 0
     # norms: fp32 upcast of the input + rsqrt; a trainable weight also saves the normalized x
-    for n in range(spec.norms_per_layer):
+    for n in range(layer.norms):
         # the norms on the attention's output and the MLP's input (n = 1, and Gemma's n = 2)
-        after_attention = n == 1 or (n == 2 and spec.norms_per_layer == 4)
-        if first and not full and ((n == 0 and not spec.norm_after) or (after_attention and not resid_grad)):
+        after_attention = n == 1 or (n == 2 and layer.norms == 4)
+        if first and not full and ((n == 0 and not layer.norm_after) or (after_attention and not resid_grad)):
             continue  # LoRA: no gradient flows into the embedding output (OLMo-2: no norm there)
-        if attention_side and (n > 0 or spec.norm_after):
+        if attention_side and (n > 0 or layer.norm_after):
             continue  # the norms after the attention (and OLMo-2's post-norms) are done
         per_tok += 4 * h + 4 + (normed_bytes(setup) * h if full else 0)
     fixed += _norm_weight_fixed_bytes(setup)
@@ -145,22 +131,24 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
         # dropout masks on the attention output and the MLP output: bool from CUDA's fused
         # kernel (native_dropout); on a CPU ATen multiplies by a noise tensor of the input dtype
         per_tok += 2 * h * (1 if setup.device == "cuda" else cc)
-    if spec.fused_qkv and not spec.learned_positions and attn_grad:
+    if layer.fused_qkv_rotated and attn_grad:
         # Fused qkv + rotary (Phi-3): q and k are rotated into new tensors, but v stays a view of
-        # the fused output, whose whole storage SDPA keeps alive (measured -3% without this)
-        per_tok += cc * (spec.q_dim + spec.kv_dim)
+        # the fused output, whose whole storage SDPA keeps alive (constants.FUSED_QKV_ROTARY_COPIES)
+        per_tok += fitted.FUSED_QKV_ROTARY_COPIES.of(cc * (spec.q_dim + spec.kv_dim))
     # MLP elementwise: silu saves its input (gate) and the product saves each factor the other
     # branch needs a gradient for: silu(gate) for up's, up for gate's
     e = 0 if attention_side else mlp_elementwise_bytes(setup)
-    if spec.mlp == "gated":
+    if layer.mlp == "gated":
         per_tok += e * i * (2 * gate_grad + up_grad)  # gate out (silu input), up out; silu out
     else:
         # act input; transformers' gelu_new is composed in Python (NewGELUActivation:
         # 0.5*x*(1+tanh(...))), so autograd also saves the tanh output, 0.5*x and 1+tanh
         per_tok += e * i * (4 if spec.hidden_act in ("gelu_new", "gelu_fast") else 1)
     # o_proj's input as it is (what a Linear saves without a cast): SDPA's saved output, unless
-    # that is a copy (Phi-3) or SDPA saved nothing (layer 0 with frozen attention under LoRA)
-    attn_out_extra = cc * spec.q_dim if (_attention_output_copied(spec) or not attn_grad) else 0
+    # that is a copy (LayerSpec.attention_output_copied, Phi-3: measured with the live-bytes
+    # tracker on a CPU, a Phi-3 LoRA run on o_proj was 3.4% above its plan without it) or SDPA
+    # saved nothing (layer 0 with frozen attention under LoRA)
+    attn_out_extra = cc * spec.q_dim if (layer.attention_output_copied or not attn_grad) else 0
     targets = {lin for lin in target_linears(setup)} if setup.lora else set()
     shared: set[str] = set()
     for lin, src in zip(block_linears(spec), linear_sources(spec), strict=True):
@@ -204,7 +192,7 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
 def _first_layer_value_grad(setup: RunSetup) -> bool:
     """Whether layer 0's v needs a gradient: under LoRA only when v_proj (or a fused qkv) is
     adapted, nothing upstream of it being trainable (other layouts: assumed, as _first_layer_grads)."""
-    if not setup.lora or not _standard_first_layer(setup):
+    if not setup.lora or not describe_layer(setup.model).standard_block:
         return True
     return any(lin.name in ("v_proj", "qkv_proj") for lin in target_linears(setup))
 
@@ -214,7 +202,7 @@ def _eager_copy_bytes(setup: RunSetup) -> int:
     v's gradient (0 in fp32, where it saves the softmax output itself; 0 for gpt-oss). Layer 0
     under LoRA with v frozen keeps none (measured: held-out seed 1397, Qwen2 QLoRA on k_proj and
     down_proj, bf16-mixed, eager, 512 tokens, 12.0% under its plan with it)."""
-    if setup.attention != "eager" or setup.model.attention_sinks:
+    if setup.attention != "eager" or describe_layer(setup.model).attention == "sinks":
         return 0
     _, c, autocast = dtypes(setup)
     cc = 2 if autocast else c
@@ -224,7 +212,7 @@ def _eager_copy_bytes(setup: RunSetup) -> int:
 def lora_dropout_layer_bytes(setup: RunSetup) -> tuple[int, int]:
     """(bytes, widest d_in): what lora.dropout adds to one decoder layer's saved tensors
     (_lora_dropout_bytes over its adapted Linears), and the widest adapted input."""
-    if not setup.lora or not setup.lora_dropout or setup.model.is_moe:
+    if not setup.lora or not setup.lora_dropout or describe_layer(setup.model).experts != "none":
         return 0, 0
     _, _, autocast = dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
@@ -265,7 +253,7 @@ def normed_bytes(setup: RunSetup) -> int:
     """Bytes per element of the normalized x an RMSNorm with a trainable weight saves: the residual
     dtype where the weight multiplies the cast-back x (LlamaRMSNorm), fp32 where it multiplies
     the fp32 x (Gemma3RMSNorm, Olmo2RMSNorm; measured with saved_tensors_hooks)."""
-    return 4 if setup.model.norm_weight_fp32 else dtypes(setup)[0]
+    return 4 if describe_layer(setup.model).norm_weight_fp32 else dtypes(setup)[0]
 
 
 def _norm_weight_fixed_bytes(setup: RunSetup) -> int:
@@ -273,9 +261,9 @@ def _norm_weight_fixed_bytes(setup: RunSetup) -> int:
     bytes per weight element of one layer's norms and q/k norms (measured with
     saved_tensors_hooks)."""
     spec = setup.model
-    if spec.model_type != "gemma3_text":
+    if not describe_layer(spec).norm_saves_fp32_weight:
         return 0
-    return 4 * (spec.norms_per_layer * spec.hidden_size + 2 * spec.head_dim)
+    return 4 * (describe_layer(spec).norms * spec.hidden_size + 2 * spec.head_dim)
 
 
 def _moe_layer_activation_bytes(setup: RunSetup, first: bool) -> int:
@@ -290,7 +278,7 @@ def _moe_layer_activation_bytes(setup: RunSetup, first: bool) -> int:
     shared_saves = bool(spec.shared_expert_intermediate_size) and (
         not setup.lora or any(lin.name in ("gate_proj", "up_proj") for lin in target_linears(setup)))
     t = setup.micro_batch_size * setup.seq_len
-    if spec.expert_bias:  # gpt-oss: its own router, biased experts and clamped SwiGLU
+    if describe_layer(spec).experts == "routed_biased":  # gpt-oss: its own router, biased experts, clamped SwiGLU
         return dense + moe.sink_routed_bytes(spec, t, w, cc, w, autocast, setup.lora)
     # transformers' grouped_mm is not autocast-enabled (integrations/moe.py casts the input to
     # the weights' dtype): the routed experts compute in the stored dtype, fp32 under *-mixed;
@@ -303,11 +291,11 @@ def _attention_dropout_bytes(setup: RunSetup) -> int:
     """Attention dropout under SDPA: CUDA's flash and memory-efficient kernels drop inside the
     kernel (a random seed is saved, nothing s x s); on a CPU SDPA falls back to its math path
     and keeps the probabilities, the dropout noise and the dropped probabilities in fp32:
-    12*a*s^2*b (measured with the simulated step, GPT-2: 12.1-12.5)."""
+    constants.CPU_ATTENTION_DROPOUT_BYTES x a*s^2*b (measured with the simulated step, GPT-2)."""
     spec = setup.model
     if not spec.attn_dropout or setup.attention != "sdpa" or setup.device == "cuda":
         return 0
-    return 12 * spec.num_heads * setup.seq_len**2 * setup.micro_batch_size
+    return fitted.CPU_ATTENTION_DROPOUT_BYTES.of(spec.num_heads * setup.seq_len**2 * setup.micro_batch_size)
 
 
 def eager_bytes(setup: RunSetup) -> int:
@@ -319,7 +307,7 @@ def eager_bytes(setup: RunSetup) -> int:
         return 0
     _, c, autocast = dtypes(setup)
     cc = 2 if autocast else c
-    if setup.model.attention_sinks:  # gpt-oss: its own eager path (lowvram.plan.moe)
+    if describe_layer(setup.model).attention == "sinks":  # gpt-oss: its own eager path (lowvram.plan.moe)
         return moe.sink_eager_bytes(setup.model, setup.micro_batch_size, setup.seq_len, cc,
                                     dtype_bytes(setup)[0])
     return 4 * setup.model.num_heads * setup.seq_len**2 * setup.micro_batch_size + _eager_copy_bytes(setup)
@@ -401,7 +389,7 @@ def _checkpointed_mask_bytes(setup: RunSetup) -> int:
     s = setup.seq_len
     if not setup.packing:
         return s * s
-    return _attention_types(spec) * setup.micro_batch_size * s * s
+    return describe_layer(spec).attention_types * setup.micro_batch_size * s * s
 
 
 def eager_mask_bytes(setup: RunSetup) -> int:
@@ -414,13 +402,7 @@ def eager_mask_bytes(setup: RunSetup) -> int:
     if setup.attention != "eager" or not setup.gradient_checkpointing:
         return 0
     r, _, _ = dtypes(setup)
-    return _attention_types(setup.model) * r * setup.micro_batch_size * setup.seq_len**2
-
-
-def _attention_types(spec: ModelSpec) -> int:
-    """How many masks transformers builds per batch: one per attention type (full and sliding
-    window layers: 2 for Gemma-3 and gpt-oss with both, else 1)."""
-    return 2 if 0 < spec.sliding_layers < spec.num_layers else 1
+    return describe_layer(setup.model).attention_types * r * setup.micro_batch_size * setup.seq_len**2
 
 
 def activation_bytes(setup: RunSetup) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from lowvram.plan import constants as fitted
 from lowvram.plan.activations import (
     dtypes,
     eager_bytes,
@@ -17,6 +18,7 @@ from lowvram.plan.activations import (
     normed_bytes,
     qk_norm_activation_bytes,
 )
+from lowvram.plan.layer import describe_layer
 from lowvram.plan.models import (
     block_linears,
     dense_view,
@@ -45,14 +47,11 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     """What one decoder layer's backward makes while its saved tensors are alive: the incoming
     and outgoing hidden-state gradients (2 x t*h) and its intermediates' gradients, as a share of
     the layer's activations, measured on CPU (bench/plan_accuracy.py, small-logits cases; the
-    share taken is at or above each measurement): full fine-tuning and fp32 0.19-0.22 -> 1/4;
-    LoRA over 16-bit weights 0.46-0.47 -> 1/2 (the adapter path's gradients are fp32 beside
-    16-bit activations); LoRA under autocast with fp32 weights 0.32-0.38 -> 3/8; full
-    fine-tuning under autocast 0.02 -> 1/8 (its activations include the 16-bit weight copies,
-    which make no gradients). A 4/8-bit base adds the dequantized weight of its largest linear
-    in the compute dtype (bitsandbytes MatMul4Bit dequantizes the whole weight in forward and
-    backward; measured with the simulated step: Llama-2-7B QLoRA + checkpointing at seq 256 was
-    -1.4% without it, Phi-3-mini -2.7%, now +0.5% / +0.9%)."""
+    share taken is at or above each measurement): constants.BACKWARD_SHARE_FULL (full fine-tuning
+    and fp32), BACKWARD_SHARE_LORA (LoRA over 16-bit weights), BACKWARD_SHARE_LORA_AUTOCAST (LoRA
+    under autocast with fp32 weights), BACKWARD_SHARE_FULL_AUTOCAST (full fine-tuning under
+    autocast), each with its measured shares. A 4/8-bit base adds the dequantized weight of its
+    largest linear (dequantized_weight_bytes)."""
     r, c, autocast = dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
     # Eager attention's s x s part has a backward of its own (eager_softmax_backward_bytes, a
@@ -64,10 +63,10 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     # experts' backward starts at their combine (moe_combine_backward_bytes). With the routed
     # tensors in the share, held-out seeds 349 and 350 (Mixtral QLoRA, Qwen3-MoE LoRA, with
     # checkpointing) were 12.1% and 10.8% over their plans.
-    shared_part = replace(setup, model=dense_view(spec)) if spec.is_moe and not spec.expert_bias else setup
+    shared_part = replace(setup, model=dense_view(spec)) if describe_layer(spec).experts == "routed" else setup
     layer = layer_activation_bytes(shared_part) - eager - dropout
     mixed = autocast and dtype_bytes(setup)[0] == 4
-    # the shares were measured on Llama-style blocks (two norms): what a block's further norms
+    # the shares were measured on Llama-style blocks (constants.SHARE_BLOCK_NORMS): what further norms
     # save (Gemma-3's post-norms, q/k norms) makes no gradients in proportion under LoRA (frozen:
     # fp32 upcasts) and in pure fp32 (held-out seeds 861 and 1127, Gemma-3 full fp32 with
     # checkpointing, were 12.8% and 10.2% under their plans); not under 16-bit full fine-tuning,
@@ -76,9 +75,10 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     if setup.lora or (r == 4 and not autocast):
         layer -= _extra_norm_saved_bytes(setup)
     if setup.lora and c == 2:
-        backward = layer * 3 // 8 if mixed else layer // 2
+        share = fitted.BACKWARD_SHARE_LORA_AUTOCAST if mixed else fitted.BACKWARD_SHARE_LORA
     else:
-        backward = layer // 8 if mixed else layer // 4
+        share = fitted.BACKWARD_SHARE_FULL_AUTOCAST if mixed else fitted.BACKWARD_SHARE_FULL
+    backward = share.of(layer)
     dequant = dequantized_weight_bytes(setup)
     # lora.dropout: its masks and dropped inputs make no gradients of their own (not in the
     # share); the backward multiplies the widest adapter's fp32 input gradient by the mask, one
@@ -102,7 +102,7 @@ def _extra_norm_saved_bytes(setup: RunSetup) -> int:
     inside the share."""
     spec = setup.model
     t = setup.micro_batch_size * setup.seq_len
-    extra = max(0, spec.norms_per_layer - 2)
+    extra = max(0, describe_layer(spec).norms - fitted.SHARE_BLOCK_NORMS.value)
     normed = 0 if setup.lora else normed_bytes(setup) * spec.hidden_size  # a trainable weight's
     return t * (extra * (4 * spec.hidden_size + 4 + normed) + qk_norm_activation_bytes(setup))
 
@@ -116,7 +116,7 @@ def expert_weight_gradient_bytes(setup: RunSetup) -> int:
     same with SDPA) was 4.0% above its plan without it, a (8, 128, 192) merged down_proj gradient
     beside both merged weights at its peak."""
     spec = setup.model
-    if not setup.lora or not spec.is_moe:
+    if not setup.lora or describe_layer(spec).experts == "none":
         return 0
     experts = [a for a in expert_adapters(spec, setup.lora_r, setup.lora_targets) if a.name != "router"]
     return dtype_bytes(setup)[0] * max((a.base_numel for a in experts), default=0)
@@ -124,11 +124,12 @@ def expert_weight_gradient_bytes(setup: RunSetup) -> int:
 
 def dequantized_weight_bytes(setup: RunSetup) -> int:
     """A 4/8-bit base's largest block Linear dequantized in the compute dtype: bitsandbytes'
-    MatMul4Bit dequantizes the whole weight in forward and backward (0 without quantization)."""
+    MatMul4Bit dequantizes the whole weight in forward and backward (0 without quantization;
+    constants.DEQUANTIZED_WEIGHTS, measured with the simulated step)."""
     if setup.quantization == "none":
         return 0
     _, c, _ = dtypes(setup)
-    return c * max(lin.numel for lin in block_linears(setup.model))
+    return fitted.DEQUANTIZED_WEIGHTS.of(c * max(lin.numel for lin in block_linears(setup.model)))
 
 
 def eager_softmax_backward_bytes(setup: RunSetup) -> int:
@@ -139,7 +140,7 @@ def eager_softmax_backward_bytes(setup: RunSetup) -> int:
     the live-bytes tracker on held-out fuzz seed 470 (3-layer Llama LoRA, bf16-mixed, b4 s512,
     chunked loss: 5.9% above its plan without it). gpt-oss has its own (moe.sink_eager_backward_bytes)."""
     spec = setup.model
-    if setup.attention != "eager" or spec.attention_sinks:
+    if setup.attention != "eager" or describe_layer(spec).attention == "sinks":
         return 0
     _, c, autocast = dtypes(setup)
     cc = 2 if autocast else c
@@ -150,16 +151,14 @@ def eager_softmax_backward_bytes(setup: RunSetup) -> int:
 def post_norm_backward_bytes(setup: RunSetup) -> int:
     """A block that ends with a norm (OLMo-2: ``residual + post_feedforward_layernorm(mlp)``)
     starts its backward with that RMSNorm's, in fp32, beside all the layer's saved tensors: the
-    incoming gradient (r x t*h), its fp32 cast and five fp32 t x h temporaries of the
-    normalization's backward (mul, mul, pow, mul.Scalar, div.Scalar at the peak in the
-    live-bytes tracker's dump of a 2-layer OLMo-2 LoRA step). Measured: OLMo-2 LoRA bf16 with
-    checkpointing was 2.2% under the simulated step without it (LoRA only: full fine-tuning's
-    share of the layer covers it, -0.8%)."""
+    incoming gradient (r x t*h), its fp32 cast and the fp32 t x h temporaries of the
+    normalization's backward seen at the peak (constants.POST_NORM_BACKWARD_TEMPORARIES, with
+    its measurement; LoRA only: full fine-tuning's share of the layer covers it)."""
     spec = setup.model
-    if not spec.norm_after or not setup.lora:  # full fine-tuning: its share covers it (-0.8%)
+    if not describe_layer(spec).norm_after or not setup.lora:  # full fine-tuning: its share covers it
         return 0
     r, _, _ = dtypes(setup)
-    return (r + 6 * 4) * setup.micro_batch_size * setup.seq_len * spec.hidden_size
+    return (r + fitted.POST_NORM_BACKWARD_TEMPORARIES.value * 4) * setup.micro_batch_size * setup.seq_len * spec.hidden_size
 
 
 def mlp_backward_floor_bytes(setup: RunSetup) -> int:
@@ -172,7 +171,7 @@ def mlp_backward_floor_bytes(setup: RunSetup) -> int:
     gradients are not (held-out fuzz seed 206, Llama LoRA on o/up/v in fp32 with checkpointing,
     was 14.5% above its plan)."""
     spec = setup.model
-    if spec.is_moe or spec.mlp != "gated":
+    if describe_layer(spec).mlp != "gated":  # routed experts: moe_combine_backward_bytes
         return 0
     r, _, _ = dtypes(setup)
     e = mlp_elementwise_bytes(setup)
@@ -195,7 +194,7 @@ def adapter_forward_bytes(setup: RunSetup) -> int:
     Measured with the live-bytes tracker on a 2-layer Llama, LoRA bf16 on down_proj only with
     checkpointing: 5.3% above its plan without this; QLoRA bf16 on up_proj only 8.0%."""
     spec = setup.model
-    if not setup.lora or spec.is_moe:
+    if not setup.lora or describe_layer(spec).experts != "none":
         return 0
     r, c, autocast = dtypes(setup)
     cc = 2 if autocast else c
@@ -228,7 +227,7 @@ def moe_combine_backward_bytes(setup: RunSetup) -> int:
     CPU step with the experts' dtype here). gpt-oss's experts combine their own way (not counted
     here)."""
     spec = setup.model
-    if not spec.is_moe or spec.expert_bias:
+    if describe_layer(spec).experts != "routed":  # gpt-oss's biased experts: not counted here
         return 0
     r, _, _ = dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
@@ -261,21 +260,22 @@ def backward_gradient_bytes(setup: RunSetup) -> tuple[int, int]:
 
 def logits_bytes(setup: RunSetup) -> int:
     """Logits around the loss: transformers upcasts logits to fp32 for cross-entropy
-    (ForCausalLMLoss); in its backward the saved log-softmax, the incoming gradient and the
-    input gradient coexist, 12*t*V fp32 bytes (memory-model.md "Logits and loss"; measured:
-    bench/plan_accuracy.py). Chunked loss (lowvram.train.loss) keeps one chunk of CHUNK_TOKENS
-    tokens' logits, plus the gradient of all final hidden states, accumulated chunk by chunk
-    next to the current chunk's (2 x t*h in the hidden dtype), and the flat int64 targets
-    (measured: bench/plan_accuracy.py; the
-    same error as the standard loss, within 2%)."""
+    (transformers loss/loss_utils.py ForCausalLMLoss: ``logits.float()``); in its backward the
+    saved log-softmax, the incoming gradient and the input gradient coexist:
+    constants.LOGITS_LOSS_BYTES x t x V (measured: bench/plan_accuracy.py). Chunked loss
+    (lowvram.train.loss) keeps one chunk of CHUNK_TOKENS tokens' logits, plus the gradient of all
+    final hidden states, accumulated chunk by chunk next to the current chunk's
+    (constants.CHUNKED_LOSS_HIDDEN_GRADIENTS x t*h in the hidden dtype), and the flat int64
+    targets."""
     spec = setup.model
     t = setup.micro_batch_size * setup.seq_len
     if setup.loss == "fused":
         return fused_loss_bytes(setup)
     if setup.loss == "chunked" and t > CHUNK_TOKENS:  # one chunk: the same as the standard loss
         r, _, _ = dtypes(setup)
-        return 12 * CHUNK_TOKENS * spec.vocab_size + 2 * r * t * spec.hidden_size + 8 * t
-    return 12 * t * spec.vocab_size
+        return (fitted.LOGITS_LOSS_BYTES.of(CHUNK_TOKENS * spec.vocab_size)
+                + fitted.CHUNKED_LOSS_HIDDEN_GRADIENTS.of(r * t * spec.hidden_size) + 8 * t)
+    return fitted.LOGITS_LOSS_BYTES.of(t * spec.vocab_size)
 
 
 def fused_loss_chunk_tokens(setup: RunSetup) -> int:

@@ -3,8 +3,9 @@
 Every constant cites its source: a paper or doc, or "measured: bench/plan_accuracy.py", which
 runs real steps of small Llama-style models on CPU under lowvram.livebytes' exact live-bytes
 tracker and compares them with these formulas (tests/test_plan_accuracy.py pins them at 3%).
-Symbols as in /work/shared/reference/memory-model.md: h hidden, I MLP width, V vocabulary,
-t = micro_batch_size x seq_len tokens.
+Symbols: h hidden, I MLP width, V vocabulary, a attention heads, s seq_len,
+t = micro_batch_size x seq_len tokens. The fitted constants are in :mod:`lowvram.plan.constants`
+(docs/constants.md).
 
 The terms live below this module: the run and its estimate in :mod:`lowvram.plan.setup`, exact
 model states in :mod:`lowvram.plan.states`, saved activations in :mod:`lowvram.plan.activations`,
@@ -15,6 +16,7 @@ the loss and the backward in :mod:`lowvram.plan.backward`, multi-GPU sharding in
 from __future__ import annotations
 
 from lowvram.errors import LowvramError
+from lowvram.plan import constants as fitted
 from lowvram.plan import moe
 from lowvram.plan.activations import (
     activation_bytes,
@@ -35,6 +37,7 @@ from lowvram.plan.backward import (
     mlp_backward_floor_bytes,
     recompute_bytes,
 )
+from lowvram.plan.layer import describe_layer
 from lowvram.plan.models import block_linears, count_parameters, embedding_numel, moe_numel
 from lowvram.plan.moments import Moment
 from lowvram.plan.setup import (
@@ -117,20 +120,22 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     head_g, late_g = backward_gradient_bytes(setup)
     fsdp = setup.offload in ("fsdp", "fsdp-offload")
     not_gathered = layer_weight_bytes(setup) if fsdp else 0  # layer 0: no prefetch
-    late_layer_grads = layer_grads // 2 if fsdp else layer_grads
+    late_layer_grads = layer_grads // fitted.FSDP_LAYER_GRADIENTS.value if fsdp else layer_grads  # one layer's
     candidates = [Moment("backward_start", acts, logits)]
     if spec.tie_word_embeddings and not setup.lora:
         # The very end of the backward, with a tied embedding: every gradient exists (lm_head's
         # in the shared .grad) when the embedding's dense gradient arrives and is accumulated
-        # into it: two more V x h tensors (measured: 2.0 x V*h*w; embedding_dense_backward then
-        # AccumulateGrad's sum). Peaks at short sequences (Qwen2.5-0.5B full bf16, seq 256:
-        # +0.5 GiB, found by bench/simulate_full_size.py-style simulation).
+        # into it: constants.TIED_EMBEDDING_GRADIENT_COPIES more V x h tensors
+        # (embedding_dense_backward then AccumulateGrad's sum). Peaks at short sequences
+        # (Qwen2.5-0.5B full bf16, seq 256: +0.5 GiB, found by the simulated step).
         w, _ = dtype_bytes(setup)
-        candidates.append(Moment("tied_embedding_gradient", 0, 0, int(share * total) + 2 * w * embedding_numel(spec)))
+        tied = fitted.TIED_EMBEDDING_GRADIENT_COPIES.of(w * embedding_numel(spec))
+        candidates.append(Moment("tied_embedding_gradient", 0, 0, int(share * total) + tied))
     r, c, autocast = dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
     hidden_grads = 2 * r * t * spec.hidden_size  # a decoder layer's incoming and outgoing gradients
-    sinks = spec.attention_sinks and setup.attention == "eager"  # gpt-oss: its own backward terms
+    layer = describe_layer(spec)
+    sinks = layer.attention == "sinks" and setup.attention == "eager"  # gpt-oss: its own backward terms
     if sinks:  # its s x s gradients and its experts' backward in one decoder layer
         sink_scores = moe.sink_eager_backward_bytes(spec, setup.micro_batch_size, setup.seq_len,
                                                     2 if autocast else c, dtype_bytes(setup)[0])
@@ -166,7 +171,8 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                                          0, last_grads))
         if autocast and dtype_bytes(setup)[0] == 4 and not setup.lora:  # LoRA: frozen, not cached
             cache = c * sum(lin.numel for lin in block_linears(spec)) * spec.num_layers
-            candidates.append(Moment("forward_end_autocast_cache", acts + cache, logits * 10 // 12))  # no logits gradient
+            forward_logits = logits * fitted.LOGITS_FORWARD_BYTES.value // fitted.LOGITS_LOSS_BYTES.value  # no gradient yet
+            candidates.append(Moment("forward_end_autocast_cache", acts + cache, forward_logits))
     else:
         first_layer = layer_activation_bytes(setup, first=True)
         if sinks:  # gpt-oss: s x s gradients; the experts' backward
@@ -181,7 +187,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             candidates.append(Moment("last_layer_mlp_backward",
                                      acts + mlp_backward_floor_bytes(setup) + dequantized_weight_bytes(setup),
                                      0, int(share * head_g)))
-        if spec.is_moe and not spec.expert_bias and not setup.lora:
+        if layer.experts == "routed" and not setup.lora:
             # the last layer's routed experts' backward makes their weight gradients (E x 3 x I x
             # h, full fine-tuning) with every layer's activations alive (measured: held-out seed
             # 1301, Mixtral full fp32, b2 s64, was 3.2% above its plan with a (4, 512, 128)
@@ -239,10 +245,10 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
         parts["allocator"] = 0
     breakdown = {k: int(parts[k]) for k in BREAKDOWN_KEYS}
     # Host RAM: what is offloaded, plus the process itself (PROCESS_HOST_BYTES) plus one
-    # checkpoint shard staged while loading (<= 5 GB, the transformers default max_shard_size).
+    # checkpoint shard staged while loading (constants.CHECKPOINT_SHARD_BYTES).
     process = PROCESS_HOST_BYTES
     host += activation_offload_host_bytes(setup)
-    staging = min(count_parameters(setup.model) * dtype_bytes(setup)[0], 5 * 10**9)
+    staging = min(count_parameters(setup.model) * dtype_bytes(setup)[0], fitted.CHECKPOINT_SHARD_BYTES.value)
     if setup.device == "cpu":
         cpu_ram = sum(breakdown.values()) + host + process
     else:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowvram.plan import constants as fitted
 from lowvram.plan.models import ModelSpec, expert_shapes
 
 # model_types whose v4 MoE targets peft converts to the fused v5 parameters, with the v4 names of
@@ -203,24 +204,23 @@ def sink_eager_backward_bytes(spec: ModelSpec, batch: int, seq_len: int, cc: int
     layer's saved activations are still alive: the probabilities' gradient padded back to s+1
     columns (the sink's slice) and the softmax's input gradient, in the softmax's dtype, and with
     fp32 scores over 16-bit values the gradient of the probabilities' 16-bit copy. Fitted on six
-    2-layer gpt-oss CPU steps (live-bytes tracker; fp32 / bf16 / bf16-mixed, full and LoRA,
-    b2 s256): 1.5 softmax-sized tensors, measured -5.7%..+2.9% of the plan (without this
-    candidate the plans were 4-25% low; with two tensors 2-11% high)."""
+    2-layer gpt-oss CPU steps: constants.SINK_EAGER_BACKWARD_SOFTMAXES softmax-sized tensors."""
     soft = 4 if w == 4 else cc
     copy = cc if (w == 4 and cc != 4) else 0
     cells = spec.num_heads * batch * seq_len
-    return 3 * cells * (seq_len + 1) * soft // 2 + cells * seq_len * copy
+    return fitted.SINK_EAGER_BACKWARD_SOFTMAXES.of(cells * (seq_len + 1) * soft) + cells * seq_len * copy
 
 
 def sink_experts_backward_bytes(spec: ModelSpec, tokens: int, ce: int, lora: bool) -> int:
     """What gpt-oss's routed experts' backward makes in the last decoder layer, while every
     layer's saved activations are still alive: the clamped SwiGLU's elementwise gradients and the
     strided gate/up slices' zero-filled [rows, 2I] gradients, in the experts' dtype. Fitted on
-    2-layer gpt-oss CPU steps (live-bytes tracker, fp32; b1-2, s128-256, I 48-256): at most
-    4.7 x rows x I element-bytes with frozen experts (LoRA), 2.4 x with trainable ones; 5 and
-    2.5 taken (a LoRA fp32 recipe of the differential test, seed 8, was +4.5% over its plan)."""
+    2-layer gpt-oss CPU steps (live-bytes tracker): constants.SINK_EXPERTS_BACKWARD_FROZEN x rows
+    x I element-bytes with frozen experts (LoRA), SINK_EXPERTS_BACKWARD_TRAINABLE with trainable
+    ones."""
     rows = tokens * spec.num_experts_per_tok
-    return (5 if lora else 5 // 2) * rows * spec.moe_intermediate_size * ce
+    factor = fitted.SINK_EXPERTS_BACKWARD_FROZEN if lora else fitted.SINK_EXPERTS_BACKWARD_TRAINABLE
+    return factor.of(rows * spec.moe_intermediate_size * ce)
 
 
 def sink_routed_bytes(spec: ModelSpec, tokens: int, ce: int, cc: int, w: int, autocast: bool,

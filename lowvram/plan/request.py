@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from lowvram.errors import LowvramError
 from lowvram.plan import sharding
+from lowvram.plan.constants import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_BYTES
 from lowvram.plan.models import ModelSpec
 from lowvram.plan.setup import (
     MemoryEstimate,
@@ -21,9 +22,9 @@ from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavai
 from lowvram.plan.types import Plan
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
-# on the card, fragmentation spikes, the first-step warm-up). 5% of the card, at least 256 MiB.
-MARGIN_FRACTION = 0.05
-MIN_MARGIN_BYTES = 256 * 2**20
+# on the card, fragmentation spikes, the first-step warm-up): chosen, in lowvram.plan.constants.
+MARGIN_FRACTION: float = SAFETY_MARGIN_FRACTION.value
+MIN_MARGIN_BYTES: int = SAFETY_MARGIN_MIN_BYTES.value
 
 # The offloads that shard the model states over several GPUs (lowvram.plan.search.TIER_SHARD).
 SHARDED = ("zero2", "zero3", "fsdp")

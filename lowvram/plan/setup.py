@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowvram.plan import constants as fitted
 from lowvram.plan.models import ModelSpec
 from lowvram.vocab import BNB_OPTIMIZERS
 
@@ -115,9 +116,9 @@ class MemoryEstimate:
     peak_moment: str = ""
 
 
-# Host RAM of one training process before any tensor of the run: torch + CUDA libraries, ~2 GiB
-# (measured RSS of an idle import). estimate_memory and lowvram.check.simulate add it.
-PROCESS_HOST_BYTES = 2 * 2**30
+# Host RAM of one training process before any tensor of the run: torch + CUDA libraries
+# (constants.PROCESS_HOST_BYTES). estimate_memory and lowvram.check.simulate add it.
+PROCESS_HOST_BYTES: int = fitted.PROCESS_HOST_BYTES.value
 
 
 @dataclass(frozen=True)
@@ -133,16 +134,12 @@ class CudaOverheads:
 def cuda_overheads() -> CudaOverheads:
     """Fitted on published GPU measurements (bench/published_accuracy.py, the `split: fit`
     sources of bench/gpu_truth; not yet measured by this project's bench/gpu_check.py, hence
-    calibrated=False). CUDA context: 300 MiB, the median of three published nvidia-smi readings
-    right after CUDA init with lazy module loading (~300 MB in pytorch/pytorch#107667, ~400 MB in
-    #109888, 256 MiB in invoke-ai/InvokeAI#9413). Allocator fraction: 0.12, the least-squares
-    slope of (nvidia-smi peak - peak allocated - context) over peak allocated in nine
-    single-GPU Hugging Face Trainer runs of the fms-acceleration benchmark
-    (scripts/benchmarks/refs/a100_80gb.csv): it carries the caching allocator's slack and the
-    kernels training loads beyond the initial context. Held-out error of the device and reserved
-    predictions: bench/results/published_accuracy.txt. The slack there tracks the largest
-    transient (the fp32 logits) more than the total: 4-11 GiB on 20-70 GiB runs."""
-    return CudaOverheads(context_bytes=300 * 2**20, allocator_fraction=0.12)
+    calibrated=False): constants.CUDA_CONTEXT_BYTES (the median of three published nvidia-smi
+    readings right after CUDA init) and constants.ALLOCATOR_FRACTION (a least-squares slope over
+    nine single-GPU Trainer runs: the caching allocator's slack and the kernels training loads
+    beyond the initial context), each with its sources and held-out error (docs/constants.md)."""
+    return CudaOverheads(context_bytes=fitted.CUDA_CONTEXT_BYTES.value,
+                         allocator_fraction=fitted.ALLOCATOR_FRACTION.value)
 
 
 __all__ = [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lowvram.plan import constants as fitted
 from lowvram.plan.models import (
     block_linears,
     count_parameters,
@@ -230,7 +231,9 @@ def sharding_overhead_bytes(setup: RunSetup) -> tuple[int, int, int]:
     """
     if setup.offload in ("fsdp", "fsdp-offload"):
         layers = max(1, setup.model.num_layers)
-        return root_weight_bytes(setup) + 2 * layer_weight_bytes(setup), 2 * gradient_bytes(setup) // layers, 0
+        # constants.FSDP_GATHERED_LAYERS, FSDP_LAYER_GRADIENTS (fitted: bench/multi_process_accuracy.py)
+        return (root_weight_bytes(setup) + fitted.FSDP_GATHERED_LAYERS.of(layer_weight_bytes(setup)),
+                fitted.FSDP_LAYER_GRADIENTS.of(gradient_bytes(setup)) // layers, 0)
     if setup.offload == "none" and setup.gpus > 1:
         return 0, 0, gradient_bytes(setup)
     zero = zero_residency_bytes(setup)

@@ -4,6 +4,7 @@ as in :mod:`lowvram.plan.memory`."""
 
 from __future__ import annotations
 
+from lowvram.plan import constants as fitted
 from lowvram.plan import moe
 from lowvram.plan.models import ModelSpec, block_linears, count_parameters
 from lowvram.plan.setup import RunSetup
@@ -182,12 +183,14 @@ def optimizer_bytes(setup: RunSetup) -> int:
 def optimizer_step_temp_bytes(setup: RunSetup) -> int:
     """Temporaries inside optimizer.step(). Fused AdamW and bitsandbytes update in place (0,
     measured: bench/plan_accuracy.py). transformers' Adafactor works one tensor at a time on
-    fp32 copies (grad.float(), update, p.float()): about 8 bytes x the largest tensor for fp32
-    params, 16 for 16-bit (measured: bench/plan_accuracy.py)."""
+    fp32 copies (grad.float(), update, p.float()): constants.ADAFACTOR_TEMP_BYTES_FP32 x the
+    largest tensor for fp32 params, ADAFACTOR_TEMP_BYTES_16BIT for 16-bit (measured:
+    bench/plan_accuracy.py)."""
     if setup.optimizer != "adafactor":
         return 0
     largest = max(shape_numel(s) for s in trainable_tensors(setup))
-    return largest * (8 if (setup.lora or dtype_bytes(setup)[0] == 4) else 16)
+    fp32 = setup.lora or dtype_bytes(setup)[0] == 4
+    return largest * (fitted.ADAFACTOR_TEMP_BYTES_FP32 if fp32 else fitted.ADAFACTOR_TEMP_BYTES_16BIT).value
 
 
 __all__ = [

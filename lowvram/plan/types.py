@@ -1,6 +1,7 @@
 """The Plan: every technique resolved to a concrete value, each with its reason.
 
-Training consumes a Plan and never decides techniques itself (STYLE.md). ``lowvram plan`` and
+Training consumes a Plan and never decides techniques itself (.importlinter: train/ never
+imports planning/). ``lowvram plan`` and
 ``lowvram train`` build the same Plan from the same recipe, so the two never disagree.
 """
 

@@ -3,7 +3,7 @@ the settings of Liger Kernel's fused linear cross-entropy (``loss: fused``), whi
 CUDA where the ``liger`` extra is installed (this chunked loss is the fallback and the CPU loss).
 
 transformers computes all logits, upcasts them to fp32 and keeps the log-softmax for backward:
-about 12 bytes x tokens x V around the loss (memory-model.md "Logits and loss"), more than all
+about 12 bytes x tokens x V around the loss (lowvram.plan.constants.LOGITS_LOSS_BYTES), more than all
 checkpointed activations for a 128k vocabulary. Here the decoder's final hidden states are cut
 into chunks of ``CHUNK_TOKENS`` tokens; each chunk's lm_head + fp32 log-softmax runs under
 ``torch.utils.checkpoint`` (non-reentrant), so forward keeps nothing but the chunk's input and

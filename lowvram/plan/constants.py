@@ -1,0 +1,325 @@
+"""The planner's fitted constants, in one table: every number of the memory model that was set
+from measurements (or chosen) rather than derived from the code it models, with what it means,
+what it was fitted on, which runs were in sample and which were held out.
+
+The terms (:mod:`lowvram.plan.setup`, :mod:`lowvram.plan.states`, :mod:`lowvram.plan.activations`,
+:mod:`lowvram.plan.backward`, :mod:`lowvram.plan.memory`, :mod:`lowvram.plan.moe`,
+:mod:`lowvram.plan.sharding`, :mod:`lowvram.plan.request`) read their values from here; exact
+math (bytes per dtype, int64 indices, a tensor's shape) stays where it is derived. The docs
+table, ``docs/constants.md``, is generated from :data:`CONSTANTS` (:func:`markdown_table`;
+``python -m lowvram.docs`` or ``make docs`` writes it, and tests/test_plan_constants.py fails
+when it drifts). A new fitted constant is one more entry here, with its measurement.
+
+Sources named below: ``bench/plan_accuracy.py`` (real steps of small models on a CPU under the
+live-bytes tracker, lowvram.livebytes), the simulated step (lowvram.check.simulate: the real
+step on fake tensors), ``bench/plan_fuzz.py`` (held-out fuzz seeds through ``lowvram train``,
+results in bench/results/), ``bench/published_accuracy.py`` over ``bench/gpu_truth/`` (published
+GPU measurements) and ``bench/multi_process_accuracy.py`` (FSDP2 over gloo).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+
+@dataclass(frozen=True)
+class FittedConstant:
+    """One fitted (or chosen) number of the memory model and where it came from."""
+
+    name: str  # the module-level name below
+    value: int | float | Fraction
+    shown: str  # the value as the docs write it ("300 MiB", "3/8 of ...")
+    meaning: str  # what it counts
+    used_in: str  # the term(s) that read it
+    fitted_on: str  # the measurements (or the judgement) it was set from
+    in_sample: str  # how the fit does on its own measurements
+    held_out: str  # how it does on runs it was not fitted on
+
+    def of(self, n: int) -> int:
+        """``n`` scaled by this constant, in integers where it is a fraction (``n * p // q``)."""
+        v = self.value
+        if isinstance(v, Fraction):
+            return n * v.numerator // v.denominator
+        if isinstance(v, int):
+            return n * v
+        return int(v * n)
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA overheads (setup.cuda_overheads)
+
+CUDA_CONTEXT_BYTES = FittedConstant(
+    "CUDA_CONTEXT_BYTES", 300 * 2**20, "300 MiB",
+    "device memory of the CUDA context (libraries, kernels) beyond every tensor",
+    "setup.cuda_overheads().context_bytes",
+    "median of 3 published nvidia-smi readings right after CUDA init with lazy module loading "
+    "(~300 MB in pytorch/pytorch#107667, ~400 MB in #109888, 256 MiB in invoke-ai/InvokeAI#9413; "
+    "bench/gpu_truth/cuda_context.yaml)",
+    "readings 256-400 MiB",
+    "no held-out nvidia-smi row is scored; Unsloth's longest-context-per-card rows (information "
+    "only, settings assumed) come out -10% to +1%")
+
+ALLOCATOR_FRACTION = FittedConstant(
+    "ALLOCATOR_FRACTION", 0.12, "0.12 x tensors",
+    "the caching allocator's slack (reserved - allocated) and the kernels training loads beyond "
+    "the initial context, as a fraction of the tensor peak",
+    "setup.cuda_overheads().allocator_fraction",
+    "least-squares slope of (nvidia-smi peak - peak allocated - context) over peak allocated in "
+    "9 single-GPU Hugging Face Trainer runs of the fms-acceleration benchmark "
+    "(scripts/benchmarks/refs/a100_80gb.csv; bench/gpu_truth/fms_acceleration.yaml)",
+    "overheads alone: median 5.0%, worst -18.4%",
+    "reserved from the measured allocated bytes: median 11.3% under (5 FSDP1 runs); all held-out "
+    "reserved rows: median 13.3% (bench/results/published_accuracy.txt); the slack tracks the "
+    "largest transient (the fp32 logits) more than the total: 4-11 GiB on 20-70 GiB runs")
+
+# --------------------------------------------------------------------------------------------
+# Host RAM (setup.PROCESS_HOST_BYTES, memory.estimate_memory)
+
+PROCESS_HOST_BYTES = FittedConstant(
+    "PROCESS_HOST_BYTES", 2 * 2**30, "2 GiB",
+    "host RAM of one training process before any tensor of the run (torch + CUDA libraries)",
+    "setup.PROCESS_HOST_BYTES (memory.estimate_memory, check.simulate)",
+    "RSS of an idle `import torch` process", "--", "not measured")
+
+CHECKPOINT_SHARD_BYTES = FittedConstant(
+    "CHECKPOINT_SHARD_BYTES", 5 * 10**9, "5 GB",
+    "host RAM of one checkpoint shard staged while loading (at most the whole model)",
+    "memory.estimate_memory (cpu_ram_bytes)",
+    "not fitted: transformers' default max_shard_size (5GB) for the shards a hub checkpoint is "
+    "saved in", "--", "not measured")
+
+# --------------------------------------------------------------------------------------------
+# One decoder layer's backward (backward.layer_backward_bytes and its neighbours)
+
+_SHARE_FITTED_ON = ("bench/plan_accuracy.py small-logits CPU cases (chunked loss, small "
+                    "vocabulary): the backward's working memory over the layer's activations; "
+                    "the share taken is at or above each measurement")
+_SHARE_IN_SAMPLE = "CPU matrix worst 2.52%"
+_SHARE_HELD_OUT = "GPU LoRA rows median 5.5% (all terms together)"
+
+BACKWARD_SHARE_FULL = FittedConstant(
+    "BACKWARD_SHARE_FULL", Fraction(1, 4), "1/4 of the layer's activations",
+    "what one decoder layer's backward makes beside its saved tensors (the hidden-state gradients "
+    "aside): full fine-tuning in 16 bit, and every run in pure fp32",
+    "backward.layer_backward_bytes",
+    _SHARE_FITTED_ON + "; measured shares 0.19-0.22", _SHARE_IN_SAMPLE, _SHARE_HELD_OUT)
+
+BACKWARD_SHARE_FULL_AUTOCAST = FittedConstant(
+    "BACKWARD_SHARE_FULL_AUTOCAST", Fraction(1, 8), "1/8 of the layer's activations",
+    "the same, full fine-tuning under autocast over fp32 weights (its activations include the "
+    "16-bit weight copies, which make no gradients)",
+    "backward.layer_backward_bytes",
+    _SHARE_FITTED_ON + "; measured share 0.02", _SHARE_IN_SAMPLE, _SHARE_HELD_OUT)
+
+BACKWARD_SHARE_LORA = FittedConstant(
+    "BACKWARD_SHARE_LORA", Fraction(1, 2), "1/2 of the layer's activations",
+    "the same, LoRA over 16-bit weights (the adapter path's gradients are fp32 beside 16-bit "
+    "activations)",
+    "backward.layer_backward_bytes",
+    _SHARE_FITTED_ON + "; measured shares 0.46-0.47", _SHARE_IN_SAMPLE, _SHARE_HELD_OUT)
+
+BACKWARD_SHARE_LORA_AUTOCAST = FittedConstant(
+    "BACKWARD_SHARE_LORA_AUTOCAST", Fraction(3, 8), "3/8 of the layer's activations",
+    "the same, LoRA under autocast over fp32 weights",
+    "backward.layer_backward_bytes",
+    _SHARE_FITTED_ON + "; measured shares 0.32-0.38", _SHARE_IN_SAMPLE, _SHARE_HELD_OUT)
+
+SHARE_BLOCK_NORMS = FittedConstant(
+    "SHARE_BLOCK_NORMS", 2, "2 norms (a Llama block's)",
+    "the norms per layer of the blocks the shares were measured on: under LoRA and in pure fp32 "
+    "the share is of the activations less what further norms save (the fp32 upcasts of Gemma-3's "
+    "post-norms, q/k norms), which make no gradients in proportion; not under 16-bit full "
+    "fine-tuning (taking them out there put a 2-layer Gemma-3, full bf16 with checkpointing, 3.9% "
+    "under its simulated step)",
+    "backward.layer_backward_bytes (backward._extra_norm_saved_bytes)",
+    "held-out fuzz seed 272 (Gemma-3 QLoRA on k_proj with checkpointing: -12.4% with them inside "
+    "the share) and seeds 861 and 1127 (Gemma-3 full fp32 with checkpointing: 12.8% and 10.2% "
+    "under their plans with them): the three were 10-13% off",
+    "300 fuzz seeds within target", "200 fresh held-out seeds (bench/results/plan_fuzz_heldout*.txt)")
+
+POST_NORM_BACKWARD_TEMPORARIES = FittedConstant(
+    "POST_NORM_BACKWARD_TEMPORARIES", 6, "incoming gradient + 6 fp32 t x h",
+    "a block that ends with a norm (OLMo-2, LoRA): that RMSNorm's backward in fp32 beside the "
+    "layer's saved tensors: the incoming gradient's fp32 cast and 5 temporaries (mul, mul, pow, "
+    "mul.Scalar, div.Scalar) seen at the peak",
+    "backward.post_norm_backward_bytes",
+    "the live-bytes tracker's dump of a 2-layer OLMo-2 LoRA step; simulated step, 2-layer OLMo-2 "
+    "LoRA bf16 + checkpointing (-2.2% without it; full fine-tuning: its share covers it, -0.8%)",
+    "+1.6%", "200 fresh held-out seeds (bench/results/plan_fuzz_heldout*.txt)")
+
+DEQUANTIZED_WEIGHTS = FittedConstant(
+    "DEQUANTIZED_WEIGHTS", 1, "the largest block linear in the compute dtype",
+    "a 4/8-bit base's dequantization temporary: bitsandbytes' MatMul4Bit dequantizes a whole "
+    "weight in forward and backward; one (the largest) is alive at a time",
+    "backward.dequantized_weight_bytes (layer_backward_bytes, memory's last_layer_mlp_backward)",
+    "simulated step, Llama-2-7B and Phi-3-mini QLoRA + checkpointing, seq 256 (-1.4% and -2.7% "
+    "without it, +0.5% / +0.9% with it)",
+    "full-size simulation worst 0.58%", "GPU QLoRA rows: 20.7% under (README accuracy table)")
+
+# --------------------------------------------------------------------------------------------
+# The loss (backward.logits_bytes, memory's forward_end_autocast_cache)
+
+LOGITS_LOSS_BYTES = FittedConstant(
+    "LOGITS_LOSS_BYTES", 12, "12 x tokens x vocabulary bytes",
+    "logits around the loss: transformers upcasts them to fp32 for cross-entropy "
+    "(ForCausalLMLoss); in its backward the saved log-softmax, the incoming gradient and the "
+    "input gradient coexist",
+    "backward.logits_bytes",
+    "exact CPU bytes (bench/plan_accuracy.py)", "in the CPU matrix",
+    "torchtune (the same fp32 upcast) LoRA rows +2% to +10% (reserved); LitGPT's bf16 chunked "
+    "loss keeps about 2, not 12")
+
+LOGITS_FORWARD_BYTES = FittedConstant(
+    "LOGITS_FORWARD_BYTES", 10, "10 of the 12 bytes",
+    "logits at the end of the forward, before their gradient exists (the autocast-cache moment)",
+    "memory._forward_backward_peak (forward_end_autocast_cache)",
+    "bench/plan_accuracy.py *-mixed full fine-tuning with checkpointing (CPU steps)",
+    "in the CPU matrix", "no published row")
+
+CHUNKED_LOSS_HIDDEN_GRADIENTS = FittedConstant(
+    "CHUNKED_LOSS_HIDDEN_GRADIENTS", 2, "one 1024-token chunk + 2 x tokens x hidden + int64 targets",
+    "chunked loss (lowvram.train.loss, chunks of backward.CHUNK_TOKENS): the gradient of all "
+    "final hidden states, accumulated chunk by chunk next to the current chunk's (2 x t x h in "
+    "the hidden dtype), beside one chunk's logits (LOGITS_LOSS_BYTES)",
+    "backward.logits_bytes",
+    "bench/plan_accuracy.py chunked cases", "within 2% (the same error as the standard loss)",
+    "no published row")
+
+# --------------------------------------------------------------------------------------------
+# The optimizer step (states.optimizer_step_temp_bytes)
+
+ADAFACTOR_TEMP_BYTES_FP32 = FittedConstant(
+    "ADAFACTOR_TEMP_BYTES_FP32", 8, "8 bytes x largest tensor",
+    "transformers' Adafactor step temporaries for fp32 parameters (it works one tensor at a time "
+    "on fp32 copies: grad.float(), update, p.float())",
+    "states.optimizer_step_temp_bytes",
+    "bench/plan_accuracy.py", "in the CPU matrix", "no published row")
+
+ADAFACTOR_TEMP_BYTES_16BIT = FittedConstant(
+    "ADAFACTOR_TEMP_BYTES_16BIT", 16, "16 bytes x largest tensor",
+    "the same for 16-bit parameters", "states.optimizer_step_temp_bytes",
+    "bench/plan_accuracy.py", "in the CPU matrix", "no published row")
+
+# --------------------------------------------------------------------------------------------
+# Saved activations (activations.layer_activation_bytes and its neighbours)
+
+FUSED_QKV_ROTARY_COPIES = FittedConstant(
+    "FUSED_QKV_ROTARY_COPIES", 1, "q and k outputs once more per layer",
+    "fused qkv + rotary (Phi-3): q and k are rotated into new tensors, but v stays a view of the "
+    "fused output, whose whole storage SDPA keeps alive",
+    "activations.layer_activation_bytes",
+    "simulated step, Phi-3-mini LoRA (-3% without it)", "within 2.5%",
+    "LitGPT Phi-3 LoRA -8.1% (its own model code)")
+
+CPU_ATTENTION_DROPOUT_BYTES = FittedConstant(
+    "CPU_ATTENTION_DROPOUT_BYTES", 12, "12 x heads x seq^2 x batch bytes",
+    "attention dropout under SDPA on a CPU (its math path keeps the probabilities, the dropout "
+    "noise and the dropped probabilities in fp32; CUDA's kernels drop inside the kernel)",
+    "activations._attention_dropout_bytes",
+    "simulated step, GPT-2 (12.1-12.5 measured)", "within 2.5%", "CPU only")
+
+# --------------------------------------------------------------------------------------------
+# gpt-oss (moe.sink_*)
+
+SINK_EAGER_BACKWARD_SOFTMAXES = FittedConstant(
+    "SINK_EAGER_BACKWARD_SOFTMAXES", Fraction(3, 2), "1.5 softmax-sized (s x (s+1)) tensors",
+    "gpt-oss eager backward in the last decoder layer: the probabilities' gradient padded back to "
+    "s+1 columns and the softmax's input gradient, in the softmax's dtype",
+    "moe.sink_eager_backward_bytes",
+    "six 2-layer gpt-oss CPU steps (fp32 / bf16 / bf16-mixed, full and LoRA, b2 s256; live-bytes "
+    "tracker): without it the plans were 4-25% low, with two tensors 2-11% high",
+    "-5.7% to +2.9%", "gpt-oss recipes through `lowvram train` (README)")
+
+SINK_EXPERTS_BACKWARD_FROZEN = FittedConstant(
+    "SINK_EXPERTS_BACKWARD_FROZEN", 5, "5 x routed rows x I element-bytes",
+    "gpt-oss routed experts' backward with frozen experts (LoRA): the clamped SwiGLU's "
+    "elementwise gradients and the strided gate/up slices' zero-filled [rows, 2I] gradients",
+    "moe.sink_experts_backward_bytes",
+    "2-layer gpt-oss CPU steps (fp32; b1-2, s128-256, I 48-256; measured up to 4.7)",
+    "differential-test seed 8 (a LoRA fp32 recipe, +4.5% over its plan before)",
+    "gpt-oss recipes through `lowvram train` (README)")
+
+SINK_EXPERTS_BACKWARD_TRAINABLE = FittedConstant(
+    "SINK_EXPERTS_BACKWARD_TRAINABLE", 2, "2 x routed rows x I element-bytes",
+    "the same with trainable experts (full fine-tuning). Documented as 2.5 before, but the code "
+    "was `5 // 2`, which is 2 in Python: 2 is what every plan so far used",
+    "moe.sink_experts_backward_bytes",
+    "2-layer gpt-oss CPU steps (fp32; b1-2, s128-256; measured up to 2.4)",
+    "measured up to 2.4 (above the 2 applied)", "gpt-oss recipes through `lowvram train` (README)")
+
+# --------------------------------------------------------------------------------------------
+# The end of the backward, and FSDP (memory, sharding)
+
+TIED_EMBEDDING_GRADIENT_COPIES = FittedConstant(
+    "TIED_EMBEDDING_GRADIENT_COPIES", 2, "2 x vocabulary x hidden x weight bytes",
+    "the very end of the backward with a tied embedding: its dense gradient "
+    "(embedding_dense_backward) and AccumulateGrad's sum into lm_head's .grad",
+    "memory._forward_backward_peak (tied_embedding_gradient)",
+    "simulated step, Qwen2.5-0.5B full bf16, seq 256 (-12% without it; measured 2.0 x V*h*w)",
+    "within 2.5%", "no published row")
+
+FSDP_GATHERED_LAYERS = FittedConstant(
+    "FSDP_GATHERED_LAYERS", 2, "root + 2 layers of weights",
+    "FSDP2: decoder layers whose full weights are gathered at the peak beside the root (the "
+    "all-gather output and the parameters copied out of it, or the next layer prefetched)",
+    "sharding.sharding_overhead_bytes",
+    "bench/multi_process_accuracy.py (gloo, CPU)", "+0.4% to +7.9%",
+    "FSDP1 2-GPU Trainer rows (in the fitting source): full -5% to -11%, LoRA -7% to -11%, "
+    "QLoRA +21% to +23%")
+
+FSDP_LAYER_GRADIENTS = FittedConstant(
+    "FSDP_LAYER_GRADIENTS", 2, "2 layers of gradients",
+    "FSDP2: decoder layers' full-size gradients and reduce-scatter input alive in a layer's "
+    "backward (one fewer at the first layer: nothing left to prefetch)",
+    "sharding.sharding_overhead_bytes, memory._forward_backward_peak",
+    "bench/multi_process_accuracy.py (gloo, CPU)", "+0.4% to +7.9%",
+    "FSDP1 2-GPU Trainer rows (in the fitting source): full -5% to -11%, LoRA -7% to -11%, "
+    "QLoRA +21% to +23%")
+
+# --------------------------------------------------------------------------------------------
+# The budget (request.Budget): chosen, not fitted
+
+SAFETY_MARGIN_FRACTION = FittedConstant(
+    "SAFETY_MARGIN_FRACTION", 0.05, "5% of the card",
+    "memory a plan leaves unused for what the model does not see (other processes on the card, "
+    "fragmentation spikes, the first-step warm-up)",
+    "request.MARGIN_FRACTION (Budget, vram_needed_bytes)",
+    "chosen, not fitted: a judgement", "--", "not measured")
+
+SAFETY_MARGIN_MIN_BYTES = FittedConstant(
+    "SAFETY_MARGIN_MIN_BYTES", 256 * 2**20, "at least 256 MiB",
+    "the safety margin's floor on a real card", "request.MIN_MARGIN_BYTES",
+    "chosen, not fitted: a judgement", "--", "not measured")
+
+
+CONSTANTS: tuple[FittedConstant, ...] = tuple(
+    v for v in dict(globals()).values() if isinstance(v, FittedConstant))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown_table() -> str:
+    """docs/constants.md: the intro and one row per constant of :data:`CONSTANTS`."""
+    head = [
+        "# Fitted constants",
+        "",
+        "<!-- generated from lowvram/plan/constants.py by `python -m lowvram.docs` (`make docs`);",
+        "     tests/test_plan_constants.py fails when this file drifts from the code -->",
+        "",
+        "Every constant of the planner that was set from measurements (or chosen) rather than derived",
+        "from the code it models: the memory model, `lowvram/plan/memory.py` and the modules of its",
+        "terms, which read each value from `lowvram/plan/constants.py`. Exact math (bytes per dtype,",
+        "int64 indices, a tensor's shape) is not listed: it stays where it is derived, with its source.",
+        "",
+        "| constant | value | what it means | used in | fitted on | in sample | held out |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = [f"| `{c.name}` | {_cell(c.shown)} | {_cell(c.meaning)} | `{c.used_in}` | {_cell(c.fitted_on)} "
+            f"| {_cell(c.in_sample)} | {_cell(c.held_out)} |" for c in CONSTANTS]
+    return "\n".join(head + rows) + "\n"
+
+
+__all__ = ["CONSTANTS", "FittedConstant", "markdown_table"] + [c.name for c in CONSTANTS]

@@ -1,0 +1,80 @@
+"""The planner's fitted constants (lowvram.plan.constants): one table, every entry with its
+source, read by the terms at call time, and docs/constants.md generated from it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from fractions import Fraction
+
+import pytest
+
+from lowvram.plan import constants as k
+from lowvram.plan.activations import _attention_dropout_bytes
+from lowvram.plan.backward import CHUNK_TOKENS, logits_bytes
+from lowvram.plan.catalog import resolve_model
+from lowvram.plan.setup import RunSetup, cuda_overheads
+from lowvram.plan.sharding import layer_weight_bytes, root_weight_bytes, sharding_overhead_bytes
+from tests.conftest import REPO
+
+
+def test_every_constant_has_its_source():
+    names = [c.name for c in k.CONSTANTS]
+    assert len(names) == len(set(names)) and len(names) >= 20
+    for c in k.CONSTANTS:
+        assert getattr(k, c.name) is c, c.name  # the name it is read by
+        for field in ("shown", "meaning", "used_in", "fitted_on", "in_sample", "held_out"):
+            assert getattr(c, field).strip(), f"{c.name} has no {field}"
+        assert isinstance(c.value, (int, float, Fraction)) and c.value > 0, c.name
+        assert c.used_in.split(".")[0] in {"setup", "states", "activations", "backward", "memory", "moe",
+                                           "sharding", "request"}, c.name
+
+
+def test_docs_constants_is_generated_from_the_table():
+    path = REPO / "docs" / "constants.md"
+    assert path.read_text() == k.markdown_table(), "run `make docs` (python -m lowvram.docs)"
+    rows = [line for line in path.read_text().splitlines() if line.startswith("| `")]
+    assert [re.match(r"\| `(\w+)`", r).group(1) for r in rows] == [c.name for c in k.CONSTANTS]
+    assert all(line.count(" | ") == 6 for line in rows)  # seven cells: no stray "|" in a cell
+
+
+def test_of_keeps_integer_math():
+    assert k.FittedConstant("X", Fraction(3, 8), "", "", "", "", "", "").of(1001) == 1001 * 3 // 8 == 375
+    assert k.BACKWARD_SHARE_LORA.of(7) == 3 and k.BACKWARD_SHARE_FULL.of(7) == 1
+    assert k.SINK_EAGER_BACKWARD_SOFTMAXES.of(5) == 7  # 3 * 5 // 2
+    assert k.FSDP_GATHERED_LAYERS.of(11) == 22
+
+
+def _setup(**kw) -> RunSetup:
+    return RunSetup(model=resolve_model("llama-3.2-1b"), **kw)
+
+
+def test_terms_read_the_table():
+    assert cuda_overheads().context_bytes == k.CUDA_CONTEXT_BYTES.value == 300 * 2**20
+    assert cuda_overheads().allocator_fraction == k.ALLOCATOR_FRACTION.value == 0.12
+    s = _setup(micro_batch_size=2, seq_len=1024)
+    t, v, h = 2048, 128256, 2048
+    assert logits_bytes(s) == 12 * t * v
+    chunked = replace(s, loss="chunked")
+    assert logits_bytes(chunked) == 12 * CHUNK_TOKENS * v + 2 * 2 * t * h + 8 * t
+    gpt2 = RunSetup(model=resolve_model("gpt2"), device="cpu", micro_batch_size=2, seq_len=128)
+    assert _attention_dropout_bytes(gpt2) == 12 * 12 * 128**2 * 2
+    fsdp = _setup(offload="fsdp", gpus=2)
+    assert sharding_overhead_bytes(fsdp)[0] == root_weight_bytes(fsdp) + 2 * layer_weight_bytes(fsdp)
+
+
+@pytest.mark.parametrize("name, value", [("LOGITS_LOSS_BYTES", 13), ("CPU_ATTENTION_DROPOUT_BYTES", 3)])
+def test_a_changed_entry_changes_the_term(monkeypatch, name, value):
+    """The terms look the table up when they run: one entry is the one place to change."""
+    monkeypatch.setattr(k, name, replace(getattr(k, name), value=value))
+    assert logits_bytes(_setup(seq_len=100)) == (13 if name == "LOGITS_LOSS_BYTES" else 12) * 100 * 128256
+    gpt2 = RunSetup(model=resolve_model("gpt2"), device="cpu", seq_len=64)
+    assert _attention_dropout_bytes(gpt2) == (3 if name == "CPU_ATTENTION_DROPOUT_BYTES" else 12) * 12 * 64**2
+
+
+def test_comments_cite_documents_in_the_repository():
+    """No module cites a document that lives outside the repository (the development notes)."""
+    outside = re.compile(r"memory-model\.md|stack-notes\.md|STYLE\.md|/work/shared|shared/reference")
+    hits = [f"{p.relative_to(REPO)}:{n}" for p in sorted((REPO / "lowvram").rglob("*.py"))
+            for n, line in enumerate(p.read_text().splitlines(), 1) if outside.search(line)]
+    assert hits == []
