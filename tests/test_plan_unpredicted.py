@@ -156,14 +156,44 @@ def test_cli_plan_json_of_an_unpredicted_recipe(tmp_path, monkeypatch):
     assert d["reasons"]["memory"].startswith("memory not predicted: unknown model")
 
 
-def test_unpredicted_plan_where_it_differs_from_the_search(monkeypatch):
-    """Fixed choices the memory-driven chooser resolves otherwise (as it stands)."""
+def test_unpredicted_plan_follows_the_search_where_it_used_to_differ(monkeypatch):
+    """The fixed choices the old fixed defaults resolved otherwise than the search (issue 25 item
+    5): mixed_precision off is fp32 whatever model.dtype; a micro-batch and an accumulation that do
+    not make the batch are refused; the flags of `lowvram plan` apply. An activation offload asked
+    for on a CPU still turns checkpointing on (the request needs it) and then runs without it."""
     monkeypatch.delenv("LOWVRAM_VRAM", raising=False)
     f32_off = plan_for_recipe(recipe("mixed_precision: 'off'", model="dtype: float32"), hardware=CARDS["cuda"])
-    assert f32_off.mixed_precision == "bf16-mixed"
-    both = plan_for_recipe(recipe("gradient_accumulation: 2", "micro_batch_size: 2"), hardware=CARDS["cuda"])
-    assert (both.micro_batch_size, both.grad_accum) == (8, 2)
+    assert f32_off.mixed_precision == "fp32"
+    assert f32_off.reasons["mixed_precision"] == "set by the recipe; fp32 weights and compute (2x the memory of bf16)"
+    with pytest.raises(LowvramError, match=r"micro_batch_size 2 x gradient_accumulation 2 x 1 GPU\(s\) != batch_size 16"):
+        plan_for_recipe(recipe("gradient_accumulation: 2", "micro_batch_size: 2"), hardware=CARDS["cuda"])
     cpu = plan_for_recipe(recipe("activation_offload: 'on'"), hardware=CARDS["cpu"])
     assert (cpu.gradient_checkpointing, cpu.activation_offload) == (True, False)
-    flagged = make_plan(recipe(), vram="24GB", method="full")
-    assert flagged.lora is True  # the flags are not read on this path
+    assert cpu.reasons["gradient_checkpointing"] == "on: activation_offload needs it"
+    flagged = make_plan(recipe("gradient_accumulation: 2"), vram="24GB", method="full", gpus=2, optim="adamw_8bit")
+    assert (flagged.lora, flagged.optimizer, flagged.gpus, flagged.micro_batch_size, flagged.grad_accum) == (
+        False, "adamw_8bit", 2, 4, 2)
+    assert flagged.reasons["lora"] == "set by --method full"
+    assert flagged.reasons["optimizer"] == "set by --optim adamw_8bit"
+    assert flagged.reasons["gradient_accumulation"] == "micro-batch 4 x 2 steps = batch 16; set by the recipe"
+    with pytest.raises(LowvramError, match="flash_attention_2.*cannot run here"):
+        make_plan(recipe("attention: flash_attention_2, mixed_precision: 'off'"), vram="24GB")
+
+
+@pytest.mark.parametrize("techniques, training, flags", [
+    ("gradient_accumulation: 3", "", {}), ("", "micro_batch_size: 3", {"gpus": 2}),
+    ("", "batch_size: 7", {"gpus": 2}), ("quantization: nf4", "", {"method": "full", "quant": "nf4"}),
+    ("offload: fsdp", "", {"gpus": 2, "optim": "adamw_8bit"}),
+    ("activation_offload: 'on'", "", {"gradient_checkpointing": False}),
+])
+def test_unpredicted_and_predicted_plans_refuse_alike(techniques, training, flags):
+    """One statement of the rules (lowvram.plan.request.validate_request): a recipe whose model
+    cannot be read is refused with the words a catalog model gets."""
+    known = recipe(techniques, training).model_copy(
+        update={"model": recipe().model.model_copy(update={"name_or_path": "smollm2-135m"})})
+    errors = []
+    for r in (recipe(techniques, training), known):
+        with pytest.raises(LowvramError) as e:
+            make_plan(r, vram="24GB", **flags)
+        errors.append((e.value.message, e.value.hint))
+    assert errors[0] == errors[1]
