@@ -103,8 +103,7 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
 
     # loss
     if req.fixed("loss") and req.loss != s.loss:  # fused asked, not available here
-        r["loss"] = (f"chunked: {req.sources.get('loss', 'the recipe')} asked for fused, but "
-                     f"{tq.fused_loss_unavailable(budget, s.model)}; the chunked loss runs instead "
+        r["loss"] = (f"{tq.fused_loss_fallback(req.sources.get('loss', 'the recipe'), budget, s.model)} "
                      f"(logits {gib(c.estimate.breakdown['logits'])})")
     elif req.fixed("loss"):
         r["loss"] = fixed("loss") or "set"

@@ -11,7 +11,12 @@ from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
 from lowvram.plan.memory import estimate_memory
 from lowvram.plan.request import Budget, PlanRequest, Rung, fits_budget
-from lowvram.plan.search import auto_precision, largest_micro_batch_size, loss_options
+from lowvram.plan.search import (
+    auto_precision,
+    fixed_micro_batch_size,
+    largest_micro_batch_size,
+    loss_options,
+)
 from lowvram.plan.setup import RunSetup, offload_conflict
 
 # --------------------------------------------------------------------------------------------
@@ -23,11 +28,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
 
     Techniques the user fixed are applied from the start and their rung is marked ``fixed``.
     """
-    largest = largest_micro_batch_size(req)
-    if req.micro_batch_size is not None:
-        largest = req.micro_batch_size
-    elif req.grad_accum is not None:
-        largest = largest // req.grad_accum
+    largest = fixed_micro_batch_size(req) or largest_micro_batch_size(req)
     s = RunSetup(
         model=req.model, precision=req.mixed_precision or "fp32", quantization=req.quantization or "none",
         lora=bool(req.lora) or (req.quantization not in (None, "none")), lora_r=req.lora_r,

@@ -9,7 +9,7 @@ from dataclasses import replace
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
 from lowvram.plan.request import Budget, PlanRequest, fits_budget, plan_level
-from lowvram.plan.search import candidate_setups
+from lowvram.plan.search import candidate_setups, loss_options
 from lowvram.plan.setup import RunSetup
 
 # Longest micro-batch the max_micro_batch_size search tries.
@@ -51,8 +51,8 @@ def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
     t <= CHUNK_TOKENS chunked is the standard loss, beyond it smaller: logits_bytes), and one
     micro-batch (the limits vary it)."""
     one = replace(req, micro_batch_size=None, grad_accum=None, batch_size=req.gpus)
-    fused = ["fused"] if tq.fused_loss_unavailable(budget, req.model) is None else []
-    return [s for loss in ([req.loss] if req.loss else ["chunked", *fused])
+    losses = [req.loss] if req.loss else [x for x in loss_options(req, budget) if x != "standard"]
+    return [s for loss in losses
             for s in candidate_setups(replace(one, loss=loss), budget)]
 
 

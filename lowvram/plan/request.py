@@ -80,7 +80,8 @@ def fits_budget(est: MemoryEstimate, budget: Budget) -> bool:
 class PlanRequest:
     """What the user asked for. ``None`` = auto (the chooser decides); anything else is fixed."""
 
-    model: ModelSpec
+    # None: the architecture could not be read; only lowvram.plan.unpredicted plans such a request
+    model: ModelSpec | None
     seq_len: int = 1024
     batch_size: int = 16  # effective batch: micro_batch_size x grad_accum x gpus
     gpus: int = 1
@@ -164,7 +165,9 @@ class Choice:
 
 
 def validate_request(req: PlanRequest) -> None:
-    """Impossible values -> one LowvramError naming the flag and a fix."""
+    """Impossible values -> one LowvramError naming the flag and a fix. The one statement of
+    the batch arithmetic (batch_size = micro_batch_size x gradient_accumulation x GPUs) and of the
+    rules between fixed techniques, for the search and for a plan not predicted alike."""
     positive = {
         "seq_len": req.seq_len, "batch_size": req.batch_size, "gpus": req.gpus, "lora_r": req.lora_r,
     }
@@ -175,7 +178,8 @@ def validate_request(req: PlanRequest) -> None:
     for name in ("grad_accum", "micro_batch_size"):
         value = getattr(req, name)
         if value is not None and value <= 0:
-            raise LowvramError(f"{name} must be a positive integer, got {value}", "leave it out to let the planner choose")
+            shown = {"grad_accum": "gradient_accumulation"}.get(name, name)
+            raise LowvramError(f"{shown} must be a positive integer, got {value}", "leave it out to let the planner choose")
     conflict = quantization_conflict(req.quantization or "none", req.lora is not False)
     if conflict:
         raise LowvramError(conflict, "use --method qlora (or lora), or --quantization none for full fine-tuning")
@@ -196,18 +200,18 @@ def validate_request(req: PlanRequest) -> None:
     per_gpu = req.batch_size // req.gpus
     if req.grad_accum is not None and per_gpu % req.grad_accum:
         raise LowvramError(
-            f"batch_size {req.batch_size} is not divisible by grad_accum {req.grad_accum} x {req.gpus} GPU(s)",
-            "make batch_size = micro_batch_size x grad_accum x GPUs",
+            f"batch_size {req.batch_size} is not divisible by gradient_accumulation {req.grad_accum} x {req.gpus} GPU(s)",
+            "make batch_size = micro_batch_size x gradient_accumulation x GPUs",
         )
     if req.micro_batch_size is not None and per_gpu % req.micro_batch_size:
         raise LowvramError(
             f"batch_size {req.batch_size} is not divisible by micro_batch_size {req.micro_batch_size} x {req.gpus} GPU(s)",
-            "make batch_size = micro_batch_size x grad_accum x GPUs",
+            "make batch_size = micro_batch_size x gradient_accumulation x GPUs",
         )
     if req.micro_batch_size is not None and req.grad_accum is not None:
         if req.micro_batch_size * req.grad_accum != per_gpu:
             raise LowvramError(
-                f"micro_batch_size {req.micro_batch_size} x grad_accum {req.grad_accum} x {req.gpus} GPU(s) "
+                f"micro_batch_size {req.micro_batch_size} x gradient_accumulation {req.grad_accum} x {req.gpus} GPU(s) "
                 f"!= batch_size {req.batch_size}",
                 "fix two of the three and let the planner derive the third",
             )
@@ -218,17 +222,18 @@ _EXAMPLE = {"seq_len": 1024, "batch_size": 16, "gpus": 1, "lora_r": 16}
 
 def check_attention(req: PlanRequest, budget: Budget, precision: str) -> None:
     """A fixed flash_attention_2 that cannot run under ``budget`` at ``precision`` -> LowvramError
-    (the search never picks flash_attention_2 itself: lowvram.plan.search._options)."""
+    (the search never picks flash_attention_2 itself: lowvram.plan.search.technique_options)."""
     if req.attention != "flash_attention_2":
         return
     why = flash_attention_unavailable(budget, precision)
     if why:
         src = req.sources.get("attention", "--attention")
         flags = {"mixed_precision": "--mixed-precision", "attention": "--attention"}
-        spell = ((lambda key, value: f"{flags[key]} {value}") if src.startswith("--") else
-                 (lambda key, value: f"techniques.{key}: {value}"))
-        raise LowvramError(f"attention flash_attention_2 (set by {src}) cannot run here: {why}",
-                           flash_attention_hint(budget, precision, spell))
+        # a flag is named with its source; the recipe (or --set) by its key
+        what, spell = ((f"attention flash_attention_2 (set by {src})", lambda key, value: f"{flags[key]} {value}")
+                       if src.startswith("--") else
+                       ("techniques.attention: flash_attention_2", lambda key, value: f"techniques.{key}: {value}"))
+        raise LowvramError(f"{what} cannot run here: {why}", flash_attention_hint(budget, precision, spell))
 
 
 # What a plan gives up, beyond speed: the search picks the fastest plan within the first of these

@@ -4,6 +4,7 @@ Candidate per setup (its peak, step time, whether it fits the budget), and the r
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 from lowvram.plan import moe
@@ -18,7 +19,12 @@ from lowvram.plan.request import (
     missing_extras,
     plan_level,
 )
-from lowvram.plan.setup import RunSetup, offload_conflict
+from lowvram.plan.setup import (
+    RunSetup,
+    activation_offload_conflict,
+    offload_conflict,
+    quantization_conflict,
+)
 from lowvram.plan.types import Plan, dtype_precision
 
 # Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
@@ -44,14 +50,23 @@ def auto_precision(budget: Budget, weight_dtype: str | None = None) -> str:
     return "bf16" if budget.bf16 else "fp16-mixed"
 
 
-def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
-    per_gpu = req.batch_size // req.gpus
+def fixed_micro_batch_size(req: PlanRequest) -> int | None:
+    """The micro-batch the request fixes: its own, or the per-GPU batch over a fixed accumulation
+    (None: the search tries every divisor of the per-GPU batch). validate_request checks that
+    they divide."""
     if req.micro_batch_size is not None:
-        micros = [req.micro_batch_size]
-    elif req.grad_accum is not None:
-        micros = [per_gpu // req.grad_accum]
-    else:
-        micros = divisors_descending(per_gpu)
+        return req.micro_batch_size
+    if req.grad_accum is not None:
+        return req.batch_size // req.gpus // req.grad_accum
+    return None
+
+
+def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
+    """The values each technique may take under ``req``: the one it fixes (after the loss'
+    fallback), or on auto the values the search tries. The search plans every combination
+    (candidate_setups); a plan whose memory cannot be predicted takes one default from each list
+    (lowvram.plan.unpredicted)."""
+    fixed_micro = fixed_micro_batch_size(req)
     on_gpu = budget.device != "cpu"
 
     def pick(name: str, auto: list) -> list:
@@ -60,9 +75,10 @@ def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
 
     return {
         "precision": pick("mixed_precision", [auto_precision(budget, req.weight_dtype)]),
-        "attention": pick("attention", [moe.default_attention(req.model)]),
+        # an architecture not read (model None): SDPA, what every model without a quirk gets
+        "attention": pick("attention", [moe.default_attention(req.model) if req.model else "sdpa"]),
         "loss": loss_options(req, budget),
-        "micro_batch_size": micros,
+        "micro_batch_size": [fixed_micro] if fixed_micro is not None else divisors_descending(req.batch_size // req.gpus),
         "gradient_checkpointing": pick("gradient_checkpointing", [False, True]),
         # CUDA only: on a CPU (or MPS's unified memory) there is no device memory to free
         # (activations.activation_offloaded)
@@ -90,34 +106,28 @@ def _auto_offloads(req: PlanRequest, on_gpu: bool) -> list[str]:
 
 
 def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
-    o = _options(req, budget)
+    """One RunSetup per combination of technique_options that the rules between techniques
+    allow (lowvram.plan.setup: quantization needs LoRA, activation offload needs checkpointing,
+    DeepSpeed's CPU Adam and FSDP2 keep their optimizers)."""
+    o = technique_options(req, budget)
     per_gpu = req.batch_size // req.gpus
-    # activation offload moves the checkpoints: only with checkpointing
-    recompute = [(gc, ao) for gc in o["gradient_checkpointing"] for ao in o["activation_offload"] if gc or not ao]
     out = []
-    for precision in o["precision"]:
-        for attention in o["attention"]:
-            for loss in o["loss"]:
-                for micro in o["micro_batch_size"]:
-                    for gc, act_off in recompute:
-                        for optim in o["optimizer"]:
-                            for lora in o["lora"]:
-                                for quant in o["quantization"]:
-                                    if quant != "none" and not lora:
-                                        continue
-                                    for offload in o["offload"]:
-                                        if offload_conflict(optim, offload):
-                                            continue  # DeepSpeed's CPU Adam replaces it
-                                        out.append(RunSetup(
-                                            model=req.model, precision=precision, quantization=quant,
-                                            lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
-                                            lora_dropout=req.lora_dropout,
-                                            optimizer=optim, gradient_checkpointing=gc,
-                                            attention=attention, loss=loss, micro_batch_size=micro,
-                                            seq_len=req.seq_len, grad_accum=per_gpu // micro,
-                                            gpus=req.gpus, offload=offload, device=budget.device,
-                                            activation_offload=act_off, packing=req.packing,
-                                        ))
+    for precision, attention, loss, micro, gc, act_off, optim, lora, quant, offload in itertools.product(
+            o["precision"], o["attention"], o["loss"], o["micro_batch_size"], o["gradient_checkpointing"],
+            o["activation_offload"], o["optimizer"], o["lora"], o["quantization"], o["offload"]):
+        if (activation_offload_conflict(act_off, gc) or quantization_conflict(quant, lora)
+                or offload_conflict(optim, offload)):
+            continue
+        out.append(RunSetup(
+            model=req.model, precision=precision, quantization=quant,
+            lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
+            lora_dropout=req.lora_dropout,
+            optimizer=optim, gradient_checkpointing=gc,
+            attention=attention, loss=loss, micro_batch_size=micro,
+            seq_len=req.seq_len, grad_accum=per_gpu // micro,
+            gpus=req.gpus, offload=offload, device=budget.device,
+            activation_offload=act_off, packing=req.packing,
+        ))
     return out
 
 
@@ -171,7 +181,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Pl
 
 
 __all__ = [
-    "auto_precision", "candidate", "candidate_setups", "describe_setup",
+    "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
-    "TIER_SHARD",
+    "technique_options", "TIER_SHARD",
 ]

@@ -155,14 +155,22 @@ PRECISION_SLOWDOWN = {
 def fused_loss_unavailable(budget, model) -> str | None:
     """Why Liger Kernel's fused linear cross-entropy cannot run under ``budget`` (a request.Budget)
     for ``model`` (a ModelSpec); None when it can. It needs CUDA (Triton kernels), the `liger`
-    extra, and a model type Liger patches."""
+    extra, and a model type Liger patches (``model`` None: an architecture not read, whose type is
+    not known before training loads it: only CUDA and the extra are checked)."""
     if budget.device != "cuda":
         return "Liger Kernel's fused loss needs CUDA"
     if "liger" in budget.missing_extras:
         return "Liger Kernel is not installed (pip install 'lowvram[liger]')"
-    if model.model_type not in LIGER_MODEL_TYPES:
+    if model is not None and model.model_type not in LIGER_MODEL_TYPES:
         return f"Liger Kernel does not patch {model.model_type} models"
     return None
+
+
+def fused_loss_fallback(asked_by: str, budget, model) -> str:
+    """The reason of a fixed ``fused`` loss that cannot run here (fused_loss_unavailable): the
+    chunked loss runs instead (lowvram.plan.search.loss_options)."""
+    return (f"chunked: {asked_by} asked for fused, but {fused_loss_unavailable(budget, model)}; "
+            "the chunked loss runs instead")
 
 
 # flash-attn 2 runs on Ampere or newer (compute capability 8.0) and on fp16/bf16 tensors only: its

@@ -11,7 +11,7 @@ from lowvram.errors import LowvramError
 from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
 from lowvram.units import gib, parse_size
-from lowvram.vocab import BNB_OPTIMIZERS, ON_VALUES, PRECISIONS
+from lowvram.vocab import BNB_OPTIMIZERS, ON_VALUES
 
 
 def make_budget(vram: str | None = None, hardware=None, gpus: int = 1):
@@ -130,25 +130,8 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
             "set techniques.mixed_precision: fp16-mixed (or auto: lowvram picks what the card supports)")
     quant = recipe.techniques.quantization
     _check_bnb(ON_VALUES["quantization"] if quant == "on" else quant, recipe.techniques.optimizer, hardware)
-    _check_flash_attention(recipe, hardware, vram)
-
-
-def _check_flash_attention(recipe: Recipe, hardware, vram: str | None) -> None:
-    """techniques.attention: flash_attention_2 where flash-attn cannot run (not CUDA, a card
-    before Ampere, fp32): refused before the model loads (flash-attn raises at the first forward)."""
-    if recipe.techniques.attention != "flash_attention_2":
-        return
-    from lowvram.plan.search import auto_precision
-    from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
-
-    budget = _budget(vram, hardware)
-    mp, dtype = recipe.techniques.mixed_precision, recipe.model.dtype
-    precision = ("fp32" if mp == "off" else mp if mp in PRECISIONS else
-                 auto_precision(budget, None if dtype == "auto" else dtype))
-    why = flash_attention_unavailable(budget, precision)
-    if why:
-        raise LowvramError(f"techniques.attention: flash_attention_2 cannot run here: {why}",
-                           flash_attention_hint(budget, precision, lambda key, value: f"techniques.{key}: {value}"))
+    # techniques.attention: flash_attention_2 where it cannot run: the planner refuses it
+    # (lowvram.plan.request.check_attention), whether the memory is predicted or not
 
 
 def check_runnable(plan: Plan, hardware) -> Plan:

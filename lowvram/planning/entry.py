@@ -3,11 +3,10 @@
 
 When the model's architecture can be read (catalog name, a folder with config.json, a cached hub
 id) the memory-driven chooser (:mod:`lowvram.plan.choose`) picks every ``auto`` technique. When it
-cannot, fixed.py gives fixed defaults and the plan says that its memory was not predicted."""
+cannot, the same request is planned with nothing left on auto (fixed.py,
+:mod:`lowvram.plan.unpredicted`) and the plan says that its memory was not predicted."""
 
 from __future__ import annotations
-
-import os
 
 from lowvram.errors import LowvramError
 from lowvram.plan.replan import Replanner
@@ -29,14 +28,14 @@ def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus
 
         hardware = detect_hardware(vram, gpus=gpus)  # only the cards the run uses
     check_card(recipe, hardware, vram)
+    budget = make_budget(vram, hardware, gpus)
+    flags, sources = ({"gpus": gpus}, {"gpus": f"--gpus {gpus}"}) if gpus > 1 else ({}, {})
     try:
         spec = recipe_model(recipe)
     except LowvramError as err:
-        return check_runnable(fixed_with_note(recipe, hardware.kind, hardware.bf16, err, gpus), hardware)
+        return check_runnable(fixed_with_note(recipe, budget, err, flags, sources), hardware)
     from lowvram.plan.choose import choose_plan
 
-    budget = make_budget(vram, hardware, gpus)
-    flags, sources = ({"gpus": gpus}, {"gpus": f"--gpus {gpus}"}) if gpus > 1 else ({}, {})
     return check_runnable(choose_plan(build_request(spec, recipe, flags, sources), budget).plan, hardware)
 
 
@@ -107,14 +106,8 @@ def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str 
     else:
         try:
             spec = recipe_model(recipe)
-        except LowvramError as err:
-            if hardware is None and (vram or os.environ.get("LOWVRAM_VRAM")):
-                return fixed_with_note(recipe, "cuda", True, err)  # a GPU budget, bf16 assumed
-            if hardware is None:
-                from lowvram.hardware import detect_hardware
-
-                hardware = detect_hardware(vram)
-            return fixed_with_note(recipe, hardware.kind, hardware.bf16, err)
+        except LowvramError as err:  # the same request and budget, planned without a memory model
+            return fixed_with_note(recipe, make_budget(vram, hardware, fields.get("gpus") or 1), err, fields, sources)
     budget = make_budget(vram, hardware, fields.get("gpus") or 1)
     return choose_plan(build_request(spec, recipe, fields, sources), budget)
 
