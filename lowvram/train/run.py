@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.metrics import RunMetrics
@@ -28,13 +29,20 @@ from lowvram.recipe import Recipe
 from lowvram.runfiles import METRICS, PLAN, RECIPE, require_intact, write_atomic
 from lowvram.train.types import RetryLog, RunResult, TrainOptions
 
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+
+    from lowvram.gpumemory import MemoryComparison
+    from lowvram.train.data.build import DataBundle
+
 _ONE_RUN = TrainOptions(track_memory=None)  # a call from code: LOWVRAM_TRACK_MEMORY, default on
 
 # --------------------------------------------------------------------------------------------
 # The run folder
 
 
-def _save_final(trainer, tokenizer, out: Path) -> None:
+def _save_final(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
     """Adapter (or model) + tokenizer, each file moved into place whole.
 
     Every rank calls save_model (FSDP gathers the shards collectively); rank 0 writes."""
@@ -74,7 +82,7 @@ def _name_what_did_not_fit(exc: Exception, tmp: Path, out: Path) -> None:
 # Memory
 
 
-def _memory_tracker(plan, model, track: bool = True):
+def _memory_tracker(plan: Plan, model: PreTrainedModel, track: bool = True) -> TorchDispatchMode | None:
     """On CPU: lowvram.livebytes' tracker (exact tensor bytes; ``track=False``, from
     --no-track-memory: none, unless an emulated card needs it); on CUDA: reset the peak."""
     if plan.device == "cuda":
@@ -97,7 +105,8 @@ def _memory_tracker(plan, model, track: bool = True):
     return tracker
 
 
-def _peak_memory(plan, tracker, history=None, breakdown: dict[str, int] | None = None) -> dict:
+def _peak_memory(plan: Plan, tracker: TorchDispatchMode | None, history: TrainerCallback | None = None,
+                 breakdown: dict[str, int] | None = None) -> dict:
     """The run's measured peak; ``history`` (livebytes.memory_history_callback) holds the peaks of
     the logging intervals, whose maximum is the run's peak. ``breakdown``: the prediction to
     compare with, part by part (``memory_comparison``: lowvram.gpumemory, like with like)."""
@@ -129,7 +138,7 @@ def _peak_memory(plan, tracker, history=None, breakdown: dict[str, int] | None =
     return {"peak_memory_bytes": _peak_rss(), "peak_memory_kind": "process peak RSS (not tensor memory)"}
 
 
-def _comparison(rows) -> dict:
+def _comparison(rows: tuple[MemoryComparison, ...]) -> dict:
     return {"memory_comparison": [r.to_dict() for r in rows]} if rows else {}
 
 
@@ -147,7 +156,7 @@ def _loss_history(log_history: list[dict], key: str = "loss") -> list[list[float
     return [[int(e["step"]), float(e[key])] for e in log_history if key in e and "step" in e]
 
 
-def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
+def _gather_peaks(trainer: Trainer, out: Path, peak: dict) -> list[int] | None:
     """Several processes: each rank writes rank-K.json with its peak (on its own node's disk) and
     the peaks are gathered over the process group (nodes need not share a filesystem)."""
     acc = trainer.accelerator
@@ -160,7 +169,7 @@ def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
     return [int(b) for b in peaks] if trainer.is_world_process_zero() else None
 
 
-def _distribution(trainer) -> dict:
+def _distribution(trainer: Trainer) -> dict:
     """How the processes shared the model, read from the run itself: accelerate's distributed type
     (NO, MULTI_GPU, MULTI_CPU, FSDP, DEEPSPEED) and how many parameters FSDP2 holds as shards."""
     from torch.distributed.tensor import DTensor
@@ -171,7 +180,7 @@ def _distribution(trainer) -> dict:
     return {"distributed_type": kind, "sharded_parameters": sharded}
 
 
-def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None) -> tuple[dict, dict[str, int]]:
+def _prediction_at_data_length(recipe: Recipe, plan: Plan, bundle: DataBundle, replanner: Replanner | None) -> tuple[dict, dict[str, int]]:
     """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
     the plan (made for full seq_len batches). Predict the peak at the longest row as well, so the
     measured peak is compared with what this data can reach: (metrics, the breakdown the
@@ -195,7 +204,7 @@ def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None
     return metrics, breakdown
 
 
-def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, callbacks: Sequence[object] = (),
+def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, callbacks: Sequence[TrainerCallback] = (),
                  prepared: bool = False, retries: RetryLog | None = None,
                  replanner: Replanner | None = None) -> RunResult:
     """Train as the Plan says; returns the metrics also written to output_dir/metrics.json.
@@ -337,7 +346,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     return RunResult(output_dir=str(out), metrics=metrics, resumed_from=str(checkpoint) if checkpoint else None)
 
 
-def _arguments_then_model(recipe, plan):
+def _arguments_then_model(recipe: Recipe, plan: Plan):
     """(TrainingArguments, LoadedModel), in that order. Under ``accelerate launch`` with DeepSpeed,
     TrainingArguments.__post_init__ makes the DeepSpeedPlugin whose HfDeepSpeedConfig sets
     transformers' global weakref (accelerate utils/dataclasses.py set_deepspeed_weakref); only
@@ -355,7 +364,7 @@ def _arguments_then_model(recipe, plan):
     return args, load_model(recipe, plan)
 
 
-def _finished_at(checkpoint: Path, recipe) -> bool:
+def _finished_at(checkpoint: Path, recipe: Recipe) -> bool:
     """Whether ``checkpoint`` holds the run's last step (max_steps, or the step count the run
     started with when it trains for epochs): resuming from it trains nothing more."""
     from lowvram.train.checkpoints import checkpoint_step
@@ -370,7 +379,7 @@ def _finished_at(checkpoint: Path, recipe) -> bool:
     return target is not None and step >= target
 
 
-def _load_finished(trainer, checkpoint: Path):
+def _load_finished(trainer: Trainer, checkpoint: Path):
     """The Trainer as it stood at the end of the run: the checkpoint's weights and state (loss
     history, tokens seen). transformers' own resume would take one more step before it checks
     max_steps (its loop tests the stop condition after a step)."""
