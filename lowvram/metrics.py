@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,15 +114,21 @@ _HINTS = typing.get_type_hints(RunMetrics)
 _TYPES = {f.name: _HINTS[f.name] for f in dataclasses.fields(RunMetrics) if f.name != "other"}
 
 
+def _members(hint) -> tuple[list[type], bool]:
+    """(the types a field's hint allows, whether it allows None): ``int | None`` -> ([int], True),
+    ``list[list[float]]`` -> ([list], False)."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = typing.get_args(hint) if union else (hint,)
+    return [typing.get_origin(a) or a for a in members if a is not type(None)], type(None) in members
+
+
 def _accepts(hint, value) -> bool:
     """Whether a JSON ``value`` is of the field's type (a float field takes an integer; bool is
     not an integer here)."""
-    args = typing.get_args(hint)
+    kinds, optional = _members(hint)
     if value is None:
-        return type(None) in args
-    kinds = [a for a in args if a is not type(None)] or [hint]
-    for kind in kinds:
-        base = typing.get_origin(kind) or kind
+        return optional
+    for base in kinds:
         if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return True
         if base is int and isinstance(value, int) and not isinstance(value, bool):
@@ -149,9 +156,8 @@ def _problem(data) -> str | None:
 def _describe(hint) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
              dict: "an object"}
-    kinds = [typing.get_origin(a) or a for a in typing.get_args(hint) if a is not type(None)] or [typing.get_origin(hint) or hint]
-    text = " or ".join(names.get(k, str(k)) for k in kinds)
-    return text + (" or null" if type(None) in typing.get_args(hint) else "")
+    kinds, optional = _members(hint)
+    return " or ".join(names.get(k, str(k)) for k in kinds) + (" or null" if optional else "")
 
 
 def metrics_problem(data) -> str | None:
