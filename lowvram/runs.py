@@ -7,6 +7,7 @@ recipe), ``plan.json``, ``metrics.json`` when it finished, ``checkpoint-*`` fold
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -211,7 +212,7 @@ def list_runs(root: str | Path) -> list[RunInfo]:
     return [read_run(d) for d in found]
 
 
-def resume_command(recipe_path, overrides=(), vram: str | None = None) -> str:
+def resume_command(recipe_path: str | Path, overrides: Sequence[str] = (), vram: str | None = None) -> str:
     """`lowvram train RECIPE --resume` with the same --set flags, quoted for a POSIX shell (what
     an interrupted run prints, and `lowvram show` of one)."""
     args = ["lowvram", "train", str(recipe_path), "--resume"]
