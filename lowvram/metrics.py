@@ -123,15 +123,14 @@ def _members(hint) -> tuple[list[type], bool]:
 
 
 def _accepts(hint, value) -> bool:
-    """Whether a JSON ``value`` is of the field's type (a float field takes an integer; bool is
-    not an integer here)."""
+    """Whether a JSON ``value`` is of the field's type (numbers: any JSON number, never true or
+    false)."""
     kinds, optional = _members(hint)
     if value is None:
         return optional
     for base in kinds:
-        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True
-        if base is int and isinstance(value, int) and not isinstance(value, bool):
+        # A count or a byte size is a JSON number (an older writer's or a script's may be a float).
+        if base in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
             return True
         if base in (str, bool, list, dict) and isinstance(value, base):
             return True
@@ -154,7 +153,7 @@ def _problem(data) -> str | None:
 
 
 def _describe(hint) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+    names = {int: "a number", float: "a number", str: "a string", bool: "true or false", list: "a list",
              dict: "an object"}
     kinds, optional = _members(hint)
     return " or ".join(names.get(k, str(k)) for k in kinds) + (" or null" if optional else "")
