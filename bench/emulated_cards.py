@@ -194,19 +194,19 @@ def run_cell(recipe_path: Path, card_gib: int, model: str, scale: float = SCALE,
         return cell
     from lowvram.hardware import Hardware
     from lowvram.train.run import run_training
+    from lowvram.train.types import TrainOptions
 
     check_runnable(plan, Hardware("cpu"))
     os.environ[EMULATE_ENV] = str(card)
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            result = run_training(recipe, plan, overwrite=True, track_memory=True,
-                                  replanner=replanner_for(recipe))
+            result = run_training(recipe, plan, TrainOptions(overwrite=True), replanner=replanner_for(recipe))
     except TrainingOOM as e:
         return replace(cell, oom=True, measured_bytes=e.measured_peak_bytes, seconds=time.perf_counter() - t0)
     finally:
         os.environ.pop(EMULATE_ENV, None)
-    return replace(cell, measured_bytes=int(result.metrics["peak_memory_bytes"]), seconds=time.perf_counter() - t0)
+    return replace(cell, measured_bytes=int(result.metrics.peak_memory_bytes), seconds=time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,6 +307,7 @@ def _cuda_cell(recipe_path: Path, card: int, model: str) -> Cell:  # pragma: no 
     from lowvram.plan.search import describe_setup
     from lowvram.train.oom import TrainingOOM
     from lowvram.train.run import run_training
+    from lowvram.train.types import TrainOptions
 
     recipe, choice = plan_cell(recipe_path, card * 2**30, 1.0, "cuda")
     cell = Cell(card, model.split("-")[-1], describe_setup(choice.chosen.setup), choice.fits,
@@ -316,10 +317,10 @@ def _cuda_cell(recipe_path: Path, card: int, model: str) -> Cell:  # pragma: no 
         return cell
     torch.cuda.empty_cache()
     try:
-        result = run_training(recipe, choice.plan, overwrite=True)
+        result = run_training(recipe, choice.plan, TrainOptions(overwrite=True, track_memory=None))
     except TrainingOOM as e:
         return replace(cell, oom=True, measured_bytes=e.measured_peak_bytes)
-    rows = {r["what"]: r for r in result.metrics.get("memory_comparison", [])}
+    rows = {r["what"]: r for r in result.metrics.memory_comparison or []}
     return replace(cell, measured_bytes=rows.get(gpumemory.DEVICE, {}).get("measured_bytes"))
 
 

@@ -92,106 +92,21 @@ def train(
     no_recover: Annotated[bool, typer.Option("--no-recover", help="Out of memory: stop with the error instead of re-planning.")] = False,
 ) -> None:
     """Fine-tune a model as the recipe says, with the memory techniques the plan chose."""
-    from lowvram.recipe import load_recipe
-    from lowvram.report.plans import show_dry_run, show_plan_brief
-    from lowvram.report.training import show_train_result
+    from lowvram.report.training import show_started, show_train_outcome
+    from lowvram.session import train_recipe
+    from lowvram.train.types import LaunchSpec, TrainOptions
 
-    r = load_recipe(recipe, set_ or [])
-    if not dry_run:  # before planning and loading; the rows are counted once built (run.py)
-        from lowvram.train.preflight import check_seq_len
-
-        check_seq_len(r)
-    from lowvram.planning.entry import plan_for_recipe, require_fit
-    from lowvram.planning.from_recipe import recipe_model_ref
-
-    _fetch_hub_config(recipe_model_ref(r), explicit=False)  # plan a hub model before downloading it
-
-    launched = (r, recipe, set_ or [], vram, gpus, nodes, node_rank, main_address, cpu,
-                rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, not no_track_memory,
-                not no_recover, max_retries)
-    if gpus * nodes > 1 or print_launch or cpu:
-        _train_launched(*launched)
-        return
-    plan = plan_for_recipe(r, vram=vram)
-    if plan.offload != "none" and not dry_run:  # FSDP/DeepSpeed on one GPU: through accelerate too
-        _train_launched(*launched)
-        return
-    if dry_run:
-        from lowvram.train.preflight import check_inputs
-
-        check_inputs(r)
-        show_dry_run(r, plan, as_json=json_)
-        return
-    require_fit(plan, recipe)
-    show_plan_brief(r, plan)
-    from lowvram.planning.entry import replanner_for
-    from lowvram.train.recover import resume_command, train_with_recovery
-
-    result = train_with_recovery(r, plan, resume=resume, overwrite=overwrite, recover=not no_recover,
-                                 max_retries=max_retries, resume_cmd=resume_command(recipe, set_ or [], vram),
-                                 track_memory=not no_track_memory, replanner=replanner_for(r))
-    show_train_result(result, as_json=json_)
-
-
-def _train_launched(r, recipe_path, overrides, vram, gpus, nodes, node_rank, main_address, cpu,
-                    rdzv_timeout, print_launch, dry_run, resume, overwrite, json_, track_memory=True,
-                    recover=True, max_retries=3) -> None:
-    """`lowvram train --gpus N`: plan once here, then `accelerate launch` the worker on each GPU."""
-    import dataclasses
-
-    from lowvram.hardware import detect_hardware
-    from lowvram.planning.entry import plan_for_recipe
-    from lowvram.report.plans import show_dry_run, show_launch
-    from lowvram.report.training import show_train_result
-    from lowvram.train import launch
-
-    # Only the cards this node's processes use are read (--cpu: none), in a child process: this
-    # one launches the workers and must hold no CUDA context while they train (hardware.py).
-    hardware = detect_hardware(vram, gpus=0 if cpu else gpus)
-    cpu = cpu or hardware.kind == "cpu"
-    if cpu:
-        hardware = dataclasses.replace(hardware, kind="cpu", devices=())
-    spec = launch.LaunchSpec(gpus=gpus, nodes=nodes, node_rank=node_rank, main_address=main_address,
-                             cpu=cpu, rdzv_timeout_s=rdzv_timeout)
-    if node_rank >= nodes:
-        raise LowvramError(f"--node-rank {node_rank} with --nodes {nodes}", f"use a rank from 0 to {nodes - 1}")
-    launch.check_devices(spec, hardware)
-    hardware = dataclasses.replace(hardware, devices=hardware.devices[:gpus])  # the cards this node uses
-    plan = plan_for_recipe(r, vram=vram, hardware=hardware, gpus=spec.world_size)
-    if dry_run:
-        show_dry_run(r, plan, as_json=json_)
-        return
-    if not print_launch:
-        from lowvram.planning.entry import require_fit
-
-        require_fit(plan, recipe_path)
-    if print_launch:
-        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, print_only=True)
-        show_launch(r, plan, spec, prepared, print_only=True)
-        return
-    from lowvram.planning.entry import replanner_for
-    from lowvram.train.lock import run_lock
-    from lowvram.train.recover import launch_with_recovery
-    from lowvram.train.trainer import output_dir
-
-    replanner = replanner_for(r)
-    with run_lock(output_dir(r), "lowvram train --gpus"):
-        prepared = launch.prepare_launch(r, recipe_path, overrides, plan, spec, resume=resume, overwrite=overwrite,
-                                         replanner=replanner)
-        show_launch(r, plan, spec, prepared)
-        rc = launch_with_recovery(r, recipe_path, overrides, plan, spec, prepared, recover=recover,
-                                  max_retries=max_retries, track_memory=track_memory, replanner=replanner)
-    if rc != 0:
-        raise typer.Exit(rc)
-    if node_rank == 0:
-        import json
-
-        from lowvram.runfiles import METRICS
-        from lowvram.train.types import RunResult
-
-        metrics = json.loads((prepared.output_dir / METRICS).read_text())
-        show_train_result(RunResult(output_dir=str(prepared.output_dir), metrics=metrics,
-                                           resumed_from=metrics.get("resumed_from")), as_json=json_)
+    options = TrainOptions(
+        recipe_path=recipe, overrides=tuple(set_ or ()), vram=vram, dry_run=dry_run, resume=resume,
+        overwrite=overwrite, print_launch=print_launch, track_memory=not no_track_memory,
+        recover=not no_recover, max_retries=max_retries,
+        processes=LaunchSpec(gpus=gpus, nodes=nodes, node_rank=node_rank, main_address=main_address, cpu=cpu,
+                             rdzv_timeout_s=rdzv_timeout),
+    )
+    outcome = train_recipe(options, started=show_started)
+    show_train_outcome(outcome, as_json=json_)
+    if outcome.exit_code != 0:
+        raise typer.Exit(outcome.exit_code)
 
 
 def _opt(flag: str | list[str], help_: str, metavar: str | None = None):

@@ -7,13 +7,16 @@ recipe), ``plan.json``, ``metrics.json`` when it finished, ``checkpoint-*`` fold
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
 from lowvram.errors import LowvramError
+from lowvram.metrics import RunMetrics, metrics_problem, read_metrics
 from lowvram.runfiles import CHECKPOINT_GLOB, METRICS, PLAN, RECIPE, checkpoint_number
+from lowvram.units import shell_line
 from lowvram.vocab import PLAN_KEYS
 
 MARKERS = (RECIPE, PLAN)
@@ -43,7 +46,7 @@ class RunInfo:
     files: tuple[str, ...] = ()  # loss.png, TensorBoard logs, the model files
     damaged: tuple[str, ...] = ()  # "PATH is damaged: why" for each run file that does not parse
     recipe: dict = field(default_factory=dict)
-    metrics: dict = field(default_factory=dict)
+    metrics: RunMetrics | None = None  # None: no readable metrics.json (not finished, or damaged)
 
     @property
     def recipe_name(self) -> str:
@@ -52,6 +55,7 @@ class RunInfo:
 
     def to_dict(self, full: bool = True) -> dict:
         d = asdict(self)
+        d["metrics"] = self.metrics.to_dict() if self.metrics is not None else {}
         d["recipe_name"] = self.recipe_name
         if not full:
             for k in ("recipe", "metrics", "loss_history", "eval_history", "reasons", "files"):
@@ -65,6 +69,14 @@ def read_json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def read_json_value(path: Path):
+    """A JSON file's value, of any type; None when missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def read_yaml_dict(path: Path) -> dict:
@@ -88,10 +100,10 @@ def _checkpoints(path: Path) -> tuple[str, ...]:
     return tuple(p.name for p in sorted(path.glob(CHECKPOINT_GLOB), key=step) if p.is_dir())
 
 
-def _status(metrics: dict, checkpoints: tuple[str, ...]) -> str:
-    if metrics.get("status"):
-        return str(metrics["status"])
-    if metrics:
+def _status(metrics: RunMetrics | None, checkpoints: tuple[str, ...]) -> str:
+    if metrics is not None and metrics.status:
+        return metrics.status
+    if metrics is not None:
         return "finished"
     return "interrupted" if checkpoints else "failed"
 
@@ -107,7 +119,7 @@ def read_run(path: str | Path) -> RunInfo:
             f"{p} is not a lowvram run (no recipe.yaml or plan.json; has: {present or 'nothing'})",
             "pass the training.output_dir of a `lowvram train` run; `lowvram runs DIR` lists them",
         )
-    metrics = read_json(p / METRICS)
+    metrics = read_metrics(p / METRICS)
     plan = read_json(p / PLAN)
     try:
         text = (p / RECIPE).read_text() if (p / RECIPE).is_file() else ""
@@ -121,18 +133,19 @@ def read_run(path: str | Path) -> RunInfo:
     ckpts = _checkpoints(p)
     damaged = _damaged_files(p)
     techniques = plan.get("techniques") or {k: plan[k] for k in TECHNIQUE_KEYS if k in plan}
+    m = metrics or RunMetrics()
     return RunInfo(
         path=str(p), name=p.name, recipe_path=recipe_path,
         model=str((recipe.get("model") or {}).get("name_or_path", "?")),
         status="damaged" if damaged else _status(metrics, ckpts),
         techniques=techniques,
-        predicted_peak_bytes=metrics.get("predicted_peak_bytes", plan.get("predicted_peak_bytes")),
-        measured_peak_bytes=metrics.get("peak_memory_bytes"),
-        first_loss=metrics.get("first_loss"), final_loss=metrics.get("train_loss"),
-        eval_loss=metrics.get("eval_loss"), steps=metrics.get("steps"),
-        runtime_s=metrics.get("runtime_s"), checkpoints=ckpts,
+        predicted_peak_bytes=m.predicted_peak_bytes if m.predicted_peak_bytes is not None else plan.get("predicted_peak_bytes"),
+        measured_peak_bytes=m.peak_memory_bytes,
+        first_loss=m.first_loss, final_loss=m.train_loss,
+        eval_loss=m.eval_loss, steps=m.steps,
+        runtime_s=m.runtime_s, checkpoints=ckpts,
         adapter=(p / "adapter_config.json").is_file(),
-        loss_history=_pairs(metrics.get("loss_history")), eval_history=_pairs(metrics.get("eval_history")),
+        loss_history=_pairs(m.loss_history), eval_history=_pairs(m.eval_history),
         reasons=dict(plan.get("reasons") or {}),
         files=tuple(n for n in ("loss.png", "runs", "adapter_model.safetensors", "model.safetensors",
                                 "model.safetensors.index.json") if (p / n).exists()),
@@ -142,10 +155,17 @@ def read_run(path: str | Path) -> RunInfo:
 
 def _damaged_files(p: Path) -> tuple[str, ...]:
     """The run's own files that exist and do not parse (read as empty above, they would make a
-    finished run look failed or interrupted): metrics.json, plan.json, recipe.yaml."""
+    finished run look failed or interrupted): metrics.json (also: one that parses but does not
+    match its schema, lowvram.metrics), plan.json, recipe.yaml."""
     from lowvram.runfiles import file_problem
 
-    out = [f"{p / n} is damaged: {why}" for n in (METRICS, PLAN) if (p / n).is_file() and (why := file_problem(p / n))]
+    out = []
+    for n in (METRICS, PLAN):
+        why = file_problem(p / n) if (p / n).is_file() else None
+        if why is None and n == METRICS and (p / n).is_file():
+            why = metrics_problem(read_json_value(p / n))
+        if why:
+            out.append(f"{p / n} is damaged: {why}")
     try:
         yaml.safe_load((p / RECIPE).read_text()) if (p / RECIPE).is_file() else None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -190,3 +210,14 @@ def list_runs(root: str | Path) -> list[RunInfo]:
                 found += [g for g in sorted(child.iterdir()) if g.is_dir() and is_run_dir(g)]
     found.sort(key=lambda d: max((f.stat().st_mtime for f in d.iterdir()), default=0), reverse=True)
     return [read_run(d) for d in found]
+
+
+def resume_command(recipe_path: str | Path, overrides: Sequence[str] = (), vram: str | None = None) -> str:
+    """`lowvram train RECIPE --resume` with the same --set flags, quoted for a POSIX shell (what
+    an interrupted run prints, and `lowvram show` of one)."""
+    args = ["lowvram", "train", str(recipe_path), "--resume"]
+    for item in overrides or ():
+        args += ["--set", item]
+    if vram:
+        args += ["--vram", vram]
+    return shell_line(args)

@@ -122,21 +122,22 @@ def test_no_track_memory(tmp_path, tiny_model_dir, monkeypatch):
 
 
 def test_prediction_far_off_is_a_warning(capsys):
+    from lowvram.metrics import RunMetrics
     from lowvram.report.training import prediction_error, show_train_result
     from lowvram.train.types import RunResult
 
     m = {"steps": 1, "peak_memory_bytes": 130 * 2**20, "predicted_peak_bytes": 100 * 2**20,
          "peak_memory_kind": "live tensor bytes (exact, CPU)"}
-    show_train_result(RunResult(output_dir="/nonexistent", metrics=m))
+    show_train_result(RunResult(output_dir="/nonexistent", metrics=RunMetrics.from_dict(m)))
     err = capsys.readouterr().err
     assert "+30% off the predicted" in err and "lowvram env" in err
     assert prediction_error({**m, "peak_memory_kind": "process peak RSS"}) is None
     # over-predicted by 11%, but by 0.1 MiB: headroom wasted is too small to report
     small = {**m, "peak_memory_bytes": 1_000_000, "predicted_peak_bytes": 1_124_000}
-    show_train_result(RunResult(output_dir="/nonexistent", metrics=small))
+    show_train_result(RunResult(output_dir="/nonexistent", metrics=RunMetrics.from_dict(small)))
     assert "off the predicted" not in capsys.readouterr().err
     big = {**m, "peak_memory_bytes": 1 * 2**30, "predicted_peak_bytes": 1.2 * 2**30}
-    show_train_result(RunResult(output_dir="/nonexistent", metrics=big))
+    show_train_result(RunResult(output_dir="/nonexistent", metrics=RunMetrics.from_dict(big)))
     assert "-17% off the predicted" in capsys.readouterr().err
 
 

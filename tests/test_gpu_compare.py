@@ -13,6 +13,7 @@ import pytest
 import transformers.trainer_callback  # noqa: F401 - imported before torch.cuda is faked (its import probes CUDA)
 
 from lowvram import gpumemory
+from lowvram.metrics import RunMetrics
 from lowvram.plan.request import safety_margin_bytes
 from lowvram.plan.setup import cuda_overheads
 from lowvram.plan.types import Plan
@@ -186,7 +187,8 @@ def test_summary_compares_like_with_like(cuda, capsys):
     assert (d["predicted_bytes"], d["measured_bytes"]) == (sum(BREAKDOWN.values()), int(1.25 * GiB) + 400 * MiB)
     assert not any(x["gpu_calibrated"] for x in m["memory_comparison"])  # none measured on a GPU here
 
-    result = RunResult(output_dir="/nonexistent", metrics={"steps": 1, "predicted_peak_bytes": sum(BREAKDOWN.values()), **m})
+    result = RunResult(output_dir="/nonexistent",
+                       metrics=RunMetrics.from_dict({"steps": 1, "predicted_peak_bytes": sum(BREAKDOWN.values()), **m}))
     report.show_train_result(result)
     out, err = capsys.readouterr()
     assert "Memory: predicted vs measured, like with like" in out
@@ -211,6 +213,6 @@ def test_the_warning_is_about_tensors(cuda, capsys):
     m = _measured_run(cuda)
     over = [dict(r) for r in m["memory_comparison"]]
     over[0].update(measured_bytes=int(1.3 * TENSORS), error=0.3)
-    report.show_train_result(RunResult(output_dir="/nonexistent", metrics={**m, "memory_comparison": over}))
+    report.show_train_result(RunResult(output_dir="/nonexistent", metrics=RunMetrics.from_dict({**m, "memory_comparison": over})))
     err = capsys.readouterr().err
     assert "measured peak 1.30 GiB is +30% off the predicted 1.00 GiB" in err

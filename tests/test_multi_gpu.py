@@ -341,6 +341,7 @@ def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, ti
     from lowvram.recipe import load_recipe
     from lowvram.train import launch, oom, recover
     from lowvram.train.checkpoints import mark_complete
+    from lowvram.train.types import TrainOptions
 
     monkeypatch.chdir(tmp_path)
     recipe_path = _long_rows_recipe(tmp_path, tiny_model_dir)
@@ -349,7 +350,8 @@ def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, ti
     hardware = dataclasses.replace(detect_hardware(None), kind="cpu", devices=())
     plan = plan_for_recipe(r, hardware=hardware, gpus=2)
     assert plan.micro_batch_size == 2
-    first = launch.prepare_launch(r, recipe_path, [], plan, spec, replanner=replanner_for(r))
+    options = TrainOptions(recipe_path=recipe_path, processes=spec)
+    first = launch.prepare_launch(r, plan, options, replanner=replanner_for(r))
     assert first.command[first.command.index("--request") + 1] == str(tmp_path / "out" / "launch-request.json")
     calls = []
 
@@ -368,7 +370,7 @@ def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, ti
 
     monkeypatch.setattr(launch, "run_launch", fake_run_launch)
     said = []
-    assert recover.launch_with_recovery(r, recipe_path, [], plan, spec, first, notify=said.append,
+    assert recover.launch_with_recovery(r, plan, options, first, notify=said.append,
                                          replanner=replanner_for(r)) == 0
     assert said == ["OOM at step 3 (measured 2.3 MiB); retrying with micro-batch 1 x 2; resuming from "
                     "checkpoint-2 (retry 1 of 3)"]

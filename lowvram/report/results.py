@@ -112,7 +112,7 @@ def show_run(r, as_json: bool = False) -> None:
         key = "gradient_accumulation" if name == "grad_accum" else name
         p.add_row(key, setting_cell(value), r.reasons.get(key, ""))
     c.print(p)
-    m = r.metrics
+    m = r.metrics  # RunMetrics, or None without a readable metrics.json
     t = Table(title="Metrics")
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -120,11 +120,11 @@ def show_run(r, as_json: bool = False) -> None:
         ("steps", r.steps), ("first train loss", number_cell(r.first_loss)), ("final train loss", number_cell(r.final_loss)),
         ("eval loss", number_cell(r.eval_loss)),
         ("runtime", f"{r.runtime_s:.1f} s" if r.runtime_s is not None else None),
-        ("tokens/s", number_cell(m.get("tokens_per_s"), 1) if m.get("tokens_per_s") is not None else None),
+        ("tokens/s", number_cell(m.tokens_per_s, 1) if m is not None and m.tokens_per_s is not None else None),
         ("peak memory (predicted)", mem(r.predicted_peak_bytes)),
-        (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", mem(r.measured_peak_bytes)),
-        ("trainable / total params", f"{m['trainable_params']:,} / {m['total_params']:,}"
-         if m.get("trainable_params") is not None and m.get("total_params") is not None else None),
+        (f"peak memory ({(m.peak_memory_kind if m is not None else None) or 'measured'})", mem(r.measured_peak_bytes)),
+        ("trainable / total params", f"{m.trainable_params:,} / {m.total_params:,}"
+         if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
@@ -137,9 +137,7 @@ def show_run(r, as_json: bool = False) -> None:
         c.print("eval loss: " + ", ".join(f"step {s} {v:.3f}" for s, v in r.eval_history), markup=False)
     c.print(f"checkpoints: {', '.join(r.checkpoints) or 'none'}", markup=False)
     if r.status == "interrupted":
-        from pathlib import Path
-
-        from lowvram.train.recover import resume_command
+        from lowvram.past_runs import resume_command
 
         # The run's other --set flags are in its recipe.yaml; output_dir is the one that locates it.
         here = f"training.output_dir={Path(r.path).resolve()}"

@@ -12,10 +12,36 @@ from lowvram.units import mem, sparkline
 _DISTRIBUTED = {"MULTI_GPU": "DDP", "MULTI_CPU": "DDP over gloo", "FSDP": "FSDP", "DEEPSPEED": "DeepSpeed", "NO": "one process"}
 
 
+def show_started(planned) -> None:
+    """Before the run starts (lowvram.session.PlannedRun): the plan in brief, or with several
+    processes the plan per GPU and the launch command."""
+    from lowvram.report.plans import show_launch, show_plan_brief
+
+    if planned.launch is None:
+        show_plan_brief(planned.recipe, planned.plan)
+    else:
+        show_launch(planned.recipe, planned.plan, planned.processes, planned.launch)
+
+
+def show_train_outcome(outcome, as_json: bool = False) -> None:
+    """What `lowvram train` did (lowvram.session.TrainOutcome): the dry run's plan, the launch
+    files, or the run summary (nothing on a node whose node 0 reports, or after a failed launch)."""
+    from lowvram.report.plans import show_dry_run, show_launch
+
+    p = outcome.planned
+    if outcome.dry_run:
+        show_dry_run(p.recipe, p.plan, as_json=as_json)
+    elif outcome.print_only:
+        show_launch(p.recipe, p.plan, p.processes, p.launch, print_only=True)
+    elif outcome.result is not None:
+        show_train_result(outcome.result, as_json=as_json)
+
+
 def show_train_result(result, as_json: bool = False) -> None:
+    """``result``: lowvram.train.types.RunResult, whose ``metrics`` is a lowvram.metrics.RunMetrics."""
     m = result.metrics
     if as_json:
-        print_json({"output_dir": result.output_dir, "metrics": m})
+        print_json({"output_dir": result.output_dir, "metrics": m.to_dict()})
         return
     from rich.table import Table
 
@@ -24,33 +50,33 @@ def show_train_result(result, as_json: bool = False) -> None:
     t.add_column("value", justify="right")
     rows = [
         ("output_dir", result.output_dir),
-        ("steps", m.get("steps")),
-        ("first train loss", number_cell(m.get("first_loss"))),
-        ("final train loss", number_cell(m.get("train_loss"))),
-        ("eval loss", number_cell(m.get("eval_loss"))),
-        ("runtime", f"{m['runtime_s']:.1f} s" if m.get("runtime_s") is not None else "-"),
-        ("tokens/s", number_cell(m.get("tokens_per_s"), 1)),
-        (f"peak memory ({m.get('peak_memory_kind') or 'measured'})", mem(m.get("peak_memory_bytes"))),
-        *([("processes", f"{m['processes']} ({_DISTRIBUTED.get(m.get('distributed_type'), m.get('distributed_type'))}"
-            + (f", {m['sharded_parameters']} sharded parameters" if m.get("sharded_parameters") else "") + ")"),
-           ("peak memory per rank", ", ".join(mem(b) for b in m["peak_memory_bytes_per_rank"]))]
-          if m.get("peak_memory_bytes_per_rank") else []),
-        ("peak memory (predicted)", mem(m.get("predicted_peak_bytes"))),
-        *([(f"  at the longest row ({m['data_longest_tokens']} tokens"
-            + (", one sample per packed window)" if m.get("data_windows_one_sample") else ")"),
-            mem(m["predicted_peak_bytes_at_data"]))]
-          if m.get("predicted_peak_bytes_at_data") else []),
+        ("steps", m.steps),
+        ("first train loss", number_cell(m.first_loss)),
+        ("final train loss", number_cell(m.train_loss)),
+        ("eval loss", number_cell(m.eval_loss)),
+        ("runtime", f"{m.runtime_s:.1f} s" if m.runtime_s is not None else "-"),
+        ("tokens/s", number_cell(m.tokens_per_s, 1)),
+        (f"peak memory ({m.peak_memory_kind or 'measured'})", mem(m.peak_memory_bytes)),
+        *([("processes", f"{m.processes} ({_DISTRIBUTED.get(m.distributed_type, m.distributed_type)}"
+            + (f", {m.sharded_parameters} sharded parameters" if m.sharded_parameters else "") + ")"),
+           ("peak memory per rank", ", ".join(mem(b) for b in m.peak_memory_bytes_per_rank))]
+          if m.peak_memory_bytes_per_rank else []),
+        ("peak memory (predicted)", mem(m.predicted_peak_bytes)),
+        *([(f"  at the longest row ({m.data_longest_tokens} tokens"
+            + (", one sample per packed window)" if m.data_windows_one_sample else ")"),
+            mem(m.predicted_peak_bytes_at_data))]
+          if m.predicted_peak_bytes_at_data else []),
     ]
-    if m.get("load_s") is not None:
-        cache = {True: " (GGUF cache)", False: " (GGUF converted, cached now)"}.get(m.get("gguf_cache_hit"), "")
-        rows.append(("model load", f"{m['load_s']:.1f} s{cache}"))
-    if m.get("loss_history"):
-        rows.append(("loss curve", sparkline([v for _, v in m["loss_history"]])))
+    if m.load_s is not None:
+        cache = {True: " (GGUF cache)", False: " (GGUF converted, cached now)"}.get(m.gguf_cache_hit, "")
+        rows.append(("model load", f"{m.load_s:.1f} s{cache}"))
+    if m.loss_history:
+        rows.append(("loss curve", sparkline([v for _, v in m.loss_history])))
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
     console().print(t)
-    if len(m.get("memory_comparison") or ()) > 1:  # a CUDA run; the CPU's one pair is above
-        console().print(_comparison_table(m["memory_comparison"]))
+    if len(m.memory_comparison or ()) > 1:  # a CUDA run; the CPU's one pair is above
+        console().print(_comparison_table(m.memory_comparison))
     _warn_prediction(m)
     if (Path(result.output_dir) / "loss.png").is_file():
         console().print(f"loss plot: {Path(result.output_dir) / 'loss.png'}", markup=False)
@@ -82,9 +108,10 @@ def _comparison_table(rows: list[dict]):
     return t
 
 
-def _compared_tensors(metrics: dict) -> tuple[int | None, int | None]:
+def _compared_tensors(metrics) -> tuple[int | None, int | None]:
     """(predicted, measured) tensor bytes: the tensors pair of ``memory_comparison``, else (older
-    metrics.json) the predicted peak and the measured one."""
+    metrics.json) the predicted peak and the measured one. ``metrics``: a RunMetrics, or the
+    dict of a metrics.json (both have ``get``)."""
     from lowvram.gpumemory import tensor_comparison
 
     row = tensor_comparison(metrics.get("memory_comparison"))
@@ -94,7 +121,7 @@ def _compared_tensors(metrics: dict) -> tuple[int | None, int | None]:
             metrics.get("peak_memory_bytes"))
 
 
-def prediction_error(metrics: dict) -> float | None:
+def prediction_error(metrics) -> float | None:
     """(measured - predicted) / predicted, when both are tensor memory of the same device.
 
     On data shorter than seq_len the prediction compared is the one at the longest row."""
@@ -105,7 +132,7 @@ def prediction_error(metrics: dict) -> float | None:
     return (meas - pred) / pred
 
 
-def _warn_prediction(m: dict) -> None:
+def _warn_prediction(m) -> None:
     err = prediction_error(m)
     if err is None or abs(err) <= PREDICTION_TOLERANCE:
         return

@@ -12,11 +12,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError, ModelError
 from lowvram.past_runs import read_json, read_yaml_dict
 from lowvram.runfiles import PLAN, RECIPE
 from lowvram.vocab import COMPUTE_DTYPE, DTYPE_BYTES, WEIGHT_DTYPE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from lowvram.plan.types import Plan
 
 MERGE_INFO = "lowvram_merge.json"
 
@@ -250,7 +256,7 @@ def trained_plan(plan: dict):
                            "pass --dtype to load the base dequantized, or retrain with this lowvram") from None
 
 
-def load_trained_base(base: BaseModel, plan, device: str):
+def load_trained_base(base: BaseModel, plan: Plan, device: str):
     """The base as the run trained it: the BitsAndBytesConfig and weight dtype of train/model.py's
     builder (load_kwargs), on ``device``."""
     from lowvram.train.model import load_kwargs
@@ -282,7 +288,7 @@ def _from_pretrained(base: BaseModel, **kwargs):
                          "check the folder (or hub cache; HF_HUB_OFFLINE=1 reads only the cache)") from None
 
 
-def load_adapter(model, folder: str | Path):
+def load_adapter(model: PreTrainedModel, folder: str | Path):
     from peft import PeftModel
 
     try:

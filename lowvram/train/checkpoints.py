@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.runfiles import (
@@ -24,6 +25,9 @@ from lowvram.runfiles import (
     folder_problem,
     write_atomic,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def mark_complete(folder: Path) -> None:
@@ -96,7 +100,7 @@ def content_problem(folder: Path) -> str | None:
     return None
 
 
-def resume_checkpoint(out: Path, notify=None) -> Path:
+def resume_checkpoint(out: Path, notify: Callable[[str], None] | None = None) -> Path:
     """The newest complete checkpoint whose content is intact; LowvramError when there is none."""
     notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
     folders = sorted((p for p in out.glob(CHECKPOINT_GLOB) if p.is_dir()), key=_step) if out.is_dir() else []

@@ -7,14 +7,21 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError, UsageError
 from lowvram.runfiles import CHECKPOINT_GLOB, LAUNCH_FILES, MARKER, METRICS, checkpoint_number
 from lowvram.train import manifest
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
-def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe=None, plan=None,
-                       notify=None) -> Path | None:
+    from lowvram.plan.types import Plan
+    from lowvram.recipe import Recipe
+
+
+def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe: Recipe | None = None, plan: Plan | None = None,
+                       notify: Callable[[str], None] | None = None) -> Path | None:
     """Check the folder against --resume/--overwrite; returns the checkpoint to resume from.
 
     Called with the folder locked (lock.py). With ``recipe``: a resume is checked against the

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowvram.errors import LowvramError
 from lowvram.runfiles import require_intact
@@ -32,6 +32,9 @@ from lowvram.train.artifacts import (
     trained_size,
 )
 from lowvram.units import mem
+
+if TYPE_CHECKING:
+    from lowvram.hardware import Hardware
 
 FORMATS = ("auto", "chat", "alpaca", "raw")
 
@@ -157,7 +160,7 @@ def _stored_dtype(folder: Path) -> str:
     return stored if stored in DTYPE_BYTES else "float32"
 
 
-def check_fits(size: LoadSize, device: str, hw) -> None:
+def check_fits(size: LoadSize, device: str, hw: Hardware) -> None:
     """The weights (a lower bound: the replies' KV cache and activations come on top, small for
     short replies) against the free memory of the device they load on (merge's check, shared)."""
     if device == "cuda":

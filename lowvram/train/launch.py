@@ -17,13 +17,17 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
 from lowvram.errors import LowvramError
+from lowvram.hardware import Hardware
 from lowvram.plan.replan import Replanner
 from lowvram.plan.types import Plan
+from lowvram.recipe import Recipe
 from lowvram.runfiles import CONFIG, LAUNCH_LOG, LAUNCH_PLAN, LAUNCH_REQUEST, write_atomic
+from lowvram.train.types import LaunchSpec, TrainOptions
 from lowvram.vocab import FSDP_QUANTIZATIONS
 
 # plan.offload -> (backend, ZeRO stage, offload optimizer, offload params)
@@ -38,22 +42,6 @@ BACKENDS: dict[str, tuple[str, int, bool, bool]] = {
     "fsdp": ("fsdp", 0, False, False),
     "fsdp-offload": ("fsdp", 0, True, True),
 }
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    gpus: int = 1  # processes per node
-    nodes: int = 1
-    node_rank: int = 0
-    main_address: str | None = None  # HOST:PORT of rank 0 (several nodes)
-    cpu: bool = False  # processes on CPU with the gloo backend (tests, machines without GPUs)
-    # Seconds the nodes wait for each other at start-up (torchrun's static rendezvous; its default
-    # is 600 s). A node that cannot reach --main-address fails after this instead of hanging.
-    rdzv_timeout_s: int = 300
-
-    @property
-    def world_size(self) -> int:
-        return self.gpus * self.nodes
 
 
 def _precision(plan: Plan) -> str:
@@ -235,7 +223,7 @@ def launch_command(config_path: Path, recipe_path: Path, overrides: list[str] | 
 # `lowvram train --gpus N`: check, write the files, start accelerate, explain failures
 
 
-def check_devices(spec: LaunchSpec, hardware) -> None:
+def check_devices(spec: LaunchSpec, hardware: Hardware) -> None:
     """--gpus must not exceed the GPUs this node can see (CPU runs: any number of processes)."""
     if spec.cpu:
         return
@@ -275,13 +263,16 @@ class Launch:
     backend: str  # ddp | fsdp | deepspeed (BACKENDS), for the report
 
 
-def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: LaunchSpec,
-                   resume: bool = False, overwrite: bool = False, print_only: bool = False,
-                   check_output: bool = True, replanner: Replanner | None = None) -> Launch:
-    """Check the output folder (unless only printing, or ``check_output=False`` when a retry
-    re-launches into it), write the config, the plan and its request (``replanner``), build argv."""
+def prepare_launch(recipe: Recipe, plan: Plan, options: TrainOptions, check_output: bool = True,
+                   replanner: Replanner | None = None) -> Launch:
+    """Check the output folder (unless only printing, ``options.print_launch``, or
+    ``check_output=False`` when a retry re-launches into it), write the config, the plan and its
+    request (``replanner``), build argv for ``options.processes``."""
     from lowvram.train.trainer import output_dir
 
+    spec, print_only = options.processes, options.print_launch
+    if options.recipe_path is None:
+        raise ValueError("a launch needs the recipe's file (TrainOptions.recipe_path): the workers load it")
     accelerate_config(plan, spec)  # FSDP + int8, a bad --main-address: before touching files
     check_plan_for_launch(plan, spec)
     if not print_only:
@@ -290,13 +281,13 @@ def prepare_launch(recipe, recipe_path: Path, overrides, plan: Plan, spec: Launc
     if not print_only and check_output:
         from lowvram.train.folder import prepare_output_dir
 
-        prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
+        prepare_output_dir(out, options.resume, options.overwrite, recipe=recipe, plan=plan)
     cfg_path = write_config(accelerate_config(plan, spec), out)
     plan_path = write_plan(plan, out)
     request_path = write_request(replanner, out) if replanner is not None else None
-    extra = ["--resume"] if resume else []
-    cmd = launch_command(cfg_path, Path(recipe_path).resolve(), list(overrides), extra, spec, plan_path, plan,
-                         request_path)
+    extra = ["--resume"] if options.resume else []
+    cmd = launch_command(cfg_path, Path(options.recipe_path).resolve(), list(options.overrides), extra, spec,
+                         plan_path, plan, request_path)
     return Launch(cmd, cfg_path, plan_path, out, backend_for(plan))
 
 
@@ -339,7 +330,7 @@ class _StderrFilter:
         return not self._GLOG.match(line)
 
 
-def run_launch(launch: Launch, spec: LaunchSpec, stderr=None, track_memory: bool = True,
+def run_launch(launch: Launch, spec: LaunchSpec, stderr: TextIO | None = None, track_memory: bool = True,
                env: dict[str, str] | None = None) -> int:
     """Run accelerate (argv, no shell); stream its output; tracebacks go to launch.log only.
 

@@ -19,8 +19,12 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 SUFFIX = ".lowvram-lock"
 _TORN_AFTER_S = 10.0  # an empty or unreadable lock older than this was left by a crash while it was taken
@@ -84,7 +88,7 @@ def _try_create(path: Path, record: dict) -> bool:
     return True
 
 
-def acquire(folder: Path, what: str, notify=None) -> dict:
+def acquire(folder: Path, what: str, notify: Callable[[str], None] | None = None) -> dict:
     """Take the lock on ``folder`` or raise LowvramError naming its holder; returns our record."""
     notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
     path = lock_path(folder)
@@ -127,7 +131,7 @@ def release(folder: Path, record: dict) -> None:
 
 
 @contextmanager
-def run_lock(folder: Path, what: str = "lowvram", notify=None):
+def run_lock(folder: Path, what: str = "lowvram", notify: Callable[[str], None] | None = None):
     """``with run_lock(out, "train"):`` holds the folder for the block."""
     record = acquire(Path(folder), what, notify)
     try:

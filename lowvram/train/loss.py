@@ -17,29 +17,34 @@ batch, so gradient accumulation averages correctly) or by this batch's label tok
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowvram.plan.backward import CHUNK_TOKENS
+
+if TYPE_CHECKING:
+    import torch
+
+    from lowvram.plan.types import Plan
 
 IGNORE_INDEX = -100
 
 
-def shift_labels(labels):
+def shift_labels(labels: torch.Tensor):
     """Position i predicts token i+1; the last position has no target (ForCausalLMLoss)."""
     import torch.nn.functional as F
 
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def _chunk_loss_sum(lm_head, hidden, targets):
+def _chunk_loss_sum(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor):
     import torch.nn.functional as F
 
     logits = lm_head(hidden).float()  # the loss in fp32, whatever the compute dtype
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def chunked_cross_entropy(hidden, labels, lm_head, num_items_in_batch: Any = None,
-                          chunk_tokens: int = CHUNK_TOKENS):
+def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Module,
+                          num_items_in_batch: Any = None, chunk_tokens: int = CHUNK_TOKENS):
     """Mean next-token cross-entropy from final hidden states ``(b, s, h)`` and unshifted labels
     ``(b, s)``, computing at most ``chunk_tokens`` tokens' logits at a time."""
     import torch
@@ -82,7 +87,7 @@ def causal_lm_chunked_loss(model, inputs: dict, num_items_in_batch: Any = None,
     lm_head = base.get_output_embeddings()
     caught: dict = {}
 
-    def hook(_module, _args, out):
+    def hook(_module: torch.nn.Module, _args: tuple, out):
         caught["h"] = out[0] if isinstance(out, tuple) else out.last_hidden_state
 
     inputs = dict(inputs)
@@ -106,7 +111,7 @@ def chunked_loss_trainer_class():
         # Trainer passes it: it must not be divided by the accumulation steps again.
         loss_is_scaled_for_ga = None
 
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        def compute_loss(self, model, inputs: dict, return_outputs=False, num_items_in_batch=None):
             if "labels" not in inputs:
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             # accelerate wraps model.forward in autocast; the lm_head chunks run outside it, so
@@ -135,7 +140,7 @@ LIGER_KERNEL_CONFIG = {
 }
 
 
-def fused_loss_arguments(plan) -> dict:
+def fused_loss_arguments(plan: Plan) -> dict:
     """TrainingArguments for ``plan.loss``: Liger's fused loss for ``fused`` (the planner picks it
     only on CUDA with liger_kernel importable, lowvram.plan.techniques.fused_loss_unavailable);
     nothing for the other losses. A plan made elsewhere (a launched worker without the extra) is

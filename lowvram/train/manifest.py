@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.runfiles import (
@@ -28,6 +29,9 @@ from lowvram.runfiles import (
     file_sha256,
     write_atomic,
 )
+
+if TYPE_CHECKING:
+    from lowvram.recipe import Recipe
 
 # Runs written before the manifest: the files lowvram and the Trainer write into a run folder.
 _LEGACY_FILES = (
@@ -159,7 +163,7 @@ def check_output_dir_is_safe(out: Path, recipe_source: Path | None, overwrite: b
 # Data files
 
 
-def data_hashes(recipe) -> dict[str, str]:
+def data_hashes(recipe: Recipe) -> dict[str, str]:
     """sha256 of each local data file, keyed by the path as the recipe writes it."""
     out = {}
     for d in recipe.data.datasets:

@@ -10,9 +10,15 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.runfiles import OOM_REPORT, write_atomic
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lowvram.plan.types import Plan
 
 EMULATE_ENV = "LOWVRAM_EMULATE_VRAM"  # testing: cap the CPU live-bytes tracker like a card this size
 
@@ -57,7 +63,7 @@ def emulated_vram_bytes() -> int | None:
 class TrainingOOM(LowvramError):
     """Out of memory during training, with what the retry needs to know."""
 
-    def __init__(self, step: int, measured_peak_bytes: int | None, plan, detail: str) -> None:
+    def __init__(self, step: int, measured_peak_bytes: int | None, plan: Plan, detail: str) -> None:
         from lowvram.units import mem as gib  # MiB below 1 GiB
 
         measured = f"measured {gib(measured_peak_bytes)}, " if measured_peak_bytes else ""
@@ -72,7 +78,7 @@ class TrainingOOM(LowvramError):
         self.detail = detail
 
 
-def oom_error(exc: BaseException, step: int, plan, tracker=None) -> TrainingOOM:
+def oom_error(exc: BaseException, step: int, plan: Plan, tracker: TorchDispatchMode | None = None) -> TrainingOOM:
     """The TrainingOOM for ``exc``, with the peak measured up to the failure."""
     measured = None
     if tracker is not None:
@@ -106,7 +112,7 @@ def has_oom_reports(out: Path) -> bool:
     return any(out.glob(OOM_REPORT.format(rank="*")))
 
 
-def collect_oom_reports(out: Path, plan) -> TrainingOOM | None:
+def collect_oom_reports(out: Path, plan: Plan) -> TrainingOOM | None:
     """The workers' OOM reports as one TrainingOOM (first step, highest measured peak); the
     report files are removed."""
     reports = []

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lowvram.metrics import RunMetrics
+
 LOSS_PNG = "loss.png"
 
 
-def save_loss_plot(metrics: dict, out_dir: str | Path, name: str = LOSS_PNG) -> Path | None:
+def save_loss_plot(metrics: RunMetrics | dict, out_dir: str | Path, name: str = LOSS_PNG) -> Path | None:
     """Write ``out_dir/loss.png`` from metrics.json's histories; None if there is nothing to plot.
 
     Reads ``loss_history`` and ``eval_history`` (``[[step, loss], ...]``) and, if present,
-    ``memory_history`` (``[[step, bytes], ...]``) for a second panel.
+    ``memory_history`` (``[[step, bytes], ...]``) for a second panel. ``metrics``: a RunMetrics,
+    or a metrics.json object (read through the schema).
     """
-    train = metrics.get("loss_history") or []
-    evals = metrics.get("eval_history") or []
-    if not evals and metrics.get("eval_loss") is not None and metrics.get("steps"):
-        evals = [[metrics["steps"], metrics["eval_loss"]]]  # runs from before eval_history was kept
-    memory = metrics.get("memory_history") or []
+    m = metrics if isinstance(metrics, RunMetrics) else RunMetrics.from_dict(metrics)
+    train = m.loss_history
+    evals = m.eval_history
+    if not evals and m.eval_loss is not None and m.steps:
+        evals = [[m.steps, m.eval_loss]]  # runs from before eval_history was kept
+    memory = m.memory_history
     if not train and not evals:
         return None
     import matplotlib
@@ -43,16 +47,16 @@ def save_loss_plot(metrics: dict, out_dir: str | Path, name: str = LOSS_PNG) -> 
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(_title(metrics, Path(out_dir).name))
+    ax.set_title(_title(m, Path(out_dir).name))
     if memory:
         mx = axes[1][0]
         mx.plot([s for s, _ in memory], [b / 2**30 for _, b in memory], color="tab:green", label="memory")
-        predicted = metrics.get("predicted_peak_bytes")
+        predicted = m.predicted_peak_bytes
         if predicted:
             mx.axhline(predicted / 2**30, color="tab:red", linestyle="--", label="predicted peak (seq_len)")
-        at_data = metrics.get("predicted_peak_bytes_at_data")
+        at_data = m.predicted_peak_bytes_at_data
         if at_data:
-            label = f"predicted at the longest row ({metrics.get('data_longest_tokens')} tokens)"
+            label = f"predicted at the longest row ({m.data_longest_tokens} tokens)"
             mx.axhline(at_data / 2**30, color="tab:purple", linestyle=":", label=label)
         mx.set_xlabel("step")
         mx.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -71,10 +75,10 @@ def save_loss_plot(metrics: dict, out_dir: str | Path, name: str = LOSS_PNG) -> 
     return path
 
 
-def _title(metrics: dict, run: str) -> str:
+def _title(m: RunMetrics, run: str) -> str:
     parts = [run]
-    if metrics.get("train_loss") is not None:
-        parts.append(f"final train loss {metrics['train_loss']:.3f}")
-    if metrics.get("eval_loss") is not None:
-        parts.append(f"eval {metrics['eval_loss']:.3f}")
+    if m.train_loss is not None:
+        parts.append(f"final train loss {m.train_loss:.3f}")
+    if m.eval_loss is not None:
+        parts.append(f"eval {m.eval_loss:.3f}")
     return ", ".join(parts)

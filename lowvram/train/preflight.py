@@ -10,13 +10,17 @@ has loaded. No torch here.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
+
+if TYPE_CHECKING:
+    from lowvram.recipe import Recipe
 
 _HEAD_BYTES = 1 << 16  # the first rows of a JSON Lines file: enough for a few rows, read in microseconds
 
 
-def input_problems(recipe) -> list[str]:
+def input_problems(recipe: Recipe) -> list[str]:
     """One line per missing or unreadable input (empty when all are there)."""
     from lowvram.runfiles import folder_problem
     from lowvram.train.data.read import is_local
@@ -41,13 +45,13 @@ def input_problems(recipe) -> list[str]:
     return problems
 
 
-def model_files(recipe) -> tuple[str, ...] | None:
+def model_files(recipe: Recipe) -> tuple[str, ...] | None:
     """The files of the model folder that training reads and that runfiles.folder_problem
     checks: a GGUF model's gguf_file only (a folder may hold several quantizations); else all."""
     return (recipe.model.gguf_file,) if recipe.model.gguf_file else None
 
 
-def _first_rows_problem(path) -> list[str]:
+def _first_rows_problem(path: Path) -> list[str]:
     from lowvram.train.data.read import BadRow, jsonl_rows
 
     with path.open("rb") as f:
@@ -64,7 +68,7 @@ def _first_rows_problem(path) -> list[str]:
     return bad[:1]  # the first; training reports each, or skips them with data.skip_bad_rows
 
 
-def check_inputs(recipe) -> None:
+def check_inputs(recipe: Recipe) -> None:
     problems = input_problems(recipe)
     if problems:
         raise LowvramError(
@@ -78,7 +82,7 @@ def check_inputs(recipe) -> None:
 # What the data and the model can hold: a full optimizer step, seq_len positions
 
 
-def check_shape(recipe, train_rows: int | None = None) -> None:
+def check_shape(recipe: Recipe, train_rows: int | None = None) -> None:
     """LowvramError when one optimizer step needs more rows than the training data has, or
     seq_len is beyond the model's positions without rope scaling (`validate`; `train` once its
     data is built). ``train_rows``: the rows (packed windows) training built; None: counted here
@@ -89,7 +93,7 @@ def check_shape(recipe, train_rows: int | None = None) -> None:
     check_seq_len(recipe)
 
 
-def _check_batch(recipe, rows: int | None) -> None:
+def _check_batch(recipe: Recipe, rows: int | None) -> None:
     batch = recipe.training.batch_size
     if rows is None or rows >= batch:
         return
@@ -102,7 +106,7 @@ def _check_batch(recipe, rows: int | None) -> None:
     )
 
 
-def _counted_train_rows(recipe) -> int | None:
+def _counted_train_rows(recipe: Recipe) -> int | None:
     """Training rows of local .jsonl/.ndjson files (non-blank lines, capped by max_samples, less the
     validation fraction as collate.hold_out takes it); None when any dataset cannot be counted."""
     from lowvram.train.data.read import is_local
@@ -122,7 +126,7 @@ def _counted_train_rows(recipe) -> int | None:
     return total
 
 
-def _non_blank_lines(path) -> int:
+def _non_blank_lines(path: Path) -> int:
     n = 0
     with path.open("rb") as f:
         for line in f:
@@ -130,7 +134,7 @@ def _non_blank_lines(path) -> int:
     return n
 
 
-def check_seq_len(recipe) -> None:
+def check_seq_len(recipe: Recipe) -> None:
     positions, scaled = _model_positions(recipe)
     seq_len = recipe.training.seq_len
     if positions is None or seq_len <= positions or scaled:
@@ -143,7 +147,7 @@ def check_seq_len(recipe) -> None:
     )
 
 
-def _model_positions(recipe) -> tuple[int | None, bool]:
+def _model_positions(recipe: Recipe) -> tuple[int | None, bool]:
     """(max_position_embeddings, whether rope scaling is set) from the model's config.json (a
     local folder or the hub cache; plan.catalog.local_config), else the catalog; (None, False)
     when neither knows the model (a GGUF file: its own metadata)."""

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
+
+if TYPE_CHECKING:
+    from typing import TextIO
+
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
 
 class ProgressCallback(TrainerCallback):
     """A TrainerCallback; `losses` is [(step, loss)] as logged, `eval_losses` likewise."""
 
-    def __init__(self, tty: bool | None = None, stream=None) -> None:
+    def __init__(self, tty: bool | None = None, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.losses: list[tuple[int, float]] = []
@@ -55,7 +61,8 @@ class ProgressCallback(TrainerCallback):
 
     # -- Trainer events ------------------------------------------------------------------------
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: object):
         self._t0 = time.perf_counter()
         self._step_at_start = state.global_step
         self.tokens_seen = self._tokens_at_start = int(state.num_input_tokens_seen or 0)
@@ -78,21 +85,23 @@ class ProgressCallback(TrainerCallback):
             resumed = f" (resumed at step {state.global_step})" if state.global_step else ""
             self._line(f"training: {state.max_steps} steps{resumed}")
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: object):
         self.tokens_seen = int(state.num_input_tokens_seen or 0)
         if control is not None and state.max_steps and state.global_step >= state.max_steps:
             control.should_log = True  # the final loss is the last step's, whatever logging_steps is
         self._update_bar(state)
         return control
 
-    def _update_bar(self, state) -> None:
+    def _update_bar(self, state: TrainerState) -> None:
         if self._progress is not None:
             loss = f"loss {self.losses[-1][1]:.4f}  " if self.losses else ""
             tps = self.tokens_per_s()
             info = loss + (f"{tps:,.0f} tok/s" if tps else "")
             self._progress.update(self._task, completed=state.global_step, info=info)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: object):
         logs = logs or {}
         step = state.global_step
         if "loss" in logs:
@@ -108,11 +117,13 @@ class ProgressCallback(TrainerCallback):
             self.eval_losses.append((step, float(logs["eval_loss"])))
             self._line(f"step {step}/{state.max_steps}  eval loss {logs['eval_loss']:.4f}")
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: object):
         if self._progress is None:
             self._line(f"step {state.global_step}: checkpoint saved")
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: object):
         self.tokens_seen = int(state.num_input_tokens_seen or 0)
         if self._progress is not None:
             self._progress.update(self._task, completed=state.global_step)

@@ -16,50 +16,34 @@ imports this module for its flags).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import shlex
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
+from lowvram.past_runs import resume_command
 from lowvram.plan.replan import Replanner
+from lowvram.plan.types import Plan
 from lowvram.runfiles import CHECKPOINT_GLOB, OOM_REPORT
 from lowvram.train.checkpoints import complete_checkpoints, partial_checkpoints
 from lowvram.train.diskfull import is_disk_full, written_file
 from lowvram.train.oom import EXTRA_METRICS_ENV, REPORT_ENV, TrainingOOM, collect_oom_reports
 from lowvram.train.signals import TrainingInterrupted
-from lowvram.units import shell_line
+from lowvram.train.types import RetryLog, RunResult, TrainOptions
 
-DEFAULT_MAX_RETRIES = 3
+if TYPE_CHECKING:
+    from lowvram.recipe import Recipe
+    from lowvram.train.launch import Launch
 
-
-# --------------------------------------------------------------------------------------------
-# Recognising the failures: out of memory in oom.py, a full disk in diskfull.py
-
-
-# --------------------------------------------------------------------------------------------
-# Complete checkpoints
-
-
-# --------------------------------------------------------------------------------------------
-# Trainer callbacks (transformers is imported when they are made)
-
-
-# --------------------------------------------------------------------------------------------
-# The command that resumes
-
-
-def resume_command(recipe_path, overrides=(), vram: str | None = None) -> str:
-    """`lowvram train RECIPE --resume` with the same --set flags, quoted for a POSIX shell."""
-    args = ["lowvram", "train", str(recipe_path), "--resume"]
-    for item in overrides or ():
-        args += ["--set", item]
-    if vram:
-        args += ["--vram", vram]
-    return shell_line(args)
+DEFAULT_MAX_RETRIES = TrainOptions.max_retries
+Notify = Callable[[str], None]  # one line for the user (stderr by default)
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,7 +62,7 @@ class Retry:
                 "changed": self.changed, "resumed_from": self.resumed_from}
 
 
-def describe_change(old, new) -> str:
+def describe_change(old: Plan, new: Plan) -> str:
     """What a retry changed, in the canonical technique names."""
     parts = []
     for name, value in new.techniques().items():
@@ -91,7 +75,7 @@ def describe_change(old, new) -> str:
     return ", ".join(parts) or "the same settings"
 
 
-def _carries_over(old, new) -> bool:
+def _carries_over(old: Plan, new: Plan) -> bool:
     """A checkpoint's optimizer state and weights load into the new plan's Trainer (the same
     optimizer, adapters and engine: DDP, FSDP and DeepSpeed write different checkpoints)."""
     return (old.optimizer, old.lora, old.offload) == (new.optimizer, new.lora, new.offload)
@@ -156,36 +140,35 @@ def _disk_full(exc: BaseException, out: Path, hint_cmd: str) -> LowvramError:
                         f"free space on that disk (df -h {shlex.quote(str(out))}); {kept}{then}")
 
 
-def train_with_recovery(recipe, plan, resume: bool = False, overwrite: bool = False, recover: bool = True,
-                        max_retries: int = DEFAULT_MAX_RETRIES, resume_cmd: str = "", notify=None,
-                        track_memory: bool | None = None, replanner: Replanner | None = None):
+def _stderr_line(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def train_with_recovery(recipe: Recipe, plan: Plan, options: TrainOptions, replanner: Replanner | None = None,
+                        notify: Notify | None = None) -> RunResult:
     """run_training, retried with ``replanner``'s next cheaper plan after an out-of-memory error
-    (built above train/ by lowvram.planning.entry.replanner_for; None: no retry can be planned); the output folder is locked
-    for the whole time (lock.py)."""
+    (built above train/ by lowvram.planning.entry.replanner_for; None: no retry can be planned);
+    the output folder is locked for the whole time (lock.py)."""
     from lowvram.train.lock import run_lock
     from lowvram.train.trainer import output_dir
 
-    notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
+    notify = notify or _stderr_line
     out = output_dir(recipe)
-    with run_lock(out, _lock_label(resume, overwrite), notify):
-        return _train_loop(recipe, plan, out, resume, overwrite, recover, max_retries, resume_cmd, notify,
-                           track_memory, replanner)
+    with run_lock(out, options.lock_label, notify):
+        return _train_loop(recipe, plan, out, options, replanner, notify)
 
 
-def _lock_label(resume: bool, overwrite: bool) -> str:
-    return "lowvram train" + (" --resume" if resume else "") + (" --overwrite" if overwrite else "")
-
-
-def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries, resume_cmd, notify,
-                track_memory, replanner):
+def _train_loop(recipe: Recipe, plan: Plan, out: Path, options: TrainOptions, replanner: Replanner | None,
+                notify: Notify) -> RunResult:
     from lowvram.train.run import run_training
 
+    resume_cmd = options.resume_command
     retries: list[Retry] = []
     first = True
     while True:
         try:
-            return run_training(recipe, plan, resume=resume, overwrite=overwrite, prepared=not first,
-                                extra_metrics=_retry_metrics(retries, plan), track_memory=track_memory,
+            return run_training(recipe, plan, options, prepared=not first, retries=_retry_log(retries, plan),
                                 replanner=replanner)
         except TrainingOOM as e:
             err = _without_frames(e)
@@ -200,35 +183,34 @@ def _train_loop(recipe, plan, out: Path, resume, overwrite, recover, max_retries
         first = False
         _free_memory()  # err holds no frame now: the failed attempt's model, optimizer and Trainer go
 
-        def through_accelerate(new) -> str | None:
+        def through_accelerate(new: Plan) -> str | None:
             if new.offload == "none":
                 return None
             return (f"the next cheaper plan offloads (offload {new.offload}), which runs through "
                     f"accelerate: {resume_cmd or 'lowvram train RECIPE'} --set techniques.offload={new.offload}")
 
-        new, ckpts = _next_attempt(replanner, err, plan, retries, out, recover, max_retries, refuse=through_accelerate)
-        _record_retry(err, plan, new, ckpts, retries, max_retries, notify)
+        new, ckpts = _next_attempt(replanner, err, plan, retries, out, options, refuse=through_accelerate)
+        _record_retry(err, plan, new, ckpts, retries, options.max_retries, notify)
         del err
-        plan, resume, overwrite = new, True, False
+        plan, options = new, dataclasses.replace(options, resume=True, overwrite=False)
 
 
-def _retry_metrics(retries: list[Retry], plan) -> dict:
+def _retry_log(retries: list[Retry], plan: Plan) -> RetryLog:
     """What metrics.json says about the retries so far (and, after one, the plan it ended with)."""
-    extra: dict = {"oom_retries": [r.to_dict() for r in retries]}
-    if retries:
-        extra["final_plan"] = {**plan.techniques(), "micro_batch_size": plan.micro_batch_size}
-    return extra
+    final = {**plan.techniques(), "micro_batch_size": plan.micro_batch_size} if retries else None
+    return RetryLog(tuple(r.to_dict() for r in retries), final)
 
 
-def _next_attempt(replanner: Replanner | None, err: TrainingOOM, plan, retries: list[Retry], out: Path, recover: bool,
-                  max_retries: int, refuse=None):
+def _next_attempt(replanner: Replanner | None, err: TrainingOOM, plan: Plan, retries: list[Retry], out: Path,
+                  options: TrainOptions, refuse: Callable[[Plan], str | None] | None = None
+                  ) -> tuple[Plan, list[Path]]:
     """(next cheaper plan, checkpoints to resume from) after ``err``, or the final error when
     recovery is off, spent or impossible (``refuse(new)``: why this caller cannot run the plan).
     Checkpoints that cannot carry over to the new plan are removed: the retry starts over."""
-    if not recover:
+    if not options.recover:
         raise _final_failure(err, [], "automatic recovery is off (--no-recover)")
-    if len(retries) >= max_retries:
-        raise _final_failure(err, retries, f"--max-retries {max_retries} reached")
+    if len(retries) >= options.max_retries:
+        raise _final_failure(err, retries, f"--max-retries {options.max_retries} reached")
     new = replanner.next_cheaper(err.plan, err.measured_peak_bytes) if replanner is not None else None
     if new is None:
         raise _final_failure(err, retries, "no cheaper plan keeps the effective batch and the recipe's fixed settings")
@@ -243,8 +225,8 @@ def _next_attempt(replanner: Replanner | None, err: TrainingOOM, plan, retries: 
     return new, ckpts
 
 
-def _record_retry(err: TrainingOOM, plan, new, ckpts: list[Path], retries: list[Retry], max_retries: int,
-                  notify) -> None:
+def _record_retry(err: TrainingOOM, plan: Plan, new: Plan, ckpts: list[Path], retries: list[Retry],
+                  max_retries: int, notify: Notify) -> None:
     retry = Retry(err.step, err.measured_peak_bytes, describe_change(plan, new),
                   str(ckpts[-1]) if ckpts else None)
     retries.append(retry)
@@ -266,9 +248,8 @@ __all__ = ["describe_change", "is_disk_full", "launch_with_recovery", "resume_co
 # Several processes (`lowvram train --gpus N`): the launcher re-plans, the workers report
 
 
-def launch_with_recovery(recipe, recipe_path, overrides, plan, spec, launched, recover: bool = True,
-                         max_retries: int = DEFAULT_MAX_RETRIES, track_memory: bool = True,
-                         notify=None, replanner: Replanner | None = None) -> int:
+def launch_with_recovery(recipe: Recipe, plan: Plan, options: TrainOptions, launched: Launch,
+                         notify: Notify | None = None, replanner: Replanner | None = None) -> int:
     """run_launch, re-launched with the next cheaper plan when the workers run out of memory.
 
     The same loop as train_with_recovery, one level up: the workers report their OOM
@@ -277,26 +258,28 @@ def launch_with_recovery(recipe, recipe_path, overrides, plan, spec, launched, r
     checkpoint when it carries over. Returns the launcher's exit code (0: trained)."""
     from lowvram.train import launch
 
-    notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
+    notify = notify or _stderr_line
+    spec = options.processes
     out = launched.output_dir
     for stale in out.glob(OOM_REPORT.format(rank="*")):
         stale.unlink(missing_ok=True)
     retries: list[Retry] = []
     while True:
-        rc = launch.run_launch(launched, spec, track_memory=track_memory,
-                               env={REPORT_ENV: "1", EXTRA_METRICS_ENV: json.dumps(_retry_metrics(retries, plan))})
+        extra = json.dumps(_retry_log(retries, plan).to_dict())
+        rc = launch.run_launch(launched, spec, track_memory=options.track_memory is not False,
+                               env={REPORT_ENV: "1", EXTRA_METRICS_ENV: extra})
         err = collect_oom_reports(out, plan) if rc != 0 else None
         if err is None:
             return rc
-        if recover and spec.nodes > 1:
+        if options.recover and spec.nodes > 1:
             raise _final_failure(err, retries, "automatic recovery runs on one node only (every node would "
                                  "have to agree on the new plan)")
-        new, ckpts = _next_attempt(replanner, err, plan, retries, out, recover, max_retries)
+        new, ckpts = _next_attempt(replanner, err, plan, retries, out, options)
         try:
-            launched = launch.prepare_launch(recipe, recipe_path, overrides, new, spec, resume=bool(ckpts),
-                                             check_output=False, replanner=replanner)
+            again = dataclasses.replace(options, resume=bool(ckpts), overwrite=False, print_launch=False)
+            launched = launch.prepare_launch(recipe, new, again, check_output=False, replanner=replanner)
         except LowvramError as e:
             raise _final_failure(err, retries, f"the next cheaper plan ({describe_change(plan, new)}) cannot "
                                  f"run here: {e.message}") from None
-        _record_retry(err, plan, new, ckpts, retries, max_retries, notify)
+        _record_retry(err, plan, new, ckpts, retries, options.max_retries, notify)
         plan = new

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.runfiles import PLAN, RECIPE
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from lowvram.plan.types import Plan
+    from lowvram.recipe import Recipe
 
 # Recipe keys whose change keeps the training identical, step for step.
 SAFE_KEYS = (
@@ -66,7 +73,7 @@ def recipe_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     return refused, allowed
 
 
-def plan_differences(old: dict, plan) -> list[str]:
+def plan_differences(old: dict, plan: Plan) -> list[str]:
     if not old:
         return []
     out = [f"plan {k}: {old[k]!r} -> {getattr(plan, k)!r}" for k in PLAN_KEYS
@@ -81,7 +88,7 @@ def plan_differences(old: dict, plan) -> list[str]:
     return out
 
 
-def data_differences(out: Path, recipe) -> list[str]:
+def data_differences(out: Path, recipe: Recipe) -> list[str]:
     from lowvram.train import manifest
 
     recorded = (manifest.read(out) or {}).get("data_sha256") or {}
@@ -92,7 +99,7 @@ def data_differences(out: Path, recipe) -> list[str]:
             for name, old in recorded.items() if name in now and now[name] != old]
 
 
-def check_resume(out: Path, recipe, plan=None, notify=None) -> None:
+def check_resume(out: Path, recipe: Recipe, plan: Plan | None = None, notify: Callable[[str], None] | None = None) -> None:
     """Refuse a resume that would mix two runs; say which safe changes it takes."""
     from lowvram.past_runs import read_json, read_yaml_dict
 

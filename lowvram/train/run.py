@@ -9,6 +9,7 @@ run), ``metrics.json`` last (it marks the run finished).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -16,18 +17,32 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
+from lowvram.metrics import RunMetrics
 from lowvram.plan.replan import Replanner
+from lowvram.plan.types import Plan
+from lowvram.recipe import Recipe
 from lowvram.runfiles import METRICS, PLAN, RECIPE, require_intact, write_atomic
-from lowvram.train.types import RunResult
+from lowvram.train.types import RetryLog, RunResult, TrainOptions
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+
+    from lowvram.gpumemory import MemoryComparison
+    from lowvram.train.data.build import DataBundle
+
+_ONE_RUN = TrainOptions(track_memory=None)  # a call from code: LOWVRAM_TRACK_MEMORY, default on
 
 # --------------------------------------------------------------------------------------------
 # The run folder
 
 
-def _save_final(trainer, tokenizer, out: Path) -> None:
+def _save_final(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
     """Adapter (or model) + tokenizer, each file moved into place whole.
 
     Every rank calls save_model (FSDP gathers the shards collectively); rank 0 writes."""
@@ -67,7 +82,7 @@ def _name_what_did_not_fit(exc: Exception, tmp: Path, out: Path) -> None:
 # Memory
 
 
-def _memory_tracker(plan, model, track: bool = True):
+def _memory_tracker(plan: Plan, model: PreTrainedModel, track: bool = True) -> TorchDispatchMode | None:
     """On CPU: lowvram.livebytes' tracker (exact tensor bytes; ``track=False``, from
     --no-track-memory: none, unless an emulated card needs it); on CUDA: reset the peak."""
     if plan.device == "cuda":
@@ -90,7 +105,8 @@ def _memory_tracker(plan, model, track: bool = True):
     return tracker
 
 
-def _peak_memory(plan, tracker, history=None, breakdown: dict[str, int] | None = None) -> dict:
+def _peak_memory(plan: Plan, tracker: TorchDispatchMode | None, history: TrainerCallback | None = None,
+                 breakdown: dict[str, int] | None = None) -> dict:
     """The run's measured peak; ``history`` (livebytes.memory_history_callback) holds the peaks of
     the logging intervals, whose maximum is the run's peak. ``breakdown``: the prediction to
     compare with, part by part (``memory_comparison``: lowvram.gpumemory, like with like)."""
@@ -122,7 +138,7 @@ def _peak_memory(plan, tracker, history=None, breakdown: dict[str, int] | None =
     return {"peak_memory_bytes": _peak_rss(), "peak_memory_kind": "process peak RSS (not tensor memory)"}
 
 
-def _comparison(rows) -> dict:
+def _comparison(rows: tuple[MemoryComparison, ...]) -> dict:
     return {"memory_comparison": [r.to_dict() for r in rows]} if rows else {}
 
 
@@ -140,7 +156,7 @@ def _loss_history(log_history: list[dict], key: str = "loss") -> list[list[float
     return [[int(e["step"]), float(e[key])] for e in log_history if key in e and "step" in e]
 
 
-def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
+def _gather_peaks(trainer: Trainer, out: Path, peak: dict) -> list[int] | None:
     """Several processes: each rank writes rank-K.json with its peak (on its own node's disk) and
     the peaks are gathered over the process group (nodes need not share a filesystem)."""
     acc = trainer.accelerator
@@ -153,7 +169,7 @@ def _gather_peaks(trainer, out: Path, peak: dict) -> list[int] | None:
     return [int(b) for b in peaks] if trainer.is_world_process_zero() else None
 
 
-def _distribution(trainer) -> dict:
+def _distribution(trainer: Trainer) -> dict:
     """How the processes shared the model, read from the run itself: accelerate's distributed type
     (NO, MULTI_GPU, MULTI_CPU, FSDP, DEEPSPEED) and how many parameters FSDP2 holds as shards."""
     from torch.distributed.tensor import DTensor
@@ -164,7 +180,7 @@ def _distribution(trainer) -> dict:
     return {"distributed_type": kind, "sharded_parameters": sharded}
 
 
-def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None) -> tuple[dict, dict[str, int]]:
+def _prediction_at_data_length(recipe: Recipe, plan: Plan, bundle: DataBundle, replanner: Replanner | None) -> tuple[dict, dict[str, int]]:
     """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
     the plan (made for full seq_len batches). Predict the peak at the longest row as well, so the
     measured peak is compared with what this data can reach: (metrics, the breakdown the
@@ -188,13 +204,15 @@ def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None
     return metrics, breakdown
 
 
-def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, callbacks=(),
-                 prepared: bool = False, extra_metrics: dict | None = None,
-                 track_memory: bool | None = None, replanner: Replanner | None = None) -> RunResult:
+def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, callbacks: Sequence[TrainerCallback] = (),
+                 prepared: bool = False, retries: RetryLog | None = None,
+                 replanner: Replanner | None = None) -> RunResult:
     """Train as the Plan says; returns the metrics also written to output_dir/metrics.json.
 
+    ``options``: resume, overwrite and track_memory are read here (the rest is the launcher's).
     ``replanner`` (lowvram.planning, from the caller): the peak predicted at the data's longest
-    row; without it metrics.json has the plan's prediction only.
+    row; without it metrics.json has the plan's prediction only. ``retries``: the out-of-memory
+    retries before this attempt, for metrics.json (recover.py).
 
     ``prepared``: a launcher process already checked output_dir (``lowvram train --gpus N``);
     each rank only finds the checkpoint to resume from. Only rank 0 writes the run files.
@@ -205,12 +223,12 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     from lowvram.train.checkpoints import complete_checkpoints
 
     if prepared:
-        found = complete_checkpoints(out) if resume and out.is_dir() else []
+        found = complete_checkpoints(out) if options.resume and out.is_dir() else []
         checkpoint = found[-1] if found else None
     else:
         from lowvram.train.folder import prepare_output_dir
 
-        checkpoint = prepare_output_dir(out, resume, overwrite, recipe=recipe, plan=plan)
+        checkpoint = prepare_output_dir(out, options.resume, options.overwrite, recipe=recipe, plan=plan)
     at_end = checkpoint is not None and _finished_at(checkpoint, recipe)
 
     from lowvram.train.model import resolve_model_location
@@ -253,6 +271,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         write_atomic(out / RECIPE, (f"# recipe: {Path(recipe.source).resolve()}\n" if recipe.source else "") + recipe.to_yaml())
         write_atomic(out / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
 
+    track_memory = options.track_memory
     if track_memory is None:  # launched workers: `--no-track-memory` reaches them through this variable
         track_memory = os.environ.get("LOWVRAM_TRACK_MEMORY", "1") != "0"
     tracker = _memory_tracker(plan, loaded.model, track_memory)
@@ -288,46 +307,46 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     history = _loss_history(trainer.state.log_history)
     session_tokens = progress.session_tokens()
     s = bundle.stats
-    metrics = {
-        "first_loss": history[0][1] if history else None,
-        "train_loss": history[-1][1] if history else None,
-        "eval_loss": eval_loss,
-        "steps": int(trainer.state.global_step),
-        "runtime_s": round(runtime, 3),
-        "train_runtime_s": round(float(train_out.metrics.get("train_runtime", runtime)) if train_out else 0.0, 3),
-        "tokens_seen": int(trainer.state.num_input_tokens_seen or progress.tokens_seen),
-        "tokens_per_s": round(session_tokens / runtime, 1) if runtime > 0 and session_tokens else None,
+    metrics = RunMetrics(
+        first_loss=history[0][1] if history else None,
+        train_loss=history[-1][1] if history else None,
+        eval_loss=eval_loss,
+        steps=int(trainer.state.global_step),
+        runtime_s=round(runtime, 3),
+        train_runtime_s=round(float(train_out.metrics.get("train_runtime", runtime)) if train_out else 0.0, 3),
+        tokens_seen=int(trainer.state.num_input_tokens_seen or progress.tokens_seen),
+        tokens_per_s=round(session_tokens / runtime, 1) if runtime > 0 and session_tokens else None,
         **peak,
-        "predicted_peak_bytes": plan.predicted_peak_bytes,
-        "predicted_device": plan.device,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        predicted_device=plan.device,
         **at_data,
-        "memory_history": mem_history.history,  # [[step, peak bytes since the previous log], ...]
-        "processes": int(trainer.accelerator.num_processes),
+        memory_history=mem_history.history,  # [[step, peak bytes since the previous log], ...]
+        processes=int(trainer.accelerator.num_processes),
         **_distribution(trainer),
-        "peak_memory_bytes_per_rank": per_rank,
-        "train_rows": s.train_rows,
-        "eval_rows": s.eval_rows,
-        "truncated": s.truncated,
-        "skipped_bad_rows": s.skipped_bad_rows,
-        "packed": s.packed,
-        "load_s": round(loaded.load_s, 3),
-        "gguf_cache_hit": loaded.gguf_cache_hit,
-        "trainable_params": loaded.trainable_params,
-        "total_params": loaded.total_params,
-        "resumed_from": str(checkpoint) if checkpoint else None,
-        "loss_history": history,
-        "eval_history": _loss_history(trainer.state.log_history, "eval_loss"),
-        **(extra_metrics or {}),
-    }
-    if per_rank:
-        metrics["peak_memory_bytes"] = max(per_rank)  # the largest rank: what must fit one card
+        peak_memory_bytes_per_rank=per_rank,
+        train_rows=s.train_rows,
+        eval_rows=s.eval_rows,
+        truncated=s.truncated,
+        skipped_bad_rows=s.skipped_bad_rows,
+        packed=s.packed,
+        load_s=round(loaded.load_s, 3),
+        gguf_cache_hit=loaded.gguf_cache_hit,
+        trainable_params=loaded.trainable_params,
+        total_params=loaded.total_params,
+        resumed_from=str(checkpoint) if checkpoint else None,
+        loss_history=history,
+        eval_history=_loss_history(trainer.state.log_history, "eval_loss"),
+        **(retries.to_dict() if retries is not None else {}),
+    )
+    if per_rank:  # the largest rank: what must fit one card
+        metrics = dataclasses.replace(metrics, peak_memory_bytes=max(per_rank))
     if main:
         _plot(metrics, out)  # before metrics.json: a plot the disk had no room for leaves the run unfinished
-        write_atomic(out / METRICS, json.dumps(metrics, indent=2) + "\n")
+        write_atomic(out / METRICS, metrics.to_json())
     return RunResult(output_dir=str(out), metrics=metrics, resumed_from=str(checkpoint) if checkpoint else None)
 
 
-def _arguments_then_model(recipe, plan):
+def _arguments_then_model(recipe: Recipe, plan: Plan):
     """(TrainingArguments, LoadedModel), in that order. Under ``accelerate launch`` with DeepSpeed,
     TrainingArguments.__post_init__ makes the DeepSpeedPlugin whose HfDeepSpeedConfig sets
     transformers' global weakref (accelerate utils/dataclasses.py set_deepspeed_weakref); only
@@ -345,7 +364,7 @@ def _arguments_then_model(recipe, plan):
     return args, load_model(recipe, plan)
 
 
-def _finished_at(checkpoint: Path, recipe) -> bool:
+def _finished_at(checkpoint: Path, recipe: Recipe) -> bool:
     """Whether ``checkpoint`` holds the run's last step (max_steps, or the step count the run
     started with when it trains for epochs): resuming from it trains nothing more."""
     from lowvram.train.checkpoints import checkpoint_step
@@ -360,7 +379,7 @@ def _finished_at(checkpoint: Path, recipe) -> bool:
     return target is not None and step >= target
 
 
-def _load_finished(trainer, checkpoint: Path):
+def _load_finished(trainer: Trainer, checkpoint: Path):
     """The Trainer as it stood at the end of the run: the checkpoint's weights and state (loss
     history, tokens seen). transformers' own resume would take one more step before it checks
     max_steps (its loop tests the stop condition after a step)."""
@@ -373,7 +392,7 @@ def _load_finished(trainer, checkpoint: Path):
     return None
 
 
-def _plot(metrics: dict, out: Path) -> None:
+def _plot(metrics: RunMetrics, out: Path) -> None:
     """loss.png next to metrics.json (written before it); a plotting problem never fails a
     finished run, a full disk does (an OSError naming loss.png: recover._disk_full's error)."""
     import warnings

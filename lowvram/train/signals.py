@@ -12,9 +12,16 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowvram.errors import EXIT_SIGINT, EXIT_SIGTERM, LowvramError
 from lowvram.runfiles import checkpoint_folder
+
+if TYPE_CHECKING:
+    from types import FrameType
+    from typing import TextIO
+
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
 
 class TrainingInterrupted(LowvramError):
@@ -31,12 +38,12 @@ class TrainingInterrupted(LowvramError):
 class SignalStop:
     """SIGINT/SIGTERM -> save at the end of this optimizer step and stop; a second one stops now."""
 
-    def __init__(self, stream=None) -> None:
+    def __init__(self, stream: TextIO | None = None) -> None:
         self.signum: int | None = None
         self.stream = stream or sys.stderr
         self._previous: dict[int, object] = {}
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # asked twice: do not wait for the step
             self.restore()
             raise KeyboardInterrupt
@@ -71,13 +78,15 @@ def make_callbacks(stop: SignalStop) -> list:
 
     class MarkComplete(TrainerCallback):
         # on_save runs after the Trainer wrote the whole folder (trainer.py _maybe_log_save_evaluate).
-        def on_save(self, args, state, control, **kwargs):
+        def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: object):
             folder = Path(args.output_dir) / checkpoint_folder(state.global_step)
             if state.is_local_process_zero and folder.is_dir():
                 mark_complete(folder)
 
     class StopOnSignal(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                        **kwargs: object):
             if stop.signum is not None:
                 control.should_save = True
                 control.should_training_stop = True
@@ -86,7 +95,8 @@ def make_callbacks(stop: SignalStop) -> list:
     class RecordCheckpoint(TrainerCallback):
         # After the Trainer's flow callback and StopOnSignal decided to save, before the folder is
         # written: `--overwrite` deletes it even when the process dies half-way through it.
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                        **kwargs: object):
             if control.should_save and state.is_local_process_zero:
                 from lowvram.train.manifest import record
 

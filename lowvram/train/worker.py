@@ -54,12 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         from lowvram.train import oom, signals
         from lowvram.train.run import run_training
         from lowvram.train.trainer import output_dir
+        from lowvram.train.types import RetryLog, TrainOptions
 
         extra = json.loads(os.environ.get(oom.EXTRA_METRICS_ENV) or "{}")
         reporting = os.environ.get(oom.REPORT_ENV) == "1"  # the launcher re-plans after an OOM
+        options = TrainOptions(recipe_path=args.recipe, overrides=tuple(args.overrides), resume=args.resume,
+                               track_memory=None)  # None: the launcher's LOWVRAM_TRACK_MEMORY
         try:
-            run_training(recipe, plan, resume=args.resume, prepared=True, extra_metrics=extra or None,
-                         replanner=replanner)
+            run_training(recipe, plan, options, prepared=True,
+                         retries=RetryLog.from_dict(extra) if extra else None, replanner=replanner)
         except oom.TrainingOOM as err:
             if not reporting:
                 raise

@@ -16,6 +16,9 @@ from lowvram.train.data.read import load_rows
 from lowvram.train.data.tokenize import Counts, tokenize_rows
 from lowvram.train.loss import IGNORE_INDEX
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
@@ -40,7 +43,7 @@ class DataBundle:
     stats: DataStats
 
 
-def build_datasets(recipe: Recipe, tokenizer) -> DataBundle:
+def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> DataBundle:
     """Load, format, tokenize, mask, truncate (and pack) the recipe's datasets."""
     data = recipe.data
     counts = Counts()

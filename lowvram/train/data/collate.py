@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 from lowvram.errors import DataError
 from lowvram.train.loss import IGNORE_INDEX
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
@@ -61,7 +64,7 @@ class PadCollator:
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
 
 
-def make_collator(tokenizer, pad_to_multiple_of: int | None = None, padding_mask: bool = False) -> PadCollator:
+def make_collator(tokenizer: PreTrainedTokenizerBase, pad_to_multiple_of: int | None = None, padding_mask: bool = False) -> PadCollator:
     """Dynamic per-batch padding with the tokenizer's pad id (its eos id if it has no pad)."""
     pad_id = tokenizer.pad_token_id
     if pad_id is None:

@@ -3,11 +3,14 @@ through their prompt, chat through the tokenizer's chat template (assistant turn
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowvram.errors import DataError
 from lowvram.recipe import DatasetSpec
 from lowvram.train.data.read import BadRow
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # The Stanford Alpaca prompt (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT).
 ALPACA_PROMPT = (
@@ -111,7 +114,7 @@ class ChatRenderer:
     Mistral, Gemma and Qwen templates; a row where it fails is reported, not silently mis-masked.
     """
 
-    def __init__(self, tokenizer, spec: DatasetSpec) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: DatasetSpec) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"{spec.path}: format chat needs a chat template and the tokenizer has no chat template",

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lowvram.errors import DataError
 from lowvram.recipe import DatasetSpec, Recipe
 from lowvram.train.data.format import ChatRenderer, Segments, check_fields, segments
 from lowvram.train.data.read import BadRow, Row
 from lowvram.train.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -22,7 +26,7 @@ class Counts:
     dropped: int = 0
 
 
-def _special_prefix(tokenizer) -> list[int]:
+def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Token ids the tokenizer puts before a text by default (a BOS), found by comparison."""
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a")["input_ids"]
@@ -32,7 +36,7 @@ def _special_prefix(tokenizer) -> list[int]:
     return []
 
 
-def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer,
+def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer: PreTrainedTokenizerBase,
                    counts: Counts) -> list[tuple[list[int], list[int]]]:
     check_fields(spec)
     chat = ChatRenderer(tokenizer, spec) if spec.format == "chat" else None
@@ -79,7 +83,7 @@ def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer,
     return out
 
 
-def _batch_tokenize(tokenizer, texts: Iterable[str]) -> dict[str, list[int]]:
+def _batch_tokenize(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) -> dict[str, list[int]]:
     unique = list(dict.fromkeys(t for t in texts if t))  # prompts repeat (alpaca header, chat)
     ids: dict[str, list[int]] = {"": []}
     for start in range(0, len(unique), 1000):

@@ -1,0 +1,173 @@
+"""The schema of ``metrics.json``: what a finished run measured, written by train/ and read by
+`lowvram runs` / `lowvram show` (past_runs.py, report/).
+
+One frozen dataclass, :class:`RunMetrics`, with a ``schema_version``. Files written before the
+schema (no ``schema_version``) are version 0: the same keys, read the same way. A file of a newer
+version than this lowvram knows, or one whose values have the wrong types, is a damaged file
+(:func:`metrics_problem`): the readers give error/hint instead of showing half a run. Keys this
+schema does not name (a newer lowvram's) are kept in ``other`` and written back unchanged.
+No torch, nothing of lowvram but the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1  # 0: the files of lowvram before the schema (the same keys, no version)
+
+Pairs = list[list[float]]  # [[step, value], ...]
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """A finished run's metrics.json. Memory in bytes; ``None``: not measured on this run."""
+
+    schema_version: int = SCHEMA_VERSION
+    # Loss and time
+    first_loss: float | None = None
+    train_loss: float | None = None  # the last logged training loss
+    eval_loss: float | None = None
+    steps: int | None = None
+    runtime_s: float | None = None  # this session's training (tokens/s are over it)
+    train_runtime_s: float | None = None  # the Trainer's train_runtime
+    tokens_seen: int | None = None
+    tokens_per_s: float | None = None
+    # The measured peak (train/run.py _peak_memory: live tensor bytes on CPU, CUDA counters on a GPU)
+    peak_memory_bytes: int | None = None
+    peak_memory_kind: str | None = None  # what measured it: "live tensor bytes (exact, CPU)", ...
+    peak_rss_bytes: int | None = None  # CPU with live-byte tracking only
+    peak_reserved_bytes: int | None = None  # CUDA only
+    beyond_reserved_bytes: int | None = None  # CUDA only
+    memory_comparison: list[dict] | None = None  # lowvram.gpumemory rows: part, predicted, measured
+    # The prediction it is compared with
+    predicted_peak_bytes: int | None = None
+    predicted_device: str | None = None
+    data_longest_tokens: int | None = None  # data shorter than seq_len: the peak predicted there
+    predicted_peak_bytes_at_data: int | None = None
+    data_windows_one_sample: bool | None = None  # packing on, no window holds two samples
+    memory_history: Pairs = field(default_factory=list)  # [[step, peak bytes since the last log], ...]
+    # Processes
+    processes: int | None = None
+    distributed_type: str | None = None  # accelerate's DistributedType value
+    sharded_parameters: int | None = None
+    peak_memory_bytes_per_rank: list[int] | None = None
+    # Data and model
+    train_rows: int | None = None
+    eval_rows: int | None = None
+    truncated: int | None = None
+    skipped_bad_rows: int | None = None
+    packed: bool | None = None
+    load_s: float | None = None
+    gguf_cache_hit: bool | None = None
+    trainable_params: int | None = None
+    total_params: int | None = None
+    resumed_from: str | None = None
+    loss_history: Pairs = field(default_factory=list)
+    eval_history: Pairs = field(default_factory=list)
+    # Out-of-memory retries (train/recover.py): absent when the run was not trained through it
+    oom_retries: list[dict] | None = None
+    final_plan: dict | None = None  # after a retry: the techniques the run ended with
+    status: str | None = None  # read only: a status an older writer recorded
+    other: dict = field(default_factory=dict)  # keys this schema does not know, kept as they were
+
+    def to_dict(self) -> dict:
+        """The JSON object of metrics.json (the situational keys only where they were measured)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "other"}
+        for name in _SITUATIONAL:
+            if d[name] is None:
+                del d[name]
+        return {**d, **self.other}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunMetrics:
+        """A metrics.json object, of any version up to SCHEMA_VERSION; ValueError naming the first
+        key whose value has the wrong type, or a version this lowvram cannot read."""
+        problem = _problem(data)
+        if problem:
+            raise ValueError(problem)
+        known = {k: data[k] for k in _TYPES if k in data}
+        other = {k: v for k, v in data.items() if k not in _TYPES}
+        return cls(**{**known, "schema_version": int(data.get("schema_version", 0))}, other=other)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def get(self, key: str, default=None):
+        """The value of a metrics.json key (an unknown key: ``other``'s), like dict.get."""
+        return self.to_dict().get(key, default)
+
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
+
+
+# Keys written only where the run measured them (as metrics.json has always done).
+_SITUATIONAL = ("peak_rss_bytes", "peak_reserved_bytes", "beyond_reserved_bytes", "memory_comparison",
+                "data_longest_tokens", "predicted_peak_bytes_at_data", "data_windows_one_sample",
+                "oom_retries", "final_plan", "status")
+
+_HINTS = typing.get_type_hints(RunMetrics)
+_TYPES = {f.name: _HINTS[f.name] for f in dataclasses.fields(RunMetrics) if f.name != "other"}
+
+
+def _members(hint) -> tuple[list[type], bool]:
+    """(the types a field's hint allows, whether it allows None): ``int | None`` -> ([int], True),
+    ``list[list[float]]`` -> ([list], False)."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = typing.get_args(hint) if union else (hint,)
+    return [typing.get_origin(a) or a for a in members if a is not type(None)], type(None) in members
+
+
+def _accepts(hint, value) -> bool:
+    """Whether a JSON ``value`` is of the field's type (numbers: any JSON number, never true or
+    false)."""
+    kinds, optional = _members(hint)
+    if value is None:
+        return optional
+    for base in kinds:
+        # A count or a byte size is a JSON number (an older writer's or a script's may be a float).
+        if base in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if base in (str, bool, list, dict) and isinstance(value, base):
+            return True
+    return False
+
+
+def _problem(data) -> str | None:
+    if not isinstance(data, dict):
+        return f"not a JSON object (a {type(data).__name__})"
+    version = data.get("schema_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        return f"schema_version is {version!r}, not a version number"
+    if version > SCHEMA_VERSION:
+        return (f"schema_version {version} is newer than this lowvram reads ({SCHEMA_VERSION}): "
+                "upgrade lowvram to read it")
+    for name, hint in _TYPES.items():
+        if name in data and not _accepts(hint, data[name]):
+            return f"{name} is {data[name]!r}, which is not {_describe(hint)}"
+    return None
+
+
+def _describe(hint) -> str:
+    names = {int: "a number", float: "a number", str: "a string", bool: "true or false", list: "a list",
+             dict: "an object"}
+    kinds, optional = _members(hint)
+    return " or ".join(names.get(k, str(k)) for k in kinds) + (" or null" if optional else "")
+
+
+def metrics_problem(data) -> str | None:
+    """Why a parsed metrics.json cannot be read as RunMetrics, or None."""
+    return _problem(data)
+
+
+def read_metrics(path: Path) -> RunMetrics | None:
+    """The metrics.json at ``path``; None when it is missing, does not parse or does not match the
+    schema (runs.py names such a file as damaged)."""
+    try:
+        return RunMetrics.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return None
