@@ -8,7 +8,7 @@ from lowvram.errors import LowvramError
 from lowvram.plan.setup import quantization_conflict
 from lowvram.plan.types import Plan, dtype_precision
 from lowvram.planning.budget import missing_extras
-from lowvram.planning.request import check_dtype, lora_fields
+from lowvram.planning.request import check_dtype, lora_fields, tiled_mlp_fields
 from lowvram.recipe import Recipe
 from lowvram.vocab import OFF_VALUES, ON_VALUES, PRECISIONS, on_off
 
@@ -67,6 +67,9 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
                                      f"off on the {kind.upper()}: activations are in host RAM already"
                                      if t.activation_offload == "on" else "default: off")
 
+    tiled = tiled_mlp_fields(t.tiled_mlp)  # on (or a number of shards) as set; auto: off
+    reasons["tiled_mlp"] = "set in the recipe" if tiled else "default: off"
+
     batch = recipe.training.batch_size
     per_step = batch // gpus if batch % gpus == 0 else None
     if per_step is None:
@@ -113,6 +116,7 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
         device=kind, mixed_precision=precision, gradient_checkpointing=gc, micro_batch_size=micro,
         grad_accum=accum, lora=lora, quantization=quant, optimizer=optim, offload=offload,
         attention=attention, loss=loss, gpus=gpus, activation_offload=act_off, seq_len=recipe.training.seq_len,
+        tiled_mlp=tiled.get("tiled_mlp", False), tiled_mlp_shards=tiled.get("tiled_mlp_shards", 0),
         **lora_fields(recipe), reasons=reasons,
     )
 
