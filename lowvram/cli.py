@@ -92,6 +92,9 @@ def train(
     no_recover: Annotated[bool, typer.Option("--no-recover", help="Out of memory: stop with the error instead of re-planning.")] = False,
 ) -> None:
     """Fine-tune a model as the recipe says, with the memory techniques the plan chose."""
+    from lowvram.train.allocator import set_expandable_segments
+
+    set_expandable_segments()  # before anything initialises CUDA; launched ranks inherit it
     from lowvram.recipe import load_recipe
     from lowvram.report.plans import show_dry_run, show_plan_brief
     from lowvram.report.training import show_train_result

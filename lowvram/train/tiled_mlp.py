@@ -1,0 +1,79 @@
+"""Tiled MLP (Plan.tiled_mlp): every decoder layer's MLP runs through DeepSpeed's TiledMLP
+(``deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP``, DeepSpeed >= 0.17, the code of
+ALST, arXiv:2506.13996): the forward over the sequence in shards without autograd, saving only
+the MLP's input; the backward recomputes and differentiates one shard at a time.
+
+Why DeepSpeed's: it is pure PyTorch (runs on the CPU as on CUDA), it calls the MLP module's own
+forward (so peft's LoRA Linears and bitsandbytes' 4-bit Linears inside the MLP run unchanged),
+and DeepSpeed is already lowvram's ZeRO extra. Liger Kernel's LigerTiledSwiGLUMLP replaces the
+module by its own (Triton SwiGLU: CUDA only, and no peft adapters inside it).
+
+This module is the thin adapter between TiledMLP and a transformers / peft MLP module:
+
+* the shard function is the module's original ``forward`` (gate/up/down or fc1/fc2 with their
+  adapters), called inside the autocast state the forward ran under: TiledMLP's backward
+  recomputes outside the Trainer's autocast (as torch.utils.checkpoint restores it, we do);
+* the trainable parameters inside the module are its ``compute_params``;
+* when the input needs no gradient but the MLP has trainable parameters (layer 0 under LoRA on
+  the MLP alone: nothing upstream trains), the input is made a leaf that does, so the Function
+  is recorded and the adapters get their gradients.
+"""
+
+from __future__ import annotations
+
+import types
+
+# transformers' dense MLP classes end in "MLP" (LlamaMLP, Qwen2MLP, Phi3MLP, GemmaMLP, ...);
+# mixture-of-experts blocks are not tiled (lowvram.plan.setup.tiled_mlp_conflict).
+_SKIP = ("SparseMoe", "MoE", "Moe", "Experts")
+
+
+def _is_dense_mlp(module) -> bool:
+    name = type(module).__name__
+    return name.endswith("MLP") and not any(s in name for s in _SKIP)
+
+
+def mlp_modules(model) -> list:
+    """The decoder layers' dense MLP modules of a (peft-wrapped) transformers model."""
+    return [m for m in model.modules() if _is_dense_mlp(m)]
+
+
+def _shard_forward(original, device_type: str, autocast: dict):
+    """The module's own forward on one shard, under the autocast state of the tiled forward."""
+    import torch
+
+    def fn(module, x):
+        with torch.autocast(device_type=device_type, **autocast):
+            return original(x)
+    return fn
+
+
+def _tiled_forward(module, x, shards: int | None = None):
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    n = shards or max(1, -(-x.shape[-2] // x.shape[-1]))  # DeepSpeed's ceil(seqlen / hidden)
+    device_type = x.device.type
+    autocast = {"enabled": torch.is_autocast_enabled(device_type)}
+    if autocast["enabled"]:
+        autocast["dtype"] = torch.get_autocast_dtype(device_type)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if params and torch.is_grad_enabled() and not x.requires_grad:
+        x = x.detach().requires_grad_(True)  # record the Function: the adapters need gradients
+    fn = _shard_forward(module._lowvram_untiled_forward, device_type, autocast)
+    return TiledMLP.apply(fn, module, x, n, params)
+
+
+def enable_tiled_mlp(model, shards: int = 0) -> int:
+    """Route every dense MLP's forward through TiledMLP (``shards`` 0: ceil(seq_len / hidden)
+    per call, DeepSpeed's rule, as lowvram.plan.tiled counts it). Returns how many modules."""
+    modules = mlp_modules(model)
+    for module in modules:
+        if not hasattr(module, "_lowvram_untiled_forward"):
+            module._lowvram_untiled_forward = module.forward
+        module.forward = types.MethodType(
+            lambda self, x, _n=shards or None: _tiled_forward(self, x, _n), module)
+    return len(modules)
+
+
+__all__ = ["enable_tiled_mlp", "mlp_modules"]
