@@ -54,7 +54,6 @@ def test_tiled_mlp_trains_as_the_plain_mlp(tiny_model_dir, checkpointing, target
     MLP input needs no gradient, and its adapters still get theirs."""
     import torch
 
-    from lowvram.train.tiled_mlp import mlp_modules
 
     pytest.importorskip("deepspeed")
     torch.manual_seed(0)
