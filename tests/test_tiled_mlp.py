@@ -84,6 +84,24 @@ def test_tiled_mlp_keeps_the_forward_autocast_in_its_recompute(tiny_model_dir):
         torch.testing.assert_close(tiled_grads[name], g, rtol=2e-2, atol=2e-3, msg=name)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tiled_recompute_draws_the_forwards_dropout_masks(tiny_model_dir, checkpointing):
+    """lora.dropout 0.3: one shard draws the masks the plain MLP draws, and its recompute in the
+    backward draws them again (the forward's random state), so the gradients are the plain ones."""
+    import torch
+
+    pytest.importorskip("deepspeed")
+    ids = torch.randint(4, 500, (2, 96), generator=torch.Generator().manual_seed(0))
+    plan = _plan(lora_dropout=0.3, gradient_checkpointing=checkpointing)
+    torch.manual_seed(1)
+    loss, grads = _loss_and_grads(tiny_model_dir, plan, ids)
+    torch.manual_seed(1)
+    tiled_loss, tiled_grads = _loss_and_grads(tiny_model_dir, replace(plan, tiled_mlp=True, tiled_mlp_shards=1), ids)
+    assert tiled_loss == pytest.approx(loss, rel=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(tiled_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_mlp_modules_are_the_dense_mlps(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

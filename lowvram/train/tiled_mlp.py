@@ -14,6 +14,8 @@ This module is the thin adapter between TiledMLP and a transformers / peft MLP m
   adapters), called inside the autocast state the forward ran under: TiledMLP's backward
   recomputes outside the Trainer's autocast (as torch.utils.checkpoint restores it, we do);
 * the trainable parameters inside the module are its ``compute_params``;
+* the backward's recompute of a shard draws from the random state its forward did (peft's
+  lora.dropout masks as in the forward; TiledMLP itself keeps none);
 * when the input needs no gradient but the MLP has trainable parameters (layer 0 under LoRA on
   the MLP alone: nothing upstream trains), the input is made a leaf that does, so the Function
   is recorded and the adapters get their gradients.
@@ -38,13 +40,25 @@ def mlp_modules(model) -> list:
     return [m for m in model.modules() if _is_dense_mlp(m)]
 
 
-def _shard_forward(original, device_type: str, autocast: dict):
-    """The module's own forward on one shard, under the autocast state of the tiled forward."""
+def _shard_forward(original, device_type: str, autocast: dict, states: list):
+    """The module's own forward on one shard, under the autocast state of the tiled forward, and
+    in the backward's recompute with the random state its forward shard drew from (peft's
+    lora.dropout draws the same masks again), as torch.utils.checkpoint keeps it."""
     import torch
 
     def fn(module, x):
-        with torch.autocast(device_type=device_type, **autocast):
-            return original(x)
+        devices = [x.device] if x.device.type == "cuda" else []
+        if not torch.is_grad_enabled():  # TiledMLP.forward: the shards in order, under no_grad
+            states.append((torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]))
+            with torch.autocast(device_type=device_type, **autocast):
+                return original(x)
+        cpu_state, cuda_states = states.pop(0)  # TiledMLP.backward: the same shards, same order
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(cpu_state)
+            for d, state in zip(devices, cuda_states, strict=True):
+                torch.cuda.set_rng_state(state, d)
+            with torch.autocast(device_type=device_type, **autocast):
+                return original(x)
     return fn
 
 
@@ -60,7 +74,7 @@ def _tiled_forward(module, x, shards: int | None = None):
     params = [p for p in module.parameters() if p.requires_grad]
     if params and torch.is_grad_enabled() and not x.requires_grad:
         x = x.detach().requires_grad_(True)  # record the Function: the adapters need gradients
-    fn = _shard_forward(module._lowvram_untiled_forward, device_type, autocast)
+    fn = _shard_forward(module._lowvram_untiled_forward, device_type, autocast, states=[])
     return TiledMLP.apply(fn, module, x, n, params)
 
 
