@@ -10,6 +10,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --seeds 0:20    # a range
     python bench/plan_fuzz.py --seed 17 -v    # one case, with its recipe
     python bench/plan_fuzz.py --eager-checkpointing  # every recipe made eager + checkpointing
+    python bench/plan_fuzz.py --tiled 1 --seeds 0:40 --families ten  # dense cases made tiled-MLP runs
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
 it become regression cases in tests/test_plan_fuzz.py. ~5 s a case on 2 cores.
@@ -68,6 +69,8 @@ def main() -> int:
     ap.add_argument("--eager-checkpointing", action="store_true",
                     help="make every recipe eager attention with gradient checkpointing (the draw "
                          "makes it rarely: 15%% eager, 40%% checkpointing)")
+    ap.add_argument("--tiled", type=float, default=0.0,
+                    help="share of dense-MLP recipes made long-context tiled-MLP runs (difftest.made_tiled)")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
@@ -75,8 +78,9 @@ def main() -> int:
     t0 = time.perf_counter()
     write = bool(args.out) and args.seed is None
     families = args.families + (" --eager-checkpointing" if args.eager_checkpointing else "")
+    families += f" --tiled {args.tiled:g}" if args.tiled else ""
     for seed in seeds:
-        case = random_case(seed, FAMILY_SETS[args.families])
+        case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled)
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

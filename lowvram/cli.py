@@ -138,6 +138,7 @@ def plan(
     gradient_accumulation: Annotated[int | None, _opt(["--gradient-accumulation", "--grad-accum"], "Fix the accumulation steps (micro-batch follows).", "N")] = None,
     gradient_checkpointing: Annotated[bool | None, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Fix gradient checkpointing on or off.", show_default=False)] = None,
     activation_offload: Annotated[bool | None, typer.Option("--activation-offload/--no-activation-offload", help="Fix activation offloading (checkpointed layer inputs in pinned host RAM; needs checkpointing, a GPU) on or off.", show_default=False)] = None,
+    tiled_mlp: Annotated[str | None, _opt("--tiled-mlp", "auto | on | off | N: each layer's MLP over the sequence in N shards, recomputed shard by shard (on: ceil(seq_len / hidden_size)); ~20% slower.", "T")] = None,
     packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="Plan for data.packing: several samples per seq_len window (SDPA then keeps a b x s x s mask per layer).", show_default=False)] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
     offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,
@@ -178,6 +179,7 @@ def plan(
         attention=attention, batch_size=batch_size, seq_len=seq_len,
         gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,
         activation_offload=activation_offload, packing=packing, gpus=gpus, offload=offload,
+        tiled_mlp=None if tiled_mlp == "auto" else tiled_mlp,
     )
     from lowvram.plan.request import Choice
     from lowvram.plan.serialize import choice_to_dict

@@ -68,6 +68,9 @@ class Case:
     validation: float | None = None
     experts: int = 0
     experts_per_tok: int = 0
+    tiled_mlp: bool = False  # techniques.tiled_mlp (lowvram.plan.tiled)
+    tiled_mlp_shards: int = 0  # 0: on, ceil(seq_len / hidden_size) shards
+
 
     def label(self) -> str:
         bits = [f"#{self.seed}", self.family, self.method]
@@ -79,6 +82,8 @@ class Case:
         bits += ([self.loss] if self.loss != "standard" else []) + ([self.attention] if self.attention != "sdpa" else [])
         bits.append(f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}")
         bits += (["packed"] if self.packing else []) + (["eval"] if self.validation else [])
+        if self.tiled_mlp:
+            bits.append(f"tiled{self.tiled_mlp_shards or ''}")
         return " ".join(bits)
 
 
@@ -95,8 +100,10 @@ def _targets(family: str, rng: random.Random):
     return tuple(sorted(rng.sample(names, rng.randint(1, len(names)))))
 
 
-def random_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
-    """A random valid recipe (same seed, same case)."""
+def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 0.0) -> Case:
+    """A random valid recipe (same seed, same case). ``tiled``: the share of dense-MLP cases made
+    long-context tiled-MLP runs (:func:`made_tiled`), drawn from a stream of their own, so every
+    seed's recipe without it stays as it was."""
     rng = random.Random(seed)
     family = rng.choice(families)
     heads = rng.choice([2, 4])
@@ -141,7 +148,20 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
         hidden = heads * 32
         case = replace(case, heads=heads, kv_heads=kv, hidden=hidden,
                        intermediate=case.intermediate // case.hidden * hidden)
+    if tiled and family not in MOE_FAMILIES and random.Random(f"tiled-{seed}").random() < tiled:
+        case = made_tiled(case)
     return case
+
+
+def made_tiled(case: Case) -> Case:
+    """The case as a long-context tiled-MLP run: seq_len 512 or 1024 (per-token terms dominate),
+    the shards on DeepSpeed's rule or fixed (drawn from the seed's own tiled stream)."""
+    rng = random.Random(f"tiled-shape-{case.seed}")
+    seq_len = rng.choice([512, 1024])
+    micro = min(case.micro_batch_size, 2)
+    loss = "chunked" if seq_len * micro > 1024 else case.loss
+    return replace(case, tiled_mlp=True, tiled_mlp_shards=rng.choice([0, 0, 4, 16]), seq_len=seq_len,
+                   micro_batch_size=micro, loss=loss, packing=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,6 +254,8 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
             "offload": "off",
         },
     }
+    if case.tiled_mlp:
+        t["techniques"]["tiled_mlp"] = case.tiled_mlp_shards or "on"
     if case.model_dtype != "auto":
         t["model"]["dtype"] = case.model_dtype
     if case.packing:
@@ -305,5 +327,6 @@ def run_case(case: Case, workdir: Path) -> Outcome:
                    details=details)
 
 
-__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome", "random_case", "recipe_text",
+__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome", "made_tiled",
+           "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -56,7 +56,9 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
     from lowvram.planning.entry import plan_for_recipe
     from lowvram.planning.from_recipe import recipe_model_ref
     from lowvram.recipe import load_recipe
+    from lowvram.train.allocator import set_expandable_segments
 
+    set_expandable_segments()  # before anything initialises CUDA (the probe, the model); launched ranks inherit it
     if options.recipe_path is None:
         raise ValueError("lowvram train needs a recipe file (TrainOptions.recipe_path)")
     recipe = load_recipe(options.recipe_path, list(options.overrides))

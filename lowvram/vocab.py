@@ -19,6 +19,7 @@ TECHNIQUES = (
     "optimizer",
     "offload",
     "activation_offload",
+    "tiled_mlp",
 )
 KNOBS = ("attention", "loss")
 CANONICAL = TECHNIQUES + KNOBS

@@ -22,7 +22,7 @@ JSON_KEYS = {
 }
 TECHNIQUES = {
     "mixed_precision", "gradient_checkpointing", "gradient_accumulation", "lora", "quantization",
-    "optimizer", "offload", "activation_offload", "attention", "loss",
+    "optimizer", "offload", "activation_offload", "tiled_mlp", "attention", "loss",
 }
 
 

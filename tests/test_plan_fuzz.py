@@ -81,6 +81,13 @@ EAGER_CHECKPOINTING = {
     1013: "held out (eager + checkpointing seeds 1000-1099), Gemma-3 full bf16, s256: the softmax "
           "backward of the first layer, with nearly every gradient made (+3.42%)",
 }
+# Long-context tiled-MLP runs (issue 26: difftest.random_case(tiled=1.0), the dense cases made
+# tiled by difftest.made_tiled), the first seeds of bench/results/plan_fuzz_tiled.txt at 512 tokens.
+TILED = {
+    1: "Gemma full bf16, checkpointing, eager, s512, DeepSpeed's shard rule (+0.16%)",
+    3: "Phi-3 QLoRA (fused gate_up), dropout 0.1, bf16-mixed, 16 shards, no checkpointing (-2.79%)",
+    5: "SmolLM3 full bf16, checkpointing, s512, 16 shards (+0.09%)",
+}
 # One-adapter recipes the random draw rarely makes (found by varying held-out seed 272's targets,
 # precision and method on a 2-layer Llama with checkpointing), each once above its plan.
 ADAPTER_OVERRIDES = {
@@ -127,6 +134,14 @@ def test_eager_attention_with_checkpointing_stays_within_its_plan(seed, tmp_path
 
     case = replace(random_case(seed, families=TEN_FAMILIES), attention="eager", gradient_checkpointing=True)
     _check(case, tmp_path, EAGER_CHECKPOINTING[seed])
+
+
+@pytest.mark.parametrize("seed", list(TILED))
+def test_tiled_mlp_runs_stay_within_their_plan(seed, tmp_path):
+    pytest.importorskip("deepspeed")
+    case = random_case(seed, families=TEN_FAMILIES, tiled=1.0)
+    assert case.tiled_mlp
+    _check(case, tmp_path, TILED[seed])
 
 
 @pytest.mark.parametrize("seed", list(PACKING))

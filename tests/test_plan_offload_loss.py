@@ -100,9 +100,13 @@ def test_long_context_on_a_12gb_card(llama8b):
     """Llama-3.1-8B QLoRA on a 12 GB card, nothing but activations offloaded: 10,429 tokens
     (6,318 without activation offload). The binding term at 16k is one decoder layer's backward
     (its recomputed activations, 3.32 GiB, and its working memory, 2.06 GiB), not the loss:
-    Liger's fused loss reaches the same length. With ZeRO-3 offloading the weights too: 22,314."""
+    Liger's fused loss reaches the same length. With ZeRO-3 offloading the weights too: 22,314.
+    With the tiled MLP (lowvram.plan.tiled) on auto: 22,466 without offloading any weight."""
     budget = Budget(12 * GB, missing_extras=NO_EXTRAS)
-    req = PlanRequest(llama8b, seq_len=2048, batch_size=1, lora=True, quantization="nf4-dq", offload="none")
+    tiled = PlanRequest(llama8b, seq_len=2048, batch_size=1, lora=True, quantization="nf4-dq", offload="none")
+    n, s = choose_plan(tiled, budget).longest
+    assert n == 22466 and s.tiled_mlp and s.activation_offload and s.offload == "none"
+    req = replace(tiled, tiled_mlp=False)
     n, s = choose_plan(req, budget).longest
     assert n == 10429 and s.activation_offload and s.loss == "chunked" and s.optimizer == "adamw_8bit"
     est = estimate_memory(s)

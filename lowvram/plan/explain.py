@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from lowvram.plan import activations, backward, moe, states
+from lowvram.plan import activations, backward, moe, states, tiled
 from lowvram.plan import techniques as tq
 from lowvram.plan.request import fits_budget
 from lowvram.plan.setup import DEEPSPEED_CPU_OPTIMIZER, FSDP_OFFLOADS, MemoryEstimate, RunSetup
@@ -26,7 +26,7 @@ _ONE_STEP_CHEAPER = {"fsdp": "none", "zero3": "none", "zero2": "none", "fsdp-off
 
 _COMPONENTS = {
     "weights": states.weight_bytes, "gradients": states.gradient_bytes,
-    "optimizer": states.optimizer_bytes, "activations": activations.activation_bytes,
+    "optimizer": states.optimizer_bytes, "activations": tiled.activation_bytes,
     "logits": backward.logits_bytes,
 }
 
@@ -143,6 +143,9 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     # activation offload
     r["activation_offload"] = _activation_offload_reason(c, req, budget, without, fixed)
 
+    # tiled MLP
+    r["tiled_mlp"] = _tiled_mlp_reason(c, req, without, fixed)
+
     # optimizer
     if req.fixed("optimizer"):
         r["optimizer"] = fixed("optimizer") or "set"
@@ -218,6 +221,21 @@ def _activation_offload_reason(c, req, budget, without, fixed) -> str:
         return (f"off: the checkpoints ({gib(activations.activation_bytes(s))} of activations) fit on the "
                 f"GPU; offloading them would cost {percent(tq.ACTIVATION_OFFLOAD.slowdown)}")
     return "off: needs gradient checkpointing, which this plan does not use"
+
+
+def _tiled_mlp_reason(c, req, without, fixed) -> str:
+    s = c.setup
+    if s.model.is_moe:
+        return "off: the MLP is a mixture of experts (lowvram tiles a dense MLP only)"
+    cost = percent(tiled.tiled_mlp_slowdown(replace(s, tiled_mlp=True)))
+    shards = tiled.tiled_mlp_shards(s)
+    if req.fixed("tiled_mlp"):
+        text = fixed("tiled_mlp") or "set"
+        return f"{text}; {shards} shard(s) of the sequence" if s.tiled_mlp else text
+    if s.tiled_mlp:
+        return (f"on ({shards} shard(s) of the sequence): {without('activations', tiled_mlp=False)}; "
+                f"{cost}")
+    return f"off: fits without it; tiling each layer's MLP would cost {cost}"
 
 
 def _shard_reason(c, estimate: Estimator, limit: int) -> str:

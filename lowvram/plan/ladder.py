@@ -39,7 +39,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         grad_accum=largest_micro_batch_size(req) // largest, gpus=req.gpus, offload=req.offload or "none",
         device=budget.device,
         activation_offload=bool(req.activation_offload and req.gradient_checkpointing) and budget.device == "cuda",
-        packing=req.packing,
+        packing=req.packing, tiled_mlp=bool(req.tiled_mlp) and not req.model.is_moe,
+        tiled_mlp_shards=req.tiled_mlp_shards,
     )
     est = estimate(s)
     rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, fits_budget(est, budget))]
@@ -50,6 +51,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             continue
         if t is tq.ACTIVATION_OFFLOAD and req.gradient_checkpointing is False:
             fixed = True  # it needs checkpointing, which the user turned off
+        if t is tq.TILED_MLP and req.model.is_moe:
+            continue  # a dense MLP only (setup.tiled_mlp_conflict)
         if fixed:
             rungs.append(Rung(t.name, str(t.value), est.peak_bytes, 0, 1.0, fits_budget(est, budget), fixed=True))
             continue

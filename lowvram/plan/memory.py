@@ -17,25 +17,21 @@ from __future__ import annotations
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan import moe
+from lowvram.plan import moe, tiled
 from lowvram.plan.activations import (
-    activation_bytes,
     activation_offload_host_bytes,
     activation_offloaded,
     dtypes,
     eager_mask_bytes,
     head_activation_bytes,
-    layer_activation_bytes,
     offloaded_layer_input_bytes,
 )
 from lowvram.plan.backward import (
     backward_gradient_bytes,
     dequantized_weight_bytes,
     eager_softmax_backward_bytes,
-    layer_backward_bytes,
     logits_bytes,
     mlp_backward_floor_bytes,
-    recompute_bytes,
 )
 from lowvram.plan.layer import describe_layer
 from lowvram.plan.models import block_linears, count_parameters, embedding_numel, moe_numel
@@ -49,6 +45,7 @@ from lowvram.plan.setup import (
     cuda_overheads,
     offload_conflict,
     quantization_conflict,
+    tiled_mlp_conflict,
 )
 from lowvram.plan.sharding import layer_weight_bytes, shard, sharding_overhead_bytes
 from lowvram.plan.states import (
@@ -74,7 +71,8 @@ def _check(setup: RunSetup) -> None:
         ("loss", setup.loss, LOSSES), ("device", setup.device, ("cuda", "cpu")),
     ] if v not in opts]
     problems += [p for p in (quantization_conflict(setup.quantization, setup.lora),
-                             activation_offload_conflict(setup.activation_offload, setup.gradient_checkpointing)) if p]
+                             activation_offload_conflict(setup.activation_offload, setup.gradient_checkpointing),
+                             tiled_mlp_conflict(setup.tiled_mlp, setup.model.is_moe)) if p]
     if setup.loss == "fused" and setup.device != "cuda":
         problems.append("loss fused needs CUDA (Liger Kernel's Triton kernels); use chunked")
     problems += moe.moe_problems(setup.model, setup.lora, setup.lora_r, setup.lora_targets,
@@ -83,6 +81,8 @@ def _check(setup: RunSetup) -> None:
     conflict = offload_conflict(setup.optimizer, setup.offload)
     if conflict:
         problems.append(conflict)
+    if setup.tiled_mlp_shards < 0:
+        problems.append("tiled_mlp_shards must be >= 1 (0: ceil(seq_len / hidden_size))")
     if min(setup.micro_batch_size, setup.seq_len, setup.grad_accum, setup.gpus, setup.lora_r) < 1:
         problems.append("micro_batch_size, seq_len, grad_accum, gpus and lora_r must be >= 1")
     if problems:
@@ -108,7 +108,8 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     ``cached_cast``: leaves that require grad; without checkpointing the copies are saved
     activations already). FSDP adds the unsharded gradients of the layers in their backward
     (layer_grads: two layers'); in the first layer's backward there is no next layer to
-    prefetch, so one layer's gathered weights and gradients fewer.
+    prefetch, so one layer's gathered weights and gradients fewer. A tiled MLP (lowvram.plan.tiled)
+    saves x instead of its tensors and adds its shard-by-shard backward as moments of its own.
     Measured on CPU (bench/plan_accuracy.py, bench/multi_process_accuracy.py, tests).
     """
     spec = setup.model
@@ -149,9 +150,13 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # gradients made when the backward reaches the last decoder layer, and the first
         last_grads = layer_grads + int(share * head_g)
         first_grads = late_layer_grads + int(share * late_g)
-        rec = recompute_bytes(setup)
+        rec = tiled.recompute_bytes(setup)
         candidates += [Moment("last_layer_recompute", checkpoints + rec, 0, last_grads),
                        Moment("first_layer_recompute", one_layer + rec, 0, first_grads, not_gathered)]
+        if setup.tiled_mlp:  # the recomputed layer's MLP backward, shard by shard
+            layer = tiled.layer_activation_bytes(setup)
+            candidates += tiled.tiled_mlp_moments(setup, checkpoints + layer, one_layer + layer, last_grads,
+                                                  first_grads, not_gathered)
         if setup.attention == "eager":
             # The recomputed layer's softmax backward: its s x s gradients (eager_softmax_backward
             # _bytes; gpt-oss: moe.sink_eager_backward_bytes) beside the layer's activations, every
@@ -159,7 +164,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             # in the last decoder layer (every checkpoint) and in the first (nearly every gradient
             # made: full fine-tuning peaks there; a Gemma-3 full bf16 run was 3.4% over without it)
             scores = sink_scores if sinks else eager_softmax_backward_bytes(setup)
-            attention_side = layer_activation_bytes(setup, attention_side=True) + scores + hidden_grads
+            attention_side = tiled.layer_activation_bytes(setup, attention_side=True) + scores + hidden_grads
             candidates += [Moment("last_layer_softmax_backward", checkpoints + attention_side, 0, last_grads),
                            Moment("first_layer_softmax_backward", one_layer + attention_side, 0, first_grads,
                                   not_gathered)]
@@ -167,14 +172,14 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                 # gpt-oss: the recomputed layer's experts backward, as without checkpointing (a
                 # 2-layer LoRA fp32 run through lowvram train, b4 s256, was 13% over without it)
                 candidates.append(Moment("last_layer_experts_backward",
-                                         checkpoints + layer_activation_bytes(setup) + sink_experts + hidden_grads,
+                                         checkpoints + tiled.layer_activation_bytes(setup) + sink_experts + hidden_grads,
                                          0, last_grads))
         if autocast and dtype_bytes(setup)[0] == 4 and not setup.lora:  # LoRA: frozen, not cached
             cache = c * sum(lin.numel for lin in block_linears(spec)) * spec.num_layers
             forward_logits = logits * fitted.LOGITS_FORWARD_BYTES.value // fitted.LOGITS_LOSS_BYTES.value  # no gradient yet
             candidates.append(Moment("forward_end_autocast_cache", acts + cache, forward_logits))
     else:
-        first_layer = layer_activation_bytes(setup, first=True)
+        first_layer = tiled.layer_activation_bytes(setup, first=True)
         if sinks:  # gpt-oss: s x s gradients; the experts' backward
             candidates.append(Moment("last_layer_softmax_backward", acts + sink_scores, 0, int(share * head_g)))
             candidates.append(Moment("last_layer_experts_backward", acts + sink_experts + hidden_grads, 0,
@@ -183,7 +188,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # freed): its MLP product's gradients with a 4/8-bit base's dequantized weight, and eager
         # attention's s x s gradients (measured: held-out fuzz seeds 420 and 470, a
         # small-vocabulary QLoRA and an eager LoRA run, were 3.0% and 5.9% above their plans)
-        if setup.quantization != "none":
+        if setup.quantization != "none" and not setup.tiled_mlp:  # tiled: its own moment below
             candidates.append(Moment("last_layer_mlp_backward",
                                      acts + mlp_backward_floor_bytes(setup) + dequantized_weight_bytes(setup),
                                      0, int(share * head_g)))
@@ -200,11 +205,14 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             # at the last layer's softmax backward its MLP's and o_proj's saved tensors are freed
             # (measured: held-out seed 855, Phi-3 full fp32, eager, 512 tokens, 10.5% under its
             # plan with them)
-            done = layer_activation_bytes(setup) - layer_activation_bytes(setup, attention_side=True)
+            done = tiled.layer_activation_bytes(setup) - tiled.layer_activation_bytes(setup, attention_side=True)
             candidates.append(Moment("last_layer_softmax_backward", acts - done + eager + hidden_grads, 0,
                                      int(share * head_g)))
-        candidates.append(Moment("first_layer_backward", first_layer + layer_backward_bytes(setup), 0,
+        candidates.append(Moment("first_layer_backward", first_layer + tiled.layer_backward_bytes(setup), 0,
                                  late_layer_grads + int(share * late_g), not_gathered))
+        if setup.tiled_mlp:  # the last and first layers' MLP backward, shard by shard
+            candidates += tiled.tiled_mlp_moments(setup, acts, first_layer, int(share * head_g),
+                                                  late_layer_grads + int(share * late_g), not_gathered)
     return max(candidates, key=lambda m: m.bytes)  # the first of equals, as listed
 
 
@@ -214,7 +222,7 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     weights, grads, optim, host = shard(
         setup, weight_bytes(setup), gradient_bytes(setup), optimizer_bytes(setup))
     gathered, layer_grads, buckets = sharding_overhead_bytes(setup)
-    acts = activation_bytes(setup)
+    acts = tiled.activation_bytes(setup)
     logits = logits_bytes(setup)
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
     kept_grads += buckets

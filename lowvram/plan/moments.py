@@ -68,6 +68,16 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "MoE full fine-tuning without checkpointing: the last layer's routed experts' weight "
         "gradients (E x 3 x I x h) beside every activation",
         "measured: held-out seed 1301 (Mixtral full fp32, b2 s64)"),
+    "last_layer_tiled_mlp_backward": (
+        "tiled MLP: the last decoder layer's MLP backward, one shard recomputed with autograd, "
+        "beside every activation or checkpoint (and the recomputed layer's), the incoming "
+        "gradient and x_grad",
+        "tiled.tiled_mlp_backward_bytes, from DeepSpeed 0.19 ulysses_sp.TiledMLP.backward; "
+        "measured: bench/tiled_mlp.py"),
+    "first_layer_tiled_mlp_backward": (
+        "tiled MLP: the first decoder layer's MLP backward, one shard recomputed, nearly every "
+        "gradient made",
+        "tiled.tiled_mlp_backward_bytes (as above)"),
     "first_layer_backward": (
         "without checkpointing: the first decoder layer's backward, nearly every gradient made",
         "activations.layer_activation_bytes(first=True), backward.layer_backward_bytes"),

@@ -42,6 +42,7 @@ class Replanner:
             attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
             seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
             device=plan.device, activation_offload=plan.activation_offload, packing=self.request.packing if packing is None else packing,
+            tiled_mlp=plan.tiled_mlp, tiled_mlp_shards=plan.tiled_mlp_shards,
         )
         return dict(estimate_memory(setup).breakdown)
 

@@ -17,6 +17,7 @@ from lowvram.plan.setup import (
     offload_conflict,
     offload_conflict_hint,
     quantization_conflict,
+    tiled_mlp_conflict,
 )
 from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.types import Plan
@@ -99,6 +100,9 @@ class PlanRequest:
     optimizer: str | None = None
     offload: str | None = None
     activation_offload: bool | None = None
+    # techniques.tiled_mlp (lowvram.plan.tiled): None = auto; its shards, 0 = ceil(seq_len / hidden)
+    tiled_mlp: bool | None = None
+    tiled_mlp_shards: int = 0
     attention: str | None = None
     loss: str | None = None
     # data.packing (a data setting, not a technique): several samples per window, so SDPA gets a
@@ -186,6 +190,12 @@ def validate_request(req: PlanRequest) -> None:
     conflict = activation_offload_conflict(bool(req.activation_offload), req.gradient_checkpointing is not False)
     if conflict:
         raise LowvramError(conflict, "drop --no-gradient-checkpointing, or the activation offload")
+    conflict = tiled_mlp_conflict(bool(req.tiled_mlp), req.model is not None and req.model.is_moe)
+    if conflict:
+        raise LowvramError(conflict, "use --tiled-mlp off (or auto)")
+    if req.tiled_mlp_shards < 0:
+        raise LowvramError(f"tiled_mlp shards must be a positive integer, got {req.tiled_mlp_shards}",
+                           "e.g. --tiled-mlp 8, or --tiled-mlp on for ceil(seq_len / hidden_size)")
     if req.optimizer is not None and req.offload is not None:
         conflict = offload_conflict(req.optimizer, req.offload)
         if conflict:
@@ -260,7 +270,9 @@ def plan_level(setup: RunSetup) -> int:
 
 def missing_extras(setup: RunSetup, budget: Budget) -> tuple[str, ...]:
     """The extras ``setup`` needs that are not installed where the plan will run."""
-    return tuple(e for e in EXTRAS.get(setup.offload, ()) if e in budget.missing_extras)
+    # a tiled MLP runs DeepSpeed's TiledMLP (lowvram.train.tiled_mlp)
+    needs = EXTRAS.get(setup.offload, ()) + (("deepspeed",) if setup.tiled_mlp else ())
+    return tuple(dict.fromkeys(e for e in needs if e in budget.missing_extras))
 
 
 __all__ = [

@@ -83,6 +83,8 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         # CUDA only: on a CPU (or MPS's unified memory) there is no device memory to free
         # (activations.activation_offloaded)
         "activation_offload": pick("activation_offload", [False, True]) if budget.device == "cuda" else [False],
+        # a dense MLP only (setup.tiled_mlp_conflict)
+        "tiled_mlp": pick("tiled_mlp", [False, True]) if req.model is None or not req.model.is_moe else [False],
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
@@ -112,9 +114,9 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
     o = technique_options(req, budget)
     per_gpu = req.batch_size // req.gpus
     out = []
-    for precision, attention, loss, micro, gc, act_off, optim, lora, quant, offload in itertools.product(
+    for precision, attention, loss, micro, gc, act_off, tiled_mlp, optim, lora, quant, offload in itertools.product(
             o["precision"], o["attention"], o["loss"], o["micro_batch_size"], o["gradient_checkpointing"],
-            o["activation_offload"], o["optimizer"], o["lora"], o["quantization"], o["offload"]):
+            o["activation_offload"], o["tiled_mlp"], o["optimizer"], o["lora"], o["quantization"], o["offload"]):
         if (activation_offload_conflict(act_off, gc) or quantization_conflict(quant, lora)
                 or offload_conflict(optim, offload)):
             continue
@@ -127,6 +129,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             seq_len=req.seq_len, grad_accum=per_gpu // micro,
             gpus=req.gpus, offload=offload, device=budget.device,
             activation_offload=act_off, packing=req.packing,
+            tiled_mlp=tiled_mlp, tiled_mlp_shards=req.tiled_mlp_shards,
         ))
     return out
 
@@ -160,6 +163,7 @@ def describe_setup(s: RunSetup) -> str:
              ("LoRA" if s.lora else "full")]
     parts += ["checkpointing"] if s.gradient_checkpointing else []
     parts += ["activation offload"] if s.activation_offload else []
+    parts += ["tiled MLP"] if s.tiled_mlp else []
     parts += [s.optimizer] if s.optimizer != "adamw" else []
     parts += [f"{s.loss} loss"] if s.loss != "standard" else []
     parts += [f"offload {s.offload}"] if s.offload != "none" else []
@@ -176,6 +180,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Pl
         micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
         loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len,
+        tiled_mlp=s.tiled_mlp, tiled_mlp_shards=s.tiled_mlp_shards,
         lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets), **extra,
     )
 

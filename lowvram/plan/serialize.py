@@ -16,7 +16,7 @@ def _setup_techniques(s: RunSetup) -> dict:
         "mixed_precision": s.precision, "gradient_checkpointing": s.gradient_checkpointing,
         "gradient_accumulation": s.grad_accum, "lora": s.lora, "quantization": s.quantization,
         "optimizer": s.optimizer, "offload": s.offload, "activation_offload": s.activation_offload,
-        "attention": s.attention, "loss": s.loss,
+        "tiled_mlp": s.tiled_mlp, "attention": s.attention, "loss": s.loss,
     }
 
 

@@ -59,6 +59,15 @@ def activation_offload_conflict(activation_offload: bool, gradient_checkpointing
     return None
 
 
+def tiled_mlp_conflict(tiled_mlp: bool, is_moe: bool) -> str | None:
+    """Why the tiled MLP cannot run (None when it can): lowvram tiles a dense MLP module (one
+    function of the hidden states, lowvram.train.tiled_mlp); a mixture of experts routes each
+    token to its own experts, which lowvram does not tile."""
+    if tiled_mlp and is_moe:
+        return "tiled_mlp needs a dense MLP: this model's MLP is a mixture of experts"
+    return None
+
+
 def offload_conflict_hint(optimizer: str, offload: str, spell=lambda key, value: f"{key} {value}") -> str:
     """What to set instead, for an ``offload_conflict``; ``spell(key, value)`` writes a setting
     as the caller's user writes it (a flag, a recipe key)."""
@@ -97,6 +106,11 @@ class RunSetup:
     # data.packing: several samples per window, so SDPA gets a block-diagonal mask in every
     # layer (activations.masked_layers)
     packing: bool = False
+    # techniques.tiled_mlp: each decoder layer's MLP computed over the sequence in shards and
+    # recomputed shard by shard in the backward (DeepSpeed's TiledMLP, lowvram.plan.tiled);
+    # tiled_mlp_shards 0 = DeepSpeed's rule, ceil(seq_len / hidden_size) (tiled.tiled_mlp_shards)
+    tiled_mlp: bool = False
+    tiled_mlp_shards: int = 0
     device: str = "cuda"  # "cpu": no CUDA context, no allocator slack
     # True: peft prepare_model_for_kbit_training (non-quantized params -> fp32). lowvram trains
     # QLoRA without that upcast (lowvram.train.model.prepare_kbit_model), so False is the default.
@@ -145,5 +159,5 @@ def cuda_overheads() -> CudaOverheads:
 __all__ = [
     "PROCESS_HOST_BYTES",
     "BREAKDOWN_KEYS", "cuda_overheads", "CudaOverheads", "DEEPSPEED_CPU_OPTIMIZER", "FSDP_OFFLOADS",
-    "MemoryEstimate", "offload_conflict", "offload_conflict_hint", "RunSetup",
+    "MemoryEstimate", "offload_conflict", "offload_conflict_hint", "RunSetup", "tiled_mlp_conflict",
 ]

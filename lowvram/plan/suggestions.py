@@ -86,7 +86,8 @@ def _smaller_model(req: PlanRequest, budget: Budget, lowest: Candidate, estimate
             continue
         if moe.attention_problems(spec, lowest.setup.attention):
             continue  # gpt-oss cannot run this setup's attention
-        if fits_budget(estimate(replace(lowest.setup, model=spec)), budget):
+        other = replace(lowest.setup, model=spec, tiled_mlp=lowest.setup.tiled_mlp and not spec.is_moe)
+        if fits_budget(estimate(other), budget):
             best = (n, name)
     if best is None:
         return None

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lowvram.plan.tiled import tiled_mlp_slowdown
+
 
 @dataclass(frozen=True)
 class Technique:
@@ -90,6 +92,14 @@ ACTIVATION_OFFLOAD = Technique(
     "against the step's compute gives ~5-10% (our estimate, the upper end taken)",
     {"activation_offload": True, "gradient_checkpointing": True},
 )
+TILED_MLP = Technique(
+    "tiled_mlp", True, TIER_CHECKPOINTING, 1.2,
+    "activations (each layer's MLP tensors: one shard of ceil(seq_len / hidden) at a time)",
+    "the MLP's forward runs once more per step (DeepSpeed TiledMLP's docstring; '25% more "
+    "computation' with checkpointing, DeepSpeed PR #7664), weighted by the MLP's share of a "
+    "block's matmuls: ~1.2 at Llama shapes (lowvram.plan.tiled.tiled_mlp_slowdown)",
+    {"tiled_mlp": True},
+)
 OPTIMIZER_8BIT = Technique(
     "optimizer", "adamw_8bit", TIER_OPTIMIZER, 1.03, "optimizer (2 bytes/param instead of 8)",
     "block-wise 8-bit Adam matches 32-bit Adam's results at about the same speed (Dettmers et "
@@ -124,7 +134,7 @@ OFFLOAD_FULL = Technique(
 # The ladder in the order the chooser climbs it (and report.py shows it).
 LADDER = (
     MIXED_PRECISION, SDPA, CHUNKED_LOSS, MICRO_BATCH, GRADIENT_CHECKPOINTING, ACTIVATION_OFFLOAD,
-    OPTIMIZER_8BIT, LORA, QUANTIZATION_4BIT, OFFLOAD_OPTIMIZER, OFFLOAD_FULL,
+    TILED_MLP, OPTIMIZER_8BIT, LORA, QUANTIZATION_4BIT, OFFLOAD_OPTIMIZER, OFFLOAD_FULL,
 )
 
 # Step-time factors of values a user can fix (relative to the default value of that technique).
@@ -237,6 +247,7 @@ def setup_slowdown(setup, largest_micro_batch: int) -> float:
     factor *= micro_batch_slowdown(setup.micro_batch_size, setup.seq_len, largest_micro_batch)
     factor *= GRADIENT_CHECKPOINTING.slowdown if setup.gradient_checkpointing else 1.0
     factor *= ACTIVATION_OFFLOAD.slowdown if setup.activation_offload else 1.0
+    factor *= tiled_mlp_slowdown(setup) if getattr(setup, "tiled_mlp", False) else 1.0
     factor *= OPTIMIZER_SLOWDOWN.get(setup.optimizer, 1.0)
     factor *= LORA.slowdown if setup.lora else 1.0
     factor *= QUANTIZATION_SLOWDOWN.get(setup.quantization, 1.0)
@@ -247,7 +258,7 @@ def setup_slowdown(setup, largest_micro_batch: int) -> float:
 def setup_tier(setup) -> int:
     """The highest ladder tier a RunSetup uses (0 = only free techniques)."""
     tier = TIER_FREE
-    if setup.gradient_checkpointing:
+    if setup.gradient_checkpointing or getattr(setup, "tiled_mlp", False):
         tier = TIER_CHECKPOINTING
     if setup.optimizer != "adamw":
         tier = TIER_OPTIMIZER

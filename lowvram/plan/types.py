@@ -60,6 +60,9 @@ class Plan:
     gpus: int = 1
     # Checkpointed layer inputs kept in pinned host RAM (transformers' offload=True); GPU only.
     activation_offload: bool = False
+    # Each layer's MLP over the sequence in shards (lowvram.plan.tiled; 0 shards: ceil(seq_len / hidden)).
+    tiled_mlp: bool = False
+    tiled_mlp_shards: int = 0
     # The rest of the run setup the memory model read; training takes these from the Plan.
     seq_len: int = 1024
     lora_r: int = 16
@@ -94,6 +97,7 @@ class Plan:
             "optimizer": self.optimizer,
             "offload": self.offload,
             "activation_offload": self.activation_offload,
+            "tiled_mlp": self.tiled_mlp,
             "attention": self.attention,
             "loss": self.loss,
         }

@@ -24,7 +24,7 @@ from lowvram.plan.types import Plan
 # src/llamafactory/hparams/finetuning_args.py).
 UNPREDICTED_DEFAULTS = {
     "lora": True, "gradient_checkpointing": False, "activation_offload": False, "optimizer": "adamw",
-    "quantization": "none", "offload": "none", "loss": "standard",
+    "quantization": "none", "offload": "none", "loss": "standard", "tiled_mlp": False,
 }
 # A micro-batch on auto: the largest divisor of the per-GPU batch up to 4, accumulation making up
 # the rest (lowvram's fixed default since the first fixed plans; our choice, not fitted).
@@ -99,6 +99,7 @@ def unpredicted_reasons(s: RunSetup, req: PlanRequest, budget: Budget) -> dict[s
     fixed_by = why("grad_accum", "") or why("micro_batch_size", "")
     r["gradient_accumulation"] = f"{batch}; {fixed_by}" if fixed_by else batch
     r["attention"] = why("attention", "default: SDPA (no s x s matrix stored)")
+    r["tiled_mlp"] = why("tiled_mlp", "default: off")
     r["loss"] = (tq.fused_loss_fallback(req.sources.get("loss", "the recipe"), budget, s.model)
                  if req.loss == "fused" and s.loss != "fused" else why("loss", "default: standard cross-entropy"))
     return r

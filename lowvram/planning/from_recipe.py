@@ -37,6 +37,7 @@ def recipe_choices(recipe: Recipe) -> dict:
         out["gradient_checkpointing"] = t.gradient_checkpointing == "on"
     if t.activation_offload != "auto":
         out["activation_offload"] = t.activation_offload == "on"
+    out.update(tiled_mlp_fields(t.tiled_mlp))
     if isinstance(t.gradient_accumulation, int):
         out["grad_accum"] = t.gradient_accumulation
     elif t.gradient_accumulation == "off":
@@ -58,6 +59,22 @@ def recipe_choices(recipe: Recipe) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def tiled_mlp_fields(value: int | str) -> dict:
+    """techniques.tiled_mlp / --tiled-mlp (auto, on, off or a number of shards) as PlanRequest
+    fields: {} on auto; tiled_mlp, and tiled_mlp_shards for a number."""
+    if value == "auto":
+        return {}
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        shards = int(value)
+        if shards < 1:
+            raise LowvramError(f"tiled_mlp shards must be a positive integer, got {shards}",
+                               "use on (ceil(seq_len / hidden_size) shards), off, auto or a number >= 1")
+        return {"tiled_mlp": True, "tiled_mlp_shards": shards}
+    if value not in ("on", "off"):
+        raise LowvramError(f"unknown tiled_mlp {value!r}", "use --tiled-mlp auto, on, off or a number of shards")
+    return {"tiled_mlp": value == "on"}
+
+
 def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
     """Command-line choices as PlanRequest fields, and which flag set each (for the reasons)."""
     names = {
@@ -70,6 +87,7 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         "seq_len": ("seq_len", "--seq-len"), "batch_size": ("batch_size", "--batch-size"),
         "gpus": ("gpus", "--gpus"), "lora_r": ("lora_r", "--lora-r"),
         "lora_targets": ("lora_targets", "--lora-targets"), "packing": ("packing", "--packing"),
+        "tiled_mlp": ("tiled_mlp", "--tiled-mlp"),
     }
     out: dict = {}
     sources: dict = {}
@@ -85,6 +103,11 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         if value is None:
             continue
         field, flag = names[key]
+        if key == "tiled_mlp":
+            tiled = tiled_mlp_fields(value)
+            out.update(tiled)
+            sources.update({k: f"--tiled-mlp {value}" for k in tiled})
+            continue
         if key == "lora_targets" and isinstance(value, str):
             value = tuple(x.strip() for x in value.split(",") if x.strip())
         if key in ("gradient_checkpointing", "activation_offload", "packing"):

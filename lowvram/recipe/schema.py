@@ -195,12 +195,16 @@ class TechniquesSection(_Section):
     activation_offload: OnOffAuto = Field(
         "auto", description="on: the checkpointed layer inputs wait in pinned host RAM for the backward "
                             "(needs gradient_checkpointing; a GPU: nothing to move on a CPU); ~10% slower.")
+    tiled_mlp: int | OnOffAuto = Field(
+        "auto", description="on: each layer's MLP runs over the sequence in shards, recomputed shard by shard "
+                            "in the backward (DeepSpeed's TiledMLP, ALST); an integer: on with that many shards "
+                            "(on: ceil(seq_len / hidden_size)); dense MLPs only; ~20% slower.")
     attention: Attention = Field("auto", description="Attention kernel; sdpa/flash never store the s x s matrix.")
     loss: Loss = Field(
         "auto", description="chunked: cross-entropy in chunks, no full fp32 logits copy; fused: Liger Kernel's "
                             "fused linear cross-entropy (CUDA, pip install 'lowvram[liger]'), else chunked.")
 
-    @field_validator("gradient_accumulation")
+    @field_validator("gradient_accumulation", "tiled_mlp")
     @classmethod
     def _accum_positive(cls, v: int | str) -> int | str:
         if isinstance(v, int) and v <= 0:

@@ -260,7 +260,8 @@ def load_base_model(recipe, plan, source: str):
 def prepare_model(model, plan, seed: int | None = None):
     """What training does to a loaded base before the Trainer gets it, in the Trainer's order:
     no KV cache, k-bit preparation and LoRA adapters (``seed``: their random init), then gradient
-    checkpointing (non-reentrant), which the Trainer also switches on in ``train()``. The order
+    checkpointing (non-reentrant), which the Trainer also switches on in ``train()``, and the
+    tiled MLP (lowvram.train.tiled_mlp). The order
     matters: peft registers an input-requires-grad hook on the embedding when it wraps a model
     that is already checkpointing (and not quantized), which changes what the first layer keeps.
     lowvram.check.builders and the simulator prepare their models with this same function."""
@@ -273,6 +274,10 @@ def prepare_model(model, plan, seed: int | None = None):
         model = apply_lora(model, plan)
     if plan.gradient_checkpointing:
         enable_checkpointing(model, plan)
+    if getattr(plan, "tiled_mlp", False):
+        from lowvram.train.tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model, plan.tiled_mlp_shards)  # DeepSpeed's TiledMLP (lowvram.plan.tiled)
     return model
 
 

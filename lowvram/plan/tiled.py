@@ -1,0 +1,150 @@
+"""Tiled MLP (techniques.tiled_mlp): each decoder layer's MLP computed over the sequence in
+shards, its forward without autograd and recomputed shard by shard in the backward, as ALST's
+TiledMLP does (Arctic Long Sequence Training, Bekman et al. 2025, arXiv:2506.13996, sec. 3.2;
+the code lowvram runs: DeepSpeed 0.19 ``deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP``,
+wired to peft / transformers MLP modules by lowvram.train.tiled_mlp).
+
+What DeepSpeed's TiledMLP keeps, from its source:
+
+* forward: ``ctx.save_for_backward(x)`` (the MLP's input, the post-attention norm's output) and
+  nothing else: every shard runs under ``torch.no_grad()``; the output is the ``torch.cat`` of
+  the shards' outputs. So a layer saves its attention side, its norms and x: its MLP's saved
+  tensors (SwiGLU's gate, silu(gate), up, their product; the adapters' casts) are gone
+  (:func:`layer_activation_bytes`).
+* backward: ``x_grad = torch.zeros_like(x)`` (t x h), the incoming gradient (t x h), and per
+  shard (``torch.chunk`` of the flattened b*s rows: ceil(t / shards) rows) the shard's MLP
+  recomputed with autograd and its backward, the shard's gradient written into x_grad in place
+  (:func:`tiled_mlp_backward_bytes`, the moments ``*_tiled_mlp_backward``). A 4/8-bit base's
+  dequantized weight is whole-weight per Linear, not per shard.
+
+The shard count DeepSpeed's docstring example (and Axolotl's default) takes:
+ceil(seq_len / hidden_size), so a shard's t/N x I intermediates are about an h x I weight.
+
+Step time: the MLP's forward runs once more ("forward occurs twice each iteration. And if you're
+using activation checkpointing it then occurs trice": TiledMLP's docstring; "25% more
+computation" with checkpointing, DeepSpeed PR #7664), weighted by the MLP's share of a block's
+matmuls (:func:`tiled_mlp_slowdown`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lowvram.plan import activations, backward
+from lowvram.plan.models import block_linears
+from lowvram.plan.moments import Moment
+from lowvram.plan.setup import RunSetup
+
+
+def tiled_mlp_shards(setup: RunSetup) -> int:
+    """Shards of the flattened b*s rows: tiled_mlp_shards, or DeepSpeed's ceil(seq_len / h)."""
+    if setup.tiled_mlp_shards:
+        return setup.tiled_mlp_shards
+    return max(1, -(-setup.seq_len // setup.model.hidden_size))
+
+
+def _shard_rows(setup: RunSetup) -> int:
+    """Rows of the largest shard: torch.chunk gives ceil(t / shards) rows per chunk."""
+    t = setup.micro_batch_size * setup.seq_len
+    return -(-t // min(t, tiled_mlp_shards(setup)))
+
+
+def without_mlp(setup: RunSetup) -> RunSetup:
+    """The same block without its MLP (ModelSpec.mlp "none": no MLP Linears, no MLP tensors):
+    what a tiled layer saves besides x, and whose backward follows the MLP's."""
+    return replace(setup, tiled_mlp=False, model=replace(setup.model, mlp="none", intermediate_size=0))
+
+
+def _x_bytes(setup: RunSetup) -> int:
+    """x, the MLP's input (the norm's output in the residual dtype), t x h."""
+    r, _, _ = activations.dtypes(setup)
+    return r * setup.micro_batch_size * setup.seq_len * setup.model.hidden_size
+
+
+# The per-layer terms of lowvram.plan.activations / backward, with the MLP tiled where the setup
+# says so (the same numbers as theirs otherwise): lowvram.plan.memory asks these.
+
+def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side: bool = False) -> int:
+    """What a decoder layer saves; with a tiled MLP the layer without its MLP plus x (TiledMLP's
+    ``ctx.save_for_backward(x)``)."""
+    if not setup.tiled_mlp:
+        return activations.layer_activation_bytes(setup, first, attention_side)
+    rest = activations.layer_activation_bytes(without_mlp(setup), first, attention_side)
+    return rest if attention_side else rest + _x_bytes(setup)
+
+
+def activation_bytes(setup: RunSetup) -> int:
+    """All layers' saved activations at the start of the backward (activations.activation_bytes),
+    each layer's MLP tensors replaced by x when tiled (checkpoints keep layer inputs only either way)."""
+    plain = activations.activation_bytes(setup)
+    if not setup.tiled_mlp or setup.gradient_checkpointing:
+        return plain
+    untiled = replace(setup, tiled_mlp=False)
+    first = activations.layer_activation_bytes(untiled, first=True) - layer_activation_bytes(setup, first=True)
+    other = activations.layer_activation_bytes(untiled) - layer_activation_bytes(setup)
+    return plain - first - (setup.model.num_layers - 1) * other
+
+
+def layer_backward_bytes(setup: RunSetup) -> int:
+    """One layer's backward (backward.layer_backward_bytes); with a tiled MLP, once its MLP's is
+    done: the attention side, norms, hidden-state gradients (the layer without its MLP). The
+    MLP's own is :func:`tiled_mlp_backward_bytes`."""
+    if not setup.tiled_mlp:
+        return backward.layer_backward_bytes(setup)
+    return backward.layer_backward_bytes(without_mlp(setup))
+
+
+def recompute_bytes(setup: RunSetup) -> int:
+    """backward.recompute_bytes with the tiled layer's activations and backward."""
+    if not setup.tiled_mlp:
+        return backward.recompute_bytes(setup)
+    if not setup.gradient_checkpointing:
+        return 0
+    return layer_activation_bytes(setup) + layer_backward_bytes(setup) + activations.masked_attention_bytes(setup)
+
+
+def tiled_mlp_backward_bytes(setup: RunSetup) -> int:
+    """The tiled MLP's backward beside the layer's saved tensors: the incoming gradient and
+    x_grad (2 x t*h), and one shard's MLP recomputed with autograd plus its backward's
+    gradients (the untiled MLP's saved tensors and mlp_backward_floor_bytes' t x I gradients,
+    at ceil(t / shards) rows), and a 4/8-bit base's dequantized weight (whole)."""
+    plain = replace(setup, tiled_mlp=False)
+    t = setup.micro_batch_size * setup.seq_len
+    saved = activations.layer_activation_bytes(plain) - activations.layer_activation_bytes(without_mlp(setup))
+    work = backward.mlp_backward_floor_bytes(plain) - _x_bytes(setup)  # its t x I gradients
+    shard = (max(0, saved) + max(0, work)) * _shard_rows(setup) // t
+    return 2 * _x_bytes(setup) + shard + backward.dequantized_weight_bytes(setup)
+
+
+def tiled_mlp_moments(setup: RunSetup, last: int, first: int, last_grads: int, first_grads: int,
+                      not_gathered: int) -> list[Moment]:
+    """The tiled MLP's backward in the last decoder layer (``last``: every saved activation or
+    checkpoint alive, and with checkpointing the recomputed layer's) and in the first (``first``)."""
+    mlp = tiled_mlp_backward_bytes(setup)
+    return [Moment("last_layer_tiled_mlp_backward", last + mlp, 0, last_grads),
+            Moment("first_layer_tiled_mlp_backward", first + mlp, 0, first_grads, not_gathered)]
+
+
+def mlp_matmul_share(setup: RunSetup) -> float:
+    """The MLP's share of a block's Linear weights (its share of the matmul FLOPs per token)."""
+    lins = block_linears(setup.model)
+    total = sum(lin.numel for lin in lins)
+    attention = 4 if not setup.model.fused_qkv else 2  # q, k, v, o (or qkv, o) come first
+    return sum(lin.numel for lin in lins[attention:]) / total if total else 0.0
+
+
+def tiled_mlp_slowdown(setup: RunSetup) -> float:
+    """Step-time factor of the tiled MLP: one more MLP forward per step (TiledMLP's docstring) on
+    top of forward + backward (1 + 2 units, 3 + 1 with checkpointing: DeepSpeed PR #7664's 25%),
+    times the MLP's share of the block's matmuls (attention scores and the head not counted)."""
+    if not setup.tiled_mlp:
+        return 1.0
+    units = 4 if setup.gradient_checkpointing else 3
+    return 1.0 + mlp_matmul_share(setup) / units
+
+
+__all__ = [
+    "activation_bytes", "layer_activation_bytes", "layer_backward_bytes", "mlp_matmul_share",
+    "recompute_bytes", "tiled_mlp_backward_bytes", "tiled_mlp_moments", "tiled_mlp_shards",
+    "tiled_mlp_slowdown", "without_mlp",
+]
