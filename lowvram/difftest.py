@@ -55,6 +55,7 @@ class Case:
     lora_r: int = 8
     lora_targets: tuple[str, ...] | str = "all-linear"
     lora_dropout: float = 0.0
+    use_dora: bool = False  # lora.use_dora (drawn by random_case(..., dora=True) only)
     precision: str = "fp32"
     model_dtype: str = "auto"
     gradient_checkpointing: bool = False
@@ -73,7 +74,8 @@ class Case:
         bits = [f"#{self.seed}", self.family, self.method]
         if self.method != "full":
             t = self.lora_targets if isinstance(self.lora_targets, str) else ",".join(self.lora_targets)
-            bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else ""))
+            bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else "")
+                        + (" dora" if self.use_dora else ""))
         bits += [self.precision] + ([f"dtype {self.model_dtype}"] if self.model_dtype != "auto" else [])
         bits += (["ckpt"] if self.gradient_checkpointing else []) + [self.optimizer]
         bits += ([self.loss] if self.loss != "standard" else []) + ([self.attention] if self.attention != "sdpa" else [])
@@ -246,6 +248,8 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
                      "target_modules": targets if isinstance(targets, str) else list(targets)}
         if case.lora_dropout:
             t["lora"]["dropout"] = case.lora_dropout
+        if case.use_dora:
+            t["lora"]["use_dora"] = True
     import yaml
 
     return yaml.safe_dump(t, sort_keys=False)

@@ -15,7 +15,7 @@ the loss and the backward in :mod:`lowvram.plan.backward`, multi-GPU sharding in
 from __future__ import annotations
 
 from lowvram.errors import LowvramError
-from lowvram.plan import moe
+from lowvram.plan import dora, moe
 from lowvram.plan.activations import (
     activation_bytes,
     activation_offload_host_bytes,
@@ -77,6 +77,7 @@ def _check(setup: RunSetup) -> None:
     problems += moe.moe_problems(setup.model, setup.lora, setup.lora_r, setup.lora_targets,
                                  setup.lora_dropout)
     problems += moe.attention_problems(setup.model, setup.attention)
+    problems += dora.dora_problems(setup)
     conflict = offload_conflict(setup.optimizer, setup.offload)
     if conflict:
         problems.append(conflict)
@@ -144,9 +145,13 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # gradients made when the backward reaches the last decoder layer, and the first
         last_grads = layer_grads + int(share * head_g)
         first_grads = late_layer_grads + int(share * late_g)
-        rec = recompute_bytes(setup)
+        rec = recompute_bytes(setup) + dora.saved_layer_bytes(setup) + dora.backward_bytes(setup)
         candidates += [Moment("last_layer_recompute", checkpoints + rec, 0, last_grads),
                        Moment("first_layer_recompute", one_layer + rec, 0, first_grads, not_gathered)]
+        if dora.dora_on(setup):  # the recompute forms DoRA's weight norm again (plan/dora.py)
+            norm = layer_activation_bytes(setup) + dora.saved_layer_bytes(setup) + dora.weight_norm_bytes(setup)
+            candidates += [Moment("dora_weight_norm", checkpoints + norm, 0, last_grads),
+                           Moment("dora_weight_norm", one_layer + norm, 0, first_grads, not_gathered)]
         if setup.attention == "eager":
             # The recomputed layer's softmax backward: its s x s gradients (eager_softmax_backward
             # _bytes; gpt-oss: moe.sink_eager_backward_bytes) beside the layer's activations, every
@@ -197,8 +202,12 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             done = layer_activation_bytes(setup) - layer_activation_bytes(setup, attention_side=True)
             candidates.append(Moment("last_layer_softmax_backward", acts - done + eager + hidden_grads, 0,
                                      int(share * head_g)))
-        candidates.append(Moment("first_layer_backward", first_layer + layer_backward_bytes(setup), 0,
+        candidates.append(Moment("first_layer_backward", first_layer + layer_backward_bytes(setup)
+                                 + dora.saved_layer_bytes(setup) + dora.backward_bytes(setup), 0,
                                  late_layer_grads + int(share * late_g), not_gathered))
+        if dora.dora_on(setup):  # the last layer's forward forms DoRA's weight norm (plan/dora.py)
+            candidates.append(Moment("dora_weight_norm",
+                                     acts - head_activation_bytes(setup) + dora.weight_norm_bytes(setup)))
     return max(candidates, key=lambda m: m.bytes)  # the first of equals, as listed
 
 
@@ -209,6 +218,8 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
         setup, weight_bytes(setup), gradient_bytes(setup), optimizer_bytes(setup))
     gathered, layer_grads, buckets = sharding_overhead_bytes(setup)
     acts = activation_bytes(setup)
+    if not setup.gradient_checkpointing:  # DoRA's saved tensors in every layer (plan/dora.py)
+        acts += setup.model.num_layers * dora.saved_layer_bytes(setup)
     logits = logits_bytes(setup)
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
     kept_grads += buckets

@@ -87,6 +87,8 @@ class PlanRequest:
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_alpha: int = 32  # no memory effect; carried into the Plan for training
     lora_dropout: float = 0.0
+    lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitude and per-forward weight norm (plan/dora.py)
+    lora_use_rslora: bool = False  # no memory effect; carried into the Plan for training
     weight_dtype: str | None = None  # model.dtype fixed in the recipe: auto precision follows it
     mixed_precision: str | None = None
     gradient_checkpointing: bool | None = None

@@ -112,6 +112,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                             model=req.model, precision=precision, quantization=quant,
                                             lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
                                             lora_dropout=req.lora_dropout,
+                                            lora_use_dora=req.lora_use_dora and lora,
                                             optimizer=optim, gradient_checkpointing=gc,
                                             attention=attention, loss=loss, micro_batch_size=micro,
                                             seq_len=req.seq_len, grad_accum=per_gpu // micro,
@@ -157,7 +158,8 @@ def describe_setup(s: RunSetup) -> str:
     return ", ".join(parts)
 
 
-def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Plan:
+def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslora: bool = False,
+                   **extra) -> Plan:
     """The Plan that runs ``setup``: every setting the memory model read (lowvram.measure builds
     its runs from this too); ``extra``: reasons and the predictions."""
     s = setup
@@ -166,7 +168,8 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Pl
         micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
         loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len,
-        lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets), **extra,
+        lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets),
+        lora_use_dora=s.lora_use_dora, lora_use_rslora=lora_use_rslora and s.lora, **extra,
     )
 
 

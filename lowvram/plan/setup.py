@@ -81,6 +81,7 @@ class RunSetup:
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.0  # lora.dropout: > 0 saves a dropped input and a mask per adapter
+    lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitudes and weight-norm temporaries (plan/dora.py)
     optimizer: str = "adamw"
     gradient_checkpointing: bool = False
     attention: str = "sdpa"  # sdpa | eager | flash_attention_2

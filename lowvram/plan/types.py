@@ -64,6 +64,8 @@ class Plan:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
+    lora_use_dora: bool = False
+    lora_use_rslora: bool = False
     lora_targets: tuple[str, ...] = ("all-linear",)
     reasons: dict[str, str] = field(default_factory=dict)
     predicted_peak_bytes: int | None = None

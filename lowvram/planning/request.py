@@ -125,7 +125,8 @@ def lora_fields(recipe: Recipe) -> dict:
     """The recipe's lora section as PlanRequest / Plan fields."""
     lc = recipe.lora
     targets = (lc.target_modules,) if isinstance(lc.target_modules, str) else tuple(lc.target_modules)
-    return {"lora_r": lc.r, "lora_alpha": lc.alpha, "lora_dropout": lc.dropout, "lora_targets": targets}
+    return {"lora_r": lc.r, "lora_alpha": lc.alpha, "lora_dropout": lc.dropout, "lora_targets": targets,
+            "lora_use_dora": lc.use_dora, "lora_use_rslora": lc.use_rslora}
 
 
 def recipe_model(recipe: Recipe):

@@ -158,6 +158,13 @@ class LoraSection(_Section):
     target_modules: Literal["all-linear"] | list[str] = Field(
         "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]) or all-linear."
     )
+    use_dora: bool = Field(
+        False,
+        description="DoRA (peft use_dora): a trained magnitude per output row; each adapted layer forms "
+                    "its dense weight + B@A in every forward to take its norm (planned; slower, more memory). "
+                    "Not on fused MoE experts.")
+    use_rslora: bool = Field(
+        False, description="rsLoRA (peft use_rslora): scale = alpha / sqrt(r) instead of alpha / r; no memory change.")
 
 
 class TechniquesSection(_Section):
@@ -240,6 +247,13 @@ class Recipe(_Section):
     training: TrainingSection = Field(default_factory=TrainingSection)
     lora: LoraSection = Field(default_factory=LoraSection)
     techniques: TechniquesSection = Field(default_factory=TechniquesSection)
+
+    @model_validator(mode="after")
+    def _dora_needs_lora(self) -> Recipe:
+        if self.lora.use_dora and self.techniques.lora == "off":
+            raise ValueError("lora.use_dora needs LoRA: DoRA decomposes the adapter update "
+                             "(set techniques.lora: on or auto, or lora.use_dora: false)")
+        return self
 
     # Where the recipe came from; relative data paths resolve against it. Not a YAML key.
     _source: Path | None = None
