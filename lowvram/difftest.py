@@ -55,7 +55,8 @@ class Case:
     lora_r: int = 8
     lora_targets: tuple[str, ...] | str = "all-linear"
     lora_dropout: float = 0.0
-    use_dora: bool = False  # lora.use_dora (drawn by random_case(..., dora=True) only)
+    use_dora: bool = False  # lora.use_dora (drawn by random_case(..., extended=True) only)
+    galore_rank: int = 128  # galore.rank, with optimizer galore_adamw (extended draws)
     precision: str = "fp32"
     model_dtype: str = "auto"
     gradient_checkpointing: bool = False
@@ -77,7 +78,8 @@ class Case:
             bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else "")
                         + (" dora" if self.use_dora else ""))
         bits += [self.precision] + ([f"dtype {self.model_dtype}"] if self.model_dtype != "auto" else [])
-        bits += (["ckpt"] if self.gradient_checkpointing else []) + [self.optimizer]
+        bits += (["ckpt"] if self.gradient_checkpointing else [])
+        bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer == "galore_adamw" else ""))
         bits += ([self.loss] if self.loss != "standard" else []) + ([self.attention] if self.attention != "sdpa" else [])
         bits.append(f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}")
         bits += (["packed"] if self.packing else []) + (["eval"] if self.validation else [])
@@ -97,8 +99,10 @@ def _targets(family: str, rng: random.Random):
     return tuple(sorted(rng.sample(names, rng.randint(1, len(names)))))
 
 
-def random_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
-    """A random valid recipe (same seed, same case)."""
+def random_case(seed: int, families: tuple[str, ...] = FAMILIES, extended: bool = False) -> Case:
+    """A random valid recipe (same seed, same case). ``extended``: also the options of issue 27
+    (lora.use_dora, optimizer galore_adamw), drawn from a second generator so that every seed's
+    other values stay as without them."""
     rng = random.Random(seed)
     family = rng.choice(families)
     heads = rng.choice([2, 4])
@@ -129,6 +133,8 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
         packing=rng.random() < 0.3, validation=0.2 if rng.random() < 0.25 else None,
         experts=rng.choice([4, 8]) if moe else 0, experts_per_tok=2 if moe else 0,
     )
+    if extended:
+        case = _extend(case, random.Random(f"issue27-{seed}"))
     if family == "gpt_oss":
         # transformers trains gpt-oss with eager attention only (no SDPA path for its sinks)
         case = replace(case, attention="eager")
@@ -143,6 +149,17 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
         hidden = heads * 32
         case = replace(case, heads=heads, kv_heads=kv, hidden=hidden,
                        intermediate=case.intermediate // case.hidden * hidden)
+    return case
+
+
+def _extend(case: Case, rng: random.Random) -> Case:
+    """DoRA on half the adapter recipes (not on fused MoE experts: peft refuses it), GaLore on
+    half the dense full fine-tuning ones, at a rank below the model's widths."""
+    moe = case.family in MOE_FAMILIES
+    if case.method != "full" and rng.random() < 0.5 and not (moe and case.lora_targets == "all-linear"):
+        case = replace(case, use_dora=True)
+    if case.method == "full" and not moe and rng.random() < 0.5:
+        case = replace(case, optimizer="galore_adamw", galore_rank=rng.choice([4, 8, 16, 32]))
     return case
 
 
@@ -238,6 +255,8 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
     }
     if case.model_dtype != "auto":
         t["model"]["dtype"] = case.model_dtype
+    if case.optimizer == "galore_adamw":
+        t["galore"] = {"rank": case.galore_rank}
     if case.packing:
         t["data"]["packing"] = True
     if case.validation:

@@ -15,7 +15,7 @@ the loss and the backward in :mod:`lowvram.plan.backward`, multi-GPU sharding in
 from __future__ import annotations
 
 from lowvram.errors import LowvramError
-from lowvram.plan import dora, moe
+from lowvram.plan import dora, moe, optimizers
 from lowvram.plan.activations import (
     activation_bytes,
     activation_offload_host_bytes,
@@ -78,6 +78,7 @@ def _check(setup: RunSetup) -> None:
                                  setup.lora_dropout)
     problems += moe.attention_problems(setup.model, setup.attention)
     problems += dora.dora_problems(setup)
+    problems += optimizers.optimizer_problems(setup)
     conflict = offload_conflict(setup.optimizer, setup.offload)
     if conflict:
         problems.append(conflict)

@@ -19,6 +19,7 @@ from lowvram.plan.setup import (
 )
 from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.types import Plan
+from lowvram.vocab import PROJECTED_OPTIMIZERS
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
 # on the card, fragmentation spikes, the first-step warm-up). 5% of the card, at least 256 MiB.
@@ -89,6 +90,9 @@ class PlanRequest:
     lora_dropout: float = 0.0
     lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitude and per-forward weight norm (plan/dora.py)
     lora_use_rslora: bool = False  # no memory effect; carried into the Plan for training
+    galore_rank: int = 128  # galore.*: optimizer galore_adamw (plan/optimizers.py)
+    galore_update_proj_gap: int = 200  # no memory effect; carried into the Plan for training
+    galore_scale: float = 0.25  # no memory effect; carried into the Plan for training
     weight_dtype: str | None = None  # model.dtype fixed in the recipe: auto precision follows it
     mixed_precision: str | None = None
     gradient_checkpointing: bool | None = None
@@ -189,6 +193,10 @@ def validate_request(req: PlanRequest) -> None:
             flag = {"optimizer": "--optim", "offload": "--offload"}
             raise LowvramError(conflict, offload_conflict_hint(req.optimizer, req.offload,
                                                                lambda key, value: f"{flag[key]} {value}"))
+    if req.optimizer in PROJECTED_OPTIMIZERS and (req.lora or req.offload not in (None, "none")):
+        raise LowvramError(f"optimizer {req.optimizer} projects the gradients of full weights on unsharded "
+                           "parameters: it runs without LoRA and without DeepSpeed/FSDP",
+                           "use --method full --offload none with it, or --optim adamw_8bit")
     if req.batch_size % req.gpus:
         raise LowvramError(
             f"batch_size {req.batch_size} is not divisible by {req.gpus} GPUs",

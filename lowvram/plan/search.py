@@ -9,6 +9,7 @@ from dataclasses import replace
 from lowvram.plan import moe
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator, divisors_descending
+from lowvram.plan.optimizers import galore_targets
 from lowvram.plan.request import (
     SHARDED,
     Budget,
@@ -20,6 +21,7 @@ from lowvram.plan.request import (
 )
 from lowvram.plan.setup import RunSetup, offload_conflict
 from lowvram.plan.types import Plan, dtype_precision
+from lowvram.vocab import PROJECTED_OPTIMIZERS
 
 # Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
 # communication (~1.2x, techniques.OFFLOAD_SLOWDOWN), about what gradient checkpointing costs; so
@@ -105,14 +107,19 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                 for quant in o["quantization"]:
                                     if quant != "none" and not lora:
                                         continue
+                                    if optim in PROJECTED_OPTIMIZERS and lora:
+                                        continue  # GaLore projects full weights' gradients
                                     for offload in o["offload"]:
                                         if offload_conflict(optim, offload):
                                             continue  # DeepSpeed's CPU Adam replaces it
+                                        if optim in PROJECTED_OPTIMIZERS and offload != "none":
+                                            continue  # flattened / sharded weights (plan/optimizers.py)
                                         out.append(RunSetup(
                                             model=req.model, precision=precision, quantization=quant,
                                             lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
                                             lora_dropout=req.lora_dropout,
                                             lora_use_dora=req.lora_use_dora and lora,
+                                            galore_rank=req.galore_rank,
                                             optimizer=optim, gradient_checkpointing=gc,
                                             attention=attention, loss=loss, micro_batch_size=micro,
                                             seq_len=req.seq_len, grad_accum=per_gpu // micro,
@@ -159,7 +166,7 @@ def describe_setup(s: RunSetup) -> str:
 
 
 def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslora: bool = False,
-                   **extra) -> Plan:
+                   galore_update_proj_gap: int = 200, galore_scale: float = 0.25, **extra) -> Plan:
     """The Plan that runs ``setup``: every setting the memory model read (lowvram.measure builds
     its runs from this too); ``extra``: reasons and the predictions."""
     s = setup
@@ -169,7 +176,9 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
         loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len,
         lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets),
-        lora_use_dora=s.lora_use_dora, lora_use_rslora=lora_use_rslora and s.lora, **extra,
+        lora_use_dora=s.lora_use_dora, lora_use_rslora=lora_use_rslora and s.lora,
+        galore_rank=s.galore_rank, galore_update_proj_gap=galore_update_proj_gap, galore_scale=galore_scale,
+        optimizer_target_modules=galore_targets(s.model) if s.optimizer in PROJECTED_OPTIMIZERS else (), **extra,
     )
 
 

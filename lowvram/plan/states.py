@@ -4,7 +4,7 @@ as in :mod:`lowvram.plan.memory`."""
 
 from __future__ import annotations
 
-from lowvram.plan import moe
+from lowvram.plan import moe, optimizers
 from lowvram.plan.models import ModelSpec, block_linears, count_parameters
 from lowvram.plan.setup import RunSetup
 from lowvram.vocab import OPTIMIZERS_8BIT
@@ -164,6 +164,8 @@ def optimizer_bytes(setup: RunSetup) -> int:
     w = 4 if setup.lora else dtype_bytes(setup)[0]
     shapes = trainable_tensors(setup)
     o = setup.optimizer
+    if optimizers.projected(setup):
+        return optimizers.galore_state_bytes(setup, w, shapes)
     if o in ("adamw", "paged_adamw_32bit"):
         return 2 * w * sum(shape_numel(s) for s in shapes)
     if o in OPTIMIZERS_8BIT:
@@ -194,6 +196,8 @@ def optimizer_step_temp_bytes(setup: RunSetup) -> int:
     measured: bench/plan_accuracy.py). transformers' Adafactor works one tensor at a time on
     fp32 copies (grad.float(), update, p.float()): about 8 bytes x the largest tensor for fp32
     params, 16 for 16-bit (measured: bench/plan_accuracy.py)."""
+    if optimizers.projected(setup):
+        return optimizers.galore_step_temp_bytes(setup, dtype_bytes(setup)[0], trainable_tensors(setup))
     if setup.optimizer != "adafactor":
         return 0
     largest = max(shape_numel(s) for s in trainable_tensors(setup))

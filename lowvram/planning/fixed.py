@@ -8,7 +8,7 @@ from lowvram.errors import LowvramError
 from lowvram.plan.setup import quantization_conflict
 from lowvram.plan.types import Plan, dtype_precision
 from lowvram.planning.budget import missing_extras
-from lowvram.planning.request import check_dtype, lora_fields
+from lowvram.planning.request import check_dtype, galore_fields, lora_fields
 from lowvram.recipe import Recipe
 from lowvram.vocab import OFF_VALUES, ON_VALUES, PRECISIONS, on_off
 
@@ -113,7 +113,7 @@ def resolve_fixed(recipe: Recipe, kind: str = "cpu", bf16: bool = False, gpus: i
         device=kind, mixed_precision=precision, gradient_checkpointing=gc, micro_batch_size=micro,
         grad_accum=accum, lora=lora, quantization=quant, optimizer=optim, offload=offload,
         attention=attention, loss=loss, gpus=gpus, activation_offload=act_off, seq_len=recipe.training.seq_len,
-        **lora_fields(recipe), reasons=reasons,
+        **lora_fields(recipe), **galore_fields(recipe), reasons=reasons,
     )
 
 
