@@ -11,6 +11,7 @@ import pytest
 from lowvram.errors import LowvramError
 from lowvram.plan.catalog import resolve_model
 from lowvram.plan.memory import estimate_memory
+from lowvram.plan.models import block_linears
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import optimizer_bytes
 
@@ -76,3 +77,45 @@ def test_galore_keeps_less_state_than_8bit_adamw_on_a_3b_model():
 def test_galore_constraints_are_refused_before_training(changes, why):
     with pytest.raises(LowvramError, match=why):
         estimate_memory(replace(RunSetup(LLAMA, optimizer="galore_adamw"), **changes))
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-0.5b", "phi-3-mini"])
+def test_galore_and_dora_plans_pass_the_libraries_validation(name, tmp_path):
+    """What a GaLore plan and a DoRA plan hand the libraries, through their own validation
+    (tests/library_configs.py): TrainingArguments with optim galore_adamw and its target modules;
+    peft's LoraConfig with use_dora on the model's Linears (prepare_model on a 2-layer meta copy)."""
+    pytest.importorskip("galore_torch")
+    from library_configs import validate_plan
+
+    from lowvram.plan.search import plan_for_setup
+
+    spec = resolve_model(name)
+    galore = plan_for_setup(RunSetup(spec, precision="bf16", optimizer="galore_adamw"), "cuda", 16)
+    assert set(galore.optimizer_target_modules) == {lin.name for lin in block_linears(spec)}
+    (tmp_path / "g").mkdir()
+    assert "TrainingArguments" in validate_plan(name, galore, tmp_path / "g")
+    for quant in ("none", "nf4-dq"):
+        d = plan_for_setup(RunSetup(spec, precision="bf16", lora=True, lora_use_dora=True, quantization=quant),
+                           "cuda", 32, lora_use_rslora=True)
+        (tmp_path / quant).mkdir()
+        assert "LoraConfig" in validate_plan(name, d, tmp_path / quant)
+
+
+# Seeds of the extended draw (lowvram.difftest.random_case(..., extended=True), ten families)
+# that train with galore_adamw, run through `lowvram train` (measured 2026-12-02)
+GALORE_SEEDS = {
+    1: "Gemma full bf16, checkpointing, eager, packed, rank 16, accumulation 2: +0.17%",
+}
+
+
+@pytest.mark.parametrize("seed", list(GALORE_SEEDS))
+def test_galore_runs_stay_within_their_plan(seed, tmp_path):
+    pytest.importorskip("galore_torch")
+    from lowvram.difftest import ANY_LIMIT, OVER_LIMIT, TEN_FAMILIES, random_case, run_case
+
+    case = random_case(seed, families=TEN_FAMILIES, extended=True)
+    assert case.optimizer == "galore_adamw"
+    out = run_case(case, tmp_path)
+    assert out.error is None, out.error
+    assert out.ok, (f"{case.label()}: measured {out.measured_bytes:,} predicted {out.predicted_bytes:,} "
+                    f"({out.ratio:+.2%}; limits +{OVER_LIMIT:.0%}, +-{ANY_LIMIT:.0%})")
