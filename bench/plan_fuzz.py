@@ -11,6 +11,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --seed 17 -v    # one case, with its recipe
     python bench/plan_fuzz.py --eager-checkpointing  # every recipe made eager + checkpointing
     python bench/plan_fuzz.py --tiled 1 --seeds 0:40 --families ten  # dense cases made tiled-MLP runs
+    python bench/plan_fuzz.py --extended      # also DoRA and GaLore (issue 27)
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
 it become regression cases in tests/test_plan_fuzz.py. ~5 s a case on 2 cores.
@@ -66,6 +67,9 @@ def main() -> int:
     ap.add_argument("-v", action="store_true", help="print each case's recipe")
     ap.add_argument("--families", choices=sorted(FAMILY_SETS), default="all",
                     help="which model families the recipes draw from (default all)")
+    ap.add_argument("--extended", action="store_true",
+                    help="also draw issue 27's options (lora.use_dora, optimizer galore_adamw; "
+                         "random_case(extended=True))")
     ap.add_argument("--eager-checkpointing", action="store_true",
                     help="make every recipe eager attention with gradient checkpointing (the draw "
                          "makes it rarely: 15%% eager, 40%% checkpointing)")
@@ -77,10 +81,11 @@ def main() -> int:
     rows, lines = [], []
     t0 = time.perf_counter()
     write = bool(args.out) and args.seed is None
-    families = args.families + (" --eager-checkpointing" if args.eager_checkpointing else "")
+    families = args.families + (" --eager-checkpointing" if args.eager_checkpointing else "") + (
+        " --extended" if args.extended else "")
     families += f" --tiled {args.tiled:g}" if args.tiled else ""
     for seed in seeds:
-        case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled)
+        case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled, extended=args.extended)
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

@@ -55,6 +55,8 @@ class Case:
     lora_r: int = 8
     lora_targets: tuple[str, ...] | str = "all-linear"
     lora_dropout: float = 0.0
+    use_dora: bool = False  # lora.use_dora (drawn by random_case(..., extended=True) only)
+    galore_rank: int = 128  # galore.rank, with optimizer galore_adamw (extended draws)
     precision: str = "fp32"
     model_dtype: str = "auto"
     gradient_checkpointing: bool = False
@@ -76,9 +78,11 @@ class Case:
         bits = [f"#{self.seed}", self.family, self.method]
         if self.method != "full":
             t = self.lora_targets if isinstance(self.lora_targets, str) else ",".join(self.lora_targets)
-            bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else ""))
+            bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else "")
+                        + (" dora" if self.use_dora else ""))
         bits += [self.precision] + ([f"dtype {self.model_dtype}"] if self.model_dtype != "auto" else [])
-        bits += (["ckpt"] if self.gradient_checkpointing else []) + [self.optimizer]
+        bits += (["ckpt"] if self.gradient_checkpointing else [])
+        bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer == "galore_adamw" else ""))
         bits += ([self.loss] if self.loss != "standard" else []) + ([self.attention] if self.attention != "sdpa" else [])
         bits.append(f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}")
         bits += (["packed"] if self.packing else []) + (["eval"] if self.validation else [])
@@ -100,10 +104,13 @@ def _targets(family: str, rng: random.Random):
     return tuple(sorted(rng.sample(names, rng.randint(1, len(names)))))
 
 
-def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 0.0) -> Case:
+def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 0.0,
+                extended: bool = False) -> Case:
     """A random valid recipe (same seed, same case). ``tiled``: the share of dense-MLP cases made
-    long-context tiled-MLP runs (:func:`made_tiled`), drawn from a stream of their own, so every
-    seed's recipe without it stays as it was."""
+    long-context tiled-MLP runs (:func:`made_tiled`), drawn from a stream of their own;
+    ``extended``: also the options of issue 27 (lora.use_dora, optimizer galore_adamw), drawn from
+    another generator; so every seed's recipe without them stays as it was. (A tiled case draws
+    no DoRA: the two together are refused as not modelled.)"""
     rng = random.Random(seed)
     family = rng.choice(families)
     heads = rng.choice([2, 4])
@@ -134,6 +141,8 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
         packing=rng.random() < 0.3, validation=0.2 if rng.random() < 0.25 else None,
         experts=rng.choice([4, 8]) if moe else 0, experts_per_tok=2 if moe else 0,
     )
+    if extended:
+        case = _extend(case, random.Random(f"issue27-{seed}"))
     if family == "gpt_oss":
         # transformers trains gpt-oss with eager attention only (no SDPA path for its sinks)
         case = replace(case, attention="eager")
@@ -149,7 +158,7 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
         case = replace(case, heads=heads, kv_heads=kv, hidden=hidden,
                        intermediate=case.intermediate // case.hidden * hidden)
     if tiled and family not in MOE_FAMILIES and random.Random(f"tiled-{seed}").random() < tiled:
-        case = made_tiled(case)
+        case = made_tiled(replace(case, use_dora=False))  # DoRA with a tiled MLP: refused, not modelled
     return case
 
 
@@ -162,6 +171,17 @@ def made_tiled(case: Case) -> Case:
     loss = "chunked" if seq_len * micro > 1024 else case.loss
     return replace(case, tiled_mlp=True, tiled_mlp_shards=rng.choice([0, 0, 4, 16]), seq_len=seq_len,
                    micro_batch_size=micro, loss=loss, packing=False)
+
+
+def _extend(case: Case, rng: random.Random) -> Case:
+    """DoRA on half the adapter recipes (not on fused MoE experts: peft refuses it), GaLore on
+    half the dense full fine-tuning ones, at a rank below the model's widths."""
+    moe = case.family in MOE_FAMILIES
+    if case.method != "full" and rng.random() < 0.5 and not (moe and case.lora_targets == "all-linear"):
+        case = replace(case, use_dora=True)
+    if case.method == "full" and not moe and rng.random() < 0.5:
+        case = replace(case, optimizer="galore_adamw", galore_rank=rng.choice([4, 8, 16, 32]))
+    return case
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,6 +278,8 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
         t["techniques"]["tiled_mlp"] = case.tiled_mlp_shards or "on"
     if case.model_dtype != "auto":
         t["model"]["dtype"] = case.model_dtype
+    if case.optimizer == "galore_adamw":
+        t["galore"] = {"rank": case.galore_rank}
     if case.packing:
         t["data"]["packing"] = True
     if case.validation:
@@ -268,6 +290,8 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
                      "target_modules": targets if isinstance(targets, str) else list(targets)}
         if case.lora_dropout:
             t["lora"]["dropout"] = case.lora_dropout
+        if case.use_dora:
+            t["lora"]["use_dora"] = True
     import yaml
 
     return yaml.safe_dump(t, sort_keys=False)

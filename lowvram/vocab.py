@@ -40,12 +40,19 @@ TRAINER_OPTIMIZERS = {
     "paged_adamw_32bit": "paged_adamw_32bit",
     "adafactor": "adafactor",
     "sgd": "sgd",
+    # GaLore (Zhao et al. 2024; galore-torch, the `galore` extra): AdamW on each decoder Linear's
+    # gradient projected to `galore.rank` (lowvram.plan.optimizers); full fine-tuning, one GPU
+    "galore_adamw": "galore_adamw",
 }
 OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
 # Optimizers that come from bitsandbytes (as the quantizations other than none do), and those of
 # them that keep 8-bit state.
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 OPTIMIZERS_8BIT = ("adamw_8bit", "paged_adamw_8bit")
+# Optimizers that project the gradients of the decoder Linears (GaLore): full fine-tuning only.
+PROJECTED_OPTIMIZERS = ("galore_adamw",)
+# Optimizer -> (the pyproject extra it needs, the module that extra installs).
+OPTIMIZER_EXTRAS = {"galore_adamw": ("galore", "galore_torch")}
 # Offload or shard: optimizer/full on one GPU (DeepSpeed ZeRO-Offload/-Infinity), the rest with
 # several GPUs (DeepSpeed ZeRO-2/3, FSDP2), "-offload" adding CPU offload.
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",

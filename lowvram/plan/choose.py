@@ -106,7 +106,8 @@ def _extras_notes(chosen: Candidate, cands: list[Candidate], budget: Budget) -> 
 
 
 def _to_plan(c: Candidate, req: PlanRequest, budget: Budget, reasons: dict[str, str]) -> Plan:
-    return plan_for_setup(c.setup, budget.device, req.lora_alpha, reasons=reasons,
+    return plan_for_setup(c.setup, budget.device, req.lora_alpha, req.lora_use_rslora,
+                          req.galore_update_proj_gap, req.galore_scale, reasons=reasons,
                           predicted_peak_bytes=c.peak_bytes, budget_bytes=budget.usable_bytes,
                           breakdown=dict(c.estimate.breakdown), host_ram_bytes=c.estimate.cpu_ram_bytes)
 

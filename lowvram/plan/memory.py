@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan import moe, tiled
+from lowvram.plan import dora, moe, optimizers, tiled
 from lowvram.plan.activations import (
     activation_offload_host_bytes,
     activation_offloaded,
@@ -78,6 +78,8 @@ def _check(setup: RunSetup) -> None:
     problems += moe.moe_problems(setup.model, setup.lora, setup.lora_r, setup.lora_targets,
                                  setup.lora_dropout)
     problems += moe.attention_problems(setup.model, setup.attention)
+    problems += dora.dora_problems(setup)
+    problems += optimizers.optimizer_problems(setup)
     conflict = offload_conflict(setup.optimizer, setup.offload)
     if conflict:
         problems.append(conflict)
@@ -150,13 +152,17 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # gradients made when the backward reaches the last decoder layer, and the first
         last_grads = layer_grads + int(share * head_g)
         first_grads = late_layer_grads + int(share * late_g)
-        rec = tiled.recompute_bytes(setup)
+        rec = tiled.recompute_bytes(setup) + dora.saved_layer_bytes(setup) + dora.backward_bytes(setup)
         candidates += [Moment("last_layer_recompute", checkpoints + rec, 0, last_grads),
                        Moment("first_layer_recompute", one_layer + rec, 0, first_grads, not_gathered)]
         if setup.tiled_mlp:  # the recomputed layer's MLP backward, shard by shard
             layer = tiled.layer_activation_bytes(setup)
             candidates += tiled.tiled_mlp_moments(setup, checkpoints + layer, one_layer + layer, last_grads,
                                                   first_grads, not_gathered)
+        if dora.dora_on(setup):  # the recompute forms DoRA's weight norm again (plan/dora.py)
+            norm = tiled.layer_activation_bytes(setup) + dora.saved_layer_bytes(setup) + dora.weight_norm_bytes(setup)
+            candidates += [Moment("dora_weight_norm", checkpoints + norm, 0, last_grads),
+                           Moment("dora_weight_norm", one_layer + norm, 0, first_grads, not_gathered)]
         if setup.attention == "eager":
             # The recomputed layer's softmax backward: its s x s gradients (eager_softmax_backward
             # _bytes; gpt-oss: moe.sink_eager_backward_bytes) beside the layer's activations, every
@@ -208,11 +214,15 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             done = tiled.layer_activation_bytes(setup) - tiled.layer_activation_bytes(setup, attention_side=True)
             candidates.append(Moment("last_layer_softmax_backward", acts - done + eager + hidden_grads, 0,
                                      int(share * head_g)))
-        candidates.append(Moment("first_layer_backward", first_layer + tiled.layer_backward_bytes(setup), 0,
+        candidates.append(Moment("first_layer_backward", first_layer + tiled.layer_backward_bytes(setup)
+                                 + dora.saved_layer_bytes(setup) + dora.backward_bytes(setup), 0,
                                  late_layer_grads + int(share * late_g), not_gathered))
         if setup.tiled_mlp:  # the last and first layers' MLP backward, shard by shard
             candidates += tiled.tiled_mlp_moments(setup, acts, first_layer, int(share * head_g),
                                                   late_layer_grads + int(share * late_g), not_gathered)
+        if dora.dora_on(setup):  # the last layer's forward forms DoRA's weight norm (plan/dora.py)
+            candidates.append(Moment("dora_weight_norm",
+                                     acts - head_activation_bytes(setup) + dora.weight_norm_bytes(setup)))
     return max(candidates, key=lambda m: m.bytes)  # the first of equals, as listed
 
 
@@ -223,6 +233,8 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
         setup, weight_bytes(setup), gradient_bytes(setup), optimizer_bytes(setup))
     gathered, layer_grads, buckets = sharding_overhead_bytes(setup)
     acts = tiled.activation_bytes(setup)
+    if not setup.gradient_checkpointing:  # DoRA's saved tensors in every layer (plan/dora.py)
+        acts += setup.model.num_layers * dora.saved_layer_bytes(setup)
     logits = logits_bytes(setup)
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
     kept_grads += buckets

@@ -78,6 +78,11 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "tiled MLP: the first decoder layer's MLP backward, one shard recomputed, nearly every "
         "gradient made",
         "tiled.tiled_mlp_backward_bytes (as above)"),
+    "dora_weight_norm": (
+        "lora.use_dora: an adapted layer's forward (or its recompute) forms B@A through an fp32 "
+        "identity and the norm of weight + scaling x B@A: dense d_out x d_in temporaries beside "
+        "every activation or checkpoint",
+        "peft tuners/lora/dora.py DoraLinearLayer; dora.weight_norm_bytes; measured: tests/test_plan_dora.py"),
     "first_layer_backward": (
         "without checkpointing: the first decoder layer's backward, nearly every gradient made",
         "activations.layer_activation_bytes(first=True), backward.layer_backward_bytes"),

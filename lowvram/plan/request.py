@@ -21,6 +21,7 @@ from lowvram.plan.setup import (
 )
 from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.types import Plan
+from lowvram.vocab import PROJECTED_OPTIMIZERS
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
 # on the card, fragmentation spikes, the first-step warm-up): chosen, in lowvram.plan.constants.
@@ -90,6 +91,11 @@ class PlanRequest:
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_alpha: int = 32  # no memory effect; carried into the Plan for training
     lora_dropout: float = 0.0
+    lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitude and per-forward weight norm (plan/dora.py)
+    lora_use_rslora: bool = False  # no memory effect; carried into the Plan for training
+    galore_rank: int = 128  # galore.*: optimizer galore_adamw (plan/optimizers.py)
+    galore_update_proj_gap: int = 200  # no memory effect; carried into the Plan for training
+    galore_scale: float = 0.25  # no memory effect; carried into the Plan for training
     weight_dtype: str | None = None  # model.dtype fixed in the recipe: auto precision follows it
     mixed_precision: str | None = None
     gradient_checkpointing: bool | None = None
@@ -193,6 +199,10 @@ def validate_request(req: PlanRequest) -> None:
     conflict = tiled_mlp_conflict(bool(req.tiled_mlp), req.model is not None and req.model.is_moe)
     if conflict:
         raise LowvramError(conflict, "use --tiled-mlp off (or auto)")
+    if req.tiled_mlp and req.lora_use_dora:  # DoRA's per-forward weight norm inside MLP shards: not modelled
+        raise LowvramError("tiled_mlp with lora.use_dora is not modelled (DoRA forms each adapted layer's "
+                           "dense weight in every forward, and a tiled MLP runs that forward once per shard)",
+                           "set techniques.tiled_mlp: off (or auto) with DoRA, or lora.use_dora: false")
     if req.tiled_mlp_shards < 0:
         raise LowvramError(f"tiled_mlp shards must be a positive integer, got {req.tiled_mlp_shards}",
                            "e.g. --tiled-mlp 8, or --tiled-mlp on for ceil(seq_len / hidden_size)")
@@ -202,6 +212,10 @@ def validate_request(req: PlanRequest) -> None:
             flag = {"optimizer": "--optimizer", "offload": "--offload"}
             raise LowvramError(conflict, offload_conflict_hint(req.optimizer, req.offload,
                                                                lambda key, value: f"{flag[key]} {value}"))
+    if req.optimizer in PROJECTED_OPTIMIZERS and (req.lora or req.offload not in (None, "none")):
+        raise LowvramError(f"optimizer {req.optimizer} projects the gradients of full weights on unsharded "
+                           "parameters: it runs without LoRA and without DeepSpeed/FSDP",
+                           "use --method full --offload none with it, or --optimizer adamw_8bit")
     if req.batch_size % req.gpus:
         raise LowvramError(
             f"batch_size {req.batch_size} is not divisible by {req.gpus} GPUs",

@@ -10,6 +10,7 @@ from dataclasses import replace
 from lowvram.plan import moe
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator, divisors_descending
+from lowvram.plan.optimizers import galore_targets
 from lowvram.plan.request import (
     SHARDED,
     Budget,
@@ -26,6 +27,7 @@ from lowvram.plan.setup import (
     quantization_conflict,
 )
 from lowvram.plan.types import Plan, dtype_precision
+from lowvram.vocab import PROJECTED_OPTIMIZERS
 
 # Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
 # communication (~1.2x, techniques.OFFLOAD_SLOWDOWN), about what gradient checkpointing costs; so
@@ -84,7 +86,9 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         # (activations.activation_offloaded)
         "activation_offload": pick("activation_offload", [False, True]) if budget.device == "cuda" else [False],
         # a dense MLP only (setup.tiled_mlp_conflict)
-        "tiled_mlp": pick("tiled_mlp", [False, True]) if req.model is None or not req.model.is_moe else [False],
+        # and not with DoRA (the two together are not modelled: validate_request refuses them)
+        "tiled_mlp": (pick("tiled_mlp", [False, True]) if (req.model is None or not req.model.is_moe)
+                      and not req.lora_use_dora else [False]),
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
@@ -120,10 +124,15 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
         if (activation_offload_conflict(act_off, gc) or quantization_conflict(quant, lora)
                 or offload_conflict(optim, offload)):
             continue
+        # GaLore projects the full weights' gradients, unsharded and unflattened (plan/optimizers.py)
+        if optim in PROJECTED_OPTIMIZERS and (lora or offload != "none"):
+            continue
         out.append(RunSetup(
             model=req.model, precision=precision, quantization=quant,
             lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
             lora_dropout=req.lora_dropout,
+            lora_use_dora=req.lora_use_dora and lora,
+            galore_rank=req.galore_rank,
             optimizer=optim, gradient_checkpointing=gc,
             attention=attention, loss=loss, micro_batch_size=micro,
             seq_len=req.seq_len, grad_accum=per_gpu // micro,
@@ -171,7 +180,8 @@ def describe_setup(s: RunSetup) -> str:
     return ", ".join(parts)
 
 
-def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Plan:
+def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslora: bool = False,
+                   galore_update_proj_gap: int = 200, galore_scale: float = 0.25, **extra) -> Plan:
     """The Plan that runs ``setup``: every setting the memory model read (lowvram.measure builds
     its runs from this too); ``extra``: reasons and the predictions."""
     s = setup
@@ -181,7 +191,10 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, **extra) -> Pl
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
         loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len,
         tiled_mlp=s.tiled_mlp, tiled_mlp_shards=s.tiled_mlp_shards,
-        lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets), **extra,
+        lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets),
+        lora_use_dora=s.lora_use_dora, lora_use_rslora=lora_use_rslora and s.lora,
+        galore_rank=s.galore_rank, galore_update_proj_gap=galore_update_proj_gap, galore_scale=galore_scale,
+        optimizer_target_modules=galore_targets(s.model) if s.optimizer in PROJECTED_OPTIMIZERS else (), **extra,
     )
 
 

@@ -91,7 +91,9 @@ class RunSetup:
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.0  # lora.dropout: > 0 saves a dropped input and a mask per adapter
+    lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitudes and weight-norm temporaries (plan/dora.py)
     optimizer: str = "adamw"
+    galore_rank: int = 128  # galore.rank: optimizer galore_adamw's projection rank (plan/optimizers.py)
     gradient_checkpointing: bool = False
     attention: str = "sdpa"  # sdpa | eager | flash_attention_2
     loss: str = "standard"  # standard | chunked

@@ -5,7 +5,7 @@ as in :mod:`lowvram.plan.memory`."""
 from __future__ import annotations
 
 from lowvram.plan import constants as fitted
-from lowvram.plan import moe
+from lowvram.plan import moe, optimizers
 from lowvram.plan.models import ModelSpec, block_linears, count_parameters
 from lowvram.plan.setup import RunSetup
 from lowvram.vocab import OPTIMIZERS_8BIT
@@ -58,9 +58,19 @@ def target_linears(setup: RunSetup):
 
 
 def lora_parameters(setup: RunSetup) -> int:
-    """r x (d_in + d_out) per adapted Linear (LoRA paper, Hu et al. 2021, sec. 4)."""
+    """r x (d_in + d_out) per adapted Linear (LoRA paper, Hu et al. 2021, sec. 4), + DoRA's
+    magnitudes (magnitude_shapes)."""
     per_block = sum(setup.lora_r * (lin.d_in + lin.d_out) for lin in target_linears(setup))
-    return per_block * setup.model.num_layers + _moe_lora_parameters(setup)
+    magnitudes = sum(s[0] for s in magnitude_shapes(setup))
+    return per_block * setup.model.num_layers + _moe_lora_parameters(setup) + magnitudes
+
+
+def magnitude_shapes(setup: RunSetup) -> list[tuple[int, ...]]:
+    """DoRA (lora.use_dora; lowvram.plan.dora): one trainable fp32 magnitude of d_out per adapted
+    Linear (peft DoraLinearLayer.update_layer: nn.Parameter(weight_norm))."""
+    if not (setup.lora and setup.lora_use_dora):
+        return []
+    return [(lin.d_out,) for lin in target_linears(setup)] * setup.model.num_layers
 
 
 def _moe_lora_parameters(setup: RunSetup) -> int:
@@ -107,7 +117,7 @@ def trainable_tensors(setup: RunSetup) -> list[tuple[int, ...]]:
         per = [s for lin in target_linears(setup)
                for s in ((setup.lora_r, lin.d_in), (lin.d_out, setup.lora_r))]
         per += moe.expert_trainable_shapes(spec, True, setup.lora_r, setup.lora_targets)
-        return per * spec.num_layers
+        return per * spec.num_layers + magnitude_shapes(setup)
     h = spec.hidden_size
     norm = [(h,)] * (2 if spec.norm == "layer" else 1)
     per = [s for lin in block_linears(spec)
@@ -155,6 +165,8 @@ def optimizer_bytes(setup: RunSetup) -> int:
     w = 4 if setup.lora else dtype_bytes(setup)[0]
     shapes = trainable_tensors(setup)
     o = setup.optimizer
+    if optimizers.projected(setup):
+        return optimizers.galore_state_bytes(setup, w, shapes)
     if o in ("adamw", "paged_adamw_32bit"):
         return 2 * w * sum(shape_numel(s) for s in shapes)
     if o in OPTIMIZERS_8BIT:
@@ -186,6 +198,8 @@ def optimizer_step_temp_bytes(setup: RunSetup) -> int:
     fp32 copies (grad.float(), update, p.float()): constants.ADAFACTOR_TEMP_BYTES_FP32 x the
     largest tensor for fp32 params, ADAFACTOR_TEMP_BYTES_16BIT for 16-bit (measured:
     bench/plan_accuracy.py)."""
+    if optimizers.projected(setup):
+        return optimizers.galore_step_temp_bytes(setup, dtype_bytes(setup)[0], trainable_tensors(setup))
     if setup.optimizer != "adafactor":
         return 0
     largest = max(shape_numel(s) for s in trainable_tensors(setup))
@@ -194,7 +208,7 @@ def optimizer_step_temp_bytes(setup: RunSetup) -> int:
 
 
 __all__ = [
-    "dtype_bytes", "gradient_bytes", "lora_parameters", "optimizer_bytes",
+    "dtype_bytes", "gradient_bytes", "lora_parameters", "magnitude_shapes", "optimizer_bytes",
     "optimizer_step_temp_bytes", "quantized_bytes", "shape_numel", "target_linears",
     "trainable_parameters", "trainable_tensors", "weight_bytes",
 ]

@@ -68,7 +68,14 @@ class Plan:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
+    lora_use_dora: bool = False
+    lora_use_rslora: bool = False
     lora_targets: tuple[str, ...] = ("all-linear",)
+    # optimizer galore_adamw: its rank, renewal gap, scale and the Linears it projects (by name)
+    galore_rank: int = 128
+    galore_update_proj_gap: int = 200
+    galore_scale: float = 0.25
+    optimizer_target_modules: tuple[str, ...] = ()
     reasons: dict[str, str] = field(default_factory=dict)
     predicted_peak_bytes: int | None = None
     budget_bytes: int | None = None

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from lowvram.errors import LowvramError
 from lowvram.plan import techniques as tq
 from lowvram.plan.request import Budget, PlanRequest, check_attention, validate_request
 from lowvram.plan.search import candidate_setups, plan_for_setup, technique_options
 from lowvram.plan.setup import RunSetup, activation_offload_conflict
 from lowvram.plan.types import Plan
+from lowvram.vocab import PROJECTED_OPTIMIZERS
 
 # The default of each technique left on auto when memory cannot be predicted: the plain value the
 # search tries first, except LoRA, on: adapters only, for a model of unknown size (what
@@ -61,7 +63,12 @@ def unpredicted_plan(req: PlanRequest, budget: Budget) -> Plan:
     validate_request(fixed)
     check_attention(req, budget, fixed.mixed_precision)
     (setup,) = candidate_setups(fixed, budget)
-    return plan_for_setup(setup, budget.device, req.lora_alpha, reasons=unpredicted_reasons(setup, req, budget))
+    if setup.optimizer in PROJECTED_OPTIMIZERS and setup.model is None:
+        raise LowvramError(f"optimizer {setup.optimizer} needs the model's architecture (its target modules are "
+                           "the decoder blocks' linear layers), and it cannot be read here",
+                           "use a model folder with config.json or a catalog name, or techniques.optimizer: adamw")
+    return plan_for_setup(setup, budget.device, req.lora_alpha, req.lora_use_rslora, req.galore_update_proj_gap,
+                          req.galore_scale, reasons=unpredicted_reasons(setup, req, budget))
 
 
 def unpredicted_reasons(s: RunSetup, req: PlanRequest, budget: Budget) -> dict[str, str]:

@@ -132,6 +132,7 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     sources: dict = {}
     if recipe is not None:
         fields.update(lora_fields(recipe))
+        fields.update(galore_fields(recipe))
         fields["packing"] = recipe.data.packing
         fixed = recipe_choices(recipe)
         fields.update(fixed)
@@ -149,7 +150,14 @@ def lora_fields(recipe: Recipe) -> dict:
     """The recipe's lora section as PlanRequest / Plan fields."""
     lc = recipe.lora
     targets = (lc.target_modules,) if isinstance(lc.target_modules, str) else tuple(lc.target_modules)
-    return {"lora_r": lc.r, "lora_alpha": lc.alpha, "lora_dropout": lc.dropout, "lora_targets": targets}
+    return {"lora_r": lc.r, "lora_alpha": lc.alpha, "lora_dropout": lc.dropout, "lora_targets": targets,
+            "lora_use_dora": lc.use_dora, "lora_use_rslora": lc.use_rslora}
+
+
+def galore_fields(recipe: Recipe) -> dict:
+    """The recipe's galore section as PlanRequest / Plan fields."""
+    g = recipe.galore
+    return {"galore_rank": g.rank, "galore_update_proj_gap": g.update_proj_gap, "galore_scale": g.scale}
 
 
 def recipe_model(recipe: Recipe):

@@ -158,6 +158,23 @@ class LoraSection(_Section):
     target_modules: Literal["all-linear"] | list[str] = Field(
         "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]) or all-linear."
     )
+    use_dora: bool = Field(
+        False,
+        description="DoRA (peft use_dora): a trained magnitude per output row; each adapted layer forms "
+                    "its dense weight + B@A in every forward to take its norm (planned; slower, more memory). "
+                    "Not on fused MoE experts.")
+    use_rslora: bool = Field(
+        False, description="rsLoRA (peft use_rslora): scale = alpha / sqrt(r) instead of alpha / r; no memory change.")
+
+
+class GaloreSection(_Section):
+    """optimizer galore_adamw's settings (transformers passes them as optim_args)."""
+
+    rank: int = Field(128, gt=0, le=65536, description="GaLore projection rank: the optimizer state of each "
+                      "decoder Linear is 2 x rank x its longer side (lower: less memory, further from AdamW).")
+    update_proj_gap: int = Field(200, gt=0, description="Steps between projector renewals (an SVD of each "
+                                 "projected gradient).")
+    scale: float = Field(0.25, gt=0, description="GaLore's update scale (alpha).")
 
 
 class TechniquesSection(_Section):
@@ -187,7 +204,8 @@ class TechniquesSection(_Section):
         "auto", description="Frozen base in 4-bit (nf4, nf4-dq, fp4) or 8-bit (int8); on = nf4-dq. Needs lora."
     )
     optimizer: Optimizer = Field(
-        "auto", description="adamw (on: adamw_8bit), paged_*, adafactor or sgd; 8-bit AdamW saves 6 bytes/param."
+        "auto", description="adamw (on: adamw_8bit), paged_*, adafactor, sgd, or galore_adamw (GaLore: full "
+        "fine-tuning with projected AdamW state, pip install 'lowvram[galore]'); 8-bit AdamW saves 6 bytes/param."
     )
     offload: Offload = Field(
         "auto", description="Offload/shard optimizer or parameters via DeepSpeed ZeRO or FSDP; slowest, last resort."
@@ -243,7 +261,15 @@ class Recipe(_Section):
     data: DataSection
     training: TrainingSection = Field(default_factory=TrainingSection)
     lora: LoraSection = Field(default_factory=LoraSection)
+    galore: GaloreSection = Field(default_factory=GaloreSection)
     techniques: TechniquesSection = Field(default_factory=TechniquesSection)
+
+    @model_validator(mode="after")
+    def _dora_needs_lora(self) -> Recipe:
+        if self.lora.use_dora and self.techniques.lora == "off":
+            raise ValueError("lora.use_dora needs LoRA: DoRA decomposes the adapter update "
+                             "(set techniques.lora: on or auto, or lora.use_dora: false)")
+        return self
 
     # Where the recipe came from; relative data paths resolve against it. Not a YAML key.
     _source: Path | None = None

@@ -332,6 +332,8 @@ def apply_lora(model, plan):
         r=plan.lora_r,
         lora_alpha=plan.lora_alpha,
         lora_dropout=plan.lora_dropout,
+        use_dora=plan.lora_use_dora,
+        use_rslora=plan.lora_use_rslora,
         target_modules=targets[0] if targets == ("all-linear",) else list(targets),
         bias="none",
         task_type="CAUSAL_LM",

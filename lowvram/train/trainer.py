@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.plan.setup import FSDP_OFFLOADS
-from lowvram.vocab import TRAINER_OPTIMIZERS
+from lowvram.vocab import OPTIMIZER_EXTRAS, PROJECTED_OPTIMIZERS, TRAINER_OPTIMIZERS
 
 
 def output_dir(recipe) -> Path:
@@ -33,6 +33,26 @@ def precision_flags(plan) -> dict:
     if mp == "bf16" and not plan.lora and plan.offload in FSDP_OFFLOADS:
         return {"bf16": False, "fp16": False}
     return {"bf16": mp.startswith("bf16"), "fp16": mp.startswith("fp16")}
+
+
+def projected_optimizer_arguments(plan) -> dict:
+    """optimizer galore_adamw: the Linears it projects (optim_target_modules, by name, as
+    transformers' _setup_low_rank_optimizer matches them) and its optim_args; checks the extra."""
+    if plan.optimizer not in PROJECTED_OPTIMIZERS:
+        return {}
+    import importlib.util
+
+    extra, module = OPTIMIZER_EXTRAS[plan.optimizer]
+    if importlib.util.find_spec(module) is None:
+        raise LowvramError(f"optimizer {plan.optimizer} needs {module}, which is not installed",
+                           f"pip install 'lowvram[{extra}]', or set techniques.optimizer: adamw_8bit")
+    if not plan.optimizer_target_modules:
+        raise LowvramError(f"optimizer {plan.optimizer} needs the model's architecture to pick the Linears it "
+                           "projects, and the model's config could not be read",
+                           "make model.name_or_path a folder with config.json or a catalog model")
+    return {"optim_target_modules": list(plan.optimizer_target_modules),
+            "optim_args": f"rank={plan.galore_rank},update_proj_gap={plan.galore_update_proj_gap},"
+                          f"scale={plan.galore_scale}"}
 
 
 def fsdp_on_cpu(plan) -> bool:
@@ -101,6 +121,7 @@ def build_training_args(recipe, plan, has_eval: bool = False):
         # non-reentrant; activation_offload adds transformers' offload (train/model.py)
         activation_checkpointing_kwargs=checkpointing_kwargs(plan) if plan.gradient_checkpointing else None,
         optim=TRAINER_OPTIMIZERS[plan.optimizer],
+        **projected_optimizer_arguments(plan),
         learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler,
         warmup_steps=t.warmup_ratio,  # a float < 1 is a fraction of the total steps (transformers 5)

@@ -1,0 +1,128 @@
+"""DoRA (lora.use_dora; Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation"): what
+peft's implementation adds to a LoRA run, counted from its source (peft 0.21
+``tuners/lora/dora.py`` DoraLinearLayer, ``tuners/lora/variants.py`` DoraLinearVariant).
+
+- **Magnitudes**: one trainable fp32 vector of d_out per adapted Linear
+  (``lora_magnitude_vector``, the column norm of the base weight at initialisation), with its
+  gradient and optimizer state like the adapters' (states.magnitude_shapes).
+- **Saved for the backward, per adapted Linear**: ``(mag_norm_scale - 1) * base_result`` keeps the
+  base layer's output and ``mag_norm_scale * lora_result`` the adapter path's output (t x d_out
+  each) for the magnitude's gradient. With lora.dropout > 0 peft recomputes the base product on the
+  dropped input, ``F.linear(x, weight.to(x.dtype))``: its output is in the adapter dtype (fp32, or
+  bf16 under autocast) and the weight copy it multiplies by is saved (a dense d_out x d_in per
+  adapted Linear, unless the weight is an fp32 parameter outside autocast).
+- **The weight norm, in every forward**: ``get_lora_weight`` multiplies an fp32 identity
+  (d_in x d_in) through both factors to form B@A (d_in x d_out), and ``get_weight_norm`` takes the
+  row norm of ``weight + scaling * lora_weight`` in fp32: the dense base weight (dequantized under
+  QLoRA, cast to fp32 when stored in 16 bit), the scaled product and the sum are alive together
+  (the weight norm is detached, so all of it is freed after the layer). Under checkpointing the
+  recompute forms it again, with the gradients made so far alive.
+- **Its backward**: the magnitude's gradient reduces ``grad * base_result`` and ``grad *
+  lora_result`` over the tokens, two t x d_out temporaries beside the layer's.
+
+Measured per adapted Linear with the live-bytes tracker (one peft DoRA Linear against a plain
+LoRA one, d_in 256/512, d_out 384/768, 64/256 tokens; fp32, bf16 and fp32 weights under bf16
+autocast, dropout 0 and 0.1): the saved bytes exactly as above; the forward's transient
+as weight_norm_bytes states it; the backward 2 x 4 x t x d_out
+(3.4 under autocast, taken as 3.5: a 2-layer OLMo-2 DoRA run, bf16 with checkpointing and
+dropout, was 3.4% over its plan at 2). Measured end to end through ``lowvram train`` by the
+differential test (tests/test_plan_dora.py).
+"""
+
+from __future__ import annotations
+
+from lowvram.plan import moe
+from lowvram.plan.setup import RunSetup
+from lowvram.plan.states import dtype_bytes, target_linears
+
+
+def dora_on(setup: RunSetup) -> bool:
+    return setup.lora and setup.lora_use_dora
+
+
+def dora_problems(setup: RunSetup) -> list[str]:
+    """Why peft cannot train this setup with DoRA (empty when it can)."""
+    if not setup.lora_use_dora:
+        return []
+    if not setup.lora:
+        return ["lora.use_dora needs lora: DoRA decomposes the LoRA update (set lora: on or use_dora: false)"]
+    if moe.expert_adapters(setup.model, setup.lora_r, setup.lora_targets):
+        # peft tuners/lora/layer.py ParamWrapper.__init__: "does not work with use_dora=True"
+        return ["lora.use_dora on fused MoE experts (peft's ParamWrapper refuses DoRA): "
+                "set lora.target_modules to the attention projections, or use_dora: false"]
+    return []
+
+
+def _autocast(setup: RunSetup) -> bool:
+    return setup.precision != "fp32"  # as activations.dtypes: the Trainer's autocast
+
+
+def _weight_is_fp32_parameter(setup: RunSetup) -> bool:
+    return setup.quantization == "none" and dtype_bytes(setup)[0] == 4
+
+
+def saved_layer_bytes(setup: RunSetup) -> int:
+    """What DoRA saves for the backward in one decoder layer, beyond LoRA's (see the module)."""
+    if not dora_on(setup):
+        return 0
+    t = setup.micro_batch_size * setup.seq_len
+    autocast = _autocast(setup)
+    _, c = dtype_bytes(setup)
+    lora_out = 2 if autocast else 4  # lora_B's output: bf16 under autocast, else fp32 adapters
+    total = 0
+    for lin in target_linears(setup):
+        if setup.lora_dropout:
+            base_out = 2 if autocast else 4  # F.linear on the dropped fp32 input
+            if autocast:
+                total += 2 * lin.d_in * lin.d_out  # autocast's bf16 copy of the weight, saved
+            elif not _weight_is_fp32_parameter(setup):
+                total += 4 * lin.d_in * lin.d_out  # weight.to(fp32), saved
+        else:
+            base_out = c
+        total += t * lin.d_out * (base_out + lora_out) + 2 * 4 * lin.d_out  # + mag_norm_scale
+    return total
+
+
+def weight_norm_bytes(setup: RunSetup) -> int:
+    """The forward's transient of the largest adapted Linear: identity, B@A, the dense weight and
+    its sum with the scaled product (see the module). Outside autocast: the fp32 identity beside
+    16 bytes per weight element (B@A, the scaled product, their sum, the norm's working tensor).
+    Under autocast lora_A multiplies autocast's bf16 copy of the identity (the fp32 one is freed
+    when get_lora_weight returns): first the two identities together, then the bf16 one beside
+    16 bytes per element (fp32 weights; a 2-layer Llama DoRA run under bf16-mixed was +2.9% over
+    its plan at the 15 measured on one Linear) or 19 (16-bit weights: + their fp32 copy); a 4/8-bit base
+    adds its dequantized 16-bit weight. Coefficients measured with the live-bytes tracker on one
+    peft DoRA Linear (d_in x d_out 1024 x 256 to 256 x 2048, 64 tokens): 16.4-17.2 bytes per
+    element in fp32, 14.7-14.8 under autocast over fp32 weights, 18.7-18.8 over bf16 ones."""
+    if not dora_on(setup):
+        return 0
+    autocast = _autocast(setup)
+    fp32_param = _weight_is_fp32_parameter(setup)
+    per_weight = 16 if fp32_param else (19 if autocast else 20)
+    if setup.quantization != "none":
+        per_weight += 2  # the dequantized 16-bit weight beside its fp32 copy
+
+    def one(lin) -> int:
+        identity = 4 * lin.d_in * lin.d_in
+        norm = per_weight * lin.d_in * lin.d_out + 4 * lin.d_in * setup.lora_r
+        if autocast:
+            return max(identity * 3 // 2, identity // 2 + norm)
+        return identity + norm
+
+    return max(one(lin) for lin in target_linears(setup))
+
+
+def backward_bytes(setup: RunSetup) -> int:
+    """The magnitude gradient's temporaries in the widest adapted Linear's backward (see the
+    module)."""
+    if not dora_on(setup):
+        return 0
+    t = setup.micro_batch_size * setup.seq_len
+    # outside autocast 2 fp32 t x d_out; under autocast the bf16 outputs' gradients are upcast
+    # and cast back around the fp32 combine: 3.3-3.4 fp32 t x d_out measured, taken as 3.5
+    per = 14 if _autocast(setup) else 8
+    return per * t * max(lin.d_out for lin in target_linears(setup))
+
+
+__all__ = ["backward_bytes", "dora_on", "dora_problems", "saved_layer_bytes",
+           "weight_norm_bytes"]

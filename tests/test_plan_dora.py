@@ -1,0 +1,130 @@
+"""DoRA (lora.use_dora) and rsLoRA (lora.use_rslora): the planner's terms (lowvram.plan.dora)
+against peft's own layers, its constraints, and DoRA runs through `lowvram train` at the
+differential test's target (issue 27)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lowvram.errors import LowvramError
+from lowvram.plan import dora
+from lowvram.plan.catalog import resolve_model
+from lowvram.plan.memory import estimate_memory
+from lowvram.plan.setup import RunSetup
+from lowvram.plan.states import lora_parameters, magnitude_shapes
+
+LLAMA7 = resolve_model("llama-2-7b")
+
+
+def test_dora_adds_one_fp32_magnitude_per_output_row():
+    lora = RunSetup(LLAMA7, lora=True, lora_r=16)
+    with_dora = replace(lora, lora_use_dora=True)
+    # Llama-2-7B all-linear: q,k,v,o 4096 + gate,up 11008 + down 4096 outputs, 32 layers
+    assert lora_parameters(with_dora) - lora_parameters(lora) == 32 * (5 * 4096 + 2 * 11008)
+    assert len(magnitude_shapes(with_dora)) == 32 * 7
+    assert magnitude_shapes(replace(with_dora, lora=False)) == []
+
+
+def test_dora_weight_norm_of_llama_down_proj():
+    # the largest temporary is down_proj's (d_in 11008): under autocast the bf16 identity beside
+    # 19 bytes per element of the 16-bit weight, + the identity x A
+    s = RunSetup(LLAMA7, lora=True, lora_r=16, lora_use_dora=True, precision="bf16")
+    assert dora.weight_norm_bytes(s) == 2 * 11008**2 + 19 * 11008 * 4096 + 4 * 11008 * 16
+    # fp32, no autocast: the fp32 identity, 16 bytes per element
+    f = replace(s, precision="fp32")
+    assert dora.weight_norm_bytes(f) == 4 * 11008**2 + 16 * 11008 * 4096 + 4 * 11008 * 16
+    # a 4-bit base adds its dequantized 16-bit weight
+    q = replace(s, quantization="nf4-dq")
+    assert dora.weight_norm_bytes(q) - dora.weight_norm_bytes(s) == 2 * 11008 * 4096
+
+
+def test_dora_saved_tensors_per_adapted_linear():
+    # q_proj only, bf16 under autocast: the base output and the bf16 adapter output, t x 4096 each
+    s = RunSetup(LLAMA7, lora=True, lora_targets=("q_proj",), lora_use_dora=True, precision="bf16",
+                 micro_batch_size=1, seq_len=512)
+    assert dora.saved_layer_bytes(s) == 512 * 4096 * (2 + 2) + 8 * 4096
+    # with dropout, peft multiplies the dropped input by a saved bf16 copy of the weight
+    d = replace(s, lora_dropout=0.05)
+    assert dora.saved_layer_bytes(d) == 512 * 4096 * (2 + 2) + 8 * 4096 + 2 * 4096 * 4096
+
+
+def test_dora_costs_memory_and_names_its_moment():
+    s = RunSetup(LLAMA7, lora=True, lora_r=16, precision="bf16", seq_len=256, gradient_checkpointing=True)
+    plain, with_dora = estimate_memory(s), estimate_memory(replace(s, lora_use_dora=True))
+    assert with_dora.peak_bytes > plain.peak_bytes + dora.weight_norm_bytes(replace(s, lora_use_dora=True)) // 2
+    assert with_dora.peak_moment == "dora_weight_norm"
+
+
+def test_dora_on_fused_moe_experts_is_refused():
+    moe = resolve_model("qwen3-30b-a3b")
+    with pytest.raises(LowvramError, match="use_dora on fused MoE experts"):
+        estimate_memory(RunSetup(moe, lora=True, lora_use_dora=True))
+    # attention only: allowed
+    estimate_memory(RunSetup(moe, lora=True, lora_use_dora=True, lora_targets=("q_proj", "v_proj")))
+
+
+def test_dora_without_lora_is_refused_by_the_recipe():
+    from pydantic import ValidationError
+
+    from lowvram.recipe.schema import Recipe
+
+    data = {"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d.jsonl"}]},
+            "lora": {"use_dora": True}}
+    Recipe.model_validate(data)
+    with pytest.raises(ValidationError, match="use_dora needs LoRA"):
+        Recipe.model_validate({**data, "techniques": {"lora": "off"}})
+
+
+def test_the_plan_carries_dora_and_rslora_to_peft(tmp_path):
+    """The planned run's LoraConfig (lowvram's prepare_model) as peft builds it: DoRA magnitudes on
+    every adapted Linear, rsLoRA's alpha / sqrt(r) scaling, and the trainable count the plan says."""
+    pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.check.builders import hf_config
+    from lowvram.plan.search import plan_for_setup
+    from lowvram.train.model import count_params, prepare_model
+
+    spec = replace(resolve_model("llama-3.2-1b"), num_layers=2, hidden_size=64, intermediate_size=128,
+                   num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256)
+    setup = RunSetup(spec, precision="fp32", lora=True, lora_r=4, lora_use_dora=True, device="cpu")
+    plan = plan_for_setup(setup, "cpu", 8, lora_use_rslora=True)
+    torch.manual_seed(0)
+    model = prepare_model(AutoModelForCausalLM.from_config(hf_config(spec)), plan, seed=0)
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert "default" in q.lora_magnitude_vector and q.scaling["default"] == 8 / 4**0.5
+    assert count_params(model)[0] == estimate_memory(setup).trainable_parameters
+
+
+def _dora_case(**changes):
+    from lowvram.difftest import TEN_FAMILIES, random_case
+
+    # a 2-layer Llama wide enough (h 256, I 1024) at 64 tokens that DoRA's weight norm binds
+    base = replace(random_case(5, families=TEN_FAMILIES), family="llama", hidden=256, heads=4, kv_heads=2,
+                   intermediate=1024, layers=2, vocab=512, tie=False, seq_len=64, micro_batch_size=1,
+                   grad_accum=1, packing=False, validation=None, optimizer="adamw", loss="standard",
+                   attention="sdpa", lora_targets="all-linear", lora_dropout=0.0, use_dora=True, lora_r=8,
+                   model_dtype="auto")
+    return replace(base, **changes)
+
+
+DORA_RUNS = {
+    "lora fp32": dict(method="lora", precision="fp32"),
+    "lora bf16 checkpointing": dict(method="lora", precision="bf16", gradient_checkpointing=True),
+    "qlora bf16-mixed dropout": dict(method="qlora", precision="bf16-mixed", lora_dropout=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(DORA_RUNS))
+def test_dora_runs_stay_within_their_plan(name, tmp_path):
+    pytest.importorskip("torch")
+    from lowvram.difftest import ANY_LIMIT, OVER_LIMIT, run_case
+
+    case = _dora_case(**DORA_RUNS[name])
+    out = run_case(case, tmp_path)
+    assert out.error is None, out.error
+    assert out.ok, (f"{case.label()}: measured {out.measured_bytes:,} predicted {out.predicted_bytes:,} "
+                    f"({out.ratio:+.2%}; limits +{OVER_LIMIT:.0%}, +-{ANY_LIMIT:.0%})")
