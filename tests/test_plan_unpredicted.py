@@ -105,6 +105,7 @@ def test_unpredicted_reasons_say_what_was_defaulted():
         "activation_offload": "default: off",
         "gradient_accumulation": "micro-batch 4 x 4 steps = batch 16",
         "attention": "default: SDPA (no s x s matrix stored)",
+        "tiled_mlp": "default: off",
         "loss": "default: standard cross-entropy",
         "memory": f"memory not predicted: unknown model '{MODEL}' (fixed defaults used)",
     }
@@ -150,7 +151,7 @@ def test_cli_plan_json_of_an_unpredicted_recipe(tmp_path, monkeypatch):
     assert d["techniques"] == {
         "mixed_precision": "bf16", "gradient_checkpointing": False, "gradient_accumulation": 4,
         "lora": True, "quantization": "nf4-dq", "optimizer": "adamw", "offload": "none",
-        "activation_offload": False, "attention": "sdpa", "loss": "standard",
+        "activation_offload": False, "attention": "sdpa", "loss": "standard", "tiled_mlp": False,
     }
     assert (d["micro_batch_size"], d["grad_accum"]) == (4, 4)
     assert d["reasons"]["memory"].startswith("memory not predicted: unknown model")
