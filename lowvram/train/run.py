@@ -171,8 +171,8 @@ def _prediction_at_data_length(recipe, plan, bundle, replanner: Replanner | None
     measured peak is compared with, part by part). Packed data: the plan takes every window to
     hold several samples (SDPA's block-diagonal mask in every layer); where none does (samples
     as long as seq_len), the windows are plain rows."""
-    if plan.predicted_peak_bytes is None or replanner is None:
-        return {}, dict(plan.breakdown)
+    if plan.predicted_peak_bytes is None or replanner is None or "input_ids" not in bundle.train.column_names:
+        return {}, dict(plan.breakdown)  # preference pairs: TRL tokenizes them (train/preference.py)
     several = bundle.stats.packed and bundle.stats.train_samples > bundle.stats.train_rows
     one_sample_windows = bundle.stats.packed and not several  # packing on, no window holds two
     longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
