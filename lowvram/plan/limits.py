@@ -52,7 +52,10 @@ def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
     micro-batch (the limits vary it)."""
     one = replace(req, micro_batch_size=None, grad_accum=None, batch_size=req.gpus)
     fused = ["fused"] if tq.fused_loss_unavailable(budget, req.model) is None else []
-    return [s for loss in ([req.loss] if req.loss else ["chunked", *fused])
+    losses = [req.loss] if req.loss else ["chunked", *fused]
+    if req.objective != "sft":
+        losses = ["standard"]  # TRL's own preference loss (search.loss_options)
+    return [s for loss in losses
             for s in candidate_setups(replace(one, loss=loss), budget)]
 
 

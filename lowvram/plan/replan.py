@@ -42,6 +42,7 @@ class Replanner:
             attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
             seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
             device=plan.device, activation_offload=plan.activation_offload, packing=self.request.packing if packing is None else packing,
+            objective=self.request.objective, precompute_ref=self.request.precompute_ref,
         )
         return dict(estimate_memory(setup).breakdown)
 

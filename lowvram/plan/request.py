@@ -102,6 +102,10 @@ class PlanRequest:
     # data.packing (a data setting, not a technique): several samples per window, so SDPA gets a
     # block-diagonal mask in every layer (lowvram.plan.activations.masked_layers)
     packing: bool = False
+    # training.objective and DPO's precompute_ref_log_probs (lowvram.plan.preference): a preference
+    # objective plans 2 x micro_batch_size rows per forward, its own loss, DPO's reference
+    objective: str = "sft"
+    precompute_ref: bool = False
     # Where each fixed choice came from ("--optim", "the recipe"), for the reasons.
     sources: dict[str, str] = field(default_factory=dict)
 

@@ -77,6 +77,8 @@ def _options(req: PlanRequest, budget: Budget) -> dict[str, list]:
 def loss_options(req: PlanRequest, budget: Budget) -> list[str]:
     """standard, chunked, and Liger's fused loss where it can run. A fixed ``fused`` that cannot
     run here becomes the chunked loss (the fallback; the reason says why)."""
+    if req.objective != "sft":
+        return ["standard"]  # TRL computes the preference loss its own way (lowvram.plan.preference)
     fused_ok = tq.fused_loss_unavailable(budget, req.model) is None
     if req.loss is not None:
         return ["chunked" if req.loss == "fused" and not fused_ok else req.loss]
@@ -117,6 +119,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                                             seq_len=req.seq_len, grad_accum=per_gpu // micro,
                                             gpus=req.gpus, offload=offload, device=budget.device,
                                             activation_offload=act_off, packing=req.packing,
+                                            objective=req.objective, precompute_ref=req.precompute_ref,
                                         ))
     return out
 

@@ -70,6 +70,7 @@ _CHOICES = {
     "loss": LOSSES,
     "attn": ATTENTIONS,
     "offload": OFFLOADS,
+    "objective": ("sft", "dpo", "orpo", "simpo"),  # lowvram.plan.preference.OBJECTIVES
 }
 
 
@@ -93,7 +94,7 @@ def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str 
     from lowvram.plan.catalog import resolve_model
     from lowvram.plan.choose import choose_plan
 
-    for name in ("precision", "quant", "optim", "loss", "attn", "offload"):
+    for name in ("precision", "quant", "optim", "loss", "attn", "offload", "objective"):
         check_choice(name, flags.get(name))
     check_choice("method", method)
     if recipe is None and model is None:

@@ -69,6 +69,7 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         "seq_len": ("seq_len", "--seq-len"), "batch_size": ("batch_size", "--batch-size"),
         "gpus": ("gpus", "--gpus"), "lora_r": ("lora_r", "--lora-r"),
         "lora_targets": ("lora_targets", "--lora-targets"), "packing": ("packing", "--packing"),
+        "objective": ("objective", "--objective"),
     }
     out: dict = {}
     sources: dict = {}
@@ -109,6 +110,8 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     if recipe is not None:
         fields.update(lora_fields(recipe))
         fields["packing"] = recipe.data.packing
+        fields["objective"] = recipe.training.objective
+        fields["precompute_ref"] = recipe.preference.precompute_ref_log_probs
         fixed = recipe_choices(recipe)
         fields.update(fixed)
         sources.update({k: "the recipe" for k in fixed})

@@ -99,3 +99,16 @@ def build_preference_trainer(loaded, bundle, args, callbacks=()):
 # The metrics each objective's trainer logs (TRL 1.16: DPOTrainer._compute_loss, ORPOTrainer and
 # CPOTrainer.get_batch_loss_metrics), the ones `lowvram runs` and `show` report.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+
+def preference_metrics(log_history: list[dict]) -> dict:
+    """metrics.json's preference part: each reward metric's history ([[step, value], ...]) and
+    its last value, from the Trainer's log history; {} for an SFT run (no such keys logged)."""
+    out: dict = {}
+    for key in REWARD_METRICS:
+        points = [[e["step"], float(e[key])] for e in log_history if key in e and "step" in e]
+        if points:
+            name = key.replace("/", "_")  # rewards_margins
+            out[f"{name}_history"] = points
+            out[name] = points[-1][1]
+    return out

@@ -285,6 +285,8 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
     _save_final(trainer, loaded.tokenizer, out)
+    from lowvram.train.preference import preference_metrics
+
     history = _loss_history(trainer.state.log_history)
     session_tokens = progress.session_tokens()
     s = bundle.stats
@@ -317,6 +319,7 @@ def run_training(recipe, plan, resume: bool = False, overwrite: bool = False, ca
         "resumed_from": str(checkpoint) if checkpoint else None,
         "loss_history": history,
         "eval_history": _loss_history(trainer.state.log_history, "eval_loss"),
+        **preference_metrics(trainer.state.log_history),  # dpo/orpo/simpo: rewards/* (train/preference.py)
         **(extra_metrics or {}),
     }
     if per_rank:
