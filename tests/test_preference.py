@@ -195,3 +195,84 @@ def test_full_dpo_with_precomputed_reference(tmp_path, tiny_model_dir):
                                      extra="preference: {precompute_ref_log_probs: true}"))
     assert m["steps"] == 4 and (tmp_path / "out" / "model.safetensors").is_file()
     assert abs(m["first_loss"] - 0.6931) < 1e-3  # the reference is the initial policy
+
+
+# ---------------------------------------------------------------------------------- the plan
+
+
+def _setup(**kw):
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.setup import RunSetup
+
+    base = dict(model=resolve_model("llama-3.1-8b"), gradient_checkpointing=True, seq_len=1024, micro_batch_size=2)
+    return RunSetup(**{**base, **kw})
+
+
+def test_dpo_counts_both_rows_and_the_reference():
+    from lowvram.plan import preference
+    from lowvram.plan.activations import activation_bytes
+    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.states import weight_bytes
+
+    sft = _setup()
+    dpo = _setup(objective="dpo")
+    # the concatenated forward: b pairs are 2b rows
+    assert preference.policy_setup(dpo).micro_batch_size == 4
+    assert activation_bytes(preference.policy_setup(dpo)) == activation_bytes(_setup(micro_batch_size=4))
+    # full fine-tuning: a frozen second copy of the weights, unless the reference is precomputed
+    full = estimate_memory(dpo).breakdown["weights"]
+    assert full == estimate_memory(sft).breakdown["weights"] + weight_bytes(sft)
+    pre = _setup(objective="dpo", precompute_ref=True)
+    assert estimate_memory(pre).breakdown["weights"] == estimate_memory(sft).breakdown["weights"]
+    assert preference.reference_forward_bytes(pre) == 0
+    # LoRA: the adapter disabled is the reference, no copy
+    lora = dict(lora=True, quantization="nf4-dq")
+    assert estimate_memory(_setup(objective="dpo", **lora)).breakdown["weights"] == \
+        estimate_memory(_setup(**lora)).breakdown["weights"]
+    assert preference.reference_weight_bytes(_setup(objective="orpo")) == 0
+
+
+def test_dpo_log_probs_are_tiles_not_logits():
+    """TRL's fused head: mm_buf is min(N, 4096) x 32768 in the compute dtype, never N x V."""
+    from lowvram.plan import preference
+
+    s = _setup(objective="dpo", lora=True, quantization="nf4-dq", device="cuda")
+    n = 2 * 2 * 1023
+    mm_buf = min(n, 4096) * 32768 * 2
+    saved = 2 * n * 4096 + 16 * n + 13 * n
+    assert preference.dpo_logprob_bytes(s) == saved + 4 * n * 4096 + mm_buf
+    # ORPO keeps the logits of all 2b rows
+    assert preference.full_logits_bytes(_setup(objective="orpo")) == 18 * 2 * 2 * 1024 * 128256
+
+
+def test_sft_plan_json_has_no_objective_keys():
+    from lowvram.plan.serialize import choice_to_dict
+    from lowvram.planning.entry import make_plan
+
+    data = choice_to_dict(make_plan(model="llama-3.1-8b", method="qlora", vram="12GB"))
+    assert "objective" not in data and "reference_model" not in data
+
+
+def test_plan_objective_dpo_cli():
+    result = CliRunner().invoke(app, ["plan", "--objective", "dpo", "--model", "llama-3.1-8b", "--method", "qlora",
+                                      "--vram", "12GB", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["objective"] == "dpo" and data["reference_model"] == "the policy with its adapter disabled"
+    assert data["techniques"]["loss"] == "standard" and data["fits"]
+    sft = json.loads(CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b", "--method", "qlora", "--vram",
+                                              "12GB", "--json", "--gradient-checkpointing", "--loss", "standard",
+                                              "--batch-size", str(data["micro_batch_size"]),
+                                              "--grad-accum", "1"]).output)
+    assert data["breakdown"]["activations"] > sft["breakdown"]["activations"]  # two rows per pair
+    bad = CliRunner().invoke(app, ["plan", "--objective", "dop", "--model", "llama-3.1-8b"])
+    assert bad.exit_code == 2 and "did you mean dpo" in bad.output
+
+
+def test_recipe_objective_reaches_the_request(tmp_path):
+    from lowvram.planning.request import build_request
+    from lowvram.plan.catalog import resolve_model
+
+    r = _parse(recipe_text("m", extra="preference: {precompute_ref_log_probs: true}"))
+    req = build_request(resolve_model("llama-3.1-8b"), r)
+    assert (req.objective, req.precompute_ref) == ("dpo", True)

@@ -41,7 +41,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lowvram.plan.activations import dtypes
-from lowvram.plan.backward import logits_bytes
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import dtype_bytes, weight_bytes
 
@@ -59,6 +58,10 @@ TILE_COLUMNS = 32768
 # and their difference: 7.25.
 _CPU_FORWARD_TILES = 3.25
 _CPU_BACKWARD_TILES = 7.25
+# ORPO's NLL term over the chosen half: its saved fp32 log-softmax (2 bytes per logit of all
+# rows) and its backward's two half-size fp32 gradients (4): from the source; checked by
+# bench/preference_accuracy.py
+ORPO_NLL_BYTES_PER_LOGIT = 6
 
 
 def is_preference(setup: RunSetup) -> bool:
@@ -130,9 +133,16 @@ def reference_forward_bytes(setup: RunSetup) -> int:
 
 
 def full_logits_bytes(setup: RunSetup) -> int:
-    """ORPO/SimPO: the logits of all 2b rows and their loss, as the SFT standard loss counts t x V
-    (backward.logits_bytes: 12 bytes per logit in fp32 around the cross-entropy) over 2b rows."""
-    return logits_bytes(policy_setup(setup))
+    """ORPO/SimPO: the fp32 logits of all 2b rows (4tV, kept: ``selective_log_softmax``'s
+    per-row logsumexp saves its input) and, in the backward, their gradient buffer and the
+    full-size zeros each row's ``select`` backward makes (4tV each): 12tV, as the SFT standard
+    loss (backward.logits_bytes). ORPO's NLL on the chosen half (``cross_entropy_loss`` over a
+    ``.contiguous()`` copy) adds its saved log-softmax and its backward's gradients over half
+    the rows: ORPO_NLL_BYTES_PER_LOGIT more per logit. fp32 as measured on CPU runs
+    (bench/preference_accuracy.py); under autocast log_softmax and the loss run in fp32 too."""
+    t = 2 * setup.micro_batch_size * setup.seq_len
+    per_logit = 12 + (ORPO_NLL_BYTES_PER_LOGIT if setup.objective == "orpo" else 0)
+    return per_logit * t * setup.model.vocab_size
 
 
 def objective_logits_bytes(setup: RunSetup) -> int:

@@ -51,6 +51,11 @@ def show_plan_brief(recipe, plan) -> None:
     c.print(_plan_table(plan))
     _warn_remote_code(c, recipe)
     tokens = plan.effective_batch * recipe.training.seq_len
+    objective = recipe.training.objective
+    if objective != "sft":  # preference pairs: chosen and rejected, two rows of seq_len each
+        tokens *= 2
+        c.print(f"objective {objective}: {plan.effective_batch:,} pairs per step, each chosen + rejected "
+                "in one forward (TRL)", markup=False)
     c.print(f"tokens per optimizer step (at most): {tokens:,}")
 
 
