@@ -188,6 +188,13 @@ def test_lora_preference_run_end_to_end(tmp_path, tiny_model_dir, objective):
     if objective == "dpo":  # the adapter starts as zeros: policy == reference, margin 0, loss log 2
         assert m["rewards_margins_history"][0][1] == 0.0
         assert abs(m["first_loss"] - 0.6931) < 1e-3
+    shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
+    assert shown.exit_code == 0 and "rewards/margins (last)" in shown.output and "reward margin" in shown.output
+    assert f"objective {objective}" in shown.output
+    if objective == "dpo":  # the trained adapter answers like an SFT one
+        gen = CliRunner().invoke(app, ["generate", str(tmp_path / "out"), "--prompt", "Add 1 and 2.",
+                                       "--max-new-tokens", "4", "--greedy", "--cpu"])
+        assert gen.exit_code == 0, gen.output
 
 
 def test_full_dpo_with_precomputed_reference(tmp_path, tiny_model_dir):

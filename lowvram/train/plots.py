@@ -15,7 +15,8 @@ def save_loss_plot(metrics: dict, out_dir: str | Path, name: str = LOSS_PNG) -> 
     """Write ``out_dir/loss.png`` from metrics.json's histories; None if there is nothing to plot.
 
     Reads ``loss_history`` and ``eval_history`` (``[[step, loss], ...]``) and, if present,
-    ``memory_history`` (``[[step, bytes], ...]``) for a second panel.
+    ``memory_history`` (``[[step, bytes], ...]``) for a second panel; a preference run's
+    ``rewards_margins_history`` on a second axis of the loss panel.
     """
     train = metrics.get("loss_history") or []
     evals = metrics.get("eval_history") or []
@@ -42,6 +43,13 @@ def save_loss_plot(metrics: dict, out_dir: str | Path, name: str = LOSS_PNG) -> 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
+    margins = metrics.get("rewards_margins_history") or []
+    if margins:  # dpo/orpo/simpo: TRL's reward margin (chosen - rejected) on a second axis
+        rx = ax.twinx()
+        rx.plot([s for s, _ in margins], [v for _, v in margins], color="tab:purple", linestyle="--",
+                label="reward margin")
+        rx.set_ylabel("reward margin")
+        rx.legend(loc="upper center")
     ax.legend()
     ax.set_title(_title(metrics, Path(out_dir).name))
     if memory:
