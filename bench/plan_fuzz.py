@@ -39,6 +39,7 @@ from lowvram.difftest import (  # noqa: E402
     FIRST_FAMILIES,
     OVER_LIMIT,
     TEN_FAMILIES,
+    preference_case,
     random_case,
     recipe_text,
     run_case,
@@ -68,6 +69,9 @@ def main() -> int:
     ap.add_argument("--eager-checkpointing", action="store_true",
                     help="make every recipe eager attention with gradient checkpointing (the draw "
                          "makes it rarely: 15%% eager, 40%% checkpointing)")
+    ap.add_argument("--preference", action="store_true",
+                    help="draw preference recipes (lowvram.difftest.preference_case: dpo/orpo/simpo "
+                         "through TRL) with the same models and techniques")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
@@ -75,8 +79,9 @@ def main() -> int:
     t0 = time.perf_counter()
     write = bool(args.out) and args.seed is None
     families = args.families + (" --eager-checkpointing" if args.eager_checkpointing else "")
+    families += " --preference" if args.preference else ""
     for seed in seeds:
-        case = random_case(seed, FAMILY_SETS[args.families])
+        case = (preference_case if args.preference else random_case)(seed, FAMILY_SETS[args.families])
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

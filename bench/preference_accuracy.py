@@ -20,7 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-# name: (objective, recipe techniques, preference keys, micro_batch_size, seq_len)
+# The tiny Llama's shape (lowvram.testing.save_tiny_model), and a larger one where the fused
+# head's 4096 x 32768 tile is a smaller share of the peak.
+SMALL = dict(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2)
+LARGER = dict(hidden=512, intermediate=1408, layers=4, heads=8, kv_heads=4, max_positions=2048)
+# name: (objective, recipe techniques, preference keys, micro_batch_size, seq_len[, model shape])
 CASES = {
     "dpo lora": ("dpo", "lora: on", "", 2, 96),
     "dpo lora ckpt": ("dpo", "lora: on, gradient_checkpointing: on", "", 2, 96),
@@ -31,6 +35,9 @@ CASES = {
     "orpo lora": ("orpo", "lora: on", "", 2, 96),
     "orpo full": ("orpo", "lora: off", "", 2, 96),
     "simpo full ckpt": ("simpo", "lora: off, gradient_checkpointing: on", "", 2, 96),
+    "dpo full h512 L4 s512": ("dpo", "lora: off", "", 1, 512, LARGER),
+    "dpo lora h512 L4 b2 s512": ("dpo", "lora: on", "", 2, 512, LARGER),
+    "orpo lora h512 L4 s512": ("orpo", "lora: on", "", 2, 512, LARGER),
 }
 
 WORDS = "the quick brown fox jumps over lazy dog gradient memory adapter train model plan peak tensor".split()
@@ -52,9 +59,9 @@ def run_case(name: str, root: Path) -> dict:
     from lowvram.cli import app
     from lowvram.testing import save_tiny_model
 
-    objective, techniques, pref, micro, seq = CASES[name]
+    objective, techniques, pref, micro, seq, *shape = CASES[name]
     folder = root / name.replace(" ", "_")
-    model = save_tiny_model(folder / "model", hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2)
+    save_tiny_model(folder / "model", **(shape[0] if shape else SMALL))
     write_pairs(folder / "pairs.jsonl", seq)
     (folder / "recipe.yaml").write_text(f"""\
 model: {{name_or_path: model}}

@@ -68,9 +68,16 @@ class Case:
     validation: float | None = None
     experts: int = 0
     experts_per_tok: int = 0
+    # training.objective (dpo/orpo/simpo: preference pairs through TRL; preference_case)
+    objective: str = "sft"
+    loss_type: str = "sigmoid"
+    precompute_ref: bool = False
 
     def label(self) -> str:
         bits = [f"#{self.seed}", self.family, self.method]
+        if self.objective != "sft":
+            bits.insert(2, self.objective + (f" {self.loss_type}" if self.objective == "dpo" else "")
+                        + (" precompute" if self.precompute_ref else ""))
         if self.method != "full":
             t = self.lora_targets if isinstance(self.lora_targets, str) else ",".join(self.lora_targets)
             bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else ""))
@@ -144,6 +151,19 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
     return case
 
 
+def preference_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
+    """A random preference recipe: random_case's model and techniques (the same seed draws the
+    same ones), then an objective, DPO's loss type and precompute; TRL's own loss (no chunked or
+    fused), no packing (TRL pads each pair) and no hold-out. A second generator, so every SFT
+    seed of random_case keeps its recipe."""
+    base = random_case(seed, families)
+    rng = random.Random(f"preference-{seed}")
+    objective = rng.choice(["dpo", "dpo", "orpo", "simpo"])
+    return replace(base, objective=objective, loss="standard", packing=False, validation=None,
+                   loss_type=rng.choice(["sigmoid", "sigmoid", "ipo", "hinge"]) if objective == "dpo" else "sigmoid",
+                   precompute_ref=objective == "dpo" and rng.random() < 0.3)
+
+
 # --------------------------------------------------------------------------------------------
 # Building a case's files
 
@@ -199,6 +219,13 @@ def write_data(case: Case, path: Path, rows: int = 24) -> Path:
     windows are full and hold several samples (their position_ids restart, and SDPA gets the
     block-diagonal mask a user's packed run gets)."""
     rng = random.Random(case.seed)
+    if case.objective != "sft":  # pairs whose answers are longer than seq_len: TRL cuts each to it
+        with open(path, "w") as f:
+            for i in range(rows):
+                chosen, rejected = (" " + " ".join(rng.choice(WORDS) for _ in range(case.seq_len)) for _ in "cr")
+                f.write(json.dumps({"prompt": f"Question {i}: " + " ".join(rng.choice(WORDS) for _ in range(6)),
+                                    "chosen": chosen, "rejected": rejected}) + "\n")
+        return path
     if case.packing:
         return _write_packed_data(case, path, rng, 4 * rows)
     with open(path, "w") as f:
@@ -234,6 +261,10 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
             "offload": "off",
         },
     }
+    if case.objective != "sft":
+        t["data"]["datasets"][0]["format"] = "preference"
+        t["training"]["objective"] = case.objective
+        t["preference"] = {"loss_type": case.loss_type, "precompute_ref_log_probs": case.precompute_ref}
     if case.model_dtype != "auto":
         t["model"]["dtype"] = case.model_dtype
     if case.packing:
@@ -305,5 +336,6 @@ def run_case(case: Case, workdir: Path) -> Outcome:
                    details=details)
 
 
-__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome", "random_case", "recipe_text",
+__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome",
+           "preference_case", "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -126,8 +126,8 @@ def test_skip_bad_rows_counts_them(tmp_path):
 
 
 def test_implicit_prompt_and_field_mapping(tmp_path):
-    from lowvram.train.data.preference import preference_pair
     from lowvram.recipe import DatasetSpec
+    from lowvram.train.data.preference import preference_pair
 
     spec = DatasetSpec(path="x.jsonl", format="preference", fields={"chosen": "good", "rejected": "bad"})
     # no prompt field: the shared start, as TRL's extract_prompt finds it
@@ -277,8 +277,8 @@ def test_plan_objective_dpo_cli():
 
 
 def test_recipe_objective_reaches_the_request(tmp_path):
-    from lowvram.planning.request import build_request
     from lowvram.plan.catalog import resolve_model
+    from lowvram.planning.request import build_request
 
     r = _parse(recipe_text("m", extra="preference: {precompute_ref_log_probs: true}"))
     req = build_request(resolve_model("llama-3.1-8b"), r)

@@ -70,6 +70,10 @@ def preference_config(recipe, plan, arguments: dict):
     kwargs = {**arguments, "gradient_checkpointing": arguments.get("activation_checkpointing", False)}
     kwargs.setdefault("bf16", False)
     kwargs.setdefault("fp16", False)
+    if objective != "dpo":
+        # ORPO/CPO batches hold chosen_input_ids and rejected_input_ids, no input_ids: the
+        # Trainer's token count would warn at every step and count nothing
+        kwargs["include_num_input_tokens_seen"] = "no"
     return config_class(**kwargs, **objective_settings(recipe))
 
 
