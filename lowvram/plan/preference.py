@@ -58,10 +58,11 @@ TILE_COLUMNS = 32768
 # and their difference: 7.25.
 _CPU_FORWARD_TILES = 3.25
 _CPU_BACKWARD_TILES = 7.25
-# ORPO's NLL term over the chosen half: its saved fp32 log-softmax (2 bytes per logit of all
-# rows) and its backward's two half-size fp32 gradients (4): from the source; checked by
-# bench/preference_accuracy.py
-ORPO_NLL_BYTES_PER_LOGIT = 6
+# Peak bytes per logit of the 2b rows in ORPO's and SimPO's loss path: TRL's own functions
+# (CPOTrainer.get_batch_logps, ORPO's cross_entropy_loss) run on fp32 logits under the live-bytes
+# tracker (2b=4 rows, s=128, V=1024: 16.7 and 18.7, the hidden states' gradient included);
+# bf16 logits under autocast measure 6.7 and 8.8, counted as fp32 here (an upper bound).
+FULL_LOGITS_BYTES_PER_LOGIT = {"simpo": 16, "orpo": 18}
 
 
 def is_preference(setup: RunSetup) -> bool:
@@ -133,16 +134,13 @@ def reference_forward_bytes(setup: RunSetup) -> int:
 
 
 def full_logits_bytes(setup: RunSetup) -> int:
-    """ORPO/SimPO: the fp32 logits of all 2b rows (4tV, kept: ``selective_log_softmax``'s
-    per-row logsumexp saves its input) and, in the backward, their gradient buffer and the
-    full-size zeros each row's ``select`` backward makes (4tV each): 12tV, as the SFT standard
-    loss (backward.logits_bytes). ORPO's NLL on the chosen half (``cross_entropy_loss`` over a
-    ``.contiguous()`` copy) adds its saved log-softmax and its backward's gradients over half
-    the rows: ORPO_NLL_BYTES_PER_LOGIT more per logit. fp32 as measured on CPU runs
-    (bench/preference_accuracy.py); under autocast log_softmax and the loss run in fp32 too."""
+    """ORPO/SimPO: the logits of all 2b rows and what their loss keeps (FULL_LOGITS_BYTES_PER_LOGIT
+    per logit): the fp32 logits, kept (``selective_log_softmax``'s per-row logsumexp saves its
+    input), and in the backward each row's gradient, their ``unbind`` stack, the ``[:, :-1]``
+    slice's full-size zeros and the gather's scatter; ORPO's NLL on the chosen half adds its
+    saved log-softmax over half the rows."""
     t = 2 * setup.micro_batch_size * setup.seq_len
-    per_logit = 12 + (ORPO_NLL_BYTES_PER_LOGIT if setup.objective == "orpo" else 0)
-    return per_logit * t * setup.model.vocab_size
+    return FULL_LOGITS_BYTES_PER_LOGIT[setup.objective] * t * setup.model.vocab_size
 
 
 def objective_logits_bytes(setup: RunSetup) -> int:
