@@ -76,6 +76,7 @@ def test_objective_defaults_to_sft_and_preference_keys_validate():
     (recipe_text("m", extra="preference: {loss_type: sigmod}"), "loss_type"),
     (recipe_text("m", extra="preference: {label_smoothing: 0.6}"), "label_smoothing"),
     (recipe_text("m", extra="preference: {beta: 0}"), "beta"),
+    (recipe_text("m", extra="preference: {loss_type: exo_pair}"), "needs label_smoothing > 0"),
     (recipe_text("m").replace("output_dir: out", "output_dir: out\n  objective_typo: 1"), "objective_typo"),
     (recipe_text("m").replace("  datasets:", "  packing: true\n  datasets:"), "data.packing does not apply"),
 ])

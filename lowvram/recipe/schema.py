@@ -197,6 +197,13 @@ class PreferenceSection(_Section):
     simpo_gamma: float = Field(
         0.5, ge=0, description="simpo: target reward margin (higher: separates chosen from rejected more).")
 
+    @model_validator(mode="after")
+    def _exo_needs_smoothing(self) -> PreferenceSection:
+        # TRL's DPOTrainer raises at start for this pair (trl/trainer/dpo_trainer.py, exo_pair)
+        if self.loss_type == "exo_pair" and self.label_smoothing == 0.0:
+            raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper uses 1e-3)")
+        return self
+
 
 class TechniquesSection(_Section):
     """Each technique is auto (the planner decides), on/off, or a value."""
