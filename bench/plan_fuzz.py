@@ -41,6 +41,7 @@ from lowvram.difftest import (  # noqa: E402
     FIRST_FAMILIES,
     OVER_LIMIT,
     TEN_FAMILIES,
+    preference_case,
     random_case,
     recipe_text,
     run_case,
@@ -75,6 +76,9 @@ def main() -> int:
                          "makes it rarely: 15%% eager, 40%% checkpointing)")
     ap.add_argument("--tiled", type=float, default=0.0,
                     help="share of dense-MLP recipes made long-context tiled-MLP runs (difftest.made_tiled)")
+    ap.add_argument("--preference", action="store_true",
+                    help="draw preference recipes (lowvram.difftest.preference_case: dpo/orpo/simpo "
+                         "through TRL) with the same models and techniques")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
@@ -84,8 +88,12 @@ def main() -> int:
     families = args.families + (" --eager-checkpointing" if args.eager_checkpointing else "") + (
         " --extended" if args.extended else "")
     families += f" --tiled {args.tiled:g}" if args.tiled else ""
+    families += " --preference" if args.preference else ""
     for seed in seeds:
-        case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled, extended=args.extended)
+        if args.preference:
+            case = preference_case(seed, FAMILY_SETS[args.families])
+        else:
+            case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled, extended=args.extended)
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

@@ -73,9 +73,16 @@ class Case:
     tiled_mlp: bool = False  # techniques.tiled_mlp (lowvram.plan.tiled)
     tiled_mlp_shards: int = 0  # 0: on, ceil(seq_len / hidden_size) shards
 
+    # training.objective (dpo/orpo/simpo: preference pairs through TRL; preference_case)
+    objective: str = "sft"
+    loss_type: str = "sigmoid"
+    precompute_ref: bool = False
 
     def label(self) -> str:
         bits = [f"#{self.seed}", self.family, self.method]
+        if self.objective != "sft":
+            bits.insert(2, self.objective + (f" {self.loss_type}" if self.objective == "dpo" else "")
+                        + (" precompute" if self.precompute_ref else ""))
         if self.method != "full":
             t = self.lora_targets if isinstance(self.lora_targets, str) else ",".join(self.lora_targets)
             bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else "")
@@ -184,6 +191,19 @@ def _extend(case: Case, rng: random.Random) -> Case:
     return case
 
 
+def preference_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
+    """A random preference recipe: random_case's model and techniques (the same seed draws the
+    same ones), then an objective, DPO's loss type and precompute; TRL's own loss (no chunked or
+    fused), no packing (TRL pads each pair) and no hold-out. A second generator, so every SFT
+    seed of random_case keeps its recipe."""
+    base = random_case(seed, families)
+    rng = random.Random(f"preference-{seed}")
+    objective = rng.choice(["dpo", "dpo", "orpo", "simpo"])
+    return replace(base, objective=objective, loss="standard", packing=False, validation=None,
+                   loss_type=rng.choice(["sigmoid", "sigmoid", "ipo", "hinge"]) if objective == "dpo" else "sigmoid",
+                   precompute_ref=objective == "dpo" and rng.random() < 0.3)
+
+
 # --------------------------------------------------------------------------------------------
 # Building a case's files
 
@@ -239,6 +259,13 @@ def write_data(case: Case, path: Path, rows: int = 24) -> Path:
     windows are full and hold several samples (their position_ids restart, and SDPA gets the
     block-diagonal mask a user's packed run gets)."""
     rng = random.Random(case.seed)
+    if case.objective != "sft":  # pairs whose answers are longer than seq_len: TRL cuts each to it
+        with open(path, "w") as f:
+            for i in range(rows):
+                chosen, rejected = (" " + " ".join(rng.choice(WORDS) for _ in range(case.seq_len)) for _ in "cr")
+                f.write(json.dumps({"prompt": f"Question {i}: " + " ".join(rng.choice(WORDS) for _ in range(6)),
+                                    "chosen": chosen, "rejected": rejected}) + "\n")
+        return path
     if case.packing:
         return _write_packed_data(case, path, rng, 4 * rows)
     with open(path, "w") as f:
@@ -276,6 +303,10 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
     }
     if case.tiled_mlp:
         t["techniques"]["tiled_mlp"] = case.tiled_mlp_shards or "on"
+    if case.objective != "sft":
+        t["data"]["datasets"][0]["format"] = "preference"
+        t["training"]["objective"] = case.objective
+        t["preference"] = {"loss_type": case.loss_type, "precompute_ref_log_probs": case.precompute_ref}
     if case.model_dtype != "auto":
         t["model"]["dtype"] = case.model_dtype
     if case.optimizer == "galore_adamw":
@@ -352,5 +383,6 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 
 
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome", "made_tiled",
+           "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -69,6 +69,16 @@ class RunMetrics:
     resumed_from: str | None = None
     loss_history: Pairs = field(default_factory=list)
     eval_history: Pairs = field(default_factory=list)
+    # A preference objective (dpo/orpo/simpo, train/preference.py): TRL's reward metrics, the last
+    # value and the history ([[step, value], ...]); absent for SFT
+    rewards_chosen: float | None = None
+    rewards_rejected: float | None = None
+    rewards_margins: float | None = None
+    rewards_accuracies: float | None = None
+    rewards_chosen_history: Pairs | None = None
+    rewards_rejected_history: Pairs | None = None
+    rewards_margins_history: Pairs | None = None
+    rewards_accuracies_history: Pairs | None = None
     # Out-of-memory retries (train/recover.py): absent when the run was not trained through it
     oom_retries: list[dict] | None = None
     final_plan: dict | None = None  # after a retry: the techniques the run ended with
@@ -108,7 +118,8 @@ class RunMetrics:
 # Keys written only where the run measured them (as metrics.json has always done).
 _SITUATIONAL = ("peak_rss_bytes", "peak_reserved_bytes", "beyond_reserved_bytes", "memory_comparison",
                 "data_longest_tokens", "predicted_peak_bytes_at_data", "data_windows_one_sample",
-                "oom_retries", "final_plan", "status")
+                "oom_retries", "final_plan", "status",
+                *(f"rewards_{m}{h}" for m in ("chosen", "rejected", "margins", "accuracies") for h in ("", "_history")))
 
 _HINTS = typing.get_type_hints(RunMetrics)
 _TYPES = {f.name: _HINTS[f.name] for f in dataclasses.fields(RunMetrics) if f.name != "other"}

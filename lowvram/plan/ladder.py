@@ -41,6 +41,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         activation_offload=bool(req.activation_offload and req.gradient_checkpointing) and budget.device == "cuda",
         packing=req.packing, tiled_mlp=bool(req.tiled_mlp) and not req.model.is_moe,
         tiled_mlp_shards=req.tiled_mlp_shards,
+        objective=req.objective, precompute_ref=req.precompute_ref,
     )
     est = estimate(s)
     rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, fits_budget(est, budget))]
@@ -65,6 +66,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             settings = dict(t.settings)
             if moe.attention_problems(s.model, settings.get("attention", s.attention)):
                 continue  # gpt-oss trains with eager attention only
+            if "loss" in settings and req.objective != "sft":
+                continue  # a preference objective keeps TRL's own loss
             if offload_conflict(settings.get("optimizer", s.optimizer), settings.get("offload", s.offload)):
                 if req.fixed("optimizer") or "offload" not in settings:
                     continue  # the user's optimizer (or offload) rules this rung out

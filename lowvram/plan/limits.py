@@ -52,6 +52,8 @@ def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
     micro-batch (the limits vary it)."""
     one = replace(req, micro_batch_size=None, grad_accum=None, batch_size=req.gpus)
     losses = [req.loss] if req.loss else [x for x in loss_options(req, budget) if x != "standard"]
+    if req.objective != "sft":
+        losses = ["standard"]  # TRL's own preference loss (search.loss_options)
     return [s for loss in losses
             for s in candidate_setups(replace(one, loss=loss), budget)]
 

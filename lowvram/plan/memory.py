@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan import dora, moe, optimizers, tiled
+from lowvram.plan import dora, moe, optimizers, preference, tiled
 from lowvram.plan.activations import (
     activation_offload_host_bytes,
     activation_offloaded,
@@ -85,6 +85,10 @@ def _check(setup: RunSetup) -> None:
         problems.append(conflict)
     if setup.tiled_mlp_shards < 0:
         problems.append("tiled_mlp_shards must be >= 1 (0: ceil(seq_len / hidden_size))")
+    if setup.objective not in preference.OBJECTIVES:
+        problems.append(f"objective {setup.objective!r} (known: {', '.join(preference.OBJECTIVES)})")
+    elif preference.is_preference(setup) and setup.loss != "standard":
+        problems.append(f"loss {setup.loss} does not apply to objective {setup.objective}: TRL computes its own")
     if min(setup.micro_batch_size, setup.seq_len, setup.grad_accum, setup.gpus, setup.lora_r) < 1:
         problems.append("micro_batch_size, seq_len, grad_accum, gpus and lora_r must be >= 1")
     if problems:
@@ -232,15 +236,25 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     weights, grads, optim, host = shard(
         setup, weight_bytes(setup), gradient_bytes(setup), optimizer_bytes(setup))
     gathered, layer_grads, buckets = sharding_overhead_bytes(setup)
-    acts = tiled.activation_bytes(setup)
+    pref = preference.is_preference(setup)
+    core = preference.policy_setup(setup) if pref else setup  # chosen + rejected: 2b rows
+    acts = tiled.activation_bytes(core)
     if not setup.gradient_checkpointing:  # DoRA's saved tensors in every layer (plan/dora.py)
-        acts += setup.model.num_layers * dora.saved_layer_bytes(setup)
-    logits = logits_bytes(setup)
+        acts += setup.model.num_layers * dora.saved_layer_bytes(core)
+    logits = preference.objective_logits_bytes(setup) if pref else logits_bytes(setup)
+    if pref:  # DPO full fine-tuning: the frozen reference copy (none with LoRA or precompute)
+        weights += shard(setup, preference.reference_weight_bytes(setup), 0, 0)[0]
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
     kept_grads += buckets
     live_weights = weights + gathered  # FSDP: shards plus the units gathered for compute
     persistent = weights + optim + kept_grads  # what lives across steps
-    moment = _forward_backward_peak(setup, acts, logits, grads, layer_grads)
+    moment = _forward_backward_peak(core, acts, logits, grads, layer_grads)
+    if pref and preference.reference_forward_bytes(setup):
+        # DPO: the reference forward (no_grad) after the policy's, every saved activation alive
+        # (lowvram.plan.preference; TRL DPOTrainer._compute_loss)
+        ref = Moment("reference_forward", acts + preference.dpo_saved_bytes(setup)
+                     + preference.reference_forward_bytes(setup))
+        moment = max((moment, ref), key=lambda m: m.bytes)
     kept_grads += moment.gradients
     acts, logits = moment.activations, moment.logits
     live_weights -= moment.not_gathered

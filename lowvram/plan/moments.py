@@ -86,4 +86,10 @@ MOMENTS: dict[str, tuple[str, str]] = {
     "first_layer_backward": (
         "without checkpointing: the first decoder layer's backward, nearly every gradient made",
         "activations.layer_activation_bytes(first=True), backward.layer_backward_bytes"),
+    "reference_forward": (
+        "DPO without precomputed reference log-probs: the reference's no-grad forward after the "
+        "policy's, every saved activation of the 2b concatenated rows alive beside the reference's "
+        "last hidden states and its fused log-prob head's tiles",
+        "plan.preference.reference_forward_bytes; TRL 1.16 DPOTrainer._compute_loss, "
+        "trl/kernels/chunked_logprob.py"),
 }

@@ -114,6 +114,10 @@ class PlanRequest:
     # data.packing (a data setting, not a technique): several samples per window, so SDPA gets a
     # block-diagonal mask in every layer (lowvram.plan.activations.masked_layers)
     packing: bool = False
+    # training.objective and DPO's precompute_ref_log_probs (lowvram.plan.preference): a preference
+    # objective plans 2 x micro_batch_size rows per forward, its own loss, DPO's reference
+    objective: str = "sft"
+    precompute_ref: bool = False
     # Where each fixed choice came from ("--optimizer", "the recipe"), for the reasons.
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -199,6 +203,11 @@ def validate_request(req: PlanRequest) -> None:
     conflict = tiled_mlp_conflict(bool(req.tiled_mlp), req.model is not None and req.model.is_moe)
     if conflict:
         raise LowvramError(conflict, "use --tiled-mlp off (or auto)")
+    if req.objective != "sft" and (req.tiled_mlp or req.lora_use_dora or req.optimizer == "galore_adamw"):
+        # TRL's preference trainers with these: not modelled (plan/preference.py counts SFT's terms on 2b rows)
+        what = "tiled_mlp" if req.tiled_mlp else "lora.use_dora" if req.lora_use_dora else "optimizer galore_adamw"
+        raise LowvramError(f"objective {req.objective} with {what} is not modelled",
+                           f"train {req.objective} without {what}, or plan it as objective sft")
     if req.tiled_mlp and req.lora_use_dora:  # DoRA's per-forward weight norm inside MLP shards: not modelled
         raise LowvramError("tiled_mlp with lora.use_dora is not modelled (DoRA forms each adapted layer's "
                            "dense weight in every forward, and a tiled MLP runs that forward once per shard)",

@@ -88,7 +88,7 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         # a dense MLP only (setup.tiled_mlp_conflict)
         # and not with DoRA (the two together are not modelled: validate_request refuses them)
         "tiled_mlp": (pick("tiled_mlp", [False, True]) if (req.model is None or not req.model.is_moe)
-                      and not req.lora_use_dora else [False]),
+                      and not req.lora_use_dora and req.objective == "sft" else [False]),
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
@@ -99,6 +99,8 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
 def loss_options(req: PlanRequest, budget: Budget) -> list[str]:
     """standard, chunked, and Liger's fused loss where it can run. A fixed ``fused`` that cannot
     run here becomes the chunked loss (the fallback; the reason says why)."""
+    if req.objective != "sft":
+        return ["standard"]  # TRL computes the preference loss its own way (lowvram.plan.preference)
     fused_ok = tq.fused_loss_unavailable(budget, req.model) is None
     if req.loss is not None:
         return ["chunked" if req.loss == "fused" and not fused_ok else req.loss]
@@ -139,6 +141,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             gpus=req.gpus, offload=offload, device=budget.device,
             activation_offload=act_off, packing=req.packing,
             tiled_mlp=tiled_mlp, tiled_mlp_shards=req.tiled_mlp_shards,
+            objective=req.objective, precompute_ref=req.precompute_ref,
         ))
     return out
 

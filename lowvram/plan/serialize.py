@@ -81,7 +81,18 @@ def choice_to_dict(choice: Choice) -> dict:
             for r in choice.ladder
         ],
         "notes": list(choice.notes),
+        # training.objective dpo/orpo/simpo (lowvram.plan.preference); absent for SFT
+        **({"objective": req.objective, "reference_model": _reference(c.setup)} if req.objective != "sft" else {}),
     }
+
+
+def _reference(s: RunSetup) -> str:
+    """How DPO's reference model is held (lowvram.plan.preference.reference_weight_bytes)."""
+    if s.objective != "dpo":
+        return "none"
+    if s.precompute_ref:
+        return "precomputed log-probs"
+    return "the policy with its adapter disabled" if s.lora else "a frozen copy of the weights"
 
 
 __all__ = [

@@ -117,6 +117,11 @@ class RunSetup:
     # True: peft prepare_model_for_kbit_training (non-quantized params -> fp32). lowvram trains
     # QLoRA without that upcast (lowvram.train.model.prepare_kbit_model), so False is the default.
     kbit_prepare: bool = False
+    # training.objective (lowvram.plan.preference): dpo/orpo/simpo run chosen + rejected in one
+    # forward of 2 x micro_batch_size rows; precompute_ref: DPO's reference log-probs computed
+    # before training (preference.precompute_ref_log_probs), no reference copy or forward per step
+    objective: str = "sft"
+    precompute_ref: bool = False
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ _CHOICES = {
     "loss": LOSSES,
     "attention": ATTENTIONS,
     "offload": OFFLOADS,
+    "objective": ("sft", "dpo", "orpo", "simpo"),  # lowvram.plan.preference.OBJECTIVES
 }
 
 
@@ -94,7 +95,7 @@ def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str 
     from lowvram.plan.catalog import resolve_model
     from lowvram.plan.choose import choose_plan
 
-    for name in ("mixed_precision", "quantization", "optimizer", "loss", "attention", "offload"):
+    for name in ("mixed_precision", "quantization", "optimizer", "loss", "attention", "offload", "objective"):
         check_choice(name, flags.get(name))
     check_choice("method", method)
     if recipe is None and model is None:

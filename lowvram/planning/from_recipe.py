@@ -88,6 +88,7 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         "gpus": ("gpus", "--gpus"), "lora_r": ("lora_r", "--lora-r"),
         "lora_targets": ("lora_targets", "--lora-targets"), "packing": ("packing", "--packing"),
         "tiled_mlp": ("tiled_mlp", "--tiled-mlp"),
+        "objective": ("objective", "--objective"),
     }
     out: dict = {}
     sources: dict = {}
@@ -134,6 +135,8 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
         fields.update(lora_fields(recipe))
         fields.update(galore_fields(recipe))
         fields["packing"] = recipe.data.packing
+        fields["objective"] = recipe.training.objective
+        fields["precompute_ref"] = recipe.preference.precompute_ref_log_probs
         fixed = recipe_choices(recipe)
         fields.update(fixed)
         sources.update({k: "the recipe" for k in fixed})

@@ -37,7 +37,15 @@ Optimizer = Literal[(*SWITCH, *OPTIMIZERS)]
 Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
 Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
-DataFormat = Literal["alpaca", "chat", "completion", "text"]
+DataFormat = Literal["alpaca", "chat", "completion", "text", "preference"]
+# training.objective: sft trains on responses (the Trainer); the others align on preference pairs
+# through TRL (lowvram.train.preference). kto is named for the schema's one list of objectives
+# and refused until unpaired data (completion + label) is read.
+Objective = Literal["sft", "dpo", "orpo", "simpo", "kto"]
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo")
+# DPOTrainer's loss types (trl/trainer/dpo_config.py, TRL 1.16), one per recipe.
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
+                  "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 
 
 class _Section(BaseModel):
@@ -78,7 +86,9 @@ class DatasetSpec(_Section):
     format: DataFormat = Field(
         "alpaca",
         description="alpaca (instruction/input/output), chat (messages with roles, rendered by the "
-        "tokenizer's chat template), completion (prompt/completion), text (raw text).",
+        "tokenizer's chat template), completion (prompt/completion), text (raw text), preference "
+        "(prompt/chosen/rejected: text or messages; no prompt field: the shared start of chosen and "
+        "rejected; for training.objective dpo, orpo, simpo).",
     )
     fields: dict[str, str] = Field(
         default_factory=dict,
@@ -134,6 +144,12 @@ class TrainingSection(_Section):
     save_steps: int = Field(200, gt=0, description="Write a checkpoint every N steps.")
     save_total_limit: int = Field(2, gt=0, description="Keep at most this many checkpoints.")
     output_dir: str = Field("runs/run", description="Where the adapter/model, metrics and checkpoints go.")
+    objective: Objective = Field(
+        "sft",
+        description="sft (train on responses), or align on preference pairs through TRL: dpo (against a "
+        "frozen reference: LoRA turns the adapter off, full fine-tuning keeps a second copy), orpo or "
+        "simpo (no reference). kto: not yet (needs unpaired data).",
+    )
     report_to: Literal["none", "tensorboard", "wandb"] = Field(
         "tensorboard",
         description="Experiment tracker for the Trainer's logs (tensorboard: logs in output_dir/runs; "
@@ -175,6 +191,35 @@ class GaloreSection(_Section):
     update_proj_gap: int = Field(200, gt=0, description="Steps between projector renewals (an SVD of each "
                                  "projected gradient).")
     scale: float = Field(0.25, gt=0, description="GaLore's update scale (alpha).")
+
+
+class PreferenceSection(_Section):
+    """TRL's options that change a preference run's memory or results (training.objective dpo,
+    orpo, simpo). The sequence length is training.seq_len (TRL's max_length: prompt + completion)."""
+
+    beta: float = Field(
+        0.1, gt=0,
+        description="dpo: how far from the reference (higher: stays closer); orpo: weight of the "
+                    "odds-ratio term (lambda); simpo: reward scale (the SimPO paper uses 2.0-2.5).")
+    loss_type: Literal[DPO_LOSS_TYPES] = Field(
+        "sigmoid", description="dpo's loss (sigmoid: the DPO paper's; ipo, hinge, robust ...): same memory, other results.")
+    precompute_ref_log_probs: bool = Field(
+        False,
+        description="dpo: true computes the reference log-probs in one pass before training: no reference "
+                    "forward per step (full fine-tuning: no second copy of the weights while training), one "
+                    "extra forward over the data first.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5,
+        description="dpo robust/exo_pair: the probability a preference label is flipped (0 = trust the labels).")
+    simpo_gamma: float = Field(
+        0.5, ge=0, description="simpo: target reward margin (higher: separates chosen from rejected more).")
+
+    @model_validator(mode="after")
+    def _exo_needs_smoothing(self) -> PreferenceSection:
+        # TRL's DPOTrainer raises at start for this pair (trl/trainer/dpo_trainer.py, exo_pair)
+        if self.loss_type == "exo_pair" and self.label_smoothing == 0.0:
+            raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper uses 1e-3)")
+        return self
 
 
 class TechniquesSection(_Section):
@@ -262,6 +307,7 @@ class Recipe(_Section):
     training: TrainingSection = Field(default_factory=TrainingSection)
     lora: LoraSection = Field(default_factory=LoraSection)
     galore: GaloreSection = Field(default_factory=GaloreSection)
+    preference: PreferenceSection = Field(default_factory=PreferenceSection)
     techniques: TechniquesSection = Field(default_factory=TechniquesSection)
 
     @model_validator(mode="after")
@@ -269,6 +315,14 @@ class Recipe(_Section):
         if self.lora.use_dora and self.techniques.lora == "off":
             raise ValueError("lora.use_dora needs LoRA: DoRA decomposes the adapter update "
                              "(set techniques.lora: on or auto, or lora.use_dora: false)")
+        return self
+
+    @model_validator(mode="after")
+    def _objective_matches_data(self) -> Recipe:
+        problem = objective_problem(self.training.objective, [d.format for d in self.data.datasets],
+                                    self.data.packing)
+        if problem:
+            raise ValueError(problem)
         return self
 
     # Where the recipe came from; relative data paths resolve against it. Not a YAML key.
@@ -288,6 +342,25 @@ class Recipe(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def objective_problem(objective: str, formats: list[str], packing: bool) -> str | None:
+    """Why training.objective cannot train on data of these formats (None when it can)."""
+    if objective == "kto":
+        return ("training.objective kto is not supported yet (it needs unpaired rows: completion + label); "
+                "use dpo, orpo or simpo with format: preference")
+    preference = objective in PREFERENCE_OBJECTIVES
+    wrong = sorted({f for f in formats if (f == "preference") != preference})
+    if wrong and preference:
+        return (f"training.objective {objective} trains on preference pairs, not format {', '.join(wrong)} "
+                "(set the datasets' format: preference, with prompt/chosen/rejected)")
+    if wrong:
+        return ("format preference needs training.objective dpo, orpo or simpo "
+                f"(training.objective is {objective})")
+    if preference and packing:
+        return (f"data.packing does not apply to training.objective {objective}: TRL pads each "
+                "chosen/rejected pair (set data.packing: false)")
+    return None
 
 
 # --------------------------------------------------------------------------------------------

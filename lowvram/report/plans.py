@@ -51,6 +51,11 @@ def show_plan_brief(recipe, plan) -> None:
     c.print(_plan_table(plan))
     _warn_remote_code(c, recipe)
     tokens = plan.effective_batch * recipe.training.seq_len
+    objective = recipe.training.objective
+    if objective != "sft":  # preference pairs: chosen and rejected, two rows of seq_len each
+        tokens *= 2
+        c.print(f"objective {objective}: {plan.effective_batch:,} pairs per step, each chosen + rejected "
+                "in one forward (TRL)", markup=False)
     c.print(f"tokens per optimizer step (at most): {tokens:,}")
 
 
@@ -97,6 +102,9 @@ def show_plan(data: dict, as_json: bool = False) -> None:
             f"{' packed' if data.get('packing') else ''}, batch {data['batch_size']}, {data['device']}")
     c.print(f"budget: {gib(data['vram_bytes'])} ({data['vram_source']}) - safety margin "
             f"{gib(data['safety_margin_bytes'])} = {gib(data['budget_bytes'])}")
+    if data.get("objective"):  # dpo/orpo/simpo: chosen + rejected in one forward (lowvram.plan.preference)
+        c.print(f"objective: {data['objective']}: each pair is 2 rows of seq_len (chosen + rejected); "
+                f"reference model: {data['reference_model']}", markup=False)
     for note in data.get("notes", ()):
         c.print(f"note: {note}", markup=False)
 

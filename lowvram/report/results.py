@@ -103,7 +103,8 @@ def show_run(r, as_json: bool = False) -> None:
     ds = ", ".join(f"{d.get('path')} ({d.get('format')})" for d in (rec.get("data") or {}).get("datasets", []))
     c.print(f"recipe: {r.recipe_path or '(not recorded)'}", markup=False)
     c.print(f"model: {r.model}; data: {ds or '-'}; seq_len {tr.get('seq_len', '-')}, batch {tr.get('batch_size', '-')}, "
-            f"lr {tr.get('learning_rate', '-')}, max_steps {tr.get('max_steps') or '-'}", markup=False)
+            f"lr {tr.get('learning_rate', '-')}, max_steps {tr.get('max_steps') or '-'}"
+            + (f"; objective {tr['objective']}" if tr.get("objective", "sft") != "sft" else ""), markup=False)
     p = Table(title="Plan")
     p.add_column("technique")
     p.add_column("setting")
@@ -126,9 +127,16 @@ def show_run(r, as_json: bool = False) -> None:
         ("trainable / total params", f"{m.trainable_params:,} / {m.total_params:,}"
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
+    # dpo/orpo/simpo: TRL's reward metrics, last logged values (lowvram.train.preference)
+    rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m[key], 3))
+             for key in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies") if key in m]
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
     c.print(t)
+    margins = m.get("rewards_margins_history") or []
+    if margins:
+        c.print(f"reward margin {sparkline([v for _, v in margins])}  (steps {margins[0][0]}-{margins[-1][0]}: "
+                f"{margins[0][1]:.3f} -> {margins[-1][1]:.3f})", markup=False)
     if r.loss_history:
         lo, hi = min(v for _, v in r.loss_history), max(v for _, v in r.loss_history)
         c.print(f"loss {sparkline([v for _, v in r.loss_history])}  (steps {r.loss_history[0][0]}-"

@@ -18,7 +18,8 @@ def save_loss_plot(metrics: RunMetrics | dict, out_dir: str | Path, name: str = 
 
     Reads ``loss_history`` and ``eval_history`` (``[[step, loss], ...]``) and, if present,
     ``memory_history`` (``[[step, bytes], ...]``) for a second panel. ``metrics``: a RunMetrics,
-    or a metrics.json object (read through the schema).
+    or a metrics.json object (read through the schema); a preference run's
+    ``rewards_margins_history`` on a second axis of the loss panel.
     """
     m = metrics if isinstance(metrics, RunMetrics) else RunMetrics.from_dict(metrics)
     train = m.loss_history
@@ -46,6 +47,13 @@ def save_loss_plot(metrics: RunMetrics | dict, out_dir: str | Path, name: str = 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
+    margins = metrics.get("rewards_margins_history") or []
+    if margins:  # dpo/orpo/simpo: TRL's reward margin (chosen - rejected) on a second axis
+        rx = ax.twinx()
+        rx.plot([s for s, _ in margins], [v for _, v in margins], color="tab:purple", linestyle="--",
+                label="reward margin")
+        rx.set_ylabel("reward margin")
+        rx.legend(loc="upper center")
     ax.legend()
     ax.set_title(_title(m, Path(out_dir).name))
     if memory:

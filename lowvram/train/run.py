@@ -187,8 +187,8 @@ def _prediction_at_data_length(recipe: Recipe, plan: Plan, bundle: DataBundle, r
     measured peak is compared with, part by part). Packed data: the plan takes every window to
     hold several samples (SDPA's block-diagonal mask in every layer); where none does (samples
     as long as seq_len), the windows are plain rows."""
-    if plan.predicted_peak_bytes is None or replanner is None:
-        return {}, dict(plan.breakdown)
+    if plan.predicted_peak_bytes is None or replanner is None or "input_ids" not in bundle.train.column_names:
+        return {}, dict(plan.breakdown)  # preference pairs: TRL tokenizes them (train/preference.py)
     several = bundle.stats.packed and bundle.stats.train_samples > bundle.stats.train_rows
     one_sample_windows = bundle.stats.packed and not several  # packing on, no window holds two
     longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
@@ -304,6 +304,8 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
     _save_final(trainer, loaded.tokenizer, out)
+    from lowvram.train.preference import preference_metrics
+
     history = _loss_history(trainer.state.log_history)
     session_tokens = progress.session_tokens()
     s = bundle.stats
@@ -336,6 +338,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
         resumed_from=str(checkpoint) if checkpoint else None,
         loss_history=history,
         eval_history=_loss_history(trainer.state.log_history, "eval_loss"),
+        **preference_metrics(trainer.state.log_history),  # dpo/orpo/simpo: rewards/* (train/preference.py)
         **(retries.to_dict() if retries is not None else {}),
     )
     if per_rank:  # the largest rank: what must fit one card

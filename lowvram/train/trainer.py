@@ -81,8 +81,20 @@ def configure_cpu_fsdp_state() -> None:
 
 
 def build_training_args(recipe, plan, has_eval: bool = False):
+    """TrainingArguments of the Plan; a preference objective: TRL's config of the same settings
+    plus its own (lowvram.train.preference)."""
+    arguments = training_arguments(recipe, plan, has_eval)
+    if recipe.training.objective != "sft":
+        from lowvram.train.preference import preference_config
+
+        return preference_config(recipe, plan, arguments)
     from transformers import TrainingArguments
 
+    return TrainingArguments(**arguments)
+
+
+def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
+    """The TrainingArguments keywords of the Plan (each technique one setting)."""
     from lowvram.train.loss import fused_loss_arguments
     from lowvram.train.model import checkpointing_kwargs
 
@@ -111,7 +123,7 @@ def build_training_args(recipe, plan, has_eval: bool = False):
         evals = {"eval_strategy": "steps", "eval_steps": t.eval_steps} if t.eval_steps else {"eval_strategy": "no"}
     else:
         evals = {"eval_strategy": "no"}
-    return TrainingArguments(
+    return dict(
         output_dir=str(output_dir(recipe)),
         per_device_train_batch_size=plan.micro_batch_size,
         per_device_eval_batch_size=plan.micro_batch_size,
@@ -158,6 +170,10 @@ def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "sta
     plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss)."""
     from transformers import PrinterCallback, Trainer
 
+    from lowvram.train.preference import build_preference_trainer, is_preference_config
+
+    if is_preference_config(args):  # training.objective dpo/orpo/simpo: TRL's trainer, its collator
+        return build_preference_trainer(loaded, bundle, args, callbacks)
     if loss == "chunked":
         from lowvram.train.loss import chunked_loss_trainer_class
 

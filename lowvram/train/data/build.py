@@ -44,7 +44,10 @@ class DataBundle:
 
 
 def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> DataBundle:
-    """Load, format, tokenize, mask, truncate (and pack) the recipe's datasets."""
+    """Load, format, tokenize, mask, truncate (and pack) the recipe's datasets. A preference
+    objective: the checked prompt/chosen/rejected pairs, which TRL tokenizes (data/preference.py)."""
+    if recipe.training.objective != "sft":
+        return _preference_bundle(recipe)
     data = recipe.data
     counts = Counts()
     split_eval = isinstance(data.validation, str)
@@ -83,3 +86,13 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> DataBu
         train_samples=n_samples,
     )
     return DataBundle(train=train, eval=eval_ds, stats=stats)
+
+
+def _preference_bundle(recipe: Recipe) -> DataBundle:
+    from lowvram.train.data.preference import build_preference_datasets
+
+    pairs = build_preference_datasets(recipe)
+    stats = DataStats(train_rows=pairs.pairs, eval_rows=len(pairs.eval) if pairs.eval is not None else 0,
+                      skipped_bad_rows=pairs.skipped_bad_rows, truncated=0, train_tokens=0,
+                      response_tokens=0, packed=False, train_samples=pairs.pairs)
+    return DataBundle(train=pairs.train, eval=pairs.eval, stats=stats)

@@ -30,6 +30,7 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "chat": (("messages",), ()),
     "completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
+    "preference": (("chosen", "rejected"), ("prompt",)),  # lowvram.train.data.preference
 }
 
 

@@ -1,0 +1,118 @@
+"""Preference tuning through TRL 1.16: training.objective dpo (trl.DPOTrainer), orpo
+(trl.experimental.orpo.ORPOTrainer) or simpo (trl.experimental.cpo.CPOTrainer, loss_type simpo).
+
+The same Plan -> configuration mapping as SFT: every TrainingArguments setting comes from
+lowvram.train.trainer.training_arguments (precision, checkpointing, optimizer, batch, accumulation,
+FSDP/DeepSpeed through the launch), and the model arrives prepared by lowvram.train.model
+(LoRA/QLoRA adapters, checkpointing) exactly as for SFT. What TRL adds is named in its config
+below; the memory each keeps is lowvram.plan.preference's.
+
+- The reference model (dpo): with LoRA, TRL disables the adapter for the reference forward
+  (DPOTrainer.__init__: ``ref_model = None`` for a peft model; ``_compute_loss``: ``use_adapter(...,
+  None)``), no second copy. Full fine-tuning: TRL loads a frozen second copy from the policy's
+  folder (``create_model_from_path``, the policy's dtype), unless
+  preference.precompute_ref_log_probs, which computes the reference log-probs in a pass over the
+  data before training (``_precompute_ref_logps``) and keeps no reference.
+- TRL's own collators pad each pair (DataCollatorForPreference, DPODataCollatorWithPadding); the
+  sequence limit is training.seq_len (TRL's max_length).
+"""
+
+from __future__ import annotations
+
+from lowvram.errors import LowvramError
+from lowvram.train.data.preference import require_trl
+
+# Each objective's TRL trainer, as (module, trainer class, config class).
+TRAINERS = {
+    "dpo": ("trl", "DPOTrainer", "DPOConfig"),
+    "orpo": ("trl.experimental.orpo", "ORPOTrainer", "ORPOConfig"),
+    "simpo": ("trl.experimental.cpo", "CPOTrainer", "CPOConfig"),
+}
+
+
+def _classes(objective: str):
+    import importlib
+    import warnings
+
+    require_trl()
+    module, trainer, config = TRAINERS[objective]
+    with warnings.catch_warnings():  # trl.experimental warns on import that its API may change
+        warnings.simplefilter("ignore")
+        mod = importlib.import_module(module)
+    return getattr(mod, trainer), getattr(mod, config)
+
+
+def objective_settings(recipe) -> dict:
+    """TRL's own config keys for the recipe's objective and preference section."""
+    p, objective = recipe.preference, recipe.training.objective
+    common = {"beta": p.beta, "max_length": recipe.training.seq_len}
+    if objective == "dpo":
+        return {**common, "loss_type": [p.loss_type], "label_smoothing": p.label_smoothing,
+                "precompute_ref_log_probs": p.precompute_ref_log_probs}
+    if objective == "simpo":
+        # SimPO (Meng et al. 2024) is CPO's simpo loss without CPO's behaviour-cloning term:
+        # TRL's docs set cpo_alpha=0 for it (trl/experimental/cpo/cpo_config.py).
+        return {**common, "loss_type": "simpo", "cpo_alpha": 0.0, "simpo_gamma": p.simpo_gamma,
+                "label_smoothing": p.label_smoothing}
+    return common  # orpo: beta is ORPO's lambda
+
+
+def preference_config(recipe, plan, arguments: dict):
+    """The TRL config (a TrainingArguments subclass) of ``arguments`` (the SFT TrainingArguments
+    keywords, lowvram.train.trainer.training_arguments) plus the objective's own settings.
+    TRL's configs default gradient checkpointing and bf16 on (trl/trainer/base_config.py): both
+    are passed explicitly from the Plan, as every other setting."""
+    objective = recipe.training.objective
+    if plan.loss != "standard":
+        raise LowvramError(f"loss {plan.loss} does not apply to training.objective {objective}",
+                           "TRL computes the preference loss itself; set techniques.loss: standard or auto")
+    _, config_class = _classes(objective)
+    kwargs = {**arguments, "gradient_checkpointing": arguments.get("activation_checkpointing", False)}
+    kwargs.setdefault("bf16", False)
+    kwargs.setdefault("fp16", False)
+    if objective != "dpo":
+        # ORPO/CPO batches hold chosen_input_ids and rejected_input_ids, no input_ids: the
+        # Trainer's token count would warn at every step and count nothing
+        kwargs["include_num_input_tokens_seen"] = "no"
+    return config_class(**kwargs, **objective_settings(recipe))
+
+
+def is_preference_config(args) -> bool:
+    return type(args).__module__.startswith("trl.")
+
+
+def build_preference_trainer(loaded, bundle, args, callbacks=()):
+    """TRL's trainer for ``args`` (from preference_config) over the preference pairs in
+    ``bundle`` (lowvram.train.data.build: prompt/chosen/rejected); the model as loaded."""
+    from transformers import PrinterCallback
+
+    objective = {v[2]: k for k, v in TRAINERS.items()}[type(args).__name__]
+    trainer_class, _ = _classes(objective)
+    trainer = trainer_class(
+        model=loaded.model,
+        args=args,
+        train_dataset=bundle.train,
+        eval_dataset=bundle.eval,
+        processing_class=loaded.tokenizer,
+        callbacks=list(callbacks),
+    )
+    trainer.remove_callback(PrinterCallback)  # progress.py reports, as for SFT
+    return trainer
+
+
+# The metrics each objective's trainer logs (TRL 1.16: DPOTrainer._compute_loss, ORPOTrainer and
+# CPOTrainer.get_batch_loss_metrics), the ones `lowvram runs` and `show` report.
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+
+def preference_metrics(log_history: list[dict]) -> dict:
+    """metrics.json's preference part: each reward metric's history ([[step, value], ...]) and
+    its last value, from the Trainer's log history; {} for an SFT run (no such keys logged)."""
+    out: dict = {}
+    for key in REWARD_METRICS:
+        points = [[e["step"], float(e[key])] for e in log_history if key in e and "step" in e]
+        if points:
+            name = key.replace("/", "_")  # rewards_margins
+            out[f"{name}_history"] = points
+            out[name] = points[-1][1]
+    return out

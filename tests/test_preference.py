@@ -1,0 +1,286 @@
+"""Preference tuning (training.objective dpo/orpo/simpo) through TRL: the recipe keys, the
+preference data and its errors by file and line, TRL's config from the Plan, and `lowvram train`
+end to end on the tiny Llama."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lowvram.cli import app
+from lowvram.errors import LowvramError
+from lowvram.recipe import parse_recipe
+
+pytest.importorskip("trl")
+
+
+def write_pairs(path: Path, n: int = 24, conversational: bool = False) -> Path:
+    with path.open("w") as f:
+        for i in range(n):
+            a, b = i % 10, (3 * i) % 10
+            prompt, good, bad = f"Add {a} and {b}.", f" The answer is {a + b}.", f" The answer is {a + b + 1}."
+            if conversational:
+                row = {"prompt": [{"role": "user", "content": prompt}],
+                       "chosen": [{"role": "assistant", "content": good.strip()}],
+                       "rejected": [{"role": "assistant", "content": bad.strip()}]}
+            else:
+                row = {"prompt": prompt, "chosen": good, "rejected": bad}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def recipe_text(model_dir, objective="dpo", data="pairs.jsonl", techniques="lora: on", extra="", steps=4) -> str:
+    return f"""\
+model: {{name_or_path: {model_dir}}}
+data:
+  datasets: [{{path: {data}, format: preference}}]
+training:
+  objective: {objective}
+  max_steps: {steps}
+  learning_rate: 1.0e-3
+  lr_scheduler: constant
+  warmup_ratio: 0.0
+  batch_size: 2
+  seq_len: 64
+  logging_steps: 1
+  save_steps: 100
+  output_dir: out
+  report_to: none
+lora: {{r: 8, alpha: 16}}
+techniques: {{{techniques}}}
+{extra}"""
+
+
+def _parse(text: str):
+    return parse_recipe(text)
+
+
+# ---------------------------------------------------------------------------------- recipe keys
+
+
+def test_objective_defaults_to_sft_and_preference_keys_validate():
+    r = _parse(recipe_text("m", extra="preference: {beta: 0.2, loss_type: ipo, precompute_ref_log_probs: true}"))
+    assert r.training.objective == "dpo"
+    assert (r.preference.beta, r.preference.loss_type, r.preference.precompute_ref_log_probs) == (0.2, "ipo", True)
+    plain = _parse("model: {name_or_path: m}\ndata: {datasets: [{path: d.jsonl}]}\n")
+    assert plain.training.objective == "sft" and plain.preference.beta == 0.1
+
+
+@pytest.mark.parametrize("text, words", [
+    (recipe_text("m").replace("format: preference", "format: alpaca"), "trains on preference pairs"),
+    (recipe_text("m", objective="sft"), "format preference needs training.objective"),
+    (recipe_text("m", objective="kto"), "kto is not supported yet"),
+    (recipe_text("m", extra="preference: {loss_type: sigmod}"), "loss_type"),
+    (recipe_text("m", extra="preference: {label_smoothing: 0.6}"), "label_smoothing"),
+    (recipe_text("m", extra="preference: {beta: 0}"), "beta"),
+    (recipe_text("m", extra="preference: {loss_type: exo_pair}"), "needs label_smoothing > 0"),
+    (recipe_text("m").replace("output_dir: out", "output_dir: out\n  objective_typo: 1"), "objective_typo"),
+    (recipe_text("m").replace("  datasets:", "  packing: true\n  datasets:"), "data.packing does not apply"),
+])
+def test_bad_preference_recipes_are_refused(text, words):
+    with pytest.raises(LowvramError) as e:
+        _parse(text)
+    assert words in str(e.value) + (e.value.hint or "")
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def _recipe_at(tmp_path: Path, rows: list, model="m"):
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "r.yaml").write_text(recipe_text(model))
+    from lowvram.recipe import load_recipe
+
+    return load_recipe(tmp_path / "r.yaml")
+
+
+GOOD = {"prompt": "Q?", "chosen": " yes", "rejected": " no"}
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"prompt": "Q?", "chosen": " yes"}, "missing field 'rejected'"),
+    ({"prompt": "Q?", "chosen": " same", "rejected": " same"}, "chosen and rejected are identical"),
+    ({"prompt": "", "chosen": " yes", "rejected": " no"}, "field 'prompt': expected non-empty text"),
+    ({"chosen": "yes", "rejected": "no"}, "no prompt"),
+    ({"prompt": "Q?", "chosen": 3, "rejected": " no"}, "field 'chosen': expected text or a list"),
+])
+def test_bad_rows_are_named_by_file_and_line(tmp_path, bad, words):
+    from lowvram.train.data.build import build_datasets
+
+    recipe = _recipe_at(tmp_path, [GOOD, GOOD, bad, GOOD])
+    with pytest.raises(LowvramError) as e:
+        build_datasets(recipe, None)
+    assert str(e.value).startswith("pairs.jsonl:3: ") and words in str(e.value), str(e.value)
+    assert "skip_bad_rows" in e.value.hint
+
+
+def test_skip_bad_rows_counts_them(tmp_path):
+    from lowvram.train.data.build import build_datasets
+
+    recipe = _recipe_at(tmp_path, [GOOD, {"prompt": "Q", "chosen": "x", "rejected": "x"}, GOOD])
+    recipe.data.skip_bad_rows = True
+    bundle = build_datasets(recipe, None)
+    assert (bundle.stats.train_rows, bundle.stats.skipped_bad_rows) == (2, 1)
+
+
+def test_implicit_prompt_and_field_mapping(tmp_path):
+    from lowvram.recipe import DatasetSpec
+    from lowvram.train.data.preference import preference_pair
+
+    spec = DatasetSpec(path="x.jsonl", format="preference", fields={"chosen": "good", "rejected": "bad"})
+    # no prompt field: the shared start, as TRL's extract_prompt finds it
+    pair = preference_pair({"good": "Q: 2+2? A: 4", "bad": "Q: 2+2? A: 5"}, spec)
+    assert pair == {"prompt": "Q: 2+2? A:", "chosen": " 4", "rejected": " 5"}
+    user = [{"role": "user", "content": "2+2?"}]
+    pair = preference_pair({"good": [*user, {"role": "assistant", "content": "4"}],
+                            "bad": [*user, {"role": "assistant", "content": "5"}]}, spec)
+    assert pair["prompt"] == user and pair["chosen"] == [{"role": "assistant", "content": "4"}]
+    # a text prompt with message answers: one user message, so the row is plainly conversational
+    pair = preference_pair({"prompt": "2+2?", "good": [{"role": "assistant", "content": "4"}], "bad": " 5"}, spec)
+    assert pair["prompt"] == user and pair["rejected"] == [{"role": "assistant", "content": " 5"}]
+
+
+# ---------------------------------------------------------------------------------- TRL config
+
+
+def test_trl_config_carries_the_plan(tmp_path, tiny_model_dir):
+    """TRL's own config class (its __post_init__ validates), from the Plan as for SFT: its
+    defaults (gradient checkpointing on, bf16 on) do not leak in."""
+    from trl import DPOConfig
+
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.train.trainer import build_training_args
+
+    write_pairs(tmp_path / "pairs.jsonl")
+    (tmp_path / "r.yaml").write_text(recipe_text(tiny_model_dir, extra="preference: {beta: 0.3, loss_type: hinge}"))
+    from lowvram.recipe import load_recipe
+
+    recipe = load_recipe(tmp_path / "r.yaml")
+    plan = resolve_fixed(recipe)
+    args = build_training_args(recipe, plan)
+    assert type(args) is DPOConfig
+    assert args.gradient_checkpointing is plan.gradient_checkpointing is False
+    assert (args.bf16, args.fp16, args.use_cpu) == (False, False, True)
+    assert (args.beta, args.loss_type, args.max_length) == (0.3, ["hinge"], 64)
+    assert args.per_device_train_batch_size == plan.micro_batch_size
+
+
+# ---------------------------------------------------------------------------------- end to end
+
+
+def _train(tmp_path: Path, text: str, conversational=False):
+    write_pairs(tmp_path / "pairs.jsonl", conversational=conversational)
+    (tmp_path / "r.yaml").write_text(text)
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "r.yaml")])
+    assert "Traceback" not in result.output, result.output
+    assert result.exit_code == 0, result.output
+    return json.loads((tmp_path / "out" / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_lora_preference_run_end_to_end(tmp_path, tiny_model_dir, objective):
+    m = _train(tmp_path, recipe_text(tiny_model_dir, objective=objective), conversational=objective == "orpo")
+    assert m["steps"] == 4 and m["train_rows"] == 24
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert len(m["rewards_margins_history"]) == 4 and 0.0 <= m["rewards_accuracies"] <= 1.0
+    if objective == "dpo":  # the adapter starts as zeros: policy == reference, margin 0, loss log 2
+        assert m["rewards_margins_history"][0][1] == 0.0
+        assert abs(m["first_loss"] - 0.6931) < 1e-3
+    shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
+    assert shown.exit_code == 0 and "rewards/margins (last)" in shown.output and "reward margin" in shown.output
+    assert f"objective {objective}" in shown.output
+    if objective == "dpo":  # the trained adapter answers like an SFT one
+        gen = CliRunner().invoke(app, ["generate", str(tmp_path / "out"), "--prompt", "Add 1 and 2.",
+                                       "--max-new-tokens", "4", "--greedy", "--cpu"])
+        assert gen.exit_code == 0, gen.output
+
+
+def test_full_dpo_with_precomputed_reference(tmp_path, tiny_model_dir):
+    m = _train(tmp_path, recipe_text(tiny_model_dir, techniques="lora: off",
+                                     extra="preference: {precompute_ref_log_probs: true}"))
+    assert m["steps"] == 4 and (tmp_path / "out" / "model.safetensors").is_file()
+    assert abs(m["first_loss"] - 0.6931) < 1e-3  # the reference is the initial policy
+
+
+# ---------------------------------------------------------------------------------- the plan
+
+
+def _setup(**kw):
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.setup import RunSetup
+
+    base = dict(model=resolve_model("llama-3.1-8b"), gradient_checkpointing=True, seq_len=1024, micro_batch_size=2)
+    return RunSetup(**{**base, **kw})
+
+
+def test_dpo_counts_both_rows_and_the_reference():
+    from lowvram.plan import preference
+    from lowvram.plan.activations import activation_bytes
+    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.states import weight_bytes
+
+    sft = _setup()
+    dpo = _setup(objective="dpo")
+    # the concatenated forward: b pairs are 2b rows
+    assert preference.policy_setup(dpo).micro_batch_size == 4
+    assert activation_bytes(preference.policy_setup(dpo)) == activation_bytes(_setup(micro_batch_size=4))
+    # full fine-tuning: a frozen second copy of the weights, unless the reference is precomputed
+    full = estimate_memory(dpo).breakdown["weights"]
+    assert full == estimate_memory(sft).breakdown["weights"] + weight_bytes(sft)
+    pre = _setup(objective="dpo", precompute_ref=True)
+    assert estimate_memory(pre).breakdown["weights"] == estimate_memory(sft).breakdown["weights"]
+    assert preference.reference_forward_bytes(pre) == 0
+    # LoRA: the adapter disabled is the reference, no copy
+    lora = dict(lora=True, quantization="nf4-dq")
+    assert estimate_memory(_setup(objective="dpo", **lora)).breakdown["weights"] == \
+        estimate_memory(_setup(**lora)).breakdown["weights"]
+    assert preference.reference_weight_bytes(_setup(objective="orpo")) == 0
+
+
+def test_dpo_log_probs_are_tiles_not_logits():
+    """TRL's fused head: mm_buf is min(N, 4096) x 32768 in the compute dtype, never N x V."""
+    from lowvram.plan import preference
+
+    s = _setup(objective="dpo", lora=True, quantization="nf4-dq", device="cuda")
+    n = 2 * 2 * 1023
+    mm_buf = min(n, 4096) * 32768 * 2
+    saved = 2 * n * 4096 + 16 * n + 13 * n
+    assert preference.dpo_logprob_bytes(s) == saved + 4 * n * 4096 + mm_buf
+    # ORPO keeps the logits of all 2b rows
+    assert preference.full_logits_bytes(_setup(objective="orpo")) == 18 * 2 * 2 * 1024 * 128256
+
+
+def test_sft_plan_json_has_no_objective_keys():
+    from lowvram.plan.serialize import choice_to_dict
+    from lowvram.planning.entry import make_plan
+
+    data = choice_to_dict(make_plan(model="llama-3.1-8b", method="qlora", vram="12GB"))
+    assert "objective" not in data and "reference_model" not in data
+
+
+def test_plan_objective_dpo_cli():
+    result = CliRunner().invoke(app, ["plan", "--objective", "dpo", "--model", "llama-3.1-8b", "--method", "qlora",
+                                      "--vram", "12GB", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["objective"] == "dpo" and data["reference_model"] == "the policy with its adapter disabled"
+    assert data["techniques"]["loss"] == "standard" and data["fits"]
+    sft = json.loads(CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b", "--method", "qlora", "--vram",
+                                              "12GB", "--json", "--gradient-checkpointing", "--loss", "standard",
+                                              "--batch-size", str(data["micro_batch_size"]),
+                                              "--gradient-accumulation", "1"]).output)
+    assert data["breakdown"]["activations"] > sft["breakdown"]["activations"]  # two rows per pair
+    bad = CliRunner().invoke(app, ["plan", "--objective", "dop", "--model", "llama-3.1-8b"])
+    assert bad.exit_code == 2 and "did you mean dpo" in bad.output
+
+
+def test_recipe_objective_reaches_the_request(tmp_path):
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.planning.from_recipe import build_request
+
+    r = _parse(recipe_text("m", extra="preference: {precompute_ref_log_probs: true}"))
+    req = build_request(resolve_model("llama-3.1-8b"), r)
+    assert (req.objective, req.precompute_ref) == ("dpo", True)
