@@ -128,12 +128,13 @@ def show_run(r, as_json: bool = False) -> None:
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
     # dpo/orpo/simpo: TRL's reward metrics, last logged values (lowvram.train.preference)
-    rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m[key], 3))
-             for key in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies") if key in m]
+    rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m.get(key), 3))
+             for key in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies")
+             if m is not None and m.get(key) is not None]
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
     c.print(t)
-    margins = m.get("rewards_margins_history") or []
+    margins = (m.get("rewards_margins_history") if m is not None else None) or []
     if margins:
         c.print(f"reward margin {sparkline([v for _, v in margins])}  (steps {margins[0][0]}-{margins[-1][0]}: "
                 f"{margins[0][1]:.3f} -> {margins[-1][1]:.3f})", markup=False)
