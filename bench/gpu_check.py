@@ -12,7 +12,7 @@ The end of the output suggests calibrated values for lowvram.plan.setup.cuda_ove
     HF_HUB_OFFLINE=1 python bench/gpu_check.py   # table on stdout, JSON to $OUT/gpu_check.json
     bash bench/gpu_check.sh                       # the same on the device machine (see its header)
     python bench/gpu_check.py --dry-run           # the same code on CPU with a tiny model
-                                                  # (tests/test_gpu_check.py keeps it working)
+                                                  # (tests/bench/test_gpu_check.py keeps it working)
 
 Not run in CI (no GPU there); at most --budget-s seconds (default 420) on one large GPU: small
 models first, so a cut-short run still covers every technique.

@@ -60,9 +60,9 @@ done
 # and the GPU check's dry run. About 15 minutes on 2 shared cores.
 echo "## tests"
 "$VENV/bin/python" -m pytest -rfE -p no:cacheprovider \
-  tests/test_train_techniques.py tests/test_train_e2e.py tests/test_data.py \
-  tests/test_after_training.py tests/test_launch.py tests/test_plan_simulate.py \
-  tests/test_deps.py tests/test_gpu_check.py \
-  "tests/test_multi_gpu.py::test_two_processes_match_one" \
-  "tests/test_multi_gpu.py::test_fsdp_two_processes_match_one" 2>&1 \
+  tests/train/test_techniques.py tests/train/test_e2e.py tests/train/test_data.py \
+  tests/train/test_after_training.py tests/train/test_launch.py tests/check/test_simulate.py \
+  tests/test_deps.py tests/bench/test_gpu_check.py \
+  "tests/train/test_multi_gpu.py::test_two_processes_match_one" \
+  "tests/train/test_multi_gpu.py::test_fsdp_two_processes_match_one" 2>&1 \
   | grep -vE "^WARNING: Location 'file:" || exit 1

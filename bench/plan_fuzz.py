@@ -14,7 +14,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --extended      # also DoRA and GaLore (issue 27)
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
-it become regression cases in tests/test_plan_fuzz.py. ~5 s a case on 2 cores.
+it become regression cases in tests/plan/test_fuzz.py. ~5 s a case on 2 cores.
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 
 Each figure is a pattern in one document (docs/accuracy.md, or the README's headline) with one
 ``value`` group and the text that group must hold, computed from the newest results file of its
-bench. tests/test_readme_numbers.py fails when a bench result changed and a document did not
+bench. tests/docs/test_readme_numbers.py fails when a bench result changed and a document did not
 follow; this script rewrites the documents then.
 
     python bench/readme_numbers.py           # rewrite the documents where they drifted, list what changed
     python bench/readme_numbers.py --check   # exit 1 and list the drift, change nothing
 
 The held-out GPU figures (bench/results/published_accuracy.txt) are checked by
-tests/test_published_accuracy.py, which re-scores them.
+tests/bench/test_published_accuracy.py, which re-scores them.
 """
 
 from __future__ import annotations

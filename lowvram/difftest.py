@@ -8,7 +8,7 @@ write, and runs the `lowvram train` command in this process (Typer's runner over
 The run records ``peak_memory_bytes`` (live tensor bytes, exact on a CPU) and
 ``predicted_peak_bytes`` (the plan it printed) in ``metrics.json``.
 
-Used by tests/test_plan_fuzz.py (a fixed-seed handful) and bench/plan_fuzz.py (hundreds).
+Used by tests/plan/test_fuzz.py (a fixed-seed handful) and bench/plan_fuzz.py (hundreds).
 Target (issue 12): no run more than 3% above its plan, none more than 10% off either way.
 """
 
@@ -26,7 +26,7 @@ ANY_LIMIT = 0.10  # and the plan may be at most 10% off either way
 # Families and their transformers config fields (random init; small enough for 2 CPU steps).
 # Llama; Qwen2 (q/k/v bias, tied embeddings at small sizes); Gemma (tied embeddings, GeGLU,
 # scaled embedding); Phi-3 (fused qkv and gate_up); Mistral; Qwen3-MoE and Mixtral (experts).
-# The families of the first fuzz runs: the fixed seeds of tests/test_plan_fuzz.py name recipes
+# The families of the first fuzz runs: the fixed seeds of tests/plan/test_fuzz.py name recipes
 # drawn from these seven (a longer tuple draws other recipes from the same seeds)
 FIRST_FAMILIES = ("llama", "qwen2", "gemma", "phi3", "mistral", "qwen3_moe", "mixtral")
 # the ten families bench/results/plan_fuzz.txt and the ten-family regression seeds were drawn from
@@ -232,7 +232,7 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int):
     cfg = AutoConfig.for_model(case.family, **kw)
     for name in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(cfg, name):
-            setattr(cfg, name, 0.0)  # the family's dropout is its own test (tests/test_plan_simulate.py)
+            setattr(cfg, name, 0.0)  # the family's dropout is its own test (tests/check/test_simulate.py)
     return cfg
 
 

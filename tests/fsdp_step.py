@@ -5,7 +5,7 @@ build_training_args and build_trainer, then ``Trainer.train()`` for ``training.m
 
 Run as ``python tests/fsdp_step.py MODEL_DIR WORKDIR PLAN_JSON``; prints one JSON line: the error
 (type and message) if training raised, and the sharded parameters' dtypes after it ran.
-Used by tests/test_fsdp2_step.py (a subprocess: the process group and accelerate's state are
+Used by tests/train/test_fsdp2_step.py (a subprocess: the process group and accelerate's state are
 per process).
 """
 
@@ -41,10 +41,9 @@ training: {{max_steps: {max_steps}, batch_size: 2, seq_len: 32, output_dir: out,
 
 
 def main(model_dir: str, workdir: str, plan_json: str, max_steps: int = 1) -> dict:
-    from library_configs import launch_environment
-
     from lowvram.plan.types import Plan
     from lowvram.train.launch import LaunchSpec, accelerate_config
+    from tests.library_configs import launch_environment
 
     work = Path(workdir)
     data = json.loads(plan_json)

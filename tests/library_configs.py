@@ -1,5 +1,5 @@
 """What the libraries make of a Plan, built with lowvram's own builders and checked by each
-library's own validation, on the CPU (tests/test_library_configs.py, the FSDP2/DeepSpeed
+library's own validation, on the CPU (tests/check/test_library_configs.py, the FSDP2/DeepSpeed
 regression tests).
 
 The accelerate config is lowvram's (train.launch.accelerate_config, written by write_config);

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
-from test_after_training import cli
-from test_train_e2e import write_recipe
 
 from lowvram.metrics import SCHEMA_VERSION, RunMetrics, metrics_problem
+from tests.train.test_after_training import cli
+from tests.train.test_e2e import write_recipe
 
 # A metrics.json as lowvram wrote it before the schema (no schema_version): keys of a real CPU run.
 OLD = {"first_loss": 5.61, "train_loss": 5.52, "eval_loss": None, "steps": 4, "runtime_s": 1.5,

@@ -1,5 +1,5 @@
 """The accuracy matrices of the memory model: the small Llama and the setups that
-tests/test_plan_accuracy.py and bench/plan_accuracy.py measure (step.py) against the plan."""
+tests/plan/test_accuracy.py and bench/plan_accuracy.py measure (step.py) against the plan."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ runs the Trainer's step as :func:`lowvram.check.step.measure_training_step` spel
 Trainer cannot be built on fake tensors: a warm-up step, then a tracked one: forward with labels
 under autocast, backward, clip, optimizer.step, zero_grad) and reads the peak off the live-bytes
 tracker. On a small Llama it equals the real Trainer step measured on a CPU
-(:func:`lowvram.check.step.measure_setup`) to within a few KiB (tests/test_plan_simulate.py);
+(:func:`lowvram.check.step.measure_setup`) to within a few KiB (tests/check/test_simulate.py);
 at full size it checks the analytic model (bench/simulate_full_size.py).
 
 FakeTensorMode needs seven workarounds, each explained where it is applied below as [W1]..[W7].

@@ -82,7 +82,7 @@ def measure_training_step(
     labels, backward, clip, optimizer.step(), zero_grad(set_to_none=True), as the transformers
     Trainer runs them. The simulator's step (no Trainer can be built on fake tensors): real runs
     are measured through the Trainer itself (:func:`measure_trainer_step`), and
-    tests/test_plan_simulate.py checks that the two agree.
+    tests/check/test_simulate.py checks that the two agree.
 
     ``warmup`` runs one untracked step first so the optimizer state exists (else the peak is low).
     ``breakdown`` also sorts the bytes alive at the peak by kind (``logits_dim``: the vocabulary

@@ -229,7 +229,7 @@ def _lora_dropout_bytes(setup: RunSetup, d_in: int, autocast: bool, mask: bool =
     ``_dropout``: ``x * noise``, noise saved). Without autocast lora_A saves the dropped fp32
     input itself (instead of x, which several adapters share); under autocast it saves its
     16-bit cast, counted with the adapter either way. No mask where x needs no gradient (the
-    first layer's q/k/v under LoRA: autograd records no dropout node). Measured: tests/test_plan_accuracy.py
+    first layer's q/k/v under LoRA: autograd records no dropout node). Measured: tests/plan/test_accuracy.py
     dropout cases (a new user's recipe with dropout 0.05 was 40% above the plan before this)."""
     if not setup.lora_dropout:
         return 0

@@ -71,7 +71,7 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     # fp32 upcasts) and in pure fp32 (held-out seeds 861 and 1127, Gemma-3 full fp32 with
     # checkpointing, were 12.8% and 10.2% under their plans); not under 16-bit full fine-tuning,
     # where taking them out put a 2-layer Gemma-3, full bf16 with checkpointing, 3.9% under its
-    # simulated step (tests/test_plan_families.py)
+    # simulated step (tests/plan/test_families.py)
     if setup.lora or (r == 4 and not autocast):
         layer -= _extra_norm_saved_bytes(setup)
     if setup.lora and c == 2:

@@ -7,7 +7,7 @@ The terms (:mod:`lowvram.plan.setup`, :mod:`lowvram.plan.states`, :mod:`lowvram.
 :mod:`lowvram.plan.sharding`, :mod:`lowvram.plan.request`) read their values from here; exact
 math (bytes per dtype, int64 indices, a tensor's shape) stays where it is derived. The docs
 table, ``docs/constants.md``, is generated from :data:`CONSTANTS` (:func:`markdown_table`;
-``python -m lowvram.docs`` or ``make docs`` writes it, and tests/test_plan_constants.py fails
+``python -m lowvram.docs`` or ``make docs`` writes it, and tests/plan/test_constants.py fails
 when it drifts). A new fitted constant is one more entry here, with its measurement.
 
 Sources named below: ``bench/plan_accuracy.py`` (real steps of small models on a CPU under the
@@ -307,7 +307,7 @@ def markdown_table() -> str:
         "# Fitted constants",
         "",
         "<!-- generated from lowvram/plan/constants.py by `python -m lowvram.docs` (`make docs`);",
-        "     tests/test_plan_constants.py fails when this file drifts from the code -->",
+        "     tests/plan/test_constants.py fails when this file drifts from the code -->",
         "",
         "Every constant of the planner that was set from measurements (or chosen) rather than derived",
         "from the code it models: the memory model, `lowvram/plan/memory.py` and the modules of its",

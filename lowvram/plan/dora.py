@@ -26,7 +26,7 @@ autocast, dropout 0 and 0.1): the saved bytes exactly as above; the forward's tr
 as weight_norm_bytes states it; the backward 2 x 4 x t x d_out
 (3.4 under autocast, taken as 3.5: a 2-layer OLMo-2 DoRA run, bf16 with checkpointing and
 dropout, was 3.4% over its plan at 2). Measured end to end through ``lowvram train`` by the
-differential test (tests/test_plan_dora.py).
+differential test (tests/plan/test_dora.py).
 """
 
 from __future__ import annotations

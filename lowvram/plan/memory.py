@@ -2,7 +2,7 @@
 
 Every constant cites its source: a paper or doc, or "measured: bench/plan_accuracy.py", which
 runs real steps of small Llama-style models on CPU under lowvram.livebytes' exact live-bytes
-tracker and compares them with these formulas (tests/test_plan_accuracy.py pins them at 3%).
+tracker and compares them with these formulas (tests/plan/test_accuracy.py pins them at 3%).
 Symbols: h hidden, I MLP width, V vocabulary, a attention heads, s seq_len,
 t = micro_batch_size x seq_len tokens. The fitted constants are in :mod:`lowvram.plan.constants`
 (docs/constants.md).

@@ -2,7 +2,7 @@
 no torch); catalog.py resolves a name or path to a ModelSpec, readers.py reads config.json / GGUF.
 
 Parameter counts are derived from the block structure (``block_linears`` + norms + embeddings)
-and are exact: tests/test_plan_models.py builds the transformers model from the same fields on
+and are exact: tests/plan/test_models.py builds the transformers model from the same fields on
 the meta device and compares ``sum(p.numel())``.
 """
 

@@ -3,7 +3,7 @@
 What transformers 5 and peft do with an MoE layer (read from transformers 5.24 modeling_mixtral /
 modeling_qwen3_moe / modeling_olmoe / modeling_qwen2_moe, integrations/moe.py, integrations/
 bitsandbytes.py, and peft 0.21 tuners/lora/layer.py ParamWrapper, utils/
-transformers_weight_conversion.py), each checked on tiny models (tests/test_plan_moe.py):
+transformers_weight_conversion.py), each checked on tiny models (tests/plan/test_moe.py):
 
 - The experts of a layer are two fused 3-D parameters (gate_up_proj [E, 2I, h], down_proj
   [E, h, I]) and the router one [E, h] weight; none is an nn.Linear.

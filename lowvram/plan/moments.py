@@ -82,7 +82,7 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "lora.use_dora: an adapted layer's forward (or its recompute) forms B@A through an fp32 "
         "identity and the norm of weight + scaling x B@A: dense d_out x d_in temporaries beside "
         "every activation or checkpoint",
-        "peft tuners/lora/dora.py DoraLinearLayer; dora.weight_norm_bytes; measured: tests/test_plan_dora.py"),
+        "peft tuners/lora/dora.py DoraLinearLayer; dora.weight_norm_bytes; measured: tests/plan/test_dora.py"),
     "first_layer_backward": (
         "without checkpointing: the first decoder layer's backward, nearly every gradient made",
         "activations.layer_activation_bytes(first=True), backward.layer_backward_bytes"),

@@ -19,7 +19,7 @@ plain AdamW group). For a target weight of d_out x d_in (m x n), k = min(m, n), 
   copy unless fp32) gives U (m x k), S and Vh (k x n), beside the old projector. LAPACK's or
   cuSOLVER's own workspace is not counted (the live-bytes tracker sees tensors only).
 
-Measured: the state of a real GaLoreAdamW after one Trainer step (tests/test_plan_galore.py,
+Measured: the state of a real GaLoreAdamW after one Trainer step (tests/plan/test_galore.py,
 exact) and whole runs through ``lowvram train`` (the differential test's GaLore draws).
 """
 

@@ -25,7 +25,7 @@ DEEPSPEED_CPU_OPTIMIZER = ("optimizer", "full", "zero2-offload", "zero3-offload"
 # / optimizer_update_32bit, bitsandbytes/optim/optimizer.py and functional.py) on the shards, and
 # bitsandbytes 0.50 registers no DTensor sharding rule for them: the first optimizer step raises
 # ("got mixed torch.Tensor and DTensor" on GPUs, "does not have a sharding strategy registered"
-# in one process; tests/test_fsdp2_step.py runs it). torch's optimizers take DTensors.
+# in one process; tests/train/test_fsdp2_step.py runs it). torch's optimizers take DTensors.
 FSDP_OFFLOADS = ("fsdp", "fsdp-offload")
 
 

@@ -63,7 +63,7 @@ class ZeroSettings:
 
 
 # plan.offload -> (ZeRO stage, offload optimizer, offload params); lowvram.train.launch.BACKENDS
-# writes the same (tests/test_plan_memory.py checks that the two agree).
+# writes the same (tests/plan/test_memory.py checks that the two agree).
 ZERO_OFFLOADS = {
     "optimizer": (2, True, False), "zero2": (2, False, False), "zero2-offload": (2, True, False),
     "zero3": (3, False, False), "zero3-offload": (3, True, True), "full": (3, True, True),

@@ -70,7 +70,7 @@ def configure_cpu_fsdp_state() -> None:
     (gloo, device cpu), label it MULTI_GPU, the one thing that branch reads, and hand it to the
     Trainer with ``accelerator_config.use_configured_state`` (transformers' way to train on a
     state configured beforehand). The Accelerator then shards the model as on GPUs, on the CPU.
-    tests/test_multi_gpu.py checks that accelerate still needs this and that it shards.
+    tests/train/test_multi_gpu.py checks that accelerate still needs this and that it shards.
     """
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType

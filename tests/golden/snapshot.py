@@ -2,7 +2,7 @@
 model x method x a grid of cards, shapes and fixed techniques, and the memory estimate of every
 catalog model x a grid of RunSetups, committed as tests/golden/plans.json.gz.
 
-A refactoring of plan/ or planning/ must leave it identical (tests/test_golden.py). A change
+A refactoring of plan/ or planning/ must leave it identical (tests/plan/test_golden.py). A change
 that means to move numbers refreshes it and shows what moved:
 
     make golden          # = .venv/bin/python -m tests.golden.snapshot --refresh

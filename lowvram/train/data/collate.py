@@ -26,7 +26,7 @@ class PadCollator:
     only to earlier positions), so the mask changes nothing the loss sees, and without it
     transformers takes SDPA's ``is_causal`` path instead of building a b x 1 x s x s mask, which
     on CPU also forces the math kernel that stores the attention matrix (measured: +13% peak at
-    seq 224 on the tiny Llama, tests/test_fit_to_card.py). It keeps the run on the shape the
+    seq 224 on the tiny Llama, tests/planning/test_fit_to_card.py). It keeps the run on the shape the
     planner models. ``padding_mask=True`` adds attention_mask ``1``/``0`` for other uses. Packed rows (with
     ``position_ids``) get no attention_mask: transformers then reads the sample boundaries from
     the position_ids resets and keeps attention inside each sample; the padding tail gets its
@@ -107,7 +107,7 @@ def pack(samples: list[tuple[list[int], list[int]]], seq_len: int) -> dict[str, 
     Samples are never split (each is already <= seq_len). ``position_ids`` restart at 0 for each
     sample; with no attention_mask in the batch (see ``PadCollator``) and ``use_cache`` off,
     transformers builds a block-diagonal causal mask from them, so attention does not cross
-    sample boundaries (tests/test_data.py checks the logits equal unpacked ones). Each
+    sample boundaries (tests/train/test_data.py checks the logits equal unpacked ones). Each
     sample keeps its own labels, so no loss crosses a boundary either (a sample's first token is
     never a label: it is predicted from nothing of its own).
     """

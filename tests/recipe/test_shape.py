@@ -9,11 +9,11 @@ import json
 import shutil
 
 import pytest
-from test_train_e2e import write_alpaca, write_recipe
 from typer.testing import CliRunner
 
 from lowvram.cli import app
 from lowvram.train.preflight import _rope_scaled
+from tests.train.test_e2e import write_alpaca, write_recipe
 
 NO_TENSORBOARD = ("--set", "training.report_to=none")
 

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lowvram.cli import app
-from tests.test_train_e2e import write_recipe
+from tests.train.test_e2e import write_recipe
 
 
 def cli(*args: str):

@@ -17,10 +17,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_train_e2e import metrics, train, write_recipe
 
 from lowvram.train import recover, signals
 from lowvram.train.checkpoints import complete_checkpoints
+from tests.train.test_e2e import metrics, train, write_recipe
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 NO_TENSORBOARD = ("--set", "training.report_to=none")  # its event file grows with every log line
@@ -137,7 +137,7 @@ def test_disk_full_on_every_write_on_a_real_tmpfs(tmp_path, tiny_model_dir, monk
 def test_disk_full_while_merging_on_a_real_tmpfs_is_an_error_and_keeps_nothing(tmp_path, tiny_model_dir, tmpfs):
     """`lowvram merge --out` on a disk without room for the merged weights (the tiny model's
     model.safetensors is ~0.4 MiB; 4 MiB minus a filler leaves 64 KiB)."""
-    from test_after_training import cli
+    from tests.train.test_after_training import cli
 
     run = tmp_path / "run"
     run.mkdir()

@@ -85,9 +85,8 @@ def test_galore_and_dora_plans_pass_the_libraries_validation(name, tmp_path):
     (tests/library_configs.py): TrainingArguments with optim galore_adamw and its target modules;
     peft's LoraConfig with use_dora on the model's Linears (prepare_model on a 2-layer meta copy)."""
     pytest.importorskip("galore_torch")
-    from library_configs import validate_plan
-
     from lowvram.plan.search import plan_for_setup
+    from tests.library_configs import validate_plan
 
     spec = resolve_model(name)
     galore = plan_for_setup(RunSetup(spec, precision="bf16", optimizer="galore_adamw"), "cuda", 16)

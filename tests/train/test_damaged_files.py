@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_after_training import cli
-from test_train_e2e import write_recipe
 
 from lowvram.runfiles import DAMAGED_HINT, MARKER, file_problem
+from tests.train.test_after_training import cli
+from tests.train.test_e2e import write_recipe
 
 NO_TENSORBOARD = ("--set", "training.report_to=none")
 

@@ -4,7 +4,7 @@ the workers keeps no CUDA context while they train, and a run reads only the car
 On this CPU machine the child really runs (this interpreter, torch, lowvram.hardware.read_cards)
 and really answers: no card. ``torch.cuda.is_available`` is faked True in this process only, so
 detection takes its CUDA branch; every torch.cuda call that would read a card or create a
-context here raises. What a CPU cannot show is said in tests/test_gpu_compare.py's FakeCuda tests
+context here raises. What a CPU cannot show is said in tests/bench/test_gpu_compare.py's FakeCuda tests
 (which card is read) and in the issue's report (the driver's side)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_detection_reads_the_cards_in_a_child_process(cuda_here_is_forbidden):
 
 
 def test_the_launcher_path_touches_no_card_in_this_process(cuda_here_is_forbidden, tmp_path, tiny_model_dir):
-    from test_train_e2e import write_recipe
+    from tests.train.test_e2e import write_recipe
 
     recipe = write_recipe(tmp_path, tiny_model_dir, steps=1)
     result = CliRunner().invoke(app, ["train", str(recipe), "--gpus", "2"])

@@ -17,13 +17,13 @@ import sys
 import textwrap
 
 import pytest
-from test_resume import _env, _start, _wait_for, _weights
-from test_train_e2e import metrics, train, write_recipe
 from typer.testing import CliRunner
 
 from lowvram.cli import app
 from lowvram.train import lock, manifest
 from lowvram.train.checkpoints import complete_checkpoints as checkpoints
+from tests.train.test_e2e import metrics, train, write_recipe
+from tests.train.test_resume import _env, _start, _wait_for, _weights
 
 # --------------------------------------------------------------------------------------------
 # 1. --overwrite deletes only what a run wrote

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train_e2e import train, write_recipe
 from typer.testing import CliRunner
 
 from lowvram.cli import app
 from lowvram.errors import DataError
 from lowvram.recipe import parse_recipe
 from lowvram.train.data.build import build_datasets
+from tests.train.test_e2e import train, write_recipe
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _recipe(data: Path, skip: bool = False):

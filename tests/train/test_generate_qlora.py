@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_after_training import assert_user_error, cli
-from test_train_e2e import write_recipe
 
 from lowvram.hardware import Device, Hardware
 from lowvram.train.artifacts import BaseModel, dense_size, trained_size
 from lowvram.train.generate import check_fits
+from tests.train.test_after_training import assert_user_error, cli
+from tests.train.test_e2e import write_recipe
 
 
 @pytest.fixture(scope="module")

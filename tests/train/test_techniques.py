@@ -10,10 +10,10 @@ import json
 from dataclasses import replace
 
 import pytest
-from test_train_e2e import write_recipe
 
 from lowvram.planning.fixed import resolve_fixed
 from lowvram.recipe import load_recipe, parse_recipe
+from tests.train.test_e2e import write_recipe
 
 
 def _capture():

@@ -92,7 +92,7 @@ def test_deepspeed_offload_with_another_optimizer_is_rejected():
 @pytest.mark.parametrize("offload", ["fsdp", "fsdp-offload"])
 def test_fsdp_with_a_bitsandbytes_optimizer_is_rejected(optimizer, offload):
     """Issue 24 item 1: bitsandbytes' optimizers fail at FSDP2's first step (no DTensor support,
-    tests/test_fsdp2_step.py); a recipe asking for the pair is refused, naming what works."""
+    tests/train/test_fsdp2_step.py); a recipe asking for the pair is refused, naming what works."""
     (p,) = problems(GOOD + f"techniques:\n  optimizer: {optimizer}\n  offload: {offload}\n")
     assert "cannot step FSDP2's sharded parameters" in p and "no DTensor support" in p
     assert f"use optimizer: adamw with offload: {offload}" in p and "with offload: none (DDP)" in p

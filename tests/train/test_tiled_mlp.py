@@ -241,10 +241,10 @@ def test_lowvram_train_sets_it_in_the_launchers_environment(tmp_path, tiny_model
     ranks get os.environ (lowvram.train.launch.run_launch)."""
     import os
 
-    from test_train_e2e import write_recipe
     from typer.testing import CliRunner
 
     from lowvram.cli import app
+    from tests.train.test_e2e import write_recipe
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     path = write_recipe(tmp_path, tiny_model_dir, steps=1, techniques="lora: on")

@@ -14,8 +14,8 @@ from lowvram.train.data.collate import make_collator
 from lowvram.train.data.format import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, format_example
 from lowvram.train.loss import IGNORE_INDEX
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def recipe(tmp_path: Path, datasets: list[dict], seq_len: int = 256, **data_keys):

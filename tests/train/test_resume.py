@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_e2e import metrics, train, write_recipe
 
 from lowvram.errors import LowvramError
 from lowvram.runfiles import MARKER, write_atomic
@@ -24,6 +23,7 @@ from lowvram.train.checkpoints import complete_checkpoints as checkpoints
 from lowvram.train.checkpoints import mark_complete
 from lowvram.train.folder import prepare_output_dir
 from lowvram.train.oom import EMULATE_ENV
+from tests.train.test_e2e import metrics, train, write_recipe
 
 SECRETS = {"HF_TOKEN": "secret-hf-xyz", "WANDB_API_KEY": "secret-wandb-xyz", "MY_SERVICE_SECRET": "secret-svc-xyz"}
 

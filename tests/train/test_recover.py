@@ -8,12 +8,12 @@ import re
 from dataclasses import replace
 
 import pytest
-from test_train_e2e import metrics, train, write_recipe
 
 from lowvram.plan.catalog import resolve_model
 from lowvram.plan.choose import choose_plan, next_cheaper
 from lowvram.plan.request import Budget, PlanRequest
 from lowvram.train import oom, recover, signals
+from tests.train.test_e2e import metrics, train, write_recipe
 
 # Live tensor bytes of the tiny LoRA run (seq_len 64, batch 4), measured on CPU: micro-batch 4 peaks
 # at 4,069,452 bytes, micro-batch 2 x 2 at 2,483,836. A 3.5 MiB card holds only the second.
@@ -168,7 +168,7 @@ def test_no_recover_and_exhausted_retries_fail_clearly(tmp_path, tiny_model_dir,
 def test_readme_examples_have_the_printed_formats():
     """docs/troubleshooting.md's out-of-memory and interrupt lines are in the formats the tests
     above check."""
-    from conftest import REPO
+    from tests.conftest import REPO
 
     section = (REPO / "docs" / "troubleshooting.md").read_text()
     blocks = [b for b in re.findall(r"```text\n(.*?)```", section, re.S)

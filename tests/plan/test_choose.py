@@ -362,7 +362,7 @@ def test_flash_attention_is_refused_where_it_cannot_run_and_never_picked(llama7b
 
 
 def test_bloom_plans_eager_attention_the_only_one_transformers_has_for_it():
-    """Found by tests/test_library_configs.py: transformers' Bloom has no SDPA (or flash) path, so
+    """Found by tests/check/test_library_configs.py: transformers' Bloom has no SDPA (or flash) path, so
     the sdpa plans lowvram made for bloom-7b1 failed in from_pretrained."""
     spec = resolve_model("bloom-7b1")
     c = _plan(spec, 24, lora=True)

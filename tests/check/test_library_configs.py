@@ -10,18 +10,18 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from library_configs import (
+
+from lowvram.plan.types import Plan
+from lowvram.recipe import parse_recipe
+from lowvram.testing import tiny_llama_config
+from lowvram.train.launch import LaunchSpec, accelerate_config
+from tests.library_configs import (
     finalize_deepspeed,
     launch_environment,
     launched,
     meta_model,
     training_arguments,
 )
-
-from lowvram.plan.types import Plan
-from lowvram.recipe import parse_recipe
-from lowvram.testing import tiny_llama_config
-from lowvram.train.launch import LaunchSpec, accelerate_config
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(
@@ -86,7 +86,7 @@ def _sweep(requests, tmp_path) -> dict:
     every library rejection is collected (one failure lists them all)."""
     from collections import Counter
 
-    from library_configs import config_key, searched_plan, validate_plan
+    from tests.library_configs import config_key, searched_plan, validate_plan
 
     plans, failures, validated = {}, [], Counter()
     for name, method, gb, gpus in requests:
@@ -111,9 +111,8 @@ def _sampled_requests(per_model: int) -> list[tuple]:
     grid, deterministic."""
     import itertools
 
-    from library_configs import CARDS_GB, GPU_COUNTS, METHOD_NAMES
-
     from lowvram.plan.catalog import catalog_names
+    from tests.library_configs import CARDS_GB, GPU_COUNTS, METHOD_NAMES
 
     grid = list(itertools.product(METHOD_NAMES, CARDS_GB, GPU_COUNTS))
     return [(name, *grid[(7 * i + 31 * k) % len(grid)])
@@ -134,8 +133,7 @@ def test_sampled_plans_pass_every_librarys_validation(tmp_path):
 def test_every_plan_passes_every_librarys_validation(tmp_path):
     import itertools
 
-    from library_configs import CARDS_GB, GPU_COUNTS, METHOD_NAMES
-
     from lowvram.plan.catalog import catalog_names
+    from tests.library_configs import CARDS_GB, GPU_COUNTS, METHOD_NAMES
 
     _sweep(list(itertools.product(catalog_names(), METHOD_NAMES, CARDS_GB, GPU_COUNTS)), tmp_path)

@@ -195,7 +195,7 @@ def test_recipe_can_force_the_backend():
 def test_the_search_never_pairs_fsdp_with_a_bitsandbytes_optimizer():
     """Issue 24 item 1: `lowvram plan --model llama-2-7b --method full --gpus 2 --vram 32GB`
     returned fsdp + adamw_8bit, which fails at the first step (bitsandbytes has no DTensor
-    support: tests/test_fsdp2_step.py). Now neither the plan nor any alternative pairs them, and
+    support: tests/train/test_fsdp2_step.py). Now neither the plan nor any alternative pairs them, and
     the reason says why the optimizer stays adamw."""
     from typer.testing import CliRunner
 

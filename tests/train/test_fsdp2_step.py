@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 
 BASE = dict(device="cpu", mixed_precision="fp32", gradient_checkpointing=False, micro_batch_size=1,
             grad_accum=2, lora=False, quantization="none", optimizer="adamw", offload="fsdp",

@@ -12,7 +12,7 @@ from lowvram.plan.memory import estimate_memory
 from lowvram.plan.moments import MOMENTS
 from lowvram.plan.setup import RunSetup
 
-PLAN = Path(__file__).resolve().parent.parent / "lowvram" / "plan"
+PLAN = Path(__file__).resolve().parents[2] / "lowvram" / "plan"
 MEMORY = PLAN / "memory.py"
 
 

@@ -37,7 +37,7 @@ def readme_commands() -> list[str]:
     return cmds
 
 
-# Commands that train for real are run by tests/test_train_e2e.py / tests/test_demo.py on the
+# Commands that train for real are run by tests/train/test_e2e.py / tests/test_demo.py on the
 # same recipe; here the quick ones run as written.
 QUICK = [c for c in readme_commands() if not re.match(r"lowvram train \S+( --resume| --set| *$)", c)]
 
