@@ -4,7 +4,8 @@ what it was fitted on, which runs were in sample and which were held out.
 
 The terms (:mod:`lowvram.plan.setup`, :mod:`lowvram.plan.states`, :mod:`lowvram.plan.activations`,
 :mod:`lowvram.plan.backward`, :mod:`lowvram.plan.memory`, :mod:`lowvram.plan.moe`,
-:mod:`lowvram.plan.sharding`, :mod:`lowvram.plan.request`) read their values from here; exact
+:mod:`lowvram.plan.sharding`, :mod:`lowvram.plan.request`, :mod:`lowvram.plan.dora`,
+:mod:`lowvram.plan.preference`) read their values from here; exact
 math (bytes per dtype, int64 indices, a tensor's shape) stays where it is derived. The docs
 table, ``docs/constants.md``, is generated from :data:`CONSTANTS` (:func:`markdown_table`;
 ``python -m lowvram.docs`` or ``make docs`` writes it, and tests/plan/test_constants.py fails
@@ -291,6 +292,59 @@ SAFETY_MARGIN_MIN_BYTES = FittedConstant(
     "SAFETY_MARGIN_MIN_BYTES", 256 * 2**20, "at least 256 MiB",
     "the safety margin's floor on a real card", "request.MIN_MARGIN_BYTES",
     "chosen, not fitted: a judgement", "--", "not measured")
+
+
+# --------------------------------------------------------------------------------------------
+# DoRA (plan/dora.py): peft's weight norm and magnitude backward, per element
+
+_DORA_FIT = ("the live-bytes tracker on one peft DoRA Linear (d_in x d_out 1024 x 256 to 256 x 2048, "
+             "64 tokens; tests/plan/test_dora.py)")
+DORA_NORM_BYTES_FP32 = FittedConstant(
+    "DORA_NORM_BYTES_FP32", 16, "16 B / weight element",
+    "DoRA's forward transient per element of the widest adapted weight, fp32 weights: B@A, the "
+    "scaled product, their sum and the norm's working tensor (beside the fp32 identity)",
+    "dora.weight_norm_bytes", _DORA_FIT, "16.4-17.2 measured in fp32; 14.7-14.8 under autocast "
+    "over fp32 weights (a 2-layer Llama under bf16-mixed was +2.9% over its plan at 15)",
+    "extended fuzz seeds 100-133 (bench/results/plan_fuzz_issue27-2026-12-02.txt): 9 of 13 within "
+    "the target; misses +4.3% (Phi-3), +5.5% (OLMo-2 QLoRA), -12.1% and -14.6% (long, checkpointed)")
+DORA_NORM_BYTES_16BIT_AUTOCAST = FittedConstant(
+    "DORA_NORM_BYTES_16BIT_AUTOCAST", 19, "19 B / weight element",
+    "as DORA_NORM_BYTES_FP32, 16-bit weights under autocast (+ their fp32 copy)",
+    "dora.weight_norm_bytes", _DORA_FIT, "18.7-18.8 measured", "as DORA_NORM_BYTES_FP32")
+DORA_NORM_BYTES_16BIT = FittedConstant(
+    "DORA_NORM_BYTES_16BIT", 20, "20 B / weight element",
+    "as DORA_NORM_BYTES_FP32, 16-bit weights without autocast",
+    "dora.weight_norm_bytes", _DORA_FIT, "chosen one above the autocast figure (not measured apart)",
+    "as DORA_NORM_BYTES_FP32")
+DORA_MAGNITUDE_BACKWARD_BYTES = FittedConstant(
+    "DORA_MAGNITUDE_BACKWARD_BYTES", 8, "8 B / (token x d_out)",
+    "the magnitude gradient's temporaries in the widest adapted Linear's backward, outside "
+    "autocast: 2 fp32 t x d_out", "dora.backward_bytes", _DORA_FIT, "2 fp32 tensors, as peft's "
+    "code makes them", "as DORA_NORM_BYTES_FP32")
+DORA_MAGNITUDE_BACKWARD_BYTES_AUTOCAST = FittedConstant(
+    "DORA_MAGNITUDE_BACKWARD_BYTES_AUTOCAST", 14, "14 B / (token x d_out)",
+    "as DORA_MAGNITUDE_BACKWARD_BYTES under autocast: the bf16 outputs' gradients upcast and cast "
+    "back around the fp32 combine", "dora.backward_bytes", _DORA_FIT,
+    "3.3-3.4 fp32 t x d_out measured, taken as 3.5", "as DORA_NORM_BYTES_FP32")
+
+# --------------------------------------------------------------------------------------------
+# Preference objectives (plan/preference.py): bytes per logit of ORPO's and SimPO's loss path
+
+_PREFERENCE_FIT = ("TRL 1.16's own loss functions under the live-bytes tracker (2b = 4 rows, s = 128, "
+                   "V = 1024; the hidden states' gradient included)")
+ORPO_LOGIT_BYTES = FittedConstant(
+    "ORPO_LOGIT_BYTES", 18, "18 B / logit",
+    "peak bytes per logit of the 2b rows in ORPO's loss path (fp32 logits)",
+    "preference.objective_logits_bytes", _PREFERENCE_FIT, "18.7 measured",
+    "held-out seeds 12-23 (bench/plan_fuzz.py --preference): none above its plan; 16-bit ORPO runs "
+    "over-planned by up to 26% (their logits are bf16, 8.8 B measured, counted as fp32)")
+SIMPO_LOGIT_BYTES = FittedConstant(
+    "SIMPO_LOGIT_BYTES", 16, "16 B / logit",
+    "peak bytes per logit of the 2b rows in SimPO's (CPO) loss path (fp32 logits)",
+    "preference.objective_logits_bytes", _PREFERENCE_FIT,
+    "16.7 measured (a first count of 12 left 5 of 6 seeds up to 29% over their plan)",
+    "held-out seeds 12-23: none above its plan; 16-bit SimPO runs over-planned by 12-16% (bf16 logits, "
+    "6.7 B measured, counted as fp32)")
 
 
 CONSTANTS: tuple[FittedConstant, ...] = tuple(

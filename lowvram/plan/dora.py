@@ -31,6 +31,7 @@ differential test (tests/plan/test_dora.py).
 
 from __future__ import annotations
 
+from lowvram.plan import constants as fitted
 from lowvram.plan import moe
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import dtype_bytes, target_linears
@@ -98,7 +99,8 @@ def weight_norm_bytes(setup: RunSetup) -> int:
         return 0
     autocast = _autocast(setup)
     fp32_param = _weight_is_fp32_parameter(setup)
-    per_weight = 16 if fp32_param else (19 if autocast else 20)
+    per_weight = (fitted.DORA_NORM_BYTES_FP32 if fp32_param else fitted.DORA_NORM_BYTES_16BIT_AUTOCAST
+                  if autocast else fitted.DORA_NORM_BYTES_16BIT).value
     if setup.quantization != "none":
         per_weight += 2  # the dequantized 16-bit weight beside its fp32 copy
 
@@ -120,7 +122,7 @@ def backward_bytes(setup: RunSetup) -> int:
     t = setup.micro_batch_size * setup.seq_len
     # outside autocast 2 fp32 t x d_out; under autocast the bf16 outputs' gradients are upcast
     # and cast back around the fp32 combine: 3.3-3.4 fp32 t x d_out measured, taken as 3.5
-    per = 14 if _autocast(setup) else 8
+    per = (fitted.DORA_MAGNITUDE_BACKWARD_BYTES_AUTOCAST if _autocast(setup) else fitted.DORA_MAGNITUDE_BACKWARD_BYTES).value
     return per * t * max(lin.d_out for lin in target_linears(setup))
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from lowvram.plan import constants as fitted
 from lowvram.plan.activations import dtypes
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import dtype_bytes, weight_bytes
@@ -62,7 +63,7 @@ _CPU_BACKWARD_TILES = 7.25
 # (CPOTrainer.get_batch_logps, ORPO's cross_entropy_loss) run on fp32 logits under the live-bytes
 # tracker (2b=4 rows, s=128, V=1024: 16.7 and 18.7, the hidden states' gradient included);
 # bf16 logits under autocast measure 6.7 and 8.8, counted as fp32 here (an upper bound).
-FULL_LOGITS_BYTES_PER_LOGIT = {"simpo": 16, "orpo": 18}
+FULL_LOGITS_BYTES_PER_LOGIT = {"simpo": fitted.SIMPO_LOGIT_BYTES.value, "orpo": fitted.ORPO_LOGIT_BYTES.value}  # constants.py
 
 
 def is_preference(setup: RunSetup) -> bool:
