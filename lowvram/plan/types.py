@@ -7,7 +7,7 @@ imports planning/). ``lowvram plan`` and
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 from lowvram.vocab import (
@@ -111,3 +111,10 @@ class Plan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        """The inverse of to_dict: keys that are not Plan fields (older runs' plan.json) are dropped,
+        and JSON's lists come back as the tuples the Plan keeps."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names})

@@ -243,14 +243,10 @@ def refuse_if_short(job: str, size: LoadSize, free_bytes: int, where: str, hint:
 
 def trained_plan(plan: dict):
     """plan.json as a Plan (older runs' extra keys dropped; JSON lists back to tuples)."""
-    from dataclasses import fields
-
     from lowvram.plan.types import Plan
 
-    names = {f.name for f in fields(Plan)}
-    data = {k: tuple(v) if isinstance(v, list) else v for k, v in plan.items() if k in names}
     try:
-        return Plan(**data)
+        return Plan.from_dict(plan)
     except TypeError as e:
         raise LowvramError(f"the run's plan.json cannot be read as a plan: {e}",
                            "pass --dtype to load the base dequantized, or retrain with this lowvram") from None

@@ -149,9 +149,7 @@ def read_plan(path: Path) -> Plan:
     except (OSError, ValueError) as e:
         raise LowvramError(f"cannot read the launch plan {path}: {e}",
                            "run `lowvram train RECIPE --gpus N` (it writes the plan and the config)") from None
-    if "lora_targets" in data:  # JSON has lists; the Plan keeps tuples
-        data["lora_targets"] = tuple(data["lora_targets"])
-    return Plan(**data)
+    return Plan.from_dict(data)
 
 
 def write_request(replanner: Replanner, out_dir: Path) -> Path:
