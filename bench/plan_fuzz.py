@@ -79,6 +79,8 @@ def main() -> int:
     ap.add_argument("--preference", action="store_true",
                     help="draw preference recipes (lowvram.difftest.preference_case: dpo/orpo/simpo "
                          "through TRL) with the same models and techniques")
+    ap.add_argument("--kto", action="store_true",
+                    help="with --preference: every case is training.objective kto (preference_case(kto=True))")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
@@ -89,9 +91,10 @@ def main() -> int:
         " --extended" if args.extended else "")
     families += f" --tiled {args.tiled:g}" if args.tiled else ""
     families += " --preference" if args.preference else ""
+    families += " --kto" if args.kto else ""
     for seed in seeds:
         if args.preference:
-            case = preference_case(seed, FAMILY_SETS[args.families])
+            case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
         else:
             case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled, extended=args.extended)
         if args.eager_checkpointing:

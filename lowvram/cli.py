@@ -142,7 +142,7 @@ def plan(
     packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="Plan for data.packing: several samples per seq_len window (SDPA then keeps a b x s x s mask per layer).", show_default=False)] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
     offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,
-    objective: Annotated[str | None, _opt("--objective", "sft | dpo | orpo | simpo (training.objective; preference: 2 rows per pair, DPO's reference).", "OBJ")] = None,
+    objective: Annotated[str | None, _opt("--objective", "sft | dpo | orpo | simpo | kto (training.objective; preference: 2 rows per pair, kto 1 row, DPO and KTO a reference).", "OBJ")] = None,
     vram: Annotated[str | None, _opt("--vram", "Free GPU memory to plan for, e.g. 24GB, 24GiB, 12000MB (default: LOWVRAM_VRAM, else detected).", "SIZE")] = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,

@@ -191,17 +191,22 @@ def _extend(case: Case, rng: random.Random) -> Case:
     return case
 
 
-def preference_case(seed: int, families: tuple[str, ...] = FAMILIES) -> Case:
+def preference_case(seed: int, families: tuple[str, ...] = FAMILIES, kto: bool = False) -> Case:
     """A random preference recipe: random_case's model and techniques (the same seed draws the
     same ones), then an objective, DPO's loss type and precompute; TRL's own loss (no chunked or
     fused), no packing (TRL pads each pair) and no hold-out. A second generator, so every SFT
-    seed of random_case keeps its recipe."""
+    seed of random_case keeps its recipe. ``kto``: the objective is kto (on the pairs, which TRL
+    unpairs), a micro-batch of at least 2 (TRL's KL term), precompute drawn as for DPO."""
     base = random_case(seed, families)
     rng = random.Random(f"preference-{seed}")
     objective = rng.choice(["dpo", "dpo", "orpo", "simpo"])
+    if kto:
+        objective = "kto"
+        base = replace(base, micro_batch_size=max(2, base.micro_batch_size))
+    referenced = objective in ("dpo", "kto")
     return replace(base, objective=objective, loss="standard", packing=False, validation=None,
                    loss_type=rng.choice(["sigmoid", "sigmoid", "ipo", "hinge"]) if objective == "dpo" else "sigmoid",
-                   precompute_ref=objective == "dpo" and rng.random() < 0.3)
+                   precompute_ref=referenced and rng.random() < 0.3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +311,9 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
     if case.objective != "sft":
         t["data"]["datasets"][0]["format"] = "preference"
         t["training"]["objective"] = case.objective
-        t["preference"] = {"loss_type": case.loss_type, "precompute_ref_log_probs": case.precompute_ref}
+        t["preference"] = {"precompute_ref_log_probs": case.precompute_ref}
+        if case.objective != "kto":
+            t["preference"]["loss_type"] = case.loss_type
     if case.model_dtype != "auto":
         t["model"]["dtype"] = case.model_dtype
     if case.optimizer == "galore_adamw":

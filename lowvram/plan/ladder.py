@@ -13,7 +13,9 @@ from lowvram.plan.memory import estimate_memory
 from lowvram.plan.request import Budget, PlanRequest, Rung, fits_budget
 from lowvram.plan.search import (
     auto_precision,
+    divisors_descending,
     fixed_micro_batch_size,
+    kto_micro_batches,
     largest_micro_batch_size,
     loss_options,
 )
@@ -61,7 +63,9 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         if t is tq.MIXED_PRECISION:
             s = replace(s, precision=auto_precision(budget, req.weight_dtype))
         elif t is tq.MICRO_BATCH:
-            s = replace(s, micro_batch_size=1, grad_accum=largest_micro_batch_size(req))
+            # the smallest micro-batch the objective allows (kto: 2, plan.search.kto_micro_batches)
+            sizes = kto_micro_batches(req, divisors_descending(largest_micro_batch_size(req))) or [1]
+            s = replace(s, micro_batch_size=sizes[-1], grad_accum=largest_micro_batch_size(req) // sizes[-1])
         else:
             settings = dict(t.settings)
             if moe.attention_problems(s.model, settings.get("attention", s.attention)):
@@ -76,7 +80,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         new = estimate(s)
         slowdown = tq.setup_slowdown(s, largest_micro_batch_size(req)) / tq.setup_slowdown(before, largest_micro_batch_size(req))
         value = s.precision if t is tq.MIXED_PRECISION else (
-            f"micro-batch 1 x {s.grad_accum}" if t is tq.MICRO_BATCH else
+            f"micro-batch {s.micro_batch_size} x {s.grad_accum}" if t is tq.MICRO_BATCH else
             {True: "on", False: "off"}.get(t.value, str(t.value)))
         rungs.append(Rung(t.name, value, new.peak_bytes, est.peak_bytes - new.peak_bytes, slowdown,
                           fits_budget(new, budget)))

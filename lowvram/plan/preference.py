@@ -1,4 +1,4 @@
-"""The memory terms of preference tuning (training.objective dpo, orpo, simpo), read from TRL 1.16.
+"""The memory terms of preference tuning (training.objective dpo, orpo, simpo, kto), read from TRL 1.16.
 
 Every objective runs chosen and rejected in ONE forward: the collator stacks the chosen rows over
 the rejected ones (trl/trainer/dpo_trainer.py DataCollatorForPreference.torch_call, L146-208:
@@ -29,6 +29,17 @@ What differs from SFT, term by term:
   keeps none. The reference forward runs after the policy's (``_compute_loss`` L1332-1352, under
   ``torch.no_grad``): every saved activation of the policy is alive beside the reference's
   transient, its last hidden states and the same fused head's forward tiles (``_CPU_FORWARD_TILES``).
+- **KTO** (trl/trainer/kto_trainer.py, ``KTOTrainer._compute_loss`` L1370-1440): unpaired rows,
+  so a micro-batch of b examples is ONE forward of b rows (:func:`rows_per_example`; TRL unpairs
+  a paired dataset into two rows per pair itself, ``unpair_preference_dataset``). It uses DPO's
+  fused head (``fused_lm_head=True``: the same saved tiles and backward, over b rows) and DPO's
+  reference (adapter disabled under LoRA, a frozen copy under full fine-tuning unless
+  precompute_ref_log_probs, L919-940). Its KL estimate adds two no-grad forwards of the batch's
+  mismatched (prompt, other row's completion) rows (``_compute_kl_logps`` L1337-1367): the
+  policy's runs BEFORE the grad forward (nothing saved is alive yet: below the reference moment),
+  the reference's after it, one after the other beside every saved activation, each the size of
+  the reference forward counted here. TRL refuses a micro-batch of 1 for loss_type kto (L844-846:
+  the KL term would equal the implied reward): lowvram.plan.request refuses it before training.
 - **ORPO and SimPO** (:func:`full_logits_bytes`): TRL's experimental ORPOTrainer and CPOTrainer
   run the plain model forward and keep its 2b x s x V logits (orpo_trainer.py
   ``concatenated_forward`` L745-822: ``outputs.logits``; a ``.contiguous()`` copy of the chosen
@@ -45,7 +56,10 @@ from lowvram.plan.activations import dtypes
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import dtype_bytes, weight_bytes
 
-PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo")
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
+# The objectives scored by TRL's fused head and compared with a reference model (DPO, KTO); ORPO
+# and SimPO keep the full logits and need no reference.
+REFERENCE_OBJECTIVES = ("dpo", "kto")
 OBJECTIVES = ("sft", *PREFERENCE_OBJECTIVES)
 
 # trl/kernels/chunked_logprob.py: TOKEN_CHUNK_SIZE (positions per tile) and the chunk_size the
@@ -70,14 +84,24 @@ def is_preference(setup: RunSetup) -> bool:
     return setup.objective in PREFERENCE_OBJECTIVES
 
 
+def rows_per_example(setup: RunSetup) -> int:
+    """Rows of the grad forward per micro-batch example: a pair's chosen and rejected (dpo, orpo,
+    simpo), or one unpaired completion (kto)."""
+    return 1 if setup.objective == "kto" else 2
+
+
 def policy_setup(setup: RunSetup) -> RunSetup:
-    """The SFT setup of the concatenated forward: 2b rows (chosen over rejected) of seq_len."""
-    return replace(setup, micro_batch_size=2 * setup.micro_batch_size, objective="sft")
+    """The SFT setup of the grad forward: 2b rows (chosen over rejected) of seq_len, or b (kto)."""
+    return replace(setup, micro_batch_size=rows_per_example(setup) * setup.micro_batch_size, objective="sft")
+
+
+def _rows(setup: RunSetup) -> int:
+    return rows_per_example(setup) * setup.micro_batch_size
 
 
 def _positions(setup: RunSetup) -> int:
     """N, the positions the fused head scores: every row's s - 1 next-token labels."""
-    return 2 * setup.micro_batch_size * max(1, setup.seq_len - 1)
+    return _rows(setup) * max(1, setup.seq_len - 1)
 
 
 def _tile_bytes(setup: RunSetup, n: int) -> tuple[int, int]:
@@ -114,9 +138,9 @@ def dpo_logprob_bytes(setup: RunSetup) -> int:
 
 
 def reference_weight_bytes(setup: RunSetup) -> int:
-    """DPO's frozen reference copy: full fine-tuning without precompute_ref_log_probs; none for
-    LoRA (the adapter disabled), ORPO and SimPO (no reference)."""
-    if setup.objective != "dpo" or setup.lora or setup.precompute_ref:
+    """DPO's (and KTO's) frozen reference copy: full fine-tuning without precompute_ref_log_probs;
+    none for LoRA (the adapter disabled), ORPO and SimPO (no reference)."""
+    if setup.objective not in REFERENCE_OBJECTIVES or setup.lora or setup.precompute_ref:
         return 0
     return weight_bytes(setup)
 
@@ -125,11 +149,11 @@ def reference_forward_bytes(setup: RunSetup) -> int:
     """The reference forward's transient beside every saved activation of the policy (DPO
     without precompute): its last hidden states and their flattened copy, and the fused head's
     forward (mm_buf, the CPU fallback's tiles)."""
-    if setup.objective != "dpo" or setup.precompute_ref:
+    if setup.objective not in REFERENCE_OBJECTIVES or setup.precompute_ref:
         return 0
     r, _, _ = dtypes(setup)
     n = _positions(setup)
-    t = 2 * setup.micro_batch_size * setup.seq_len
+    t = _rows(setup) * setup.seq_len
     mm_buf, tile = _tile_bytes(setup, n)
     return r * t * setup.model.hidden_size + r * n * setup.model.hidden_size + mm_buf + int(_CPU_FORWARD_TILES * tile)
 
@@ -146,10 +170,11 @@ def full_logits_bytes(setup: RunSetup) -> int:
 
 def objective_logits_bytes(setup: RunSetup) -> int:
     """The objective's loss-side bytes at the start of the backward."""
-    return dpo_logprob_bytes(setup) if setup.objective == "dpo" else full_logits_bytes(setup)
+    return dpo_logprob_bytes(setup) if setup.objective in REFERENCE_OBJECTIVES else full_logits_bytes(setup)
 
 
 __all__ = [
     "dpo_logprob_bytes", "dpo_saved_bytes", "full_logits_bytes", "is_preference", "objective_logits_bytes",
-    "OBJECTIVES", "policy_setup", "PREFERENCE_OBJECTIVES", "reference_forward_bytes", "reference_weight_bytes",
+    "OBJECTIVES", "policy_setup", "PREFERENCE_OBJECTIVES", "REFERENCE_OBJECTIVES", "reference_forward_bytes",
+    "reference_weight_bytes", "rows_per_example",
 ]

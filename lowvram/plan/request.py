@@ -208,6 +208,12 @@ def validate_request(req: PlanRequest) -> None:
         what = "tiled_mlp" if req.tiled_mlp else "lora.use_dora" if req.lora_use_dora else "optimizer galore_adamw"
         raise LowvramError(f"objective {req.objective} with {what} is not modelled",
                            f"train {req.objective} without {what}, or plan it as objective sft")
+    if req.objective == "kto" and (req.batch_size // max(1, req.gpus) < 2 or (req.micro_batch_size or 2) < 2):
+        # TRL's KTOTrainer raises at start for loss_type kto with a per-device batch of 1 (its KL
+        # estimate pairs each prompt with another row's completion of the same micro-batch)
+        raise LowvramError("objective kto needs a micro-batch of at least 2 rows per GPU (TRL estimates "
+                           "KTO's KL term from the other rows of the batch)",
+                           "set training.batch_size (and micro_batch_size, if fixed) to 2 or more per GPU")
     if req.tiled_mlp and req.lora_use_dora:  # DoRA's per-forward weight norm inside MLP shards: not modelled
         raise LowvramError("tiled_mlp with lora.use_dora is not modelled (DoRA forms each adapted layer's "
                            "dense weight in every forward, and a tiled MLP runs that forward once per shard)",

@@ -80,7 +80,8 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         # an architecture not read (model None): SDPA, what every model without a quirk gets
         "attention": pick("attention", [moe.default_attention(req.model) if req.model else "sdpa"]),
         "loss": loss_options(req, budget),
-        "micro_batch_size": [fixed_micro] if fixed_micro is not None else divisors_descending(req.batch_size // req.gpus),
+        "micro_batch_size": [fixed_micro] if fixed_micro is not None else kto_micro_batches(
+            req, divisors_descending(req.batch_size // req.gpus)),
         "gradient_checkpointing": pick("gradient_checkpointing", [False, True]),
         # CUDA only: on a CPU (or MPS's unified memory) there is no device memory to free
         # (activations.activation_offloaded)
@@ -94,6 +95,12 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         "quantization": pick("quantization", ["none", "nf4-dq"]),
         "offload": pick("offload", _auto_offloads(req, on_gpu)),
     }
+
+
+def kto_micro_batches(req: PlanRequest, sizes: list[int]) -> list[int]:
+    """KTO's KL term needs two rows or more per micro-batch (TRL's KTOTrainer refuses 1:
+    lowvram.plan.preference); other objectives take every size."""
+    return [m for m in sizes if m >= 2] if req.objective == "kto" else sizes
 
 
 def loss_options(req: PlanRequest, budget: Budget) -> list[str]:

@@ -87,8 +87,8 @@ def choice_to_dict(choice: Choice) -> dict:
 
 
 def _reference(s: RunSetup) -> str:
-    """How DPO's reference model is held (lowvram.plan.preference.reference_weight_bytes)."""
-    if s.objective != "dpo":
+    """How DPO's or KTO's reference model is held (lowvram.plan.preference.reference_weight_bytes)."""
+    if s.objective not in ("dpo", "kto"):
         return "none"
     if s.precompute_ref:
         return "precomputed log-probs"

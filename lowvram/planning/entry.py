@@ -70,7 +70,7 @@ _CHOICES = {
     "loss": LOSSES,
     "attention": ATTENTIONS,
     "offload": OFFLOADS,
-    "objective": ("sft", "dpo", "orpo", "simpo"),  # lowvram.plan.preference.OBJECTIVES
+    "objective": ("sft", "dpo", "orpo", "simpo", "kto"),  # lowvram.plan.preference.OBJECTIVES
 }
 
 

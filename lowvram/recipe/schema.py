@@ -37,12 +37,14 @@ Optimizer = Literal[(*SWITCH, *OPTIMIZERS)]
 Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
 Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
-DataFormat = Literal["alpaca", "chat", "completion", "text", "preference"]
+DataFormat = Literal["alpaca", "chat", "completion", "text", "preference", "unpaired"]
 # training.objective: sft trains on responses (the Trainer); the others align on preference pairs
 # through TRL (lowvram.train.preference). kto is named for the schema's one list of objectives
 # and refused until unpaired data (completion + label) is read.
 Objective = Literal["sft", "dpo", "orpo", "simpo", "kto"]
-PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo")
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
+# the data formats of the preference objectives (kto also reads pairs: TRL unpairs them)
+PREFERENCE_FORMATS = ("preference", "unpaired")
 # DPOTrainer's loss types (trl/trainer/dpo_config.py, TRL 1.16), one per recipe.
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
                   "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
@@ -88,7 +90,8 @@ class DatasetSpec(_Section):
         description="alpaca (instruction/input/output), chat (messages with roles, rendered by the "
         "tokenizer's chat template), completion (prompt/completion), text (raw text), preference "
         "(prompt/chosen/rejected: text or messages; no prompt field: the shared start of chosen and "
-        "rejected; for training.objective dpo, orpo, simpo).",
+        "rejected; for training.objective dpo, orpo, simpo, kto), unpaired (prompt/completion/label: "
+        "true for a desirable completion, false for an undesirable one; for training.objective kto).",
     )
     fields: dict[str, str] = Field(
         default_factory=dict,
@@ -148,7 +151,8 @@ class TrainingSection(_Section):
         "sft",
         description="sft (train on responses), or align on preference pairs through TRL: dpo (against a "
         "frozen reference: LoRA turns the adapter off, full fine-tuning keeps a second copy), orpo or "
-        "simpo (no reference). kto: not yet (needs unpaired data).",
+        "simpo (no reference), kto (unpaired desirable/undesirable completions, against a reference as dpo; "
+        "a micro-batch of at least 2).",
     )
     report_to: Literal["none", "tensorboard", "wandb"] = Field(
         "tensorboard",
@@ -195,7 +199,7 @@ class GaloreSection(_Section):
 
 class PreferenceSection(_Section):
     """TRL's options that change a preference run's memory or results (training.objective dpo,
-    orpo, simpo). The sequence length is training.seq_len (TRL's max_length: prompt + completion)."""
+    orpo, simpo, kto). The sequence length is training.seq_len (TRL's max_length: prompt + completion)."""
 
     beta: float = Field(
         0.1, gt=0,
@@ -205,7 +209,7 @@ class PreferenceSection(_Section):
         "sigmoid", description="dpo's loss (sigmoid: the DPO paper's; ipo, hinge, robust ...): same memory, other results.")
     precompute_ref_log_probs: bool = Field(
         False,
-        description="dpo: true computes the reference log-probs in one pass before training: no reference "
+        description="dpo, kto: true computes the reference log-probs in one pass before training: no reference "
                     "forward per step (full fine-tuning: no second copy of the weights while training), one "
                     "extra forward over the data first.")
     label_smoothing: float = Field(
@@ -213,6 +217,11 @@ class PreferenceSection(_Section):
         description="dpo robust/exo_pair: the probability a preference label is flipped (0 = trust the labels).")
     simpo_gamma: float = Field(
         0.5, ge=0, description="simpo: target reward margin (higher: separates chosen from rejected more).")
+    desirable_weight: float = Field(
+        1.0, gt=0, description="kto: weight of the desirable completions' loss (raise it when they are "
+                               "fewer than the undesirable ones; KTO paper eq. 8). No memory change.")
+    undesirable_weight: float = Field(
+        1.0, gt=0, description="kto: weight of the undesirable completions' loss. No memory change.")
 
     @model_validator(mode="after")
     def _exo_needs_smoothing(self) -> PreferenceSection:
@@ -346,20 +355,19 @@ class Recipe(_Section):
 
 def objective_problem(objective: str, formats: list[str], packing: bool) -> str | None:
     """Why training.objective cannot train on data of these formats (None when it can)."""
-    if objective == "kto":
-        return ("training.objective kto is not supported yet (it needs unpaired rows: completion + label); "
-                "use dpo, orpo or simpo with format: preference")
     preference = objective in PREFERENCE_OBJECTIVES
-    wrong = sorted({f for f in formats if (f == "preference") != preference})
+    allowed = PREFERENCE_FORMATS if objective == "kto" else ("preference",)
+    wrong = sorted({f for f in formats if ((f not in allowed) if preference else (f in PREFERENCE_FORMATS))})
     if wrong and preference:
-        return (f"training.objective {objective} trains on preference pairs, not format {', '.join(wrong)} "
-                "(set the datasets' format: preference, with prompt/chosen/rejected)")
+        want = ("format: preference (prompt/chosen/rejected) or unpaired (prompt/completion/label)"
+                if objective == "kto" else "format: preference, with prompt/chosen/rejected")
+        return (f"training.objective {objective} does not train on format {', '.join(wrong)} (set the datasets' {want})")
     if wrong:
-        return ("format preference needs training.objective dpo, orpo or simpo "
-                f"(training.objective is {objective})")
+        return (f"format {', '.join(wrong)} needs a preference objective (preference: dpo, orpo, simpo or kto; "
+                f"unpaired: kto; training.objective is {objective})")
     if preference and packing:
         return (f"data.packing does not apply to training.objective {objective}: TRL pads each "
-                "chosen/rejected pair (set data.packing: false)")
+                "row of the batch (set data.packing: false)")
     return None
 
 

@@ -103,8 +103,9 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     c.print(f"budget: {gib(data['vram_bytes'])} ({data['vram_source']}) - safety margin "
             f"{gib(data['safety_margin_bytes'])} = {gib(data['budget_bytes'])}")
     if data.get("objective"):  # dpo/orpo/simpo: chosen + rejected in one forward (lowvram.plan.preference)
-        c.print(f"objective: {data['objective']}: each pair is 2 rows of seq_len (chosen + rejected); "
-                f"reference model: {data['reference_model']}", markup=False)
+        rows = ("each example is 1 row of seq_len (an unpaired completion)" if data["objective"] == "kto"
+                else "each pair is 2 rows of seq_len (chosen + rejected)")
+        c.print(f"objective: {data['objective']}: {rows}; reference model: {data['reference_model']}", markup=False)
     for note in data.get("notes", ()):
         c.print(f"note: {note}", markup=False)
 

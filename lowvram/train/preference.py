@@ -1,5 +1,6 @@
 """Preference tuning through TRL 1.16: training.objective dpo (trl.DPOTrainer), orpo
-(trl.experimental.orpo.ORPOTrainer) or simpo (trl.experimental.cpo.CPOTrainer, loss_type simpo).
+(trl.experimental.orpo.ORPOTrainer), simpo (trl.experimental.cpo.CPOTrainer, loss_type simpo) or
+kto (trl.KTOTrainer, loss_type kto: unpaired rows, or pairs that TRL unpairs itself).
 
 The same Plan -> configuration mapping as SFT: every TrainingArguments setting comes from
 lowvram.train.trainer.training_arguments (precision, checkpointing, optimizer, batch, accumulation,
@@ -27,6 +28,7 @@ TRAINERS = {
     "dpo": ("trl", "DPOTrainer", "DPOConfig"),
     "orpo": ("trl.experimental.orpo", "ORPOTrainer", "ORPOConfig"),
     "simpo": ("trl.experimental.cpo", "CPOTrainer", "CPOConfig"),
+    "kto": ("trl", "KTOTrainer", "KTOConfig"),
 }
 
 
@@ -54,6 +56,12 @@ def objective_settings(recipe) -> dict:
         # TRL's docs set cpo_alpha=0 for it (trl/experimental/cpo/cpo_config.py).
         return {**common, "loss_type": "simpo", "cpo_alpha": 0.0, "simpo_gamma": p.simpo_gamma,
                 "label_smoothing": p.label_smoothing}
+    if objective == "kto":
+        # loss_type kto estimates the KL term from the batch's mismatched rows, which needs TRL's
+        # sequential sampler (KTOConfig's default) and a micro-batch of 2 or more (planned so)
+        return {**common, "loss_type": "kto", "desirable_weight": p.desirable_weight,
+                "undesirable_weight": p.undesirable_weight,
+                "precompute_ref_log_probs": p.precompute_ref_log_probs}
     return common  # orpo: beta is ORPO's lambda
 
 
@@ -70,7 +78,7 @@ def preference_config(recipe, plan, arguments: dict):
     kwargs = {**arguments, "gradient_checkpointing": arguments.get("activation_checkpointing", False)}
     kwargs.setdefault("bf16", False)
     kwargs.setdefault("fp16", False)
-    if objective != "dpo":
+    if objective in ("orpo", "simpo"):
         # ORPO/CPO batches hold chosen_input_ids and rejected_input_ids, no input_ids: the
         # Trainer's token count would warn at every step and count nothing
         kwargs["include_num_input_tokens_seen"] = "no"

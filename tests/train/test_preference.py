@@ -70,9 +70,8 @@ def test_objective_defaults_to_sft_and_preference_keys_validate():
 
 
 @pytest.mark.parametrize("text, words", [
-    (recipe_text("m").replace("format: preference", "format: alpaca"), "trains on preference pairs"),
-    (recipe_text("m", objective="sft"), "format preference needs training.objective"),
-    (recipe_text("m", objective="kto"), "kto is not supported yet"),
+    (recipe_text("m").replace("format: preference", "format: alpaca"), "does not train on format alpaca"),
+    (recipe_text("m", objective="sft"), "format preference needs a preference objective"),
     (recipe_text("m", extra="preference: {loss_type: sigmod}"), "loss_type"),
     (recipe_text("m", extra="preference: {label_smoothing: 0.6}"), "label_smoothing"),
     (recipe_text("m", extra="preference: {beta: 0}"), "beta"),

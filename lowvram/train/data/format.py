@@ -31,6 +31,7 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),  # lowvram.train.data.preference
+    "unpaired": (("prompt", "completion", "label"), ()),  # training.objective kto (data/preference.py)
 }
 
 

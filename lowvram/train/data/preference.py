@@ -29,7 +29,7 @@ def require_trl():
     try:
         import trl
     except ImportError:
-        raise LowvramError("training.objective dpo/orpo/simpo trains through TRL, which is not installed",
+        raise LowvramError("training.objective dpo/orpo/simpo/kto trains through TRL, which is not installed",
                            TRL_HINT) from None
     return trl
 
@@ -108,20 +108,49 @@ def preference_pair(row: Any, spec: DatasetSpec) -> dict:
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
+# Labels KTO reads as desirable / undesirable (TRL wants a bool; JSON true/false, 1/0 and the words)
+_LABELS = {True: True, False: False, 1: True, 0: False, "true": True, "false": False,
+           "desirable": True, "undesirable": False, "good": True, "bad": False}
+
+
+def unpaired_row(row: Any, spec: DatasetSpec) -> dict:
+    """{prompt, completion, label} of one raw ``format: unpaired`` row (training.objective kto):
+    a prompt, one completion, and whether it is desirable; BadRow if malformed."""
+    if isinstance(row, BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise BadRow(f"expected an object with fields, got {type(row).__name__} {_short(row)}")
+    prompt, completion = _value(row, spec, "prompt"), _value(row, spec, "completion")
+    column = _column(spec, "label")
+    raw = row.get(column)
+    key = raw.strip().lower() if isinstance(raw, str) else raw
+    if isinstance(key, float) and key in (0.0, 1.0):
+        key = int(key)
+    if column not in row or raw is None or key not in _LABELS:
+        raise BadRow(f"field 'label' must be true (desirable) or false (undesirable), got {_short(raw)}")
+    if _empty(completion):
+        raise BadRow("completion is empty")
+    if isinstance(prompt, str) != isinstance(completion, str):
+        prompt, completion = _as_messages(prompt, "user"), _as_messages(completion, "assistant")
+    return {"prompt": prompt, "completion": completion, "label": _LABELS[key]}
+
+
 def preference_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, counts: Counts) -> list[dict]:
     check_fields(spec)
+    read = unpaired_row if spec.format == "unpaired" else preference_pair
     out = []
     for row in rows:
         try:
-            out.append(preference_pair(row.data, spec))
+            out.append(read(row.data, spec))
         except BadRow as e:
             if recipe.data.skip_bad_rows:
                 counts.skipped += 1
                 continue
             raise DataError(
                 f"{row.where}: {e}",
-                "fix the row, map your column names with fields: {prompt: ..., chosen: ..., rejected: ...}, "
-                "or set data.skip_bad_rows: true to skip and count bad rows",
+                "fix the row, map your column names with fields: {prompt: ..., "
+                + ("completion: ..., label: ...}, " if spec.format == "unpaired" else "chosen: ..., rejected: ...}, ")
+                + "or set data.skip_bad_rows: true to skip and count bad rows",
             ) from None
     return out
 
@@ -129,10 +158,14 @@ def preference_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, counts: 
 def _dataset(pairs: list[dict]):
     import datasets
 
-    # One kind per dataset: TRL reads the first row to tell text from messages (is_conversational).
-    if len({isinstance(p["chosen"], str) for p in pairs}) > 1:
+    # One kind per dataset: TRL reads the first row to tell text from messages (is_conversational),
+    # and pairs from unpaired rows (KTOTrainer unpairs a dataset whose first row has chosen).
+    if len({isinstance(p.get("chosen", p.get("completion")), str) for p in pairs}) > 1:
         raise DataError("the preference rows mix text and messages",
                         "give every row text fields, or every row message lists (one dataset each)")
+    if len({"chosen" in p for p in pairs}) > 1:
+        raise DataError("the datasets mix preference pairs and unpaired rows",
+                        "give training.objective kto one kind: format preference or format unpaired")
     return datasets.Dataset.from_list(pairs)
 
 
