@@ -113,7 +113,7 @@ class Plan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Plan":
+    def from_dict(cls, data: dict) -> Plan:
         """The inverse of to_dict: keys that are not Plan fields (older runs' plan.json) are dropped,
         and JSON's lists come back as the tuples the Plan keeps."""
         names = {f.name for f in fields(cls)}

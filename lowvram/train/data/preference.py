@@ -109,7 +109,8 @@ def preference_pair(row: Any, spec: DatasetSpec) -> dict:
 
 
 # Labels KTO reads as desirable / undesirable (TRL wants a bool; JSON true/false, 1/0 and the words)
-_LABELS = {True: True, False: False, 1: True, 0: False, "true": True, "false": False,
+# (True == 1 and False == 0 as dict keys, so JSON's 1/0 read as the bools)
+_LABELS = {True: True, False: False, "true": True, "false": False,
            "desirable": True, "undesirable": False, "good": True, "bad": False}
 
 
