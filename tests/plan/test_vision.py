@@ -53,3 +53,27 @@ def test_unmodelled_family_refused():
 
     with pytest.raises(ModelError, match="mllama"):
         vision_spec_from_config({"model_type": "mllama", "vision_config": {}}, "x", 64)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llava"])
+def test_whole_model_count_exact(family):
+    """language model (text_config spec) + tower + projector == the whole model's parameters."""
+    from lowvram.plan.models import count_parameters
+    from lowvram.plan.readers import multimodal_specs_from_config
+
+    tower_kind = "siglip_vision_model" if family == "gemma3" else "clip_vision_model"
+    cfg = dict(model_type=family,
+               text_config=dict(model_type="gemma3_text" if family == "gemma3" else "llama",
+                                **TEXT),
+               vision_config=dict(model_type=tower_kind, hidden_size=48, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4, image_size=64,
+                                  patch_size=8, vision_use_head=False))
+    if family == "gemma3":
+        cls, cfg_cls = transformers.Gemma3ForConditionalGeneration, transformers.Gemma3Config
+    else:
+        cls, cfg_cls = transformers.LlavaForConditionalGeneration, transformers.LlavaConfig
+    with torch.device("meta"):
+        m = cls(cfg_cls.from_dict(cfg))
+    spec, v = multimodal_specs_from_config(cfg, "tiny")
+    assert count_parameters(spec) + tower_numel(v) + projector_numel(v) == sum(
+        p.numel() for p in m.parameters())
