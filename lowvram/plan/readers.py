@@ -274,3 +274,27 @@ def spec_from_gguf(path: Path, name: str) -> ModelSpec:
         "tie_word_embeddings": "output.weight" not in names,
     }
     return spec_from_config({k: v for k, v in cfg.items() if v is not None}, name)
+
+
+# The language model's model_type when a multimodal config's text_config leaves it out
+# (Gemma3Config: Gemma3TextConfig; LlavaConfig: LlamaConfig by default).
+_TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "llava": "llama"}
+
+
+def multimodal_specs_from_config(cfg: dict, name: str):
+    """(language-model ModelSpec from text_config, VisionSpec) of a multimodal config.json
+    (model_type gemma3 or llava; others refused by vision_spec_from_config). The top-level
+    tie_word_embeddings (Gemma3Config default True) applies when text_config leaves it out.
+    Not yet used by the planner: spec_from_config still refuses these configs."""
+    from lowvram.plan.vision import vision_spec_from_config
+
+    mt = cfg.get("model_type")
+    text = dict(cfg.get("text_config") or {})
+    text.setdefault("model_type", _TEXT_MODEL_TYPE.get(mt, "llama"))
+    if "tie_word_embeddings" in cfg:
+        text.setdefault("tie_word_embeddings", cfg["tie_word_embeddings"])
+    vision = vision_spec_from_config(cfg, name, text_hidden_size=0)
+    spec = spec_from_config(text, name)
+    from dataclasses import replace
+
+    return spec, replace(vision, text_hidden_size=spec.hidden_size)

@@ -1,0 +1,131 @@
+"""The vision tower and projector of a multimodal config (VisionSpec) and their exact
+parameter counts (no torch); read from a config.json's ``vision_config`` per family.
+
+Sources (transformers 5):
+- SigLIP tower (Gemma-3's ``siglip_vision_model``), modeling_siglip.py: SiglipVisionEmbeddings
+  (patch_embedding Conv2d(3, h, patch, patch) with bias; position_embedding
+  Embedding((image_size/patch)^2, h)), SiglipEncoderLayer (layer_norm1/2 LayerNorm(h);
+  q/k/v/out_proj Linear(h, h) with bias; mlp fc1 Linear(h, I), fc2 Linear(I, h) with bias),
+  post_layernorm LayerNorm(h); SiglipMultiheadAttentionPoolingHead when vision_use_head
+  (SiglipVisionConfig default True; Gemma-3's config.json sets it false).
+- CLIP tower (Llava's ``clip_vision_model``), modeling_clip.py: CLIPVisionEmbeddings
+  (class_embedding [h]; patch_embedding Conv2d without bias; position_embedding
+  Embedding(patches + 1, h)), pre_layrnorm and post_layernorm LayerNorm(h), the same encoder
+  layer as SigLIP.
+- Gemma3MultiModalProjector (modeling_gemma3.py): mm_input_projection_weight [h_vision, h_text]
+  and mm_soft_emb_norm Gemma3RMSNorm(h_vision); AvgPool2d (no parameters) down to
+  mm_tokens_per_image (Gemma3Config default 256) tokens per image.
+- LlavaMultiModalProjector (modeling_llava.py): linear_1 Linear(h_vision * feature layers,
+  h_text), linear_2 Linear(h_text, h_text), both with multimodal_projector_bias (LlavaConfig
+  default True). Image tokens: (image_size/patch)^2, minus the CLS token under
+  vision_feature_select_strategy "default" (which drops it; "full" keeps it: +1).
+Defaults left out of config.json: SiglipVisionConfig / CLIPVisionConfig class defaults
+(configuration_siglip.py, configuration_clip.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowvram.errors import ModelError
+
+# configuration_siglip.py SiglipVisionConfig / configuration_clip.py CLIPVisionConfig defaults
+_TOWER_DEFAULTS = {
+    "siglip": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                   num_attention_heads=12, num_channels=3, image_size=224, patch_size=16,
+                   vision_use_head=True),
+    "clip": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                 num_attention_heads=12, num_channels=3, image_size=224, patch_size=32,
+                 vision_use_head=False),
+}
+# multimodal model_type -> (tower kind, projector kind)
+VISION_FAMILIES = {"gemma3": ("siglip", "gemma3"), "llava": ("clip", "llava")}
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision tower (ViT encoder) and the projector into the language model's hidden size."""
+
+    tower: str  # "siglip" or "clip"
+    projector: str  # "gemma3" or "llava"
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    image_size: int
+    num_channels: int
+    tokens_per_image: int  # image tokens the language model's sequence gets per image
+    text_hidden_size: int
+    use_head: bool = False  # SigLIP attention-pooling head (unused by Gemma-3)
+    projector_bias: bool = True  # Llava linear_1 / linear_2 bias
+    feature_layers: int = 1  # Llava: len(vision_feature_layer) when it is a list
+
+    @property
+    def patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+def _layer_numel(v: VisionSpec) -> int:
+    h, i = v.hidden_size, v.intermediate_size
+    return 2 * (2 * h) + 4 * (h * h + h) + (h * i + i) + (i * h + h)
+
+
+def tower_numel(v: VisionSpec) -> int:
+    """Exact parameter count of the vision tower (``sum(p.numel())`` of model.vision_tower)."""
+    h, c, p = v.hidden_size, v.num_channels, v.patch_size
+    n = v.num_layers * _layer_numel(v) + 2 * h  # encoder layers + post_layernorm
+    if v.tower == "siglip":
+        n += c * p * p * h + h + v.patches * h
+        if v.use_head:  # probe [1,1,h], nn.MultiheadAttention (in_proj 3h x h + bias, out_proj),
+            # LayerNorm, SiglipMLP (modeling_siglip.py SiglipMultiheadAttentionPoolingHead)
+            i = v.intermediate_size
+            n += h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (h * i + i) + (i * h + h)
+    else:  # clip
+        n += h + c * p * p * h + (v.patches + 1) * h + 2 * h  # class emb, patch, pos, pre_layrnorm
+    return n
+
+
+def projector_numel(v: VisionSpec) -> int:
+    """Exact parameter count of model.multi_modal_projector."""
+    if v.projector == "gemma3":
+        return v.hidden_size * v.text_hidden_size + v.hidden_size
+    d_in, d = v.hidden_size * v.feature_layers, v.text_hidden_size
+    b = d if v.projector_bias else 0
+    return d_in * d + b + d * d + b
+
+
+def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> VisionSpec:
+    """The VisionSpec of a multimodal config.json (model_type gemma3 or llava); other
+    multimodal families are refused with what is missing."""
+    mt = cfg.get("model_type")
+    if mt not in VISION_FAMILIES:
+        raise ModelError(
+            f"{name}: the vision tower of model_type '{mt}' is not modelled "
+            f"(modelled: {', '.join(sorted(VISION_FAMILIES))})",
+            "`lowvram plan --model DIR --simulate` runs the real training step of the config")
+    tower, projector = VISION_FAMILIES[mt]
+    vc = dict(_TOWER_DEFAULTS[tower])
+    vc.update({k: v for k, v in (cfg.get("vision_config") or {}).items() if v is not None})
+    for key in ("image_size", "patch_size"):
+        if isinstance(vc[key], (list, tuple)):
+            vc[key] = int(vc[key][0])
+    patches = (vc["image_size"] // vc["patch_size"]) ** 2
+    feature_layers = 1
+    if projector == "gemma3":
+        tokens = int(cfg.get("mm_tokens_per_image") or 256)  # Gemma3Config default
+        bias = False
+    else:
+        strategy = cfg.get("vision_feature_select_strategy", "default")
+        tokens = patches if strategy == "default" else patches + 1
+        layer = cfg.get("vision_feature_layer", -2)
+        feature_layers = len(layer) if isinstance(layer, list) else 1
+        bias = bool(cfg.get("multimodal_projector_bias", True))
+    return VisionSpec(
+        tower=tower, projector=projector, num_layers=int(vc["num_hidden_layers"]),
+        hidden_size=int(vc["hidden_size"]), intermediate_size=int(vc["intermediate_size"]),
+        num_heads=int(vc["num_attention_heads"]), patch_size=int(vc["patch_size"]),
+        image_size=int(vc["image_size"]), num_channels=int(vc["num_channels"]),
+        tokens_per_image=tokens, text_hidden_size=int(text_hidden_size),
+        use_head=bool(vc["vision_use_head"]) if tower == "siglip" else False,
+        projector_bias=bias, feature_layers=feature_layers)
