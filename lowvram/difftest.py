@@ -19,6 +19,8 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from lowvram.plan.preference import REFERENCE_OBJECTIVES
+
 # Targets of the differential test: measured / predicted - 1.
 OVER_LIMIT = 0.03  # the run may use at most 3% more than its plan said
 ANY_LIMIT = 0.10  # and the plan may be at most 10% off either way
@@ -203,10 +205,9 @@ def preference_case(seed: int, families: tuple[str, ...] = FAMILIES, kto: bool =
     if kto:
         objective = "kto"
         base = replace(base, micro_batch_size=max(2, base.micro_batch_size))
-    referenced = objective in ("dpo", "kto")
     return replace(base, objective=objective, loss="standard", packing=False, validation=None,
                    loss_type=rng.choice(["sigmoid", "sigmoid", "ipo", "hinge"]) if objective == "dpo" else "sigmoid",
-                   precompute_ref=referenced and rng.random() < 0.3)
+                   precompute_ref=objective in REFERENCE_OBJECTIVES and rng.random() < 0.3)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from lowvram.plan.explain import Estimator
 from lowvram.plan.memory import estimate_memory
 from lowvram.plan.request import Budget, PlanRequest, Rung, fits_budget
 from lowvram.plan.search import (
+    allowed_micro_batches,
     auto_precision,
     divisors_descending,
     fixed_micro_batch_size,
-    kto_micro_batches,
     largest_micro_batch_size,
     loss_options,
 )
@@ -63,8 +63,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         if t is tq.MIXED_PRECISION:
             s = replace(s, precision=auto_precision(budget, req.weight_dtype))
         elif t is tq.MICRO_BATCH:
-            # the smallest micro-batch the objective allows (kto: 2, plan.search.kto_micro_batches)
-            sizes = kto_micro_batches(req, divisors_descending(largest_micro_batch_size(req))) or [1]
+            # the smallest micro-batch the objective allows (kto: 2, preference.min_micro_batch_size)
+            sizes = allowed_micro_batches(req, divisors_descending(largest_micro_batch_size(req))) or [1]
             s = replace(s, micro_batch_size=sizes[-1], grad_accum=largest_micro_batch_size(req) // sizes[-1])
         else:
             settings = dict(t.settings)

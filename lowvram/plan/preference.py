@@ -84,6 +84,13 @@ def is_preference(setup: RunSetup) -> bool:
     return setup.objective in PREFERENCE_OBJECTIVES
 
 
+def min_micro_batch_size(objective: str) -> int:
+    """The smallest micro-batch an objective trains with: kto's KL term pairs each prompt with
+    another row's completion of the same micro-batch, and TRL's KTOTrainer raises at start for a
+    per-device batch of 1 (kto_trainer.py L844-846); every other objective takes 1."""
+    return 2 if objective == "kto" else 1
+
+
 def rows_per_example(setup: RunSetup) -> int:
     """Rows of the grad forward per micro-batch example: a pair's chosen and rejected (dpo, orpo,
     simpo), or one unpaired completion (kto)."""
@@ -175,6 +182,6 @@ def objective_logits_bytes(setup: RunSetup) -> int:
 
 __all__ = [
     "dpo_logprob_bytes", "dpo_saved_bytes", "full_logits_bytes", "is_preference", "objective_logits_bytes",
-    "OBJECTIVES", "policy_setup", "PREFERENCE_OBJECTIVES", "REFERENCE_OBJECTIVES", "reference_forward_bytes",
+    "min_micro_batch_size", "OBJECTIVES", "policy_setup", "PREFERENCE_OBJECTIVES", "REFERENCE_OBJECTIVES", "reference_forward_bytes",
     "reference_weight_bytes", "rows_per_example",
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lowvram.errors import LowvramError
-from lowvram.plan import sharding
+from lowvram.plan import preference, sharding
 from lowvram.plan.constants import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_BYTES
 from lowvram.plan.models import ModelSpec
 from lowvram.plan.setup import (
@@ -178,6 +178,17 @@ class Choice:
 # Validation
 
 
+def fixed_micro_batch_size(req: PlanRequest) -> int | None:
+    """The micro-batch the request fixes: its own, or the per-GPU batch over a fixed accumulation
+    (None: the search tries every divisor of the per-GPU batch). validate_request checks that
+    they divide."""
+    if req.micro_batch_size is not None:
+        return req.micro_batch_size
+    if req.grad_accum is not None:
+        return req.batch_size // req.gpus // req.grad_accum
+    return None
+
+
 def validate_request(req: PlanRequest) -> None:
     """Impossible values -> one LowvramError naming the flag and a fix. The one statement of
     the batch arithmetic (batch_size = micro_batch_size x gradient_accumulation x GPUs) and of the
@@ -208,12 +219,12 @@ def validate_request(req: PlanRequest) -> None:
         what = "tiled_mlp" if req.tiled_mlp else "lora.use_dora" if req.lora_use_dora else "optimizer galore_adamw"
         raise LowvramError(f"objective {req.objective} with {what} is not modelled",
                            f"train {req.objective} without {what}, or plan it as objective sft")
-    if req.objective == "kto" and (req.batch_size // max(1, req.gpus) < 2 or (req.micro_batch_size or 2) < 2):
-        # TRL's KTOTrainer raises at start for loss_type kto with a per-device batch of 1 (its KL
-        # estimate pairs each prompt with another row's completion of the same micro-batch)
-        raise LowvramError("objective kto needs a micro-batch of at least 2 rows per GPU (TRL estimates "
-                           "KTO's KL term from the other rows of the batch)",
-                           "set training.batch_size (and micro_batch_size, if fixed) to 2 or more per GPU")
+    smallest = preference.min_micro_batch_size(req.objective)
+    if smallest > 1 and (fixed_micro_batch_size(req) or req.batch_size // max(1, req.gpus)) < smallest:
+        raise LowvramError(f"objective {req.objective} needs a micro-batch of at least {smallest} rows per GPU "
+                           "(TRL estimates KTO's KL term from the other rows of the batch)",
+                           f"set training.batch_size (and micro_batch_size, if fixed) to {smallest} or more per "
+                           "GPU, with gradient_accumulation leaving at least that many per micro-batch")
     if req.tiled_mlp and req.lora_use_dora:  # DoRA's per-forward weight norm inside MLP shards: not modelled
         raise LowvramError("tiled_mlp with lora.use_dora is not modelled (DoRA forms each adapted layer's "
                            "dense weight in every forward, and a tiled MLP runs that forward once per shard)",
@@ -305,7 +316,7 @@ def missing_extras(setup: RunSetup, budget: Budget) -> tuple[str, ...]:
 
 
 __all__ = [
-    "Budget", "Candidate", "check_attention", "Choice", "EXTRAS", "fits_budget", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
+    "Budget", "Candidate", "check_attention", "Choice", "EXTRAS", "fits_budget", "fixed_micro_batch_size", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
     "missing_extras", "plan_level", "PlanRequest", "Rung", "safety_margin_bytes", "SHARDED",
     "validate_request", "vram_needed_bytes",
 ]

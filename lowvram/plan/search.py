@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from lowvram.plan import moe
+from lowvram.plan import moe, preference
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator, divisors_descending
 from lowvram.plan.optimizers import galore_targets
@@ -17,6 +17,7 @@ from lowvram.plan.request import (
     Candidate,
     PlanRequest,
     fits_budget,
+    fixed_micro_batch_size,
     missing_extras,
     plan_level,
 )
@@ -52,17 +53,6 @@ def auto_precision(budget: Budget, weight_dtype: str | None = None) -> str:
     return "bf16" if budget.bf16 else "fp16-mixed"
 
 
-def fixed_micro_batch_size(req: PlanRequest) -> int | None:
-    """The micro-batch the request fixes: its own, or the per-GPU batch over a fixed accumulation
-    (None: the search tries every divisor of the per-GPU batch). validate_request checks that
-    they divide."""
-    if req.micro_batch_size is not None:
-        return req.micro_batch_size
-    if req.grad_accum is not None:
-        return req.batch_size // req.gpus // req.grad_accum
-    return None
-
-
 def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
     """The values each technique may take under ``req``: the one it fixes (after the loss'
     fallback), or on auto the values the search tries. The search plans every combination
@@ -80,7 +70,7 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         # an architecture not read (model None): SDPA, what every model without a quirk gets
         "attention": pick("attention", [moe.default_attention(req.model) if req.model else "sdpa"]),
         "loss": loss_options(req, budget),
-        "micro_batch_size": [fixed_micro] if fixed_micro is not None else kto_micro_batches(
+        "micro_batch_size": [fixed_micro] if fixed_micro is not None else allowed_micro_batches(
             req, divisors_descending(req.batch_size // req.gpus)),
         "gradient_checkpointing": pick("gradient_checkpointing", [False, True]),
         # CUDA only: on a CPU (or MPS's unified memory) there is no device memory to free
@@ -97,10 +87,10 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
     }
 
 
-def kto_micro_batches(req: PlanRequest, sizes: list[int]) -> list[int]:
-    """KTO's KL term needs two rows or more per micro-batch (TRL's KTOTrainer refuses 1:
-    lowvram.plan.preference); other objectives take every size."""
-    return [m for m in sizes if m >= 2] if req.objective == "kto" else sizes
+def allowed_micro_batches(req: PlanRequest, sizes: list[int]) -> list[int]:
+    """The sizes the objective trains with (kto: 2 or more, preference.min_micro_batch_size)."""
+    smallest = preference.min_micro_batch_size(req.objective)
+    return [m for m in sizes if m >= smallest]
 
 
 def loss_options(req: PlanRequest, budget: Budget) -> list[str]:
@@ -209,7 +199,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
 
 
 __all__ = [
-    "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size",
+    "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size", "allowed_micro_batches",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
     "technique_options", "TIER_SHARD",
 ]

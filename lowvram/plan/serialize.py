@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lowvram.plan.calibration import term_checks
+from lowvram.plan.preference import REFERENCE_OBJECTIVES
 from lowvram.plan.request import Choice
 from lowvram.plan.search import describe_setup
 from lowvram.plan.setup import RunSetup
@@ -88,7 +89,7 @@ def choice_to_dict(choice: Choice) -> dict:
 
 def _reference(s: RunSetup) -> str:
     """How DPO's or KTO's reference model is held (lowvram.plan.preference.reference_weight_bytes)."""
-    if s.objective not in ("dpo", "kto"):
+    if s.objective not in REFERENCE_OBJECTIVES:
         return "none"
     if s.precompute_ref:
         return "precomputed log-probs"

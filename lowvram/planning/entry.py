@@ -9,6 +9,7 @@ cannot, the same request is planned with nothing left on auto (fixed.py,
 from __future__ import annotations
 
 from lowvram.errors import LowvramError
+from lowvram.plan.preference import OBJECTIVES
 from lowvram.plan.replan import Replanner
 from lowvram.plan.types import Plan
 from lowvram.planning.budget import check_card, check_runnable, make_budget
@@ -70,7 +71,7 @@ _CHOICES = {
     "loss": LOSSES,
     "attention": ATTENTIONS,
     "offload": OFFLOADS,
-    "objective": ("sft", "dpo", "orpo", "simpo", "kto"),  # lowvram.plan.preference.OBJECTIVES
+    "objective": OBJECTIVES,
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lowvram.plan.preference import OBJECTIVES, PREFERENCE_OBJECTIVES
 from lowvram.plan.setup import activation_offload_conflict, quantization_conflict
 from lowvram.vocab import (
     ATTENTIONS,
@@ -38,11 +39,9 @@ Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
 Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
 DataFormat = Literal["alpaca", "chat", "completion", "text", "preference", "unpaired"]
-# training.objective: sft trains on responses (the Trainer); the others align on preference pairs
-# through TRL (lowvram.train.preference). kto is named for the schema's one list of objectives
-# and refused until unpaired data (completion + label) is read.
-Objective = Literal["sft", "dpo", "orpo", "simpo", "kto"]
-PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
+# training.objective: sft trains on responses (the Trainer); the others align on preference data
+# through TRL (lowvram.train.preference), the planner's list (lowvram.plan.preference).
+Objective = Literal[OBJECTIVES]
 # the data formats of the preference objectives (kto also reads pairs: TRL unpairs them)
 PREFERENCE_FORMATS = ("preference", "unpaired")
 # DPOTrainer's loss types (trl/trainer/dpo_config.py, TRL 1.16), one per recipe.

@@ -49,6 +49,7 @@ def test_kto_formats_are_checked():
     ({"prompt": "Q?", "completion": " yes", "label": "maybe"}, "field 'label' must be true"),
     ({"prompt": "", "completion": " yes", "label": True}, "field 'prompt': expected non-empty text"),
     ({"prompt": "Q?", "label": False}, "missing field 'completion'"),
+    ({"prompt": "Q?", "completion": " yes", "label": [True]}, "field 'label' must be true"),
 ])
 def test_bad_unpaired_rows_are_named_by_file_and_line(tmp_path, bad, words):
     from lowvram.recipe import load_recipe
@@ -102,6 +103,10 @@ def test_kto_needs_a_micro_batch_of_two():
     one = CliRunner().invoke(app, ["plan", "--objective", "kto", "--model", "llama-3.1-8b", "--method", "qlora",
                                    "--vram", "12GB", "--batch-size", "1"])
     assert one.exit_code == 1 and "micro-batch of at least 2" in one.output
+    # a fixed accumulation that leaves one row per micro-batch is refused too
+    accum = CliRunner().invoke(app, ["plan", "--objective", "kto", "--model", "llama-3.1-8b", "--method", "qlora",
+                                     "--vram", "12GB", "--batch-size", "4", "--gradient-accumulation", "4"])
+    assert accum.exit_code == 1 and "micro-batch of at least 2" in accum.output
 
 
 def _train(tmp_path: Path, text: str, paired: bool):

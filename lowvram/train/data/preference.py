@@ -124,10 +124,9 @@ def unpaired_row(row: Any, spec: DatasetSpec) -> dict:
     prompt, completion = _value(row, spec, "prompt"), _value(row, spec, "completion")
     column = _column(spec, "label")
     raw = row.get(column)
-    key = raw.strip().lower() if isinstance(raw, str) else raw
-    if isinstance(key, float) and key in (0.0, 1.0):
-        key = int(key)
-    if column not in row or raw is None or key not in _LABELS:
+    # only scalars are looked up (a list or object label is a bad row, not a TypeError)
+    key = raw.strip().lower() if isinstance(raw, str) else raw if isinstance(raw, (bool, int, float)) else None
+    if key is None or key not in _LABELS:
         raise BadRow(f"field 'label' must be true (desirable) or false (undesirable), got {_short(raw)}")
     if _empty(completion):
         raise BadRow("completion is empty")
