@@ -78,7 +78,7 @@ def train(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe and plan, then exit.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint in output_dir.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a finished run in output_dir.")] = False,
-    vram: Annotated[str | None, typer.Option("--vram", help="Memory budget, e.g. 24GB (default: detected).")] = None,
+    vram: Annotated[str | None, typer.Option("--vram", help="GPU memory to plan for: 24GB is a card sold as 24 GB (97.5% of 24 GiB, as CUDA reports it); 24GiB, 22000MB are exact (default: detected).")] = None,
     json_: JsonOpt = False,
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="GPUs (processes) per node; > 1 launches accelerate with DDP, FSDP or DeepSpeed as the plan chose.")] = 1,
     nodes: Annotated[int, typer.Option("--nodes", min=1, help="Machines; run the same command on each with its --node-rank.")] = 1,
@@ -143,11 +143,13 @@ def plan(
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
     offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,
     objective: Annotated[str | None, _opt("--objective", "sft | dpo | orpo | simpo | kto (training.objective; preference: 2 rows per pair, kto 1 row, DPO and KTO a reference).", "OBJ")] = None,
-    vram: Annotated[str | None, _opt("--vram", "Free GPU memory to plan for, e.g. 24GB, 24GiB, 12000MB (default: LOWVRAM_VRAM, else detected).", "SIZE")] = None,
+    vram: Annotated[str | None, _opt("--vram", "GPU memory to plan for: 24GB is a card sold as 24 GB (97.5% of 24 GiB, as CUDA reports it); 24GiB, 22000MB are exact (default: LOWVRAM_VRAM, else detected).", "SIZE")] = None,
+    host_ram: Annotated[str | None, _opt("--host-ram", "Host RAM the plan may use (offloaded activations and optimizer state, pinned), e.g. 64GiB (default: LOWVRAM_HOST_RAM, else what this machine has available).", "SIZE")] = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
     check: Annotated[bool, typer.Option("--check", help="Exit 0 if the plan fits, 1 if not.")] = False,
     list_models: Annotated[bool, typer.Option("--list-models", help="List the models known without a download.")] = False,
+    context_table: Annotated[bool, typer.Option("--context-table", help="The longest seq_len over every plan on 8, 12, 16, 24, 40, 48 and 80 GB cards (batch 1), the plan that reaches it and what binds.")] = False,
     simulate: Annotated[bool, typer.Option("--simulate", help="Also run the chosen plan's real training step on fake tensors (exact peak, no allocation; imports torch, ~5-15 s for 7B). Accepts any config.json transformers can build.")] = False,
 ) -> None:
     """Predict peak memory and pick the cheapest memory techniques that fit the budget.
@@ -170,6 +172,24 @@ def plan(
     model_ref = model or (recipe_model_ref(r) if r else None)
     if model_ref:
         _fetch_hub_config(model_ref, explicit=model is not None)
+    if context_table:
+        from lowvram.errors import UsageError
+        from lowvram.plan.serialize import context_table_to_dict
+        from lowvram.report.plans import show_context_table
+
+        if vram or simulate or check:
+            given = "--vram" if vram else ("--simulate" if simulate else "--check")
+            raise UsageError(f"--context-table plans every card size itself: {given} does not apply",
+                               "drop it, or run `lowvram plan` without --context-table for one card")
+        req, rows, budget = entry.context_table(
+            r, model=model, method=method, lora_r=lora_r, lora_targets=lora_targets,
+            mixed_precision=mixed_precision, quantization=quantization, optimizer=optimizer, loss=loss,
+            attention=attention, batch_size=batch_size or 1, seq_len=seq_len,
+            gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,
+            activation_offload=activation_offload, packing=packing, gpus=gpus, offload=offload,
+            tiled_mlp=None if tiled_mlp == "auto" else tiled_mlp, objective=objective, host_ram=host_ram)
+        show_context_table(context_table_to_dict(req, rows, budget), as_json=json_)
+        return
     if simulate and model_ref:
         from lowvram.check.configs import register_for_simulation
 
@@ -181,7 +201,7 @@ def plan(
         gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,
         activation_offload=activation_offload, packing=packing, gpus=gpus, offload=offload,
         tiled_mlp=None if tiled_mlp == "auto" else tiled_mlp,
-        objective=objective,
+        objective=objective, host_ram=host_ram,
     )
     from lowvram.plan.request import Choice
     from lowvram.plan.serialize import choice_to_dict

@@ -16,7 +16,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 
 from lowvram.gpumemory import CudaMemoryReading
-from lowvram.units import parse_size
+from lowvram.plan.cards import read_vram
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ class Hardware:
         return asdict(self)
 
 
-def _host_memory() -> tuple[int, int]:
+def host_memory() -> tuple[int, int]:
+    """(total, available) host RAM in bytes, from /proc/meminfo (no torch)."""
     try:
         info = {}
         with open("/proc/meminfo") as f:
@@ -102,8 +103,8 @@ def detect_hardware(vram: str | None = None, gpus: int | None = None) -> Hardwar
     the cards the run uses (accelerate gives local rank K card K), the only ones whose free
     memory is read; None: every visible card (`lowvram env`, `lowvram plan`)."""
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
-    override_bytes = parse_size(override) if override else None
-    host_total, host_avail = _host_memory()
+    override_bytes = read_vram(override).bytes if override else None
+    host_total, host_avail = host_memory()
     import torch
 
     # torch.cuda.is_available() only counts the devices (torch/cuda/__init__.py: cudaGetDeviceCount,

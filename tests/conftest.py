@@ -9,6 +9,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("NO_COLOR", "1")
+# Plans for a --vram card check host RAM against this machine's available memory unless told
+# (--host-ram, LOWVRAM_HOST_RAM): tests plan for a machine with enough of it, the same on every
+# machine CI runs on (tests/planning/test_host_ram.py checks the default and the refusal).
+os.environ.setdefault("LOWVRAM_HOST_RAM", "1TiB")
 
 from pathlib import Path  # noqa: E402
 

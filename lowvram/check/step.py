@@ -29,7 +29,7 @@ class StepMemory:
 
 
 def one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker=None,
-              chunked_loss=False):
+              chunked_loss=False, chunk_tokens: int = 1024):
     import torch
 
     def phase(name):
@@ -45,7 +45,7 @@ def one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum,
             if chunked_loss:  # lowvram.train.loss, as the Trainer runs it for loss: chunked
                 from lowvram.train.loss import causal_lm_chunked_loss
 
-                loss, out = causal_lm_chunked_loss(model, batch)
+                loss, out = causal_lm_chunked_loss(model, batch, chunk_tokens=chunk_tokens)
             else:
                 out = model(**batch)
                 loss = out["loss"] if isinstance(out, dict) else out.loss
@@ -77,6 +77,7 @@ def measure_training_step(
     breakdown: bool = False,
     logits_dim: int | None = None,
     chunked_loss: bool = False,
+    chunk_tokens: int = 1024,
 ) -> StepMemory:
     """Peak live tensor bytes of one steady-state step: model.train(), loss from the model with
     labels, backward, clip, optimizer.step(), zero_grad(set_to_none=True), as the transformers
@@ -90,7 +91,7 @@ def measure_training_step(
     """
     if warmup:
         one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum,
-                  chunked_loss=chunked_loss)
+                  chunked_loss=chunked_loss, chunk_tokens=chunk_tokens)
     gc.collect()
     tracker = LiveBytes(cap_bytes, snapshot=breakdown, logits_dim=logits_dim)
     tracker.register(model, tag="weights")
@@ -118,7 +119,7 @@ def measure_training_step(
     overall = start
     with tracker:
         one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker,
-                  chunked_loss=chunked_loss)
+                  chunked_loss=chunked_loss, chunk_tokens=chunk_tokens)
     set_phase("done")
     for h in hooks:
         h.remove()
@@ -232,7 +233,8 @@ def measure_trainer_step(model, setup, probe=None, device: str = "cpu", seed: in
         recipe = _step_recipe(setup, out)
         args = build_training_args(recipe, setup_plan(setup, device))
         trainer = build_trainer(SimpleNamespace(model=model, tokenizer=None), SimpleNamespace(train=rows, eval=None),
-                                args, default_data_collator, callbacks=[Measure()], loss=setup.loss)
+                                args, default_data_collator, callbacks=[Measure()], loss=setup.loss,
+                                loss_chunk_tokens=setup.loss_chunk_tokens)
         try:
             trainer.train()
         finally:

@@ -30,8 +30,12 @@ from lowvram.plan.moe import expert_adapters
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import dtype_bytes, gradient_bytes, target_linears
 
-# Tokens per chunk of the chunked cross-entropy (lowvram.train.loss uses the same number).
+# Tokens per chunk of the chunked cross-entropy: the default of RunSetup.loss_chunk_tokens (and of
+# lowvram.train.loss); the search halves it down to MIN_CHUNK_TOKENS where the budget needs it
+# (search.sized_loss_chunk). Each chunk is one (chunk x h) @ (h x V) product: at 128 rows a GEMM
+# still fills the card's tiles, so the step time is not counted as changing.
 CHUNK_TOKENS = 1024
+MIN_CHUNK_TOKENS = 128
 
 
 def recompute_bytes(setup: RunSetup) -> int:
@@ -263,7 +267,7 @@ def logits_bytes(setup: RunSetup) -> int:
     (transformers loss/loss_utils.py ForCausalLMLoss: ``logits.float()``); in its backward the
     saved log-softmax, the incoming gradient and the input gradient coexist:
     constants.LOGITS_LOSS_BYTES x t x V (measured: bench/plan_accuracy.py). Chunked loss
-    (lowvram.train.loss) keeps one chunk of CHUNK_TOKENS tokens' logits, plus the gradient of all
+    (lowvram.train.loss) keeps one chunk of setup.loss_chunk_tokens tokens' logits, plus the gradient of all
     final hidden states, accumulated chunk by chunk next to the current chunk's
     (constants.CHUNKED_LOSS_HIDDEN_GRADIENTS x t*h in the hidden dtype), and the flat int64
     targets."""
@@ -271,9 +275,10 @@ def logits_bytes(setup: RunSetup) -> int:
     t = setup.micro_batch_size * setup.seq_len
     if setup.loss == "fused":
         return fused_loss_bytes(setup)
-    if setup.loss == "chunked" and t > CHUNK_TOKENS:  # one chunk: the same as the standard loss
+    chunk = setup.loss_chunk_tokens
+    if setup.loss == "chunked" and t > chunk:  # one chunk: the same as the standard loss
         r, _, _ = dtypes(setup)
-        return (fitted.LOGITS_LOSS_BYTES.of(CHUNK_TOKENS * spec.vocab_size)
+        return (fitted.LOGITS_LOSS_BYTES.of(chunk * spec.vocab_size)
                 + fitted.CHUNKED_LOSS_HIDDEN_GRADIENTS.of(r * t * spec.hidden_size) + 8 * t)
     return fitted.LOGITS_LOSS_BYTES.of(t * spec.vocab_size)
 
@@ -319,7 +324,7 @@ def fused_loss_bytes(setup: RunSetup) -> int:
 
 
 __all__ = [
-    "adapter_forward_bytes", "backward_gradient_bytes", "CHUNK_TOKENS", "dequantized_weight_bytes",
+    "adapter_forward_bytes", "backward_gradient_bytes", "CHUNK_TOKENS", "MIN_CHUNK_TOKENS", "dequantized_weight_bytes",
     "eager_softmax_backward_bytes", "expert_weight_gradient_bytes", "fused_loss_bytes",
     "fused_loss_chunk_tokens", "layer_backward_bytes", "logits_bytes", "mlp_backward_floor_bytes",
     "moe_combine_backward_bytes", "post_norm_backward_bytes", "recompute_bytes",

@@ -294,6 +294,56 @@ SAFETY_MARGIN_MIN_BYTES = FittedConstant(
     "chosen, not fitted: a judgement", "--", "not measured")
 
 
+@dataclass(frozen=True)
+class CardReading:
+    """A card's total memory as CUDA reports it on Linux (torch.cuda.mem_get_info's total, the
+    "total capacity" of PyTorch's out-of-memory message, deviceQuery's global memory), published."""
+
+    card: str
+    sold_gib: int  # the size it is sold as ("12 GB" is 12 GiB of memory chips)
+    reported_bytes: int
+    source: str  # where the reading was published
+
+    @property
+    def fraction(self) -> float:
+        return self.reported_bytes / (self.sold_gib * 2**30)
+
+
+def _gib_shown(gib: float) -> int:
+    """A reading shown as "23.65 GiB": the bytes it stands for, rounded down."""
+    return int(gib * 2**30)
+
+
+# Linux readings: Windows (WDDM) shows the size as sold (24.00 GiB for a Titan RTX in
+# lllyasviel/FramePack#79, 12.00 GiB for an RTX 3060 in ToTheBeginning/PuLID#13), Linux a little
+# less: the driver keeps the rest. nvidia-smi's total is the size as sold on consumer cards
+# (12288MiB for an RTX 3060 in geerlingguy/raspberry-pi-pcie-devices#790, 24576MiB for an RTX 3090
+# in noonghunna/club-3090#390) and is not what CUDA lets a process allocate.
+CARD_READINGS: tuple[CardReading, ...] = (
+    CardReading("GeForce RTX 3080 10 GB", 10, _gib_shown(9.78), "zai-org/CogVideo#34 (OOM message)"),
+    CardReading("GeForce RTX 3060 12 GB", 12, _gib_shown(11.75), "Kunhao-Liu/StyleGaussian#12 (OOM message)"),
+    CardReading("RTX A4000 16 GB", 16, _gib_shown(15.61), "DengKaiCQ/VGGT-Long#6 (OOM message)"),
+    CardReading("GeForce RTX 3090 24 GB", 24, _gib_shown(23.70),
+                "GaoLii/DSP#10, xiaoxiangAQ/GAS-Net#7 (OOM messages)"),
+    CardReading("GeForce RTX 4090 24 GB", 24, _gib_shown(23.61),
+                "pinokiofactory/flux-webui#11 (23.61 GiB; 23.64-23.68 in ali-vilab/VGen#104, "
+                "MotrixLab/AiOS#29, zai-org/CogVideo#36)"),
+    CardReading("GeForce RTX 5090 32 GB", 32, 33_677_180_928,
+                "aikitoria/open-gpu-kernel-modules#1 (deviceQuery: 32117 MBytes)"),
+    CardReading("A100-SXM4-40GB", 40, 42_298_834_944,
+                "bottlerocket-os/bottlerocket#3873 (deviceQuery: 40339 MBytes; nvidia-smi 40960MiB)"),
+)
+
+CARD_REPORTED_FRACTION = FittedConstant(
+    "CARD_REPORTED_FRACTION", Fraction(39, 40), "97.5% of the size as sold",
+    "the share of a card's memory (as sold: --vram 12GB is a 12 GiB card) that CUDA reports as the "
+    "card's total on Linux; the budget of --vram NGB",
+    "cards.read_vram (Budget.vram_bytes)",
+    "the lowest of the published readings in the card table below (RTX A4000: 15.61 of 16 GiB, "
+    "97.6%), rounded down",
+    "every reading at or above it (97.6%-98.8%)", "--")
+
+
 # --------------------------------------------------------------------------------------------
 # DoRA (plan/dora.py): peft's weight norm and magnitude backward, per element
 
@@ -373,7 +423,16 @@ def markdown_table() -> str:
     ]
     rows = [f"| `{c.name}` | {_cell(c.shown)} | {_cell(c.meaning)} | `{c.used_in}` | {_cell(c.fitted_on)} "
             f"| {_cell(c.in_sample)} | {_cell(c.held_out)} |" for c in CONSTANTS]
-    return "\n".join(head + rows) + "\n"
+    cards = [
+        "", "## Cards as sold and as CUDA reports them", "",
+        "What `CARD_REPORTED_FRACTION` rests on: published Linux readings of a card's total memory",
+        "(PyTorch's out-of-memory message, deviceQuery). `--vram 12GB` is a card sold as 12 GB,",
+        f"12 GiB of memory, planned as {float(CARD_REPORTED_FRACTION.value):.1%} of it; `12000MB` or "
+        "`11.5GiB` are read exactly.", "",
+        "| card | sold as | CUDA reports | share | source |", "|---|---|---|---|---|",
+    ] + [f"| {r.card} | {r.sold_gib} GiB | {r.reported_bytes / 2**30:.2f} GiB | {r.fraction:.1%} "
+         f"| {_cell(r.source)} |" for r in CARD_READINGS]
+    return "\n".join(head + rows + cards) + "\n"
 
 
-__all__ = ["CONSTANTS", "FittedConstant", "markdown_table"] + [c.name for c in CONSTANTS]
+__all__ = ["CARD_READINGS", "CONSTANTS", "CardReading", "FittedConstant", "markdown_table"] + [c.name for c in CONSTANTS]

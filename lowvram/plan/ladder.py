@@ -18,6 +18,7 @@ from lowvram.plan.search import (
     fixed_micro_batch_size,
     largest_micro_batch_size,
     loss_options,
+    sized_loss_chunk,
 )
 from lowvram.plan.setup import RunSetup, offload_conflict
 
@@ -45,6 +46,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         tiled_mlp_shards=req.tiled_mlp_shards,
         objective=req.objective, precompute_ref=req.precompute_ref,
     )
+    s = sized_loss_chunk(s, budget, estimate)
     est = estimate(s)
     rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, fits_budget(est, budget))]
     for t in tq.LADDER:
@@ -77,6 +79,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
                     continue  # the user's optimizer (or offload) rules this rung out
                 settings["optimizer"] = "adamw"  # DeepSpeed's CPU Adam takes its place
             s = replace(s, **settings)
+        s = sized_loss_chunk(s, budget, estimate)  # the chunked loss's chunk sized to the budget
         new = estimate(s)
         slowdown = tq.setup_slowdown(s, largest_micro_batch_size(req)) / tq.setup_slowdown(before, largest_micro_batch_size(req))
         value = s.precision if t is tq.MIXED_PRECISION else (

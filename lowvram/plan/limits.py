@@ -4,12 +4,12 @@ plan and over every plan the request allows (binary search on the memory model).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
 from lowvram.plan.request import Budget, PlanRequest, fits_budget, plan_level
-from lowvram.plan.search import candidate_setups, loss_options
+from lowvram.plan.search import candidate_setups, loss_options, sized_estimate, sized_loss_chunk
 from lowvram.plan.setup import RunSetup
 
 # Longest micro-batch the max_micro_batch_size search tries.
@@ -35,14 +35,21 @@ def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
     return lo
 
 
-def max_fitting_seq_len(setup: RunSetup, budget: Budget, estimate: Estimator) -> int:
-    top = max(setup.model.max_position_embeddings, setup.seq_len)
-    return _largest_fitting(1, top, lambda n: fits_budget(estimate(replace(setup, seq_len=n)), budget))
+def max_fitting_seq_len(setup: RunSetup, budget: Budget, estimate: Estimator, top: int | None = None) -> int:
+    """The longest seq_len that fits, up to ``top`` (default: the model's max_position_embeddings,
+    or the setup's own seq_len if longer)."""
+    top = top or max(setup.model.max_position_embeddings, setup.seq_len)
+    return _largest_fitting(1, top, lambda n: _fits(replace(setup, seq_len=n), budget, estimate))
+
+
+def _fits(setup: RunSetup, budget: Budget, estimate: Estimator) -> bool:
+    """``setup`` fits, its loss chunk sized to the budget (search.sized_loss_chunk)."""
+    return fits_budget(sized_estimate(setup, budget, estimate)[1], budget)
 
 
 def max_fitting_micro_batch(setup: RunSetup, budget: Budget, estimate: Estimator) -> int:
     return _largest_fitting(
-        1, _MAX_MICRO_BATCH, lambda n: fits_budget(estimate(replace(setup, micro_batch_size=n)), budget))
+        1, _MAX_MICRO_BATCH, lambda n: _fits(replace(setup, micro_batch_size=n), budget, estimate))
 
 
 def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
@@ -58,10 +65,11 @@ def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             for s in candidate_setups(replace(one, loss=loss), budget)]
 
 
-def limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator
+def limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator, top: int | None = None
                        ) -> tuple[tuple[int, RunSetup | None], tuple[int, RunSetup | None]]:
     """(longest seq_len, the plan), (largest micro-batch at req.seq_len, the plan), over every
-    plan the request allows; ties go to the faster plan (plan_level, then step time)."""
+    plan the request allows; ties go to the faster plan (plan_level, then step time). ``top``:
+    the longest seq_len searched (max_fitting_seq_len's default when None)."""
     setups = _limit_setups(req, budget)
 
     def speed(s: RunSetup) -> tuple:
@@ -70,17 +78,59 @@ def limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator
     best_seq: tuple[int, RunSetup | None] = (0, None)
     best_micro: tuple[int, RunSetup | None] = (0, None)
     for s in sorted(setups, key=speed):
-        if fits_budget(estimate(replace(s, seq_len=max(best_seq[0], 1))), budget) or best_seq[1] is None:
-            n = max_fitting_seq_len(s, budget, estimate)
+        if _fits(replace(s, seq_len=max(best_seq[0], 1)), budget, estimate) or best_seq[1] is None:
+            n = max_fitting_seq_len(s, budget, estimate, top)
             if n > best_seq[0]:
-                best_seq = (n, replace(s, seq_len=n))
-        if fits_budget(estimate(replace(s, micro_batch_size=max(best_micro[0], 1))), budget) or best_micro[1] is None:
+                best_seq = (n, sized_loss_chunk(replace(s, seq_len=n), budget, estimate))
+        if _fits(replace(s, micro_batch_size=max(best_micro[0], 1)), budget, estimate) or best_micro[1] is None:
             m = max_fitting_micro_batch(s, budget, estimate)
             if m > best_micro[0]:
-                best_micro = (m, replace(s, micro_batch_size=m, grad_accum=1))
+                best_micro = (m, sized_loss_chunk(replace(s, micro_batch_size=m, grad_accum=1), budget, estimate))
     return best_seq, best_micro
 
 
+# --------------------------------------------------------------------------------------------
+# The context table: the longest seq_len on each card size (lowvram plan --context-table)
+
+CARD_SIZES_GB: tuple[int, ...] = (8, 12, 16, 24, 40, 48, 80)  # the rows Unsloth publishes
+# How far past the model's max_position_embeddings the table searches: the memory limit is shown
+# beyond the positions a model was trained on (reaching it needs RoPE scaling), flagged as such.
+BEYOND_POSITIONS = 8
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """The longest seq_len over every plan on one card, the plan that reaches it and what binds
+    one token further (setup None: nothing fits at one token)."""
+
+    card: str  # "12 GB"
+    usable_bytes: int  # the budget less its safety margin
+    longest: int
+    setup: RunSetup | None
+    peak_bytes: int  # the plan's peak at ``longest``
+    host_ram_bytes: int  # the host RAM it needs there (pinned offloaded checkpoints, the process)
+    binds: str  # the moment that binds at longest + 1 ("" when nothing fits or the search's end is reached)
+    beyond_positions: bool  # longest is past the model's max_position_embeddings (needs RoPE scaling)
+
+
+def context_table(req: PlanRequest, cards: list[tuple[str, Budget]], estimate: Estimator) -> list[ContextRow]:
+    # (each card's host RAM: Budget.host_ram_bytes, the same for every card of one table)
+    """One ContextRow per (card, budget): the longest seq_len over every plan ``req`` allows."""
+    rows = []
+    for card, budget in cards:
+        top = BEYOND_POSITIONS * req.model.max_position_embeddings
+        (n, s), _ = limits_over_plans(req, budget, estimate, top)
+        if s is None or n < 1:
+            rows.append(ContextRow(card, budget.usable_bytes, 0, None, 0, 0, "", False))
+            continue
+        binds = "" if n >= top else estimate(sized_loss_chunk(replace(s, seq_len=n + 1), budget, estimate)).peak_moment
+        est = estimate(s)
+        rows.append(ContextRow(card, budget.usable_bytes, n, s, est.peak_bytes, est.cpu_ram_bytes, binds,
+                               n > s.model.max_position_embeddings))
+    return rows
+
+
 __all__ = [
-    "limits_over_plans", "max_fitting_micro_batch", "max_fitting_seq_len",
+    "CARD_SIZES_GB", "ContextRow", "context_table", "limits_over_plans", "max_fitting_micro_batch",
+    "max_fitting_seq_len",
 ]

@@ -44,7 +44,7 @@ class Replanner:
             seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
             device=plan.device, activation_offload=plan.activation_offload, packing=self.request.packing if packing is None else packing,
             tiled_mlp=plan.tiled_mlp, tiled_mlp_shards=plan.tiled_mlp_shards,
-            objective=self.request.objective, precompute_ref=self.request.precompute_ref,
+            loss_chunk_tokens=plan.loss_chunk_tokens, objective=self.request.objective, precompute_ref=self.request.precompute_ref,
         )
         return dict(estimate_memory(setup).breakdown)
 

@@ -51,7 +51,10 @@ class Budget:
     bf16_known: bool = True  # False: assumed (a --vram budget; no card was queried)
     # The lowest CUDA compute capability of the cards used (None: not queried, e.g. --vram)
     compute_capability: tuple[int, int] | None = None
-    host_ram_bytes: int | None = None  # available host RAM, when planning for this machine
+    # host RAM a plan may use (pinned offloaded activations, offloaded optimizer state, the
+    # process): --host-ram, else this machine's available memory; None: not checked
+    host_ram_bytes: int | None = None
+    host_ram_source: str = ""  # where host_ram_bytes came from, shown to the user
     source: str = ""  # where vram_bytes came from, shown to the user
     notes: tuple[str, ...] = ()
     # Optional extras not installed here ("deepspeed"): plans that need one rank after the plans

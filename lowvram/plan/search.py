@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from lowvram.plan import moe, preference
 from lowvram.plan import techniques as tq
+from lowvram.plan.backward import CHUNK_TOKENS, MIN_CHUNK_TOKENS, logits_bytes
 from lowvram.plan.explain import Estimator, divisors_descending
 from lowvram.plan.optimizers import galore_targets
 from lowvram.plan.request import (
@@ -22,6 +23,7 @@ from lowvram.plan.request import (
     plan_level,
 )
 from lowvram.plan.setup import (
+    MemoryEstimate,
     RunSetup,
     activation_offload_conflict,
     offload_conflict,
@@ -147,8 +149,42 @@ def largest_micro_batch_size(req: PlanRequest) -> int:
     return req.batch_size // req.gpus
 
 
+def sized_loss_chunk(setup: RunSetup, budget: Budget, estimate: Estimator) -> RunSetup:
+    """The chunked loss's chunk sized to what is left of the budget: CHUNK_TOKENS (1024) when the
+    plan fits with it, else halved until it fits, down to MIN_CHUNK_TOKENS (the smallest peak
+    when nothing fits). Other losses, and tokens within one chunk, are left as they are."""
+    return sized_estimate(setup, budget, estimate)[0]
+
+
+def sized_estimate(setup: RunSetup, budget: Budget, estimate: Estimator) -> tuple[RunSetup, MemoryEstimate]:
+    """:func:`sized_loss_chunk` and the estimate of the setup it returns."""
+    t = setup.micro_batch_size * setup.seq_len
+    if setup.loss != "chunked" or t <= MIN_CHUNK_TOKENS:
+        return setup, estimate(setup)
+    whole = replace(setup, loss_chunk_tokens=CHUNK_TOKENS)
+    est = estimate(whole)
+    if fits_budget(est, budget):
+        return whole, est
+    smallest = replace(setup, loss_chunk_tokens=MIN_CHUNK_TOKENS)
+    # A smaller chunk saves at most its logits (and the allocator slack on them, well under 2x):
+    # a plan further over the budget than that stays over it, without estimating it again.
+    if est.peak_bytes - budget.usable_bytes > 2 * (logits_bytes(whole) - logits_bytes(smallest)):
+        return whole, est
+    low = estimate(smallest)
+    if not fits_budget(low, budget):  # the peak only grows with the chunk
+        return smallest, low
+    chunk = CHUNK_TOKENS // 2
+    while chunk > MIN_CHUNK_TOKENS:
+        sized = replace(setup, loss_chunk_tokens=chunk)
+        sized_est = estimate(sized)
+        if fits_budget(sized_est, budget):
+            return sized, sized_est
+        chunk //= 2
+    return smallest, low
+
+
 def candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Estimator) -> Candidate:
-    est = estimate(setup)
+    setup, est = sized_estimate(setup, budget, estimate)
     largest = largest_micro_batch_size(req)
     tier = tq.setup_tier(setup)
     if setup.offload in SHARDED and setup.gpus > 1:
@@ -166,6 +202,11 @@ def rank(c: Candidate, budget: Budget | None = None) -> tuple:
     return (plan_level(c.setup), missing, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
 
 
+def chunk_resized(s: RunSetup) -> bool:
+    """The chunked loss runs with a chunk smaller than CHUNK_TOKENS (the budget needed it)."""
+    return s.loss == "chunked" and s.loss_chunk_tokens != CHUNK_TOKENS
+
+
 def describe_setup(s: RunSetup) -> str:
     """A plan in a few words, for notes."""
     parts = [s.precision, ("QLoRA " + s.quantization) if s.quantization != "none" else
@@ -174,7 +215,8 @@ def describe_setup(s: RunSetup) -> str:
     parts += ["activation offload"] if s.activation_offload else []
     parts += ["tiled MLP"] if s.tiled_mlp else []
     parts += [s.optimizer] if s.optimizer != "adamw" else []
-    parts += [f"{s.loss} loss"] if s.loss != "standard" else []
+    parts += [f"{s.loss} loss" + (f" ({s.loss_chunk_tokens}-token chunks)" if chunk_resized(s) else "")
+              ] if s.loss != "standard" else []
     parts += [f"offload {s.offload}"] if s.offload != "none" else []
     parts.append(f"micro-batch {s.micro_batch_size} x {s.grad_accum}")
     return ", ".join(parts)
@@ -190,7 +232,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
         micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
         loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len,
-        tiled_mlp=s.tiled_mlp, tiled_mlp_shards=s.tiled_mlp_shards,
+        tiled_mlp=s.tiled_mlp, tiled_mlp_shards=s.tiled_mlp_shards, loss_chunk_tokens=s.loss_chunk_tokens,
         lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets),
         lora_use_dora=s.lora_use_dora, lora_use_rslora=lora_use_rslora and s.lora,
         galore_rank=s.galore_rank, galore_update_proj_gap=galore_update_proj_gap, galore_scale=galore_scale,
@@ -199,7 +241,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
 
 
 __all__ = [
-    "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size", "allowed_micro_batches",
+    "auto_precision", "candidate", "candidate_setups", "chunk_resized", "describe_setup", "fixed_micro_batch_size", "allowed_micro_batches",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
-    "technique_options", "TIER_SHARD",
+    "sized_estimate", "sized_loss_chunk", "technique_options", "TIER_SHARD",
 ]

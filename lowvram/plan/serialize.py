@@ -31,6 +31,8 @@ def choice_to_dict(choice: Choice) -> dict:
         "device": b.device,
         "vram_bytes": b.vram_bytes,
         "vram_source": b.source,
+        "host_ram_bytes": b.host_ram_bytes,  # what the plan may use in host RAM (None: not checked)
+        "host_ram_source": b.host_ram_source,
         "safety_margin_bytes": b.safety_margin_bytes,
         "budget_bytes": b.usable_bytes,
         "fits": choice.fits,
@@ -99,3 +101,34 @@ def _reference(s: RunSetup) -> str:
 __all__ = [
     "choice_to_dict",
 ]
+
+
+def _used(s: RunSetup) -> str:
+    """The techniques a long-context plan turns on beyond the method, in a few words."""
+    parts = [name for on, name in ((s.gradient_checkpointing, "checkpointing"),
+                                   (s.activation_offload, "activation offload"), (s.tiled_mlp, "tiled MLP"))
+             if on]
+    parts += [s.optimizer] if s.optimizer != "adamw" else []
+    parts += [f"{s.loss} loss"] if s.loss != "standard" else []
+    parts += [f"offload {s.offload}"] if s.offload != "none" else []
+    return ", ".join(parts) or "nothing"
+
+
+def context_table_to_dict(req, rows, budget=None) -> dict:
+    """`lowvram plan --context-table --json`: the request in words and one row per card
+    (``budget``: one of the cards', for the host RAM the table was planned with)."""
+    cards_host_ram = budget.host_ram_bytes if budget else None
+    host_source = budget.host_ram_source if budget else ""
+    return {
+        "model": req.model.name, "lora_r": req.lora_r if req.lora is not False else None,
+        "max_position_embeddings": req.model.max_position_embeddings,
+        "host_ram_bytes": cards_host_ram,
+        "host_ram_source": host_source,
+        "rows": [{"card": r.card, "budget_bytes": r.usable_bytes, "longest_seq_len": r.longest,
+                  "plan": describe_setup(r.setup) if r.setup else None,
+                  "techniques_used": _used(r.setup) if r.setup else None,
+                  "techniques": _setup_techniques(r.setup) if r.setup else None,
+                  "peak_bytes": r.peak_bytes, "host_ram_bytes": r.host_ram_bytes, "binds": r.binds or None,
+                  "beyond_positions": r.beyond_positions}
+                 for r in rows],
+    }

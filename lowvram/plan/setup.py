@@ -97,6 +97,9 @@ class RunSetup:
     gradient_checkpointing: bool = False
     attention: str = "sdpa"  # sdpa | eager | flash_attention_2
     loss: str = "standard"  # standard | chunked
+    # loss chunked: tokens per logits chunk; CHUNK_TOKENS unless the budget needs fewer
+    # (search.sized_loss_chunk: halved down to MIN_CHUNK_TOKENS while the plan does not fit)
+    loss_chunk_tokens: int = 1024
     micro_batch_size: int = 1
     seq_len: int = 512
     grad_accum: int = 1

@@ -63,6 +63,8 @@ class Plan:
     # Each layer's MLP over the sequence in shards (lowvram.plan.tiled; 0 shards: ceil(seq_len / hidden)).
     tiled_mlp: bool = False
     tiled_mlp_shards: int = 0
+    # loss chunked: tokens per logits chunk (1024 unless the budget needed fewer)
+    loss_chunk_tokens: int = 1024
     # The rest of the run setup the memory model read; training takes these from the Plan.
     seq_len: int = 1024
     lora_r: int = 16

@@ -8,16 +8,18 @@ from __future__ import annotations
 import os
 
 from lowvram.errors import LowvramError
+from lowvram.plan.cards import read_vram
 from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
-from lowvram.units import gib, parse_size
+from lowvram.units import gib
 from lowvram.vocab import BNB_OPTIMIZERS, ON_VALUES
 
 
-def make_budget(vram: str | None = None, hardware=None, gpus: int = 1):
+def make_budget(vram: str | None = None, hardware=None, gpus: int = 1, host_ram: str | None = None):
     """The memory the plan must fit in (``_budget``), with the optional extras not installed here
     (plans that need one rank after those that need nothing more). ``gpus``: processes on this
-    node; the budget is the smallest free card among those they use."""
+    node; the budget is the smallest free card among those they use. ``host_ram`` (or
+    LOWVRAM_HOST_RAM): the host RAM the plan may use, else this machine's available memory."""
     from dataclasses import replace
 
     override = vram or os.environ.get("LOWVRAM_VRAM")
@@ -28,7 +30,29 @@ def make_budget(vram: str | None = None, hardware=None, gpus: int = 1):
     budget = _budget(vram, hardware)
     if hardware is not None and hardware.kind == "cuda" and hardware.devices and not override:
         budget = replace(budget, **detected_cuda_budget(hardware, gpus))
+    if budget.device != "cpu":  # a CPU run's host RAM is its budget already
+        budget = replace(budget, **host_ram_budget(host_ram, hardware))
     return replace(budget, missing_extras=missing_extras())
+
+
+def host_ram_budget(host_ram: str | None, hardware=None) -> dict:
+    """Budget fields for host RAM: --host-ram / LOWVRAM_HOST_RAM read exactly (a plan for another
+    machine is reproducible), else this machine's available memory (read without torch)."""
+    from lowvram.units import parse_size
+
+    flag = "--host-ram" if host_ram else "LOWVRAM_HOST_RAM"
+    given = host_ram or os.environ.get("LOWVRAM_HOST_RAM") or None
+    if given:
+        return {"host_ram_bytes": parse_size(given), "host_ram_source": f"{flag} {given}"}
+    if hardware is not None and hardware.host_available_bytes:
+        available = hardware.host_available_bytes
+    else:
+        from lowvram.hardware import host_memory
+
+        available = host_memory()[1]
+    if not available:
+        return {"host_ram_bytes": None, "host_ram_source": "not known (pass --host-ram SIZE)"}
+    return {"host_ram_bytes": available, "host_ram_source": "available on this machine"}
 
 
 def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
@@ -76,8 +100,10 @@ def _budget(vram: str | None, hardware):
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     flag = "--vram" if vram else "LOWVRAM_VRAM"
+    reading = read_vram(override) if override else None
+    given = f"{flag} {override}" + (f": {reading.how}" if reading and reading.how else "")
     if override and hardware is None:
-        return Budget(parse_size(override), "cuda", bf16=True, bf16_known=False, source=f"{flag} {override}")
+        return Budget(reading.bytes, "cuda", bf16=True, bf16_known=False, source=given)
     if hardware is None:
         from lowvram.hardware import detect_hardware
 
@@ -85,14 +111,14 @@ def _budget(vram: str | None, hardware):
     hw = hardware
     if hw.kind == "cpu":
         if override:
-            return Budget(parse_size(override), "cpu", bf16=False, bf16_known=True,
-                          host_ram_bytes=hw.host_available_bytes, source=f"{flag} {override} (CPU run)")
+            return Budget(reading.bytes, "cpu", bf16=False, bf16_known=True,
+                          host_ram_bytes=hw.host_available_bytes, source=f"{given} (CPU run)")
         note = ("no GPU found: planning a CPU run against the available host RAM; "
                 "pass --vram 24GB (or set LOWVRAM_VRAM) to plan for a GPU")
         return Budget(hw.host_available_bytes, "cpu", bf16=False, bf16_known=True,
                       host_ram_bytes=hw.host_available_bytes, source="host RAM available", notes=(note,))
     dev = hw.devices[0] if hw.devices else None
-    source = f"{flag} {override}" if override else (f"{dev.name}: free memory" if dev else hw.kind)
+    source = given if override else (f"{dev.name}: free memory" if dev else hw.kind)
     return Budget(hw.budget_bytes, hw.kind, bf16=hw.bf16, bf16_known=True,
                   compute_capability=_lowest_capability(hw.devices),
                   host_ram_bytes=hw.host_available_bytes or None, source=source,
@@ -109,7 +135,7 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     from lowvram.plan.setup import cuda_overheads
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
-    budget = parse_size(override) if override else hardware.budget_bytes
+    budget = read_vram(override).bytes if override else hardware.budget_bytes
     context = cuda_overheads().context_bytes
     # A --vram budget is GPU memory (also when planning on a machine without one). Free memory
     # read after a context existed (the probe's) does not hold the context: the plan says

@@ -90,28 +90,53 @@ def check_choice(name: str, value: str | None) -> None:
                          f"{guess}e.g. {flag} {allowed[0]}")
 
 
-def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,
-              method: str | None = None, hardware=None, **flags):
-    """The plan `lowvram plan` shows: a Choice, or a fixed Plan if the model cannot be read."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.choose import choose_plan
-
+def _checked_flags(recipe: Recipe | None, model: str | None, method: str | None, flags: dict):
+    """The flags' values checked against their vocabularies, as (fields, sources) of a request."""
     for name in ("mixed_precision", "quantization", "optimizer", "loss", "attention", "offload", "objective"):
         check_choice(name, flags.get(name))
     check_choice("method", method)
     if recipe is None and model is None:
         raise LowvramError("nothing to plan: give a recipe or --model",
                            "e.g. lowvram plan --model llama-2-7b --vram 24GB, or lowvram plan recipes/quickstart.yaml")
-    fields, sources = flag_choices(method, **flags)
+    return flag_choices(method, **flags)
+
+
+def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,
+              method: str | None = None, hardware=None, host_ram: str | None = None, **flags):
+    """The plan `lowvram plan` shows: a Choice, or a fixed Plan if the model cannot be read."""
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.choose import choose_plan
+
+    fields, sources = _checked_flags(recipe, model, method, flags)
     if model is not None:
         spec = resolve_model(model)
     else:
         try:
             spec = recipe_model(recipe)
         except LowvramError as err:  # the same request and budget, planned without a memory model
-            return fixed_with_note(recipe, make_budget(vram, hardware, fields.get("gpus") or 1), err, fields, sources)
-    budget = make_budget(vram, hardware, fields.get("gpus") or 1)
+            return fixed_with_note(recipe, make_budget(vram, hardware, fields.get("gpus") or 1, host_ram),
+                                   err, fields, sources)
+    budget = make_budget(vram, hardware, fields.get("gpus") or 1, host_ram)
     return choose_plan(build_request(spec, recipe, fields, sources), budget)
+
+
+def context_table(recipe: Recipe | None = None, model: str | None = None, method: str | None = None,
+                  cards: tuple[int, ...] | None = None, host_ram: str | None = None, **flags):
+    """`lowvram plan --context-table`: the longest seq_len over every plan on each card size
+    (8 to 80 GB, read as cards are sold: lowvram.plan.cards), for the request the flags make."""
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.limits import CARD_SIZES_GB
+    from lowvram.plan.limits import context_table as table
+    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.request import validate_request
+
+    fields, sources = _checked_flags(recipe, model, method, flags)
+    spec = resolve_model(model) if model is not None else recipe_model(recipe)
+    req = build_request(spec, recipe, fields, sources)
+    validate_request(req)
+    gpus = fields.get("gpus") or 1
+    budgets = [(f"{n} GB", make_budget(f"{n}GB", None, gpus, host_ram)) for n in (cards or CARD_SIZES_GB)]
+    return req, table(req, budgets, estimate_memory), budgets[0][1]
 
 
 def list_models() -> list[tuple[str, str, int]]:

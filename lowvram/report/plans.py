@@ -102,6 +102,9 @@ def show_plan(data: dict, as_json: bool = False) -> None:
             f"{' packed' if data.get('packing') else ''}, batch {data['batch_size']}, {data['device']}")
     c.print(f"budget: {gib(data['vram_bytes'])} ({data['vram_source']}) - safety margin "
             f"{gib(data['safety_margin_bytes'])} = {gib(data['budget_bytes'])}")
+    if data["device"] != "cpu" and data.get("host_ram_source"):
+        other = "; --host-ram SIZE plans for another machine" if "--host-ram" not in data["host_ram_source"] else ""
+        c.print(f"host RAM: {gib(data['host_ram_bytes'])} ({data['host_ram_source']}{other})", markup=False)
     if data.get("objective"):  # dpo/orpo/simpo: chosen + rejected in one forward (lowvram.plan.preference)
         rows = ("each example is 1 row of seq_len (an unpaired completion)" if data["objective"] == "kto"
                 else "each pair is 2 rows of seq_len (chosen + rejected)")
@@ -143,13 +146,19 @@ def show_plan(data: dict, as_json: bool = False) -> None:
                 f"{gib(sim['analytic_peak_bytes'])}, {100 * sim['difference']:+.2f}% vs simulated")
     head = data["headroom_bytes"]
     if data["fits"]:
+        of = f" of {gib(data['host_ram_bytes'])}" if data.get("host_ram_bytes") and data["device"] != "cpu" else ""
         c.print(f"[green]fits[/green]: peak {gib(peak)} of {gib(data['budget_bytes'])} budget, "
-                f"{gib(head)} headroom; CPU RAM needed {gib(data['cpu_ram_bytes'])}")
+                f"{gib(head)} headroom; host RAM needed {gib(data['cpu_ram_bytes'])}{of}")
         if data.get("gpus", 1) > 1:
             n = data["gpus"]
             c.print(f"{n} GPUs: {gib(peak)} per GPU, host RAM {gib(data['cpu_ram_bytes'])} per GPU process "
                     f"({gib(n * data['cpu_ram_bytes'])} for {n} processes on one node); "
                     f"train with: lowvram train RECIPE --gpus {n}", markup=False)
+    elif head >= 0:  # the card holds it; host RAM does not (lowvram.plan.request.fits_budget)
+        c.print(f"[red]does not fit[/red]: the lowest-memory plan peaks at {gib(peak)} on the card, but needs "
+                f"{gib(data['cpu_ram_bytes'])} of host RAM, more than the {gib(data['host_ram_bytes'])} "
+                f"{data['host_ram_source']}: it would swap (--host-ram SIZE plans for a machine with more)",
+                markup=True)
     else:
         c.print(f"[red]does not fit[/red]: the lowest-memory plan peaks at {gib(peak)}, "
                 f"{gib(-head)} over the {gib(data['budget_bytes'])} budget; it needs a card with "
@@ -220,6 +229,38 @@ def show_unpredicted_plan(plan, model: str, as_json: bool = False) -> None:
         })
         return
     console().print(_plan_table(plan))
+
+
+def show_context_table(data: dict, as_json: bool = False) -> None:
+    """`lowvram plan --context-table`: the longest seq_len on each card size, its plan, what binds."""
+    if as_json:
+        print_json(data)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"Longest seq_len over every plan: {data['model']}")
+    t.add_column("card")
+    t.add_column("budget", justify="right")
+    t.add_column("longest seq_len", justify="right")
+    t.add_column("host RAM", justify="right")
+    t.add_column("with")
+    t.add_column("one token more binds at")
+    beyond = False
+    for r in data["rows"]:
+        if not r["plan"]:
+            t.add_row(r["card"], gib(r["budget_bytes"]), "does not fit", "-", "-", "-")
+            continue
+        beyond |= r["beyond_positions"]
+        t.add_row(r["card"], gib(r["budget_bytes"]), f"{r['longest_seq_len']:,}" + ("*" if r["beyond_positions"] else ""),
+                  gib(r["host_ram_bytes"]), r["techniques_used"], r["binds"] or "(the search's end)")
+    c = console()
+    c.print(t)
+    if beyond:
+        c.print(f"* past the model's max_position_embeddings ({data['max_position_embeddings']:,}): the memory "
+                "fits, the model needs RoPE scaling to use it", markup=False)
+    c.print("cards as sold (--vram NGB: 97.5% of N GiB as CUDA reports it), less the 5% safety margin; "
+            f"batch 1; host RAM up to {gib(data['host_ram_bytes'])} ({data['host_ram_source']}); "
+            "the moments: docs/planner.md#long-context", markup=False)
 
 
 def show_models(rows: list[tuple[str, str, int]], as_json: bool = False) -> None:

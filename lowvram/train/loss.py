@@ -102,8 +102,9 @@ def causal_lm_chunked_loss(model, inputs: dict, num_items_in_batch: Any = None,
     return loss, outputs
 
 
-def chunked_loss_trainer_class():
-    """A ``transformers.Trainer`` whose training loss is :func:`causal_lm_chunked_loss`."""
+def chunked_loss_trainer_class(chunk_tokens: int = CHUNK_TOKENS):
+    """A ``transformers.Trainer`` whose training loss is :func:`causal_lm_chunked_loss`, in
+    chunks of ``chunk_tokens`` tokens (the plan's loss_chunk_tokens)."""
     from transformers import Trainer
 
     class ChunkedLossTrainer(Trainer):
@@ -116,7 +117,7 @@ def chunked_loss_trainer_class():
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             # accelerate wraps model.forward in autocast; the lm_head chunks run outside it, so
             # enter the same autocast here (checkpoint's recompute restores it).
-            loss, outputs = causal_lm_chunked_loss(model, inputs, num_items_in_batch,
+            loss, outputs = causal_lm_chunked_loss(model, inputs, num_items_in_batch, chunk_tokens,
                                                    autocast=self.accelerator.autocast())
             self.loss_is_scaled_for_ga = num_items_in_batch is not None
             if num_items_in_batch is not None and self.args.average_tokens_across_devices:

@@ -164,10 +164,11 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
     )
 
 
-def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard"):
+def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard",
+                  loss_chunk_tokens: int = 1024):
     """The Hugging Face Trainer over a DataBundle (lowvram.train.data); ``loss`` is plan.loss
-    ("chunked": lowvram.train.loss computes the training loss in chunks of tokens; "fused": the
-    plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss)."""
+    ("chunked": lowvram.train.loss computes the training loss in chunks of plan.loss_chunk_tokens
+    tokens; "fused": the plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss)."""
     from transformers import PrinterCallback, Trainer
 
     from lowvram.train.preference import build_preference_trainer, is_preference_config
@@ -177,7 +178,7 @@ def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "sta
     if loss == "chunked":
         from lowvram.train.loss import chunked_loss_trainer_class
 
-        Trainer = chunked_loss_trainer_class()  # noqa: N806 - a Trainer subclass
+        Trainer = chunked_loss_trainer_class(loss_chunk_tokens)  # noqa: N806 - a Trainer subclass
     trainer = Trainer(
         model=loaded.model,
         args=args,

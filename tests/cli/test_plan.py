@@ -43,7 +43,7 @@ def test_json_object():
     assert set(d["breakdown"]) == {"weights", "gradients", "optimizer", "activations", "logits",
                                    "cuda_context", "allocator"}
     assert sum(d["breakdown"].values()) == d["peak_bytes"]
-    assert d["vram_bytes"] == 24 * 10**9
+    assert d["vram_bytes"] == 24 * 2**30 * 39 // 40  # a card sold as 24 GB, as CUDA reports it
     assert d["fits"] is True
     assert d["peak_bytes"] <= d["vram_bytes"] - d["safety_margin_bytes"]
     assert d["micro_batch_size"] * d["grad_accum"] == 16
@@ -212,7 +212,7 @@ def test_limits_over_all_plans_are_printed_with_their_plan():
 def test_a_reason_says_why_the_fitting_alternative_was_not_taken():
     """llama-7b at 6 GB (issue 13's case): full fine-tuning with offload fits too; the LoRA line
     must not read as if full fine-tuning had been ruled out by memory."""
-    d = json.loads(plan("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "6GB",
+    d = json.loads(plan("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "6000MB",
                         "--json").stdout)
     assert d["techniques"]["offload"] == "full" and d["techniques"]["lora"] is True
     lora = d["reasons"]["lora"]

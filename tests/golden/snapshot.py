@@ -80,7 +80,8 @@ def plan_json(kwargs: dict) -> dict:
     from lowvram.planning.entry import make_plan
 
     try:
-        return json.loads(json.dumps(choice_to_dict(make_plan(**kwargs))))
+        # host RAM fixed (not this machine's): the snapshot is the same on every machine
+        return json.loads(json.dumps(choice_to_dict(make_plan(host_ram="1TiB", **kwargs))))
     except LowvramError as err:  # a request the planner refuses is part of the snapshot too
         return {"error": str(err), "hint": err.hint}
 

@@ -171,3 +171,20 @@ def test_activation_offload_peak_as_planned(monkeypatch):
     assert abs(tensors - measured) <= 0.03 * measured, (tensors, measured)
     assert set(packed) == {4 * 2 * 256 * 128}  # only layer inputs, fp32 b x s x h
     assert len(packed) % spec.num_layers == 0
+
+
+@pytest.mark.parametrize("chunk", [128, 512])
+def test_a_smaller_loss_chunk_is_counted_as_it_runs(chunk):
+    """Issue 26 item 2: the chunked loss's chunk sized to the budget (search.sized_loss_chunk)
+    runs with that chunk in the Trainer lowvram train builds, and the plan counts it: within 3%,
+    and below the 1024-token chunk's peak by the logits it no longer keeps."""
+    from dataclasses import replace
+
+    spec = tiny_llama_spec(hidden_size=128, num_layers=2, vocab_size=8192)
+    setup = RunSetup(spec, device="cpu", precision="bf16", loss="chunked", micro_batch_size=4, seq_len=512,
+                     loss_chunk_tokens=chunk)
+    measured = measure_setup(setup).peak_bytes
+    est = estimate_memory(setup)
+    assert abs(est.peak_bytes - measured) <= 0.03 * measured, f"predicted {est.peak_bytes:,} measured {measured:,}"
+    whole = estimate_memory(replace(setup, loss_chunk_tokens=1024))
+    assert whole.breakdown["logits"] - est.breakdown["logits"] == 12 * (1024 - chunk) * 8192

@@ -112,7 +112,7 @@ def test_merge_gives_same_logits_as_base_plus_adapter(run_dir, tiny_model_dir, t
 def test_merge_refuses_when_host_ram_is_too_small(run_dir, tmp_path, monkeypatch):
     import lowvram.hardware
 
-    monkeypatch.setattr(lowvram.hardware, "_host_memory", lambda: (2**30, 100 * 2**10))  # 100 KiB free
+    monkeypatch.setattr(lowvram.hardware, "host_memory", lambda: (2**30, 100 * 2**10))  # 100 KiB free
     result = cli("merge", str(run_dir), "--out", str(tmp_path / "m"))
     assert_user_error(result, "merge needs", "host RAM", "0.1 MiB available", "--dtype bfloat16")
     assert not (tmp_path / "m").exists()

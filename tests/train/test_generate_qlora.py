@@ -74,7 +74,7 @@ def test_generate_loads_a_qlora_base_in_4bit_as_trained(qlora_run):
 def test_generate_refuses_what_host_ram_cannot_hold(qlora_run, monkeypatch):
     import lowvram.hardware
 
-    monkeypatch.setattr(lowvram.hardware, "_host_memory", lambda: (2**30, 100 * 2**10))  # 100 KiB free
+    monkeypatch.setattr(lowvram.hardware, "host_memory", lambda: (2**30, 100 * 2**10))  # 100 KiB free
     result = cli("generate", str(qlora_run), "--prompt", "hi", "--cpu")
     assert_user_error(result, "generate needs", "of host RAM", "nf4-dq as trained", "0.1 MiB available")
 
@@ -111,6 +111,6 @@ def test_generate_checks_a_full_model_folder_too(tiny_model_dir, monkeypatch):
     from lowvram.plan.models import count_parameters
 
     n = count_parameters(resolve_model(str(tiny_model_dir)))
-    monkeypatch.setattr(lowvram.hardware, "_host_memory", lambda: (2**30, 100 * 2**10))
+    monkeypatch.setattr(lowvram.hardware, "host_memory", lambda: (2**30, 100 * 2**10))
     result = cli("generate", str(tiny_model_dir), "--prompt", "hi")
     assert_user_error(result, f"generate needs {n * 4 / 2**20:.1f} MiB of host RAM", f"{n:,} parameters x 4 bytes (float32)")

@@ -1,0 +1,38 @@
+"""A memory size given for a card (``--vram``, ``LOWVRAM_VRAM``), read as cards are sold.
+
+A card sold as "12 GB" has 12 GiB of memory chips (GDDR and HBM come in powers of two), and CUDA
+reports a little less as its total: the driver keeps the rest. So ``--vram 12GB`` (or ``12G``) is
+a 12 GB card: :data:`~lowvram.plan.constants.CARD_REPORTED_FRACTION` of 12 GiB, the lowest share
+among published Linux readings (:data:`~lowvram.plan.constants.CARD_READINGS`). Any other unit is
+read exactly: ``12000MB`` is 12e9 bytes, ``11.5GiB`` is 11.5 x 2^30, a plain number is bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from lowvram.plan.constants import CARD_REPORTED_FRACTION
+from lowvram.units import parse_size
+
+_CARD_UNITS = ("gb", "g")
+
+
+@dataclass(frozen=True)
+class VramReading:
+    bytes: int
+    how: str  # how the text was read, for the plan's budget line ("" when read exactly)
+
+
+def read_vram(text: str) -> VramReading:
+    """``--vram`` / ``LOWVRAM_VRAM`` text -> bytes, and how they were read (see the module)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _CARD_UNITS:
+        return VramReading(parse_size(text), "")
+    sold = float(m.group(1))
+    if sold <= 0:
+        parse_size(text)  # the one error for a size that is not positive
+    shown = f"{sold:g}"
+    n = CARD_REPORTED_FRACTION.of(int(sold * 2**30))
+    share = float(CARD_REPORTED_FRACTION.value)
+    return VramReading(n, f"a {shown} GB card, {share:.1%} of {shown} GiB as CUDA reports its total")
