@@ -11,6 +11,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --seed 17 -v    # one case, with its recipe
     python bench/plan_fuzz.py --eager-checkpointing  # every recipe made eager + checkpointing
     python bench/plan_fuzz.py --tiled 1 --seeds 0:40 --families ten  # dense cases made tiled-MLP runs
+    python bench/plan_fuzz.py --chunk 1 --seeds 0:3 --families ten   # the loss chunk sized to a budget
     python bench/plan_fuzz.py --extended      # also DoRA and GaLore (issue 27)
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
@@ -76,6 +77,9 @@ def main() -> int:
                          "makes it rarely: 15%% eager, 40%% checkpointing)")
     ap.add_argument("--tiled", type=float, default=0.0,
                     help="share of dense-MLP recipes made long-context tiled-MLP runs (difftest.made_tiled)")
+    ap.add_argument("--chunk", type=float, default=0.0,
+                    help="share of recipes made chunked-loss runs whose chunk the plan sizes to a budget "
+                         "(difftest.made_chunked: 128-512 tokens, --vram from difftest.chunk_budget)")
     ap.add_argument("--preference", action="store_true",
                     help="draw preference recipes (lowvram.difftest.preference_case: dpo/orpo/simpo "
                          "through TRL) with the same models and techniques")
@@ -90,13 +94,15 @@ def main() -> int:
     families = args.families + (" --eager-checkpointing" if args.eager_checkpointing else "") + (
         " --extended" if args.extended else "")
     families += f" --tiled {args.tiled:g}" if args.tiled else ""
+    families += f" --chunk {args.chunk:g}" if args.chunk else ""
     families += " --preference" if args.preference else ""
     families += " --kto" if args.kto else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
         else:
-            case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled, extended=args.extended)
+            case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled, extended=args.extended,
+                               chunk=args.chunk)
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:
@@ -108,6 +114,9 @@ def main() -> int:
             line = f"{case.label():<100} ERROR {out.error.splitlines()[-1][:200] if out.error else ''}"
         else:
             flag = "" if out.ok else "  <-- MISS"
+            took = out.details.get("loss_chunk_tokens")
+            if case.loss_chunk_tokens != 1024 and took != case.loss_chunk_tokens:
+                flag += f"  <-- the plan took chunk {took}"
             line = (f"{case.label():<100} measured {out.measured_bytes / 2**20:9.2f} MiB  predicted "
                     f"{out.predicted_bytes / 2**20:9.2f} MiB  {out.ratio:+7.2%}{flag}")
         print(line, flush=True)

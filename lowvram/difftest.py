@@ -74,6 +74,9 @@ class Case:
     experts_per_tok: int = 0
     tiled_mlp: bool = False  # techniques.tiled_mlp (lowvram.plan.tiled)
     tiled_mlp_shards: int = 0  # 0: on, ceil(seq_len / hidden_size) shards
+    # loss chunked: the chunk the plan sizes to a budget made for it (run_case passes --vram;
+    # search.sized_loss_chunk); 1024: the default, no --vram
+    loss_chunk_tokens: int = 1024
 
     # training.objective (dpo/orpo/simpo: preference pairs through TRL; preference_case)
     objective: str = "sft"
@@ -97,6 +100,8 @@ class Case:
         bits += (["packed"] if self.packing else []) + (["eval"] if self.validation else [])
         if self.tiled_mlp:
             bits.append(f"tiled{self.tiled_mlp_shards or ''}")
+        if self.loss_chunk_tokens != 1024:
+            bits.append(f"chunk{self.loss_chunk_tokens}")
         return " ".join(bits)
 
 
@@ -114,12 +119,14 @@ def _targets(family: str, rng: random.Random):
 
 
 def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 0.0,
-                extended: bool = False) -> Case:
+                extended: bool = False, chunk: float = 0.0) -> Case:
     """A random valid recipe (same seed, same case). ``tiled``: the share of dense-MLP cases made
     long-context tiled-MLP runs (:func:`made_tiled`), drawn from a stream of their own;
     ``extended``: also the options of issue 27 (lora.use_dora, optimizer galore_adamw), drawn from
     another generator; so every seed's recipe without them stays as it was. (A tiled case draws
-    no DoRA: the two together are refused as not modelled.)"""
+    no DoRA: the two together are refused as not modelled.) ``chunk``: the share of cases made
+    chunked-loss runs whose chunk the plan sizes below 1024 tokens (:func:`made_chunked`), from a
+    stream of their own too."""
     rng = random.Random(seed)
     family = rng.choice(families)
     heads = rng.choice([2, 4])
@@ -168,7 +175,45 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
                        intermediate=case.intermediate // case.hidden * hidden)
     if tiled and family not in MOE_FAMILIES and random.Random(f"tiled-{seed}").random() < tiled:
         case = made_tiled(replace(case, use_dora=False))  # DoRA with a tiled MLP: refused, not modelled
+    if chunk and case.objective == "sft" and random.Random(f"chunk-{seed}").random() < chunk:
+        case = made_chunked(case)
     return case
+
+
+def made_chunked(case: Case) -> Case:
+    """The case with the chunked loss and a chunk of 128, 256 or 512 tokens below its tokens per
+    micro-batch (at least 1024 of them), which run_case makes the plan choose by budget. A vocabulary
+    of 8,192 makes the chunk's logits a large share of the peak, as in a real model's (and the
+    budget that sizes it clear of the CUDA-context floor check_card refuses below)."""
+    rng = random.Random(f"chunk-shape-{case.seed}")
+    micro = max(case.micro_batch_size, 2)
+    seq_len = max(case.seq_len, 1024 // micro)
+    return replace(case, loss="chunked", micro_batch_size=micro, seq_len=seq_len, vocab=8192,
+                   loss_chunk_tokens=rng.choice([128, 256, 512]), packing=False)
+
+
+def chunk_budget(recipe: Path, chunk: int) -> int:
+    """The smallest --vram (bytes) under which the recipe's plan fits with its chunked loss sized
+    to ``chunk`` tokens or more (binary search over lowvram's own planning; at that budget the
+    plan takes ``chunk`` itself, the peak growing with the chunk)."""
+    from lowvram.errors import LowvramError
+    from lowvram.planning.entry import plan_for_recipe
+    from lowvram.recipe import load_recipe
+
+    r = load_recipe(recipe)
+
+    def enough(vram: int) -> bool:
+        try:
+            plan = plan_for_recipe(r, vram=str(vram))
+        except LowvramError:  # a budget no larger than the CUDA context (planning.budget.check_card)
+            return False
+        return bool(plan.fits) and plan.loss_chunk_tokens >= chunk
+
+    lo, hi = 2**28, 2**28 + 2**32  # the margin's 256 MiB floor, + 4 GiB
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+    return hi
 
 
 def made_tiled(case: Case) -> Case:
@@ -370,14 +415,17 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     from typer.testing import CliRunner
 
     from lowvram.cli import app
-    from lowvram.runfiles import METRICS
+    from lowvram.runfiles import METRICS, PLAN
 
     workdir.mkdir(parents=True, exist_ok=True)
     model = write_model(case, workdir / "model")
     data = write_data(case, workdir / "data.jsonl")
     recipe = workdir / "recipe.yaml"
     recipe.write_text(recipe_text(case, model, data, workdir / "run"))
-    result = CliRunner().invoke(app, ["train", str(recipe), "--json", "--overwrite"])
+    args = ["train", str(recipe), "--json", "--overwrite"]
+    if case.loss_chunk_tokens != 1024:  # a budget under which the plan sizes the chunk to it
+        args += ["--vram", str(chunk_budget(recipe, case.loss_chunk_tokens))]
+    result = CliRunner().invoke(app, args)
     metrics_file = workdir / "run" / METRICS
     if result.exit_code != 0 or not metrics_file.exists():
         text = (result.stderr or "") + (result.stdout or "")
@@ -386,11 +434,14 @@ def run_case(case: Case, workdir: Path) -> Outcome:
         return Outcome(case, error=text.strip()[-2000:] or f"exit code {result.exit_code}")
     m = json.loads(metrics_file.read_text())
     details = {k: m.get(k) for k in ("peak_memory_kind", "steps", "eval_loss")}
+    plan_file = workdir / "run" / PLAN
+    if plan_file.exists():  # the chunk the run's plan took (the chunked loss sized to the budget)
+        details["loss_chunk_tokens"] = json.loads(plan_file.read_text()).get("loss_chunk_tokens")
     return Outcome(case, measured_bytes=m.get("peak_memory_bytes"), predicted_bytes=m.get("predicted_peak_bytes"),
                    details=details)
 
 
-__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome", "made_tiled",
+__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget", "made_chunked", "made_tiled",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -1,5 +1,5 @@
 """Generate recipes/data/lowvram_preference.jsonl (preference pairs for the DPO/ORPO recipes) from
-lowvram_instruct.jsonl. Deterministic.
+lowvram_instruct.jsonl, and beside it lowvram_unpaired.jsonl (for the KTO recipe). Deterministic.
 
 Usage: python recipes/data/make_lowvram_preference.py recipes/data/lowvram_preference.jsonl
 
@@ -7,6 +7,10 @@ Each row is conversational: the instruction (and its input) as the user's messag
 exact answer as the chosen assistant message, and a worse one as the rejected: its first number
 that the question does not hold changed (a wrong result, same shape), or, where the answer has no number, the direct sentence
 without its explanation (a correct but unexplained answer).
+
+The unpaired file has two rows per pair: the chosen answer with label true, the rejected one with
+label false, shuffled (seed 2029) so a batch seldom holds both halves of one pair (TRL's KTO
+estimates its KL term from mismatched prompt/completion rows of a batch).
 """
 import json
 import random
@@ -51,10 +55,19 @@ def main(out: str) -> None:
         rows.append({"prompt": [{"role": "user", "content": user}],
                      "chosen": [{"role": "assistant", "content": r["output"]}],
                      "rejected": [{"role": "assistant", "content": rejected}]})
+    write(out, rows)
+    print(f"wrote {len(rows)} pairs to {out}")
+    unpaired = [{"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+                for p in rows for k in ("chosen", "rejected")]
+    random.Random(2029).shuffle(unpaired)
+    write(str(Path(out).with_name("lowvram_unpaired.jsonl")), unpaired)
+    print(f"wrote {len(unpaired)} unpaired rows beside it")
+
+
+def write(out: str, rows: list[dict]) -> None:
     with open(out, "w") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    print(f"wrote {len(rows)} pairs to {out}")
 
 
 if __name__ == "__main__":

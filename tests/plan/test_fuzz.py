@@ -144,6 +144,20 @@ def test_tiled_mlp_runs_stay_within_their_plan(seed, tmp_path):
     _check(case, tmp_path, TILED[seed])
 
 
+# The chunked loss's chunk sized to a budget (issue 26 item 2: difftest.random_case(chunk=1.0),
+# run_case passes the --vram difftest.chunk_budget finds): bench/results/plan_fuzz_chunk_heldout.txt.
+CHUNKED = {2: "Llama LoRA fp32, checkpointing, SGD, b2 s512, the plan takes 256-token chunks (-0.07%)"}
+
+
+@pytest.mark.slow  # two plans' binary search and a run: ~20 s (make test-all)
+@pytest.mark.parametrize("seed", list(CHUNKED))
+def test_a_loss_chunk_sized_to_the_budget_runs_as_planned(seed, tmp_path):
+    case = random_case(seed, families=TEN_FAMILIES, chunk=1.0)
+    assert case.loss == "chunked" and case.loss_chunk_tokens < 1024
+    out = _check(case, tmp_path, CHUNKED[seed])
+    assert out.details["loss_chunk_tokens"] == case.loss_chunk_tokens  # the plan lowvram train ran took it
+
+
 @pytest.mark.parametrize("seed", list(PACKING))
 def test_packed_recipes_stay_within_their_plan(seed, tmp_path):
     from dataclasses import replace
