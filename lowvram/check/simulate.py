@@ -182,6 +182,7 @@ def _config(setup: RunSetup, config):
 
 def _build_model(setup: RunSetup, config, mode):
     """The model of ``setup`` with fake tensors, prepared as lowvram.check.builders.build_model does."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
     from transformers import AutoModelForCausalLM
 
     from lowvram.check.builders import setup_plan
@@ -199,6 +200,12 @@ def _build_model(setup: RunSetup, config, mode):
                     else "pass a causal LM's config.json (AutoModelForCausalLM)")
             raise LowvramError(f"transformers cannot build this config: {str(e)[:200]}",
                                hint) from None
+        except DataDependentOutputException:  # e.g. a vision tower whose init reads a tensor's value
+            raise LowvramError(
+                f"transformers builds this config ({cfg.model_type}) with an initialisation that reads "
+                "tensor values, which fake tensors do not have: it cannot be simulated",
+                "multimodal models (a vision tower) are not modelled yet: plan the language model "
+                "alone by saving its text_config as a config.json and passing that folder") from None
         if setup.quantization != "none":
             _quantize_4bit(model, setup, dtype, precision_compute_dtype(setup.precision))
         model = prepare_model(model, plan)  # what lowvram train does after loading
@@ -321,15 +328,48 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
 # `lowvram plan --simulate`
 
 
+def simulable(setup: RunSetup) -> tuple[RunSetup, tuple[str, ...]]:
+    """The setup the simulation can run in place of ``setup``, and a note for each change: the
+    standard loss for the chunked or fused one, no activation offload, sdpa for flash attention,
+    one process without sharding or CPU offload (each of those is modelled analytically only)."""
+    from dataclasses import replace
+
+    changes, notes = {}, []
+    if setup.loss in ("chunked", "fused"):
+        changes["loss"] = "standard"
+        notes.append(f"simulated with the standard loss: the {setup.loss} loss is not part of the "
+                     "transformers step that is simulated (its logits are modelled analytically)")
+    if setup.activation_offload:
+        changes["activation_offload"] = False
+        notes.append("simulated without activation offload (one device: the checkpoints stay on it)")
+    if setup.attention == "flash_attention_2":
+        changes["attention"] = "sdpa"
+        notes.append("simulated with sdpa attention, which stores the same tensors as flash_attention_2")
+    if setup.gpus > 1 or setup.offload != "none":
+        changes.update(gpus=1, offload="none", micro_batch_size=setup.micro_batch_size)
+        notes.append(f"simulated as one process with nothing offloaded: offload {setup.offload!r} "
+                     f"over {setup.gpus} GPU(s) is modelled analytically only")
+    return (replace(setup, **changes) if changes else setup), tuple(notes)
+
+
 def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: int) -> dict:
-    """The ``simulated`` object of `lowvram plan --simulate --json` (bytes; lowvram.report.plans renders)."""
+    """The ``simulated`` object of `lowvram plan --simulate --json` (bytes; lowvram.report.plans
+    renders). A plan the step cannot run as it is (chunked loss, activation offload, ...) is
+    simulated as :func:`simulable` changes it, with its notes, against the analytic peak of
+    that same setup."""
     import time
 
     t0 = time.perf_counter()
     from lowvram.plan.catalog import local_config
 
-    sim = simulate_memory(setup, local_config(model_ref))
+    simulated, notes = simulable(setup)
+    if notes:
+        from lowvram.plan.memory import estimate_memory
+
+        analytic_peak_bytes = estimate_memory(simulated).peak_bytes
+    sim = simulate_memory(simulated, local_config(model_ref))
     return {
+        "notes": list(notes),
         "peak_bytes": sim.peak_bytes,
         "peak_phase": sim.peak_phase,
         "breakdown": dict(sim.breakdown),
@@ -341,4 +381,4 @@ def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: i
     }
 
 
-__all__ = ["simulate_memory", "simulate_plan", "unsupported"]
+__all__ = ["simulable", "simulate_memory", "simulate_plan", "unsupported"]

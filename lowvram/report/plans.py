@@ -140,6 +140,8 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     moment = MOMENTS.get(data.get("peak_moment", ""))
     if moment:
         c.print(f"peak at {data['peak_moment']}: {moment[0]}", markup=False)
+    for note in (sim or {}).get("notes", ()):
+        c.print(f"note: {note}", markup=False)
     if sim:
         c.print(f"simulated (the real step on fake tensors, {sim['seconds']:.1f} s): peak "
                 f"{gib(sim['peak_bytes'])} ({sim['peak_phase'].replace('_', ' ')}); analytic "

@@ -147,3 +147,30 @@ def test_analytic_model_matches_the_simulation_beyond_llama(name, seq_len, kw):
     est = estimate_memory(setup)
     assert abs(est.peak_bytes - sim.peak_bytes) <= 0.015 * sim.peak_bytes, (
         f"{name}: analytic {est.peak_bytes:,} simulated {sim.peak_bytes:,}")
+
+
+def test_a_plan_the_step_cannot_run_as_chosen_is_simulated_with_a_note(tmp_path):
+    """Issue 29 item 4: --simulate never refuses what `lowvram plan` sends it: a chunked loss
+    (or activation offload, flash attention, sharding) is simulated as the step can run it, with
+    a note, against the analytic peak of that same setup."""
+    from lowvram.testing import tiny_llama_config
+
+    tiny_llama_config(vocab_size=512).save_pretrained(tmp_path)
+    d = _plan_json("--model", str(tmp_path), "--vram", "1GB", "--seq-len", "2048", "--batch-size", "1",
+                   "--loss", "chunked")
+    assert d["techniques"]["loss"] == "chunked"
+    sim = d["simulated"]
+    assert sim["notes"] and "simulated with the standard loss" in sim["notes"][0]
+    assert abs(sim["difference"]) < 0.03 and sim["analytic_peak_bytes"] != d["peak_bytes"]
+
+
+def test_a_vision_tower_that_cannot_be_built_on_fake_tensors_is_one_error(tmp_path):
+    text = dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+    cfg = dict(model_type="gemma3", mm_tokens_per_image=16, text_config=text,
+               vision_config=dict(model_type="siglip_vision_model", hidden_size=48, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=8))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = runner.invoke(app, ["plan", "--model", str(tmp_path), "--vram", "1GB", "--simulate"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "error: transformers builds this config (gemma3)" in r.stderr and "hint: " in r.stderr
