@@ -9,7 +9,12 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.plan.setup import FSDP_OFFLOADS
-from lowvram.vocab import LAYERWISE_OPTIMIZERS, OPTIMIZER_EXTRAS, PROJECTED_OPTIMIZERS, TRAINER_OPTIMIZERS
+from lowvram.vocab import (
+    LAYERWISE_OPTIMIZERS,
+    OPTIMIZER_EXTRAS,
+    PROJECTED_OPTIMIZERS,
+    TRAINER_OPTIMIZERS,
+)
 
 
 def output_dir(recipe) -> Path:

@@ -267,7 +267,14 @@ LAYERWISE_SEEDS = {
 @pytest.mark.parametrize("seed", list(LAYERWISE_SEEDS))
 def test_layerwise_galore_runs_stay_within_their_plan(seed, tmp_path):
     pytest.importorskip("galore_torch")
-    from lowvram.difftest import ANY_LIMIT, OVER_LIMIT, TEN_FAMILIES, made_galore, random_case, run_case
+    from lowvram.difftest import (
+        ANY_LIMIT,
+        OVER_LIMIT,
+        TEN_FAMILIES,
+        made_galore,
+        random_case,
+        run_case,
+    )
 
     case = made_galore(random_case(seed, families=TEN_FAMILIES), layerwise=True)
     assert case.optimizer == "galore_adamw_layerwise" and case.grad_accum == 1
@@ -285,7 +292,14 @@ def test_lowvram_train_refuses_8bit_galore_without_cuda(tmp_path):
     from typer.testing import CliRunner
 
     from lowvram.cli import app
-    from lowvram.difftest import TEN_FAMILIES, made_galore, random_case, recipe_text, write_data, write_model
+    from lowvram.difftest import (
+        TEN_FAMILIES,
+        made_galore,
+        random_case,
+        recipe_text,
+        write_data,
+        write_model,
+    )
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine plans for its GPU")
