@@ -75,12 +75,8 @@ def test_galore_state_is_the_real_optimizers(precision, rank, tmp_path):
     assert optimizer_bytes(setup) == _state_bytes_after_one_step(precision, rank, tmp_path)
 
 
-@pytest.mark.parametrize(("optimizer", "precision"), [
-    ("galore_adamw_8bit_layerwise", "bf16"),  # the issue's: the rest are slower than the suite wants
-    *[pytest.param(o, p, marks=pytest.mark.slow) for o, p in [
-        ("galore_adamw_8bit_layerwise", "fp32"), ("galore_adamw_8bit", "bf16"), ("galore_adamw_8bit", "fp32"),
-        ("galore_adamw_layerwise", "bf16"), ("galore_adamw_layerwise", "fp32")]],
-])
+@pytest.mark.parametrize("optimizer", ["galore_adamw_8bit", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_galore_forms_state_is_the_real_optimizers(optimizer, precision, tmp_path, monkeypatch):
     """rank 8 and 48 at once: the 8-bit forms' projected moments fall on both sides of
     bitsandbytes' min_8bit_size (160 x 8 and 64 x 48 below 4096, 160 x 48 above), as do the
@@ -225,7 +221,8 @@ def test_layerwise_holds_one_gradient_not_all():
     s = RunSetup(LLAMA, precision="bf16", seq_len=256, optimizer="galore_adamw")
     plain, lw = estimate_memory(s), estimate_memory(replace(s, optimizer="galore_adamw_layerwise"))
     assert lw.peak_bytes < plain.peak_bytes
-    assert lw.breakdown["gradients"] < plain.breakdown["gradients"] // 10
+    # at most the largest tensor's (the V x h embedding's) gradient and its step's two temporaries
+    assert lw.breakdown["gradients"] <= 3 * 2 * LLAMA.vocab_size * LLAMA.hidden_size < plain.breakdown["gradients"] // 2
     assert lw.peak_phase == "forward_backward"
 
 
