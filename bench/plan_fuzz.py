@@ -13,6 +13,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --tiled 1 --seeds 0:40 --families ten  # dense cases made tiled-MLP runs
     python bench/plan_fuzz.py --chunk 1 --seeds 0:3 --families ten   # the loss chunk sized to a budget
     python bench/plan_fuzz.py --extended      # also DoRA and GaLore (issue 27)
+    python bench/plan_fuzz.py --galore layerwise --families ten  # dense cases made layerwise GaLore runs
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
 it become regression cases in tests/plan/test_fuzz.py. ~5 s a case on 2 cores.
@@ -42,6 +43,7 @@ from lowvram.difftest import (  # noqa: E402
     FIRST_FAMILIES,
     OVER_LIMIT,
     TEN_FAMILIES,
+    made_galore,
     preference_case,
     random_case,
     recipe_text,
@@ -72,6 +74,9 @@ def main() -> int:
     ap.add_argument("--extended", action="store_true",
                     help="also draw issue 27's options (lora.use_dora, optimizer galore_adamw; "
                          "random_case(extended=True))")
+    ap.add_argument("--galore", choices=["plain", "layerwise"],
+                    help="make every dense recipe a GaLore full fine-tuning run (difftest.made_galore: "
+                         "galore_adamw, or galore_adamw_layerwise at accumulation 1); MoE seeds are skipped")
     ap.add_argument("--eager-checkpointing", action="store_true",
                     help="make every recipe eager attention with gradient checkpointing (the draw "
                          "makes it rarely: 15%% eager, 40%% checkpointing)")
@@ -97,12 +102,17 @@ def main() -> int:
     families += f" --chunk {args.chunk:g}" if args.chunk else ""
     families += " --preference" if args.preference else ""
     families += " --kto" if args.kto else ""
+    families += f" --galore {args.galore}" if args.galore else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
         else:
             case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled, extended=args.extended,
                                chunk=args.chunk)
+        if args.galore:
+            case = made_galore(case, layerwise=args.galore == "layerwise")
+            if case is None:
+                continue
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

@@ -57,7 +57,9 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         m = train(Path(args.recipe), Path(args.run) if args.run else Path(tmp) / "run")
-    objective = m.get("objective", "sft")
+    from lowvram.recipe import load_recipe
+
+    objective = load_recipe(Path(args.recipe)).training.objective
     lines = [f"{Path(args.recipe).name}: objective {objective}, {m.get('steps')} steps, "
              f"peak {m.get('peak_memory_bytes', 0) / 2**30:.2f} GiB measured, "
              f"{m.get('predicted_peak_bytes', 0) / 2**30:.2f} GiB planned", *table(m)]

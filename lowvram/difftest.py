@@ -58,7 +58,7 @@ class Case:
     lora_targets: tuple[str, ...] | str = "all-linear"
     lora_dropout: float = 0.0
     use_dora: bool = False  # lora.use_dora (drawn by random_case(..., extended=True) only)
-    galore_rank: int = 128  # galore.rank, with optimizer galore_adamw (extended draws)
+    galore_rank: int = 128  # galore.rank, with a GaLore optimizer (extended draws, made_galore)
     precision: str = "fp32"
     model_dtype: str = "auto"
     gradient_checkpointing: bool = False
@@ -94,7 +94,7 @@ class Case:
                         + (" dora" if self.use_dora else ""))
         bits += [self.precision] + ([f"dtype {self.model_dtype}"] if self.model_dtype != "auto" else [])
         bits += (["ckpt"] if self.gradient_checkpointing else [])
-        bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer == "galore_adamw" else ""))
+        bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer.startswith("galore") else ""))
         bits += ([self.loss] if self.loss != "standard" else []) + ([self.attention] if self.attention != "sdpa" else [])
         bits.append(f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}")
         bits += (["packed"] if self.packing else []) + (["eval"] if self.validation else [])
@@ -238,6 +238,20 @@ def _extend(case: Case, rng: random.Random) -> Case:
     return case
 
 
+def made_galore(case: Case, layerwise: bool = False) -> Case | None:
+    """The case as a GaLore full fine-tuning run (bench/plan_fuzz.py --galore): optimizer
+    galore_adamw, or galore_adamw_layerwise with gradient accumulation 1 (the batch in one
+    micro-batch: transformers refuses accumulation for it), at a rank drawn from the seed's own
+    stream. None for an MoE family (GaLore is refused there: its experts are no nn.Linear). The
+    8-bit forms are not drawn: galore_torch's AdamW8bit cannot step on the CPU."""
+    if case.family in MOE_FAMILIES:
+        return None
+    rng = random.Random(f"galore-{case.seed}")
+    out = replace(case, method="full", use_dora=False, lora_dropout=0.0, galore_rank=rng.choice([4, 8, 16, 32]),
+                  optimizer="galore_adamw_layerwise" if layerwise else "galore_adamw")
+    return replace(out, grad_accum=1) if layerwise else out
+
+
 def preference_case(seed: int, families: tuple[str, ...] = FAMILIES, kto: bool = False) -> Case:
     """A random preference recipe: random_case's model and techniques (the same seed draws the
     same ones), then an objective, DPO's loss type and precompute; TRL's own loss (no chunked or
@@ -362,7 +376,7 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
             t["preference"]["loss_type"] = case.loss_type
     if case.model_dtype != "auto":
         t["model"]["dtype"] = case.model_dtype
-    if case.optimizer == "galore_adamw":
+    if case.optimizer.startswith("galore"):
         t["galore"] = {"rank": case.galore_rank}
     if case.packing:
         t["data"]["packing"] = True
@@ -441,7 +455,8 @@ def run_case(case: Case, workdir: Path) -> Outcome:
                    details=details)
 
 
-__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget", "made_chunked", "made_tiled",
+__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
+           "made_chunked", "made_galore", "made_tiled",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

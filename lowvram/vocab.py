@@ -43,6 +43,13 @@ TRAINER_OPTIMIZERS = {
     # GaLore (Zhao et al. 2024; galore-torch, the `galore` extra): AdamW on each decoder Linear's
     # gradient projected to `galore.rank` (lowvram.plan.optimizers); full fine-tuning, one GPU
     "galore_adamw": "galore_adamw",
+    # its 8-bit state (galore_torch AdamW8bit, a bitsandbytes Optimizer2State: blockwise uint8
+    # moments; CUDA only: its step calls torch.cuda.synchronize()) and its layerwise forms (one
+    # optimizer per parameter stepped in a post-accumulate-grad hook: transformers
+    # trainer_optimizer._setup_low_rank_optimizer), the Trainer's own optim names
+    "galore_adamw_8bit": "galore_adamw_8bit",
+    "galore_adamw_layerwise": "galore_adamw_layerwise",
+    "galore_adamw_8bit_layerwise": "galore_adamw_8bit_layerwise",
 }
 OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
 # Optimizers that come from bitsandbytes (as the quantizations other than none do), and those of
@@ -50,9 +57,15 @@ OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 OPTIMIZERS_8BIT = ("adamw_8bit", "paged_adamw_8bit")
 # Optimizers that project the gradients of the decoder Linears (GaLore): full fine-tuning only.
-PROJECTED_OPTIMIZERS = ("galore_adamw",)
+PROJECTED_OPTIMIZERS = ("galore_adamw", "galore_adamw_8bit", "galore_adamw_layerwise",
+                        "galore_adamw_8bit_layerwise")
+# GaLore with bitsandbytes-style 8-bit moments (galore_torch AdamW8bit): its step needs CUDA.
+GALORE_8BIT_OPTIMIZERS = ("galore_adamw_8bit", "galore_adamw_8bit_layerwise")
+# Stepped one parameter at a time inside the backward (transformers LayerWiseDummyOptimizer):
+# gradient accumulation 1, no gradient clipping, one process.
+LAYERWISE_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise")
 # Optimizer -> (the pyproject extra it needs, the module that extra installs).
-OPTIMIZER_EXTRAS = {"galore_adamw": ("galore", "galore_torch")}
+OPTIMIZER_EXTRAS = {o: ("galore", "galore_torch") for o in PROJECTED_OPTIMIZERS}
 # Offload or shard: optimizer/full on one GPU (DeepSpeed ZeRO-Offload/-Infinity), the rest with
 # several GPUs (DeepSpeed ZeRO-2/3, FSDP2), "-offload" adding CPU offload.
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",

@@ -33,6 +33,7 @@ from lowvram.plan.request import (
     Choice,
     PlanRequest,
     check_attention,
+    check_optimizer,
     missing_extras,
     validate_request,
     vram_needed_bytes,
@@ -58,6 +59,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     """The cheapest plan that fits ``budget``; if none does, the closest one and what would help."""
     validate_request(req)
     check_attention(req, budget, req.mixed_precision or auto_precision(budget, req.weight_dtype))
+    check_optimizer(req, budget)
     cands = [candidate(s, req, budget, estimate) for s in candidate_setups(req, budget)]
     fitting = [c for c in cands if c.fits]
     lowest = min(cands, key=lambda c: (c.peak_bytes, c.slowdown))

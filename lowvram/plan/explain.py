@@ -11,11 +11,12 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from lowvram.plan import activations, backward, moe, states, tiled
+from lowvram.plan import activations, backward, moe, optimizers, states, tiled
 from lowvram.plan import techniques as tq
 from lowvram.plan.request import fits_budget
 from lowvram.plan.setup import DEEPSPEED_CPU_OPTIMIZER, FSDP_OFFLOADS, MemoryEstimate, RunSetup
 from lowvram.units import gib, percent
+from lowvram.vocab import PROJECTED_OPTIMIZERS
 
 Estimator = Callable[[RunSetup], MemoryEstimate]
 
@@ -166,6 +167,9 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     # optimizer
     if req.fixed("optimizer"):
         r["optimizer"] = fixed("optimizer") or "set"
+    elif s.optimizer in PROJECTED_OPTIMIZERS:
+        r["optimizer"] = (f"{s.optimizer}: {without('optimizer', 'with 8-bit AdamW the peak', optimizer='adamw_8bit')}; "
+                          f"{optimizers.given_up(s)}")
     elif s.optimizer != "adamw":
         r["optimizer"] = f"{s.optimizer}: {without('optimizer', optimizer='adamw')}; {percent(tq.OPTIMIZER_8BIT.slowdown)}"
     elif s.offload in DEEPSPEED_CPU_OPTIMIZER:

@@ -86,6 +86,24 @@ MOMENTS: dict[str, tuple[str, str]] = {
     "first_layer_backward": (
         "without checkpointing: the first decoder layer's backward, nearly every gradient made",
         "activations.layer_activation_bytes(first=True), backward.layer_backward_bytes"),
+    "layerwise_layer_step": (
+        "layerwise GaLore: the last decoder layer's largest tensor stepped in its post-accumulate-"
+        "grad hook (its gradient, the step's temporaries, a renewal's SVD) beside every activation "
+        "or checkpoint, the recomputed layer's and the hidden-state gradients; the backward's own "
+        "moments then hold no gradients made so far (a tied lm_head's share only)",
+        "transformers trainer_optimizer._setup_low_rank_optimizer (optimizer_hook, "
+        "register_post_accumulate_grad_hook); optimizers.layerwise_step_bytes; measured: "
+        "bench/results/plan_fuzz_galore_layerwise*.txt"),
+    "layerwise_head_step": (
+        "layerwise GaLore, untied lm_head: the first post-accumulate-grad hook, lm_head's gradient "
+        "and its AdamW step beside every saved activation (or checkpoint) but the head's and the "
+        "hidden-state gradient",
+        "transformers trainer_optimizer._setup_low_rank_optimizer (optimizer_hook, "
+        "register_post_accumulate_grad_hook); optimizers.layerwise_step_bytes; measured: "
+        "bench/results/plan_fuzz_galore_layerwise*.txt"),
+    "layerwise_embedding_step": (
+        "layerwise GaLore, untied: the embedding's gradient and step, the last hook of the backward",
+        "as layerwise_head_step"),
     "reference_forward": (
         "DPO without precomputed reference log-probs: the reference's no-grad forward after the "
         "policy's, every saved activation of the 2b concatenated rows alive beside the reference's "

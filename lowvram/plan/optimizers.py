@@ -1,4 +1,6 @@
-"""Optimizers beyond AdamW's kin, counted from their source: GaLore (optimizer galore_adamw).
+"""Optimizers beyond AdamW's kin, counted from their source: GaLore (optimizer galore_adamw) and
+its 8-bit and layerwise forms (galore_adamw_8bit, galore_adamw_layerwise,
+galore_adamw_8bit_layerwise: the Trainer's own optim names).
 
 GaLore (Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank
 Projection"), as galore-torch 1.0 implements it (``galore_torch/adamw.py`` AdamW.step,
@@ -19,8 +21,35 @@ plain AdamW group). For a target weight of d_out x d_in (m x n), k = min(m, n), 
   copy unless fp32) gives U (m x k), S and Vh (k x n), beside the old projector. LAPACK's or
   cuSOLVER's own workspace is not counted (the live-bytes tracker sees tensors only).
 
-Measured: the state of a real GaLoreAdamW after one Trainer step (tests/plan/test_galore.py,
-exact) and whole runs through ``lowvram train`` (the differential test's GaLore draws).
+**8-bit** (``galore_torch/adamw8bit.py`` AdamW8bit, a bitsandbytes 0.50 ``Optimizer2State``):
+a target's step projects the gradient, swaps ``p.data`` for a zeroed tensor of the projected
+shape (``p.saved_data = p.data.clone()``: a second m x n weight while the full gradient is still
+``p.grad``), then ``init_state`` sizes the state by that projected ``p``: below ``min_8bit_size``
+(4096 elements) two fp32 moments, else two uint8 moments and one fp32 absmax per 256-element block
+each (``blocksize = 256``). Every other parameter the same rule on its own shape; the embedding is
+*not* kept in 32 bit (the Trainer's ``register_module_override`` runs only when "bitsandbytes" is
+in the class's path, and galore_torch's is not). AdamW8bit hands ``percentile_clipping=100`` to
+the positional slot of ``max_unorm``, so every state also gets a 4-byte ``unorm_vec``; each
+optimizer that has an 8-bit state holds the two 256-entry fp32 maps (``name2qmap``). bitsandbytes
+updates in place; the projection back makes two m x n tensors (``project_back``, ``* scale``)
+added into ``saved_data``. Its step calls ``torch.cuda.synchronize()`` unconditionally: it cannot
+step on a machine without CUDA.
+
+**Layerwise** (transformers ``_setup_low_rank_optimizer``, ``is_layerwise``): one optimizer per
+parameter (``optimizer_dict[param] = optimizer_cls([{"params": [param], ...}])``), stepped and
+zeroed (``zero_grad``: ``.grad = None``) by ``register_post_accumulate_grad_hook`` as soon as the
+parameter's gradient is accumulated; the Trainer's optimizer is ``LayerWiseDummyOptimizer``, whose
+``step`` does nothing. So no full set of gradients is ever alive: inside the backward, one
+parameter's gradient and its step's temporaries (the SVD at a renewal too) beside what the
+backward holds then (:func:`layerwise_step_bytes`; the moments in plan/memory.py). What it gives
+up: gradient accumulation (``ValueError`` "does not support gradient accumulation" unless
+``gradient_accumulation_steps == 1``), several processes (``NotImplementedError`` under DDP), and
+gradient clipping: the Trainer's ``clip_grad_norm_`` runs after the backward, on parameters whose
+gradients the hooks already applied and set to None (it clips nothing and logs a norm of 0).
+
+Measured: the state of a real GaLoreAdamW / AdamW8bit (its ``cuda.synchronize`` stubbed on the
+CPU) after one Trainer step, plain and layerwise (tests/plan/test_galore.py, exact), and whole
+runs through ``lowvram train`` (the differential test's GaLore draws; 8-bit cannot run there).
 """
 
 from __future__ import annotations
@@ -29,11 +58,15 @@ from math import prod
 
 from lowvram.plan.models import ModelSpec, block_linears
 from lowvram.plan.setup import RunSetup
-from lowvram.vocab import PROJECTED_OPTIMIZERS
+from lowvram.vocab import GALORE_8BIT_OPTIMIZERS, LAYERWISE_OPTIMIZERS, PROJECTED_OPTIMIZERS
 
 GALORE_RANK = 128  # transformers' default (optim_args rank)
 GALORE_UPDATE_PROJ_GAP = 200  # transformers' default (optim_args update_proj_gap)
 GALORE_SCALE = 0.25  # transformers' default (optim_args scale)
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer2State min_8bit_size (galore_torch AdamW8bit's default)
+BNB_BLOCKSIZE = 256  # bitsandbytes Optimizer2State.init_state: blocksize = 256 (one fp32 absmax each)
+BNB_QMAPS_BYTES = 2 * 256 * 4  # name2qmap "dynamic" + "udynamic": 256 fp32 each, per optimizer
+BNB_UNORM_BYTES = 4  # state["unorm_vec"]: (1,) fp32, max_unorm > 0 (AdamW8bit's positional slip)
 
 
 def galore_targets(spec: ModelSpec) -> tuple[str, ...]:
@@ -44,6 +77,29 @@ def galore_targets(spec: ModelSpec) -> tuple[str, ...]:
 
 def projected(setup: RunSetup) -> bool:
     return setup.optimizer in PROJECTED_OPTIMIZERS
+
+
+def layerwise(setup: RunSetup) -> bool:
+    return setup.optimizer in LAYERWISE_OPTIMIZERS
+
+
+def eight_bit(setup: RunSetup) -> bool:
+    return setup.optimizer in GALORE_8BIT_OPTIMIZERS
+
+
+def given_up(setup: RunSetup) -> str:
+    """What the setup's GaLore form gives up, for the plan's reason (the search's order:
+    request.optimizer_given_up)."""
+    out = [f"GaLore trains every weight but each decoder Linear's update lives in a rank-"
+           f"{setup.galore_rank} subspace (renewed every update_proj_gap steps; its step-time "
+           "cost is not measured by this project)"]
+    if eight_bit(setup):
+        out.append("8-bit moments (bitsandbytes blockwise; CUDA only)")
+    if layerwise(setup):
+        out.append("layerwise: each parameter stepped in the backward, so no gradient clipping "
+                   "(training.max_grad_norm has nothing left to clip), no gradient accumulation "
+                   "and one process only")
+    return "; ".join(out)
 
 
 def optimizer_problems(setup: RunSetup) -> list[str]:
@@ -63,6 +119,16 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
     if setup.model.model_type == "gpt2":
         out.append(f"optimizer {o}: GPT-2's projections are Conv1D, not nn.Linear (transformers' "
                    "optim_target_modules takes Linears only)")
+    if eight_bit(setup) and setup.device != "cuda":
+        out.append(f"optimizer {o} needs CUDA: galore_torch's AdamW8bit.step calls "
+                   "torch.cuda.synchronize() (use galore_adamw or galore_adamw_layerwise on this machine)")
+    if layerwise(setup) and setup.grad_accum != 1:
+        out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
+                   f"gradients (transformers raises for gradient_accumulation {setup.grad_accum}; "
+                   "use gradient_accumulation 1, or galore_adamw)")
+    if layerwise(setup) and setup.gpus > 1:
+        out.append(f"optimizer {o} runs in one process only (transformers raises NotImplementedError "
+                   "under DDP; use --gpus 1, or galore_adamw)")
     return out
 
 
@@ -75,13 +141,36 @@ def _projected_shape(m: int, n: int, rank: int) -> tuple[int, int]:
     return (m, q) if m >= n else (q, n)
 
 
+def _bnb_state_bytes(numel: int) -> int:
+    """A bitsandbytes Optimizer2State's two moments of one tensor (init_state): fp32 below
+    min_8bit_size, else uint8 + an fp32 absmax per block of 256; plus unorm_vec (see the module)."""
+    if numel < BNB_MIN_8BIT_SIZE:
+        return 8 * numel + BNB_UNORM_BYTES
+    return 2 * numel + 2 * 4 * -(-numel // BNB_BLOCKSIZE) + BNB_UNORM_BYTES
+
+
+def _moments_bytes(setup: RunSetup, w: int, numel: int) -> int:
+    return _bnb_state_bytes(numel) if eight_bit(setup) else 2 * w * numel
+
+
+def _qmaps_bytes(setup: RunSetup, numels: list[int]) -> int:
+    """The 256-entry maps of every optimizer holding an 8-bit state: one optimizer, or one per
+    parameter when layerwise (fill_qmap runs per instance)."""
+    if not eight_bit(setup):
+        return 0
+    quantized = [n for n in numels if n >= BNB_MIN_8BIT_SIZE]
+    if not quantized:
+        return 0
+    return BNB_QMAPS_BYTES * (len(quantized) if layerwise(setup) else 1)
+
+
 def galore_state_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -> int:
-    """GaLoreAdamW's state: projected moments and projectors of the target weights, AdamW's
-    moments of every other trainable tensor (``shapes``: states.trainable_tensors). ``w``: bytes
-    of the parameter (and gradient) dtype."""
+    """GaLore's state: projected moments and projectors of the target weights, AdamW's (or
+    bitsandbytes' 8-bit) moments of every other trainable tensor (``shapes``:
+    states.trainable_tensors). ``w``: bytes of the parameter (and gradient) dtype."""
     targets = _target_shapes(setup)
     rest = list(shapes)
-    total = 0
+    total, numels = 0, []
     for m, n in targets:
         rest.remove((m, n))
         rank = setup.galore_rank
@@ -91,21 +180,73 @@ def galore_state_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -
             projector = 4 * (k * n if m >= n else m * k)
         else:
             projector = w * (min(rank, k) * n if m >= n else m * min(rank, k))
-        total += 2 * w * pm * pn + projector
-    return total + 2 * w * sum(prod(s) for s in rest)
+        total += _moments_bytes(setup, w, pm * pn) + projector
+        numels.append(pm * pn)
+    numels += [prod(s) for s in rest]
+    return total + sum(_moments_bytes(setup, w, prod(s)) for s in rest) + _qmaps_bytes(setup, numels)
+
+
+def _svd_bytes(w: int, m: int, n: int) -> int:
+    """A projector's renewal: ``torch.linalg.svd(matrix.float())``, U (m x k), S, Vh (k x n)."""
+    k = min(m, n)
+    copy = 0 if w == 4 else 4 * m * n  # matrix.float()
+    return copy + 4 * (m * k + k + k * n)
+
+
+def _step_temps(setup: RunSetup, w: int, shape: tuple[int, ...], target: bool) -> int:
+    """Temporaries of one parameter's step beyond its gradient (see the module).
+
+    32-bit: ``denom`` and ``exp_avg / denom`` (state-sized; a target's ``project_back`` and
+    ``* scale`` full-sized): 2 x the parameter's size, or a renewal's SVD. 8-bit: bitsandbytes
+    updates in place (0 for a tensor it does not project); a target's ``saved_data`` clone
+    (m x n beside the full gradient) or a renewal's SVD; its two full-sized projection-back
+    tensors come after the full gradient is dropped (``p.grad = grad``), so they count as the
+    clone plus the gradient (:func:`layerwise_step_bytes` adds the gradient)."""
+    numel = prod(shape)
+    if eight_bit(setup):
+        return max(w * numel, _svd_bytes(w, *shape)) if target else 0
+    return max(2 * w * numel, _svd_bytes(w, *shape)) if target else 2 * w * numel
+
+
+def _all_tensors(setup: RunSetup, shapes: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, projected?) of every trainable tensor."""
+    rest = list(shapes)
+    out = []
+    for t in _target_shapes(setup):
+        rest.remove(t)
+        out.append((t, True))
+    return out + [(s, False) for s in rest]
 
 
 def galore_step_temp_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -> int:
-    """The step's largest working set (see the module): two tensors of the largest parameter, or a
-    projector's renewal (the SVD of the largest target's gradient, beside its old projector)."""
-    largest = max(prod(s) for s in shapes)
-    svd = 0
-    for m, n in _target_shapes(setup):
-        k = min(m, n)
-        copy = 0 if w == 4 else 4 * m * n  # matrix.float()
-        svd = max(svd, copy + 4 * (m * k + k + k * n))
-    return max(2 * w * largest, svd)
+    """The step's largest working set beside every gradient (see the module): two tensors of the
+    largest parameter, or a projector's renewal (the SVD of the largest target's gradient, beside
+    its old projector); 8-bit: the largest target's clone or renewal. Layerwise: 0, the Trainer's
+    optimizer.step() is LayerWiseDummyOptimizer's no-op (the steps ran in the backward)."""
+    if layerwise(setup):
+        return 0
+    return max(_step_temps(setup, w, s, target) for s, target in _all_tensors(setup, shapes))
 
 
-__all__ = ["GALORE_RANK", "GALORE_SCALE", "GALORE_UPDATE_PROJ_GAP", "galore_state_bytes",
-           "galore_step_temp_bytes", "galore_targets", "optimizer_problems", "projected"]
+def layerwise_step_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]],
+                         which: str = "block") -> int:
+    """Layerwise: the largest gradient + step working set of one parameter, stepped in its
+    post-accumulate-grad hook (transformers _setup_low_rank_optimizer ``optimizer_hook``:
+    ``step()`` then ``zero_grad()``). ``which``: "block" (the decoder layers' tensors), "head"
+    (the untied lm_head, the first stepped) or "all"."""
+    spec = setup.model
+    head = (spec.vocab_size, spec.hidden_size)
+    tensors = _all_tensors(setup, shapes)
+    if which == "head":
+        tensors = [(head, False)]
+    elif which == "block":
+        block = {(lin.d_out, lin.d_in) for lin in block_linears(spec)}
+        tensors = [(s, t) for s, t in tensors if t or (s != head and (len(s) == 1 or s in block))]
+    if not tensors:
+        return 0
+    return max(w * prod(s) + _step_temps(setup, w, s, target) for s, target in tensors)
+
+
+__all__ = ["GALORE_RANK", "GALORE_SCALE", "GALORE_UPDATE_PROJ_GAP", "eight_bit", "galore_state_bytes",
+           "galore_step_temp_bytes", "galore_targets", "given_up", "layerwise", "layerwise_step_bytes",
+           "optimizer_problems", "projected"]

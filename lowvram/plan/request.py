@@ -21,7 +21,7 @@ from lowvram.plan.setup import (
 )
 from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.types import Plan
-from lowvram.vocab import PROJECTED_OPTIMIZERS
+from lowvram.vocab import GALORE_8BIT_OPTIMIZERS, LAYERWISE_OPTIMIZERS, PROJECTED_OPTIMIZERS
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
 # on the card, fragmentation spikes, the first-step warm-up): chosen, in lowvram.plan.constants.
@@ -99,6 +99,9 @@ class PlanRequest:
     galore_rank: int = 128  # galore.*: optimizer galore_adamw (plan/optimizers.py)
     galore_update_proj_gap: int = 200  # no memory effect; carried into the Plan for training
     galore_scale: float = 0.25  # no memory effect; carried into the Plan for training
+    # training.max_grad_norm written in the recipe (> 0): the user asks for gradient clipping, which
+    # a layerwise optimizer cannot do (plan/optimizers.py): refused when fixed, never searched
+    gradient_clipping: bool = False
     weight_dtype: str | None = None  # model.dtype fixed in the recipe: auto precision follows it
     mixed_precision: str | None = None
     gradient_checkpointing: bool | None = None
@@ -217,9 +220,9 @@ def validate_request(req: PlanRequest) -> None:
     conflict = tiled_mlp_conflict(bool(req.tiled_mlp), req.model is not None and req.model.is_moe)
     if conflict:
         raise LowvramError(conflict, "use --tiled-mlp off (or auto)")
-    if req.objective != "sft" and (req.tiled_mlp or req.lora_use_dora or req.optimizer == "galore_adamw"):
+    if req.objective != "sft" and (req.tiled_mlp or req.lora_use_dora or req.optimizer in PROJECTED_OPTIMIZERS):
         # TRL's preference trainers with these: not modelled (plan/preference.py counts SFT's terms on 2b rows)
-        what = "tiled_mlp" if req.tiled_mlp else "lora.use_dora" if req.lora_use_dora else "optimizer galore_adamw"
+        what = "tiled_mlp" if req.tiled_mlp else "lora.use_dora" if req.lora_use_dora else f"optimizer {req.optimizer}"
         raise LowvramError(f"objective {req.objective} with {what} is not modelled",
                            f"train {req.objective} without {what}, or plan it as objective sft")
     smallest = preference.min_micro_batch_size(req.objective)
@@ -268,6 +271,49 @@ def validate_request(req: PlanRequest) -> None:
                 f"!= batch_size {req.batch_size}",
                 "fix two of the three and let the planner derive the third",
             )
+
+
+def check_optimizer(req: PlanRequest, budget: Budget) -> None:
+    """A fixed GaLore form that cannot run as asked -> LowvramError (the search never picks one:
+    lowvram.plan.search.candidate_setups). 8-bit: CUDA only; layerwise: gradient accumulation 1,
+    one process, no gradient clipping (plan/optimizers.py, transformers _setup_low_rank_optimizer)."""
+    o = req.optimizer
+    if o in GALORE_8BIT_OPTIMIZERS and budget.device != "cuda":
+        other = "galore_adamw_layerwise" if o in LAYERWISE_OPTIMIZERS else "galore_adamw"
+        raise LowvramError(f"optimizer {o} needs a CUDA GPU: galore_torch's AdamW8bit calls "
+                           f"torch.cuda.synchronize() in every step, and this plan is for {budget.device}",
+                           f"set techniques.optimizer: {other} to train here, or train on a CUDA GPU")
+    if o not in LAYERWISE_OPTIMIZERS:
+        return
+    accumulation = req.grad_accum
+    fixed_micro = fixed_micro_batch_size(req)
+    if accumulation is None and fixed_micro is not None:
+        accumulation = req.batch_size // req.gpus // fixed_micro
+    if accumulation not in (None, 1):
+        raise LowvramError(f"optimizer {o} steps each parameter inside the backward, so it cannot "
+                           f"accumulate gradients (gradient_accumulation {accumulation}; transformers "
+                           "raises 'does not support gradient accumulation')",
+                           "set training.batch_size equal to micro_batch_size (gradient_accumulation 1), "
+                           "or use optimizer galore_adamw")
+    if req.gpus > 1:
+        raise LowvramError(f"optimizer {o} runs in one process only (transformers raises NotImplementedError "
+                           f"for layerwise GaLore under DDP), and {req.gpus} GPUs were asked for",
+                           "use --gpus 1, or optimizer galore_adamw")
+    if req.gradient_clipping:
+        raise LowvramError(f"optimizer {o} cannot clip gradients: each parameter is stepped as soon as its "
+                           "gradient exists, before the Trainer's clip_grad_norm_ (which would clip nothing)",
+                           "set training.max_grad_norm: 0 (no clipping), or use optimizer galore_adamw")
+
+
+def optimizer_given_up(setup: RunSetup) -> int:
+    """What a plan's optimizer gives up, beyond speed, within a plan_level (the search's second
+    key): 0 AdamW and its 8-bit form (the same results: Dettmers et al. 2022); 1 GaLore, plain or
+    8-bit (all weights trained, but each decoder Linear's update is low-rank, Zhao et al. 2024;
+    its 8-bit moments give up nothing more, so speed decides between the two); 2 layerwise GaLore
+    (also no gradient clipping, no gradient accumulation, one process: plan/optimizers.py)."""
+    if setup.optimizer in LAYERWISE_OPTIMIZERS:
+        return 2
+    return 1 if setup.optimizer in PROJECTED_OPTIMIZERS else 0
 
 
 _EXAMPLE = {"seq_len": 1024, "batch_size": 16, "gpus": 1, "lora_r": 16}
@@ -319,7 +365,7 @@ def missing_extras(setup: RunSetup, budget: Budget) -> tuple[str, ...]:
 
 
 __all__ = [
-    "Budget", "Candidate", "check_attention", "Choice", "EXTRAS", "fits_budget", "fixed_micro_batch_size", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
+    "Budget", "Candidate", "check_attention", "check_optimizer", "Choice", "optimizer_given_up", "EXTRAS", "fits_budget", "fixed_micro_batch_size", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
     "missing_extras", "plan_level", "PlanRequest", "Rung", "safety_margin_bytes", "SHARDED",
     "validate_request", "vram_needed_bytes",
 ]

@@ -11,7 +11,7 @@ from lowvram.plan import moe, preference
 from lowvram.plan import techniques as tq
 from lowvram.plan.backward import CHUNK_TOKENS, MIN_CHUNK_TOKENS, logits_bytes
 from lowvram.plan.explain import Estimator, divisors_descending
-from lowvram.plan.optimizers import galore_targets
+from lowvram.plan.optimizers import galore_targets, optimizer_problems
 from lowvram.plan.request import (
     SHARDED,
     Budget,
@@ -20,6 +20,7 @@ from lowvram.plan.request import (
     fits_budget,
     fixed_micro_batch_size,
     missing_extras,
+    optimizer_given_up,
     plan_level,
 )
 from lowvram.plan.setup import (
@@ -30,7 +31,7 @@ from lowvram.plan.setup import (
     quantization_conflict,
 )
 from lowvram.plan.types import Plan, dtype_precision
-from lowvram.vocab import PROJECTED_OPTIMIZERS
+from lowvram.vocab import LAYERWISE_OPTIMIZERS, PROJECTED_OPTIMIZERS
 
 # Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
 # communication (~1.2x, techniques.OFFLOAD_SLOWDOWN), about what gradient checkpointing costs; so
@@ -82,11 +83,26 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         # and not with DoRA (the two together are not modelled: validate_request refuses them)
         "tiled_mlp": (pick("tiled_mlp", [False, True]) if (req.model is None or not req.model.is_moe)
                       and not req.lora_use_dora and req.objective == "sft" else [False]),
-        "optimizer": pick("optimizer", ["adamw", "adamw_8bit"]),
+        "optimizer": pick("optimizer", ["adamw", "adamw_8bit"] + galore_options(req, budget)),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
         "offload": pick("offload", _auto_offloads(req, on_gpu)),
     }
+
+
+def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
+    """GaLore's forms the search tries on auto: only for full fine-tuning the user asked for
+    (lora fixed off: with lora on auto, LoRA stays the answer to a model too big to train whole)
+    and only where galore_torch is installed (vocab.OPTIMIZER_EXTRAS); the 8-bit forms only for a
+    CUDA plan, the layerwise ones not when the recipe asks for gradient clipping. They rank after
+    AdamW and 8-bit AdamW (request.optimizer_given_up); each setup is checked again in
+    candidate_setups (optimizers.optimizer_problems: MoE, GPT-2, several GPUs, accumulation)."""
+    if req.lora is not False or req.objective != "sft" or req.model is None or "galore" in budget.missing_extras:
+        return []
+    out = ["galore_adamw"] + (["galore_adamw_8bit"] if budget.device == "cuda" else [])
+    if not req.gradient_clipping:
+        out += ["galore_adamw_layerwise"] + (["galore_adamw_8bit_layerwise"] if budget.device == "cuda" else [])
+    return out
 
 
 def allowed_micro_batches(req: PlanRequest, sizes: list[int]) -> list[int]:
@@ -128,6 +144,8 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
         # GaLore projects the full weights' gradients, unsharded and unflattened (plan/optimizers.py)
         if optim in PROJECTED_OPTIMIZERS and (lora or offload != "none"):
             continue
+        if optim in LAYERWISE_OPTIMIZERS and per_gpu // micro != 1:  # stepped in the backward: no accumulation
+            continue
         out.append(RunSetup(
             model=req.model, precision=precision, quantization=quant,
             lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
@@ -142,6 +160,8 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             tiled_mlp=tiled_mlp, tiled_mlp_shards=req.tiled_mlp_shards,
             objective=req.objective, precompute_ref=req.precompute_ref,
         ))
+    if req.optimizer is None:  # GaLore on auto: only where it runs (a fixed one is refused with its reason)
+        out = [s for s in out if s.optimizer not in PROJECTED_OPTIMIZERS or not optimizer_problems(s)]
     return out
 
 
@@ -195,11 +215,12 @@ def candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Estim
 
 
 def rank(c: Candidate, budget: Budget | None = None) -> tuple:
-    """Search order among fitting plans: the lowest level (plan_level), then plans that need no
-    missing extra, then the fastest (techniques.setup_slowdown); ties in speed go to the larger
+    """Search order among fitting plans: the lowest level (plan_level), then what the optimizer
+    gives up (request.optimizer_given_up: AdamW, then GaLore, then layerwise GaLore), then plans
+    that need no missing extra, then the fastest (techniques.setup_slowdown); ties in speed go to the larger
     micro-batch (fewer passes), then to the smaller peak."""
     missing = bool(missing_extras(c.setup, budget)) if budget else False
-    return (plan_level(c.setup), missing, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
+    return (plan_level(c.setup), optimizer_given_up(c.setup), missing, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
 
 
 def chunk_resized(s: RunSetup) -> bool:
@@ -241,7 +262,8 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
 
 
 __all__ = [
-    "auto_precision", "candidate", "candidate_setups", "chunk_resized", "describe_setup", "fixed_micro_batch_size", "allowed_micro_batches",
+    "auto_precision", "candidate", "candidate_setups", "chunk_resized", "describe_setup", "fixed_micro_batch_size",
+    "allowed_micro_batches", "galore_options",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
     "sized_estimate", "sized_loss_chunk", "technique_options", "TIER_SHARD",
 ]

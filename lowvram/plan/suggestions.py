@@ -11,6 +11,7 @@ from lowvram.plan.catalog import catalog_names, resolve_model
 from lowvram.plan.explain import Estimator
 from lowvram.plan.limits import max_fitting_seq_len
 from lowvram.plan.models import count_parameters
+from lowvram.plan.optimizers import optimizer_problems
 from lowvram.plan.request import Budget, Candidate, PlanRequest, fits_budget, vram_needed_bytes
 from lowvram.plan.search import candidate, candidate_setups, rank
 from lowvram.plan.setup import RunSetup
@@ -87,6 +88,8 @@ def _smaller_model(req: PlanRequest, budget: Budget, lowest: Candidate, estimate
         if moe.attention_problems(spec, lowest.setup.attention):
             continue  # gpt-oss cannot run this setup's attention
         other = replace(lowest.setup, model=spec, tiled_mlp=lowest.setup.tiled_mlp and not spec.is_moe)
+        if optimizer_problems(other):
+            continue  # a GaLore setup on an MoE or GPT-2 model (plan/optimizers.py)
         if fits_budget(estimate(other), budget):
             best = (n, name)
     if best is None:

@@ -143,9 +143,12 @@ OPTIMIZER_SLOWDOWN = {
     "adafactor": 1.05, "sgd": 0.98,
     # not measured by this project (no GPU run yet): AdamW's step plus a projection and its
     # projection back per decoder Linear, and an SVD of each every update_proj_gap steps. A
-    # placeholder: the search never chooses galore_adamw (only --optimizer / the recipe does), so it
-    # only orders alternatives
-    "galore_adamw": 1.1,
+    # placeholder. The search tries GaLore only for full fine-tuning asked for, after AdamW and its
+    # 8-bit form (request.optimizer_given_up), so these order the GaLore forms among themselves:
+    # the 8-bit step is bitsandbytes' (x 1.03, as adamw_8bit); layerwise does the same work, one
+    # parameter at a time in the backward
+    "galore_adamw": 1.1, "galore_adamw_8bit": 1.13, "galore_adamw_layerwise": 1.1,
+    "galore_adamw_8bit_layerwise": 1.13,
 }
 QUANTIZATION_SLOWDOWN = {
     "none": 1.0, "nf4": 1.35, "nf4-dq": 1.35, "fp4": 1.35,

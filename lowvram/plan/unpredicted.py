@@ -62,11 +62,11 @@ def unpredicted_plan(req: PlanRequest, budget: Budget) -> Plan:
     fixed = without_auto(req, budget)
     validate_request(fixed)
     check_attention(req, budget, fixed.mixed_precision)
-    (setup,) = candidate_setups(fixed, budget)
-    if setup.optimizer in PROJECTED_OPTIMIZERS and setup.model is None:
-        raise LowvramError(f"optimizer {setup.optimizer} needs the model's architecture (its target modules are "
+    if fixed.optimizer in PROJECTED_OPTIMIZERS and fixed.model is None:  # before the search, which skips it
+        raise LowvramError(f"optimizer {fixed.optimizer} needs the model's architecture (its target modules are "
                            "the decoder blocks' linear layers), and it cannot be read here",
                            "use a model folder with config.json or a catalog name, or techniques.optimizer: adamw")
+    (setup,) = candidate_setups(fixed, budget)
     return plan_for_setup(setup, budget.device, req.lora_alpha, req.lora_use_rslora, req.galore_update_proj_gap,
                           req.galore_scale, reasons=unpredicted_reasons(setup, req, budget))
 

@@ -12,7 +12,7 @@ from lowvram.plan.cards import read_vram
 from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
 from lowvram.units import gib
-from lowvram.vocab import BNB_OPTIMIZERS, ON_VALUES
+from lowvram.vocab import BNB_OPTIMIZERS, GALORE_8BIT_OPTIMIZERS, ON_VALUES
 
 
 def make_budget(vram: str | None = None, hardware=None, gpus: int = 1, host_ram: str | None = None):
@@ -84,8 +84,8 @@ def missing_extras() -> tuple[str, ...]:
     """Optional extras (pyproject.toml) a plan may need that are not importable here."""
     import importlib.util
 
-    return tuple(e for e, module in (("deepspeed", "deepspeed"), ("liger", "liger_kernel"))
-                 if importlib.util.find_spec(module) is None)
+    extras = (("deepspeed", "deepspeed"), ("liger", "liger_kernel"), ("galore", "galore_torch"))
+    return tuple(e for e, module in extras if importlib.util.find_spec(module) is None)
 
 
 def _budget(vram: str | None, hardware):
@@ -168,7 +168,7 @@ def check_runnable(plan: Plan, hardware) -> Plan:
 
 def _check_bnb(quantization: str, optimizer: str, hardware) -> None:
     needs_bnb = [f"quantization {quantization}"] if quantization not in ("none", "off", "auto") else []
-    if optimizer in (*BNB_OPTIMIZERS, "on"):
+    if optimizer in (*BNB_OPTIMIZERS, *GALORE_8BIT_OPTIMIZERS, "on"):
         needs_bnb.append(f"optimizer {ON_VALUES['optimizer'] if optimizer == 'on' else optimizer}")
     if not needs_bnb:
         return

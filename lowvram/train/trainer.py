@@ -9,7 +9,12 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.plan.setup import FSDP_OFFLOADS
-from lowvram.vocab import OPTIMIZER_EXTRAS, PROJECTED_OPTIMIZERS, TRAINER_OPTIMIZERS
+from lowvram.vocab import (
+    LAYERWISE_OPTIMIZERS,
+    OPTIMIZER_EXTRAS,
+    PROJECTED_OPTIMIZERS,
+    TRAINER_OPTIMIZERS,
+)
 
 
 def output_dir(recipe) -> Path:
@@ -36,7 +41,7 @@ def precision_flags(plan) -> dict:
 
 
 def projected_optimizer_arguments(plan) -> dict:
-    """optimizer galore_adamw: the Linears it projects (optim_target_modules, by name, as
+    """optimizer galore_adamw (and its 8-bit and layerwise forms): the Linears it projects (optim_target_modules, by name, as
     transformers' _setup_low_rank_optimizer matches them) and its optim_args; checks the extra."""
     if plan.optimizer not in PROJECTED_OPTIMIZERS:
         return {}
@@ -53,6 +58,15 @@ def projected_optimizer_arguments(plan) -> dict:
     return {"optim_target_modules": list(plan.optimizer_target_modules),
             "optim_args": f"rank={plan.galore_rank},update_proj_gap={plan.galore_update_proj_gap},"
                           f"scale={plan.galore_scale}"}
+
+
+def max_grad_norm(plan, asked: float) -> float:
+    """training.max_grad_norm, or 0 under a layerwise GaLore optimizer: its hooks step each
+    parameter and set its .grad to None inside the backward (transformers _setup_low_rank_optimizer
+    ``optimizer_hook``), so the Trainer's clip_grad_norm_ afterwards would clip nothing and log a
+    norm of 0. A recipe that writes a max_grad_norm is refused before training
+    (plan.request.check_optimizer); the default is dropped, as the plan's reason says."""
+    return 0.0 if plan.optimizer in LAYERWISE_OPTIMIZERS else asked
 
 
 def fsdp_on_cpu(plan) -> bool:
@@ -138,7 +152,7 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
         lr_scheduler_type=t.lr_scheduler,
         warmup_steps=t.warmup_ratio,  # a float < 1 is a fraction of the total steps (transformers 5)
         weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm,
+        max_grad_norm=max_grad_norm(plan, t.max_grad_norm),
         **steps,
         **evals,
         **precision_flags(plan),

@@ -1,6 +1,7 @@
-"""optimizer galore_adamw (GaLore, galore-torch): its state counted by the planner
-(lowvram.plan.optimizers) against the real optimizer the Trainer builds from lowvram's
-TrainingArguments, its constraints, and runs through `lowvram train` (issue 27)."""
+"""optimizer galore_adamw and its 8-bit and layerwise forms (GaLore, galore-torch): their state
+counted by the planner (lowvram.plan.optimizers) against the real optimizer the Trainer builds
+from lowvram's TrainingArguments, their constraints, the search's use of them, and runs through
+`lowvram train` (issue 27)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ TINY = replace(LLAMA, num_layers=2, hidden_size=64, intermediate_size=160, num_h
                head_dim=16, vocab_size=256, tie_word_embeddings=False)
 
 
-def _state_bytes_after_one_step(precision: str, rank: int, tmp_path) -> int:
-    """Bytes of every tensor storage in the Trainer's GaLoreAdamW state after one step."""
+def _state_bytes_after_one_step(precision: str, rank: int, tmp_path, optimizer: str = "galore_adamw",
+                                monkeypatch=None) -> int:
+    """Bytes of every tensor storage in the Trainer's GaLore optimizer state after one step (a
+    layerwise one: the states of the per-parameter optimizers its hooks stepped in the backward).
+    The 8-bit forms' ``torch.cuda.synchronize()`` (galore_torch/adamw8bit.py, after each update)
+    is stubbed: it only waits for CUDA kernels, and there are none on the CPU."""
     pytest.importorskip("galore_torch")
     import torch
     from transformers import AutoModelForCausalLM, Trainer
@@ -34,7 +39,15 @@ def _state_bytes_after_one_step(precision: str, rank: int, tmp_path) -> int:
     from lowvram.train.model import prepare_model
     from lowvram.train.trainer import build_training_args
 
-    setup = RunSetup(TINY, precision=precision, optimizer="galore_adamw", galore_rank=rank, device="cpu")
+    if "8bit" in optimizer:
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+        # bitsandbytes' GlobalOptimManager keys its 32-bit overrides by id(parameter): an earlier
+        # test's registrations (the Trainer's embedding overrides for adamw_8bit) would apply to
+        # a new parameter that happens to reuse an id. One process trains one model; a test must not inherit.
+        from bitsandbytes.optim import GlobalOptimManager
+
+        GlobalOptimManager.get_instance().initialize()
+    setup = RunSetup(TINY, precision=precision, optimizer=optimizer, galore_rank=rank, device="cpu")
     plan = plan_for_setup(setup, "cpu", 16)
     recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},
                                     "training": {"output_dir": str(tmp_path), "report_to": "none", "max_steps": 1}})
@@ -46,8 +59,12 @@ def _state_bytes_after_one_step(precision: str, rank: int, tmp_path) -> int:
     ids = torch.randint(0, 256, (1, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
+    optimizers = list(opt.optimizer_dict.values()) if "layerwise" in optimizer else [opt]
+    if "layerwise" in optimizer:  # every parameter was stepped in its hook, its gradient dropped
+        assert all(p.grad is None for p in model.parameters())
+        assert all(o.state for o in optimizers)
     seen, total = set(), 0
-    for state in opt.state.values():
+    for state in (s for o in optimizers for s in o.state.values()):
         for v in state.values():
             tensors = [v] if isinstance(v, torch.Tensor) else [getattr(v, "ortho_matrix", None)]
             for t in tensors:
@@ -64,6 +81,34 @@ def test_galore_state_is_the_real_optimizers(precision, rank, tmp_path):
     assert optimizer_bytes(setup) == _state_bytes_after_one_step(precision, rank, tmp_path)
 
 
+@pytest.mark.parametrize("optimizer", ["galore_adamw_8bit", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_galore_forms_state_is_the_real_optimizers(optimizer, precision, tmp_path, monkeypatch):
+    """rank 8 and 48 at once: the 8-bit forms' projected moments fall on both sides of
+    bitsandbytes' min_8bit_size (160 x 8 and 64 x 48 below 4096, 160 x 48 above), as do the
+    other tensors (norms below, the 256 x 64 embedding and lm_head above)."""
+    for rank in (8, 48):
+        setup = RunSetup(TINY, precision=precision, optimizer=optimizer, galore_rank=rank)
+        assert optimizer_bytes(setup) == _state_bytes_after_one_step(precision, rank, tmp_path / str(rank),
+                                                                     optimizer, monkeypatch)
+
+
+def test_8bit_galore_cannot_step_on_this_cpu():
+    """Why `lowvram train` refuses the 8-bit forms on a machine without CUDA (and the differential
+    test cannot draw them): galore_torch's AdamW8bit.step calls torch.cuda.synchronize()."""
+    pytest.importorskip("galore_torch")
+    import torch
+    from galore_torch import GaLoreAdamW8bit
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine steps it")
+    w = torch.nn.Parameter(torch.randn(64, 128))
+    opt = GaLoreAdamW8bit([{"params": [w], "rank": 8, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}])
+    w.grad = torch.randn(64, 128)
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        opt.step()
+
+
 def test_galore_keeps_less_state_than_8bit_adamw_on_a_3b_model():
     s = RunSetup(resolve_model("llama-3.2-3b"), precision="bf16", gradient_checkpointing=True, seq_len=2048)
     assert optimizer_bytes(replace(s, optimizer="galore_adamw")) < optimizer_bytes(replace(s, optimizer="adamw_8bit")) // 3
@@ -77,6 +122,114 @@ def test_galore_keeps_less_state_than_8bit_adamw_on_a_3b_model():
 def test_galore_constraints_are_refused_before_training(changes, why):
     with pytest.raises(LowvramError, match=why):
         estimate_memory(replace(RunSetup(LLAMA, optimizer="galore_adamw"), **changes))
+
+
+@pytest.mark.parametrize(("optimizer", "changes", "why"), [
+    ("galore_adamw_layerwise", dict(grad_accum=2), "cannot accumulate gradients"),
+    ("galore_adamw_8bit_layerwise", dict(gpus=2), "one process only"),
+    ("galore_adamw_8bit", dict(device="cpu"), "needs CUDA"),
+    ("galore_adamw_8bit_layerwise", dict(lora=True), "with lora there are none"),
+])
+def test_galore_forms_constraints_are_refused_by_the_memory_model(optimizer, changes, why):
+    with pytest.raises(LowvramError, match=why):
+        estimate_memory(replace(RunSetup(LLAMA, optimizer=optimizer), **changes))
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(("fixed", "budget", "why", "hint"), [
+    (dict(optimizer="galore_adamw_layerwise", batch_size=4, grad_accum=2), {}, "cannot accumulate", "batch_size equal"),
+    (dict(optimizer="galore_adamw_layerwise", batch_size=4, micro_batch_size=1), {}, "gradient_accumulation 4",
+     "batch_size equal"),
+    (dict(optimizer="galore_adamw_8bit_layerwise", batch_size=2, gpus=2), {}, "one process only", "--gpus 1"),
+    (dict(optimizer="galore_adamw_layerwise", batch_size=1, gradient_clipping=True), {}, "cannot clip",
+     "max_grad_norm: 0"),
+    (dict(optimizer="galore_adamw_8bit", batch_size=1), dict(device="cpu"), "needs a CUDA GPU", "galore_adamw "),
+    (dict(optimizer="galore_adamw_8bit_layerwise", batch_size=1), dict(device="cpu"), "needs a CUDA GPU",
+     "galore_adamw_layerwise"),
+])
+def test_fixed_galore_forms_that_cannot_run_are_refused_with_a_hint(fixed, budget, why, hint):
+    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.request import Budget, PlanRequest
+
+    with pytest.raises(LowvramError, match=why) as err:
+        choose_plan(PlanRequest(LLAMA, lora=False, offload="none", **fixed), Budget(80 * GIB, **budget))
+    assert hint in err.value.hint
+
+
+def test_the_search_never_accumulates_with_a_layerwise_optimizer():
+    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.search import candidate_setups
+
+    for optimizer in (None, "galore_adamw_layerwise"):
+        setups = candidate_setups(PlanRequest(LLAMA, batch_size=8, lora=False, optimizer=optimizer), Budget(24 * GIB))
+        layerwise = [s for s in setups if s.optimizer.endswith("layerwise")]
+        assert layerwise and {s.grad_accum for s in layerwise} == {1}
+        assert {s.micro_batch_size for s in layerwise} == {8}
+        assert all(s.gpus == 1 and s.offload == "none" and not s.lora for s in layerwise)
+
+
+@pytest.mark.parametrize(("request_changes", "budget_changes", "expected"), [
+    ({}, {}, {"galore_adamw", "galore_adamw_8bit", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise"}),
+    ({}, dict(device="cpu"), {"galore_adamw", "galore_adamw_layerwise"}),  # 8-bit: CUDA only
+    (dict(gradient_clipping=True), {}, {"galore_adamw", "galore_adamw_8bit"}),
+    ({}, dict(missing_extras=("galore",)), set()),  # galore_torch not installed
+    (dict(lora=None), {}, set()),  # LoRA on auto stays the answer to a model too big to train whole
+    (dict(model=resolve_model("qwen3-30b-a3b")), {}, set()),  # MoE: refused
+])
+def test_galore_forms_are_searched_only_where_they_run(request_changes, budget_changes, expected):
+    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.search import candidate_setups
+
+    req = PlanRequest(**{"model": LLAMA, "batch_size": 1, "lora": False, **request_changes})
+    setups = candidate_setups(req, Budget(24 * GIB, **budget_changes))
+    assert {s.optimizer for s in setups} - {"adamw", "adamw_8bit"} == expected
+
+
+def test_galore_ranks_after_adamw_and_layerwise_last():
+    """What each gives up (request.optimizer_given_up): AdamW and 8-bit AdamW first, then GaLore
+    (plain or 8-bit, speed between them), then layerwise GaLore (no clipping, no accumulation)."""
+    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.request import Budget, PlanRequest
+
+    req = PlanRequest(resolve_model("llama-3.2-3b"), seq_len=2048, batch_size=1, lora=False, offload="none")
+    picks = [choose_plan(req, Budget(gb * GIB)).plan.optimizer for gb in (40, 28, 24, 18, 16, 12)]
+    assert picks == ["adamw", "adamw_8bit", "galore_adamw", "galore_adamw_8bit", "galore_adamw_layerwise",
+                     "galore_adamw_8bit_layerwise"], picks
+
+
+def test_llama_8b_full_fine_tuning_plans_on_24_gib_with_layerwise_8bit_galore():
+    """Issue 27: Llama-3.1-8B full fine-tuning, seq_len 2048, batch 1, offload none, on a 24 GiB
+    card: only layerwise 8-bit GaLore fits (GaLore's paper trains 7B so on an RTX 4090); its peak
+    is at the start of the backward (the weights, 8-bit state, checkpoints and the chunked
+    loss's logits: no gradient set alive)."""
+    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.request import Budget, PlanRequest
+
+    spec = resolve_model("llama-3.1-8b")
+    req = PlanRequest(spec, seq_len=2048, batch_size=1, lora=False, offload="none")
+    c = choose_plan(req, Budget(24 * GIB))
+    assert c.fits and c.plan.optimizer == "galore_adamw_8bit_layerwise"
+    assert (c.plan.grad_accum, c.plan.gradient_checkpointing, c.plan.loss) == (1, True, "chunked")
+    assert c.chosen.estimate.peak_moment == "backward_start"
+    assert c.chosen.estimate.breakdown["gradients"] == 0
+    assert 21 * GIB < c.chosen.peak_bytes <= Budget(24 * GIB).usable_bytes
+    s = c.chosen.setup
+    for other in ("galore_adamw_8bit", "galore_adamw_layerwise"):  # neither step alone is enough
+        assert estimate_memory(replace(s, optimizer=other)).peak_bytes > Budget(24 * GIB).usable_bytes
+    assert "no gradient clipping" in c.plan.reasons["optimizer"]
+
+
+def test_layerwise_holds_one_gradient_not_all():
+    """Layerwise: the step phase holds no gradients (LayerWiseDummyOptimizer.step is a no-op) and
+    a backward moment holds one parameter's gradient and step, not the gradients made so far."""
+    s = RunSetup(LLAMA, precision="bf16", seq_len=256, optimizer="galore_adamw")
+    plain, lw = estimate_memory(s), estimate_memory(replace(s, optimizer="galore_adamw_layerwise"))
+    assert lw.peak_bytes < plain.peak_bytes
+    # at most the largest tensor's (the V x h embedding's) gradient and its step's two temporaries
+    assert lw.breakdown["gradients"] <= 3 * 2 * LLAMA.vocab_size * LLAMA.hidden_size < plain.breakdown["gradients"] // 2
+    assert lw.peak_phase == "forward_backward"
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-0.5b", "phi-3-mini"])
@@ -105,6 +258,76 @@ def test_galore_and_dora_plans_pass_the_libraries_validation(name, tmp_path):
 GALORE_SEEDS = {
     1: "Gemma full bf16, checkpointing, eager, packed, rank 16, accumulation 2: +0.17%",
 }
+
+
+# Seeds of random_case(seed, TEN_FAMILIES) made layerwise GaLore runs (difftest.made_galore,
+# bench/plan_fuzz.py --galore layerwise), through `lowvram train` (measured 2026-12-03)
+LAYERWISE_SEEDS = {
+    2: "Llama full fp32, checkpointing, chunked, rank 4, b2x1 s256: -0.10%",
+}
+
+
+@pytest.mark.parametrize("seed", list(LAYERWISE_SEEDS))
+def test_layerwise_galore_runs_stay_within_their_plan(seed, tmp_path):
+    pytest.importorskip("galore_torch")
+    from lowvram.difftest import (
+        ANY_LIMIT,
+        OVER_LIMIT,
+        TEN_FAMILIES,
+        made_galore,
+        random_case,
+        run_case,
+    )
+
+    case = made_galore(random_case(seed, families=TEN_FAMILIES), layerwise=True)
+    assert case.optimizer == "galore_adamw_layerwise" and case.grad_accum == 1
+    out = run_case(case, tmp_path)
+    assert out.error is None, out.error
+    assert out.ok, (f"{case.label()}: measured {out.measured_bytes:,} predicted {out.predicted_bytes:,} "
+                    f"({out.ratio:+.2%}; limits +{OVER_LIMIT:.0%}, +-{ANY_LIMIT:.0%})")
+
+
+def test_lowvram_train_refuses_8bit_galore_without_cuda(tmp_path):
+    """On a machine without CUDA the plan is for the CPU, where galore_torch's AdamW8bit cannot
+    step: `lowvram train` says so (error/hint, exit 1) before loading anything."""
+    pytest.importorskip("galore_torch")
+    import torch
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+    from lowvram.difftest import (
+        TEN_FAMILIES,
+        made_galore,
+        random_case,
+        recipe_text,
+        write_data,
+        write_model,
+    )
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine plans for its GPU")
+    case = replace(made_galore(random_case(2, families=TEN_FAMILIES)), optimizer="galore_adamw_8bit")
+    model, data = write_model(case, tmp_path / "model"), write_data(case, tmp_path / "data.jsonl")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(recipe_text(case, model, data, tmp_path / "run"))
+    result = CliRunner().invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 1, result.output
+    assert "error: optimizer galore_adamw_8bit needs a CUDA GPU" in result.stderr
+    assert "hint: set techniques.optimizer: galore_adamw to train here" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_layerwise_plans_train_without_clipping(tmp_path):
+    from lowvram.plan.search import plan_for_setup
+    from lowvram.recipe.schema import Recipe
+    from lowvram.train.trainer import training_arguments
+
+    recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},
+                                    "training": {"output_dir": str(tmp_path), "report_to": "none"}})
+    for optimizer, norm in (("galore_adamw", 1.0), ("galore_adamw_layerwise", 0.0)):
+        plan = plan_for_setup(RunSetup(TINY, optimizer=optimizer, device="cpu"), "cpu", 16)
+        args = training_arguments(recipe, plan)
+        assert (args["optim"], args["max_grad_norm"]) == (optimizer, norm)
 
 
 @pytest.mark.parametrize("seed", list(GALORE_SEEDS))
