@@ -109,3 +109,10 @@ def test_readme_plan_figures_are_what_the_plan_says(args, shown):
     assert any(peak in s for s in shown), (peak, shown)
     for s in shown:
         assert s in readme, s
+
+
+def test_the_full_fine_tuning_table_is_the_bench_result():
+    """docs/planner.md's table of the largest model per card is bench/full_finetune_table.py's output."""
+    table = (REPO / "bench" / "results" / "full_finetune_table.txt").read_text().split("\n\n")[0].strip()
+    assert table in (REPO / "docs" / "planner.md").read_text()
+    assert "| 24 GB | qwen3-8b (8.2B) |" in table
