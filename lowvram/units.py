@@ -39,18 +39,24 @@ _SIZE_UNITS = {
 }
 
 
-def parse_size(text: str) -> int:
-    """'24GB' -> 24e9 bytes, '24GiB' -> 24*2**30, '12000MB', '1.5g'. Plain numbers are bytes."""
+def size_parts(text: str) -> tuple[float, str]:
+    """'24GB' -> (24.0, 'gb'): a positive number and a known unit (lower case), else the one error."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise LowvramError(
             f"cannot read memory size {text!r}",
             "write a number with a unit, e.g. 24GB, 24GiB or 12000MB",
         )
-    value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    value = float(m.group(1))
     if value <= 0:
         raise LowvramError(f"memory size must be positive, got {text!r}", "e.g. --vram 24GB")
-    return int(value)
+    return value, m.group(2).lower()
+
+
+def parse_size(text: str) -> int:
+    """'24GB' -> 24e9 bytes, '24GiB' -> 24*2**30, '12000MB', '1.5g'. Plain numbers are bytes."""
+    value, unit = size_parts(text)
+    return int(value * _SIZE_UNITS[unit])
 
 
 def percent(slowdown: float) -> str:

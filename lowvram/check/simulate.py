@@ -346,7 +346,7 @@ def simulable(setup: RunSetup) -> tuple[RunSetup, tuple[str, ...]]:
         changes["attention"] = "sdpa"
         notes.append("simulated with sdpa attention, which stores the same tensors as flash_attention_2")
     if setup.gpus > 1 or setup.offload != "none":
-        changes.update(gpus=1, offload="none", micro_batch_size=setup.micro_batch_size)
+        changes.update(gpus=1, offload="none")
         notes.append(f"simulated as one process with nothing offloaded: offload {setup.offload!r} "
                      f"over {setup.gpus} GPU(s) is modelled analytically only")
     return (replace(setup, **changes) if changes else setup), tuple(notes)

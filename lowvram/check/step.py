@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from lowvram.check.builders import build_model, setup_plan
 from lowvram.livebytes import LiveBytes
+from lowvram.plan.backward import CHUNK_TOKENS
 
 
 @dataclass
@@ -29,7 +30,7 @@ class StepMemory:
 
 
 def one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum, tracker=None,
-              chunked_loss=False, chunk_tokens: int = 1024):
+              chunked_loss=False, chunk_tokens: int = CHUNK_TOKENS):
     import torch
 
     def phase(name):
@@ -77,7 +78,7 @@ def measure_training_step(
     breakdown: bool = False,
     logits_dim: int | None = None,
     chunked_loss: bool = False,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = CHUNK_TOKENS,
 ) -> StepMemory:
     """Peak live tensor bytes of one steady-state step: model.train(), loss from the model with
     labels, backward, clip, optimizer.step(), zero_grad(set_to_none=True), as the transformers

@@ -283,6 +283,11 @@ def logits_bytes(setup: RunSetup) -> int:
     return fitted.LOGITS_LOSS_BYTES.of(t * spec.vocab_size)
 
 
+def chunk_resized(setup: RunSetup) -> bool:
+    """The chunked loss runs with a chunk smaller than CHUNK_TOKENS (the budget needed it)."""
+    return setup.loss == "chunked" and setup.loss_chunk_tokens != CHUNK_TOKENS
+
+
 def fused_loss_chunk_tokens(setup: RunSetup) -> int:
     """Rows of one logits chunk in Liger Kernel's fused linear cross-entropy
     (liger_kernel/ops/fused_linear_cross_entropy.py, ``fused_linear_cross_entropy_forward``,
@@ -324,7 +329,7 @@ def fused_loss_bytes(setup: RunSetup) -> int:
 
 
 __all__ = [
-    "adapter_forward_bytes", "backward_gradient_bytes", "CHUNK_TOKENS", "MIN_CHUNK_TOKENS", "dequantized_weight_bytes",
+    "adapter_forward_bytes", "backward_gradient_bytes", "CHUNK_TOKENS", "chunk_resized", "MIN_CHUNK_TOKENS", "dequantized_weight_bytes",
     "eager_softmax_backward_bytes", "expert_weight_gradient_bytes", "fused_loss_bytes",
     "fused_loss_chunk_tokens", "layer_backward_bytes", "logits_bytes", "mlp_backward_floor_bytes",
     "moe_combine_backward_bytes", "post_norm_backward_bytes", "recompute_bytes",

@@ -9,11 +9,10 @@ read exactly: ``12000MB`` is 12e9 bytes, ``11.5GiB`` is 11.5 x 2^30, a plain num
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from lowvram.plan.constants import CARD_REPORTED_FRACTION
-from lowvram.units import parse_size
+from lowvram.units import parse_size, size_parts
 
 _CARD_UNITS = ("gb", "g")
 
@@ -26,12 +25,9 @@ class VramReading:
 
 def read_vram(text: str) -> VramReading:
     """``--vram`` / ``LOWVRAM_VRAM`` text -> bytes, and how they were read (see the module)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _CARD_UNITS:
+    sold, unit = size_parts(text)
+    if unit not in _CARD_UNITS:
         return VramReading(parse_size(text), "")
-    sold = float(m.group(1))
-    if sold <= 0:
-        parse_size(text)  # the one error for a size that is not positive
     shown = f"{sold:g}"
     n = CARD_REPORTED_FRACTION.of(int(sold * 2**30))
     share = float(CARD_REPORTED_FRACTION.value)

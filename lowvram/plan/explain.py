@@ -42,14 +42,10 @@ def divisors_descending(n: int) -> list[int]:
 def _chunk_words(c, estimate: Estimator) -> str:
     """A chunk sized below CHUNK_TOKENS (search.sized_loss_chunk), and what the default would peak at."""
     s = c.setup
-    whole = estimate(whole_setup(s))
+    whole = replace(s, loss_chunk_tokens=backward.CHUNK_TOKENS)
     return (f"{s.loss_chunk_tokens}-token chunks, sized to the budget ({backward.CHUNK_TOKENS}-token "
-            f"chunks would peak at {gib(whole.peak_bytes)}; the loss keeps "
-            f"{gib(backward.logits_bytes(s))} instead of {gib(backward.logits_bytes(whole_setup(s)))})")
-
-
-def whole_setup(s: RunSetup) -> RunSetup:
-    return replace(s, loss_chunk_tokens=backward.CHUNK_TOKENS)
+            f"chunks would peak at {gib(estimate(whole).peak_bytes)}; the loss keeps "
+            f"{gib(backward.logits_bytes(s))} instead of {gib(backward.logits_bytes(whole))})")
 
 
 def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -> dict[str, str]:
@@ -121,14 +117,14 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
                      f"(logits {gib(c.estimate.breakdown['logits'])})")
     elif req.fixed("loss"):
         r["loss"] = fixed("loss") or "set"
-        if s.loss == "chunked" and s.loss_chunk_tokens != backward.CHUNK_TOKENS:
+        if backward.chunk_resized(s):
             r["loss"] += f"; {_chunk_words(c, estimate)}"
     elif s.loss == "fused":
         r["loss"] = (f"fused (Liger Kernel): {without('logits', 'the chunked loss', loss='chunked')}; "
                      f"no full logits, one {backward.fused_loss_chunk_tokens(s)}-token chunk")
     elif s.loss == "chunked":
         r["loss"] = f"chunked: {without('logits', loss='standard')}; {percent(tq.CHUNKED_LOSS.slowdown)}"
-        if s.loss_chunk_tokens != backward.CHUNK_TOKENS:
+        if backward.chunk_resized(s):
             r["loss"] += f"; {_chunk_words(c, estimate)}"
     else:
         r["loss"] = f"standard: fits without chunking (logits {gib(c.estimate.breakdown['logits'])})"

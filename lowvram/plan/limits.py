@@ -114,7 +114,6 @@ class ContextRow:
 
 
 def context_table(req: PlanRequest, cards: list[tuple[str, Budget]], estimate: Estimator) -> list[ContextRow]:
-    # (each card's host RAM: Budget.host_ram_bytes, the same for every card of one table)
     """One ContextRow per (card, budget): the longest seq_len over every plan ``req`` allows."""
     rows = []
     for card, budget in cards:
@@ -123,7 +122,7 @@ def context_table(req: PlanRequest, cards: list[tuple[str, Budget]], estimate: E
         if s is None or n < 1:
             rows.append(ContextRow(card, budget.usable_bytes, 0, None, 0, 0, "", False))
             continue
-        binds = "" if n >= top else estimate(sized_loss_chunk(replace(s, seq_len=n + 1), budget, estimate)).peak_moment
+        binds = "" if n >= top else sized_estimate(replace(s, seq_len=n + 1), budget, estimate)[1].peak_moment
         est = estimate(s)
         rows.append(ContextRow(card, budget.usable_bytes, n, s, est.peak_bytes, est.cpu_ram_bytes, binds,
                                n > s.model.max_position_embeddings))

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from lowvram.plan import moe, preference
 from lowvram.plan import techniques as tq
-from lowvram.plan.backward import CHUNK_TOKENS, MIN_CHUNK_TOKENS, logits_bytes
+from lowvram.plan.backward import CHUNK_TOKENS, MIN_CHUNK_TOKENS, chunk_resized, logits_bytes
 from lowvram.plan.explain import Estimator, divisors_descending
 from lowvram.plan.optimizers import galore_targets, optimizer_problems
 from lowvram.plan.request import (
@@ -223,24 +223,25 @@ def rank(c: Candidate, budget: Budget | None = None) -> tuple:
     return (plan_level(c.setup), optimizer_given_up(c.setup), missing, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
 
 
-def chunk_resized(s: RunSetup) -> bool:
-    """The chunked loss runs with a chunk smaller than CHUNK_TOKENS (the budget needed it)."""
-    return s.loss == "chunked" and s.loss_chunk_tokens != CHUNK_TOKENS
-
-
 def describe_setup(s: RunSetup) -> str:
     """A plan in a few words, for notes."""
     parts = [s.precision, ("QLoRA " + s.quantization) if s.quantization != "none" else
              ("LoRA" if s.lora else "full")]
-    parts += ["checkpointing"] if s.gradient_checkpointing else []
+    parts += technique_words(s)
+    parts.append(f"micro-batch {s.micro_batch_size} x {s.grad_accum}")
+    return ", ".join(parts)
+
+
+def technique_words(s: RunSetup) -> list[str]:
+    """The techniques a plan turns on beyond its precision and method, a few words each."""
+    parts = ["checkpointing"] if s.gradient_checkpointing else []
     parts += ["activation offload"] if s.activation_offload else []
     parts += ["tiled MLP"] if s.tiled_mlp else []
     parts += [s.optimizer] if s.optimizer != "adamw" else []
     parts += [f"{s.loss} loss" + (f" ({s.loss_chunk_tokens}-token chunks)" if chunk_resized(s) else "")
               ] if s.loss != "standard" else []
     parts += [f"offload {s.offload}"] if s.offload != "none" else []
-    parts.append(f"micro-batch {s.micro_batch_size} x {s.grad_accum}")
-    return ", ".join(parts)
+    return parts
 
 
 def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslora: bool = False,
@@ -262,8 +263,8 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
 
 
 __all__ = [
-    "auto_precision", "candidate", "candidate_setups", "chunk_resized", "describe_setup", "fixed_micro_batch_size",
+    "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size",
     "allowed_micro_batches", "galore_options",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
-    "sized_estimate", "sized_loss_chunk", "technique_options", "TIER_SHARD",
+    "sized_estimate", "sized_loss_chunk", "technique_options", "technique_words", "TIER_SHARD",
 ]

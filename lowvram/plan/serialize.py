@@ -5,7 +5,7 @@ from __future__ import annotations
 from lowvram.plan.calibration import term_checks
 from lowvram.plan.preference import REFERENCE_OBJECTIVES
 from lowvram.plan.request import Choice
-from lowvram.plan.search import describe_setup
+from lowvram.plan.search import describe_setup, technique_words
 from lowvram.plan.setup import RunSetup
 
 # --------------------------------------------------------------------------------------------
@@ -98,22 +98,6 @@ def _reference(s: RunSetup) -> str:
     return "the policy with its adapter disabled" if s.lora else "a frozen copy of the weights"
 
 
-__all__ = [
-    "choice_to_dict",
-]
-
-
-def _used(s: RunSetup) -> str:
-    """The techniques a long-context plan turns on beyond the method, in a few words."""
-    parts = [name for on, name in ((s.gradient_checkpointing, "checkpointing"),
-                                   (s.activation_offload, "activation offload"), (s.tiled_mlp, "tiled MLP"))
-             if on]
-    parts += [s.optimizer] if s.optimizer != "adamw" else []
-    parts += [f"{s.loss} loss"] if s.loss != "standard" else []
-    parts += [f"offload {s.offload}"] if s.offload != "none" else []
-    return ", ".join(parts) or "nothing"
-
-
 def context_table_to_dict(req, rows, budget=None) -> dict:
     """`lowvram plan --context-table --json`: the request in words and one row per card
     (``budget``: one of the cards', for the host RAM the table was planned with)."""
@@ -126,9 +110,15 @@ def context_table_to_dict(req, rows, budget=None) -> dict:
         "host_ram_source": host_source,
         "rows": [{"card": r.card, "budget_bytes": r.usable_bytes, "longest_seq_len": r.longest,
                   "plan": describe_setup(r.setup) if r.setup else None,
-                  "techniques_used": _used(r.setup) if r.setup else None,
+                  "techniques_used": (", ".join(technique_words(r.setup)) or "nothing") if r.setup else None,
                   "techniques": _setup_techniques(r.setup) if r.setup else None,
                   "peak_bytes": r.peak_bytes, "host_ram_bytes": r.host_ram_bytes, "binds": r.binds or None,
                   "beyond_positions": r.beyond_positions}
                  for r in rows],
     }
+
+
+__all__ = [
+    "choice_to_dict", "context_table_to_dict",
+]
+

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from lowvram.errors import LowvramError
+from lowvram.plan.backward import CHUNK_TOKENS
 from lowvram.plan.setup import FSDP_OFFLOADS
 from lowvram.vocab import (
     LAYERWISE_OPTIMIZERS,
@@ -179,7 +180,7 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
 
 
 def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard",
-                  loss_chunk_tokens: int = 1024):
+                  loss_chunk_tokens: int = CHUNK_TOKENS):
     """The Hugging Face Trainer over a DataBundle (lowvram.train.data); ``loss`` is plan.loss
     ("chunked": lowvram.train.loss computes the training loss in chunks of plan.loss_chunk_tokens
     tokens; "fused": the plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss)."""
