@@ -43,6 +43,7 @@ from lowvram.difftest import (  # noqa: E402
     FIRST_FAMILIES,
     OVER_LIMIT,
     TEN_FAMILIES,
+    VISION_FAMILIES,
     made_galore,
     preference_case,
     random_case,
@@ -54,7 +55,9 @@ from lowvram.difftest import (  # noqa: E402
 # seeds name the same recipes); "ten": also Gemma-3, OLMo-2 and SmolLM3 (what "all" drew before
 # gpt-oss was added); "all": also gpt-oss (a seed draws another recipe than under "ten");
 # "gpt_oss": gpt-oss alone (bench/results/plan_fuzz_gpt_oss.txt).
-FAMILY_SETS = {"seven": FIRST_FAMILIES, "ten": TEN_FAMILIES, "all": FAMILIES, "gpt_oss": ("gpt_oss",)}
+# "vision": the multimodal checkpoints (Gemma-3 and Llava with a tiny vision tower), text recipes
+FAMILY_SETS = {"seven": FIRST_FAMILIES, "ten": TEN_FAMILIES, "all": FAMILIES, "gpt_oss": ("gpt_oss",),
+               "vision": VISION_FAMILIES}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

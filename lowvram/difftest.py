@@ -35,6 +35,10 @@ FIRST_FAMILIES = ("llama", "qwen2", "gemma", "phi3", "mistral", "qwen3_moe", "mi
 TEN_FAMILIES = FIRST_FAMILIES + ("gemma3_text", "olmo2", "smollm3")
 FAMILIES = TEN_FAMILIES + ("gpt_oss",)
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+# multimodal checkpoints (a vision tower loaded with the language model, lowvram.plan.vision):
+# Gemma-3 (SigLIP, Gemma-3 text) and Llava (CLIP, Llama); text-only recipes (bench/plan_fuzz.py
+# --families vision)
+VISION_FAMILIES = ("gemma3", "llava")
 
 WORDS = ("the quick brown fox jumps over lazy dog gradient memory adapter train model plan "
          "peak tensor layer token batch sequence answer question").split()
@@ -78,6 +82,12 @@ class Case:
     # search.sized_loss_chunk); 1024: the default, no --vram
     loss_chunk_tokens: int = 1024
 
+    # the vision tower of a VISION_FAMILIES case (0: none): layers, width, image side, patch
+    vision_layers: int = 0
+    vision_hidden: int = 0
+    vision_image: int = 0
+    vision_patch: int = 0
+
     # training.objective (dpo/orpo/simpo: preference pairs through TRL; preference_case)
     objective: str = "sft"
     loss_type: str = "sigmoid"
@@ -85,6 +95,8 @@ class Case:
 
     def label(self) -> str:
         bits = [f"#{self.seed}", self.family, self.method]
+        if self.vision_layers:
+            bits.insert(2, f"vit{self.vision_layers}x{self.vision_hidden} {self.vision_image}px/{self.vision_patch}")
         if self.objective != "sft":
             bits.insert(2, self.objective + (f" {self.loss_type}" if self.objective == "dpo" else "")
                         + (" precompute" if self.precompute_ref else ""))
@@ -148,7 +160,7 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
         seed=seed, family=family, hidden=hidden, layers=rng.choice([2, 3]), heads=heads,
         kv_heads=rng.choice([h for h in (1, 2, heads) if heads % h == 0]),
         intermediate=rng.choice([2, 3, 4]) * hidden, vocab=rng.choice([512, 1024, 2048]),
-        tie=family in ("gemma", "gemma3_text", "smollm3") or (family == "qwen2" and rng.random() < 0.5),
+        tie=family in ("gemma", "gemma3_text", "smollm3", "gemma3") or (family == "qwen2" and rng.random() < 0.5),
         method=method, lora_r=rng.choice([4, 8, 16]), lora_targets=_targets(family, rng),
         lora_dropout=0.0 if moe or rng.random() < 0.5 else rng.choice([0.05, 0.1]),
         precision=precision, model_dtype=dtype, gradient_checkpointing=rng.random() < 0.4,
@@ -157,6 +169,8 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
         packing=rng.random() < 0.3, validation=0.2 if rng.random() < 0.25 else None,
         experts=rng.choice([4, 8]) if moe else 0, experts_per_tok=2 if moe else 0,
     )
+    if family in VISION_FAMILIES:
+        case = _with_vision(case, random.Random(f"vision-{seed}"))
     if extended:
         case = _extend(case, random.Random(f"issue27-{seed}"))
     if family == "gpt_oss":
@@ -173,7 +187,7 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
         hidden = heads * 32
         case = replace(case, heads=heads, kv_heads=kv, hidden=hidden,
                        intermediate=case.intermediate // case.hidden * hidden)
-    if tiled and family not in MOE_FAMILIES and random.Random(f"tiled-{seed}").random() < tiled:
+    if tiled and family not in MOE_FAMILIES + VISION_FAMILIES and random.Random(f"tiled-{seed}").random() < tiled:
         case = made_tiled(replace(case, use_dora=False))  # DoRA with a tiled MLP: refused, not modelled
     if chunk and case.objective == "sft" and random.Random(f"chunk-{seed}").random() < chunk:
         case = made_chunked(case)
@@ -227,13 +241,21 @@ def made_tiled(case: Case) -> Case:
                    micro_batch_size=micro, loss=loss, packing=False)
 
 
+def _with_vision(case: Case, rng: random.Random) -> Case:
+    """A vision tower for a VISION_FAMILIES case, from a stream of its own: 1-2 layers, 32-64
+    wide, 32 or 64 px images in 8 or 16 px patches."""
+    heads = 2
+    return replace(case, vision_layers=rng.choice([1, 2]), vision_hidden=heads * rng.choice([16, 32]),
+                   vision_image=rng.choice([32, 64]), vision_patch=rng.choice([8, 16]))
+
+
 def _extend(case: Case, rng: random.Random) -> Case:
     """DoRA on half the adapter recipes (not on fused MoE experts: peft refuses it), GaLore on
     half the dense full fine-tuning ones, at a rank below the model's widths."""
     moe = case.family in MOE_FAMILIES
     if case.method != "full" and rng.random() < 0.5 and not (moe and case.lora_targets == "all-linear"):
         case = replace(case, use_dora=True)
-    if case.method == "full" and not moe and rng.random() < 0.5:
+    if case.method == "full" and not moe and not case.vision_layers and rng.random() < 0.5:
         case = replace(case, optimizer="galore_adamw", galore_rank=rng.choice([4, 8, 16, 32]))
     return case
 
@@ -291,27 +313,52 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int):
         kw.update(decoder_sparse_step=1, mlp_only_layers=[])
     if case.family == "gemma":
         kw["hidden_activation"] = "gelu_pytorch_tanh"
-    if case.family == "gemma3_text":  # alternate sliding (128 tokens) and full attention layers
+    text_family = {"gemma3": "gemma3_text", "llava": "llama"}.get(case.family, case.family)
+    if text_family == "gemma3_text":  # alternate sliding (128 tokens) and full attention layers
         kw.update(sliding_window=128, layer_types=[
             "full_attention" if i % 2 else "sliding_attention" for i in range(case.layers)])
-    cfg = AutoConfig.for_model(case.family, **kw)
+    cfg = AutoConfig.for_model(text_family, **kw)
     for name in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(cfg, name):
             setattr(cfg, name, 0.0)  # the family's dropout is its own test (tests/check/test_simulate.py)
+    if case.vision_layers:
+        cfg = _multimodal(case, cfg)
+    return cfg
+
+
+def _multimodal(case: Case, text):
+    """The Gemma3Config / LlavaConfig around ``text``: the case's vision tower; the image token
+    inside the vocabulary (text-only data never holds it)."""
+    from transformers import AutoConfig
+
+    vision = dict(hidden_size=case.vision_hidden, intermediate_size=2 * case.vision_hidden,
+                  num_hidden_layers=case.vision_layers, num_attention_heads=2,
+                  image_size=case.vision_image, patch_size=case.vision_patch)
+    image_token = text.vocab_size - 1
+    if case.family == "gemma3":
+        patches = (case.vision_image // case.vision_patch) ** 2
+        cfg = AutoConfig.for_model(
+            "gemma3", text_config=text.to_dict(), image_token_index=image_token,
+            mm_tokens_per_image=max(1, patches // 4),
+            vision_config=dict(model_type="siglip_vision_model", vision_use_head=False, **vision))
+    else:
+        cfg = AutoConfig.for_model("llava", text_config=text.to_dict(), image_token_index=image_token,
+                                   vision_config=dict(model_type="clip_vision_model", **vision))
+    cfg.tie_word_embeddings = case.tie
     return cfg
 
 
 def write_model(case: Case, folder: Path) -> Path:
     """Random-init model + a BPE tokenizer trained here, as a from_pretrained folder."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from lowvram.testing import build_tokenizer
+    from lowvram.train.model import has_vision, model_class
 
     tok = build_tokenizer()
     cfg = _config(case, max(case.vocab, len(tok)), tok.pad_token_id, tok.eos_token_id)
     torch.manual_seed(case.seed)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = model_class(has_vision(cfg)).from_config(cfg)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -455,7 +502,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
                    details=details)
 
 
-__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
+__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
            "made_chunked", "made_galore", "made_tiled",
            "preference_case",
            "random_case", "recipe_text",

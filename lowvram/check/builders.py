@@ -39,6 +39,31 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
                         ("attn_pdrop", spec.attn_dropout), ("attention_dropout", spec.attn_dropout)):
         if hasattr(cfg, name):
             setattr(cfg, name, value)
+    return cfg if spec.vision is None else _multimodal_config(spec, cfg, attention)
+
+
+def _multimodal_config(spec: ModelSpec, text, attention: str):
+    """The Gemma3Config / LlavaConfig of a spec with a vision tower: ``text`` as its text_config,
+    the tower from spec.vision (lowvram.plan.vision)."""
+    from transformers import AutoConfig
+
+    v = spec.vision
+    image = max(v.patch_size, int(round(v.patches ** 0.5)) * v.patch_size)
+    vision = dict(hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
+                  num_channels=v.num_channels, image_size=image, patch_size=v.patch_size)
+    if v.tower == "siglip":
+        cfg = AutoConfig.for_model(
+            "gemma3", text_config=text.to_dict(), mm_tokens_per_image=v.tokens_per_image,
+            vision_config=dict(model_type="siglip_vision_model", vision_use_head=v.use_head, **vision))
+    else:
+        cfg = AutoConfig.for_model(
+            "llava", text_config=text.to_dict(), multimodal_projector_bias=v.projector_bias,
+            vision_feature_layer=[-2] * v.feature_layers if v.feature_layers > 1 else -2,
+            vision_feature_select_strategy="default" if v.tokens_per_image == v.patches else "full",
+            vision_config=dict(model_type="clip_vision_model", **vision))
+    cfg.tie_word_embeddings = spec.tie_word_embeddings
+    cfg._attn_implementation = attention
     return cfg
 
 
@@ -80,14 +105,15 @@ def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = 
     import tempfile
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from lowvram.train.model import load_kwargs, prepare_model
+    from lowvram.train.model import load_kwargs, model_class, prepare_model
 
     torch.manual_seed(seed)
     plan = setup_plan(setup, device)
-    kwargs = load_kwargs(plan)
+    vision = setup.model.vision is not None
+    kwargs = load_kwargs(plan, vision)
     cfg = hf_config(setup.model, setup.attention)
+    AutoModelForCausalLM = model_class(vision)  # noqa: N806 (the class it stands for)
     if setup.quantization == "none":
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=kwargs["dtype"])

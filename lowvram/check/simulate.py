@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from lowvram.errors import LowvramError
 from lowvram.plan.memory import validate_setup
-from lowvram.plan.models import count_parameters
+from lowvram.plan.models import model_numel
 from lowvram.plan.setup import (
     BREAKDOWN_KEYS,
     PROCESS_HOST_BYTES,
@@ -123,9 +123,14 @@ def _quantize_4bit(model, setup: RunSetup, weight_dtype, compute_dtype) -> None:
 
     dq = setup.quantization == "nf4-dq"
     qtype = "fp4" if setup.quantization == "fp4" else "nf4"
+    from lowvram.train.model import VISION_MODULES, has_vision
+
     head = model.get_output_embeddings()
+    # lowvram's BitsAndBytesConfig skips the vision tower and projector (train.model.quantization_config)
+    skip = VISION_MODULES if has_vision(model.config) else ()
     targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is torch.nn.Linear and m is not head]
+               if type(m) is torch.nn.Linear and m is not head
+               and not any(name == v or name.startswith(v + ".") for v in skip)]
     for name, lin in targets:
         with unset_fake_temporarily():
             q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
@@ -183,33 +188,55 @@ def _config(setup: RunSetup, config):
 def _build_model(setup: RunSetup, config, mode):
     """The model of ``setup`` with fake tensors, prepared as lowvram.check.builders.build_model does."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
-    from transformers import AutoModelForCausalLM
 
     from lowvram.check.builders import setup_plan
-    from lowvram.train.model import load_kwargs, precision_compute_dtype, prepare_model
+    from lowvram.train.model import (
+        has_vision,
+        load_kwargs,
+        model_class,
+        precision_compute_dtype,
+        prepare_model,
+    )
 
     plan = setup_plan(setup)
     dtype = load_kwargs(plan)["dtype"]
     cfg = _config(setup, config)
+    build = model_class(has_vision(cfg)).from_config
     with mode:
         try:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            try:
+                model = build(cfg, dtype=dtype)
+            except DataDependentOutputException:
+                # e.g. SigLIP's initialisation reads tensor values, which fake tensors do not
+                # have: the values do not matter to memory, so build without initialising them
+                with _no_init_weights():
+                    model = build(cfg, dtype=dtype)
         except (ValueError, KeyError, TypeError) as e:
             hint = ("this architecture has no SDPA in transformers: add --attention eager"
                     if "attention implementation" in str(e)
                     else "pass a causal LM's config.json (AutoModelForCausalLM)")
             raise LowvramError(f"transformers cannot build this config: {str(e)[:200]}",
                                hint) from None
-        except DataDependentOutputException:  # e.g. a vision tower whose init reads a tensor's value
+        except DataDependentOutputException:
             raise LowvramError(
-                f"transformers builds this config ({cfg.model_type}) with an initialisation that reads "
-                "tensor values, which fake tensors do not have: it cannot be simulated",
-                "multimodal models (a vision tower) are not modelled yet: plan the language model "
-                "alone by saving its text_config as a config.json and passing that folder") from None
+                f"transformers builds this config ({cfg.model_type}) with a step that reads tensor "
+                "values, which fake tensors do not have: it cannot be simulated",
+                "use `lowvram plan` without --simulate (the analytic plan), or plan the language "
+                "model alone by saving its text_config as a config.json and passing that folder") from None
         if setup.quantization != "none":
             _quantize_4bit(model, setup, dtype, precision_compute_dtype(setup.precision))
         model = prepare_model(model, plan)  # what lowvram train does after loading
     return model
+
+
+def _no_init_weights():
+    """transformers' context that skips weight initialisation (transformers.initialization in
+    transformers 5, modeling_utils before)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
 
 
 def _parameters(model) -> int:
@@ -269,11 +296,11 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
         parameters = _parameters(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         base = parameters - (trainable if setup.lora else 0)
-        if config is None and base != count_parameters(setup.model):
+        if config is None and base != model_numel(setup.model):
             raise LowvramError(
                 f"cannot simulate {setup.model.name}: its catalog shape rebuilt as a "
                 f"{setup.model.model_type} model has {base:,} parameters, not "
-                f"{count_parameters(setup.model):,}",
+                f"{model_numel(setup.model):,}",
                 "pass the model's config.json folder: --model path/to/folder --simulate")
         # [W4] bnb 8-bit optimizers: construct outside fake mode, maps filled with real tensors
         opt = build_optimizer(model, setup.optimizer)

@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from lowvram.errors import ModelError
-from lowvram.plan.models import ModelSpec
+from lowvram.plan.models import ModelSpec, spec_from_dict
 from lowvram.plan.readers import read_config, spec_from_gguf
 
 _CATALOG = Path(__file__).with_name("catalog.json")
@@ -51,7 +51,7 @@ _SPEC_FIELDS = {f.name for f in fields(ModelSpec)}
 
 def _from_catalog(name: str) -> ModelSpec:
     entry = {k: v for k, v in _catalog()[name].items() if k in _SPEC_FIELDS}
-    return ModelSpec(name=name, **entry)
+    return spec_from_dict({"name": name, **entry})
 
 
 def hub_cache_config(hub_id: str) -> Path | None:

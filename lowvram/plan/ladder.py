@@ -58,6 +58,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             fixed = True  # it needs checkpointing, which the user turned off
         if t is tq.TILED_MLP and req.model.is_moe:
             continue  # a dense MLP only (setup.tiled_mlp_conflict)
+        if req.model.vision is not None and (t is tq.TILED_MLP or t.name == "offload"):
+            continue  # not modelled with a vision tower (vision.vision_problems)
         if fixed:
             rungs.append(Rung(t.name, str(t.value), est.peak_bytes, 0, 1.0, fits_budget(est, budget), fixed=True))
             continue

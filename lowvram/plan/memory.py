@@ -36,7 +36,7 @@ from lowvram.plan.backward import (
     mlp_backward_floor_bytes,
 )
 from lowvram.plan.layer import describe_layer
-from lowvram.plan.models import block_linears, count_parameters, embedding_numel, moe_numel
+from lowvram.plan.models import block_linears, embedding_numel, model_numel, moe_numel
 from lowvram.plan.moments import Moment
 from lowvram.plan.setup import (
     BREAKDOWN_KEYS,
@@ -60,6 +60,7 @@ from lowvram.plan.states import (
     trainable_tensors,
     weight_bytes,
 )
+from lowvram.plan.vision import vision_problems
 from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
 
 # --------------------------------------------------------------------------------------------
@@ -82,6 +83,8 @@ def _check(setup: RunSetup) -> None:
                                  setup.lora_dropout)
     problems += moe.attention_problems(setup.model, setup.attention)
     problems += dora.dora_problems(setup)
+    problems += vision_problems(setup.model.vision, setup.offload, setup.objective, setup.optimizer,
+                                setup.tiled_mlp)
     problems += optimizers.optimizer_problems(setup)
     conflict = offload_conflict(setup.optimizer, setup.offload)
     if conflict:
@@ -329,13 +332,13 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     # checkpoint shard staged while loading (constants.CHECKPOINT_SHARD_BYTES).
     process = PROCESS_HOST_BYTES
     host += activation_offload_host_bytes(setup)
-    staging = min(count_parameters(setup.model) * dtype_bytes(setup)[0], fitted.CHECKPOINT_SHARD_BYTES.value)
+    staging = min(model_numel(setup.model) * dtype_bytes(setup)[0], fitted.CHECKPOINT_SHARD_BYTES.value)
     if setup.device == "cpu":
         cpu_ram = sum(breakdown.values()) + host + process
     else:
         cpu_ram = host + process + staging
     return MemoryEstimate(
-        parameters=count_parameters(setup.model) + (lora_parameters(setup) if setup.lora else 0),
+        parameters=model_numel(setup.model) + (lora_parameters(setup) if setup.lora else 0),
         trainable_parameters=trainable_parameters(setup),
         peak_bytes=sum(breakdown.values()),
         breakdown=breakdown,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowvram.plan.vision import VisionSpec, projector_numel, tower_numel
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -70,6 +72,10 @@ class ModelSpec:
     # [E, h]) and a clamped SwiGLU (GptOssExperts._apply_gate)
     attention_sinks: bool = False
     expert_bias: bool = False
+    # A multimodal checkpoint (Gemma-3 4B+, Llava): the vision tower and projector that
+    # transformers loads with the language model (lowvram.plan.vision); every field above then
+    # describes the language model (its text_config)
+    vision: VisionSpec | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -219,3 +225,23 @@ def count_parameters(spec: ModelSpec) -> int:
     final_norm = norm_numel(spec)
     return (embedding_numel(spec) + spec.num_layers * block_numel(spec) + final_norm
             + lm_head_numel(spec))
+
+
+def vision_numel(spec: ModelSpec) -> int:
+    """The vision tower + projector a multimodal checkpoint loads (0 for a text model)."""
+    if spec.vision is None:
+        return 0
+    return tower_numel(spec.vision) + projector_numel(spec.vision)
+
+
+def model_numel(spec: ModelSpec) -> int:
+    """Every parameter transformers loads: the language model (count_parameters) and, for a
+    multimodal checkpoint, its vision tower and projector."""
+    return count_parameters(spec) + vision_numel(spec)
+
+
+def spec_from_dict(data: dict) -> ModelSpec:
+    """A ModelSpec from its ``dataclasses.asdict`` form (a saved plan request)."""
+    data = dict(data)
+    vision = data.pop("vision", None)
+    return ModelSpec(**data, vision=VisionSpec(**vision) if vision else None)

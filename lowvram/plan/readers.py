@@ -104,9 +104,7 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     Multimodal configs, unknown model types and MoE layouts not modelled are refused."""
     mt = cfg.get("model_type", "llama")
     if "vision_config" in cfg or "text_config" in cfg:
-        raise _refuse(name, f"the multimodal model_type '{mt}': AutoModelForCausalLM loads "
-                      "its vision tower with the text model (or does not load it at all), and "
-                      "only the text model would be counted")
+        return multimodal_spec_from_config(cfg, name)
     moe = _moe_fields(cfg, mt, name)
     if mt not in KNOWN_MODEL_TYPES:
         raise _refuse(name, f"model_type '{mt}' (known: {', '.join(sorted(KNOWN_MODEL_TYPES))})")
@@ -279,22 +277,39 @@ def spec_from_gguf(path: Path, name: str) -> ModelSpec:
 # The language model's model_type when a multimodal config's text_config leaves it out
 # (Gemma3Config: Gemma3TextConfig; LlavaConfig: LlamaConfig by default).
 _TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "llava": "llama"}
+# Gemma3TextConfig's defaults (transformers 5 configuration_gemma3.py), which Gemma-3's published
+# config.json files rely on: google/gemma-3-4b-it's text_config names neither the heads nor the
+# vocabulary.
+_TEXT_DEFAULTS = {"gemma3_text": dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+    sliding_window=4096, rope_theta=1_000_000)}
 
 
-def multimodal_specs_from_config(cfg: dict, name: str):
-    """(language-model ModelSpec from text_config, VisionSpec) of a multimodal config.json
-    (model_type gemma3 or llava; others refused by vision_spec_from_config). The top-level
-    tie_word_embeddings (Gemma3Config default True) applies when text_config leaves it out.
-    Not yet used by the planner: spec_from_config still refuses these configs."""
+def multimodal_spec_from_config(cfg: dict, name: str) -> ModelSpec:
+    """The ModelSpec of a multimodal config.json (model_type gemma3 or llava): the language model
+    from its text_config, with the vision tower and projector in ``vision``; other multimodal
+    families are refused by vision_spec_from_config. The top-level tie_word_embeddings
+    (Gemma3Config default True) applies when text_config leaves it out."""
+    from dataclasses import replace
+
     from lowvram.plan.vision import vision_spec_from_config
 
     mt = cfg.get("model_type")
-    text = dict(cfg.get("text_config") or {})
+    if "vision_config" not in cfg:
+        raise _refuse(name, f"the multimodal model_type '{mt}' (a text_config without a "
+                      "vision_config)")
+    vision = vision_spec_from_config(cfg, name, text_hidden_size=0)
+    text = {k: v for k, v in (cfg.get("text_config") or {}).items() if v is not None}
     text.setdefault("model_type", _TEXT_MODEL_TYPE.get(mt, "llama"))
+    for key, value in _TEXT_DEFAULTS.get(text["model_type"], {}).items():
+        text.setdefault(key, value)
     if "tie_word_embeddings" in cfg:
         text.setdefault("tie_word_embeddings", cfg["tie_word_embeddings"])
-    vision = vision_spec_from_config(cfg, name, text_hidden_size=0)
+    elif mt == "gemma3":
+        text.setdefault("tie_word_embeddings", True)  # Gemma3Config default
+    if cfg.get("_name_or_path"):
+        text.setdefault("_name_or_path", cfg["_name_or_path"])
     spec = spec_from_config(text, name)
-    from dataclasses import replace
+    return replace(spec, vision=replace(vision, text_hidden_size=spec.hidden_size))
 
-    return spec, replace(vision, text_hidden_size=spec.hidden_size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from lowvram.plan.models import ModelSpec
+from lowvram.plan.models import spec_from_dict
 from lowvram.plan.request import PlanRequest
 from lowvram.plan.types import Plan
 
@@ -67,6 +67,6 @@ class Replanner:
         if data is None:
             return cls()
         data = dict(data)
-        model = ModelSpec(**data.pop("model"))
+        model = spec_from_dict(data.pop("model"))
         data["lora_targets"] = tuple(data["lora_targets"])
         return cls(PlanRequest(model=model, **data))

@@ -21,6 +21,7 @@ from lowvram.plan.setup import (
 )
 from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.types import Plan
+from lowvram.plan.vision import VISION_HINT, vision_problems
 from lowvram.vocab import GALORE_8BIT_OPTIMIZERS, LAYERWISE_OPTIMIZERS, PROJECTED_OPTIMIZERS
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
@@ -225,6 +226,10 @@ def validate_request(req: PlanRequest) -> None:
         what = "tiled_mlp" if req.tiled_mlp else "lora.use_dora" if req.lora_use_dora else f"optimizer {req.optimizer}"
         raise LowvramError(f"objective {req.objective} with {what} is not modelled",
                            f"train {req.objective} without {what}, or plan it as objective sft")
+    problems = vision_problems(req.model.vision if req.model is not None else None, req.offload,
+                               req.objective, req.optimizer, req.tiled_mlp)
+    if problems:
+        raise LowvramError("; ".join(problems), VISION_HINT)
     smallest = preference.min_micro_batch_size(req.objective)
     if smallest > 1 and (fixed_micro_batch_size(req) or req.batch_size // max(1, req.gpus)) < smallest:
         raise LowvramError(f"objective {req.objective} needs a micro-batch of at least {smallest} rows per GPU "

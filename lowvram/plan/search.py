@@ -82,7 +82,8 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         # a dense MLP only (setup.tiled_mlp_conflict)
         # and not with DoRA (the two together are not modelled: validate_request refuses them)
         "tiled_mlp": (pick("tiled_mlp", [False, True]) if (req.model is None or not req.model.is_moe)
-                      and not req.lora_use_dora and req.objective == "sft" else [False]),
+                      and not req.lora_use_dora and req.objective == "sft" and not _vision(req)
+                      else [False]),
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"] + galore_options(req, budget)),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
@@ -97,7 +98,8 @@ def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
     CUDA plan, the layerwise ones not when the recipe asks for gradient clipping. They rank after
     AdamW and 8-bit AdamW (request.optimizer_given_up); each setup is checked again in
     candidate_setups (optimizers.optimizer_problems: MoE, GPT-2, several GPUs, accumulation)."""
-    if req.lora is not False or req.objective != "sft" or req.model is None or "galore" in budget.missing_extras:
+    if (req.lora is not False or req.objective != "sft" or req.model is None or _vision(req)
+            or "galore" in budget.missing_extras):
         return []
     out = ["galore_adamw"] + (["galore_adamw_8bit"] if budget.device == "cuda" else [])
     if not req.gradient_clipping:
@@ -122,8 +124,13 @@ def loss_options(req: PlanRequest, budget: Budget) -> list[str]:
     return ["standard", "chunked"] + (["fused"] if fused_ok else [])
 
 
+def _vision(req: PlanRequest) -> bool:
+    """A vision tower loaded: no offload, tiled MLP or GaLore on auto (vision.vision_problems)."""
+    return req.model is not None and req.model.vision is not None
+
+
 def _auto_offloads(req: PlanRequest, on_gpu: bool) -> list[str]:
-    if not on_gpu:
+    if not on_gpu or _vision(req):
         return ["none"]  # a CPU run (several processes: DDP over gloo)
     return MULTI_GPU_OFFLOADS if req.gpus > 1 else ["none", "optimizer", "full"]
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from lowvram.plan.calibration import term_checks
+from lowvram.plan.models import vision_numel
 from lowvram.plan.preference import REFERENCE_OBJECTIVES
 from lowvram.plan.request import Choice
 from lowvram.plan.search import describe_setup, technique_words
 from lowvram.plan.setup import RunSetup
+from lowvram.plan.states import vision_weight_bytes
 
 # --------------------------------------------------------------------------------------------
 # Plain data for `lowvram plan --json` and the report (bytes; report.py formats)
@@ -84,9 +86,20 @@ def choice_to_dict(choice: Choice) -> dict:
             for r in choice.ladder
         ],
         "notes": list(choice.notes),
+        # a multimodal checkpoint's vision tower (lowvram.plan.vision); absent for a text model
+        **({"vision": _vision(c.setup)} if req.model.vision is not None else {}),
         # training.objective dpo/orpo/simpo (lowvram.plan.preference); absent for SFT
         **({"objective": req.objective, "reference_model": _reference(c.setup)} if req.objective != "sft" else {}),
     }
+
+
+def _vision(s: RunSetup) -> dict:
+    """The vision tower and projector as loaded: frozen, in the weights (states.vision_weight_bytes)."""
+    v = s.model.vision
+    return {"tower": v.tower, "projector": v.projector, "layers": v.num_layers,
+            "parameters": vision_numel(s.model), "weight_bytes": vision_weight_bytes(s),
+            "trainable": False, "tokens_per_image": v.tokens_per_image,
+            "quantized": False}
 
 
 def _reference(s: RunSetup) -> str:

@@ -10,11 +10,12 @@ from lowvram.plan import moe
 from lowvram.plan.catalog import catalog_names, resolve_model
 from lowvram.plan.explain import Estimator
 from lowvram.plan.limits import max_fitting_seq_len
-from lowvram.plan.models import count_parameters
+from lowvram.plan.models import model_numel
 from lowvram.plan.optimizers import optimizer_problems
 from lowvram.plan.request import Budget, Candidate, PlanRequest, fits_budget, vram_needed_bytes
 from lowvram.plan.search import candidate, candidate_setups, rank
 from lowvram.plan.setup import RunSetup
+from lowvram.plan.vision import vision_problems
 from lowvram.units import gib
 
 # --------------------------------------------------------------------------------------------
@@ -75,21 +76,23 @@ def _round_down(n: int) -> int:
 
 
 def _smaller_model(req: PlanRequest, budget: Budget, lowest: Candidate, estimate: Estimator) -> str | None:
-    size = count_parameters(req.model)
+    size = model_numel(req.model)
     best: tuple[int, str] | None = None
     for name in catalog_names():
         try:
             spec = resolve_model(name)
         except LowvramError:
             continue
-        n = count_parameters(spec)
+        n = model_numel(spec)
         if n >= size or (best and n <= best[0]):
             continue
         if moe.attention_problems(spec, lowest.setup.attention):
             continue  # gpt-oss cannot run this setup's attention
         other = replace(lowest.setup, model=spec, tiled_mlp=lowest.setup.tiled_mlp and not spec.is_moe)
-        if optimizer_problems(other):
-            continue  # a GaLore setup on an MoE or GPT-2 model (plan/optimizers.py)
+        if optimizer_problems(other) or vision_problems(spec.vision, other.offload, other.objective,
+                                                        other.optimizer, other.tiled_mlp):
+            continue  # a GaLore setup on an MoE or GPT-2 model (plan/optimizers.py), an offload
+            # or a tiled MLP with a vision tower (plan/vision.py)
         if fits_budget(estimate(other), budget):
             best = (n, name)
     if best is None:

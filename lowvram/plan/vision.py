@@ -101,7 +101,7 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
     mt = cfg.get("model_type")
     if mt not in VISION_FAMILIES:
         raise ModelError(
-            f"{name}: the vision tower of model_type '{mt}' is not modelled "
+            f"{name}: the analytic planner does not model the vision tower of model_type '{mt}' "
             f"(modelled: {', '.join(sorted(VISION_FAMILIES))})",
             "`lowvram plan --model DIR --simulate` runs the real training step of the config")
     tower, projector = VISION_FAMILIES[mt]
@@ -129,3 +129,30 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
         tokens_per_image=tokens, text_hidden_size=int(text_hidden_size),
         use_head=bool(vc["vision_use_head"]) if tower == "siglip" else False,
         projector_bias=bias, feature_layers=feature_layers)
+
+
+def vision_problems(vision: VisionSpec | None, offload: str | None, objective: str,
+                    optimizer: str | None, tiled_mlp: bool | None) -> list[str]:
+    """What is not modelled with a vision tower loaded (each named, none guessed): DeepSpeed and
+    FSDP (their wrapping and sharding of the tower is not counted), preference objectives (TRL's
+    trainers on a multimodal model), GaLore (its target modules match the tower's attention and
+    MLP Linears by name) and the tiled MLP (DeepSpeed's TiledMLP patched into the tower's MLP
+    too)."""
+    if vision is None:
+        return []
+    what = []
+    if offload not in (None, "none"):
+        what.append(f"offload {offload}")
+    if objective != "sft":
+        what.append(f"objective {objective}")
+    if optimizer and optimizer.startswith("galore"):
+        what.append(f"optimizer {optimizer}")
+    if tiled_mlp:
+        what.append("tiled_mlp")
+    return [f"{w} with a vision tower loaded ({vision.tower} + {vision.projector} projector) is not "
+            "modelled" for w in what]
+
+
+VISION_HINT = ("train it with offload none, objective sft, another optimizer and tiled_mlp off, or "
+               "plan the language model alone: save its text_config as a config.json and pass that "
+               "folder")

@@ -141,10 +141,10 @@ def context_table(recipe: Recipe | None = None, model: str | None = None, method
 
 def list_models() -> list[tuple[str, str, int]]:
     from lowvram.plan.catalog import catalog_names, resolve_model
-    from lowvram.plan.models import count_parameters
+    from lowvram.plan.models import model_numel
 
     rows = []
     for name in catalog_names():
         spec = resolve_model(name)
-        rows.append((name, spec.hf_id or "", count_parameters(spec)))
+        rows.append((name, spec.hf_id or "", model_numel(spec)))
     return rows

@@ -109,6 +109,12 @@ def show_plan(data: dict, as_json: bool = False) -> None:
         rows = ("each example is 1 row of seq_len (an unpaired completion)" if data["objective"] == "kto"
                 else "each pair is 2 rows of seq_len (chosen + rejected)")
         c.print(f"objective: {data['objective']}: {rows}; reference model: {data['reference_model']}", markup=False)
+    vision = data.get("vision")
+    if vision:  # a multimodal checkpoint (lowvram.plan.vision)
+        c.print(f"vision tower: {vision['tower']} ({vision['layers']} layers) + {vision['projector']} "
+                f"projector, {vision['parameters'] / 1e6:.1f}M params, loaded with the language model, "
+                f"frozen and not quantized: {gib(vision['weight_bytes'])} of the weights; "
+                f"{vision['tokens_per_image']} tokens per image", markup=False)
     for note in data.get("notes", ()):
         c.print(f"note: {note}", markup=False)
 
@@ -134,6 +140,9 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     for name, value in data["breakdown"].items():
         extra = [gib(sim["breakdown"].get(name, 0))] if sim else []
         b.add_row(name, gib(value), *extra, _bar(value, peak), *_checked(checked, name))
+        if name == "weights" and vision:
+            b.add_row("  vision tower", gib(vision["weight_bytes"]), *([""] if sim else []),
+                      "", *([""] if checked else []))
     extra = [f"[bold]{gib(sim['peak_bytes'])}[/bold]"] if sim else []
     b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", *extra, "", *([""] if checked else []))
     c.print(b)

@@ -191,10 +191,10 @@ class LoadSize:
 def count_base_parameters(source: str) -> int | None:
     """Exact count from config.json (no weights); None if the architecture cannot be read."""
     from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.models import count_parameters
+    from lowvram.plan.models import model_numel
 
     try:
-        return count_parameters(resolve_model(source))
+        return model_numel(resolve_model(source))
     except LowvramError:
         return None
 
@@ -214,7 +214,7 @@ def trained_size(base: BaseModel, plan: dict) -> LoadSize:
     """The base as the run trained it (4/8-bit linears, the rest in the plan's weight dtype) + the
     fp32 adapters: the planner's exact weight bytes (lowvram.plan.states.weight_bytes)."""
     from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.models import count_parameters
+    from lowvram.plan.models import model_numel
     from lowvram.plan.setup import RunSetup
     from lowvram.plan.states import weight_bytes
 
@@ -224,8 +224,8 @@ def trained_size(base: BaseModel, plan: dict) -> LoadSize:
         return LoadSize(None, None, "")
     setup = RunSetup(model=spec, precision=plan["mixed_precision"], quantization=plan["quantization"], lora=True,
                      lora_r=int(plan["lora_r"]), lora_targets=tuple(plan["lora_targets"]))
-    return LoadSize(count_parameters(spec), weight_bytes(setup),
-                    f"{count_parameters(spec):,} parameters, {plan['quantization']} as trained, + adapter")
+    return LoadSize(model_numel(spec), weight_bytes(setup),
+                    f"{model_numel(spec):,} parameters, {plan['quantization']} as trained, + adapter")
 
 
 def refuse_if_short(job: str, size: LoadSize, free_bytes: int, where: str, hint: str) -> None:
@@ -255,9 +255,10 @@ def trained_plan(plan: dict):
 def load_trained_base(base: BaseModel, plan: Plan, device: str):
     """The base as the run trained it: the BitsAndBytesConfig and weight dtype of train/model.py's
     builder (load_kwargs), on ``device``."""
-    from lowvram.train.model import load_kwargs
+    from lowvram.plan.catalog import local_config
+    from lowvram.train.model import has_vision, load_kwargs
 
-    kwargs = load_kwargs(plan)
+    kwargs = load_kwargs(plan, has_vision(local_config(base.source) or {}))
     return _from_pretrained(base, dtype=kwargs["dtype"], quantization_config=kwargs.get("quantization_config"),
                             device_map={"": device})
 
@@ -269,16 +270,15 @@ def load_base(base: BaseModel, dtype: str, device: str):
 
 
 def _from_pretrained(base: BaseModel, **kwargs):
-    from transformers import AutoModelForCausalLM
-
+    from lowvram.plan.catalog import local_config
     from lowvram.runfiles import require_intact
-    from lowvram.train.model import _first_line
+    from lowvram.train.model import _first_line, has_vision, model_class
 
     require_intact(Path(base.source))  # a hub id: no such folder, nothing to check
     try:
         # quantization_config=None is not enough for a pre-quantized checkpoint; plain folders
         # (hub bases, the GGUF cache) carry none, and that is what a lowvram run trains on.
-        return AutoModelForCausalLM.from_pretrained(base.source, **kwargs)
+        return model_class(has_vision(local_config(base.source) or {})).from_pretrained(base.source, **kwargs)
     except OSError as e:
         raise ModelError(f"cannot load the base model {base.source}: {_first_line(e)}",
                          "check the folder (or hub cache; HF_HUB_OFFLINE=1 reads only the cache)") from None

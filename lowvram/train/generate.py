@@ -98,7 +98,10 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
 
     quiet_libraries()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from lowvram.plan.catalog import local_config
+    from lowvram.train.model import has_vision, model_class
 
     if prompt_format not in FORMATS:
         raise LowvramError(f"unknown --format {prompt_format!r}", f"use one of {', '.join(FORMATS)}")
@@ -117,7 +120,7 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
         check_fits(dense_size(BaseModel(str(p), "folder"), _stored_dtype(p) if dtype == "auto" else dtype, p),
                    device, detect_hardware(gpus=1))
         kwargs = {"dtype": getattr(torch, dtype) if dtype != "auto" else "auto", "device_map": {"": device}}
-        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+        model = model_class(has_vision(local_config(str(p)) or {})).from_pretrained(str(p), **kwargs)
         source, tok_source = str(p), p
     else:
         read_adapter_run(p)  # raises the precise error: not a run / unfinished run

@@ -122,14 +122,51 @@ def autocast_dtype(precision: str):
     return None if precision == "fp32" else precision_compute_dtype(precision)
 
 
-def quantization_config(plan):
-    """BitsAndBytesConfig for plan.quantization, or None."""
+# A multimodal checkpoint's vision tower and projector, as transformers 5 names them
+# (Gemma3Model, LlavaModel: model.vision_tower, model.multi_modal_projector). They are frozen and
+# kept out of bitsandbytes' quantization (lowvram.plan.states.vision_weight_bytes).
+VISION_MODULES = ("model.vision_tower", "model.multi_modal_projector")
+
+
+def has_vision(config) -> bool:
+    """A config (dict or transformers config) with a vision tower: Gemma-3 4B+, Llava."""
+    if isinstance(config, dict):
+        return "vision_config" in config
+    return getattr(config, "vision_config", None) is not None
+
+
+def model_class(vision: bool):
+    """What loads the checkpoint: AutoModelForImageTextToText for a model with a vision tower
+    (Llava has no causal-LM class; Gemma-3's is the same Gemma3ForConditionalGeneration)."""
+    if vision:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def freeze_vision(model) -> None:
+    """No gradient for the vision tower and projector (full fine-tuning trains the language
+    model; text data never reaches the tower)."""
+    for name in VISION_MODULES:
+        try:
+            model.get_submodule(name).requires_grad_(False)
+        except AttributeError:
+            continue
+
+
+def quantization_config(plan, vision: bool = False):
+    """BitsAndBytesConfig for plan.quantization, or None. ``vision``: the tower and projector are
+    skipped (bitsandbytes then skips only what it is given, so lm_head is named too)."""
     if plan.quantization == "none":
         return None
     from transformers import BitsAndBytesConfig
 
+    skip = {"llm_int8_skip_modules": ["lm_head", *VISION_MODULES]} if vision else {}
     if plan.quantization == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     # QLoRA + FSDP or ZeRO-3 (peft's "Use PEFT QLoRA and FSDP" and "DeepSpeed" guides, accelerate's
     # QLoRA + ZeRO-3 example): the packed 4-bit weights are stored in the compute dtype so the
     # engine that shards them sees one float dtype across the module it flattens/partitions.
@@ -139,7 +176,7 @@ def quantization_config(plan):
         bnb_4bit_quant_type="fp4" if plan.quantization == "fp4" else "nf4",
         bnb_4bit_use_double_quant=plan.quantization == "nf4-dq",
         bnb_4bit_compute_dtype=compute_dtype(plan),
-        **storage,
+        **storage, **skip,
     )
 
 
@@ -199,11 +236,12 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def load_kwargs(plan) -> dict:
+def load_kwargs(plan, vision: bool = False) -> dict:
     """``from_pretrained`` keyword arguments for the plan's weights: dtype, attention kernel, and
-    the bitsandbytes config and device map of a quantized base (shared with lowvram.check.builders)."""
+    the bitsandbytes config and device map of a quantized base (shared with lowvram.check.builders).
+    ``vision``: a checkpoint with a vision tower (has_vision)."""
     kwargs: dict[str, Any] = {"dtype": weight_dtype(plan), "attn_implementation": plan.attention}
-    q = quantization_config(plan)
+    q = quantization_config(plan, vision)
     if q is not None:
         kwargs["quantization_config"] = q
         kwargs["device_map"] = _device_map(plan)
@@ -238,14 +276,15 @@ def prequantized_kwargs(plan, source: str) -> dict:
 
 
 def load_base_model(recipe, plan, source: str):
-    from transformers import AutoModelForCausalLM
+    from lowvram.plan.catalog import local_config
 
-    kwargs = {**load_kwargs(plan), **prequantized_kwargs(plan, source),
+    vision = has_vision(local_config(source) or {})
+    kwargs = {**load_kwargs(plan, vision), **prequantized_kwargs(plan, source),
               "trust_remote_code": recipe.model.trust_remote_code}
     if recipe.model.revision and not Path(source).is_dir():
         kwargs["revision"] = recipe.model.revision
     try:
-        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        return model_class(vision).from_pretrained(source, **kwargs)
     except OSError as e:
         raise ModelError(f"model not found: {recipe.model.name_or_path} ({_first_line(e)})", _HUB_HINT) from None
     except ImportError as e:
@@ -266,6 +305,8 @@ def prepare_model(model, plan, seed: int | None = None):
     that is already checkpointing (and not quantized), which changes what the first layer keeps.
     lowvram.check.builders and the simulator prepare their models with this same function."""
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
+    if has_vision(model.config):
+        freeze_vision(model)
     if plan.lora:
         if seed is not None:
             from transformers import set_seed
@@ -335,6 +376,8 @@ def apply_lora(model, plan):
         use_dora=plan.lora_use_dora,
         use_rslora=plan.lora_use_rslora,
         target_modules=targets[0] if targets == ("all-linear",) else list(targets),
+        # the language model's Linears only: the tower's q_proj/fc1 share their names
+        exclude_modules=_vision_pattern() if has_vision(model.config) else None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -343,6 +386,14 @@ def apply_lora(model, plan):
     except ValueError as e:
         raise LowvramError(f"lora.target_modules: {_first_line(e)}",
                            "use all-linear, or names of Linear modules in this model (e.g. [q_proj, v_proj])") from None
+
+
+def _vision_pattern() -> str:
+    """peft's exclude_modules (a regex matched in full against each module name) for
+    VISION_MODULES and everything under them."""
+    import re
+
+    return "|".join(r"(.*\.)?" + re.escape(name) + r"(\..*)?" for name in VISION_MODULES)
 
 
 def _weights_in(p) -> int:

@@ -58,8 +58,8 @@ def test_unmodelled_family_refused():
 @pytest.mark.parametrize("family", ["gemma3", "llava"])
 def test_whole_model_count_exact(family):
     """language model (text_config spec) + tower + projector == the whole model's parameters."""
-    from lowvram.plan.models import count_parameters
-    from lowvram.plan.readers import multimodal_specs_from_config
+    from lowvram.plan.models import count_parameters, model_numel
+    from lowvram.plan.readers import spec_from_config
 
     tower_kind = "siglip_vision_model" if family == "gemma3" else "clip_vision_model"
     cfg = dict(model_type=family,
@@ -74,6 +74,69 @@ def test_whole_model_count_exact(family):
         cls, cfg_cls = transformers.LlavaForConditionalGeneration, transformers.LlavaConfig
     with torch.device("meta"):
         m = cls(cfg_cls.from_dict(cfg))
-    spec, v = multimodal_specs_from_config(cfg, "tiny")
-    assert count_parameters(spec) + tower_numel(v) + projector_numel(v) == sum(
-        p.numel() for p in m.parameters())
+    spec = spec_from_config(cfg, "tiny")
+    v = spec.vision
+    whole = sum(p.numel() for p in m.parameters())
+    assert count_parameters(spec) + tower_numel(v) + projector_numel(v) == whole
+    assert model_numel(spec) == whole
+
+
+# Parameters as each model card states them (huggingface.co/<hf_id>), to its precision
+_ADVERTISED = {"gemma-3-4b": 4.30e9, "gemma-3-12b": 12.2e9, "gemma-3-27b": 27.4e9, "llava-1.5-7b": 7.06e9}
+
+
+@pytest.mark.parametrize("name", sorted(_ADVERTISED))
+def test_catalog_multimodal_entries_count_what_transformers_builds(name):
+    """The catalog's Gemma-3 and Llava entries: the model transformers builds from them (meta)
+    has exactly the planner's parameters, and the card's figure to its precision."""
+    from lowvram.check.builders import hf_config
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import model_numel
+
+    spec = resolve_model(name)
+    with torch.device("meta"):
+        m = transformers.AutoModelForImageTextToText.from_config(hf_config(spec))
+    assert model_numel(spec) == sum(p.numel() for p in m.parameters())
+    digits = 2 if name == "gemma-3-4b" or name == "llava-1.5-7b" else 1
+    assert round(model_numel(spec) / 1e9, digits) == round(_ADVERTISED[name] / 1e9, digits)
+
+
+def test_gemma3_12b_qlora_on_a_12gb_card_counts_the_tower():
+    """Issue 29, done when: the plan answers for google/gemma-3-12b-it with the tower in it: its
+    SigLIP weights in bf16 (not quantized) inside the weights, one line and one breakdown row."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+
+    args = ["plan", "--model", "google/gemma-3-12b-it", "--method", "qlora", "--vram", "12GB"]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["fits"] and d["model"] == "gemma-3-12b"
+    assert d["vision"] == {"tower": "siglip", "projector": "gemma3", "layers": 27,
+                           "parameters": 421_290_864, "weight_bytes": 2 * 421_290_864,
+                           "trainable": False, "tokens_per_image": 256, "quantized": False}
+    assert d["parameters"] == 12_187_325_040 + d["trainable_parameters"]
+    text = CliRunner().invoke(app, args).stdout
+    assert "vision tower: siglip (27 layers) + gemma3 projector, 421.3M params" in text
+    assert "vision tower │" in text.replace("  vision tower", "vision tower")
+
+
+@pytest.mark.parametrize("flag, value", [("--offload", "full"), ("--objective", "dpo"),
+                                         ("--tiled-mlp", "on"), ("--optimizer", "galore_adamw")])
+def test_what_is_not_modelled_with_a_tower_is_refused(flag, value):
+    """Issue 29 item 5: DeepSpeed/FSDP, preference objectives, GaLore and the tiled MLP with a
+    vision tower are not modelled: one error naming it and one hint, no guess."""
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+
+    method = "full" if value == "galore_adamw" else "lora"
+    r = CliRunner().invoke(app, ["plan", "--model", "gemma-3-4b", "--method", method, "--vram", "24GB",
+                                 flag, value])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and "vision tower" in lines[0], lines
+    assert lines[1].startswith("hint: ")

@@ -135,6 +135,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # `make test-all` (the default suite's time on 2 cores)
 def test_unreachable_main_node_fails_fast_with_a_message(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path, tiny_model_dir)
     port = _free_port()  # nothing listens there
@@ -157,6 +158,7 @@ def test_bad_launch_input(tmp_path, tiny_model_dir, args, message):
     assert message in r.stderr and "hint: " in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # `make test-all` (the default suite's time on 2 cores)
 def test_worker_error_is_shown_once_without_traceback(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path, tiny_model_dir)
     r = lowvram("train", str(recipe), "--gpus", "2", "--cpu", "--set", "training.seq_len=2", cwd=tmp_path)
@@ -193,6 +195,7 @@ def fsdp_runs(tmp_path_factory, tiny_model_dir):
     return tmp, out
 
 
+@pytest.mark.slow  # `make test-all` (the default suite's time on 2 cores)
 @pytest.mark.parametrize("name", ["lora", "full"])
 def test_fsdp_two_processes_match_one(fsdp_runs, name):
     tmp, runs_ = fsdp_runs
@@ -206,6 +209,7 @@ def test_fsdp_two_processes_match_one(fsdp_runs, name):
     assert "Traceback" not in runs_[name].stderr
 
 
+@pytest.mark.slow  # `make test-all` (the default suite's time on 2 cores)
 def test_fsdp_outputs_load_back_in_one_process(fsdp_runs, tiny_model_dir):
     import torch
     from peft import PeftModel

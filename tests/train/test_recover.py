@@ -29,6 +29,7 @@ def _plan(**fixed):
     return req, choose_plan(req, Budget(80 * 2**30, "cuda")).plan
 
 
+@pytest.mark.slow  # `make test-all` (the default suite's time on 2 cores)
 def test_next_cheaper_steps_down_and_keeps_the_effective_batch():
     req, plan = _plan()
     seen, new = [plan], plan

@@ -59,6 +59,7 @@ def _weights(run: Path) -> dict:
 # SIGKILL in the middle, then --resume
 
 
+@pytest.mark.slow  # `make test-all` (the default suite's time on 2 cores)
 def test_sigkill_then_resume_equals_an_uninterrupted_run_and_no_secret_leaks(tmp_path, tiny_model_dir):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref_dir.mkdir(), run_dir.mkdir()

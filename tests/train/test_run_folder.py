@@ -106,6 +106,7 @@ _KILL_IN_FINAL_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # `make test-all` (the default suite's time on 2 cores)
 def test_sigkill_in_the_final_save_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref_dir.mkdir(), run_dir.mkdir()

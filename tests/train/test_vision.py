@@ -1,0 +1,70 @@
+"""Issue 29 items 2 and 6: a checkpoint with a vision tower (Gemma-3, Llava) trains on text through
+`lowvram train`, the tower frozen, never adapted and never quantized, at the plan's peak."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lowvram.difftest import Case, run_case  # noqa: E402
+
+
+def _case(family: str, method: str, **kw) -> Case:
+    base = dict(seed=7, family=family, hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128,
+                vocab=512, tie=family == "gemma3", method=method, lora_r=8, precision="fp32",
+                seq_len=128, micro_batch_size=2, vision_layers=2, vision_hidden=32, vision_image=64,
+                vision_patch=16)
+    return Case(**{**base, **kw})
+
+
+@pytest.mark.parametrize("family, method", [("gemma3", "lora"), ("llava", "qlora"), ("gemma3", "full")])
+def test_text_recipe_trains_at_its_plan_with_the_tower_frozen(tmp_path, family, method):
+    out = run_case(_case(family, method), tmp_path)
+    assert out.error is None, out.error
+    assert out.ok, (out.measured_bytes, out.predicted_bytes, out.ratio)
+    run = tmp_path / "run"
+    plan = json.loads((run / "plan.json").read_text())
+    if method == "full":
+        from lowvram.train.model import model_class
+
+        def tower(folder):
+            m = model_class(True).from_pretrained(folder)
+            return {k: v for k, v in m.state_dict().items() if "vision_tower" in k}
+
+        trained, before = tower(run), tower(tmp_path / "model")
+        assert trained and trained.keys() == before.keys()
+        assert all(torch.equal(trained[k], before[k]) for k in trained)  # not trained
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(run / "adapter_model.safetensors"), "pt") as f:
+            keys = list(f.keys())
+        assert keys and not [k for k in keys if "vision_tower" in k or "multi_modal_projector" in k]
+    assert plan["lora"] == (method != "full")
+
+
+def test_qlora_keeps_the_tower_out_of_bitsandbytes():
+    """lowvram's BitsAndBytesConfig skips the tower and projector (train.model.quantization_config):
+    the language model's Linears are 4-bit, the tower's stay torch Linears."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    from lowvram.check.builders import build_model
+    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.setup import RunSetup
+
+    cfg = dict(model_type="llava",
+               text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                vocab_size=512),
+               vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=16))
+    spec = spec_from_config(cfg, "tiny-llava")
+    model = build_model(RunSetup(spec, quantization="nf4-dq", lora=True, lora_r=4, device="cpu",
+                                 precision="fp32"))
+    names = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    tower = [n for n in names if "vision_tower" in n or "multi_modal_projector" in n]
+    language = [n for n in names if "language_model" in n and n.endswith("base_layer")]
+    assert tower and all(names[n] is torch.nn.Linear for n in tower)
+    assert language and all(issubclass(names[n], bnb.nn.Linear4bit) for n in language)
