@@ -36,9 +36,9 @@ TEN_FAMILIES = FIRST_FAMILIES + ("gemma3_text", "olmo2", "smollm3")
 FAMILIES = TEN_FAMILIES + ("gpt_oss",)
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 # multimodal checkpoints (a vision tower loaded with the language model, lowvram.plan.vision):
-# Gemma-3 (SigLIP, Gemma-3 text) and Llava (CLIP, Llama); text-only recipes (bench/plan_fuzz.py
+# Gemma-3 (SigLIP, Gemma-3 text), Llava (CLIP, Llama) and Mistral-3 (Pixtral, Mistral); text-only recipes (bench/plan_fuzz.py
 # --families vision)
-VISION_FAMILIES = ("gemma3", "llava")
+VISION_FAMILIES = ("gemma3", "llava", "mistral3")
 
 WORDS = ("the quick brown fox jumps over lazy dog gradient memory adapter train model plan "
          "peak tensor layer token batch sequence answer question").split()
@@ -313,7 +313,7 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int):
         kw.update(decoder_sparse_step=1, mlp_only_layers=[])
     if case.family == "gemma":
         kw["hidden_activation"] = "gelu_pytorch_tanh"
-    text_family = {"gemma3": "gemma3_text", "llava": "llama"}.get(case.family, case.family)
+    text_family = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral"}.get(case.family, case.family)
     if text_family == "gemma3_text":  # alternate sliding (128 tokens) and full attention layers
         kw.update(sliding_window=128, layer_types=[
             "full_attention" if i % 2 else "sliding_attention" for i in range(case.layers)])
@@ -341,6 +341,10 @@ def _multimodal(case: Case, text):
             "gemma3", text_config=text.to_dict(), image_token_index=image_token,
             mm_tokens_per_image=max(1, patches // 4),
             vision_config=dict(model_type="siglip_vision_model", vision_use_head=False, **vision))
+    elif case.family == "mistral3":
+        cfg = AutoConfig.for_model("mistral3", text_config=text.to_dict(), image_token_index=image_token,
+                                   vision_config=dict(model_type="pixtral", head_dim=case.vision_hidden // 2,
+                                                      **vision))
     else:
         cfg = AutoConfig.for_model("llava", text_config=text.to_dict(), image_token_index=image_token,
                                    vision_config=dict(model_type="clip_vision_model", **vision))

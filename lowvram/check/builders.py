@@ -48,11 +48,16 @@ def _multimodal_config(spec: ModelSpec, text, attention: str):
     from transformers import AutoConfig
 
     v = spec.vision
-    image = max(v.patch_size, int(round(v.patches ** 0.5)) * v.patch_size)
     vision = dict(hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
                   num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
-                  num_channels=v.num_channels, image_size=image, patch_size=v.patch_size)
-    if v.tower == "siglip":
+                  num_channels=v.num_channels, image_size=v.image_size, patch_size=v.patch_size)
+    if v.tower == "pixtral":
+        layer = [-1] * v.feature_layers if v.feature_layers > 1 else -1
+        cfg = AutoConfig.for_model(
+            "mistral3", text_config=text.to_dict(), spatial_merge_size=v.merge_size,
+            multimodal_projector_bias=v.projector_bias, vision_feature_layer=layer,
+            vision_config=dict(model_type="pixtral", head_dim=v.hidden_size // v.num_heads, **vision))
+    elif v.tower == "siglip":
         cfg = AutoConfig.for_model(
             "gemma3", text_config=text.to_dict(), mm_tokens_per_image=v.tokens_per_image,
             vision_config=dict(model_type="siglip_vision_model", vision_use_head=v.use_head, **vision))

@@ -244,6 +244,8 @@ def _tiled_mlp_reason(c, req, without, fixed) -> str:
     s = c.setup
     if s.model.is_moe:
         return "off: the MLP is a mixture of experts (lowvram tiles a dense MLP only)"
+    if s.model.vision is not None:
+        return "off: not modelled with a vision tower loaded (the tower's MLPs would be tiled too)"
     cost = percent(tiled.tiled_mlp_slowdown(replace(s, tiled_mlp=True)))
     shards = tiled.tiled_mlp_shards(s)
     if req.fixed("tiled_mlp"):

@@ -275,8 +275,8 @@ def spec_from_gguf(path: Path, name: str) -> ModelSpec:
 
 
 # The language model's model_type when a multimodal config's text_config leaves it out
-# (Gemma3Config: Gemma3TextConfig; LlavaConfig: LlamaConfig by default).
-_TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "llava": "llama"}
+# (Gemma3Config: Gemma3TextConfig; LlavaConfig: LlamaConfig; Mistral3Config: MistralConfig).
+_TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral"}
 # Gemma3TextConfig's defaults (transformers 5 configuration_gemma3.py), which Gemma-3's published
 # config.json files rely on: google/gemma-3-4b-it's text_config names neither the heads nor the
 # vocabulary.
@@ -287,10 +287,9 @@ _TEXT_DEFAULTS = {"gemma3_text": dict(
 
 
 def multimodal_spec_from_config(cfg: dict, name: str) -> ModelSpec:
-    """The ModelSpec of a multimodal config.json (model_type gemma3 or llava): the language model
+    """The ModelSpec of a multimodal config.json (gemma3, llava, mistral3): the language model
     from its text_config, with the vision tower and projector in ``vision``; other multimodal
-    families are refused by vision_spec_from_config. The top-level tie_word_embeddings
-    (Gemma3Config default True) applies when text_config leaves it out."""
+    families are refused by vision_spec_from_config."""
     from dataclasses import replace
 
     from lowvram.plan.vision import vision_spec_from_config
@@ -304,10 +303,14 @@ def multimodal_spec_from_config(cfg: dict, name: str) -> ModelSpec:
     text.setdefault("model_type", _TEXT_MODEL_TYPE.get(mt, "llama"))
     for key, value in _TEXT_DEFAULTS.get(text["model_type"], {}).items():
         text.setdefault(key, value)
+    # transformers ties by the top-level value (PreTrainedModel's tied-weights mapping); without
+    # one, the text_config's says what the checkpoint holds (Mistral-3's has an lm_head, and
+    # from_pretrained does not tie two different tensors), and Gemma-3's has none (Gemma3Config
+    # default True)
     if "tie_word_embeddings" in cfg:
-        text.setdefault("tie_word_embeddings", cfg["tie_word_embeddings"])
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     elif mt == "gemma3":
-        text.setdefault("tie_word_embeddings", True)  # Gemma3Config default
+        text.setdefault("tie_word_embeddings", True)
     if cfg.get("_name_or_path"):
         text.setdefault("_name_or_path", cfg["_name_or_path"])
     spec = spec_from_config(text, name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from lowvram.plan import constants as fitted
 from lowvram.plan import moe, optimizers
 from lowvram.plan.models import ModelSpec, block_linears, count_parameters, vision_numel
+from lowvram.plan.vision import tower_buffer_bytes
 from lowvram.plan.setup import RunSetup
 from lowvram.vocab import OPTIMIZERS_8BIT
 
@@ -106,12 +107,14 @@ def vision_weight_bytes(setup: RunSetup) -> int:
     """A multimodal checkpoint's vision tower and projector, frozen, in the load dtype: lowvram
     keeps them out of bitsandbytes' quantization (lowvram.train.model.VISION_MODULES in
     llm_int8_skip_modules, as Unsloth's dynamic 4-bit checkpoints leave the vision encoder in
-    16 bits), so under QLoRA too they stay 16-bit (fp32 under peft's k-bit upcast)."""
+    16 bits), so under QLoRA too they stay 16-bit (fp32 under peft's k-bit upcast); and the
+    tower's buffers (vision.tower_buffer_bytes)."""
     n = vision_numel(setup.model)
     if not n:
         return 0
     w, _ = dtype_bytes(setup)
-    return n * (4 if setup.quantization != "none" and setup.kbit_prepare else w)
+    buffers = tower_buffer_bytes(setup.model.vision)
+    return n * (4 if setup.quantization != "none" and setup.kbit_prepare else w) + buffers
 
 
 def gradient_bytes(setup: RunSetup) -> int:

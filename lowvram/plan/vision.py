@@ -19,6 +19,16 @@ Sources (transformers 5):
   h_text), linear_2 Linear(h_text, h_text), both with multimodal_projector_bias (LlavaConfig
   default True). Image tokens: (image_size/patch)^2, minus the CLS token under
   vision_feature_select_strategy "default" (which drops it; "full" keeps it: +1).
+- Pixtral tower (Mistral-3's ``pixtral``), modeling_pixtral.py: patch_conv Conv2d(c, h, patch,
+  patch) without bias, ln_pre RMSNorm(h), PixtralAttentionLayer (attention_norm / ffn_norm
+  RMSNorm(h); q/k/v/o_proj Linear(h, h) without bias; a gated MLP gate/up Linear(h, I), down
+  Linear(I, h) without bias), 2-D rotary positions (no parameters), no final norm.
+- Mistral3MultiModalProjector (modeling_mistral3.py): norm RMSNorm(h_vision), patch_merger
+  merging_layer Linear(h_vision * merge^2, h_vision) without bias, linear_1 Linear(h_vision *
+  feature layers, h_text) and linear_2 Linear(h_text, h_text) with multimodal_projector_bias
+  (Mistral3Config default False). Image tokens of the largest image (image_size): side =
+  image_size / patch / spatial_merge_size merged patches a side, plus one [IMG_BREAK] per row
+  (the last row's is [IMG_END]): side x (side + 1) (PixtralProcessor).
 Defaults left out of config.json: SiglipVisionConfig / CLIPVisionConfig class defaults
 (configuration_siglip.py, configuration_clip.py).
 """
@@ -37,9 +47,14 @@ _TOWER_DEFAULTS = {
     "clip": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                  num_attention_heads=12, num_channels=3, image_size=224, patch_size=32,
                  vision_use_head=False),
+    # configuration_pixtral.py PixtralVisionConfig
+    "pixtral": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                    num_attention_heads=16, num_channels=3, image_size=1024, patch_size=16,
+                    vision_use_head=False),
 }
 # multimodal model_type -> (tower kind, projector kind)
-VISION_FAMILIES = {"gemma3": ("siglip", "gemma3"), "llava": ("clip", "llava")}
+VISION_FAMILIES = {"gemma3": ("siglip", "gemma3"), "llava": ("clip", "llava"),
+                   "mistral3": ("pixtral", "mistral3")}
 
 
 @dataclass(frozen=True)
@@ -59,7 +74,8 @@ class VisionSpec:
     text_hidden_size: int
     use_head: bool = False  # SigLIP attention-pooling head (unused by Gemma-3)
     projector_bias: bool = True  # Llava linear_1 / linear_2 bias
-    feature_layers: int = 1  # Llava: len(vision_feature_layer) when it is a list
+    feature_layers: int = 1  # Llava, Mistral-3: len(vision_feature_layer) when it is a list
+    merge_size: int = 1  # Mistral-3: spatial_merge_size (the patch merger's side)
 
     @property
     def patches(self) -> int:
@@ -74,6 +90,9 @@ def _layer_numel(v: VisionSpec) -> int:
 def tower_numel(v: VisionSpec) -> int:
     """Exact parameter count of the vision tower (``sum(p.numel())`` of model.vision_tower)."""
     h, c, p = v.hidden_size, v.num_channels, v.patch_size
+    if v.tower == "pixtral":  # RMSNorms, no biases, a gated MLP, no final norm
+        layer = 2 * h + 4 * h * h + 3 * h * v.intermediate_size
+        return c * p * p * h + h + v.num_layers * layer
     n = v.num_layers * _layer_numel(v) + 2 * h  # encoder layers + post_layernorm
     if v.tower == "siglip":
         n += c * p * p * h + h + v.patches * h
@@ -86,13 +105,26 @@ def tower_numel(v: VisionSpec) -> int:
     return n
 
 
+def tower_buffer_bytes(v: VisionSpec) -> int:
+    """The tower's buffers: SigLIP's and CLIP's position_ids (int64 arange of the positions,
+    expanded without a copy), Pixtral's inv_freq and original_inv_freq (fp32, head_dim / 2 each;
+    modeling_pixtral.py PixtralVisionRotaryEmbedding)."""
+    if v.tower == "pixtral":
+        return 2 * 4 * (v.hidden_size // v.num_heads // 2)
+    return 8 * (v.patches + (1 if v.tower == "clip" else 0))
+
+
 def projector_numel(v: VisionSpec) -> int:
     """Exact parameter count of model.multi_modal_projector."""
     if v.projector == "gemma3":
         return v.hidden_size * v.text_hidden_size + v.hidden_size
     d_in, d = v.hidden_size * v.feature_layers, v.text_hidden_size
     b = d if v.projector_bias else 0
-    return d_in * d + b + d * d + b
+    n = d_in * d + b + d * d + b
+    if v.projector == "mistral3":  # + norm and the patch merger
+        h = v.hidden_size
+        n += h + h * v.merge_size ** 2 * h
+    return n
 
 
 def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> VisionSpec:
@@ -111,10 +143,17 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
         if isinstance(vc[key], (list, tuple)):
             vc[key] = int(vc[key][0])
     patches = (vc["image_size"] // vc["patch_size"]) ** 2
-    feature_layers = 1
+    feature_layers, merge = 1, 1
     if projector == "gemma3":
         tokens = int(cfg.get("mm_tokens_per_image") or 256)  # Gemma3Config default
         bias = False
+    elif projector == "mistral3":
+        merge = int(cfg.get("spatial_merge_size") or 2)  # Mistral3Config default
+        side = vc["image_size"] // vc["patch_size"] // merge
+        tokens = side * (side + 1)
+        layer = cfg.get("vision_feature_layer", -1)
+        feature_layers = len(layer) if isinstance(layer, list) else 1
+        bias = bool(cfg.get("multimodal_projector_bias", False))
     else:
         strategy = cfg.get("vision_feature_select_strategy", "default")
         tokens = patches if strategy == "default" else patches + 1
@@ -128,7 +167,7 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
         image_size=int(vc["image_size"]), num_channels=int(vc["num_channels"]),
         tokens_per_image=tokens, text_hidden_size=int(text_hidden_size),
         use_head=bool(vc["vision_use_head"]) if tower == "siglip" else False,
-        projector_bias=bias, feature_layers=feature_layers)
+        projector_bias=bias, feature_layers=feature_layers, merge_size=merge)
 
 
 def vision_problems(vision: VisionSpec | None, offload: str | None, objective: str,

@@ -48,6 +48,20 @@ def test_llava_tower_and_projector_exact(strategy, layer):
     assert v.tokens_per_image == 64 + (strategy == "full")
 
 
+@pytest.mark.parametrize("layer", [-1, [-2, -1]])
+def test_mistral3_pixtral_tower_and_projector_exact(layer):
+    cfg = dict(model_type="mistral3", spatial_merge_size=2, vision_feature_layer=layer,
+               text_config=dict(model_type="mistral", **TEXT),
+               vision_config=dict(model_type="pixtral", hidden_size=48, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4, head_dim=12,
+                                  image_size=64, patch_size=8))
+    tower, proj = _counts(transformers.Mistral3ForConditionalGeneration, transformers.Mistral3Config,
+                          cfg)
+    v = vision_spec_from_config(cfg, "tiny", text_hidden_size=64)
+    assert (tower_numel(v), projector_numel(v)) == (tower, proj)
+    assert v.tokens_per_image == 4 * 5  # 8 patches a side, merged 2 x 2: 4 rows of 4 + a break each
+
+
 def test_unmodelled_family_refused():
     from lowvram.errors import ModelError
 
@@ -82,7 +96,8 @@ def test_whole_model_count_exact(family):
 
 
 # Parameters as each model card states them (huggingface.co/<hf_id>), to its precision
-_ADVERTISED = {"gemma-3-4b": 4.30e9, "gemma-3-12b": 12.2e9, "gemma-3-27b": 27.4e9, "llava-1.5-7b": 7.06e9}
+_ADVERTISED = {"gemma-3-4b": 4.30e9, "gemma-3-12b": 12.2e9, "gemma-3-27b": 27.4e9, "llava-1.5-7b": 7.06e9,
+               "mistral-small-3.1-24b": 24.0e9}
 
 
 @pytest.mark.parametrize("name", sorted(_ADVERTISED))
@@ -116,7 +131,7 @@ def test_gemma3_12b_qlora_on_a_12gb_card_counts_the_tower():
     d = json.loads(r.stdout)
     assert d["fits"] and d["model"] == "gemma-3-12b"
     assert d["vision"] == {"tower": "siglip", "projector": "gemma3", "layers": 27,
-                           "parameters": 421_290_864, "weight_bytes": 2 * 421_290_864,
+                           "parameters": 421_290_864, "weight_bytes": 2 * 421_290_864 + 8 * 4096,
                            "trainable": False, "tokens_per_image": 256, "quantized": False}
     assert d["parameters"] == 12_187_325_040 + d["trainable_parameters"]
     text = CliRunner().invoke(app, args).stdout
@@ -140,3 +155,20 @@ def test_what_is_not_modelled_with_a_tower_is_refused(flag, value):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: ") and "vision tower" in lines[0], lines
     assert lines[1].startswith("hint: ")
+
+
+def test_shipped_gemma3_recipe_fits_the_card_it_is_sized_for():
+    """recipes/gemma-3-12b-qlora.yaml: its header's check, on a 12 GB card, fits with the tower."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+    from tests.conftest import REPO
+
+    r = CliRunner().invoke(app, ["plan", str(REPO / "recipes/gemma-3-12b-qlora.yaml"), "--vram", "12GB",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["fits"] and d["vision"]["weight_bytes"] == 2 * 421_290_864 + 8 * 4096  # + position_ids
+    assert d["techniques"]["quantization"] == "nf4-dq" and d["techniques"]["loss"] == "chunked"

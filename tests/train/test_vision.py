@@ -63,6 +63,12 @@ def test_qlora_keeps_the_tower_out_of_bitsandbytes():
     spec = spec_from_config(cfg, "tiny-llava")
     model = build_model(RunSetup(spec, quantization="nf4-dq", lora=True, lora_r=4, device="cpu",
                                  precision="fp32"))
+    from lowvram.plan.states import vision_weight_bytes
+
+    setup = RunSetup(spec, quantization="nf4-dq", lora=True, lora_r=4, device="cpu", precision="fp32")
+    held = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if "vision_tower" in n or "multi_modal_projector" in n)
+    assert held == vision_weight_bytes(setup)  # exact: fp32 weights + the position_ids buffer
     names = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     tower = [n for n in names if "vision_tower" in n or "multi_modal_projector" in n]
     language = [n for n in names if "language_model" in n and n.endswith("base_layer")]
