@@ -31,7 +31,12 @@ from lowvram.plan.setup import (
     quantization_conflict,
 )
 from lowvram.plan.types import Plan, dtype_precision
-from lowvram.vocab import FULL_ONLY_OPTIMIZERS, IN_BACKWARD_OPTIMIZERS, LOMO_OPTIMIZERS, PROJECTED_OPTIMIZERS
+from lowvram.vocab import (
+    FULL_ONLY_OPTIMIZERS,
+    IN_BACKWARD_OPTIMIZERS,
+    LOMO_OPTIMIZERS,
+    PROJECTED_OPTIMIZERS,
+)
 
 # Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
 # communication (~1.2x, techniques.OFFLOAD_SLOWDOWN), about what gradient checkpointing costs; so
