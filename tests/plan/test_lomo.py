@@ -187,7 +187,12 @@ def test_lomo_runs_stay_within_their_plan(seed, tmp_path):
     """Two LOMO full fine-tuning runs through `lowvram train` on the CPU within the plan-truth
     target (bench/results/plan_fuzz_lomo_heldout.txt: the held-out seeds)."""
     pytest.importorskip("lomo_optim")
-    from lowvram.difftest import ANY_LIMIT, OVER_LIMIT, TEN_FAMILIES, made_lomo, random_case, run_case
+    from lowvram.difftest import (
+        TEN_FAMILIES,
+        made_lomo,
+        random_case,
+        run_case,
+    )
 
     case = made_lomo(random_case(seed, families=TEN_FAMILIES))
     assert case.optimizer == "lomo" and case.grad_accum == 1
