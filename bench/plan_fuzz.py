@@ -14,6 +14,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --chunk 1 --seeds 0:3 --families ten   # the loss chunk sized to a budget
     python bench/plan_fuzz.py --extended      # also DoRA and GaLore (issue 27)
     python bench/plan_fuzz.py --galore layerwise --families ten  # dense cases made layerwise GaLore runs
+    python bench/plan_fuzz.py --lomo --families ten  # every case made a LOMO full fine-tuning run
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
 it become regression cases in tests/plan/test_fuzz.py. ~5 s a case on 2 cores.
@@ -45,6 +46,7 @@ from lowvram.difftest import (  # noqa: E402
     TEN_FAMILIES,
     VISION_FAMILIES,
     made_galore,
+    made_lomo,
     preference_case,
     random_case,
     recipe_text,
@@ -80,6 +82,9 @@ def main() -> int:
     ap.add_argument("--galore", choices=["plain", "layerwise"],
                     help="make every dense recipe a GaLore full fine-tuning run (difftest.made_galore: "
                          "galore_adamw, or galore_adamw_layerwise at accumulation 1); MoE seeds are skipped")
+    ap.add_argument("--lomo", action="store_true",
+                    help="make every recipe a LOMO full fine-tuning run (difftest.made_lomo: optimizer lomo "
+                         "at accumulation 1, no fp16)")
     ap.add_argument("--eager-checkpointing", action="store_true",
                     help="make every recipe eager attention with gradient checkpointing (the draw "
                          "makes it rarely: 15%% eager, 40%% checkpointing)")
@@ -106,6 +111,7 @@ def main() -> int:
     families += " --preference" if args.preference else ""
     families += " --kto" if args.kto else ""
     families += f" --galore {args.galore}" if args.galore else ""
+    families += " --lomo" if args.lomo else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
@@ -116,6 +122,8 @@ def main() -> int:
             case = made_galore(case, layerwise=args.galore == "layerwise")
             if case is None:
                 continue
+        if args.lomo:
+            case = made_lomo(case)
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

@@ -274,6 +274,13 @@ def made_galore(case: Case, layerwise: bool = False) -> Case | None:
     return replace(out, grad_accum=1) if layerwise else out
 
 
+def made_lomo(case: Case) -> Case:
+    """The case as a LOMO full fine-tuning run (bench/plan_fuzz.py --lomo): optimizer lomo with
+    gradient accumulation 1 (the batch in one micro-batch: LOMO steps in every backward); the
+    draw has no fp16, which LOMO refuses. AdaLomo is not drawn: it makes its state with .cuda()."""
+    return replace(case, method="full", use_dora=False, lora_dropout=0.0, optimizer="lomo", grad_accum=1)
+
+
 def preference_case(seed: int, families: tuple[str, ...] = FAMILIES, kto: bool = False) -> Case:
     """A random preference recipe: random_case's model and techniques (the same seed draws the
     same ones), then an objective, DPO's loss type and precompute; TRL's own loss (no chunked or
@@ -507,7 +514,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 
 
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
-           "made_chunked", "made_galore", "made_tiled",
+           "made_chunked", "made_galore", "made_lomo", "made_tiled",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -50,6 +50,11 @@ TRAINER_OPTIMIZERS = {
     "galore_adamw_8bit": "galore_adamw_8bit",
     "galore_adamw_layerwise": "galore_adamw_layerwise",
     "galore_adamw_8bit_layerwise": "galore_adamw_8bit_layerwise",
+    # LOMO (Lv et al. 2024) and AdaLomo (Lv et al. 2024; lomo-optim, the `lomo` extra): SGD, or
+    # AdaLomo's factored second moment, fused into the backward by each parameter's gradient hook
+    # (lomo_optim.Lomo / AdaLomo; the Trainer calls fused_backward: lowvram.plan.optimizers)
+    "lomo": "lomo",
+    "adalomo": "adalomo",
 }
 OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
 # Optimizers that come from bitsandbytes (as the quantizations other than none do), and those of
@@ -64,8 +69,15 @@ GALORE_8BIT_OPTIMIZERS = ("galore_adamw_8bit", "galore_adamw_8bit_layerwise")
 # Stepped one parameter at a time inside the backward (transformers LayerWiseDummyOptimizer):
 # gradient accumulation 1, no gradient clipping, one process.
 LAYERWISE_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise")
+# LOMO's forms: each parameter stepped by its own gradient hook (lomo_optim), full fine-tuning only.
+LOMO_OPTIMIZERS = ("lomo", "adalomo")
+# Every optimizer that steps inside the backward: gradient accumulation 1, no clipping, one process.
+IN_BACKWARD_OPTIMIZERS = LAYERWISE_OPTIMIZERS + LOMO_OPTIMIZERS
+# Optimizers that train full weights only (no LoRA, no DeepSpeed/FSDP).
+FULL_ONLY_OPTIMIZERS = PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS
 # Optimizer -> (the pyproject extra it needs, the module that extra installs).
-OPTIMIZER_EXTRAS = {o: ("galore", "galore_torch") for o in PROJECTED_OPTIMIZERS}
+OPTIMIZER_EXTRAS = {o: ("galore", "galore_torch") for o in PROJECTED_OPTIMIZERS} | {
+    o: ("lomo", "lomo_optim") for o in LOMO_OPTIMIZERS}
 # Offload or shard: optimizer/full on one GPU (DeepSpeed ZeRO-Offload/-Infinity), the rest with
 # several GPUs (DeepSpeed ZeRO-2/3, FSDP2), "-offload" adding CPU offload.
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",

@@ -233,7 +233,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         if dora.dora_on(setup):  # the last layer's forward forms DoRA's weight norm (plan/dora.py)
             candidates.append(Moment("dora_weight_norm",
                                      acts - head_activation_bytes(setup) + dora.weight_norm_bytes(setup)))
-    if optimizers.layerwise(setup):
+    if optimizers.in_backward(setup):
         candidates = _layerwise_moments(setup, candidates, acts)
     return max(candidates, key=lambda m: m.bytes)  # the first of equals, as listed
 
@@ -250,19 +250,29 @@ def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> 
     layer: every activation or checkpoint alive), ``layerwise_head_step`` (untied lm_head, the
     first hook, right after the loss's backward) and ``layerwise_embedding_step`` (the last).
     Measured: held-out seed 333 (OLMo-2 bf16, checkpointing) was 11% under a plan that added the
-    step to the recompute's peak (bench/results/plan_fuzz_galore_layerwise_heldout_300-379.txt)."""
+    step to the recompute's peak (bench/results/plan_fuzz_galore_layerwise_heldout_300-379.txt).
+
+    LOMO and AdaLomo (optimizers.lomo_step_bytes): the same moments, but a tensor hook steps the
+    parameter accumulated before it, so every backward moment also holds that one gradient
+    (optimizers.lomo_pending_bytes) and a step sits beside the next parameter's gradient."""
     spec = setup.model
     w = dtype_bytes(setup)[0]
     shapes = trainable_tensors(setup)
-    block = optimizers.layerwise_step_bytes(setup, w, shapes, "block")
-    embedding = optimizers.layerwise_step_bytes(setup, w, shapes, "head")  # (V, h), never projected
+    if optimizers.lomo(setup):
+        block = optimizers.lomo_step_bytes(setup, w, shapes, "block")
+        embedding = optimizers.lomo_step_bytes(setup, w, shapes, "head")
+        pending = optimizers.lomo_pending_bytes(setup, w, shapes)
+    else:
+        block = optimizers.layerwise_step_bytes(setup, w, shapes, "block")
+        embedding = optimizers.layerwise_step_bytes(setup, w, shapes, "head")  # (V, h), never projected
+        pending = 0
     tied = w * embedding_numel(spec) if spec.tie_word_embeddings else 0
     out = []
     for m in candidates:
         if m.name == "tied_embedding_gradient":
             out.append(replace(m, gradients=max(m.gradients - int(gradient_bytes(setup)), embedding)))
         elif m.gradients:
-            out.append(replace(m, gradients=tied))
+            out.append(replace(m, gradients=tied + pending))
         else:
             out.append(m)
     r, _, _ = dtypes(setup)
@@ -305,9 +315,10 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     acts, logits = moment.activations, moment.logits
     live_weights -= moment.not_gathered
     fb = live_weights + optim + kept_grads + acts + logits
-    # layerwise GaLore: optimizer.step() is LayerWiseDummyOptimizer's no-op, every gradient was
-    # applied and dropped in the backward (plan/optimizers.py)
-    step_grads = 0 if optimizers.layerwise(setup) else grads
+    # layerwise GaLore: optimizer.step() is LayerWiseDummyOptimizer's no-op (LOMO's: accelerate's
+    # AcceleratedOptimizer.step returns for it), every gradient was applied and dropped in the
+    # backward (plan/optimizers.py)
+    step_grads = 0 if optimizers.in_backward(setup) else grads
     step = weights + optim + step_grads + buckets + optimizer_step_temp_bytes(setup)
     if fb >= step:
         phase, peak_moment = "forward_backward", moment.name

@@ -90,19 +90,23 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "layerwise GaLore: the last decoder layer's largest tensor stepped in its post-accumulate-"
         "grad hook (its gradient, the step's temporaries, a renewal's SVD) beside every activation "
         "or checkpoint, the recomputed layer's and the hidden-state gradients; the backward's own "
-        "moments then hold no gradients made so far (a tied lm_head's share only)",
+        "moments then hold no gradients made so far (a tied lm_head's share only). LOMO and "
+        "AdaLomo: the step of the tensor accumulated before, at the next one's tensor hook, beside "
+        "that incoming gradient; the backward's moments hold the one gradient not yet stepped",
         "transformers trainer_optimizer._setup_low_rank_optimizer (optimizer_hook, "
-        "register_post_accumulate_grad_hook); optimizers.layerwise_step_bytes; measured: "
-        "bench/results/plan_fuzz_galore_layerwise*.txt"),
+        "register_post_accumulate_grad_hook); optimizers.layerwise_step_bytes; lomo_optim "
+        "Lomo/AdaLomo fuse_update, optimizers.lomo_step_bytes; measured: "
+        "bench/results/plan_fuzz_galore_layerwise*.txt, plan_fuzz_lomo*.txt"),
     "layerwise_head_step": (
         "layerwise GaLore, untied lm_head: the first post-accumulate-grad hook, lm_head's gradient "
         "and its AdamW step beside every saved activation (or checkpoint) but the head's and the "
-        "hidden-state gradient",
+        "hidden-state gradient (LOMO, AdaLomo: its step at the final norm's hook)",
         "transformers trainer_optimizer._setup_low_rank_optimizer (optimizer_hook, "
         "register_post_accumulate_grad_hook); optimizers.layerwise_step_bytes; measured: "
         "bench/results/plan_fuzz_galore_layerwise*.txt"),
     "layerwise_embedding_step": (
-        "layerwise GaLore, untied: the embedding's gradient and step, the last hook of the backward",
+        "layerwise GaLore, LOMO or AdaLomo, untied: the embedding's gradient and step, the last "
+        "hook of the backward",
         "as layerwise_head_step"),
     "reference_forward": (
         "DPO without precomputed reference log-probs: the reference's no-grad forward after the "

@@ -50,15 +50,63 @@ gradients the hooks already applied and set to None (it clips nothing and logs a
 Measured: the state of a real GaLoreAdamW / AdamW8bit (its ``cuda.synchronize`` stubbed on the
 CPU) after one Trainer step, plain and layerwise (tests/plan/test_galore.py, exact), and whole
 runs through ``lowvram train`` (the differential test's GaLore draws; 8-bit cannot run there).
+
+**LOMO** (optimizer lomo; Lv et al. 2024, "Full Parameter Fine-tuning for Large Language Models
+with Limited Resources") and **AdaLomo** (optimizer adalomo; Lv et al. 2024, "AdaLomo:
+Low-memory Optimization with Adaptive Learning Rate"), as lomo-optim 0.1.1 implements them
+(``lomo_optim/lomo.py`` Lomo, ``lomo_optim/adalomo.py`` AdaLomo) and the Trainer wires them
+(transformers ``trainer_optimizer._get_lomo_optimizer``: ``Lomo(model, lr=learning_rate)``, no
+weight decay, no clipping; ``Trainer.training_step`` passes ``learning_rate`` to
+``accelerator.backward``, which calls ``optimizer.fused_backward(loss, lr)``; accelerate's
+``AcceleratedOptimizer.step`` returns at once for them). Each trainable parameter gets a *tensor*
+hook (``p.register_hook(grad_func)``): it runs when the parameter's gradient has been computed,
+before it is accumulated into ``.grad``, and steps every parameter whose ``.grad`` is set (the one
+accumulated before it) and sets that ``.grad`` to None; ``fused_backward`` calls it once more
+after ``loss.backward()`` for the last. So at a hook: the incoming gradient, the previous
+parameter's gradient and its step's temporaries, beside what the backward holds then
+(:func:`lomo_step_bytes`); between hooks, one accumulated gradient (:func:`lomo_pending_bytes`).
+
+- **State**: LOMO none (SGD, no momentum). AdaLomo: Adafactor's factored second moment in fp32
+  for every parameter, made in ``__init__`` with ``.cuda()``: a matrix's row (``shape[0]``)
+  and column (``shape[1]``) means, a vector's full ``exp_avg_sq`` (:func:`lomo_state_bytes`).
+- **Step temporaries** of one n-element parameter (``fuse_update``): LOMO's ``grad_fp32 =
+  p.grad.to(torch.float32)`` and ``p_fp32 = p.data.to(torch.float32)`` are the tensors
+  themselves in fp32 (nothing beyond the gradient) and copies of 16-bit ones (the 16-bit
+  gradient dropped by ``p.grad = None`` before ``p_fp32``): 8n bytes. AdaLomo: ``update =
+  (grad_fp32**2) + eps`` (two fp32 tensors at once beside the fp32 gradient), then
+  ``_approx_sq_grad`` (a third while ``update`` is still held), then ``p_fp32``: 12n bytes at
+  every turn, either dtype.
+
+What they give up: LOMO is SGD without momentum or weight decay (the Trainer hands it only the
+learning rate); AdaLomo keeps no first moment (Adafactor-like, with its grouped update
+normalisation); both: gradient accumulation (each micro-batch's backward would step the weights;
+transformers does not refuse it), gradient clipping (the Trainer never calls ``grad_norm``, the
+second backward LOMO's clipping needs; its ``clip_grad_norm_`` afterwards finds no gradients),
+several processes (the non-ZeRO hook steps on the local gradient: DDP ranks would drift apart),
+and fp16 (accelerate's ``backward`` takes its GradScaler branch before the LOMO one, so
+``fused_backward`` never runs and the hooks step with scaled gradients). AdaLomo needs CUDA
+(``.cuda()`` in ``__init__``) and weights of 2 dimensions at most (its row mean of a 3-D fused
+expert weight has the wrong shape).
+
+Measured: AdaLomo's state against the real class (``.cuda`` stubbed on the CPU) and LOMO's and
+AdaLomo's step working sets (tests/plan/test_lomo.py, exact), and LOMO whole runs through
+``lowvram train`` (bench/plan_fuzz.py --lomo; AdaLomo cannot run on the CPU).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from math import prod
 
 from lowvram.plan.models import ModelSpec, block_linears
 from lowvram.plan.setup import RunSetup
-from lowvram.vocab import GALORE_8BIT_OPTIMIZERS, LAYERWISE_OPTIMIZERS, PROJECTED_OPTIMIZERS
+from lowvram.vocab import (
+    GALORE_8BIT_OPTIMIZERS,
+    IN_BACKWARD_OPTIMIZERS,
+    LAYERWISE_OPTIMIZERS,
+    LOMO_OPTIMIZERS,
+    PROJECTED_OPTIMIZERS,
+)
 
 GALORE_RANK = 128  # transformers' default (optim_args rank)
 GALORE_UPDATE_PROJ_GAP = 200  # transformers' default (optim_args update_proj_gap)
@@ -83,27 +131,47 @@ def layerwise(setup: RunSetup) -> bool:
     return setup.optimizer in LAYERWISE_OPTIMIZERS
 
 
+def lomo(setup: RunSetup) -> bool:
+    return setup.optimizer in LOMO_OPTIMIZERS
+
+
+def in_backward(setup: RunSetup) -> bool:
+    """Stepped one parameter at a time inside the backward (layerwise GaLore, LOMO, AdaLomo)."""
+    return setup.optimizer in IN_BACKWARD_OPTIMIZERS
+
+
 def eight_bit(setup: RunSetup) -> bool:
     return setup.optimizer in GALORE_8BIT_OPTIMIZERS
 
 
+IN_BACKWARD_GIVEN_UP = ("each parameter stepped in the backward, so no gradient clipping "
+                        "(training.max_grad_norm has nothing left to clip), no gradient accumulation "
+                        "and one process only")
+
+
 def given_up(setup: RunSetup) -> str:
-    """What the setup's GaLore form gives up, for the plan's reason (the search's order:
+    """What the setup's GaLore or LOMO form gives up, for the plan's reason (the search's order:
     request.optimizer_given_up)."""
+    if setup.optimizer == "lomo":
+        return ("LOMO trains every weight with plain SGD (no momentum, no adaptive step, no weight decay: "
+                "the Trainer hands it only the learning rate); " + IN_BACKWARD_GIVEN_UP)
+    if setup.optimizer == "adalomo":
+        return ("AdaLomo trains every weight with a factored second moment and no first moment "
+                "(Adafactor-like; CUDA only); " + IN_BACKWARD_GIVEN_UP)
     out = [f"GaLore trains every weight but each decoder Linear's update lives in a rank-"
            f"{setup.galore_rank} subspace (renewed every update_proj_gap steps; its step-time "
            "cost is not measured by this project)"]
     if eight_bit(setup):
         out.append("8-bit moments (bitsandbytes blockwise; CUDA only)")
     if layerwise(setup):
-        out.append("layerwise: each parameter stepped in the backward, so no gradient clipping "
-                   "(training.max_grad_norm has nothing left to clip), no gradient accumulation "
-                   "and one process only")
+        out.append("layerwise: " + IN_BACKWARD_GIVEN_UP)
     return "; ".join(out)
 
 
 def optimizer_problems(setup: RunSetup) -> list[str]:
     """Why the setup's optimizer cannot run (empty when it can)."""
+    if lomo(setup):
+        return lomo_problems(setup)
     if not projected(setup):
         return []
     o, out = setup.optimizer, []
@@ -130,6 +198,51 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
         out.append(f"optimizer {o} runs in one process only (transformers raises NotImplementedError "
                    "under DDP; use --gpus 1, or galore_adamw)")
     return out
+
+
+def lomo_problems(setup: RunSetup) -> list[str]:
+    """Why the setup's LOMO form cannot run (see the module)."""
+    o, out = setup.optimizer, []
+    if setup.lora:
+        out.append(f"optimizer {o} steps full weights in the backward; with lora the adapters' gradients are "
+                   "small already (use it with lora: off, or optimizer adamw)")
+    if setup.offload != "none":
+        out.append(f"optimizer {o} cannot run under offload {setup.offload}: DeepSpeed and FSDP2 own the "
+                   "parameters it steps (use offload none, one GPU)")
+    if o == "adalomo" and setup.device != "cuda":
+        out.append("optimizer adalomo needs CUDA: lomo_optim's AdaLomo makes its state with .cuda() "
+                   "(use lomo on this machine)")
+    if o == "adalomo" and not setup.lora and setup.model.is_moe:
+        out.append("optimizer adalomo factors a weight's second moment over its two dimensions; an MoE "
+                   "model's fused 3-D expert weights do not fit it (use lomo)")
+    if setup.precision.startswith("fp16"):
+        out.append(f"optimizer {o} cannot train in {setup.precision}: accelerate's GradScaler backward runs "
+                   "instead of LOMO's fused_backward (use bf16 or fp32)")
+    if setup.grad_accum != 1:
+        out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
+                   f"gradients (gradient_accumulation {setup.grad_accum} would step every micro-batch; "
+                   "use gradient_accumulation 1)")
+    if setup.gpus > 1:
+        out.append(f"optimizer {o} runs in one process only (its hooks step on each rank's own gradient; "
+                   "use --gpus 1)")
+    return out
+
+
+def lomo_state_bytes(setup: RunSetup, shapes: list[tuple[int, ...]]) -> int:
+    """AdaLomo's state (``AdaLomo.__init__``): fp32 ``exp_avg_sq_row`` (shape[0]) and
+    ``exp_avg_sq_col`` (shape[1]) of a matrix, ``exp_avg_sq`` of a vector. LOMO: none."""
+    if setup.optimizer != "adalomo":
+        return 0
+    return sum(4 * (s[0] + s[1]) if len(s) > 1 else 4 * s[0] for s in shapes)
+
+
+def lomo_working_bytes(setup: RunSetup, w: int, numel: int) -> int:
+    """One parameter's gradient and step temporaries at its step (see the module): AdaLomo 12n
+    bytes (the fp32 gradient and two fp32 tensors); LOMO the fp32 gradient itself, or 8n bytes
+    (fp32 copies of a 16-bit gradient and weight)."""
+    if setup.optimizer == "adalomo":
+        return 12 * numel
+    return 4 * numel if w == 4 else 8 * numel
 
 
 def _target_shapes(setup: RunSetup) -> list[tuple[int, int]]:
@@ -228,25 +341,59 @@ def galore_step_temp_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]
     return max(_step_temps(setup, w, s, target) for s, target in _all_tensors(setup, shapes))
 
 
+def _stepped_tensors(setup: RunSetup, shapes: list[tuple[int, ...]],
+                     which: str) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, projected?) of the tensors ``which`` names: "block" (the decoder layers'), "head"
+    (the untied lm_head, the first stepped) or "all"."""
+    spec = setup.model
+    head = (spec.vocab_size, spec.hidden_size)
+    tensors = _all_tensors(setup, shapes) if projected(setup) else [(s, False) for s in shapes]
+    if which == "head":
+        return [(head, False)]
+    if which == "block":  # an MoE layer's fused 3-D experts too (LOMO only: GaLore refuses MoE)
+        block = {(lin.d_out, lin.d_in) for lin in block_linears(spec)}
+        return [(s, t) for s, t in tensors if t or (s != head and (len(s) != 2 or s in block))]
+    return tensors
+
+
 def layerwise_step_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]],
                          which: str = "block") -> int:
     """Layerwise: the largest gradient + step working set of one parameter, stepped in its
     post-accumulate-grad hook (transformers _setup_low_rank_optimizer ``optimizer_hook``:
-    ``step()`` then ``zero_grad()``). ``which``: "block" (the decoder layers' tensors), "head"
-    (the untied lm_head, the first stepped) or "all"."""
-    spec = setup.model
-    head = (spec.vocab_size, spec.hidden_size)
-    tensors = _all_tensors(setup, shapes)
-    if which == "head":
-        tensors = [(head, False)]
-    elif which == "block":
-        block = {(lin.d_out, lin.d_in) for lin in block_linears(spec)}
-        tensors = [(s, t) for s, t in tensors if t or (s != head and (len(s) == 1 or s in block))]
+    ``step()`` then ``zero_grad()``). ``which``: as :func:`_stepped_tensors`."""
+    tensors = _stepped_tensors(setup, shapes, which)
     if not tensors:
         return 0
     return max(w * prod(s) + _step_temps(setup, w, s, target) for s, target in tensors)
 
 
+def lomo_step_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]], which: str = "block") -> int:
+    """LOMO/AdaLomo at a hook: the largest parameter's gradient and step temporaries; for
+    "block" beside the incoming gradient of another (its tensor hook runs before that gradient
+    is accumulated): the second largest block tensor's (the MLP's three matrices are one size; an
+    MoE layer's gate_up experts twice its down experts: measured, held-out seed 406, Mixtral
+    fp32 with checkpointing, +16% over a plan without the experts, -11% with two gate_up
+    gradients, those of two layers). For "head": the untied lm_head, stepped at the final norm's hook (a vector's
+    gradient)."""
+    # one layer's tensors (a size every layer has once counts once): the hooks pair neighbours
+    count = Counter(prod(s) for s, _ in _stepped_tensors(setup, shapes, which))
+    layers = max(1, setup.model.num_layers)
+    sizes = sorted((n for n, c in count.items() for _ in range(max(1, c // layers))), reverse=True)
+    if not sizes:
+        return 0
+    step = lomo_working_bytes(setup, w, sizes[0])
+    return step + (w * sizes[1] if which == "block" and len(sizes) > 1 else 0)
+
+
+def lomo_pending_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -> int:
+    """LOMO between hooks: the last accumulated block gradient, stepped at the next hook; a
+    Linear's or a norm's (an MoE layer's fused experts are stepped inside its backward, at the
+    router's or the next expert's hook, and counted there: :func:`lomo_step_bytes`; with them
+    here, held-out seed 406 was 11% under its plan)."""
+    return max((w * prod(s) for s, _ in _stepped_tensors(setup, shapes, "block") if len(s) < 3), default=0)
+
+
 __all__ = ["GALORE_RANK", "GALORE_SCALE", "GALORE_UPDATE_PROJ_GAP", "eight_bit", "galore_state_bytes",
-           "galore_step_temp_bytes", "galore_targets", "given_up", "layerwise", "layerwise_step_bytes",
-           "optimizer_problems", "projected"]
+           "galore_step_temp_bytes", "galore_targets", "given_up", "in_backward", "layerwise",
+           "layerwise_step_bytes", "lomo", "lomo_pending_bytes", "lomo_problems", "lomo_state_bytes",
+           "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected"]

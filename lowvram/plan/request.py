@@ -22,7 +22,14 @@ from lowvram.plan.setup import (
 from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.types import Plan
 from lowvram.plan.vision import VISION_HINT, vision_problems
-from lowvram.vocab import GALORE_8BIT_OPTIMIZERS, LAYERWISE_OPTIMIZERS, PROJECTED_OPTIMIZERS
+from lowvram.vocab import (
+    FULL_ONLY_OPTIMIZERS,
+    GALORE_8BIT_OPTIMIZERS,
+    IN_BACKWARD_OPTIMIZERS,
+    LAYERWISE_OPTIMIZERS,
+    LOMO_OPTIMIZERS,
+    PROJECTED_OPTIMIZERS,
+)
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
 # on the card, fragmentation spikes, the first-step warm-up): chosen, in lowvram.plan.constants.
@@ -221,7 +228,7 @@ def validate_request(req: PlanRequest) -> None:
     conflict = tiled_mlp_conflict(bool(req.tiled_mlp), req.model is not None and req.model.is_moe)
     if conflict:
         raise LowvramError(conflict, "use --tiled-mlp off (or auto)")
-    if req.objective != "sft" and (req.tiled_mlp or req.lora_use_dora or req.optimizer in PROJECTED_OPTIMIZERS):
+    if req.objective != "sft" and (req.tiled_mlp or req.lora_use_dora or req.optimizer in FULL_ONLY_OPTIMIZERS):
         # TRL's preference trainers with these: not modelled (plan/preference.py counts SFT's terms on 2b rows)
         what = "tiled_mlp" if req.tiled_mlp else "lora.use_dora" if req.lora_use_dora else f"optimizer {req.optimizer}"
         raise LowvramError(f"objective {req.objective} with {what} is not modelled",
@@ -249,6 +256,10 @@ def validate_request(req: PlanRequest) -> None:
             flag = {"optimizer": "--optimizer", "offload": "--offload"}
             raise LowvramError(conflict, offload_conflict_hint(req.optimizer, req.offload,
                                                                lambda key, value: f"{flag[key]} {value}"))
+    if req.optimizer in LOMO_OPTIMIZERS and (req.lora or req.offload not in (None, "none")):
+        raise LowvramError(f"optimizer {req.optimizer} steps full weights inside the backward: it runs "
+                           "without LoRA and without DeepSpeed/FSDP",
+                           "use --method full --offload none with it, or --optimizer adamw_8bit")
     if req.optimizer in PROJECTED_OPTIMIZERS and (req.lora or req.offload not in (None, "none")):
         raise LowvramError(f"optimizer {req.optimizer} projects the gradients of full weights on unsharded "
                            "parameters: it runs without LoRA and without DeepSpeed/FSDP",
@@ -283,31 +294,42 @@ def check_optimizer(req: PlanRequest, budget: Budget) -> None:
     lowvram.plan.search.candidate_setups). 8-bit: CUDA only; layerwise: gradient accumulation 1,
     one process, no gradient clipping (plan/optimizers.py, transformers _setup_low_rank_optimizer)."""
     o = req.optimizer
+    if o == "adalomo" and budget.device != "cuda":
+        raise LowvramError(f"optimizer adalomo needs a CUDA GPU: lomo_optim's AdaLomo makes its state with "
+                           f".cuda(), and this plan is for {budget.device}",
+                           "set techniques.optimizer: lomo to train here, or train on a CUDA GPU")
+    if o in LOMO_OPTIMIZERS and (req.mixed_precision or "").startswith("fp16"):
+        raise LowvramError(f"optimizer {o} cannot train in {req.mixed_precision}: accelerate's GradScaler "
+                           "backward runs instead of LOMO's fused_backward, so its hooks would step with "
+                           "scaled gradients", "set techniques.mixed_precision: bf16 (or fp32)")
     if o in GALORE_8BIT_OPTIMIZERS and budget.device != "cuda":
         other = "galore_adamw_layerwise" if o in LAYERWISE_OPTIMIZERS else "galore_adamw"
         raise LowvramError(f"optimizer {o} needs a CUDA GPU: galore_torch's AdamW8bit calls "
                            f"torch.cuda.synchronize() in every step, and this plan is for {budget.device}",
                            f"set techniques.optimizer: {other} to train here, or train on a CUDA GPU")
-    if o not in LAYERWISE_OPTIMIZERS:
+    if o not in IN_BACKWARD_OPTIMIZERS:
         return
+    other = "adamw_8bit" if o in LOMO_OPTIMIZERS else "galore_adamw"
     accumulation = req.grad_accum
     fixed_micro = fixed_micro_batch_size(req)
     if accumulation is None and fixed_micro is not None:
         accumulation = req.batch_size // req.gpus // fixed_micro
     if accumulation not in (None, 1):
         raise LowvramError(f"optimizer {o} steps each parameter inside the backward, so it cannot "
-                           f"accumulate gradients (gradient_accumulation {accumulation}; transformers "
-                           "raises 'does not support gradient accumulation')",
+                           f"accumulate gradients (gradient_accumulation {accumulation}; "
+                           + ("every micro-batch's backward would step the weights)" if o in LOMO_OPTIMIZERS
+                              else "transformers raises 'does not support gradient accumulation')"),
                            "set training.batch_size equal to micro_batch_size (gradient_accumulation 1), "
-                           "or use optimizer galore_adamw")
+                           f"or use optimizer {other}")
     if req.gpus > 1:
-        raise LowvramError(f"optimizer {o} runs in one process only (transformers raises NotImplementedError "
-                           f"for layerwise GaLore under DDP), and {req.gpus} GPUs were asked for",
-                           "use --gpus 1, or optimizer galore_adamw")
+        raise LowvramError(f"optimizer {o} runs in one process only ("
+                           + ("its hooks step on each rank's own gradient" if o in LOMO_OPTIMIZERS else
+                              "transformers raises NotImplementedError for layerwise GaLore under DDP")
+                           + f"), and {req.gpus} GPUs were asked for", f"use --gpus 1, or optimizer {other}")
     if req.gradient_clipping:
         raise LowvramError(f"optimizer {o} cannot clip gradients: each parameter is stepped as soon as its "
                            "gradient exists, before the Trainer's clip_grad_norm_ (which would clip nothing)",
-                           "set training.max_grad_norm: 0 (no clipping), or use optimizer galore_adamw")
+                           f"set training.max_grad_norm: 0 (no clipping), or use optimizer {other}")
 
 
 def optimizer_given_up(setup: RunSetup) -> int:
@@ -315,7 +337,11 @@ def optimizer_given_up(setup: RunSetup) -> int:
     key): 0 AdamW and its 8-bit form (the same results: Dettmers et al. 2022); 1 GaLore, plain or
     8-bit (all weights trained, but each decoder Linear's update is low-rank, Zhao et al. 2024;
     its 8-bit moments give up nothing more, so speed decides between the two); 2 layerwise GaLore
-    (also no gradient clipping, no gradient accumulation, one process: plan/optimizers.py)."""
+    (also no gradient clipping, no gradient accumulation, one process: plan/optimizers.py); 3
+    AdaLomo (those, and no first moment: Adafactor-like, Lv et al. 2024); 4 LOMO (those, and
+    plain SGD: no moments, no weight decay)."""
+    if setup.optimizer in LOMO_OPTIMIZERS:
+        return 3 if setup.optimizer == "adalomo" else 4
     if setup.optimizer in LAYERWISE_OPTIMIZERS:
         return 2
     return 1 if setup.optimizer in PROJECTED_OPTIMIZERS else 0

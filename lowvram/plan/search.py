@@ -31,7 +31,12 @@ from lowvram.plan.setup import (
     quantization_conflict,
 )
 from lowvram.plan.types import Plan, dtype_precision
-from lowvram.vocab import LAYERWISE_OPTIMIZERS, PROJECTED_OPTIMIZERS
+from lowvram.vocab import (
+    FULL_ONLY_OPTIMIZERS,
+    IN_BACKWARD_OPTIMIZERS,
+    LOMO_OPTIMIZERS,
+    PROJECTED_OPTIMIZERS,
+)
 
 # Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
 # communication (~1.2x, techniques.OFFLOAD_SLOWDOWN), about what gradient checkpointing costs; so
@@ -84,7 +89,8 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         "tiled_mlp": (pick("tiled_mlp", [False, True]) if (req.model is None or not req.model.is_moe)
                       and not req.lora_use_dora and req.objective == "sft" and not _vision(req)
                       else [False]),
-        "optimizer": pick("optimizer", ["adamw", "adamw_8bit"] + galore_options(req, budget)),
+        "optimizer": pick("optimizer", ["adamw", "adamw_8bit"] + galore_options(req, budget)
+                          + lomo_options(req, budget)),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
         "offload": pick("offload", _auto_offloads(req, on_gpu)),
@@ -105,6 +111,16 @@ def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
     if not req.gradient_clipping:
         out += ["galore_adamw_layerwise"] + (["galore_adamw_8bit_layerwise"] if budget.device == "cuda" else [])
     return out
+
+
+def lomo_options(req: PlanRequest, budget: Budget) -> list[str]:
+    """LOMO's forms on auto: as GaLore's (full fine-tuning asked for, sft, a known architecture),
+    where lomo_optim is installed, not when the recipe asks for gradient clipping; AdaLomo on CUDA
+    only. They rank after layerwise GaLore (request.optimizer_given_up: AdaLomo, then LOMO)."""
+    if (req.lora is not False or req.objective != "sft" or req.model is None or req.gradient_clipping
+            or _vision(req) or "lomo" in budget.missing_extras):
+        return []
+    return (["adalomo"] if budget.device == "cuda" else []) + ["lomo"]
 
 
 def allowed_micro_batches(req: PlanRequest, sizes: list[int]) -> list[int]:
@@ -149,9 +165,11 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
                 or offload_conflict(optim, offload)):
             continue
         # GaLore projects the full weights' gradients, unsharded and unflattened (plan/optimizers.py)
-        if optim in PROJECTED_OPTIMIZERS and (lora or offload != "none"):
+        if optim in FULL_ONLY_OPTIMIZERS and (lora or offload != "none"):
             continue
-        if optim in LAYERWISE_OPTIMIZERS and per_gpu // micro != 1:  # stepped in the backward: no accumulation
+        if optim in IN_BACKWARD_OPTIMIZERS and per_gpu // micro != 1:  # stepped in the backward: no accumulation
+            continue
+        if optim in LOMO_OPTIMIZERS and precision.startswith("fp16"):  # GradScaler's backward, not LOMO's
             continue
         out.append(RunSetup(
             model=req.model, precision=precision, quantization=quant,
@@ -168,7 +186,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             objective=req.objective, precompute_ref=req.precompute_ref,
         ))
     if req.optimizer is None:  # GaLore on auto: only where it runs (a fixed one is refused with its reason)
-        out = [s for s in out if s.optimizer not in PROJECTED_OPTIMIZERS or not optimizer_problems(s)]
+        out = [s for s in out if s.optimizer not in FULL_ONLY_OPTIMIZERS or not optimizer_problems(s)]
     return out
 
 
@@ -223,7 +241,7 @@ def candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Estim
 
 def rank(c: Candidate, budget: Budget | None = None) -> tuple:
     """Search order among fitting plans: the lowest level (plan_level), then what the optimizer
-    gives up (request.optimizer_given_up: AdamW, then GaLore, then layerwise GaLore), then plans
+    gives up (request.optimizer_given_up: AdamW, GaLore, layerwise GaLore, AdaLomo, LOMO), then plans
     that need no missing extra, then the fastest (techniques.setup_slowdown); ties in speed go to the larger
     micro-batch (fewer passes), then to the smaller peak."""
     missing = bool(missing_extras(c.setup, budget)) if budget else False
@@ -271,7 +289,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
 
 __all__ = [
     "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size",
-    "allowed_micro_batches", "galore_options",
+    "allowed_micro_batches", "galore_options", "lomo_options",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
     "sized_estimate", "sized_loss_chunk", "technique_options", "technique_words", "TIER_SHARD",
 ]

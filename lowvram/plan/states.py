@@ -175,13 +175,15 @@ def optimizer_bytes(setup: RunSetup) -> int:
     elements (min_8bit_size) keep two fp32 states; plus two shared 256-entry fp32 maps.
     Paged variants: same bytes, in CUDA unified memory. Adafactor (Shazeer & Stern 2018,
     transformers.optimization.Adafactor, no momentum): fp32 row + column factors per matrix, a full
-    fp32 second moment per vector. SGD without momentum: 0.
+    fp32 second moment per vector. SGD without momentum: 0. LOMO / AdaLomo: plan/optimizers.py.
     """
     w = 4 if setup.lora else dtype_bytes(setup)[0]
     shapes = trainable_tensors(setup)
     o = setup.optimizer
     if optimizers.projected(setup):
         return optimizers.galore_state_bytes(setup, w, shapes)
+    if optimizers.lomo(setup):  # LOMO none, AdaLomo its factored fp32 second moment
+        return optimizers.lomo_state_bytes(setup, shapes)
     if o in ("adamw", "paged_adamw_32bit"):
         return 2 * w * sum(shape_numel(s) for s in shapes)
     if o in OPTIMIZERS_8BIT:

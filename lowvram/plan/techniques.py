@@ -149,6 +149,12 @@ OPTIMIZER_SLOWDOWN = {
     # parameter at a time in the backward
     "galore_adamw": 1.1, "galore_adamw_8bit": 1.13, "galore_adamw_layerwise": 1.1,
     "galore_adamw_8bit_layerwise": 1.13,
+    # not measured by this project and no published step time checked: read from lomo_optim's
+    # source, the step is SGD's (LOMO) or Adafactor's (AdaLomo, x 1.05 as adafactor) done in the
+    # backward on fp32 copies, and each parameter's hook walks every named parameter (a Python
+    # loop of P^2 checks per backward). Placeholders; they order nothing the search compares:
+    # each form ranks alone by what it gives up (request.optimizer_given_up)
+    "lomo": 1.05, "adalomo": 1.1,
 }
 QUANTIZATION_SLOWDOWN = {
     "none": 1.0, "nf4": 1.35, "nf4-dq": 1.35, "fp4": 1.35,

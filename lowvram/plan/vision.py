@@ -175,7 +175,8 @@ def vision_problems(vision: VisionSpec | None, offload: str | None, objective: s
     """What is not modelled with a vision tower loaded (each named, none guessed): DeepSpeed and
     FSDP (their wrapping and sharding of the tower is not counted), preference objectives (TRL's
     trainers on a multimodal model), GaLore (its target modules match the tower's attention and
-    MLP Linears by name) and the tiled MLP (DeepSpeed's TiledMLP patched into the tower's MLP
+    MLP Linears by name), LOMO and AdaLomo (their in-backward steps not measured with a tower) and
+    the tiled MLP (DeepSpeed's TiledMLP patched into the tower's MLP
     too)."""
     if vision is None:
         return []
@@ -184,7 +185,7 @@ def vision_problems(vision: VisionSpec | None, offload: str | None, objective: s
         what.append(f"offload {offload}")
     if objective != "sft":
         what.append(f"objective {objective}")
-    if optimizer and optimizer.startswith("galore"):
+    if optimizer and (optimizer.startswith("galore") or optimizer in ("lomo", "adalomo")):
         what.append(f"optimizer {optimizer}")
     if tiled_mlp:
         what.append("tiled_mlp")

@@ -84,7 +84,8 @@ def missing_extras() -> tuple[str, ...]:
     """Optional extras (pyproject.toml) a plan may need that are not importable here."""
     import importlib.util
 
-    extras = (("deepspeed", "deepspeed"), ("liger", "liger_kernel"), ("galore", "galore_torch"))
+    extras = (("deepspeed", "deepspeed"), ("liger", "liger_kernel"), ("galore", "galore_torch"),
+              ("lomo", "lomo_optim"))
     return tuple(e for e, module in extras if importlib.util.find_spec(module) is None)
 
 

@@ -260,7 +260,9 @@ class TechniquesSection(_Section):
         "auto", description="adamw (on: adamw_8bit), paged_*, adafactor, sgd, or galore_adamw (GaLore: full "
         "fine-tuning with projected AdamW state, pip install 'lowvram[galore]'), galore_adamw_8bit (8-bit "
         "state, CUDA only), galore_adamw_layerwise / galore_adamw_8bit_layerwise (each weight stepped in the "
-        "backward: no full set of gradients; no accumulation, no clipping, one GPU); 8-bit AdamW saves 6 bytes/param."
+        "backward: no full set of gradients; no accumulation, no clipping, one GPU), lomo / adalomo (LOMO's SGD "
+        "or AdaLomo's factored second moment fused into the backward, pip install 'lowvram[lomo]'; the same "
+        "limits, no fp16, adalomo CUDA only); 8-bit AdamW saves 6 bytes/param."
     )
     offload: Offload = Field(
         "auto", description="Offload/shard optimizer or parameters via DeepSpeed ZeRO or FSDP; slowest, last resort."

@@ -11,7 +11,8 @@ from lowvram.errors import LowvramError
 from lowvram.plan.backward import CHUNK_TOKENS
 from lowvram.plan.setup import FSDP_OFFLOADS
 from lowvram.vocab import (
-    LAYERWISE_OPTIMIZERS,
+    IN_BACKWARD_OPTIMIZERS,
+    LOMO_OPTIMIZERS,
     OPTIMIZER_EXTRAS,
     PROJECTED_OPTIMIZERS,
     TRAINER_OPTIMIZERS,
@@ -44,7 +45,7 @@ def precision_flags(plan) -> dict:
 def projected_optimizer_arguments(plan) -> dict:
     """optimizer galore_adamw (and its 8-bit and layerwise forms): the Linears it projects (optim_target_modules, by name, as
     transformers' _setup_low_rank_optimizer matches them) and its optim_args; checks the extra."""
-    if plan.optimizer not in PROJECTED_OPTIMIZERS:
+    if plan.optimizer not in PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS:
         return {}
     import importlib.util
 
@@ -52,6 +53,8 @@ def projected_optimizer_arguments(plan) -> dict:
     if importlib.util.find_spec(module) is None:
         raise LowvramError(f"optimizer {plan.optimizer} needs {module}, which is not installed",
                            f"pip install 'lowvram[{extra}]', or set techniques.optimizer: adamw_8bit")
+    if plan.optimizer in LOMO_OPTIMIZERS:  # the Trainer hands lomo_optim the model itself: no arguments
+        return {}
     if not plan.optimizer_target_modules:
         raise LowvramError(f"optimizer {plan.optimizer} needs the model's architecture to pick the Linears it "
                            "projects, and the model's config could not be read",
@@ -62,12 +65,12 @@ def projected_optimizer_arguments(plan) -> dict:
 
 
 def max_grad_norm(plan, asked: float) -> float:
-    """training.max_grad_norm, or 0 under a layerwise GaLore optimizer: its hooks step each
+    """training.max_grad_norm, or 0 under a layerwise GaLore optimizer or LOMO: its hooks step each
     parameter and set its .grad to None inside the backward (transformers _setup_low_rank_optimizer
     ``optimizer_hook``), so the Trainer's clip_grad_norm_ afterwards would clip nothing and log a
     norm of 0. A recipe that writes a max_grad_norm is refused before training
     (plan.request.check_optimizer); the default is dropped, as the plan's reason says."""
-    return 0.0 if plan.optimizer in LAYERWISE_OPTIMIZERS else asked
+    return 0.0 if plan.optimizer in IN_BACKWARD_OPTIMIZERS else asked
 
 
 def fsdp_on_cpu(plan) -> bool:
