@@ -98,8 +98,17 @@ def rows_per_example(setup: RunSetup) -> int:
 
 
 def policy_setup(setup: RunSetup) -> RunSetup:
-    """The SFT setup of the grad forward: 2b rows (chosen over rejected) of seq_len, or b (kto)."""
-    return replace(setup, micro_batch_size=rows_per_example(setup) * setup.micro_batch_size, objective="sft")
+    """The SFT setup of the grad forward: 2b rows (chosen over rejected) of seq_len, or b (kto),
+    with no dropout: every TRL preference trainer sets each ``nn.Dropout`` of the model to p = 0
+    before training (``disable_dropout`` defaults to True in DPOConfig L185, KTOConfig L156,
+    ORPOConfig L97 and CPOConfig L128; ``disable_dropout_in_model``, trl/trainer/utils.py L194),
+    peft's lora_dropout modules included, and ATen's dropout at p = 0 returns its input itself
+    (no mask, no copy): lora.dropout and the model's own dropouts save nothing."""
+    spec = setup.model
+    model = replace(spec, resid_dropout=0.0, embd_dropout=0.0, attn_dropout=0.0) if (
+        spec.resid_dropout or spec.embd_dropout or spec.attn_dropout) else spec
+    return replace(setup, micro_batch_size=rows_per_example(setup) * setup.micro_batch_size, objective="sft",
+                   lora_dropout=0.0, model=model)
 
 
 def _rows(setup: RunSetup) -> int:
