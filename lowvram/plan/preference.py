@@ -103,12 +103,11 @@ def policy_setup(setup: RunSetup) -> RunSetup:
     before training (``disable_dropout`` defaults to True in DPOConfig L185, KTOConfig L156,
     ORPOConfig L97 and CPOConfig L128; ``disable_dropout_in_model``, trl/trainer/utils.py L194),
     peft's lora_dropout modules included, and ATen's dropout at p = 0 returns its input itself
-    (no mask, no copy): lora.dropout and the model's own dropouts save nothing."""
-    spec = setup.model
-    model = replace(spec, resid_dropout=0.0, embd_dropout=0.0, attn_dropout=0.0) if (
-        spec.resid_dropout or spec.embd_dropout or spec.attn_dropout) else spec
+    (no mask, no copy): lora.dropout saves nothing. The model's own dropouts stay counted (an
+    upper bound): many apply theirs as a float (``attention_dropout`` passed to the attention
+    function, a functional dropout), which disable_dropout does not reach."""
     return replace(setup, micro_batch_size=rows_per_example(setup) * setup.micro_batch_size, objective="sft",
-                   lora_dropout=0.0, model=model)
+                   lora_dropout=0.0)
 
 
 def _rows(setup: RunSetup) -> int:
