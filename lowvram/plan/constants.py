@@ -386,15 +386,16 @@ ORPO_LOGIT_BYTES = FittedConstant(
     "ORPO_LOGIT_BYTES", 18, "18 B / logit",
     "peak bytes per logit of the 2b rows in ORPO's loss path (fp32 logits)",
     "preference.objective_logits_bytes", _PREFERENCE_FIT, "18.7 measured",
-    "held-out seeds 12-23 (bench/plan_fuzz.py --preference): none above its plan; 16-bit ORPO runs "
-    "over-planned by up to 26% (their logits are bf16, 8.8 B measured, counted as fp32)")
+    "held-out seeds 12-23 (bench/plan_fuzz.py --preference), re-planned after TRL's disable_dropout "
+    "(plan/preference.py policy_setup): -0.8% to +3.4% (seed 12; 16-bit runs' logits measure at the "
+    "fp32 count); seeds 40-51: none above its plan by over 0.7%")
 SIMPO_LOGIT_BYTES = FittedConstant(
     "SIMPO_LOGIT_BYTES", 16, "16 B / logit",
     "peak bytes per logit of the 2b rows in SimPO's (CPO) loss path (fp32 logits)",
     "preference.objective_logits_bytes", _PREFERENCE_FIT,
     "16.7 measured (a first count of 12 left 5 of 6 seeds up to 29% over their plan)",
-    "held-out seeds 12-23: none above its plan; 16-bit SimPO runs over-planned by 12-16% (bf16 logits, "
-    "6.7 B measured, counted as fp32)")
+    "held-out seeds 12-23, re-planned after TRL's disable_dropout: -2.7% to -0.3%; seeds 40-51: "
+    "-1.4% to -0.2%")
 
 
 CONSTANTS: tuple[FittedConstant, ...] = tuple(

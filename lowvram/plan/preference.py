@@ -98,8 +98,16 @@ def rows_per_example(setup: RunSetup) -> int:
 
 
 def policy_setup(setup: RunSetup) -> RunSetup:
-    """The SFT setup of the grad forward: 2b rows (chosen over rejected) of seq_len, or b (kto)."""
-    return replace(setup, micro_batch_size=rows_per_example(setup) * setup.micro_batch_size, objective="sft")
+    """The SFT setup of the grad forward: 2b rows (chosen over rejected) of seq_len, or b (kto),
+    with no dropout: every TRL preference trainer sets each ``nn.Dropout`` of the model to p = 0
+    before training (``disable_dropout`` defaults to True in DPOConfig L185, KTOConfig L156,
+    ORPOConfig L97 and CPOConfig L128; ``disable_dropout_in_model``, trl/trainer/utils.py L194),
+    peft's lora_dropout modules included, and ATen's dropout at p = 0 returns its input itself
+    (no mask, no copy): lora.dropout saves nothing. The model's own dropouts stay counted (an
+    upper bound): many apply theirs as a float (``attention_dropout`` passed to the attention
+    function, a functional dropout), which disable_dropout does not reach."""
+    return replace(setup, micro_batch_size=rows_per_example(setup) * setup.micro_batch_size, objective="sft",
+                   lora_dropout=0.0)
 
 
 def _rows(setup: RunSetup) -> int:
