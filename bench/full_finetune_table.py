@@ -42,9 +42,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS / "full_finetune_table.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     from lowvram.plan.catalog import catalog_names, resolve_model
-    from lowvram.plan.models import count_parameters
+    from lowvram.plan.models import model_numel
 
-    models = sorted(((n, count_parameters(resolve_model(n))) for n in catalog_names()),
+    models = sorted(((n, model_numel(resolve_model(n))) for n in catalog_names()),
                     key=lambda m: -m[1])
     lines = ["| card | full fine-tuning | LoRA | QLoRA |", "| --- | --- | --- | --- |"]
     details = []
