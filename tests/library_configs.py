@@ -97,10 +97,11 @@ def meta_model(model_config):
     finalisation, which reads its config; built outside a launched block (under ZeRO-3,
     transformers would build it inside deepspeed.zero.Init)."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from lowvram.train.model import has_vision, model_class
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config)
+        return model_class(has_vision(model_config)).from_config(model_config)
 
 
 def finalize_deepspeed(args, model, world_size: int, steps: int = 10) -> dict:
@@ -171,23 +172,23 @@ def validate_plan(name: str, plan, work: Path) -> list[str]:
     """Build every configuration ``plan`` hands the libraries, with lowvram's own builders, and run
     each library's own validation on it; a rejection raises. Returns what was validated."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from lowvram.train.launch import LaunchSpec, accelerate_config
-    from lowvram.train.model import load_kwargs, prepare_model, quantization_config
+    from lowvram.train.model import has_vision, load_kwargs, model_class, prepare_model, quantization_config
 
     done = []
     # from_pretrained arguments: dtype and attention implementation through transformers' own
     # checks (from_config on the meta device); the BitsAndBytesConfig through its post_init.
-    kwargs = load_kwargs(plan)
-    q = quantization_config(plan)
+    cfg = _small_config(name, plan.attention)
+    vision = has_vision(cfg)
+    kwargs = load_kwargs(plan, vision)
+    q = quantization_config(plan, vision)
     if q is not None:
         q.post_init()
         assert kwargs["quantization_config"].to_dict() == q.to_dict()
         done.append("BitsAndBytesConfig")
-    cfg = _small_config(name, plan.attention)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=kwargs["dtype"], attn_implementation=kwargs["attn_implementation"])
+        model = model_class(vision).from_config(cfg, dtype=kwargs["dtype"], attn_implementation=kwargs["attn_implementation"])
     done.append("from_pretrained dtype/attn_implementation")
     # LoRA (peft's LoraConfig and get_peft_model matching its targets) and checkpointing, as
     # lowvram.train.model.prepare_model applies them
