@@ -174,7 +174,13 @@ def validate_plan(name: str, plan, work: Path) -> list[str]:
     import torch
 
     from lowvram.train.launch import LaunchSpec, accelerate_config
-    from lowvram.train.model import has_vision, load_kwargs, model_class, prepare_model, quantization_config
+    from lowvram.train.model import (
+        has_vision,
+        load_kwargs,
+        model_class,
+        prepare_model,
+        quantization_config,
+    )
 
     done = []
     # from_pretrained arguments: dtype and attention implementation through transformers' own
