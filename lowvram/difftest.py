@@ -334,29 +334,23 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int):
 
 
 def _multimodal(case: Case, text):
-    """The Gemma3Config / LlavaConfig around ``text``: the case's vision tower; the image token
-    inside the vocabulary (text-only data never holds it)."""
-    from transformers import AutoConfig
+    """The Gemma3Config / Mistral3Config / LlavaConfig around ``text`` (check.builders'
+    multimodal_config): the case's vision tower, two heads and an MLP twice its width, Gemma-3's
+    image pooled to a quarter of its patches, each family's own projector defaults; the image
+    token inside the vocabulary (text-only data never holds it)."""
+    from lowvram.check.builders import multimodal_config
+    from lowvram.plan.vision import VisionSpec
 
-    vision = dict(hidden_size=case.vision_hidden, intermediate_size=2 * case.vision_hidden,
-                  num_hidden_layers=case.vision_layers, num_attention_heads=2,
-                  image_size=case.vision_image, patch_size=case.vision_patch)
-    image_token = text.vocab_size - 1
-    if case.family == "gemma3":
-        patches = (case.vision_image // case.vision_patch) ** 2
-        cfg = AutoConfig.for_model(
-            "gemma3", text_config=text.to_dict(), image_token_index=image_token,
-            mm_tokens_per_image=max(1, patches // 4),
-            vision_config=dict(model_type="siglip_vision_model", vision_use_head=False, **vision))
-    elif case.family == "mistral3":
-        cfg = AutoConfig.for_model("mistral3", text_config=text.to_dict(), image_token_index=image_token,
-                                   vision_config=dict(model_type="pixtral", head_dim=case.vision_hidden // 2,
-                                                      **vision))
-    else:
-        cfg = AutoConfig.for_model("llava", text_config=text.to_dict(), image_token_index=image_token,
-                                   vision_config=dict(model_type="clip_vision_model", **vision))
-    cfg.tie_word_embeddings = case.tie
-    return cfg
+    tower, projector = {"gemma3": ("siglip", "gemma3"), "mistral3": ("pixtral", "mistral3"),
+                        "llava": ("clip", "llava")}[case.family]
+    patches = (case.vision_image // case.vision_patch) ** 2
+    v = VisionSpec(tower=tower, projector=projector, num_layers=case.vision_layers,
+                   hidden_size=case.vision_hidden, intermediate_size=2 * case.vision_hidden, num_heads=2,
+                   patch_size=case.vision_patch, image_size=case.vision_image, num_channels=3,
+                   tokens_per_image=max(1, patches // 4) if tower == "siglip" else patches,
+                   text_hidden_size=text.hidden_size, projector_bias=tower == "clip",
+                   merge_size=2 if tower == "pixtral" else 1)
+    return multimodal_config(text, v, case.tie, image_token_index=text.vocab_size - 1)
 
 
 def write_model(case: Case, folder: Path) -> Path:

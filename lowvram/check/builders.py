@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from lowvram.plan.models import ModelSpec
+from lowvram.plan.vision import VisionSpec
 
 
 def hf_config(spec: ModelSpec, attention: str = "sdpa"):
@@ -39,36 +40,38 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
                         ("attn_pdrop", spec.attn_dropout), ("attention_dropout", spec.attn_dropout)):
         if hasattr(cfg, name):
             setattr(cfg, name, value)
-    return cfg if spec.vision is None else _multimodal_config(spec, cfg, attention)
+    if spec.vision is None:
+        return cfg
+    cfg = multimodal_config(text=cfg, v=spec.vision, tie=spec.tie_word_embeddings)
+    cfg._attn_implementation = attention
+    return cfg
 
 
-def _multimodal_config(spec: ModelSpec, text, attention: str):
-    """The Gemma3Config / LlavaConfig of a spec with a vision tower: ``text`` as its text_config,
-    the tower from spec.vision (lowvram.plan.vision)."""
+def multimodal_config(text, v: VisionSpec, tie: bool, **extra):
+    """The Gemma3Config / Mistral3Config / LlavaConfig around the text config ``text``, the tower
+    from ``v`` (lowvram.plan.vision); ``extra``: more top-level keys (e.g. image_token_index)."""
     from transformers import AutoConfig
 
-    v = spec.vision
     vision = dict(hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
                   num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
                   num_channels=v.num_channels, image_size=v.image_size, patch_size=v.patch_size)
     if v.tower == "pixtral":
         layer = [-1] * v.feature_layers if v.feature_layers > 1 else -1
         cfg = AutoConfig.for_model(
-            "mistral3", text_config=text.to_dict(), spatial_merge_size=v.merge_size,
+            "mistral3", text_config=text.to_dict(), **extra, spatial_merge_size=v.merge_size,
             multimodal_projector_bias=v.projector_bias, vision_feature_layer=layer,
             vision_config=dict(model_type="pixtral", head_dim=v.hidden_size // v.num_heads, **vision))
     elif v.tower == "siglip":
         cfg = AutoConfig.for_model(
-            "gemma3", text_config=text.to_dict(), mm_tokens_per_image=v.tokens_per_image,
+            "gemma3", text_config=text.to_dict(), **extra, mm_tokens_per_image=v.tokens_per_image,
             vision_config=dict(model_type="siglip_vision_model", vision_use_head=v.use_head, **vision))
     else:
         cfg = AutoConfig.for_model(
-            "llava", text_config=text.to_dict(), multimodal_projector_bias=v.projector_bias,
+            "llava", text_config=text.to_dict(), **extra, multimodal_projector_bias=v.projector_bias,
             vision_feature_layer=[-2] * v.feature_layers if v.feature_layers > 1 else -2,
             vision_feature_select_strategy="default" if v.tokens_per_image == v.patches else "full",
             vision_config=dict(model_type="clip_vision_model", **vision))
-    cfg.tie_word_embeddings = spec.tie_word_embeddings
-    cfg._attn_implementation = attention
+    cfg.tie_word_embeddings = tie
     return cfg
 
 
@@ -118,17 +121,17 @@ def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = 
     vision = setup.model.vision is not None
     kwargs = load_kwargs(plan, vision)
     cfg = hf_config(setup.model, setup.attention)
-    AutoModelForCausalLM = model_class(vision)  # noqa: N806 (the class it stands for)
+    cls = model_class(vision)
     if setup.quantization == "none":
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=kwargs["dtype"])
+            model = cls.from_config(cfg, dtype=kwargs["dtype"])
         return prepare_model(model, plan, seed)
 
     def load(d):
         if not os.path.exists(os.path.join(d, "config.json")):
             with torch.device(device):
-                AutoModelForCausalLM.from_config(cfg, dtype=kwargs["dtype"]).save_pretrained(d)
-        return AutoModelForCausalLM.from_pretrained(d, **kwargs)
+                cls.from_config(cfg, dtype=kwargs["dtype"]).save_pretrained(d)
+        return cls.from_pretrained(d, **kwargs)
 
     if saved_dir is not None:
         model = load(saved_dir)
