@@ -12,6 +12,9 @@ without checkpointing, in bench/results/simulate_full_size_moe.txt (30-100 s per
 ``--families``: Gemma-3-1B, OLMo-2-7B and SmolLM3-3B (catalog shapes), every case, in
 bench/results/simulate_full_size_families.txt. ``--gpt-oss``: gpt-oss-20b with the MoE cases,
 eager attention (its only path in transformers), in bench/results/simulate_full_size_gpt_oss.txt.
+``--vision``: the multimodal catalog entries (Gemma-3-4B/12B, Llava-1.5-7B, Mistral-Small-3.1-24B,
+vision tower frozen and loaded unquantized) with the MoE cases, text-only batches, in
+bench/results/simulate_full_size_vision.txt (20-90 s per row).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ MODELS = ["llama-2-7b", "llama-3-8b", "qwen2.5-7b"]
 MOE_MODELS = ["mixtral-8x7b", "qwen3-30b-a3b"]
 FAMILY_MODELS = ["gemma-3-1b", "olmo-2-7b", "smollm3-3b"]
 GPT_OSS_MODELS = ["gpt-oss-20b"]
+VISION_MODELS = ["gemma-3-4b", "gemma-3-12b", "llava-1.5-7b", "mistral-small-3.1-24b"]
 SEQ_LENS = [512, 2048]
 CASES: list[tuple[str, dict]] = [
     ("full bf16 adamw", dict(precision="bf16")),
@@ -45,12 +49,13 @@ CASES: list[tuple[str, dict]] = [
 ]
 
 
-# MoE: the 8-bit optimizer rows add nothing MoE-specific (expert state as any 3-D tensor)
+# MoE and vision: the 8-bit optimizer rows add nothing specific (expert state as any 3-D tensor;
+# the tower is frozen, no state)
 MOE_CASES = [c for c in CASES if "adamw_8bit" not in c[0]]
 
 
 def main(quick: bool = False, moe: bool = False, families: bool = False,
-         gpt_oss: bool = False) -> int:
+         gpt_oss: bool = False, vision: bool = False) -> int:
     from lowvram.check.simulate import simulate_memory
 
     gib = 2**30
@@ -59,6 +64,8 @@ def main(quick: bool = False, moe: bool = False, families: bool = False,
         models = FAMILY_MODELS
     if gpt_oss:
         models, cases = GPT_OSS_MODELS, MOE_CASES
+    if vision:
+        models, cases = VISION_MODELS, MOE_CASES
     print(f"{'model':<14} {'seq':>5} {'case':<32} {'analytic':>9} {'simulated':>9} {'diff':>7}  "
           f"{'phase (sim)':<16} {'time':>5}")
     worst = 0.0
@@ -83,4 +90,4 @@ def main(quick: bool = False, moe: bool = False, families: bool = False,
 
 if __name__ == "__main__":
     sys.exit(main("--quick" in sys.argv, "--moe" in sys.argv, "--families" in sys.argv,
-                  "--gpt-oss" in sys.argv))
+                  "--gpt-oss" in sys.argv, "--vision" in sys.argv))

@@ -211,6 +211,7 @@ def _build_model(setup: RunSetup, config, mode):
                 # have: the values do not matter to memory, so build without initialising them
                 with _no_init_weights():
                     model = build(cfg, dtype=dtype)
+                model.tie_weights()  # tying runs in the initialisation that was skipped
         except (ValueError, KeyError, TypeError) as e:
             hint = ("this architecture has no SDPA in transformers: add --attention eager"
                     if "attention implementation" in str(e)
