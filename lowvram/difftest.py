@@ -376,10 +376,14 @@ def write_data(case: Case, path: Path, rows: int = 24) -> Path:
     windows are full and hold several samples (their position_ids restart, and SDPA gets the
     block-diagonal mask a user's packed run gets)."""
     rng = random.Random(case.seed)
-    if case.objective != "sft":  # pairs whose answers are longer than seq_len: TRL cuts each to it
+    if case.objective != "sft":
+        # pairs as a user's are: a chosen longer than seq_len (TRL cuts it there: every batch
+        # reaches seq_len) and a shorter rejected, so the batch's rows are padded and carry their
+        # attention_mask, as with real pairs of unequal lengths (SDPA's masks: plan.activations)
         with open(path, "w") as f:
             for i in range(rows):
-                chosen, rejected = (" " + " ".join(rng.choice(WORDS) for _ in range(case.seq_len)) for _ in "cr")
+                chosen = " " + " ".join(rng.choice(WORDS) for _ in range(case.seq_len))
+                rejected = " " + " ".join(rng.choice(WORDS) for _ in range(case.seq_len // 4))
                 f.write(json.dumps({"prompt": f"Question {i}: " + " ".join(rng.choice(WORDS) for _ in range(6)),
                                     "chosen": chosen, "rejected": rejected}) + "\n")
         return path

@@ -225,7 +225,7 @@ def test_dpo_counts_both_rows_and_the_reference():
     dpo = _setup(objective="dpo")
     # the concatenated forward: b pairs are 2b rows
     assert preference.policy_setup(dpo).micro_batch_size == 4
-    assert activation_bytes(preference.policy_setup(dpo)) == activation_bytes(_setup(micro_batch_size=4))
+    assert activation_bytes(preference.policy_setup(dpo)) == activation_bytes(_setup(micro_batch_size=4, padded=True))
     # full fine-tuning: a frozen second copy of the weights, unless the reference is precomputed
     full = estimate_memory(dpo).breakdown["weights"]
     assert full == estimate_memory(sft).breakdown["weights"] + weight_bytes(sft)
@@ -237,6 +237,35 @@ def test_dpo_counts_both_rows_and_the_reference():
     assert estimate_memory(_setup(objective="dpo", **lora)).breakdown["weights"] == \
         estimate_memory(_setup(**lora)).breakdown["weights"]
     assert preference.reference_weight_bytes(_setup(objective="orpo")) == 0
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "simpo", "kto"])
+def test_padded_rows_mask_every_layer(objective):
+    """TRL's collators pad the rows to the batch's longest and pass their attention_mask, so
+    transformers builds a b x 1 x s x s bool mask per attention type (the padding ANDed in) and
+    SDPA gets it in every layer: the checkpoints keep the masks of all rows (preference seed 12,
+    a Gemma-3 ORPO LoRA run with checkpointing, b2 s512, was 3.4% above a plan that counted one
+    s x s mask for the batch)."""
+    from dataclasses import replace
+
+    from lowvram.plan import activations, preference
+    from lowvram.plan.catalog import resolve_model
+
+    gemma = _setup(model=resolve_model("gemma-3-1b"), objective=objective, lora=True, seq_len=512,
+                   micro_batch_size=2)
+    core = preference.policy_setup(gemma)
+    rows = preference.rows_per_example(gemma) * 2
+    assert core.padded and core.micro_batch_size == rows
+    assert activations.masked_layers(core) == gemma.model.num_layers  # full-attention layers too
+    assert activations._checkpointed_mask_bytes(core) == 2 * rows * 512 * 512  # sliding + full, bool
+    # SFT without packing: lowvram's collator sends no attention_mask, one sliding mask for the batch
+    sft = replace(gemma, objective="sft", micro_batch_size=rows)
+    assert activations.masked_layers(sft) == gemma.model.sliding_layers
+    assert activations._checkpointed_mask_bytes(sft) == 512 * 512
+    # Llama: no sliding window, yet the padded rows' mask reaches every layer's SDPA
+    llama = preference.policy_setup(_setup(objective=objective, gradient_checkpointing=False))
+    assert activations.masked_layers(llama) == llama.model.num_layers
+    assert activations.masked_layers(replace(llama, attention="eager")) == 0
 
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo", "simpo", "kto"])
