@@ -108,6 +108,33 @@ def build_preference_trainer(loaded, bundle, args, callbacks=()):
     return trainer
 
 
+def longest_tokenized_row(dataset, objective: str, max_length: int) -> int:
+    """The longest row a batch of ``dataset`` (the trainer's train_dataset, as TRL tokenized it
+    in its __init__) can reach, truncated as TRL truncates it; TRL pads each batch to its longest
+    row, so a run on shorter pairs peaks there, not at max_length (training.seq_len).
+
+    - dpo: prompt_ids, chosen_ids, rejected_ids; DataCollatorForPreference truncates prompt +
+      completion to max_length (keep_start, dpo_trainer.py L152-165).
+    - orpo, simpo: chosen_input_ids and rejected_input_ids hold the prompt already, truncated to
+      max_length by ``tokenize_row`` (orpo_trainer.py L520-545, cpo_trainer.py alike).
+    - kto: prompt_ids, completion_ids, truncated to max_length by DataCollatorForUnpairedPreference
+      (kto_trainer.py L163-178); its KL rows pair a prompt with another row's completion, so the
+      bound taken is the longest prompt plus the longest completion (truncated)."""
+    cols = dataset.column_names
+    if objective == "dpo":
+        rows = (len(p) + max(len(c), len(r))
+                for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"], strict=True))
+        return min(max(rows, default=0), max_length)
+    if objective == "kto":
+        return min(max(map(len, dataset["prompt_ids"]), default=0) + max(map(len, dataset["completion_ids"]), default=0),
+                   max_length)
+    if "chosen_input_ids" in cols:  # orpo, simpo
+        return min(max(max(map(len, dataset["chosen_input_ids"]), default=0),
+                       max(map(len, dataset["rejected_input_ids"]), default=0)), max_length)
+    raise LowvramError(f"cannot read the tokenized pairs of objective {objective} (columns {', '.join(cols)})",
+                       "this TRL version tokenizes otherwise than TRL 1.16 (lowvram's pin): pip install trl==1.16.0")
+
+
 # The metrics each objective's trainer logs (TRL 1.16: DPOTrainer._compute_loss, ORPOTrainer and
 # CPOTrainer.get_batch_loss_metrics), the ones `lowvram runs` and `show` report.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")

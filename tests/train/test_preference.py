@@ -191,6 +191,12 @@ def test_lora_preference_run_end_to_end(tmp_path, tiny_model_dir, objective):
     shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
     assert shown.exit_code == 0 and "rewards/margins (last)" in shown.output and "reward margin" in shown.output
     assert f"objective {objective}" in shown.output
+    # pairs far below seq_len 64: TRL pads each batch to its longest pair, so the run is compared
+    # with the plan at the longest tokenized pair, and the run's plan says so
+    assert 0 < m["data_longest_tokens"] < 64 and m["predicted_peak_bytes_at_data"] < m["predicted_peak_bytes"]
+    assert m["memory_comparison"][0]["predicted_bytes"] == m["predicted_peak_bytes_at_data"]
+    reason = json.loads((tmp_path / "out" / "plan.json").read_text())["reasons"]["data_length"]
+    assert f"the longest tokenized pair is {m['data_longest_tokens']} tokens" in reason
     if objective == "dpo":  # the trained adapter answers like an SFT one
         gen = CliRunner().invoke(app, ["generate", str(tmp_path / "out"), "--prompt", "Add 1 and 2.",
                                        "--max-new-tokens", "4", "--greedy", "--cpu"])
@@ -202,6 +208,25 @@ def test_full_dpo_with_precomputed_reference(tmp_path, tiny_model_dir):
                                      extra="preference: {precompute_ref_log_probs: true}"))
     assert m["steps"] == 4 and (tmp_path / "out" / "model.safetensors").is_file()
     assert abs(m["first_loss"] - 0.6931) < 1e-3  # the reference is the initial policy
+
+
+def test_longest_tokenized_row_truncates_as_trl():
+    """The longest row a batch reaches, from the columns TRL 1.16 tokenizes into: DPO's prompt +
+    the longer completion, ORPO/SimPO's rows (the prompt inside), KTO's longest prompt + longest
+    completion (its KL rows mismatch them); each cut at max_length as TRL's collators cut."""
+    from datasets import Dataset
+
+    from lowvram.train.preference import longest_tokenized_row
+
+    dpo = Dataset.from_dict({"prompt_ids": [[1] * 5, [1] * 9], "chosen_ids": [[2] * 7, [2] * 3],
+                             "rejected_ids": [[3] * 2, [3] * 6]})
+    assert longest_tokenized_row(dpo, "dpo", 64) == 15 and longest_tokenized_row(dpo, "dpo", 12) == 12
+    orpo = Dataset.from_dict({"chosen_input_ids": [[1] * 11, [1] * 4], "rejected_input_ids": [[1] * 3, [1] * 13]})
+    assert longest_tokenized_row(orpo, "orpo", 64) == 13 and longest_tokenized_row(orpo, "simpo", 10) == 10
+    kto = Dataset.from_dict({"prompt_ids": [[1] * 9, [1] * 2], "completion_ids": [[2] * 1, [2] * 8]})
+    assert longest_tokenized_row(kto, "kto", 64) == 17 and longest_tokenized_row(kto, "kto", 16) == 16
+    with pytest.raises(LowvramError, match="cannot read the tokenized pairs"):
+        longest_tokenized_row(Dataset.from_dict({"input_ids": [[1]]}), "orpo", 64)
 
 
 # ---------------------------------------------------------------------------------- the plan
