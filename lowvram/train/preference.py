@@ -50,7 +50,8 @@ def objective_settings(recipe) -> dict:
     common = {"beta": p.beta, "max_length": recipe.training.seq_len}
     if objective == "dpo":
         return {**common, "loss_type": [p.loss_type], "label_smoothing": p.label_smoothing,
-                "precompute_ref_log_probs": p.precompute_ref_log_probs}
+                "precompute_ref_log_probs": p.precompute_ref_log_probs,
+                "padding_free": p.padding_free}  # always False: the recipe refuses true (schema.py)
     if objective == "simpo":
         # SimPO (Meng et al. 2024) is CPO's simpo loss without CPO's behaviour-cloning term:
         # TRL's docs set cpo_alpha=0 for it (trl/experimental/cpo/cpo_config.py).

@@ -76,6 +76,8 @@ def test_objective_defaults_to_sft_and_preference_keys_validate():
     (recipe_text("m", extra="preference: {label_smoothing: 0.6}"), "label_smoothing"),
     (recipe_text("m", extra="preference: {beta: 0}"), "beta"),
     (recipe_text("m", extra="preference: {loss_type: exo_pair}"), "needs label_smoothing > 0"),
+    # TRL 1.16's DPOTrainer warns and pads anyway (dpo_trainer.py L732-739): refused, not ignored
+    (recipe_text("m", extra="preference: {padding_free: true}"), "not available in TRL 1.16"),
     (recipe_text("m").replace("output_dir: out", "output_dir: out\n  objective_typo: 1"), "objective_typo"),
     (recipe_text("m").replace("  datasets:", "  packing: true\n  datasets:"), "data.packing does not apply"),
 ])
