@@ -360,3 +360,48 @@ def test_recipe_objective_reaches_the_request(tmp_path):
     r = _parse(recipe_text("m", extra="preference: {precompute_ref_log_probs: true}"))
     req = build_request(resolve_model("llama-3.1-8b"), r)
     assert (req.objective, req.precompute_ref) == ("dpo", True)
+
+
+# ---------------------------------------------------------------------------------- OOM re-plan, resume
+
+
+def _oom_recipe(model_dir) -> str:
+    """DPO LoRA at batch 4 on pairs cut to 16 tokens (every batch reaches seq_len): micro-batch 4
+    peaks at 19.4 MB (live tensor bytes, CPU), 2 x 2 at 10.2 MB; a 15 MiB card holds only the second."""
+    return (recipe_text(model_dir, steps=4).replace("seq_len: 64", "seq_len: 16")
+            .replace("batch_size: 2", "batch_size: 4").replace("save_steps: 100", "save_steps: 2"))
+
+
+@pytest.mark.slow  # `make test-all`: three DPO runs
+def test_dpo_oom_replans_and_resumes_as_sft(tmp_path, tiny_model_dir, monkeypatch):
+    """Issue 28: the OOM re-plan and --resume work for a preference objective as for SFT (the
+    same recover loop, tests/train/test_recover.py): an OOM at step 1 on an emulated card retries
+    with micro-batch 2 x 2 from the start; an OOM in step 3 resumes from checkpoint-2; both end at
+    the uninterrupted run's loss (the same effective batch, TRL's same pairs)."""
+    import torch
+    from transformers import TrainerCallback
+
+    from lowvram.train import oom, signals
+
+    for name in ("ref", "card", "step3"):
+        (tmp_path / name).mkdir()
+    ref = _train(tmp_path / "ref", _oom_recipe(tiny_model_dir))
+    monkeypatch.setenv(oom.EMULATE_ENV, "15MiB")
+    m = _train(tmp_path / "card", _oom_recipe(tiny_model_dir))
+    assert [(r["step"], r["changed"], r["resumed_from"]) for r in m["oom_retries"]] == [(1, "micro-batch 2 x 2", None)]
+    assert m["final_plan"]["micro_batch_size"] == 2 and m["peak_memory_bytes"] <= 15 * 2**20
+    assert m["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-5)
+    assert len(m["rewards_margins_history"]) == 4
+    monkeypatch.delenv(oom.EMULATE_ENV)
+
+    class OomInStep3(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2 and args.per_device_train_batch_size == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    make = signals.make_callbacks
+    monkeypatch.setattr(signals, "make_callbacks", lambda stop: [*make(stop), OomInStep3()])
+    m = _train(tmp_path / "step3", _oom_recipe(tiny_model_dir))
+    assert m["oom_retries"][0]["step"] == 3 and m["oom_retries"][0]["resumed_from"].endswith("checkpoint-2")
+    assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4
+    assert m["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-5)
