@@ -21,6 +21,7 @@ below; the memory each keeps is lowvram.plan.preference's.
 from __future__ import annotations
 
 from lowvram.errors import LowvramError
+from lowvram.metrics import OBJECTIVE_METRIC_KEYS
 from lowvram.train.data.preference import require_trl
 
 # Each objective's TRL trainer, as (module, trainer class, config class).
@@ -139,13 +140,17 @@ def longest_tokenized_row(dataset, objective: str, max_length: int) -> int:
 # The metrics each objective's trainer logs (TRL 1.16: DPOTrainer._compute_loss, ORPOTrainer and
 # CPOTrainer.get_batch_loss_metrics), the ones `lowvram runs` and `show` report.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+# Each objective's own terms beside the rewards: KTO's KL estimate (kto_trainer.py ``kl``), ORPO's
+# log odds ratio and the chosen's log odds (orpo_trainer.py get_batch_loss_metrics), ORPO's and
+# SimPO's NLL on the chosen rows (``nll_loss``; SimPO runs with cpo_alpha 0, logged all the same)
+OBJECTIVE_METRICS = OBJECTIVE_METRIC_KEYS
 
 
 def preference_metrics(log_history: list[dict]) -> dict:
     """metrics.json's preference part: each reward metric's history ([[step, value], ...]) and
     its last value, from the Trainer's log history; {} for an SFT run (no such keys logged)."""
     out: dict = {}
-    for key in REWARD_METRICS:
+    for key in REWARD_METRICS + OBJECTIVE_METRICS:
         points = [[e["step"], float(e[key])] for e in log_history if key in e and "step" in e]
         if points:
             name = key.replace("/", "_")  # rewards_margins

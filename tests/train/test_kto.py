@@ -130,6 +130,8 @@ def test_lora_kto_run_end_to_end(tmp_path, tiny_model_dir):
     assert abs(m["first_loss"] - 0.5) < 1e-3
     shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
     assert shown.exit_code == 0 and "objective kto" in shown.output
+    # KTO's own term beside the rewards: its KL estimate (TRL's ``kl``)
+    assert len(m["kl_history"]) == 4 and "kl (last)" in shown.output
 
 
 @pytest.mark.slow

@@ -193,6 +193,12 @@ def test_lora_preference_run_end_to_end(tmp_path, tiny_model_dir, objective):
     shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
     assert shown.exit_code == 0 and "rewards/margins (last)" in shown.output and "reward margin" in shown.output
     assert f"objective {objective}" in shown.output
+    if objective == "orpo":  # ORPO's own terms beside the rewards (TRL's log_odds_ratio, nll_loss)
+        assert len(m["log_odds_ratio_history"]) == 4 and m["nll_loss"] > 0
+        assert "log_odds_ratio (last)" in shown.output and "nll_loss (last)" in shown.output
+    listed = CliRunner().invoke(app, ["runs", str(tmp_path)], env={"COLUMNS": "200"})  # no wrapping
+    assert listed.exit_code == 0 and f"(margin {m['rewards_margins']:+.3f})" in listed.output
+    assert f"{objective}, " in listed.output  # the objective leads the techniques
     # pairs far below seq_len 64: TRL pads each batch to its longest pair, so the run is compared
     # with the plan at the longest tokenized pair, and the run's plan says so
     assert 0 < m["data_longest_tokens"] < 64 and m["predicted_peak_bytes_at_data"] < m["predicted_peak_bytes"]
