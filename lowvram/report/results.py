@@ -118,6 +118,10 @@ def show_run(r, as_json: bool = False) -> None:
         key = "gradient_accumulation" if name == "grad_accum" else name
         p.add_row(key, setting_cell(value), r.reasons.get(key, ""))
     c.print(p)
+    shown = {"gradient_accumulation" if name == "grad_accum" else name for name in r.techniques}
+    for key, why in r.reasons.items():  # the plan's other reasons: an OOM retry, the data's length
+        if key not in shown:
+            c.print(f"{key}: {why}", markup=False, soft_wrap=True)
     m = r.metrics  # RunMetrics, or None without a readable metrics.json
     t = Table(title="Metrics")
     t.add_column("metric")

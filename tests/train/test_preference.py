@@ -205,6 +205,7 @@ def test_lora_preference_run_end_to_end(tmp_path, tiny_model_dir, objective):
     assert m["memory_comparison"][0]["predicted_bytes"] == m["predicted_peak_bytes_at_data"]
     reason = json.loads((tmp_path / "out" / "plan.json").read_text())["reasons"]["data_length"]
     assert f"the longest tokenized pair is {m['data_longest_tokens']} tokens" in reason
+    assert f"data_length: the longest tokenized pair is {m['data_longest_tokens']} tokens" in shown.output
     if objective == "dpo":  # the trained adapter answers like an SFT one
         gen = CliRunner().invoke(app, ["generate", str(tmp_path / "out"), "--prompt", "Add 1 and 2.",
                                        "--max-new-tokens", "4", "--greedy", "--cpu"])
