@@ -412,3 +412,21 @@ def test_dpo_oom_replans_and_resumes_as_sft(tmp_path, tiny_model_dir, monkeypatc
     assert m["oom_retries"][0]["step"] == 3 and m["oom_retries"][0]["resumed_from"].endswith("checkpoint-2")
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4
     assert m["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-5)
+
+
+@pytest.mark.slow  # `make test-all`: two DPO runs
+def test_dpo_resume_continues_from_the_last_checkpoint(tmp_path, tiny_model_dir):
+    """`lowvram train --resume` on a DPO run cut after checkpoint-2 (its checkpoint-4 and
+    metrics.json gone, as a killed run leaves it) trains steps 3-4 only and ends at the loss of
+    the uninterrupted run."""
+    import shutil
+
+    full = _train(tmp_path, _oom_recipe(tiny_model_dir))
+    shutil.rmtree(tmp_path / "out" / "checkpoint-4")
+    (tmp_path / "out" / "metrics.json").unlink()
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "r.yaml"), "--resume"])
+    assert result.exit_code == 0, result.output
+    assert "resumed at step 2" in result.output
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4
+    assert m["train_loss"] == pytest.approx(full["train_loss"], abs=1e-6)
