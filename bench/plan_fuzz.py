@@ -15,6 +15,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --extended      # also DoRA and GaLore (issue 27)
     python bench/plan_fuzz.py --galore layerwise --families ten  # dense cases made layerwise GaLore runs
     python bench/plan_fuzz.py --lomo --families ten  # every case made a LOMO full fine-tuning run
+    python bench/plan_fuzz.py --preference --short-pairs --families ten  # pairs shorter than seq_len
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
 it become regression cases in tests/plan/test_fuzz.py. ~5 s a case on 2 cores.
@@ -47,6 +48,7 @@ from lowvram.difftest import (  # noqa: E402
     VISION_FAMILIES,
     made_galore,
     made_lomo,
+    made_short_pairs,
     preference_case,
     random_case,
     recipe_text,
@@ -98,6 +100,9 @@ def main() -> int:
                          "through TRL) with the same models and techniques")
     ap.add_argument("--kto", action="store_true",
                     help="with --preference: every case is training.objective kto (preference_case(kto=True))")
+    ap.add_argument("--short-pairs", action="store_true",
+                    help="with --preference: pairs shorter than seq_len (difftest.made_short_pairs), the run "
+                         "compared with the plan at the longest tokenized pair")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
@@ -110,11 +115,14 @@ def main() -> int:
     families += f" --chunk {args.chunk:g}" if args.chunk else ""
     families += " --preference" if args.preference else ""
     families += " --kto" if args.kto else ""
+    families += " --short-pairs" if args.short_pairs else ""
     families += f" --galore {args.galore}" if args.galore else ""
     families += " --lomo" if args.lomo else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
+            if args.short_pairs:
+                case = made_short_pairs(case)
         else:
             case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled, extended=args.extended,
                                chunk=args.chunk)
@@ -138,6 +146,8 @@ def main() -> int:
             took = out.details.get("loss_chunk_tokens")
             if case.loss_chunk_tokens != 1024 and took != case.loss_chunk_tokens:
                 flag += f"  <-- the plan took chunk {took}"
+            if out.details.get("data_longest_tokens"):  # predicted at the longest tokenized row
+                flag += f"  (plan at the data's {out.details['data_longest_tokens']} tokens)"
             line = (f"{case.label():<100} measured {out.measured_bytes / 2**20:9.2f} MiB  predicted "
                     f"{out.predicted_bytes / 2**20:9.2f} MiB  {out.ratio:+7.2%}{flag}")
         print(line, flush=True)

@@ -92,6 +92,9 @@ class Case:
     objective: str = "sft"
     loss_type: str = "sigmoid"
     precompute_ref: bool = False
+    # preference pairs shorter than seq_len (made_short_pairs): the chosen's tokens (0: longer than
+    # seq_len, cut there); the run is compared with the plan at the longest tokenized pair
+    pair_tokens: int = 0
 
     def label(self) -> str:
         bits = [f"#{self.seed}", self.family, self.method]
@@ -99,7 +102,8 @@ class Case:
             bits.insert(2, f"vit{self.vision_layers}x{self.vision_hidden} {self.vision_image}px/{self.vision_patch}")
         if self.objective != "sft":
             bits.insert(2, self.objective + (f" {self.loss_type}" if self.objective == "dpo" else "")
-                        + (" precompute" if self.precompute_ref else ""))
+                        + (" precompute" if self.precompute_ref else "")
+                        + (f" pairs{self.pair_tokens}t" if self.pair_tokens else ""))
         if self.method != "full":
             t = self.lora_targets if isinstance(self.lora_targets, str) else ",".join(self.lora_targets)
             bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else "")
@@ -298,6 +302,16 @@ def preference_case(seed: int, families: tuple[str, ...] = FAMILIES, kto: bool =
                    precompute_ref=objective in REFERENCE_OBJECTIVES and rng.random() < 0.3)
 
 
+def made_short_pairs(case: Case) -> Case:
+    """The preference case on pairs shorter than seq_len (bench/plan_fuzz.py --short-pairs): every
+    prompt 8 tokens, every chosen 30-70% of seq_len tokens (drawn from the seed's own stream), every
+    rejected a quarter of that, exactly (lowvram.testing.texts_of_exact_length), so every batch
+    reaches the data's longest pair. TRL pads each batch to its longest row, so the run is
+    compared with the plan at the longest tokenized pair (train.run: predicted_peak_bytes_at_data)."""
+    rng = random.Random(f"short-pairs-{case.seed}")
+    return replace(case, pair_tokens=max(8, int(case.seq_len * rng.uniform(0.3, 0.7))))
+
+
 # --------------------------------------------------------------------------------------------
 # Building a case's files
 
@@ -376,10 +390,16 @@ def write_data(case: Case, path: Path, rows: int = 24) -> Path:
     windows are full and hold several samples (their position_ids restart, and SDPA gets the
     block-diagonal mask a user's packed run gets)."""
     rng = random.Random(case.seed)
-    if case.objective != "sft":  # pairs whose answers are longer than seq_len: TRL cuts each to it
+    if case.objective != "sft":
+        # pairs as a user's are: a chosen longer than seq_len (TRL cuts it there: every batch
+        # reaches seq_len) and a shorter rejected, so the batch's rows are padded and carry their
+        # attention_mask, as with real pairs of unequal lengths (SDPA's masks: plan.activations)
+        if case.pair_tokens:
+            return _write_short_pairs(case, path, rng, rows)
         with open(path, "w") as f:
             for i in range(rows):
-                chosen, rejected = (" " + " ".join(rng.choice(WORDS) for _ in range(case.seq_len)) for _ in "cr")
+                chosen = " " + " ".join(rng.choice(WORDS) for _ in range(case.seq_len))
+                rejected = " " + " ".join(rng.choice(WORDS) for _ in range(case.seq_len // 4))
                 f.write(json.dumps({"prompt": f"Question {i}: " + " ".join(rng.choice(WORDS) for _ in range(6)),
                                     "chosen": chosen, "rejected": rejected}) + "\n")
         return path
@@ -388,6 +408,20 @@ def write_data(case: Case, path: Path, rows: int = 24) -> Path:
     with open(path, "w") as f:
         for _ in range(rows):
             f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(3 * case.seq_len))}) + "\n")
+    return path
+
+
+def _write_short_pairs(case: Case, path: Path, rng: random.Random, rows: int) -> Path:
+    """Pairs of exact token lengths (made_short_pairs): prompt 8, chosen pair_tokens, rejected a
+    quarter of it (" the" is one token, so the leading space keeps each count)."""
+    from lowvram.testing import texts_of_exact_length
+
+    prompts = texts_of_exact_length(8, rows, rng, tuple(WORDS))
+    chosen = texts_of_exact_length(case.pair_tokens, rows, rng, tuple(WORDS))
+    rejected = texts_of_exact_length(max(4, case.pair_tokens // 4), rows, rng, tuple(WORDS))
+    with open(path, "w") as f:
+        for p, c, r in zip(prompts, chosen, rejected, strict=True):
+            f.write(json.dumps({"prompt": p, "chosen": " " + c, "rejected": " " + r}) + "\n")
     return path
 
 
@@ -503,12 +537,15 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     plan_file = workdir / "run" / PLAN
     if plan_file.exists():  # the chunk the run's plan took (the chunked loss sized to the budget)
         details["loss_chunk_tokens"] = json.loads(plan_file.read_text()).get("loss_chunk_tokens")
-    return Outcome(case, measured_bytes=m.get("peak_memory_bytes"), predicted_bytes=m.get("predicted_peak_bytes"),
-                   details=details)
+    # data shorter than seq_len (short preference pairs): the plan at the longest row is the one
+    # the run can reach (train.run._prediction_at_data_length)
+    predicted = m.get("predicted_peak_bytes_at_data") or m.get("predicted_peak_bytes")
+    details["data_longest_tokens"] = m.get("data_longest_tokens")
+    return Outcome(case, measured_bytes=m.get("peak_memory_bytes"), predicted_bytes=predicted, details=details)
 
 
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
-           "made_chunked", "made_galore", "made_lomo", "made_tiled",
+           "made_chunked", "made_galore", "made_lomo", "made_short_pairs", "made_tiled",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -79,6 +79,16 @@ class RunMetrics:
     rewards_rejected_history: Pairs | None = None
     rewards_margins_history: Pairs | None = None
     rewards_accuracies_history: Pairs | None = None
+    # each objective's own terms (train/preference.py OBJECTIVE_METRICS): kto's KL estimate,
+    # orpo's log odds ratio and chosen log odds, orpo's and simpo's NLL on the chosen rows
+    kl: float | None = None
+    log_odds_ratio: float | None = None
+    log_odds_chosen: float | None = None
+    nll_loss: float | None = None
+    kl_history: Pairs | None = None
+    log_odds_ratio_history: Pairs | None = None
+    log_odds_chosen_history: Pairs | None = None
+    nll_loss_history: Pairs | None = None
     # Out-of-memory retries (train/recover.py): absent when the run was not trained through it
     oom_retries: list[dict] | None = None
     final_plan: dict | None = None  # after a retry: the techniques the run ended with
@@ -115,11 +125,15 @@ class RunMetrics:
         return self.to_dict()[key]
 
 
+# A preference objective's own terms as metrics.json keys (TRL's log names; train/preference.py)
+OBJECTIVE_METRIC_KEYS = ("kl", "log_odds_ratio", "log_odds_chosen", "nll_loss")
+
 # Keys written only where the run measured them (as metrics.json has always done).
 _SITUATIONAL = ("peak_rss_bytes", "peak_reserved_bytes", "beyond_reserved_bytes", "memory_comparison",
                 "data_longest_tokens", "predicted_peak_bytes_at_data", "data_windows_one_sample",
                 "oom_retries", "final_plan", "status",
-                *(f"rewards_{m}{h}" for m in ("chosen", "rejected", "margins", "accuracies") for h in ("", "_history")))
+                *(f"rewards_{m}{h}" for m in ("chosen", "rejected", "margins", "accuracies") for h in ("", "_history")),
+                *(f"{m}{h}" for m in OBJECTIVE_METRIC_KEYS for h in ("", "_history")))
 
 _HINTS = typing.get_type_hints(RunMetrics)
 _TYPES = {f.name: _HINTS[f.name] for f in dataclasses.fields(RunMetrics) if f.name != "other"}

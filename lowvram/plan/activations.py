@@ -342,15 +342,21 @@ def masked_layers(setup: RunSetup) -> int:
 
     With data.packing, each seq_len window holds several samples and their position_ids restart
     at 0 (lowvram.train.data.collate.pack): transformers builds a block-diagonal b x 1 x s x s mask
-    (masking_utils find_packed_sequence_indices) for every layer. Without packing lowvram's
-    collator sends no attention_mask (PadCollator), so only Gemma-3's sliding-window layers get
-    one, from seq_len >= sliding_window on (masking_utils _ignore_causal_mask_sdpa skips it
-    below the window). The planner takes packed windows to hold more than one sample (what packing
-    is for); a window of one sample gets no mask, which is below the plan."""
+    (masking_utils find_packed_sequence_indices) for every layer. Padded rows with their
+    attention_mask (``setup.padded``: TRL's preference collators pad chosen and rejected to the
+    batch's longest row) get one in every layer too: sdpa_mask ANDs the padding mask into the
+    causal one (padding_mask_function) and skips the mask only when no position is padded
+    (_ignore_causal_mask_sdpa: ``padding_mask is None or fast_all(padding_mask)``), which the
+    planner does not take (a chosen and a rejected of one length each, over a whole batch, is rare;
+    a batch without padding is below the plan). Without packing or padding lowvram's collator
+    sends no attention_mask (PadCollator), so only Gemma-3's sliding-window layers get one, from
+    seq_len >= sliding_window on (masking_utils _ignore_causal_mask_sdpa skips it below the
+    window). The planner takes packed windows to hold more than one sample (what packing is for);
+    a window of one sample gets no mask, which is below the plan."""
     if setup.attention != "sdpa":
         return 0
     spec = setup.model
-    if setup.packing:
+    if setup.packing or setup.padded:
         return spec.num_layers
     if spec.sliding_layers and setup.seq_len >= spec.sliding_window:
         return spec.sliding_layers
@@ -381,13 +387,17 @@ def _checkpointed_mask_bytes(setup: RunSetup) -> int:
     """With checkpointing, the bool masks SDPA's masks are made from are inputs the checkpoints
     keep for the recompute, one per attention type. Without padding or packing the sliding-window
     mask depends on no row, so it is built once for the batch (measured: (1, 1, 512, 512) bool
-    in lowvram train on a 2-layer Gemma-3, b4 s512, whose plan was 2.9% low without it); packed
-    samples make it b x 1 x s x s, with the full-attention layers' packed mask beside it."""
+    in lowvram train on a 2-layer Gemma-3, b4 s512, whose plan was 2.9% low without it). Packed
+    samples, or padded rows with their attention_mask (``setup.padded``: the mask function ANDs
+    each row's padding in, masking_utils padding_mask_function), make it b x 1 x s x s, one per
+    attention type (measured: a (4, 1, 512, 512) bool at the peak of preference seed 12, a
+    3-layer Gemma-3 ORPO LoRA run, b2 s512 of pairs = 4 rows, 3.4% above a plan that counted one
+    (1, 1, 512, 512))."""
     if not masked_layers(setup):
         return 0
     spec = setup.model
     s = setup.seq_len
-    if not setup.packing:
+    if not (setup.packing or setup.padded):
         return s * s
     return describe_layer(spec).attention_types * setup.micro_batch_size * s * s
 

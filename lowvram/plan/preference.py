@@ -105,9 +105,13 @@ def policy_setup(setup: RunSetup) -> RunSetup:
     peft's lora_dropout modules included, and ATen's dropout at p = 0 returns its input itself
     (no mask, no copy): lora.dropout saves nothing. The model's own dropouts stay counted (an
     upper bound): many apply theirs as a float (``attention_dropout`` passed to the attention
-    function, a functional dropout), which disable_dropout does not reach."""
+    function, a functional dropout), which disable_dropout does not reach. The rows are padded
+    to the batch's longest and carry an attention_mask (``padded``: DataCollatorForPreference pads
+    input_ids and attention_mask, dpo_trainer.py L184-196; ORPO's and CPO's concatenated_inputs
+    pad chosen and rejected to the longer of the two), so SDPA gets a mask in every layer
+    (activations.masked_layers)."""
     return replace(setup, micro_batch_size=rows_per_example(setup) * setup.micro_batch_size, objective="sft",
-                   lora_dropout=0.0)
+                   lora_dropout=0.0, padded=True)
 
 
 def _rows(setup: RunSetup) -> int:

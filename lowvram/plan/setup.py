@@ -111,6 +111,10 @@ class RunSetup:
     # data.packing: several samples per window, so SDPA gets a block-diagonal mask in every
     # layer (activations.masked_layers)
     packing: bool = False
+    # the rows are right-padded to the batch's longest and carry an attention_mask (TRL's
+    # preference collators, lowvram.plan.preference.policy_setup): SDPA gets a b x 1 x s x s
+    # mask in every layer (activations.masked_layers)
+    padded: bool = False
     # techniques.tiled_mlp: each decoder layer's MLP computed over the sequence in shards and
     # recomputed shard by shard in the backward (DeepSpeed's TiledMLP, lowvram.plan.tiled);
     # tiled_mlp_shards 0 = DeepSpeed's rule, ceil(seq_len / hidden_size) (tiled.tiled_mlp_shards)

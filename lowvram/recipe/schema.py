@@ -222,6 +222,24 @@ class PreferenceSection(_Section):
     undesirable_weight: float = Field(
         1.0, gt=0, description="kto: weight of the undesirable completions' loss. No memory change.")
 
+    padding_free: bool = Field(
+        False,
+        description="TRL's padding_free (each batch flattened into one row, FlashAttention only): would save "
+                    "the padding's memory; refused, since TRL 1.16's DPOTrainer ignores it (it warns and pads) "
+                    "and its KTO, ORPO and CPO trainers have no such option.")
+
+    @field_validator("padding_free")
+    @classmethod
+    def _no_padding_free(cls, v: bool) -> bool:
+        # trl/trainer/dpo_trainer.py L732-739 (TRL 1.16): padding_free=True logs a warning and is set
+        # back to False; accepting it would plan and report a run that is not the one trained
+        if v:
+            raise ValueError("not available in TRL 1.16 (lowvram's pin): DPOTrainer warns and pads every batch "
+                             "anyway (dpo_trainer.py L732-739), KTO, ORPO and CPO have no such option, and it "
+                             "needs FlashAttention 2 or 3 (CUDA); set it false (each batch is padded to its "
+                             "longest pair, and the run is planned there)")
+        return v
+
     @model_validator(mode="after")
     def _exo_needs_smoothing(self) -> PreferenceSection:
         # TRL's DPOTrainer raises at start for this pair (trl/trainer/dpo_trainer.py, exo_pair)

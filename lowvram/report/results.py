@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from lowvram.metrics import OBJECTIVE_METRIC_KEYS
 from lowvram.report.console import console, number_cell, print_json, setting_cell, techniques_label
 from lowvram.units import mem, sparkline
 
@@ -75,8 +76,12 @@ def show_runs(runs, folder, as_json: bool = False) -> None:
     t.add_column("status", no_wrap=True)
     for r in runs:
         style = _STATUS_STYLE.get(r.status, "")
-        t.add_row(_relative(r.path, folder), r.recipe_name, Path(r.model).name or r.model, techniques_label(r.techniques),
-                  f"{mem(r.predicted_peak_bytes)} / {mem(r.measured_peak_bytes)}", number_cell(r.final_loss, 3),
+        objective = (r.recipe.get("training") or {}).get("objective", "sft")
+        margin = r.metrics.get("rewards_margins") if r.metrics is not None else None
+        t.add_row(_relative(r.path, folder), r.recipe_name, Path(r.model).name or r.model,
+                  ("" if objective == "sft" else f"{objective}, ") + techniques_label(r.techniques),
+                  f"{mem(r.predicted_peak_bytes)} / {mem(r.measured_peak_bytes)}",
+                  number_cell(r.final_loss, 3) + (f" (margin {margin:+.3f})" if margin is not None else ""),
                   f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
                   f"[{style}]{r.status}[/{style}]" if style else r.status)
     c.print(t)
@@ -113,6 +118,10 @@ def show_run(r, as_json: bool = False) -> None:
         key = "gradient_accumulation" if name == "grad_accum" else name
         p.add_row(key, setting_cell(value), r.reasons.get(key, ""))
     c.print(p)
+    shown = {"gradient_accumulation" if name == "grad_accum" else name for name in r.techniques}
+    for key, why in r.reasons.items():  # the plan's other reasons: an OOM retry, the data's length
+        if key not in shown:
+            c.print(f"{key}: {why}", markup=False, soft_wrap=True)
     m = r.metrics  # RunMetrics, or None without a readable metrics.json
     t = Table(title="Metrics")
     t.add_column("metric")
@@ -127,9 +136,12 @@ def show_run(r, as_json: bool = False) -> None:
         ("trainable / total params", f"{m.trainable_params:,} / {m.total_params:,}"
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
-    # dpo/orpo/simpo: TRL's reward metrics, last logged values (lowvram.train.preference)
+    # preference objectives: TRL's reward metrics and each objective's own terms (kto's KL, orpo's
+    # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.preference)
     rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m.get(key), 3))
              for key in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies")
+             if m is not None and m.get(key) is not None]
+    rows += [(f"{key} (last)", number_cell(m.get(key), 3)) for key in OBJECTIVE_METRIC_KEYS
              if m is not None and m.get(key) is not None]
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))

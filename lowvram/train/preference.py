@@ -21,6 +21,7 @@ below; the memory each keeps is lowvram.plan.preference's.
 from __future__ import annotations
 
 from lowvram.errors import LowvramError
+from lowvram.metrics import OBJECTIVE_METRIC_KEYS
 from lowvram.train.data.preference import require_trl
 
 # Each objective's TRL trainer, as (module, trainer class, config class).
@@ -50,7 +51,8 @@ def objective_settings(recipe) -> dict:
     common = {"beta": p.beta, "max_length": recipe.training.seq_len}
     if objective == "dpo":
         return {**common, "loss_type": [p.loss_type], "label_smoothing": p.label_smoothing,
-                "precompute_ref_log_probs": p.precompute_ref_log_probs}
+                "precompute_ref_log_probs": p.precompute_ref_log_probs,
+                "padding_free": p.padding_free}  # always False: the recipe refuses true (schema.py)
     if objective == "simpo":
         # SimPO (Meng et al. 2024) is CPO's simpo loss without CPO's behaviour-cloning term:
         # TRL's docs set cpo_alpha=0 for it (trl/experimental/cpo/cpo_config.py).
@@ -108,16 +110,47 @@ def build_preference_trainer(loaded, bundle, args, callbacks=()):
     return trainer
 
 
+def longest_tokenized_row(dataset, objective: str, max_length: int) -> int:
+    """The longest row a batch of ``dataset`` (the trainer's train_dataset, as TRL tokenized it
+    in its __init__) can reach, truncated as TRL truncates it; TRL pads each batch to its longest
+    row, so a run on shorter pairs peaks there, not at max_length (training.seq_len).
+
+    - dpo: prompt_ids, chosen_ids, rejected_ids; DataCollatorForPreference truncates prompt +
+      completion to max_length (keep_start, dpo_trainer.py L152-165).
+    - orpo, simpo: chosen_input_ids and rejected_input_ids hold the prompt already, truncated to
+      max_length by ``tokenize_row`` (orpo_trainer.py L520-545, cpo_trainer.py alike).
+    - kto: prompt_ids, completion_ids, truncated to max_length by DataCollatorForUnpairedPreference
+      (kto_trainer.py L163-178); its KL rows pair a prompt with another row's completion, so the
+      bound taken is the longest prompt plus the longest completion (truncated)."""
+    cols = dataset.column_names
+    if objective == "dpo":
+        rows = (len(p) + max(len(c), len(r))
+                for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"], strict=True))
+        return min(max(rows, default=0), max_length)
+    if objective == "kto":
+        return min(max(map(len, dataset["prompt_ids"]), default=0) + max(map(len, dataset["completion_ids"]), default=0),
+                   max_length)
+    if "chosen_input_ids" in cols:  # orpo, simpo
+        return min(max(max(map(len, dataset["chosen_input_ids"]), default=0),
+                       max(map(len, dataset["rejected_input_ids"]), default=0)), max_length)
+    raise LowvramError(f"cannot read the tokenized pairs of objective {objective} (columns {', '.join(cols)})",
+                       "this TRL version tokenizes otherwise than TRL 1.16 (lowvram's pin): pip install trl==1.16.0")
+
+
 # The metrics each objective's trainer logs (TRL 1.16: DPOTrainer._compute_loss, ORPOTrainer and
 # CPOTrainer.get_batch_loss_metrics), the ones `lowvram runs` and `show` report.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+# Each objective's own terms beside the rewards: KTO's KL estimate (kto_trainer.py ``kl``), ORPO's
+# log odds ratio and the chosen's log odds (orpo_trainer.py get_batch_loss_metrics), ORPO's and
+# SimPO's NLL on the chosen rows (``nll_loss``; SimPO runs with cpo_alpha 0, logged all the same)
+OBJECTIVE_METRICS = OBJECTIVE_METRIC_KEYS
 
 
 def preference_metrics(log_history: list[dict]) -> dict:
     """metrics.json's preference part: each reward metric's history ([[step, value], ...]) and
     its last value, from the Trainer's log history; {} for an SFT run (no such keys logged)."""
     out: dict = {}
-    for key in REWARD_METRICS:
+    for key in REWARD_METRICS + OBJECTIVE_METRICS:
         points = [[e["step"], float(e[key])] for e in log_history if key in e and "step" in e]
         if points:
             name = key.replace("/", "_")  # rewards_margins

@@ -180,18 +180,30 @@ def _distribution(trainer: Trainer) -> dict:
     return {"distributed_type": kind, "sharded_parameters": sharded}
 
 
-def _prediction_at_data_length(recipe: Recipe, plan: Plan, bundle: DataBundle, replanner: Replanner | None) -> tuple[dict, dict[str, int]]:
+def _longest_row(recipe: Recipe, bundle: DataBundle, trainer: Trainer) -> int | None:
+    """The longest row a batch of the training data reaches: SFT's tokenized rows (or packed
+    windows), or the longest tokenized pair TRL made (train/preference.py)."""
+    from lowvram.train.preference import is_preference_config, longest_tokenized_row
+
+    if is_preference_config(trainer.args):
+        return longest_tokenized_row(trainer.train_dataset, recipe.training.objective, recipe.training.seq_len)
+    if "input_ids" not in bundle.train.column_names:
+        return None
+    return max((len(ids) for ids in bundle.train["input_ids"]), default=0)
+
+
+def _prediction_at_data_length(recipe: Recipe, plan: Plan, bundle: DataBundle, replanner: Replanner | None,
+                               longest: int | None) -> tuple[dict, dict[str, int]]:
     """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
-    the plan (made for full seq_len batches). Predict the peak at the longest row as well, so the
-    measured peak is compared with what this data can reach: (metrics, the breakdown the
-    measured peak is compared with, part by part). Packed data: the plan takes every window to
-    hold several samples (SDPA's block-diagonal mask in every layer); where none does (samples
-    as long as seq_len), the windows are plain rows."""
-    if plan.predicted_peak_bytes is None or replanner is None or "input_ids" not in bundle.train.column_names:
-        return {}, dict(plan.breakdown)  # preference pairs: TRL tokenizes them (train/preference.py)
+    the plan (made for full seq_len batches). Predict the peak at the longest row as well
+    (``longest``: _longest_row), so the measured peak is compared with what this data can reach:
+    (metrics, the breakdown the measured peak is compared with, part by part). Packed data: the
+    plan takes every window to hold several samples (SDPA's block-diagonal mask in every layer);
+    where none does (samples as long as seq_len), the windows are plain rows."""
+    if plan.predicted_peak_bytes is None or replanner is None or longest is None:
+        return {}, dict(plan.breakdown)
     several = bundle.stats.packed and bundle.stats.train_samples > bundle.stats.train_rows
     one_sample_windows = bundle.stats.packed and not several  # packing on, no window holds two
-    longest = max((len(ids) for ids in bundle.train["input_ids"]), default=0)
     if not 0 < longest <= recipe.training.seq_len or (longest == recipe.training.seq_len
                                                       and not one_sample_windows):
         return {}, dict(plan.breakdown)  # the data reaches what the plan was made for
@@ -202,6 +214,21 @@ def _prediction_at_data_length(recipe: Recipe, plan: Plan, bundle: DataBundle, r
     if one_sample_windows:
         metrics["data_windows_one_sample"] = True
     return metrics, breakdown
+
+
+def _with_data_length_reason(plan: Plan, recipe: Recipe, at_data: dict) -> Plan:
+    """A preference run on pairs shorter than seq_len: the plan the run folder keeps says where
+    the run peaks (TRL pads each batch to its longest pair, not to max_length)."""
+    if recipe.training.objective == "sft" or not at_data:
+        return plan
+    from lowvram.units import gib
+
+    n = at_data["data_longest_tokens"]
+    reason = (f"the longest tokenized pair is {n} tokens (the prompt with the chosen or the rejected, "
+              f"truncated to max_length {recipe.training.seq_len} as TRL does): TRL pads each batch to its "
+              f"longest row, so the run peaks at {gib(at_data['predicted_peak_bytes_at_data'])}, predicted at "
+              f"{n} tokens (the plan's {gib(plan.predicted_peak_bytes)} is at {recipe.training.seq_len})")
+    return dataclasses.replace(plan, reasons={**plan.reasons, "data_length": reason})
 
 
 def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, callbacks: Sequence[TrainerCallback] = (),
@@ -258,6 +285,9 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
         loss=plan.loss, loss_chunk_tokens=plan.loss_chunk_tokens,
     )
 
+    at_data, compared_with = _prediction_at_data_length(recipe, plan, bundle, replanner,
+                                                        _longest_row(recipe, bundle, trainer))
+    plan = _with_data_length_reason(plan, recipe, at_data)
     main = trainer.is_world_process_zero()
     out.mkdir(parents=True, exist_ok=True)
     if main:  # several processes: rank 0 writes the run files
@@ -299,7 +329,6 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     if stop.signum is not None:
         saved = complete_checkpoints(out)
         raise signals.TrainingInterrupted(stop.signum, trainer.state.global_step, saved[-1] if saved else None)
-    at_data, compared_with = _prediction_at_data_length(recipe, plan, bundle, replanner)
     peak = _peak_memory(plan, tracker, mem_history, compared_with)
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 

@@ -20,6 +20,8 @@ from lowvram.difftest import (  # noqa: E402
     FIRST_FAMILIES,
     OVER_LIMIT,
     TEN_FAMILIES,
+    made_short_pairs,
+    preference_case,
     random_case,
     run_case,
     write_data,
@@ -156,6 +158,25 @@ def test_a_loss_chunk_sized_to_the_budget_runs_as_planned(seed, tmp_path):
     assert case.loss == "chunked" and case.loss_chunk_tokens < 1024
     out = _check(case, tmp_path, CHUNKED[seed])
     assert out.details["loss_chunk_tokens"] == case.loss_chunk_tokens  # the plan lowvram train ran took it
+
+
+# Preference recipes (bench/plan_fuzz.py --preference, issue 28): TRL's trainers on pairs of unequal
+# lengths, or (short) on pairs below seq_len compared with the plan at the longest tokenized pair
+PREFERENCE = {
+    12: ("Gemma-3 ORPO LoRA, checkpointing, b2 s512: the checkpoints keep a bool mask of all four "
+         "padded rows per attention type, not one for the batch (+3.36%)", False),
+    13: ("Mistral ORPO LoRA bf16-mixed, b1 s128 on 65-token pairs: the plan at the longest pair "
+         "(-1.30%; -39% against the plan at seq_len)", True),
+}
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s == 12 else s for s in PREFERENCE])
+def test_preference_recipes_stay_within_their_plan(seed, tmp_path):
+    pytest.importorskip("trl")
+    why, short = PREFERENCE[seed]
+    case = preference_case(seed, TEN_FAMILIES)
+    out = _check(made_short_pairs(case) if short else case, tmp_path, why)
+    assert bool(out.details["data_longest_tokens"]) == short  # short pairs: predicted at their length
 
 
 @pytest.mark.parametrize("seed", list(PACKING))

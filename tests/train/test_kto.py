@@ -5,6 +5,7 @@ micro-batch of 2 that TRL needs, and `lowvram train` end to end on the tiny Llam
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,7 @@ def test_kto_plans_one_row_per_example_and_the_reference():
 
     kto, dpo, sft = _setup(objective="kto"), _setup(objective="dpo"), _setup()
     assert preference.policy_setup(kto).micro_batch_size == 2  # b rows, not 2b
-    assert activation_bytes(preference.policy_setup(kto)) == activation_bytes(sft)
+    assert activation_bytes(preference.policy_setup(kto)) == activation_bytes(replace(sft, padded=True))  # TRL pads
     # the same fused head as DPO over half the positions
     assert preference.dpo_saved_bytes(kto) * 2 == preference.dpo_saved_bytes(dpo)
     # full fine-tuning: a frozen reference copy as DPO's; none when precomputed or under LoRA
@@ -130,6 +131,8 @@ def test_lora_kto_run_end_to_end(tmp_path, tiny_model_dir):
     assert abs(m["first_loss"] - 0.5) < 1e-3
     shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
     assert shown.exit_code == 0 and "objective kto" in shown.output
+    # KTO's own term beside the rewards: its KL estimate (TRL's ``kl``)
+    assert len(m["kl_history"]) == 4 and "kl (last)" in shown.output
 
 
 @pytest.mark.slow

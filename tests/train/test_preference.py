@@ -76,6 +76,8 @@ def test_objective_defaults_to_sft_and_preference_keys_validate():
     (recipe_text("m", extra="preference: {label_smoothing: 0.6}"), "label_smoothing"),
     (recipe_text("m", extra="preference: {beta: 0}"), "beta"),
     (recipe_text("m", extra="preference: {loss_type: exo_pair}"), "needs label_smoothing > 0"),
+    # TRL 1.16's DPOTrainer warns and pads anyway (dpo_trainer.py L732-739): refused, not ignored
+    (recipe_text("m", extra="preference: {padding_free: true}"), "not available in TRL 1.16"),
     (recipe_text("m").replace("output_dir: out", "output_dir: out\n  objective_typo: 1"), "objective_typo"),
     (recipe_text("m").replace("  datasets:", "  packing: true\n  datasets:"), "data.packing does not apply"),
 ])
@@ -191,6 +193,19 @@ def test_lora_preference_run_end_to_end(tmp_path, tiny_model_dir, objective):
     shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
     assert shown.exit_code == 0 and "rewards/margins (last)" in shown.output and "reward margin" in shown.output
     assert f"objective {objective}" in shown.output
+    if objective == "orpo":  # ORPO's own terms beside the rewards (TRL's log_odds_ratio, nll_loss)
+        assert len(m["log_odds_ratio_history"]) == 4 and m["nll_loss"] > 0
+        assert "log_odds_ratio (last)" in shown.output and "nll_loss (last)" in shown.output
+    listed = CliRunner().invoke(app, ["runs", str(tmp_path)], env={"COLUMNS": "200"})  # no wrapping
+    assert listed.exit_code == 0 and f"(margin {m['rewards_margins']:+.3f})" in listed.output
+    assert f"{objective}, " in listed.output  # the objective leads the techniques
+    # pairs far below seq_len 64: TRL pads each batch to its longest pair, so the run is compared
+    # with the plan at the longest tokenized pair, and the run's plan says so
+    assert 0 < m["data_longest_tokens"] < 64 and m["predicted_peak_bytes_at_data"] < m["predicted_peak_bytes"]
+    assert m["memory_comparison"][0]["predicted_bytes"] == m["predicted_peak_bytes_at_data"]
+    reason = json.loads((tmp_path / "out" / "plan.json").read_text())["reasons"]["data_length"]
+    assert f"the longest tokenized pair is {m['data_longest_tokens']} tokens" in reason
+    assert f"data_length: the longest tokenized pair is {m['data_longest_tokens']} tokens" in shown.output
     if objective == "dpo":  # the trained adapter answers like an SFT one
         gen = CliRunner().invoke(app, ["generate", str(tmp_path / "out"), "--prompt", "Add 1 and 2.",
                                        "--max-new-tokens", "4", "--greedy", "--cpu"])
@@ -202,6 +217,25 @@ def test_full_dpo_with_precomputed_reference(tmp_path, tiny_model_dir):
                                      extra="preference: {precompute_ref_log_probs: true}"))
     assert m["steps"] == 4 and (tmp_path / "out" / "model.safetensors").is_file()
     assert abs(m["first_loss"] - 0.6931) < 1e-3  # the reference is the initial policy
+
+
+def test_longest_tokenized_row_truncates_as_trl():
+    """The longest row a batch reaches, from the columns TRL 1.16 tokenizes into: DPO's prompt +
+    the longer completion, ORPO/SimPO's rows (the prompt inside), KTO's longest prompt + longest
+    completion (its KL rows mismatch them); each cut at max_length as TRL's collators cut."""
+    from datasets import Dataset
+
+    from lowvram.train.preference import longest_tokenized_row
+
+    dpo = Dataset.from_dict({"prompt_ids": [[1] * 5, [1] * 9], "chosen_ids": [[2] * 7, [2] * 3],
+                             "rejected_ids": [[3] * 2, [3] * 6]})
+    assert longest_tokenized_row(dpo, "dpo", 64) == 15 and longest_tokenized_row(dpo, "dpo", 12) == 12
+    orpo = Dataset.from_dict({"chosen_input_ids": [[1] * 11, [1] * 4], "rejected_input_ids": [[1] * 3, [1] * 13]})
+    assert longest_tokenized_row(orpo, "orpo", 64) == 13 and longest_tokenized_row(orpo, "simpo", 10) == 10
+    kto = Dataset.from_dict({"prompt_ids": [[1] * 9, [1] * 2], "completion_ids": [[2] * 1, [2] * 8]})
+    assert longest_tokenized_row(kto, "kto", 64) == 17 and longest_tokenized_row(kto, "kto", 16) == 16
+    with pytest.raises(LowvramError, match="cannot read the tokenized pairs"):
+        longest_tokenized_row(Dataset.from_dict({"input_ids": [[1]]}), "orpo", 64)
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -225,7 +259,7 @@ def test_dpo_counts_both_rows_and_the_reference():
     dpo = _setup(objective="dpo")
     # the concatenated forward: b pairs are 2b rows
     assert preference.policy_setup(dpo).micro_batch_size == 4
-    assert activation_bytes(preference.policy_setup(dpo)) == activation_bytes(_setup(micro_batch_size=4))
+    assert activation_bytes(preference.policy_setup(dpo)) == activation_bytes(_setup(micro_batch_size=4, padded=True))
     # full fine-tuning: a frozen second copy of the weights, unless the reference is precomputed
     full = estimate_memory(dpo).breakdown["weights"]
     assert full == estimate_memory(sft).breakdown["weights"] + weight_bytes(sft)
@@ -237,6 +271,35 @@ def test_dpo_counts_both_rows_and_the_reference():
     assert estimate_memory(_setup(objective="dpo", **lora)).breakdown["weights"] == \
         estimate_memory(_setup(**lora)).breakdown["weights"]
     assert preference.reference_weight_bytes(_setup(objective="orpo")) == 0
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "simpo", "kto"])
+def test_padded_rows_mask_every_layer(objective):
+    """TRL's collators pad the rows to the batch's longest and pass their attention_mask, so
+    transformers builds a b x 1 x s x s bool mask per attention type (the padding ANDed in) and
+    SDPA gets it in every layer: the checkpoints keep the masks of all rows (preference seed 12,
+    a Gemma-3 ORPO LoRA run with checkpointing, b2 s512, was 3.4% above a plan that counted one
+    s x s mask for the batch)."""
+    from dataclasses import replace
+
+    from lowvram.plan import activations, preference
+    from lowvram.plan.catalog import resolve_model
+
+    gemma = _setup(model=resolve_model("gemma-3-1b"), objective=objective, lora=True, seq_len=512,
+                   micro_batch_size=2)
+    core = preference.policy_setup(gemma)
+    rows = preference.rows_per_example(gemma) * 2
+    assert core.padded and core.micro_batch_size == rows
+    assert activations.masked_layers(core) == gemma.model.num_layers  # full-attention layers too
+    assert activations._checkpointed_mask_bytes(core) == 2 * rows * 512 * 512  # sliding + full, bool
+    # SFT without packing: lowvram's collator sends no attention_mask, one sliding mask for the batch
+    sft = replace(gemma, objective="sft", micro_batch_size=rows)
+    assert activations.masked_layers(sft) == gemma.model.sliding_layers
+    assert activations._checkpointed_mask_bytes(sft) == 512 * 512
+    # Llama: no sliding window, yet the padded rows' mask reaches every layer's SDPA
+    llama = preference.policy_setup(_setup(objective=objective, gradient_checkpointing=False))
+    assert activations.masked_layers(llama) == llama.model.num_layers
+    assert activations.masked_layers(replace(llama, attention="eager")) == 0
 
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo", "simpo", "kto"])
@@ -304,3 +367,66 @@ def test_recipe_objective_reaches_the_request(tmp_path):
     r = _parse(recipe_text("m", extra="preference: {precompute_ref_log_probs: true}"))
     req = build_request(resolve_model("llama-3.1-8b"), r)
     assert (req.objective, req.precompute_ref) == ("dpo", True)
+
+
+# ---------------------------------------------------------------------------------- OOM re-plan, resume
+
+
+def _oom_recipe(model_dir) -> str:
+    """DPO LoRA at batch 4 on pairs cut to 16 tokens (every batch reaches seq_len): micro-batch 4
+    peaks at 19.4 MB (live tensor bytes, CPU), 2 x 2 at 10.2 MB; a 15 MiB card holds only the second."""
+    return (recipe_text(model_dir, steps=4).replace("seq_len: 64", "seq_len: 16")
+            .replace("batch_size: 2", "batch_size: 4").replace("save_steps: 100", "save_steps: 2"))
+
+
+@pytest.mark.slow  # `make test-all`: three DPO runs
+def test_dpo_oom_replans_and_resumes_as_sft(tmp_path, tiny_model_dir, monkeypatch):
+    """Issue 28: the OOM re-plan and --resume work for a preference objective as for SFT (the
+    same recover loop, tests/train/test_recover.py): an OOM at step 1 on an emulated card retries
+    with micro-batch 2 x 2 from the start; an OOM in step 3 resumes from checkpoint-2; both end at
+    the uninterrupted run's loss (the same effective batch, TRL's same pairs)."""
+    import torch
+    from transformers import TrainerCallback
+
+    from lowvram.train import oom, signals
+
+    for name in ("ref", "card", "step3"):
+        (tmp_path / name).mkdir()
+    ref = _train(tmp_path / "ref", _oom_recipe(tiny_model_dir))
+    monkeypatch.setenv(oom.EMULATE_ENV, "15MiB")
+    m = _train(tmp_path / "card", _oom_recipe(tiny_model_dir))
+    assert [(r["step"], r["changed"], r["resumed_from"]) for r in m["oom_retries"]] == [(1, "micro-batch 2 x 2", None)]
+    assert m["final_plan"]["micro_batch_size"] == 2 and m["peak_memory_bytes"] <= 15 * 2**20
+    assert m["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-5)
+    assert len(m["rewards_margins_history"]) == 4
+    monkeypatch.delenv(oom.EMULATE_ENV)
+
+    class OomInStep3(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2 and args.per_device_train_batch_size == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    make = signals.make_callbacks
+    monkeypatch.setattr(signals, "make_callbacks", lambda stop: [*make(stop), OomInStep3()])
+    m = _train(tmp_path / "step3", _oom_recipe(tiny_model_dir))
+    assert m["oom_retries"][0]["step"] == 3 and m["oom_retries"][0]["resumed_from"].endswith("checkpoint-2")
+    assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4
+    assert m["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-5)
+
+
+@pytest.mark.slow  # `make test-all`: two DPO runs
+def test_dpo_resume_continues_from_the_last_checkpoint(tmp_path, tiny_model_dir):
+    """`lowvram train --resume` on a DPO run cut after checkpoint-2 (its checkpoint-4 and
+    metrics.json gone, as a killed run leaves it) trains steps 3-4 only and ends at the loss of
+    the uninterrupted run."""
+    import shutil
+
+    full = _train(tmp_path, _oom_recipe(tiny_model_dir))
+    shutil.rmtree(tmp_path / "out" / "checkpoint-4")
+    (tmp_path / "out" / "metrics.json").unlink()
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "r.yaml"), "--resume"])
+    assert result.exit_code == 0, result.output
+    assert "resumed at step 2" in result.output
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4
+    assert m["train_loss"] == pytest.approx(full["train_loss"], abs=1e-6)
