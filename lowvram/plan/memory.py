@@ -26,6 +26,7 @@ from lowvram.plan.activations import (
     dtypes,
     eager_mask_bytes,
     head_activation_bytes,
+    masked_attention_bytes,
     moe_layer_after_experts_bytes,
     offloaded_layer_input_bytes,
 )
@@ -167,7 +168,10 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         candidates += [Moment("last_layer_recompute", checkpoints + rec, 0, last_grads),
                        Moment("first_layer_recompute", one_layer + rec, 0, first_grads, not_gathered)]
         if setup.tiled_mlp:  # the recomputed layer's MLP backward, shard by shard
-            layer = tiled.layer_activation_bytes(setup)
+            # the recomputed layer's saved tensors, and the additive mask its SDPA made
+            # (masked_attention_bytes, as in recompute_bytes; measured: tiled seed 12, Gemma-3
+            # LoRA with checkpointing, held its (2, 1, 512, 512) bf16 mask at the peak)
+            layer = tiled.layer_activation_bytes(setup) + masked_attention_bytes(setup)
             candidates += tiled.tiled_mlp_moments(setup, checkpoints + layer, one_layer + layer, last_grads,
                                                   first_grads, not_gathered)
         if dora.dora_on(setup):  # the recompute forms DoRA's weight norm again (plan/dora.py)
