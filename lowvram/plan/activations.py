@@ -287,6 +287,23 @@ def _moe_layer_activation_bytes(setup: RunSetup, first: bool) -> int:
                                                setup.lora_targets, shared_saves, router_c=cc)
 
 
+def moe_layer_after_experts_bytes(setup: RunSetup) -> int:
+    """What an MoE layer (routed experts without biases) still saves once the backward has left
+    its routed experts: the dense block (attention, norms, a shared expert) and the router's share
+    (moe.router_activation_bytes), its input included when no shared-expert Linear saved it (as in
+    :func:`_moe_layer_activation_bytes`). LOMO steps the fused experts there (plan/memory.py)."""
+    spec = setup.model
+    dense = layer_activation_bytes(replace(setup, model=dense_view(spec)))
+    _, c = dtype_bytes(setup)
+    _, _, autocast = dtypes(setup)
+    shared_saves = bool(spec.shared_expert_intermediate_size) and (
+        not setup.lora or any(lin.name in ("gate_proj", "up_proj") for lin in target_linears(setup)))
+    t = setup.micro_batch_size * setup.seq_len
+    router_grad = not setup.lora or any(a.name == "router" for a in moe.expert_adapters(
+        spec, setup.lora_r, setup.lora_targets))
+    return dense + moe.router_activation_bytes(spec, t, 2 if autocast else c, router_grad and not shared_saves)
+
+
 def _attention_dropout_bytes(setup: RunSetup) -> int:
     """Attention dropout under SDPA: CUDA's flash and memory-efficient kernels drop inside the
     kernel (a random seed is saved, nothing s x s); on a CPU SDPA falls back to its math path
@@ -488,5 +505,6 @@ __all__ = [
     "activation_bytes", "activation_offload_host_bytes", "activation_offloaded", "dtypes",
     "linear_sources", "mlp_elementwise_bytes", "qk_norm_activation_bytes",
     "eager_bytes", "head_activation_bytes", "layer_activation_bytes", "lora_dropout_layer_bytes",
-    "masked_attention_bytes", "masked_layers", "normed_bytes", "offloaded_layer_input_bytes",
+    "masked_attention_bytes", "masked_layers", "moe_layer_after_experts_bytes", "normed_bytes",
+    "offloaded_layer_input_bytes",
 ]

@@ -26,6 +26,8 @@ from lowvram.plan.activations import (
     dtypes,
     eager_mask_bytes,
     head_activation_bytes,
+    masked_attention_bytes,
+    moe_layer_after_experts_bytes,
     offloaded_layer_input_bytes,
 )
 from lowvram.plan.backward import (
@@ -166,7 +168,10 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         candidates += [Moment("last_layer_recompute", checkpoints + rec, 0, last_grads),
                        Moment("first_layer_recompute", one_layer + rec, 0, first_grads, not_gathered)]
         if setup.tiled_mlp:  # the recomputed layer's MLP backward, shard by shard
-            layer = tiled.layer_activation_bytes(setup)
+            # the recomputed layer's saved tensors, and the additive mask its SDPA made
+            # (masked_attention_bytes, as in recompute_bytes; measured: tiled seed 12, Gemma-3
+            # LoRA with checkpointing, held its (2, 1, 512, 512) bf16 mask at the peak)
+            layer = tiled.layer_activation_bytes(setup) + masked_attention_bytes(setup)
             candidates += tiled.tiled_mlp_moments(setup, checkpoints + layer, one_layer + layer, last_grads,
                                                   first_grads, not_gathered)
         if dora.dora_on(setup):  # the recompute forms DoRA's weight norm again (plan/dora.py)
@@ -279,7 +284,31 @@ def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> 
     hidden_grad = r * setup.micro_batch_size * setup.seq_len * spec.hidden_size
     below_head = acts - head_activation_bytes(setup)  # every layer's activations, or the checkpoints
     layer = tiled.layer_activation_bytes(setup) if setup.gradient_checkpointing else 0  # recomputed
-    out.append(Moment("layerwise_layer_step", below_head + layer + 2 * hidden_grad, 0, block + tied))
+    hidden_grads = 2 * hidden_grad
+    if optimizers.lomo(setup) and describe_layer(spec).experts == "routed":
+        # LOMO in an MoE layer: the block tensors are stepped once the backward has left the
+        # routed experts (their weight gradients come out of grouped_mm's backward, the
+        # attention's after them), so the layer holds its dense block and router
+        # (activations.moe_layer_after_experts_bytes) and three hidden-state gradients: the
+        # layer's incoming one, the experts' input gradient and the router's. The experts'
+        # own two steps (optimizers.lomo_experts_steps): gate_up's at the router's hook, and
+        # down_proj's at gate_up's, beside what grouped_mm's backward for gate_up leaves (the
+        # routed rows' gathered input and its gradient, gate_up's output gradient; the stored
+        # dtype: grouped_mm is not autocast). Measured: held-out seeds 534 (Mixtral bf16,
+        # checkpointing: 10.8% under a plan with the whole layer and gate_up's step beside
+        # down_proj's gradient) and 406 (fp32: 4.5% under)
+        rest = moe_layer_after_experts_bytes(setup)
+        if setup.gradient_checkpointing:
+            layer = rest
+        else:
+            below_head -= tiled.layer_activation_bytes(setup) - rest
+        hidden_grads = 3 * hidden_grad
+        at_gate_up, at_router = optimizers.lomo_experts_steps(setup, w)
+        rows = setup.micro_batch_size * setup.seq_len * spec.num_experts_per_tok
+        left = w * rows * (2 * spec.moe_intermediate_size + 2 * spec.hidden_size)
+        block = max(block, at_router)
+        out.append(Moment("lomo_experts_step", below_head + layer + hidden_grads + left, 0, at_gate_up + tied))
+    out.append(Moment("layerwise_layer_step", below_head + layer + hidden_grads, 0, block + tied))
     if not spec.tie_word_embeddings:
         out.append(Moment("layerwise_head_step", below_head + hidden_grad, 0, embedding))
         out.append(Moment("layerwise_embedding_step", 0, 0, embedding))

@@ -131,19 +131,25 @@ def routed_activation_bytes(spec: ModelSpec, tokens: int, c: int, w: int, autoca
     indices and fp32 values, their fp32 sum; the router's input (c*h) when the router weight
     gets a gradient and no shared-expert Linear saved it already. Per layer, with adapted experts:
     the merged weights (w bytes each) and, under autocast, 16-bit copies of the factors."""
-    h, e, i, k = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size, spec.num_experts_per_tok
+    h, i, k = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
     adapters = expert_adapters(spec, lora_r, targets) if lora else []
     # Frozen experts (LoRA on attention only): grouped_mm's backward for its input reads the
     # weights alone, so neither the gathered input nor the activation product (down_proj's
     # input) is saved: c*h + 3c*I per row (measured with saved_tensors_hooks, tiny Qwen3-MoE).
     experts_grad = not lora or any(a.name != "router" for a in adapters)
     per_row = (2 * c * h + 4 * c * i if experts_grad else c * h + 3 * c * i) + 4 + 24
-    per_tok = k * per_row + 4 * e + 12 * k + 4
     router_grad = not lora or any(a.name == "router" for a in adapters)
-    if router_grad and not router_input_counted:
-        per_tok += (router_c or c) * h
+    router = router_activation_bytes(spec, tokens, router_c or c, router_grad and not router_input_counted)
     fixed = sum(w * a.base_numel + (2 * a.numel if autocast else 0) for a in adapters)
-    return tokens * per_tok + fixed
+    return tokens * k * per_row + router + fixed
+
+
+def router_activation_bytes(spec: ModelSpec, tokens: int, router_c: int, router_input: bool) -> int:
+    """The router's share of :func:`routed_activation_bytes`, alive until the backward reaches
+    the router (after the routed experts'): per token fp32 probabilities (4E), top-k int64
+    indices and fp32 values, their fp32 sum; with ``router_input``, its saved input (router_c*h)."""
+    e, k = spec.num_experts, spec.num_experts_per_tok
+    return tokens * (4 * e + 12 * k + 4 + (router_c * spec.hidden_size if router_input else 0))
 
 
 # gpt-oss (transformers 5.24 modeling_gpt_oss.py): GptOssPreTrainedModel._supports_sdpa is False
@@ -251,4 +257,4 @@ def sink_routed_bytes(spec: ModelSpec, tokens: int, ce: int, cc: int, w: int, au
 __all__ = ["ExpertAdapter", "attention_problems", "default_attention", "sink_eager_backward_bytes",
            "sink_eager_bytes", "sink_experts_backward_bytes",
            "sink_routed_bytes", "expert_adapters", "expert_lora_parameters",
-           "expert_trainable_shapes", "moe_problems", "routed_activation_bytes"]
+           "expert_trainable_shapes", "moe_problems", "routed_activation_bytes", "router_activation_bytes"]

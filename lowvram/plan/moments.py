@@ -97,6 +97,13 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "register_post_accumulate_grad_hook); optimizers.layerwise_step_bytes; lomo_optim "
         "Lomo/AdaLomo fuse_update, optimizers.lomo_step_bytes; measured: "
         "bench/results/plan_fuzz_galore_layerwise*.txt, plan_fuzz_lomo*.txt"),
+    "lomo_experts_step": (
+        "LOMO or AdaLomo in an MoE layer (fused routed experts): down_proj's step at gate_up_proj's "
+        "hook, beside gate_up's incoming gradient and what grouped_mm's backward leaves (the routed "
+        "rows' input, its gradient, gate_up's output gradient), the layer's dense block and router, "
+        "every checkpoint (gate_up's own step, at the router's hook: layerwise_layer_step)",
+        "lomo_optim Lomo fuse_update, transformers integrations/moe.py grouped_mm; "
+        "optimizers.lomo_experts_steps; measured: bench/results/plan_fuzz_lomo*.txt (seeds 406, 534)"),
     "layerwise_head_step": (
         "layerwise GaLore, untied lm_head: the first post-accumulate-grad hook, lm_head's gradient "
         "and its AdamW step beside every saved activation (or checkpoint) but the head's and the "

@@ -98,6 +98,7 @@ from __future__ import annotations
 from collections import Counter
 from math import prod
 
+from lowvram.plan.layer import describe_layer
 from lowvram.plan.models import ModelSpec, block_linears
 from lowvram.plan.setup import RunSetup
 from lowvram.vocab import (
@@ -375,14 +376,32 @@ def lomo_step_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]], whic
     fp32 with checkpointing, +16% over a plan without the experts, -11% with two gate_up
     gradients, those of two layers). For "head": the untied lm_head, stepped at the final norm's hook (a vector's
     gradient)."""
-    # one layer's tensors (a size every layer has once counts once): the hooks pair neighbours
-    count = Counter(prod(s) for s, _ in _stepped_tensors(setup, shapes, which))
+    # one layer's tensors (a size every layer has once counts once): the hooks pair neighbours;
+    # an MoE layer's fused experts (routed, no biases) pair as lomo_experts_steps says
+    fused = which == "block" and describe_layer(setup.model).experts == "routed"
+    count = Counter(prod(s) for s, _ in _stepped_tensors(setup, shapes, which) if not (fused and len(s) == 3))
     layers = max(1, setup.model.num_layers)
     sizes = sorted((n for n, c in count.items() for _ in range(max(1, c // layers))), reverse=True)
     if not sizes:
         return 0
     step = lomo_working_bytes(setup, w, sizes[0])
     return step + (w * sizes[1] if which == "block" and len(sizes) > 1 else 0)
+
+
+def lomo_experts_steps(setup: RunSetup, w: int) -> tuple[int, int]:
+    """LOMO/AdaLomo at an MoE layer's fused experts (routed, no biases; grouped_mm's backward makes
+    both weight gradients): (down_proj's step at gate_up_proj's hook, beside gate_up's incoming
+    gradient; gate_up's step at the router weight's hook, beside the router's gradient, E x h).
+    In fp32 the first is the larger (each step only its gradient), in 16-bit the second (fp32
+    copies of the largest tensor's weight and gradient). Measured: held-out seed 534 (Mixtral
+    bf16, checkpointing) was 10.8% under a plan pairing gate_up's step with down_proj's
+    gradient; at its peak the tracker found gate_up's two fp32 copies beside the router's (8, 64)
+    gradient. Seed 406 (fp32) peaks at the first, in the experts' backward."""
+    spec = setup.model
+    e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    router, gate_up, down = e * h, e * 2 * i * h, e * h * i
+    return (lomo_working_bytes(setup, w, down) + w * gate_up,
+            lomo_working_bytes(setup, w, gate_up) + w * router)
 
 
 def lomo_pending_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -> int:
@@ -395,5 +414,5 @@ def lomo_pending_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -
 
 __all__ = ["GALORE_RANK", "GALORE_SCALE", "GALORE_UPDATE_PROJ_GAP", "eight_bit", "galore_state_bytes",
            "galore_step_temp_bytes", "galore_targets", "given_up", "in_backward", "layerwise",
-           "layerwise_step_bytes", "lomo", "lomo_pending_bytes", "lomo_problems", "lomo_state_bytes",
+           "layerwise_step_bytes", "lomo", "lomo_experts_steps", "lomo_pending_bytes", "lomo_problems", "lomo_state_bytes",
            "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected"]

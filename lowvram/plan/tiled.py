@@ -31,9 +31,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lowvram.plan import activations, backward
+from lowvram.plan.activations import dtypes as dtypes_of
 from lowvram.plan.models import block_linears
 from lowvram.plan.moments import Moment
 from lowvram.plan.setup import RunSetup
+from lowvram.plan.states import target_linears
 
 
 def tiled_mlp_shards(setup: RunSetup) -> int:
@@ -112,8 +114,26 @@ def tiled_mlp_backward_bytes(setup: RunSetup) -> int:
     t = setup.micro_batch_size * setup.seq_len
     saved = activations.layer_activation_bytes(plain) - activations.layer_activation_bytes(without_mlp(setup))
     work = backward.mlp_backward_floor_bytes(plain) - _x_bytes(setup)  # its t x I gradients
-    shard = (max(0, saved) + max(0, work)) * _shard_rows(setup) // t
+    step = max(max(0, work), _shard_adapter_forward_bytes(plain))  # its backward, or its recompute's
+    shard = (max(0, saved) + step) * _shard_rows(setup) // t
     return 2 * _x_bytes(setup) + shard + backward.dequantized_weight_bytes(setup)
+
+
+def _shard_adapter_forward_bytes(setup: RunSetup) -> int:
+    """A shard's recompute reaching its last adapted MLP Linear, before the shard's backward:
+    beside the MLP's saved tensors, peft's fp32 cast of the 16-bit input for the fp32 adapter
+    (``_cast_input_dtype``, under autocast) and, with lora.dropout, the dropped fp32 input
+    (``dropout(x)``, its noise counted as saved), 4 x d_in each per token, the widest adapted MLP
+    input (down_proj's: the t x I product). Measured: tiled seed 12 (Gemma-3 LoRA all-linear,
+    dropout 0.1, bf16 with checkpointing) peaked there with a (256, 512) fp32 cast and dropped
+    input beside the shard's gate, up and product, +8.46% over a plan without it and the mask."""
+    _, _, autocast = dtypes_of(setup)
+    if not setup.lora or not autocast:
+        return 0
+    mlp = {lin.name for lin in block_linears(setup.model)[4 if not setup.model.fused_qkv else 2:]}
+    widest = max((lin.d_in for lin in target_linears(setup) if lin.name in mlp), default=0)
+    t = setup.micro_batch_size * setup.seq_len
+    return t * 4 * widest * (2 if setup.lora_dropout else 1)
 
 
 def tiled_mlp_moments(setup: RunSetup, last: int, first: int, last_grads: int, first_grads: int,

@@ -296,6 +296,17 @@ def load_base_model(recipe, plan, source: str):
                          "check techniques.attention / quantization against this model and device") from None
 
 
+def no_kv_cache(model) -> None:
+    """Switch the KV cache off: useless in training, it conflicts with recompute, and it disables
+    transformers' packed-sequence detection. A multimodal config (Llava, Gemma-3, Mistral-3) keeps
+    its own ``use_cache`` on its text config, which the language model reads: the top-level flag
+    alone leaves a DynamicCache that copies every layer's keys and values in the forward (issue 29:
+    Llava QLoRA packed, seed 110, +3.41% over its plan)."""
+    model.config.use_cache = False
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text.use_cache = False
+
+
 def prepare_model(model, plan, seed: int | None = None):
     """What training does to a loaded base before the Trainer gets it, in the Trainer's order:
     no KV cache, k-bit preparation and LoRA adapters (``seed``: their random init), then gradient
@@ -304,7 +315,7 @@ def prepare_model(model, plan, seed: int | None = None):
     matters: peft registers an input-requires-grad hook on the embedding when it wraps a model
     that is already checkpointing (and not quantized), which changes what the first layer keeps.
     lowvram.check.builders and the simulator prepare their models with this same function."""
-    model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
+    no_kv_cache(model)
     if has_vision(model.config):
         freeze_vision(model)
     if plan.lora:

@@ -50,6 +50,16 @@ def test_dora_saved_tensors_per_adapted_linear():
     assert dora.saved_layer_bytes(d) == 512 * 4096 * (2 + 2) + 8 * 4096 + 2 * 4096 * 4096
 
 
+def test_dora_saves_a_4bit_bases_result_in_its_inputs_dtype():
+    # bitsandbytes casts a 4-bit base's result back to x's dtype, fp32 under bf16-mixed (the
+    # residual): q_proj's base output in fp32, the adapter's in bf16 (held-out extended seed 130)
+    s = RunSetup(LLAMA7, lora=True, lora_targets=("q_proj",), lora_use_dora=True, precision="bf16-mixed",
+                 quantization="nf4-dq", micro_batch_size=1, seq_len=512)
+    assert dora.saved_layer_bytes(s) == 512 * 4096 * (4 + 2) + 8 * 4096
+    # without the 4-bit base autocast makes it bf16
+    assert dora.saved_layer_bytes(replace(s, quantization="none")) == 512 * 4096 * (2 + 2) + 8 * 4096
+
+
 def test_dora_costs_memory_and_names_its_moment():
     s = RunSetup(LLAMA7, lora=True, lora_r=16, precision="bf16", seq_len=256, gradient_checkpointing=True)
     plain, with_dora = estimate_memory(s), estimate_memory(replace(s, lora_use_dora=True))
@@ -115,6 +125,7 @@ DORA_RUNS = {
     "lora fp32": dict(method="lora", precision="fp32"),
     "lora bf16 checkpointing": dict(method="lora", precision="bf16", gradient_checkpointing=True),
     "qlora bf16-mixed dropout": dict(method="qlora", precision="bf16-mixed", lora_dropout=0.1),
+    "qlora bf16-mixed": dict(method="qlora", precision="bf16-mixed"),  # fp32 base results (seed 130)
 }
 
 

@@ -89,6 +89,8 @@ TILED = {
     1: "Gemma full bf16, checkpointing, eager, s512, DeepSpeed's shard rule (+0.16%)",
     3: "Phi-3 QLoRA (fused gate_up), dropout 0.1, bf16-mixed, 16 shards, no checkpointing (-2.79%)",
     5: "SmolLM3 full bf16, checkpointing, s512, 16 shards (+0.09%)",
+    12: "Gemma-3 LoRA all-linear, dropout 0.1, bf16, checkpointing, s512: the recomputed layer's SDPA "
+        "mask and a shard's fp32 input cast and dropped input at down_proj (+8.46% before, +2.79%)",
 }
 # One-adapter recipes the random draw rarely makes (found by varying held-out seed 272's targets,
 # precision and method on a 2-layer Llama with checkpointing), each once above its plan.

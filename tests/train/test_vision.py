@@ -74,3 +74,21 @@ def test_qlora_keeps_the_tower_out_of_bitsandbytes():
     language = [n for n in names if "language_model" in n and n.endswith("base_layer")]
     assert tower and all(names[n] is torch.nn.Linear for n in tower)
     assert language and all(issubclass(names[n], bnb.nn.Linear4bit) for n in language)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "mistral3"])
+def test_training_builds_no_kv_cache_on_a_multimodal_model(family):
+    """Issue 29: the language model reads its text config's use_cache, which the top-level flag
+    does not set; left on, a DynamicCache copied every layer's keys and values in the forward
+    (held-out vision seed 110, Llava QLoRA packed, was +3.41% over its plan; +0.33% without)."""
+    from lowvram.difftest import _config
+    from lowvram.train.model import has_vision, model_class, no_kv_cache
+
+    case = _case(family, "lora", vision_layers=1)
+    model = model_class(True).from_config(_config(case, 512, 0, 1))
+    assert has_vision(model.config) and model.config.get_text_config().use_cache
+    no_kv_cache(model)
+    assert model.config.use_cache is False and model.config.get_text_config().use_cache is False
+    model.train()
+    out = model(input_ids=torch.randint(2, 500, (2, 16)))
+    assert out.past_key_values is None
