@@ -15,6 +15,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --extended      # also DoRA and GaLore (issue 27)
     python bench/plan_fuzz.py --galore layerwise --families ten  # dense cases made layerwise GaLore runs
     python bench/plan_fuzz.py --lomo --families ten  # every case made a LOMO full fine-tuning run
+    python bench/plan_fuzz.py --torchao --families ten  # every case with torchao's 8/4-bit AdamW
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
 it become regression cases in tests/plan/test_fuzz.py. ~5 s a case on 2 cores.
@@ -47,6 +48,7 @@ from lowvram.difftest import (  # noqa: E402
     VISION_FAMILIES,
     made_galore,
     made_lomo,
+    made_torchao,
     preference_case,
     random_case,
     recipe_text,
@@ -85,6 +87,9 @@ def main() -> int:
     ap.add_argument("--lomo", action="store_true",
                     help="make every recipe a LOMO full fine-tuning run (difftest.made_lomo: optimizer lomo "
                          "at accumulation 1, no fp16)")
+    ap.add_argument("--torchao", action="store_true",
+                    help="give every recipe torchao's 8-bit or 4-bit AdamW (difftest.made_torchao: the step "
+                         "compiled by torch.compile; needs the torchao extra and a C++ compiler)")
     ap.add_argument("--eager-checkpointing", action="store_true",
                     help="make every recipe eager attention with gradient checkpointing (the draw "
                          "makes it rarely: 15%% eager, 40%% checkpointing)")
@@ -112,6 +117,7 @@ def main() -> int:
     families += " --kto" if args.kto else ""
     families += f" --galore {args.galore}" if args.galore else ""
     families += " --lomo" if args.lomo else ""
+    families += " --torchao" if args.torchao else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
@@ -124,6 +130,8 @@ def main() -> int:
                 continue
         if args.lomo:
             case = made_lomo(case)
+        if args.torchao:
+            case = made_torchao(case)
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

@@ -281,6 +281,15 @@ def made_lomo(case: Case) -> Case:
     return replace(case, method="full", use_dora=False, lora_dropout=0.0, optimizer="lomo", grad_accum=1)
 
 
+def made_torchao(case: Case) -> Case:
+    """The case with torchao's 8-bit or 4-bit AdamW (bench/plan_fuzz.py --torchao), drawn from the
+    seed's own stream; its method (full, LoRA, QLoRA) and every other technique as random_case
+    drew them. The step runs compiled (torch.compile, inductor's C++ backend), as it does under
+    ``lowvram train``; the live-bytes tracker follows the compiled code's buffers."""
+    rng = random.Random(f"torchao-{case.seed}")
+    return replace(case, optimizer=rng.choice(["adamw_torch_8bit", "adamw_torch_4bit"]))
+
+
 def preference_case(seed: int, families: tuple[str, ...] = FAMILIES, kto: bool = False) -> Case:
     """A random preference recipe: random_case's model and techniques (the same seed draws the
     same ones), then an objective, DPO's loss type and precompute; TRL's own loss (no chunked or
@@ -508,7 +517,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 
 
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
-           "made_chunked", "made_galore", "made_lomo", "made_tiled",
+           "made_chunked", "made_galore", "made_lomo", "made_tiled", "made_torchao",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -55,6 +55,10 @@ TRAINER_OPTIMIZERS = {
     # (lomo_optim.Lomo / AdaLomo; the Trainer calls fused_backward: lowvram.plan.optimizers)
     "lomo": "lomo",
     "adalomo": "adalomo",
+    # torchao's low-bit AdamW (torchao.optim AdamW4bit / AdamW8bit, the `torchao` extra): block-wise
+    # quantized moments (Li et al. 2023; Dettmers et al. 2022), the step compiled by torch.compile
+    "adamw_torch_4bit": "adamw_torch_4bit",
+    "adamw_torch_8bit": "adamw_torch_8bit",
 }
 OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
 # Optimizers that come from bitsandbytes (as the quantizations other than none do), and those of
@@ -71,13 +75,15 @@ GALORE_8BIT_OPTIMIZERS = ("galore_adamw_8bit", "galore_adamw_8bit_layerwise")
 LAYERWISE_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise")
 # LOMO's forms: each parameter stepped by its own gradient hook (lomo_optim), full fine-tuning only.
 LOMO_OPTIMIZERS = ("lomo", "adalomo")
+# torchao's low-bit AdamW (lowvram.plan.optimizers): one torch.compile'd step per parameter.
+TORCHAO_OPTIMIZERS = ("adamw_torch_4bit", "adamw_torch_8bit")
 # Every optimizer that steps inside the backward: gradient accumulation 1, no clipping, one process.
 IN_BACKWARD_OPTIMIZERS = LAYERWISE_OPTIMIZERS + LOMO_OPTIMIZERS
 # Optimizers that train full weights only (no LoRA, no DeepSpeed/FSDP).
 FULL_ONLY_OPTIMIZERS = PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS
 # Optimizer -> (the pyproject extra it needs, the module that extra installs).
 OPTIMIZER_EXTRAS = {o: ("galore", "galore_torch") for o in PROJECTED_OPTIMIZERS} | {
-    o: ("lomo", "lomo_optim") for o in LOMO_OPTIMIZERS}
+    o: ("lomo", "lomo_optim") for o in LOMO_OPTIMIZERS} | {o: ("torchao", "torchao") for o in TORCHAO_OPTIMIZERS}
 # Offload or shard: optimizer/full on one GPU (DeepSpeed ZeRO-Offload/-Infinity), the rest with
 # several GPUs (DeepSpeed ZeRO-2/3, FSDP2), "-offload" adding CPU offload.
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",

@@ -29,6 +29,7 @@ from lowvram.vocab import (
     LAYERWISE_OPTIMIZERS,
     LOMO_OPTIMIZERS,
     PROJECTED_OPTIMIZERS,
+    TORCHAO_OPTIMIZERS,
 )
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
@@ -264,6 +265,11 @@ def validate_request(req: PlanRequest) -> None:
         raise LowvramError(f"optimizer {req.optimizer} projects the gradients of full weights on unsharded "
                            "parameters: it runs without LoRA and without DeepSpeed/FSDP",
                            "use --method full --offload none with it, or --optimizer adamw_8bit")
+    if req.optimizer in TORCHAO_OPTIMIZERS and req.offload not in (None, "none"):
+        raise LowvramError(f"optimizer {req.optimizer} under offload {req.offload} is not planned: DeepSpeed "
+                           "flattens the parameters torchao quantizes per tensor, and FSDP2's sharded "
+                           "low-bit state was not measured",
+                           "use --offload none with it (one GPU or DDP), or --optimizer adamw with the offload")
     if req.batch_size % req.gpus:
         raise LowvramError(
             f"batch_size {req.batch_size} is not divisible by {req.gpus} GPUs",
@@ -334,17 +340,20 @@ def check_optimizer(req: PlanRequest, budget: Budget) -> None:
 
 def optimizer_given_up(setup: RunSetup) -> int:
     """What a plan's optimizer gives up, beyond speed, within a plan_level (the search's second
-    key): 0 AdamW and its 8-bit form (the same results: Dettmers et al. 2022); 1 GaLore, plain or
-    8-bit (all weights trained, but each decoder Linear's update is low-rank, Zhao et al. 2024;
-    its 8-bit moments give up nothing more, so speed decides between the two); 2 layerwise GaLore
-    (also no gradient clipping, no gradient accumulation, one process: plan/optimizers.py); 3
-    AdaLomo (those, and no first moment: Adafactor-like, Lv et al. 2024); 4 LOMO (those, and
-    plain SGD: no moments, no weight decay)."""
+    key): 0 AdamW and its 8-bit forms, bitsandbytes' and torchao's (the same results: Dettmers et
+    al. 2022); 1 torchao's 4-bit AdamW (every update full-rank and adaptive, its moments rounded to
+    4 bits: Li et al. 2023); 2 GaLore, plain or 8-bit (all weights trained, but each decoder
+    Linear's update is low-rank, Zhao et al. 2024; its 8-bit moments give up nothing more, so speed
+    decides between the two); 3 layerwise GaLore (also no gradient clipping, no gradient
+    accumulation, one process: plan/optimizers.py); 4 AdaLomo (those, and no first moment:
+    Adafactor-like, Lv et al. 2024); 5 LOMO (those, and plain SGD: no moments, no weight decay)."""
     if setup.optimizer in LOMO_OPTIMIZERS:
-        return 3 if setup.optimizer == "adalomo" else 4
+        return 4 if setup.optimizer == "adalomo" else 5
     if setup.optimizer in LAYERWISE_OPTIMIZERS:
+        return 3
+    if setup.optimizer in PROJECTED_OPTIMIZERS:
         return 2
-    return 1 if setup.optimizer in PROJECTED_OPTIMIZERS else 0
+    return 1 if setup.optimizer == "adamw_torch_4bit" else 0
 
 
 _EXAMPLE = {"seq_len": 1024, "batch_size": 16, "gpus": 1, "lora_r": 16}

@@ -15,6 +15,7 @@ from lowvram.vocab import (
     LOMO_OPTIMIZERS,
     OPTIMIZER_EXTRAS,
     PROJECTED_OPTIMIZERS,
+    TORCHAO_OPTIMIZERS,
     TRAINER_OPTIMIZERS,
 )
 
@@ -45,7 +46,7 @@ def precision_flags(plan) -> dict:
 def projected_optimizer_arguments(plan) -> dict:
     """optimizer galore_adamw (and its 8-bit and layerwise forms): the Linears it projects (optim_target_modules, by name, as
     transformers' _setup_low_rank_optimizer matches them) and its optim_args; checks the extra."""
-    if plan.optimizer not in PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS:
+    if plan.optimizer not in PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS + TORCHAO_OPTIMIZERS:
         return {}
     import importlib.util
 
@@ -55,6 +56,9 @@ def projected_optimizer_arguments(plan) -> dict:
                            f"pip install 'lowvram[{extra}]', or set techniques.optimizer: adamw_8bit")
     if plan.optimizer in LOMO_OPTIMIZERS:  # the Trainer hands lomo_optim the model itself: no arguments
         return {}
+    if plan.optimizer in TORCHAO_OPTIMIZERS:  # block_size 256, the Trainer's default (plan/optimizers.py)
+        _check_compiler(plan)
+        return {}
     if not plan.optimizer_target_modules:
         raise LowvramError(f"optimizer {plan.optimizer} needs the model's architecture to pick the Linears it "
                            "projects, and the model's config could not be read",
@@ -62,6 +66,16 @@ def projected_optimizer_arguments(plan) -> dict:
     return {"optim_target_modules": list(plan.optimizer_target_modules),
             "optim_args": f"rank={plan.galore_rank},update_proj_gap={plan.galore_update_proj_gap},"
                           f"scale={plan.galore_scale}"}
+
+
+def _check_compiler(plan) -> None:
+    """torchao's step is torch.compile'd: inductor's CPU backend builds C++ (it needs a compiler)."""
+    import shutil
+
+    if plan.device == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise LowvramError(f"optimizer {plan.optimizer} compiles its step with torch.compile, which needs a C++ "
+                           "compiler on the CPU, and none (g++, c++, clang++) is on PATH",
+                           "install one (apt-get install g++), or set techniques.optimizer: adamw_8bit")
 
 
 def max_grad_norm(plan, asked: float) -> float:

@@ -184,7 +184,8 @@ def test_galore_forms_are_searched_only_where_they_run(request_changes, budget_c
 
     req = PlanRequest(**{"model": LLAMA, "batch_size": 1, "lora": False, **request_changes})
     setups = candidate_setups(req, Budget(24 * GIB, **budget_changes))
-    assert {s.optimizer for s in setups} - {"adamw", "adamw_8bit", "lomo", "adalomo"} == expected
+    assert {s.optimizer for s in setups} - {"adamw", "adamw_8bit", "adamw_torch_8bit", "adamw_torch_4bit", "lomo",
+                                             "adalomo"} == expected
 
 
 def test_galore_ranks_after_adamw_and_layerwise_last():
