@@ -16,6 +16,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --galore layerwise --families ten  # dense cases made layerwise GaLore runs
     python bench/plan_fuzz.py --lomo --families ten  # every case made a LOMO full fine-tuning run
     python bench/plan_fuzz.py --torchao --families ten  # every case with torchao's 8/4-bit AdamW
+    python bench/plan_fuzz.py --apollo plain --families ten  # every dense case an APOLLO full run
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
 it become regression cases in tests/plan/test_fuzz.py. ~5 s a case on 2 cores.
@@ -46,6 +47,7 @@ from lowvram.difftest import (  # noqa: E402
     OVER_LIMIT,
     TEN_FAMILIES,
     VISION_FAMILIES,
+    made_apollo,
     made_galore,
     made_lomo,
     made_torchao,
@@ -87,6 +89,9 @@ def main() -> int:
     ap.add_argument("--lomo", action="store_true",
                     help="make every recipe a LOMO full fine-tuning run (difftest.made_lomo: optimizer lomo "
                          "at accumulation 1, no fp16)")
+    ap.add_argument("--apollo", choices=["plain", "layerwise"],
+                    help="make every dense recipe an APOLLO full fine-tuning run (difftest.made_apollo: "
+                         "apollo_adamw, or apollo_adamw_layerwise at accumulation 1); MoE seeds are skipped")
     ap.add_argument("--torchao", action="store_true",
                     help="give every recipe torchao's 8-bit or 4-bit AdamW (difftest.made_torchao: the step "
                          "compiled by torch.compile; needs the torchao extra and a C++ compiler)")
@@ -118,6 +123,7 @@ def main() -> int:
     families += f" --galore {args.galore}" if args.galore else ""
     families += " --lomo" if args.lomo else ""
     families += " --torchao" if args.torchao else ""
+    families += f" --apollo {args.apollo}" if args.apollo else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
@@ -132,6 +138,10 @@ def main() -> int:
             case = made_lomo(case)
         if args.torchao:
             case = made_torchao(case)
+        if args.apollo:
+            case = made_apollo(case, layerwise=args.apollo == "layerwise")
+            if case is None:
+                continue
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

@@ -106,7 +106,7 @@ class Case:
                         + (" dora" if self.use_dora else ""))
         bits += [self.precision] + ([f"dtype {self.model_dtype}"] if self.model_dtype != "auto" else [])
         bits += (["ckpt"] if self.gradient_checkpointing else [])
-        bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer.startswith("galore") else ""))
+        bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer.startswith(("galore", "apollo")) else ""))
         bits += ([self.loss] if self.loss != "standard" else []) + ([self.attention] if self.attention != "sdpa" else [])
         bits.append(f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}")
         bits += (["packed"] if self.packing else []) + (["eval"] if self.validation else [])
@@ -274,6 +274,18 @@ def made_galore(case: Case, layerwise: bool = False) -> Case | None:
     return replace(out, grad_accum=1) if layerwise else out
 
 
+def made_apollo(case: Case, layerwise: bool = False) -> Case | None:
+    """The case as an APOLLO full fine-tuning run (bench/plan_fuzz.py --apollo): as made_galore,
+    optimizer apollo_adamw or apollo_adamw_layerwise (accumulation 1), at a rank drawn from the
+    seed's own stream; None for an MoE family."""
+    if case.family in MOE_FAMILIES:
+        return None
+    rng = random.Random(f"apollo-{case.seed}")
+    out = replace(case, method="full", use_dora=False, lora_dropout=0.0, galore_rank=rng.choice([4, 8, 16, 32, 128]),
+                  optimizer="apollo_adamw_layerwise" if layerwise else "apollo_adamw")
+    return replace(out, grad_accum=1) if layerwise else out
+
+
 def made_lomo(case: Case) -> Case:
     """The case as a LOMO full fine-tuning run (bench/plan_fuzz.py --lomo): optimizer lomo with
     gradient accumulation 1 (the batch in one micro-batch: LOMO steps in every backward); the
@@ -437,7 +449,7 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
             t["preference"]["loss_type"] = case.loss_type
     if case.model_dtype != "auto":
         t["model"]["dtype"] = case.model_dtype
-    if case.optimizer.startswith("galore"):
+    if case.optimizer.startswith(("galore", "apollo")):
         t["galore"] = {"rank": case.galore_rank}
     if case.packing:
         t["data"]["packing"] = True
@@ -517,7 +529,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 
 
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
-           "made_chunked", "made_galore", "made_lomo", "made_tiled", "made_torchao",
+           "made_apollo", "made_chunked", "made_galore", "made_lomo", "made_tiled", "made_torchao",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

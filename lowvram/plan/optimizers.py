@@ -92,6 +92,31 @@ Measured: AdaLomo's state against the real class (``.cuda`` stubbed on the CPU) 
 AdaLomo's step working sets (tests/plan/test_lomo.py, exact), and LOMO whole runs through
 ``lowvram train`` (bench/plan_fuzz.py --lomo; AdaLomo cannot run on the CPU).
 
+**APOLLO** (optimizers apollo_adamw, apollo_adamw_layerwise; Zhu et al. 2025, "APOLLO: SGD-like
+Memory, AdamW-level Performance"), as apollo-torch 1.0.3 implements it (``apollo_torch/apollo.py``
+AdamW.step, ``random_projector.py`` GradientProjector) and the Trainer wires it
+(``_get_apollo_optimizer``: rank 128, proj "random", scale_type "channel", update_proj_gap 200,
+scale 1.0, proj_type "std"; then GaLore's ``_setup_low_rank_optimizer``, layerwise included). For
+a target weight of m x n and r = rank (*not* capped by the weight's dimensions: a random
+projection of any rank):
+
+- **State**: the projector ``stable_randn`` (r x n when m >= n, else m x r), in the parameter's
+  dtype (fp32 generated, ``.type(original_type)`` for 16 bit); exp_avg and exp_avg_sq of the
+  projected gradient (m x r or r x n) in the gradient's dtype; ``scaled_grad``, a 0-d norm in the
+  parameter's dtype. Other parameters: AdamW's two moments.
+- **Step temporaries** of a target: the projected gradient, ``denom`` and ``norm_grad``
+  (three projected-size tensors) and the channel-wise ``grad_scaling_factor`` (a vector over the
+  larger side) while ``scaled_grad = p.grad * grad_scaling_factor``, its 0-d norm and its
+  norm-growth-limited copy ``scaled_grad / limiter`` (two m x n) are made; at a renewal (the first
+  step, then every update_proj_gap) the new projector in fp32 twice (``stable_randn(...) /
+  sqrt(rank)``) beside the old one. Other parameters: ``denom`` and ``exp_avg / denom``.
+
+What it gives up: the update is AdamW's only through a channel-wise scale estimated in a random
+rank-r space (the paper's claim: AdamW-level results at SGD-like memory); as GaLore no LoRA, MoE,
+GPT-2 or DeepSpeed/FSDP, and the layerwise form the in-backward limits. Measured: the state and
+one step's working set of the real optimizer (tests/plan/test_apollo.py) and whole runs through
+``lowvram train`` (bench/plan_fuzz.py --apollo).
+
 **torchao's low-bit AdamW** (optimizers adamw_torch_8bit and adamw_torch_4bit, the Trainer's own
 names; torchao 0.18 ``torchao/optim/adam.py`` AdamW8bit / AdamW4bit, ``subclass_8bit.py`` /
 ``subclass_4bit.py``; Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", and Li
@@ -130,6 +155,7 @@ from lowvram.plan import constants as fitted
 from lowvram.plan.models import ModelSpec, block_linears
 from lowvram.plan.setup import RunSetup
 from lowvram.vocab import (
+    APOLLO_OPTIMIZERS,
     GALORE_8BIT_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
     LAYERWISE_OPTIMIZERS,
@@ -174,6 +200,10 @@ def in_backward(setup: RunSetup) -> bool:
     return setup.optimizer in IN_BACKWARD_OPTIMIZERS
 
 
+def apollo(setup: RunSetup) -> bool:
+    return setup.optimizer in APOLLO_OPTIMIZERS
+
+
 def torchao(setup: RunSetup) -> bool:
     return setup.optimizer in TORCHAO_OPTIMIZERS
 
@@ -200,9 +230,14 @@ def given_up(setup: RunSetup) -> str:
     if setup.optimizer == "adalomo":
         return ("AdaLomo trains every weight with a factored second moment and no first moment "
                 "(Adafactor-like; CUDA only); " + IN_BACKWARD_GIVEN_UP)
-    out = [f"GaLore trains every weight but each decoder Linear's update lives in a rank-"
-           f"{setup.galore_rank} subspace (renewed every update_proj_gap steps; its step-time "
-           "cost is not measured by this project)"]
+    if apollo(setup):
+        out = [f"APOLLO trains every weight with the raw gradient scaled channel-wise by AdamW moments "
+               f"kept in a random rank-{setup.galore_rank} projection (its step-time cost is not "
+               "measured by this project)"]
+    else:
+        out = [f"GaLore trains every weight but each decoder Linear's update lives in a rank-"
+               f"{setup.galore_rank} subspace (renewed every update_proj_gap steps; its step-time "
+               "cost is not measured by this project)"]
     if eight_bit(setup):
         out.append("8-bit moments (bitsandbytes blockwise; CUDA only)")
     if layerwise(setup):
@@ -226,7 +261,7 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
         out.append(f"optimizer {o} cannot run under offload {setup.offload}: DeepSpeed flattens and "
                    "FSDP2 shards the weights it projects (use offload none, one GPU)")
     if setup.model.is_moe:
-        out.append(f"optimizer {o} on an MoE model: its routed experts are no nn.Linear, so GaLore "
+        out.append(f"optimizer {o} on an MoE model: its routed experts are no nn.Linear, so it "
                    "would leave most weights unprojected (use adamw_8bit)")
     if setup.model.model_type == "gpt2":
         out.append(f"optimizer {o}: GPT-2's projections are Conv1D, not nn.Linear (transformers' "
@@ -237,10 +272,10 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
     if layerwise(setup) and setup.grad_accum != 1:
         out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
                    f"gradients (transformers raises for gradient_accumulation {setup.grad_accum}; "
-                   "use gradient_accumulation 1, or galore_adamw)")
+                   f"use gradient_accumulation 1, or {o.replace('_layerwise', '')})")
     if layerwise(setup) and setup.gpus > 1:
         out.append(f"optimizer {o} runs in one process only (transformers raises NotImplementedError "
-                   "under DDP; use --gpus 1, or galore_adamw)")
+                   f"under DDP; use --gpus 1, or {o.replace('_layerwise', '')})")
     return out
 
 
@@ -335,9 +370,15 @@ def _target_shapes(setup: RunSetup) -> list[tuple[int, int]]:
     return [(lin.d_out, lin.d_in) for lin in block_linears(setup.model)] * setup.model.num_layers
 
 
-def _projected_shape(m: int, n: int, rank: int) -> tuple[int, int]:
-    q = min(rank, m, n)
+def _projected_shape(m: int, n: int, rank: int, capped: bool = True) -> tuple[int, int]:
+    """The projected gradient: GaLore's rank is capped by the SVD's k = min(m, n); APOLLO's
+    random projection is not (``capped`` False)."""
+    q = min(rank, m, n) if capped else rank
     return (m, q) if m >= n else (q, n)
+
+
+def _apollo_projector_numel(m: int, n: int, rank: int) -> int:
+    return rank * n if m >= n else m * rank
 
 
 def _bnb_state_bytes(numel: int) -> int:
@@ -373,6 +414,10 @@ def galore_state_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -
     for m, n in targets:
         rest.remove((m, n))
         rank = setup.galore_rank
+        if apollo(setup):  # projector, moments, the 0-d scaled_grad norm, all in the dtype w
+            pm, pn = _projected_shape(m, n, rank, capped=False)
+            total += w * _apollo_projector_numel(m, n, rank) + 2 * w * pm * pn + w
+            continue
         pm, pn = _projected_shape(m, n, rank)
         k = min(m, n)
         if w == 4:  # a view of the SVD factor keeps all of it: Vh (k x n) or U (m x k)
@@ -402,6 +447,11 @@ def _step_temps(setup: RunSetup, w: int, shape: tuple[int, ...], target: bool) -
     tensors come after the full gradient is dropped (``p.grad = grad``), so they count as the
     clone plus the gradient (:func:`layerwise_step_bytes` adds the gradient)."""
     numel = prod(shape)
+    if apollo(setup) and target:  # three projected-size tensors + two m x n (+ the channel scale
+        m, n = shape              # over the larger side, a 0-d norm), or a renewal
+        pm, pn = _projected_shape(m, n, setup.galore_rank, capped=False)
+        steady = 3 * w * pm * pn + 2 * w * numel + w * max(m, n) + w
+        return max(steady, 8 * _apollo_projector_numel(m, n, setup.galore_rank))
     if eight_bit(setup):
         return max(w * numel, _svd_bytes(w, *shape)) if target else 0
     return max(2 * w * numel, _svd_bytes(w, *shape)) if target else 2 * w * numel
@@ -482,5 +532,5 @@ def lomo_pending_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -
 __all__ = ["GALORE_RANK", "GALORE_SCALE", "GALORE_UPDATE_PROJ_GAP", "eight_bit", "galore_state_bytes",
            "galore_step_temp_bytes", "galore_targets", "given_up", "in_backward", "layerwise",
            "layerwise_step_bytes", "lomo", "lomo_pending_bytes", "lomo_problems", "lomo_state_bytes",
-           "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected", "torchao",
+           "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected", "apollo", "torchao",
            "torchao_problems", "torchao_state_bytes", "torchao_step_temp_bytes"]

@@ -315,7 +315,7 @@ def check_optimizer(req: PlanRequest, budget: Budget) -> None:
                            f"set techniques.optimizer: {other} to train here, or train on a CUDA GPU")
     if o not in IN_BACKWARD_OPTIMIZERS:
         return
-    other = "adamw_8bit" if o in LOMO_OPTIMIZERS else "galore_adamw"
+    other = "adamw_8bit" if o in LOMO_OPTIMIZERS else o.replace("_8bit", "").replace("_layerwise", "")
     accumulation = req.grad_accum
     fixed_micro = fixed_micro_batch_size(req)
     if accumulation is None and fixed_micro is not None:
@@ -344,11 +344,13 @@ def optimizer_given_up(setup: RunSetup) -> int:
     al. 2022); 1 torchao's 4-bit AdamW (every update full-rank and adaptive, its moments rounded to
     4 bits: Li et al. 2023); 2 GaLore, plain or 8-bit (all weights trained, but each decoder
     Linear's update is low-rank, Zhao et al. 2024; its 8-bit moments give up nothing more, so speed
-    decides between the two); 3 layerwise GaLore (also no gradient clipping, no gradient
+    decides between the two; APOLLO with them); 3 layerwise GaLore and APOLLO (also no gradient clipping, no gradient
     accumulation, one process: plan/optimizers.py); 4 AdaLomo (those, and no first moment:
     Adafactor-like, Lv et al. 2024); 5 LOMO (those, and plain SGD: no moments, no weight decay)."""
     if setup.optimizer in LOMO_OPTIMIZERS:
         return 4 if setup.optimizer == "adalomo" else 5
+    # APOLLO ranks with GaLore: its update is the full raw gradient scaled channel-wise from moments
+    # kept in a random rank-r space (Zhu et al. 2025), no closer to AdamW than GaLore's; speed decides
     if setup.optimizer in LAYERWISE_OPTIMIZERS:
         return 3
     if setup.optimizer in PROJECTED_OPTIMIZERS:

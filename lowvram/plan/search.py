@@ -91,7 +91,8 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
                       and not req.lora_use_dora and req.objective == "sft" and not _vision(req)
                       else [False]),
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"] + torchao_options(budget)
-                          + galore_options(req, budget) + lomo_options(req, budget)),
+                          + galore_options(req, budget) + apollo_options(req, budget)
+                          + lomo_options(req, budget)),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
         "offload": pick("offload", _auto_offloads(req, on_gpu)),
@@ -121,6 +122,16 @@ def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
     if not req.gradient_clipping:
         out += ["galore_adamw_layerwise"] + (["galore_adamw_8bit_layerwise"] if budget.device == "cuda" else [])
     return out
+
+
+def apollo_options(req: PlanRequest, budget: Budget) -> list[str]:
+    """APOLLO's forms on auto: as GaLore's (full fine-tuning asked for, sft, a known architecture;
+    the layerwise form not with gradient clipping), where apollo_torch is installed; they rank
+    with GaLore's (request.optimizer_given_up) and run on the CPU too."""
+    if (req.lora is not False or req.objective != "sft" or req.model is None or _vision(req)
+            or "apollo" in budget.missing_extras):
+        return []
+    return ["apollo_adamw"] + ([] if req.gradient_clipping else ["apollo_adamw_layerwise"])
 
 
 def lomo_options(req: PlanRequest, budget: Budget) -> list[str]:
@@ -302,7 +313,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
 
 __all__ = [
     "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size",
-    "allowed_micro_batches", "galore_options", "lomo_options", "torchao_options",
+    "allowed_micro_batches", "apollo_options", "galore_options", "lomo_options", "torchao_options",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
     "sized_estimate", "sized_loss_chunk", "technique_options", "technique_words", "TIER_SHARD",
 ]

@@ -159,6 +159,11 @@ OPTIMIZER_SLOWDOWN = {
     # 52d1b838): 3200 tokens/s with fused AdamW, 2900 with ao 8-bit and ao 4-bit (x 1.10); not
     # measured by this project. The first step's compiles (once per shape) are not in the factor
     "adamw_torch_8bit": 1.1, "adamw_torch_4bit": 1.1,
+    # not measured by this project: read from apollo_torch's source, AdamW's step on rank-r moments
+    # plus two matmuls and two m x n products per decoder Linear, and a random projector (no SVD:
+    # cheaper than GaLore's renewal, which GaLore's 1.1 stands for). A placeholder like GaLore's;
+    # it orders APOLLO before GaLore where both fit at one rank (request.optimizer_given_up)
+    "apollo_adamw": 1.05, "apollo_adamw_layerwise": 1.05,
 }
 QUANTIZATION_SLOWDOWN = {
     "none": 1.0, "nf4": 1.35, "nf4-dq": 1.35, "fp4": 1.35,

@@ -11,6 +11,7 @@ from lowvram.errors import LowvramError
 from lowvram.plan.backward import CHUNK_TOKENS
 from lowvram.plan.setup import FSDP_OFFLOADS
 from lowvram.vocab import (
+    APOLLO_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
     LOMO_OPTIMIZERS,
     OPTIMIZER_EXTRAS,
@@ -63,6 +64,9 @@ def projected_optimizer_arguments(plan) -> dict:
         raise LowvramError(f"optimizer {plan.optimizer} needs the model's architecture to pick the Linears it "
                            "projects, and the model's config could not be read",
                            "make model.name_or_path a folder with config.json or a catalog model")
+    if plan.optimizer in APOLLO_OPTIMIZERS:  # galore.rank / update_proj_gap; APOLLO's own scale (1.0)
+        return {"optim_target_modules": list(plan.optimizer_target_modules),
+                "optim_args": f"rank={plan.galore_rank},update_proj_gap={plan.galore_update_proj_gap}"}
     return {"optim_target_modules": list(plan.optimizer_target_modules),
             "optim_args": f"rank={plan.galore_rank},update_proj_gap={plan.galore_update_proj_gap},"
                           f"scale={plan.galore_scale}"}
