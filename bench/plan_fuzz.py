@@ -49,6 +49,7 @@ from lowvram.difftest import (  # noqa: E402
     VISION_FAMILIES,
     made_apollo,
     made_galore,
+    made_in_backward,
     made_lomo,
     made_torchao,
     preference_case,
@@ -92,6 +93,9 @@ def main() -> int:
     ap.add_argument("--apollo", choices=["plain", "layerwise"],
                     help="make every dense recipe an APOLLO full fine-tuning run (difftest.made_apollo: "
                          "apollo_adamw, or apollo_adamw_layerwise at accumulation 1); MoE seeds are skipped")
+    ap.add_argument("--in-backward", action="store_true",
+                    help="make every recipe a full fine-tuning run with AdamW stepped in the backward "
+                         "(difftest.made_in_backward: optimizer adamw_in_backward at accumulation 1)")
     ap.add_argument("--torchao", action="store_true",
                     help="give every recipe torchao's 8-bit or 4-bit AdamW (difftest.made_torchao: the step "
                          "compiled by torch.compile; needs the torchao extra and a C++ compiler)")
@@ -123,6 +127,7 @@ def main() -> int:
     families += f" --galore {args.galore}" if args.galore else ""
     families += " --lomo" if args.lomo else ""
     families += " --torchao" if args.torchao else ""
+    families += " --in-backward" if args.in_backward else ""
     families += f" --apollo {args.apollo}" if args.apollo else ""
     for seed in seeds:
         if args.preference:
@@ -138,6 +143,8 @@ def main() -> int:
             case = made_lomo(case)
         if args.torchao:
             case = made_torchao(case)
+        if args.in_backward:
+            case = made_in_backward(case)
         if args.apollo:
             case = made_apollo(case, layerwise=args.apollo == "layerwise")
             if case is None:

@@ -286,6 +286,12 @@ def made_apollo(case: Case, layerwise: bool = False) -> Case | None:
     return replace(out, grad_accum=1) if layerwise else out
 
 
+def made_in_backward(case: Case) -> Case:
+    """The case as a full fine-tuning run with AdamW stepped in the backward (bench/plan_fuzz.py
+    --in-backward): optimizer adamw_in_backward at gradient accumulation 1 (lowvram.train.in_backward)."""
+    return replace(case, method="full", use_dora=False, lora_dropout=0.0, optimizer="adamw_in_backward", grad_accum=1)
+
+
 def made_lomo(case: Case) -> Case:
     """The case as a LOMO full fine-tuning run (bench/plan_fuzz.py --lomo): optimizer lomo with
     gradient accumulation 1 (the batch in one micro-batch: LOMO steps in every backward); the
@@ -529,7 +535,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 
 
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
-           "made_apollo", "made_chunked", "made_galore", "made_lomo", "made_tiled", "made_torchao",
+           "made_apollo", "made_chunked", "made_galore", "made_in_backward", "made_lomo", "made_tiled", "made_torchao",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

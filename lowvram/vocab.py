@@ -64,6 +64,9 @@ TRAINER_OPTIMIZERS = {
     # channel-wise; wired by the Trainer like GaLore (optim_target_modules, its layerwise form)
     "apollo_adamw": "apollo_adamw",
     "apollo_adamw_layerwise": "apollo_adamw_layerwise",
+    # AdamW stepped in the backward, one parameter at a time (PyTorch's optimizer-in-backward
+    # pattern, lowvram.train.in_backward): the Trainer's fused AdamW per parameter
+    "adamw_in_backward": "adamw_torch_fused",
 }
 OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
 # Optimizers that come from bitsandbytes (as the quantizations other than none do), and those of
@@ -84,10 +87,12 @@ LAYERWISE_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
 LOMO_OPTIMIZERS = ("lomo", "adalomo")
 # torchao's low-bit AdamW (lowvram.plan.optimizers): one torch.compile'd step per parameter.
 TORCHAO_OPTIMIZERS = ("adamw_torch_4bit", "adamw_torch_8bit")
+# A plain optimizer stepped per parameter in its post-accumulate-grad hook (lowvram.train.in_backward).
+FUSED_BACKWARD_OPTIMIZERS = ("adamw_in_backward",)
 # Every optimizer that steps inside the backward: gradient accumulation 1, no clipping, one process.
-IN_BACKWARD_OPTIMIZERS = LAYERWISE_OPTIMIZERS + LOMO_OPTIMIZERS
+IN_BACKWARD_OPTIMIZERS = LAYERWISE_OPTIMIZERS + LOMO_OPTIMIZERS + FUSED_BACKWARD_OPTIMIZERS
 # Optimizers that train full weights only (no LoRA, no DeepSpeed/FSDP).
-FULL_ONLY_OPTIMIZERS = PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS
+FULL_ONLY_OPTIMIZERS = PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS + FUSED_BACKWARD_OPTIMIZERS
 # Optimizer -> (the pyproject extra it needs, the module that extra installs).
 OPTIMIZER_EXTRAS = {o: ("galore", "galore_torch") for o in PROJECTED_OPTIMIZERS} | {
     o: ("apollo", "apollo_torch") for o in APOLLO_OPTIMIZERS} | {

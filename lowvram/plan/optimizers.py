@@ -117,6 +117,16 @@ GPT-2 or DeepSpeed/FSDP, and the layerwise form the in-backward limits. Measured
 one step's working set of the real optimizer (tests/plan/test_apollo.py) and whole runs through
 ``lowvram train`` (bench/plan_fuzz.py --apollo).
 
+**AdamW in the backward** (optimizer adamw_in_backward; lowvram.train.in_backward, PyTorch's
+pattern "How to save memory by fusing the optimizer step into the backward pass", torchtune's
+``optimizer_in_bwd``): the Trainer's fused AdamW, one per parameter, stepped and its gradient set
+to None by ``register_post_accumulate_grad_hook`` (the Trainer holds ``LayerWiseDummyOptimizer``).
+AdamW's state, and its fused step works in place (no temporaries, as for adamw); the moments are
+layerwise GaLore's: one parameter's gradient alive beside the backward, never the full set. What it
+gives up: the in-backward limits only (no gradient clipping, no accumulation, one process); the
+update is AdamW's. Measured: whole runs through ``lowvram train`` (bench/plan_fuzz.py
+--in-backward).
+
 **torchao's low-bit AdamW** (optimizers adamw_torch_8bit and adamw_torch_4bit, the Trainer's own
 names; torchao 0.18 ``torchao/optim/adam.py`` AdamW8bit / AdamW4bit, ``subclass_8bit.py`` /
 ``subclass_4bit.py``; Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", and Li
@@ -156,6 +166,7 @@ from lowvram.plan.models import ModelSpec, block_linears
 from lowvram.plan.setup import RunSetup
 from lowvram.vocab import (
     APOLLO_OPTIMIZERS,
+    FUSED_BACKWARD_OPTIMIZERS,
     GALORE_8BIT_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
     LAYERWISE_OPTIMIZERS,
@@ -195,6 +206,10 @@ def lomo(setup: RunSetup) -> bool:
     return setup.optimizer in LOMO_OPTIMIZERS
 
 
+def fused_backward(setup: RunSetup) -> bool:
+    return setup.optimizer in FUSED_BACKWARD_OPTIMIZERS
+
+
 def in_backward(setup: RunSetup) -> bool:
     """Stepped one parameter at a time inside the backward (layerwise GaLore, LOMO, AdaLomo)."""
     return setup.optimizer in IN_BACKWARD_OPTIMIZERS
@@ -223,6 +238,8 @@ def given_up(setup: RunSetup) -> str:
     if setup.optimizer == "lomo":
         return ("LOMO trains every weight with plain SGD (no momentum, no adaptive step, no weight decay: "
                 "the Trainer hands it only the learning rate); " + IN_BACKWARD_GIVEN_UP)
+    if fused_backward(setup):
+        return "AdamW's own update, each parameter stepped in the backward and its gradient freed; " + IN_BACKWARD_GIVEN_UP
     if torchao(setup):
         return (f"{TORCHAO_CODE_BITS[setup.optimizer]}-bit AdamW moments (torchao, block-wise "
                 "quantized, the embedding too); its step is compiled by torch.compile, the first "
@@ -251,6 +268,8 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
         return lomo_problems(setup)
     if torchao(setup):
         return torchao_problems(setup)
+    if fused_backward(setup):
+        return fused_backward_problems(setup)
     if not projected(setup):
         return []
     o, out = setup.optimizer, []
@@ -304,6 +323,24 @@ def lomo_problems(setup: RunSetup) -> list[str]:
     if setup.gpus > 1:
         out.append(f"optimizer {o} runs in one process only (its hooks step on each rank's own gradient; "
                    "use --gpus 1)")
+    return out
+
+
+def fused_backward_problems(setup: RunSetup) -> list[str]:
+    """Why AdamW in the backward cannot run as planned (see the module)."""
+    o, out = setup.optimizer, []
+    if setup.lora:
+        out.append(f"optimizer {o} steps full weights in the backward; with lora the adapters' gradients are "
+                   "small already (use it with lora: off, or optimizer adamw)")
+    if setup.offload != "none":
+        out.append(f"optimizer {o} cannot run under offload {setup.offload}: DeepSpeed and FSDP2 own the "
+                   "parameters it steps (use offload none, one GPU)")
+    if setup.grad_accum != 1:
+        out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
+                   f"gradients (gradient_accumulation {setup.grad_accum}; use gradient_accumulation 1, or adamw)")
+    if setup.gpus > 1:
+        out.append(f"optimizer {o} runs in one process only (its hooks step before DDP's all-reduce; "
+                   "use --gpus 1, or adamw)")
     return out
 
 
@@ -447,6 +484,8 @@ def _step_temps(setup: RunSetup, w: int, shape: tuple[int, ...], target: bool) -
     tensors come after the full gradient is dropped (``p.grad = grad``), so they count as the
     clone plus the gradient (:func:`layerwise_step_bytes` adds the gradient)."""
     numel = prod(shape)
+    if fused_backward(setup):  # torch's fused AdamW steps in place
+        return 0
     if apollo(setup) and target:  # three projected-size tensors + two m x n (+ the channel scale
         m, n = shape              # over the larger side, a 0-d norm), or a renewal
         pm, pn = _projected_shape(m, n, setup.galore_rank, capped=False)
@@ -532,5 +571,5 @@ def lomo_pending_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -
 __all__ = ["GALORE_RANK", "GALORE_SCALE", "GALORE_UPDATE_PROJ_GAP", "eight_bit", "galore_state_bytes",
            "galore_step_temp_bytes", "galore_targets", "given_up", "in_backward", "layerwise",
            "layerwise_step_bytes", "lomo", "lomo_pending_bytes", "lomo_problems", "lomo_state_bytes",
-           "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected", "apollo", "torchao",
+           "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected", "apollo", "fused_backward", "fused_backward_problems", "torchao",
            "torchao_problems", "torchao_state_bytes", "torchao_step_temp_bytes"]

@@ -91,8 +91,8 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
                       and not req.lora_use_dora and req.objective == "sft" and not _vision(req)
                       else [False]),
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"] + torchao_options(budget)
-                          + galore_options(req, budget) + apollo_options(req, budget)
-                          + lomo_options(req, budget)),
+                          + in_backward_options(req) + galore_options(req, budget)
+                          + apollo_options(req, budget) + lomo_options(req, budget)),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
         "offload": pick("offload", _auto_offloads(req, on_gpu)),
@@ -122,6 +122,15 @@ def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
     if not req.gradient_clipping:
         out += ["galore_adamw_layerwise"] + (["galore_adamw_8bit_layerwise"] if budget.device == "cuda" else [])
     return out
+
+
+def in_backward_options(req: PlanRequest) -> list[str]:
+    """AdamW in the backward on auto: full fine-tuning asked for (sft, a known architecture), not
+    when the recipe asks for gradient clipping; it needs no extra. It ranks after torchao's 4-bit
+    AdamW and before GaLore (request.optimizer_given_up)."""
+    if req.lora is not False or req.objective != "sft" or req.model is None or req.gradient_clipping or _vision(req):
+        return []
+    return ["adamw_in_backward"]
 
 
 def apollo_options(req: PlanRequest, budget: Budget) -> list[str]:
@@ -313,7 +322,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
 
 __all__ = [
     "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size",
-    "allowed_micro_batches", "apollo_options", "galore_options", "lomo_options", "torchao_options",
+    "allowed_micro_batches", "apollo_options", "galore_options", "in_backward_options", "lomo_options", "torchao_options",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
     "sized_estimate", "sized_loss_chunk", "technique_options", "technique_words", "TIER_SHARD",
 ]

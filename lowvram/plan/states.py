@@ -186,7 +186,7 @@ def optimizer_bytes(setup: RunSetup) -> int:
         return optimizers.lomo_state_bytes(setup, shapes)
     if optimizers.torchao(setup):  # torchao's block-wise 8/4-bit moments
         return optimizers.torchao_state_bytes(setup, w, shapes)
-    if o in ("adamw", "paged_adamw_32bit"):
+    if o in ("adamw", "paged_adamw_32bit", "adamw_in_backward"):
         return 2 * w * sum(shape_numel(s) for s in shapes)
     if o in OPTIMIZERS_8BIT:
         # The Trainer registers every nn.Embedding weight for 32-bit state (bnb

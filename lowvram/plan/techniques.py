@@ -164,6 +164,10 @@ OPTIMIZER_SLOWDOWN = {
     # cheaper than GaLore's renewal, which GaLore's 1.1 stands for). A placeholder like GaLore's;
     # it orders APOLLO before GaLore where both fit at one rank (request.optimizer_given_up)
     "apollo_adamw": 1.05, "apollo_adamw_layerwise": 1.05,
+    # the same fused AdamW kernel per parameter, launched once per parameter instead of once for all
+    # (torch's fused/foreach step batches the tensors); not measured by this project and no
+    # published step time checked: a placeholder a little above AdamW's 1.0
+    "adamw_in_backward": 1.02,
 }
 QUANTIZATION_SLOWDOWN = {
     "none": 1.0, "nf4": 1.35, "nf4-dq": 1.35, "fp4": 1.35,

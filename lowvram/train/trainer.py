@@ -12,6 +12,7 @@ from lowvram.plan.backward import CHUNK_TOKENS
 from lowvram.plan.setup import FSDP_OFFLOADS
 from lowvram.vocab import (
     APOLLO_OPTIMIZERS,
+    FUSED_BACKWARD_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
     LOMO_OPTIMIZERS,
     OPTIMIZER_EXTRAS,
@@ -201,10 +202,12 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
 
 
 def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard",
-                  loss_chunk_tokens: int = CHUNK_TOKENS):
+                  loss_chunk_tokens: int = CHUNK_TOKENS, optimizer: str = "adamw"):
     """The Hugging Face Trainer over a DataBundle (lowvram.train.data); ``loss`` is plan.loss
     ("chunked": lowvram.train.loss computes the training loss in chunks of plan.loss_chunk_tokens
-    tokens; "fused": the plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss)."""
+    tokens; "fused": the plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss).
+    ``optimizer``: plan.optimizer (adamw_in_backward: lowvram.train.in_backward steps each parameter in
+    its gradient hook)."""
     from transformers import PrinterCallback, Trainer
 
     from lowvram.train.preference import build_preference_trainer, is_preference_config
@@ -215,6 +218,10 @@ def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "sta
         from lowvram.train.loss import chunked_loss_trainer_class
 
         Trainer = chunked_loss_trainer_class(loss_chunk_tokens)  # noqa: N806 - a Trainer subclass
+    if optimizer in FUSED_BACKWARD_OPTIMIZERS:
+        from lowvram.train.in_backward import in_backward_trainer_class
+
+        Trainer = in_backward_trainer_class(Trainer)  # noqa: N806 - a Trainer subclass
     trainer = Trainer(
         model=loaded.model,
         args=args,

@@ -165,10 +165,10 @@ def test_torchao_ranks_with_8bit_adamw_and_4bit_before_galore():
     from lowvram.plan.request import optimizer_given_up
 
     rank = {o: optimizer_given_up(RunSetup(LLAMA, optimizer=o)) for o in
-            ("adamw", "adamw_8bit", "adamw_torch_8bit", "adamw_torch_4bit", "galore_adamw",
+            ("adamw", "adamw_8bit", "adamw_torch_8bit", "adamw_torch_4bit", "adamw_in_backward", "galore_adamw",
              "galore_adamw_layerwise", "adalomo", "lomo")}
     assert rank == {"adamw": 0, "adamw_8bit": 0, "adamw_torch_8bit": 0, "adamw_torch_4bit": 1,
-                    "galore_adamw": 2, "galore_adamw_layerwise": 3, "adalomo": 4, "lomo": 5}
+                    "adamw_in_backward": 2, "galore_adamw": 3, "galore_adamw_layerwise": 4, "adalomo": 5, "lomo": 6}
 
 
 def test_torchao_8bit_is_leaner_than_bitsandbytes_by_the_embedding():
