@@ -28,6 +28,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --no-deps galore-torch==1.0
 	# the [lomo] extra (optimizer: lomo, adalomo), pure Python (needs torch and transformers only)
 	$(BIN)/pip install -q --no-deps lomo-optim==0.1.1
+	# the [torchao] extra (optimizer: adamw_torch_8bit, adamw_torch_4bit): an abi3 wheel for torch>=2.x;
+	# its step is torch.compile'd (inductor's C++ backend on the CPU: needs g++)
+	$(BIN)/pip install -q --no-deps torchao==0.18.0
+	# the [apollo] extra (optimizer: apollo_adamw, apollo_adamw_layerwise), pure Python
+	$(BIN)/pip install -q --no-deps apollo-torch==1.0.3
 	# TRL (the [preference] extra) for training.objective dpo/orpo/simpo; its own requirements
 	# (accelerate, datasets, transformers, ...) are lowvram's already, so --no-deps.
 	$(BIN)/pip install -q --no-deps trl==1.16.0

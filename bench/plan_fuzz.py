@@ -16,6 +16,8 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --galore layerwise --families ten  # dense cases made layerwise GaLore runs
     python bench/plan_fuzz.py --lomo --families ten  # every case made a LOMO full fine-tuning run
     python bench/plan_fuzz.py --preference --short-pairs --families ten  # pairs shorter than seq_len
+    python bench/plan_fuzz.py --torchao --families ten  # every case with torchao's 8/4-bit AdamW
+    python bench/plan_fuzz.py --apollo plain --families ten  # every dense case an APOLLO full run
 
 Target: no run more than 3% above its plan, none more than 10% off either way. Seeds that miss
 it become regression cases in tests/plan/test_fuzz.py. ~5 s a case on 2 cores.
@@ -46,9 +48,12 @@ from lowvram.difftest import (  # noqa: E402
     OVER_LIMIT,
     TEN_FAMILIES,
     VISION_FAMILIES,
+    made_apollo,
     made_galore,
+    made_in_backward,
     made_lomo,
     made_short_pairs,
+    made_torchao,
     preference_case,
     random_case,
     recipe_text,
@@ -87,6 +92,15 @@ def main() -> int:
     ap.add_argument("--lomo", action="store_true",
                     help="make every recipe a LOMO full fine-tuning run (difftest.made_lomo: optimizer lomo "
                          "at accumulation 1, no fp16)")
+    ap.add_argument("--apollo", choices=["plain", "layerwise"],
+                    help="make every dense recipe an APOLLO full fine-tuning run (difftest.made_apollo: "
+                         "apollo_adamw, or apollo_adamw_layerwise at accumulation 1); MoE seeds are skipped")
+    ap.add_argument("--in-backward", action="store_true",
+                    help="make every recipe a full fine-tuning run with AdamW stepped in the backward "
+                         "(difftest.made_in_backward: optimizer adamw_in_backward at accumulation 1)")
+    ap.add_argument("--torchao", action="store_true",
+                    help="give every recipe torchao's 8-bit or 4-bit AdamW (difftest.made_torchao: the step "
+                         "compiled by torch.compile; needs the torchao extra and a C++ compiler)")
     ap.add_argument("--eager-checkpointing", action="store_true",
                     help="make every recipe eager attention with gradient checkpointing (the draw "
                          "makes it rarely: 15%% eager, 40%% checkpointing)")
@@ -118,6 +132,9 @@ def main() -> int:
     families += " --short-pairs" if args.short_pairs else ""
     families += f" --galore {args.galore}" if args.galore else ""
     families += " --lomo" if args.lomo else ""
+    families += " --torchao" if args.torchao else ""
+    families += " --in-backward" if args.in_backward else ""
+    families += f" --apollo {args.apollo}" if args.apollo else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
@@ -132,6 +149,14 @@ def main() -> int:
                 continue
         if args.lomo:
             case = made_lomo(case)
+        if args.torchao:
+            case = made_torchao(case)
+        if args.in_backward:
+            case = made_in_backward(case)
+        if args.apollo:
+            case = made_apollo(case, layerwise=args.apollo == "layerwise")
+            if case is None:
+                continue
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

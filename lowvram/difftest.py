@@ -110,7 +110,7 @@ class Case:
                         + (" dora" if self.use_dora else ""))
         bits += [self.precision] + ([f"dtype {self.model_dtype}"] if self.model_dtype != "auto" else [])
         bits += (["ckpt"] if self.gradient_checkpointing else [])
-        bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer.startswith("galore") else ""))
+        bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer.startswith(("galore", "apollo")) else ""))
         bits += ([self.loss] if self.loss != "standard" else []) + ([self.attention] if self.attention != "sdpa" else [])
         bits.append(f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}")
         bits += (["packed"] if self.packing else []) + (["eval"] if self.validation else [])
@@ -278,11 +278,38 @@ def made_galore(case: Case, layerwise: bool = False) -> Case | None:
     return replace(out, grad_accum=1) if layerwise else out
 
 
+def made_apollo(case: Case, layerwise: bool = False) -> Case | None:
+    """The case as an APOLLO full fine-tuning run (bench/plan_fuzz.py --apollo): as made_galore,
+    optimizer apollo_adamw or apollo_adamw_layerwise (accumulation 1), at a rank drawn from the
+    seed's own stream; None for an MoE family."""
+    if case.family in MOE_FAMILIES:
+        return None
+    rng = random.Random(f"apollo-{case.seed}")
+    out = replace(case, method="full", use_dora=False, lora_dropout=0.0, galore_rank=rng.choice([4, 8, 16, 32, 128]),
+                  optimizer="apollo_adamw_layerwise" if layerwise else "apollo_adamw")
+    return replace(out, grad_accum=1) if layerwise else out
+
+
+def made_in_backward(case: Case) -> Case:
+    """The case as a full fine-tuning run with AdamW stepped in the backward (bench/plan_fuzz.py
+    --in-backward): optimizer adamw_in_backward at gradient accumulation 1 (lowvram.train.in_backward)."""
+    return replace(case, method="full", use_dora=False, lora_dropout=0.0, optimizer="adamw_in_backward", grad_accum=1)
+
+
 def made_lomo(case: Case) -> Case:
     """The case as a LOMO full fine-tuning run (bench/plan_fuzz.py --lomo): optimizer lomo with
     gradient accumulation 1 (the batch in one micro-batch: LOMO steps in every backward); the
     draw has no fp16, which LOMO refuses. AdaLomo is not drawn: it makes its state with .cuda()."""
     return replace(case, method="full", use_dora=False, lora_dropout=0.0, optimizer="lomo", grad_accum=1)
+
+
+def made_torchao(case: Case) -> Case:
+    """The case with torchao's 8-bit or 4-bit AdamW (bench/plan_fuzz.py --torchao), drawn from the
+    seed's own stream; its method (full, LoRA, QLoRA) and every other technique as random_case
+    drew them. The step runs compiled (torch.compile, inductor's C++ backend), as it does under
+    ``lowvram train``; the live-bytes tracker follows the compiled code's buffers."""
+    rng = random.Random(f"torchao-{case.seed}")
+    return replace(case, optimizer=rng.choice(["adamw_torch_8bit", "adamw_torch_4bit"]))
 
 
 def preference_case(seed: int, families: tuple[str, ...] = FAMILIES, kto: bool = False) -> Case:
@@ -462,7 +489,7 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
             t["preference"]["loss_type"] = case.loss_type
     if case.model_dtype != "auto":
         t["model"]["dtype"] = case.model_dtype
-    if case.optimizer.startswith("galore"):
+    if case.optimizer.startswith(("galore", "apollo")):
         t["galore"] = {"rank": case.galore_rank}
     if case.packing:
         t["data"]["packing"] = True
@@ -545,7 +572,8 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 
 
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
-           "made_chunked", "made_galore", "made_lomo", "made_short_pairs", "made_tiled",
+           "made_apollo", "made_chunked", "made_galore", "made_in_backward", "made_lomo", "made_short_pairs", "made_tiled",
+           "made_torchao",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -7,6 +7,15 @@ bitsandbytes quant states) are registered first. On CPU this is the exact tensor
 to the byte with torch.distributed._tools.mem_tracker.MemTracker, about 10x slower, and with the
 profiler's memory events; measured); process RSS is useless for it.
 
+Compiled code (torchao's optimizer step, ``torch.compile``) runs compiled inside the mode, as it
+runs without it (``ignore_compile_internals``: dynamo would otherwise skip every frame under a
+dispatch mode and run it eagerly); the buffers inductor's CPU code allocates itself
+(``torch._C._dynamo.guards._empty_strided_cpu``, which no dispatch mode sees) are followed by a
+patch installed at the first ``__enter__`` (the generated module binds the function when it
+loads) and counted by every tracker active then; the aten ops it falls back to are dispatched
+and counted as any op. Checked against torch.profiler's memory events on torchao's AdamW8bit and
+AdamW4bit steps (tests/plan/test_torchao.py).
+
 An optional ``cap_bytes`` turns it into an emulated card: crossing the cap raises
 ``torch.OutOfMemoryError`` exactly where a GPU of that size would.
 
@@ -91,6 +100,27 @@ class _Counter:
             self.current -= n
 
 
+_ACTIVE: list = []  # the trackers inside their ``with``: compiled code's buffers count in each
+
+
+def _follow_inductor_buffers() -> None:
+    """Count the CPU buffers inductor's generated code allocates (see the module); once."""
+    import torch._C._dynamo.guards as guards
+
+    original = guards._empty_strided_cpu
+    if getattr(original, "_lowvram_followed", False):
+        return
+
+    def empty_strided_cpu(*args, **kwargs):
+        t = original(*args, **kwargs)
+        for tracker in _ACTIVE:
+            tracker.track(t)
+        return t
+
+    empty_strided_cpu._lowvram_followed = True
+    guards._empty_strided_cpu = empty_strided_cpu
+
+
 def _make_tracker_class():
     base = _dispatch_base()
 
@@ -169,6 +199,10 @@ def _make_tracker_class():
             return out
 
         # -- the mode
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True  # compiled code runs compiled (see the module)
+
         def __enter__(self):
             # UntypedStorage.resize_ (FSDP2's free_storage/alloc_storage) is no dispatched op:
             # follow it here, so storage emptied in place stops counting (and counts again when
@@ -184,12 +218,16 @@ def _make_tracker_class():
 
             self._storage_resize = original
             torch.UntypedStorage.resize_ = resize_
+            _follow_inductor_buffers()
+            _ACTIVE.append(self)
             return super().__enter__()
 
         def __exit__(self, *exc):
             import torch
 
             torch.UntypedStorage.resize_ = self._storage_resize
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
             return super().__exit__(*exc)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

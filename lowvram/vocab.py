@@ -55,29 +55,48 @@ TRAINER_OPTIMIZERS = {
     # (lomo_optim.Lomo / AdaLomo; the Trainer calls fused_backward: lowvram.plan.optimizers)
     "lomo": "lomo",
     "adalomo": "adalomo",
+    # torchao's low-bit AdamW (torchao.optim AdamW4bit / AdamW8bit, the `torchao` extra): block-wise
+    # quantized moments (Li et al. 2023; Dettmers et al. 2022), the step compiled by torch.compile
+    "adamw_torch_4bit": "adamw_torch_4bit",
+    "adamw_torch_8bit": "adamw_torch_8bit",
+    # APOLLO (Zhu et al. 2025; apollo-torch, the `apollo` extra): AdamW moments of each decoder
+    # Linear's gradient projected by a random rank-`galore.rank` matrix, scaling the raw gradient
+    # channel-wise; wired by the Trainer like GaLore (optim_target_modules, its layerwise form)
+    "apollo_adamw": "apollo_adamw",
+    "apollo_adamw_layerwise": "apollo_adamw_layerwise",
+    # AdamW stepped in the backward, one parameter at a time (PyTorch's optimizer-in-backward
+    # pattern, lowvram.train.in_backward): the Trainer's fused AdamW per parameter
+    "adamw_in_backward": "adamw_torch_fused",
 }
 OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
 # Optimizers that come from bitsandbytes (as the quantizations other than none do), and those of
 # them that keep 8-bit state.
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 OPTIMIZERS_8BIT = ("adamw_8bit", "paged_adamw_8bit")
-# Optimizers that project the gradients of the decoder Linears (GaLore): full fine-tuning only.
+# APOLLO's forms: GaLore's Trainer wiring, a random projection (lowvram.plan.optimizers).
+APOLLO_OPTIMIZERS = ("apollo_adamw", "apollo_adamw_layerwise")
+# Optimizers that project the gradients of the decoder Linears (GaLore, APOLLO): full fine-tuning only.
 PROJECTED_OPTIMIZERS = ("galore_adamw", "galore_adamw_8bit", "galore_adamw_layerwise",
-                        "galore_adamw_8bit_layerwise")
+                        "galore_adamw_8bit_layerwise") + APOLLO_OPTIMIZERS
 # GaLore with bitsandbytes-style 8-bit moments (galore_torch AdamW8bit): its step needs CUDA.
 GALORE_8BIT_OPTIMIZERS = ("galore_adamw_8bit", "galore_adamw_8bit_layerwise")
 # Stepped one parameter at a time inside the backward (transformers LayerWiseDummyOptimizer):
 # gradient accumulation 1, no gradient clipping, one process.
-LAYERWISE_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise")
+LAYERWISE_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "apollo_adamw_layerwise")
 # LOMO's forms: each parameter stepped by its own gradient hook (lomo_optim), full fine-tuning only.
 LOMO_OPTIMIZERS = ("lomo", "adalomo")
+# torchao's low-bit AdamW (lowvram.plan.optimizers): one torch.compile'd step per parameter.
+TORCHAO_OPTIMIZERS = ("adamw_torch_4bit", "adamw_torch_8bit")
+# A plain optimizer stepped per parameter in its post-accumulate-grad hook (lowvram.train.in_backward).
+FUSED_BACKWARD_OPTIMIZERS = ("adamw_in_backward",)
 # Every optimizer that steps inside the backward: gradient accumulation 1, no clipping, one process.
-IN_BACKWARD_OPTIMIZERS = LAYERWISE_OPTIMIZERS + LOMO_OPTIMIZERS
+IN_BACKWARD_OPTIMIZERS = LAYERWISE_OPTIMIZERS + LOMO_OPTIMIZERS + FUSED_BACKWARD_OPTIMIZERS
 # Optimizers that train full weights only (no LoRA, no DeepSpeed/FSDP).
-FULL_ONLY_OPTIMIZERS = PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS
+FULL_ONLY_OPTIMIZERS = PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS + FUSED_BACKWARD_OPTIMIZERS
 # Optimizer -> (the pyproject extra it needs, the module that extra installs).
 OPTIMIZER_EXTRAS = {o: ("galore", "galore_torch") for o in PROJECTED_OPTIMIZERS} | {
-    o: ("lomo", "lomo_optim") for o in LOMO_OPTIMIZERS}
+    o: ("apollo", "apollo_torch") for o in APOLLO_OPTIMIZERS} | {
+    o: ("lomo", "lomo_optim") for o in LOMO_OPTIMIZERS} | {o: ("torchao", "torchao") for o in TORCHAO_OPTIMIZERS}
 # Offload or shard: optimizer/full on one GPU (DeepSpeed ZeRO-Offload/-Infinity), the rest with
 # several GPUs (DeepSpeed ZeRO-2/3, FSDP2), "-offload" adding CPU offload.
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",

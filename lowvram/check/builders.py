@@ -164,11 +164,15 @@ def build_optimizer(model, name: str, lr: float = 1e-4):
 
     from transformers import Trainer, TrainingArguments
 
-    from lowvram.vocab import TRAINER_OPTIMIZERS
+    from lowvram.vocab import FUSED_BACKWARD_OPTIMIZERS, TRAINER_OPTIMIZERS
 
     device = next(model.parameters()).device.type
     args = TrainingArguments(output_dir=tempfile.gettempdir(), optim=TRAINER_OPTIMIZERS[name], learning_rate=lr,
                              report_to=[], use_cpu=device == "cpu")
+    if name in FUSED_BACKWARD_OPTIMIZERS:  # the per-parameter optimizers and their hooks (train.in_backward)
+        from lowvram.train.in_backward import install_optimizer_in_backward
+
+        return install_optimizer_in_backward(_OptimizerOf(model, args), model)
     return Trainer.create_optimizer(_OptimizerOf(model, args))
 
 

@@ -235,7 +235,7 @@ def measure_trainer_step(model, setup, probe=None, device: str = "cpu", seed: in
         args = build_training_args(recipe, setup_plan(setup, device))
         trainer = build_trainer(SimpleNamespace(model=model, tokenizer=None), SimpleNamespace(train=rows, eval=None),
                                 args, default_data_collator, callbacks=[Measure()], loss=setup.loss,
-                                loss_chunk_tokens=setup.loss_chunk_tokens)
+                                loss_chunk_tokens=setup.loss_chunk_tokens, optimizer=setup.optimizer)
         try:
             trainer.train()
         finally:

@@ -202,6 +202,29 @@ ADAFACTOR_TEMP_BYTES_16BIT = FittedConstant(
     "the same for 16-bit parameters", "states.optimizer_step_temp_bytes",
     "bench/plan_accuracy.py", "in the CPU matrix", "no published row")
 
+TORCHAO_8BIT_STEP_TEMP_BYTES = FittedConstant(
+    "TORCHAO_8BIT_STEP_TEMP_BYTES", Fraction(257, 32), "257/32 bytes x largest quantized tensor",
+    "torchao AdamW8bit's compiled step (torch.compile of optim/adam.py single_param_adam, one "
+    "parameter at a time): the buffers inductor keeps for one quantized parameter, the fp32 "
+    "exp_avg and exp_avg_sq before they are re-quantized (8 bytes/element) and one fp32 absmax "
+    "per 256-element block of each; a tensor kept in full precision (under 4096 elements or not "
+    "a multiple of the block) steps in place (0)",
+    "states.optimizer_step_temp_bytes (optimizers.torchao_step_temp_bytes)",
+    "the real AdamW8bit step on the CPU (torch 2.13, torchao 0.18, inductor's C++ backend) under "
+    "the live-bytes tracker with compiled code followed (lowvram.livebytes), and torch.profiler's "
+    "memory events: 8.03 bytes/element for fp32 and bf16 parameters alike "
+    "(tests/plan/test_torchao.py)",
+    "exact on the CPU", "not measured on CUDA (Triton's fusion may differ)")
+
+TORCHAO_4BIT_STEP_TEMP_BYTES = FittedConstant(
+    "TORCHAO_4BIT_STEP_TEMP_BYTES", Fraction(833, 32), "833/32 bytes x largest quantized tensor",
+    "the same for AdamW4bit: the fp32 moments, the unpacked 4-bit codes and their packing "
+    "(26 bytes/element) and the two absmax vectors",
+    "states.optimizer_step_temp_bytes (optimizers.torchao_step_temp_bytes)",
+    "as TORCHAO_8BIT_STEP_TEMP_BYTES: 26.03 bytes/element for fp32 and bf16 parameters "
+    "(tests/plan/test_torchao.py); the eager step (no compile) makes 53-57",
+    "exact on the CPU", "not measured on CUDA (Triton's fusion may differ)")
+
 # --------------------------------------------------------------------------------------------
 # Saved activations (activations.layer_activation_bytes and its neighbours)
 

@@ -16,7 +16,7 @@ from lowvram.plan import techniques as tq
 from lowvram.plan.request import fits_budget
 from lowvram.plan.setup import DEEPSPEED_CPU_OPTIMIZER, FSDP_OFFLOADS, MemoryEstimate, RunSetup
 from lowvram.units import gib, percent
-from lowvram.vocab import FULL_ONLY_OPTIMIZERS
+from lowvram.vocab import FULL_ONLY_OPTIMIZERS, TORCHAO_OPTIMIZERS
 
 Estimator = Callable[[RunSetup], MemoryEstimate]
 
@@ -163,7 +163,7 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     # optimizer
     if req.fixed("optimizer"):
         r["optimizer"] = fixed("optimizer") or "set"
-    elif s.optimizer in FULL_ONLY_OPTIMIZERS:
+    elif s.optimizer in FULL_ONLY_OPTIMIZERS + TORCHAO_OPTIMIZERS:
         r["optimizer"] = (f"{s.optimizer}: {without('optimizer', 'with 8-bit AdamW the peak', optimizer='adamw_8bit')}; "
                           f"{optimizers.given_up(s)}")
     elif s.optimizer != "adamw":

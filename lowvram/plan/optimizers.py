@@ -91,6 +91,69 @@ expert weight has the wrong shape).
 Measured: AdaLomo's state against the real class (``.cuda`` stubbed on the CPU) and LOMO's and
 AdaLomo's step working sets (tests/plan/test_lomo.py, exact), and LOMO whole runs through
 ``lowvram train`` (bench/plan_fuzz.py --lomo; AdaLomo cannot run on the CPU).
+
+**APOLLO** (optimizers apollo_adamw, apollo_adamw_layerwise; Zhu et al. 2025, "APOLLO: SGD-like
+Memory, AdamW-level Performance"), as apollo-torch 1.0.3 implements it (``apollo_torch/apollo.py``
+AdamW.step, ``random_projector.py`` GradientProjector) and the Trainer wires it
+(``_get_apollo_optimizer``: rank 128, proj "random", scale_type "channel", update_proj_gap 200,
+scale 1.0, proj_type "std"; then GaLore's ``_setup_low_rank_optimizer``, layerwise included). For
+a target weight of m x n and r = rank (*not* capped by the weight's dimensions: a random
+projection of any rank):
+
+- **State**: the projector ``stable_randn`` (r x n when m >= n, else m x r), in the parameter's
+  dtype (fp32 generated, ``.type(original_type)`` for 16 bit); exp_avg and exp_avg_sq of the
+  projected gradient (m x r or r x n) in the gradient's dtype; ``scaled_grad``, a 0-d norm in the
+  parameter's dtype. Other parameters: AdamW's two moments.
+- **Step temporaries** of a target: the projected gradient, ``denom`` and ``norm_grad``
+  (three projected-size tensors) and the channel-wise ``grad_scaling_factor`` (a vector over the
+  larger side) while ``scaled_grad = p.grad * grad_scaling_factor``, its 0-d norm and its
+  norm-growth-limited copy ``scaled_grad / limiter`` (two m x n) are made; at a renewal (the first
+  step, then every update_proj_gap) the new projector in fp32 twice (``stable_randn(...) /
+  sqrt(rank)``) beside the old one. Other parameters: ``denom`` and ``exp_avg / denom``.
+
+What it gives up: the update is AdamW's only through a channel-wise scale estimated in a random
+rank-r space (the paper's claim: AdamW-level results at SGD-like memory); as GaLore no LoRA, MoE,
+GPT-2 or DeepSpeed/FSDP, and the layerwise form the in-backward limits. Measured: the state and
+one step's working set of the real optimizer (tests/plan/test_apollo.py) and whole runs through
+``lowvram train`` (bench/plan_fuzz.py --apollo).
+
+**AdamW in the backward** (optimizer adamw_in_backward; lowvram.train.in_backward, PyTorch's
+pattern "How to save memory by fusing the optimizer step into the backward pass", torchtune's
+``optimizer_in_bwd``): the Trainer's fused AdamW, one per parameter, stepped and its gradient set
+to None by ``register_post_accumulate_grad_hook`` (the Trainer holds ``LayerWiseDummyOptimizer``).
+AdamW's state, and its fused step works in place (no temporaries, as for adamw); the moments are
+layerwise GaLore's: one parameter's gradient alive beside the backward, never the full set. What it
+gives up: the in-backward limits only (no gradient clipping, no accumulation, one process); the
+update is AdamW's. Measured: whole runs through ``lowvram train`` (bench/plan_fuzz.py
+--in-backward).
+
+**torchao's low-bit AdamW** (optimizers adamw_torch_8bit and adamw_torch_4bit, the Trainer's own
+names; torchao 0.18 ``torchao/optim/adam.py`` AdamW8bit / AdamW4bit, ``subclass_8bit.py`` /
+``subclass_4bit.py``; Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", and Li
+et al. 2023, "Memory Efficient Optimizers with 4-bit States"), as the Trainer wires them
+(transformers ``trainer_optimizer._get_torchao_optimizer``: ``block_size`` 256 unless optim_args
+say otherwise, for the 4-bit form too, whose own default is 128; the Trainer's two weight-decay
+groups):
+
+- **State** (``_AdamBase._new_buffer``): a tensor of at least 4096 elements whose size is a
+  multiple of the block gets two quantized moments, each ``codes`` (uint8: n bytes at 8 bit, n / 2
+  packed at 4 bit), ``scale`` (one fp32 per 256-element block) and ``qmap`` (fp32: 256 entries at 8
+  bit, 16 at 4 bit); every other tensor two ``zeros_like`` moments in its own dtype. ``step`` is
+  ``torch.tensor(0.0)``: a CPU scalar per parameter (4 bytes, counted on a CPU plan only), and so
+  is each group's ``lr`` tensor (:func:`torchao_state_bytes`). Every tensor is quantized, the
+  embedding too (bitsandbytes' 8-bit AdamW keeps the embedding in 32 bit under the Trainer).
+- **Step temporaries**: ``step()`` calls ``torch.compile(single_param_adam, fullgraph=True,
+  dynamic=False)`` per parameter; what the compiled kernel keeps for one quantized parameter was
+  measured (constants.TORCHAO_8BIT_STEP_TEMP_BYTES / _4BIT_: the fp32 moments before
+  re-quantization and the block absmaxes), a full-precision one steps in place
+  (:func:`torchao_step_temp_bytes`). The first step compiles once per shape and dtype (seconds to
+  tens of seconds each); compiling needs a C++ compiler on the CPU and Triton on CUDA.
+
+What it gives up: moments rounded to 8 or 4 bits per block (torchao's own Llama-2-7B fine-tune:
+truthfulqa_mc2 42.61 with fused AdamW, 41.50 at 8 bit, 42.27 at 4 bit; torchao/optim/README.md), no
+DeepSpeed or FSDP here (the plans are not measured under them). Measured: the state of the real
+optimizers after one step (tests/plan/test_torchao.py, byte for byte) and whole runs through
+``lowvram train`` with the step compiled (bench/plan_fuzz.py --torchao).
 """
 
 from __future__ import annotations
@@ -98,15 +161,19 @@ from __future__ import annotations
 from collections import Counter
 from math import prod
 
+from lowvram.plan import constants as fitted
 from lowvram.plan.layer import describe_layer
 from lowvram.plan.models import ModelSpec, block_linears
 from lowvram.plan.setup import RunSetup
 from lowvram.vocab import (
+    APOLLO_OPTIMIZERS,
+    FUSED_BACKWARD_OPTIMIZERS,
     GALORE_8BIT_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
     LAYERWISE_OPTIMIZERS,
     LOMO_OPTIMIZERS,
     PROJECTED_OPTIMIZERS,
+    TORCHAO_OPTIMIZERS,
 )
 
 GALORE_RANK = 128  # transformers' default (optim_args rank)
@@ -115,6 +182,10 @@ GALORE_SCALE = 0.25  # transformers' default (optim_args scale)
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer2State min_8bit_size (galore_torch AdamW8bit's default)
 BNB_BLOCKSIZE = 256  # bitsandbytes Optimizer2State.init_state: blocksize = 256 (one fp32 absmax each)
 BNB_QMAPS_BYTES = 2 * 256 * 4  # name2qmap "dynamic" + "udynamic": 256 fp32 each, per optimizer
+TORCHAO_BLOCK_SIZE = 256  # transformers _get_torchao_optimizer: optim_args block_size, default 256
+TORCHAO_MIN_QUANTIZED = 4096  # torchao _AdamBase._new_buffer: "only quantize tensors >= 4096 values"
+TORCHAO_QMAP_ENTRIES = {"adamw_torch_8bit": 256, "adamw_torch_4bit": 16}  # fp32 lookup table per moment
+TORCHAO_CODE_BITS = {"adamw_torch_8bit": 8, "adamw_torch_4bit": 4}
 BNB_UNORM_BYTES = 4  # state["unorm_vec"]: (1,) fp32, max_unorm > 0 (AdamW8bit's positional slip)
 
 
@@ -136,9 +207,21 @@ def lomo(setup: RunSetup) -> bool:
     return setup.optimizer in LOMO_OPTIMIZERS
 
 
+def fused_backward(setup: RunSetup) -> bool:
+    return setup.optimizer in FUSED_BACKWARD_OPTIMIZERS
+
+
 def in_backward(setup: RunSetup) -> bool:
     """Stepped one parameter at a time inside the backward (layerwise GaLore, LOMO, AdaLomo)."""
     return setup.optimizer in IN_BACKWARD_OPTIMIZERS
+
+
+def apollo(setup: RunSetup) -> bool:
+    return setup.optimizer in APOLLO_OPTIMIZERS
+
+
+def torchao(setup: RunSetup) -> bool:
+    return setup.optimizer in TORCHAO_OPTIMIZERS
 
 
 def eight_bit(setup: RunSetup) -> bool:
@@ -156,12 +239,23 @@ def given_up(setup: RunSetup) -> str:
     if setup.optimizer == "lomo":
         return ("LOMO trains every weight with plain SGD (no momentum, no adaptive step, no weight decay: "
                 "the Trainer hands it only the learning rate); " + IN_BACKWARD_GIVEN_UP)
+    if fused_backward(setup):
+        return "AdamW's own update, each parameter stepped in the backward and its gradient freed; " + IN_BACKWARD_GIVEN_UP
+    if torchao(setup):
+        return (f"{TORCHAO_CODE_BITS[setup.optimizer]}-bit AdamW moments (torchao, block-wise "
+                "quantized, the embedding too); its step is compiled by torch.compile, the first "
+                "step compiling once per tensor shape")
     if setup.optimizer == "adalomo":
         return ("AdaLomo trains every weight with a factored second moment and no first moment "
                 "(Adafactor-like; CUDA only); " + IN_BACKWARD_GIVEN_UP)
-    out = [f"GaLore trains every weight but each decoder Linear's update lives in a rank-"
-           f"{setup.galore_rank} subspace (renewed every update_proj_gap steps; its step-time "
-           "cost is not measured by this project)"]
+    if apollo(setup):
+        out = [f"APOLLO trains every weight with the raw gradient scaled channel-wise by AdamW moments "
+               f"kept in a random rank-{setup.galore_rank} projection (its step-time cost is not "
+               "measured by this project)"]
+    else:
+        out = [f"GaLore trains every weight but each decoder Linear's update lives in a rank-"
+               f"{setup.galore_rank} subspace (renewed every update_proj_gap steps; its step-time "
+               "cost is not measured by this project)"]
     if eight_bit(setup):
         out.append("8-bit moments (bitsandbytes blockwise; CUDA only)")
     if layerwise(setup):
@@ -173,6 +267,10 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
     """Why the setup's optimizer cannot run (empty when it can)."""
     if lomo(setup):
         return lomo_problems(setup)
+    if torchao(setup):
+        return torchao_problems(setup)
+    if fused_backward(setup):
+        return fused_backward_problems(setup)
     if not projected(setup):
         return []
     o, out = setup.optimizer, []
@@ -183,7 +281,7 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
         out.append(f"optimizer {o} cannot run under offload {setup.offload}: DeepSpeed flattens and "
                    "FSDP2 shards the weights it projects (use offload none, one GPU)")
     if setup.model.is_moe:
-        out.append(f"optimizer {o} on an MoE model: its routed experts are no nn.Linear, so GaLore "
+        out.append(f"optimizer {o} on an MoE model: its routed experts are no nn.Linear, so it "
                    "would leave most weights unprojected (use adamw_8bit)")
     if setup.model.model_type == "gpt2":
         out.append(f"optimizer {o}: GPT-2's projections are Conv1D, not nn.Linear (transformers' "
@@ -194,10 +292,10 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
     if layerwise(setup) and setup.grad_accum != 1:
         out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
                    f"gradients (transformers raises for gradient_accumulation {setup.grad_accum}; "
-                   "use gradient_accumulation 1, or galore_adamw)")
+                   f"use gradient_accumulation 1, or {o.replace('_layerwise', '')})")
     if layerwise(setup) and setup.gpus > 1:
         out.append(f"optimizer {o} runs in one process only (transformers raises NotImplementedError "
-                   "under DDP; use --gpus 1, or galore_adamw)")
+                   f"under DDP; use --gpus 1, or {o.replace('_layerwise', '')})")
     return out
 
 
@@ -229,6 +327,66 @@ def lomo_problems(setup: RunSetup) -> list[str]:
     return out
 
 
+def fused_backward_problems(setup: RunSetup) -> list[str]:
+    """Why AdamW in the backward cannot run as planned (see the module)."""
+    o, out = setup.optimizer, []
+    if setup.lora:
+        out.append(f"optimizer {o} steps full weights in the backward; with lora the adapters' gradients are "
+                   "small already (use it with lora: off, or optimizer adamw)")
+    if setup.offload != "none":
+        out.append(f"optimizer {o} cannot run under offload {setup.offload}: DeepSpeed and FSDP2 own the "
+                   "parameters it steps (use offload none, one GPU)")
+    if setup.grad_accum != 1:
+        out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
+                   f"gradients (gradient_accumulation {setup.grad_accum}; use gradient_accumulation 1, or adamw)")
+    if setup.gpus > 1:
+        out.append(f"optimizer {o} runs in one process only (its hooks step before DDP's all-reduce; "
+                   "use --gpus 1, or adamw)")
+    return out
+
+
+def torchao_problems(setup: RunSetup) -> list[str]:
+    """Why the setup's torchao AdamW cannot run as planned (see the module)."""
+    if setup.offload == "none":
+        return []
+    return [f"optimizer {setup.optimizer} under offload {setup.offload} is not planned: DeepSpeed flattens "
+            "the parameters it would quantize per tensor, and FSDP2's sharded state was not measured "
+            "(use offload none, one GPU or DDP)"]
+
+
+def _torchao_quantized(numel: int) -> bool:
+    return numel >= TORCHAO_MIN_QUANTIZED and numel % TORCHAO_BLOCK_SIZE == 0
+
+
+def torchao_state_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -> int:
+    """torchao AdamW8bit / AdamW4bit's state (``_new_buffer``, ``OptimState8bit.zeros`` /
+    ``OptimState4bit.zeros``): per quantized tensor two moments of codes + an fp32 scale per block
+    + an fp32 qmap; per other tensor two moments in its dtype ``w``. On a CPU plan also each
+    parameter's ``step`` scalar and the two groups' ``lr`` tensors (on CUDA they stay in host RAM)."""
+    o = setup.optimizer
+    total = 0
+    for s in shapes:
+        n = prod(s)
+        if _torchao_quantized(n):
+            codes = n * TORCHAO_CODE_BITS[o] // 8
+            total += 2 * (codes + 4 * (n // TORCHAO_BLOCK_SIZE) + 4 * TORCHAO_QMAP_ENTRIES[o])
+        else:
+            total += 2 * w * n
+    if setup.device == "cpu":
+        total += 4 * len(shapes) + 4 * 2
+    return total
+
+
+def torchao_step_temp_bytes(setup: RunSetup, shapes: list[tuple[int, ...]]) -> int:
+    """The compiled step's buffers for its largest quantized tensor (constants.TORCHAO_*BIT_STEP_TEMP_BYTES;
+    a tensor kept in full precision steps in place)."""
+    quantized = [prod(s) for s in shapes if _torchao_quantized(prod(s))]
+    if not quantized:
+        return 0
+    c = fitted.TORCHAO_8BIT_STEP_TEMP_BYTES if setup.optimizer == "adamw_torch_8bit" else fitted.TORCHAO_4BIT_STEP_TEMP_BYTES
+    return c.of(max(quantized))
+
+
 def lomo_state_bytes(setup: RunSetup, shapes: list[tuple[int, ...]]) -> int:
     """AdaLomo's state (``AdaLomo.__init__``): fp32 ``exp_avg_sq_row`` (shape[0]) and
     ``exp_avg_sq_col`` (shape[1]) of a matrix, ``exp_avg_sq`` of a vector. LOMO: none."""
@@ -250,9 +408,15 @@ def _target_shapes(setup: RunSetup) -> list[tuple[int, int]]:
     return [(lin.d_out, lin.d_in) for lin in block_linears(setup.model)] * setup.model.num_layers
 
 
-def _projected_shape(m: int, n: int, rank: int) -> tuple[int, int]:
-    q = min(rank, m, n)
+def _projected_shape(m: int, n: int, rank: int, capped: bool = True) -> tuple[int, int]:
+    """The projected gradient: GaLore's rank is capped by the SVD's k = min(m, n); APOLLO's
+    random projection is not (``capped`` False)."""
+    q = min(rank, m, n) if capped else rank
     return (m, q) if m >= n else (q, n)
+
+
+def _apollo_projector_numel(m: int, n: int, rank: int) -> int:
+    return rank * n if m >= n else m * rank
 
 
 def _bnb_state_bytes(numel: int) -> int:
@@ -288,6 +452,10 @@ def galore_state_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -
     for m, n in targets:
         rest.remove((m, n))
         rank = setup.galore_rank
+        if apollo(setup):  # projector, moments, the 0-d scaled_grad norm, all in the dtype w
+            pm, pn = _projected_shape(m, n, rank, capped=False)
+            total += w * _apollo_projector_numel(m, n, rank) + 2 * w * pm * pn + w
+            continue
         pm, pn = _projected_shape(m, n, rank)
         k = min(m, n)
         if w == 4:  # a view of the SVD factor keeps all of it: Vh (k x n) or U (m x k)
@@ -317,6 +485,13 @@ def _step_temps(setup: RunSetup, w: int, shape: tuple[int, ...], target: bool) -
     tensors come after the full gradient is dropped (``p.grad = grad``), so they count as the
     clone plus the gradient (:func:`layerwise_step_bytes` adds the gradient)."""
     numel = prod(shape)
+    if fused_backward(setup):  # torch's fused AdamW steps in place
+        return 0
+    if apollo(setup) and target:  # three projected-size tensors + two m x n (+ the channel scale
+        m, n = shape              # over the larger side, a 0-d norm), or a renewal
+        pm, pn = _projected_shape(m, n, setup.galore_rank, capped=False)
+        steady = 3 * w * pm * pn + 2 * w * numel + w * max(m, n) + w
+        return max(steady, 8 * _apollo_projector_numel(m, n, setup.galore_rank))
     if eight_bit(setup):
         return max(w * numel, _svd_bytes(w, *shape)) if target else 0
     return max(2 * w * numel, _svd_bytes(w, *shape)) if target else 2 * w * numel
@@ -415,4 +590,5 @@ def lomo_pending_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -
 __all__ = ["GALORE_RANK", "GALORE_SCALE", "GALORE_UPDATE_PROJ_GAP", "eight_bit", "galore_state_bytes",
            "galore_step_temp_bytes", "galore_targets", "given_up", "in_backward", "layerwise",
            "layerwise_step_bytes", "lomo", "lomo_experts_steps", "lomo_pending_bytes", "lomo_problems", "lomo_state_bytes",
-           "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected"]
+           "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected", "apollo", "fused_backward",
+           "fused_backward_problems", "torchao", "torchao_problems", "torchao_state_bytes", "torchao_step_temp_bytes"]

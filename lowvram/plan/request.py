@@ -24,11 +24,13 @@ from lowvram.plan.types import Plan
 from lowvram.plan.vision import VISION_HINT, vision_problems
 from lowvram.vocab import (
     FULL_ONLY_OPTIMIZERS,
+    FUSED_BACKWARD_OPTIMIZERS,
     GALORE_8BIT_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
     LAYERWISE_OPTIMIZERS,
     LOMO_OPTIMIZERS,
     PROJECTED_OPTIMIZERS,
+    TORCHAO_OPTIMIZERS,
 )
 
 # Safety margin: memory the plan leaves unused for what the model does not see (other processes
@@ -260,10 +262,19 @@ def validate_request(req: PlanRequest) -> None:
         raise LowvramError(f"optimizer {req.optimizer} steps full weights inside the backward: it runs "
                            "without LoRA and without DeepSpeed/FSDP",
                            "use --method full --offload none with it, or --optimizer adamw_8bit")
+    if req.optimizer in FUSED_BACKWARD_OPTIMIZERS and (req.lora or req.offload not in (None, "none")):
+        raise LowvramError(f"optimizer {req.optimizer} steps full weights inside the backward: it runs "
+                           "without LoRA and without DeepSpeed/FSDP",
+                           "use --method full --offload none with it, or --optimizer adamw")
     if req.optimizer in PROJECTED_OPTIMIZERS and (req.lora or req.offload not in (None, "none")):
         raise LowvramError(f"optimizer {req.optimizer} projects the gradients of full weights on unsharded "
                            "parameters: it runs without LoRA and without DeepSpeed/FSDP",
                            "use --method full --offload none with it, or --optimizer adamw_8bit")
+    if req.optimizer in TORCHAO_OPTIMIZERS and req.offload not in (None, "none"):
+        raise LowvramError(f"optimizer {req.optimizer} under offload {req.offload} is not planned: DeepSpeed "
+                           "flattens the parameters torchao quantizes per tensor, and FSDP2's sharded "
+                           "low-bit state was not measured",
+                           "use --offload none with it (one GPU or DDP), or --optimizer adamw with the offload")
     if req.batch_size % req.gpus:
         raise LowvramError(
             f"batch_size {req.batch_size} is not divisible by {req.gpus} GPUs",
@@ -309,7 +320,8 @@ def check_optimizer(req: PlanRequest, budget: Budget) -> None:
                            f"set techniques.optimizer: {other} to train here, or train on a CUDA GPU")
     if o not in IN_BACKWARD_OPTIMIZERS:
         return
-    other = "adamw_8bit" if o in LOMO_OPTIMIZERS else "galore_adamw"
+    other = ("adamw_8bit" if o in LOMO_OPTIMIZERS else "adamw" if o in FUSED_BACKWARD_OPTIMIZERS
+             else o.replace("_8bit", "").replace("_layerwise", ""))
     accumulation = req.grad_accum
     fixed_micro = fixed_micro_batch_size(req)
     if accumulation is None and fixed_micro is not None:
@@ -323,7 +335,8 @@ def check_optimizer(req: PlanRequest, budget: Budget) -> None:
                            f"or use optimizer {other}")
     if req.gpus > 1:
         raise LowvramError(f"optimizer {o} runs in one process only ("
-                           + ("its hooks step on each rank's own gradient" if o in LOMO_OPTIMIZERS else
+                           + ("its hooks step on each rank's own gradient"
+                              if o in LOMO_OPTIMIZERS + FUSED_BACKWARD_OPTIMIZERS else
                               "transformers raises NotImplementedError for layerwise GaLore under DDP")
                            + f"), and {req.gpus} GPUs were asked for", f"use --gpus 1, or optimizer {other}")
     if req.gradient_clipping:
@@ -334,17 +347,26 @@ def check_optimizer(req: PlanRequest, budget: Budget) -> None:
 
 def optimizer_given_up(setup: RunSetup) -> int:
     """What a plan's optimizer gives up, beyond speed, within a plan_level (the search's second
-    key): 0 AdamW and its 8-bit form (the same results: Dettmers et al. 2022); 1 GaLore, plain or
-    8-bit (all weights trained, but each decoder Linear's update is low-rank, Zhao et al. 2024;
-    its 8-bit moments give up nothing more, so speed decides between the two); 2 layerwise GaLore
-    (also no gradient clipping, no gradient accumulation, one process: plan/optimizers.py); 3
-    AdaLomo (those, and no first moment: Adafactor-like, Lv et al. 2024); 4 LOMO (those, and
-    plain SGD: no moments, no weight decay)."""
+    key): 0 AdamW and its 8-bit forms, bitsandbytes' and torchao's (the same results: Dettmers et
+    al. 2022); 1 torchao's 4-bit AdamW (every update full-rank and adaptive, its moments rounded to
+    4 bits: Li et al. 2023); 2 AdamW in the backward (AdamW's update; gives up clipping,
+    accumulation and several processes: plan/optimizers.py); 3 GaLore, plain or 8-bit (all weights
+    trained, but each decoder Linear's update is low-rank, Zhao et al. 2024; its 8-bit moments give
+    up nothing more, so speed decides between the two; APOLLO with them); 4 layerwise GaLore and
+    APOLLO (also no gradient clipping, no gradient accumulation, one process); 5 AdaLomo (those, and
+    no first moment: Adafactor-like, Lv et al. 2024); 6 LOMO (those, and plain SGD: no moments, no
+    weight decay)."""
     if setup.optimizer in LOMO_OPTIMIZERS:
-        return 3 if setup.optimizer == "adalomo" else 4
+        return 5 if setup.optimizer == "adalomo" else 6
+    # APOLLO ranks with GaLore: its update is the full raw gradient scaled channel-wise from moments
+    # kept in a random rank-r space (Zhu et al. 2025), no closer to AdamW than GaLore's; speed decides
     if setup.optimizer in LAYERWISE_OPTIMIZERS:
+        return 4
+    if setup.optimizer in PROJECTED_OPTIMIZERS:
+        return 3
+    if setup.optimizer in FUSED_BACKWARD_OPTIMIZERS:
         return 2
-    return 1 if setup.optimizer in PROJECTED_OPTIMIZERS else 0
+    return 1 if setup.optimizer == "adamw_torch_4bit" else 0
 
 
 _EXAMPLE = {"seq_len": 1024, "batch_size": 16, "gpus": 1, "lora_r": 16}

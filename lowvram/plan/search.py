@@ -36,6 +36,7 @@ from lowvram.vocab import (
     IN_BACKWARD_OPTIMIZERS,
     LOMO_OPTIMIZERS,
     PROJECTED_OPTIMIZERS,
+    TORCHAO_OPTIMIZERS,
 )
 
 # Several GPUs (issue 6): sharding the model states is exact (same result as DDP) and costs
@@ -89,12 +90,22 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         "tiled_mlp": (pick("tiled_mlp", [False, True]) if (req.model is None or not req.model.is_moe)
                       and not req.lora_use_dora and req.objective == "sft" and not _vision(req)
                       else [False]),
-        "optimizer": pick("optimizer", ["adamw", "adamw_8bit"] + galore_options(req, budget)
-                          + lomo_options(req, budget)),
+        "optimizer": pick("optimizer", ["adamw", "adamw_8bit"] + torchao_options(budget)
+                          + in_backward_options(req) + galore_options(req, budget)
+                          + apollo_options(req, budget) + lomo_options(req, budget)),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
         "offload": pick("offload", _auto_offloads(req, on_gpu)),
     }
+
+
+def torchao_options(budget: Budget) -> list[str]:
+    """torchao's 8-bit and 4-bit AdamW on auto, where torchao is installed: for LoRA and full
+    fine-tuning alike, with offload none (candidate_setups). The 8-bit form ranks with AdamW and
+    bitsandbytes' 8-bit AdamW (the same training; the slower step, so chosen where it is leaner:
+    it quantizes the embedding too), the 4-bit form after them and before GaLore
+    (request.optimizer_given_up)."""
+    return [] if "torchao" in budget.missing_extras else ["adamw_torch_8bit", "adamw_torch_4bit"]
 
 
 def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
@@ -111,6 +122,25 @@ def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
     if not req.gradient_clipping:
         out += ["galore_adamw_layerwise"] + (["galore_adamw_8bit_layerwise"] if budget.device == "cuda" else [])
     return out
+
+
+def in_backward_options(req: PlanRequest) -> list[str]:
+    """AdamW in the backward on auto: full fine-tuning asked for (sft, a known architecture), not
+    when the recipe asks for gradient clipping; it needs no extra. It ranks after torchao's 4-bit
+    AdamW and before GaLore (request.optimizer_given_up)."""
+    if req.lora is not False or req.objective != "sft" or req.model is None or req.gradient_clipping or _vision(req):
+        return []
+    return ["adamw_in_backward"]
+
+
+def apollo_options(req: PlanRequest, budget: Budget) -> list[str]:
+    """APOLLO's forms on auto: as GaLore's (full fine-tuning asked for, sft, a known architecture;
+    the layerwise form not with gradient clipping), where apollo_torch is installed; they rank
+    with GaLore's (request.optimizer_given_up) and run on the CPU too."""
+    if (req.lora is not False or req.objective != "sft" or req.model is None or _vision(req)
+            or "apollo" in budget.missing_extras):
+        return []
+    return ["apollo_adamw"] + ([] if req.gradient_clipping else ["apollo_adamw_layerwise"])
 
 
 def lomo_options(req: PlanRequest, budget: Budget) -> list[str]:
@@ -166,6 +196,8 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             continue
         # GaLore projects the full weights' gradients, unsharded and unflattened (plan/optimizers.py)
         if optim in FULL_ONLY_OPTIMIZERS and (lora or offload != "none"):
+            continue
+        if optim in TORCHAO_OPTIMIZERS and offload != "none":  # not planned under DeepSpeed/FSDP2
             continue
         if optim in IN_BACKWARD_OPTIMIZERS and per_gpu // micro != 1:  # stepped in the backward: no accumulation
             continue
@@ -241,7 +273,8 @@ def candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Estim
 
 def rank(c: Candidate, budget: Budget | None = None) -> tuple:
     """Search order among fitting plans: the lowest level (plan_level), then what the optimizer
-    gives up (request.optimizer_given_up: AdamW, GaLore, layerwise GaLore, AdaLomo, LOMO), then plans
+    gives up (request.optimizer_given_up: AdamW and its 8-bit forms, torchao's 4-bit AdamW, GaLore, layerwise GaLore,
+    AdaLomo, LOMO), then plans
     that need no missing extra, then the fastest (techniques.setup_slowdown); ties in speed go to the larger
     micro-batch (fewer passes), then to the smaller peak."""
     missing = bool(missing_extras(c.setup, budget)) if budget else False
@@ -289,7 +322,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
 
 __all__ = [
     "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size",
-    "allowed_micro_batches", "galore_options", "lomo_options",
+    "allowed_micro_batches", "apollo_options", "galore_options", "in_backward_options", "lomo_options", "torchao_options",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
     "sized_estimate", "sized_loss_chunk", "technique_options", "technique_words", "TIER_SHARD",
 ]

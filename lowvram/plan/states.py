@@ -184,7 +184,9 @@ def optimizer_bytes(setup: RunSetup) -> int:
         return optimizers.galore_state_bytes(setup, w, shapes)
     if optimizers.lomo(setup):  # LOMO none, AdaLomo its factored fp32 second moment
         return optimizers.lomo_state_bytes(setup, shapes)
-    if o in ("adamw", "paged_adamw_32bit"):
+    if optimizers.torchao(setup):  # torchao's block-wise 8/4-bit moments
+        return optimizers.torchao_state_bytes(setup, w, shapes)
+    if o in ("adamw", "paged_adamw_32bit", "adamw_in_backward"):
         return 2 * w * sum(shape_numel(s) for s in shapes)
     if o in OPTIMIZERS_8BIT:
         # The Trainer registers every nn.Embedding weight for 32-bit state (bnb
@@ -217,6 +219,8 @@ def optimizer_step_temp_bytes(setup: RunSetup) -> int:
     bench/plan_accuracy.py)."""
     if optimizers.projected(setup):
         return optimizers.galore_step_temp_bytes(setup, dtype_bytes(setup)[0], trainable_tensors(setup))
+    if optimizers.torchao(setup):  # the compiled step's buffers (plan/optimizers.py)
+        return optimizers.torchao_step_temp_bytes(setup, trainable_tensors(setup))
     if setup.optimizer != "adafactor":
         return 0
     largest = max(shape_numel(s) for s in trainable_tensors(setup))

@@ -155,6 +155,19 @@ OPTIMIZER_SLOWDOWN = {
     # loop of P^2 checks per backward). Placeholders; they order nothing the search compares:
     # each form ranks alone by what it gives up (request.optimizer_given_up)
     "lomo": 1.05, "adalomo": 1.1,
+    # torchao's own Llama-2-7B full-bf16 fine-tune on an A100 (torchao/optim/README.md, torchtune
+    # 52d1b838): 3200 tokens/s with fused AdamW, 2900 with ao 8-bit and ao 4-bit (x 1.10); not
+    # measured by this project. The first step's compiles (once per shape) are not in the factor
+    "adamw_torch_8bit": 1.1, "adamw_torch_4bit": 1.1,
+    # not measured by this project: read from apollo_torch's source, AdamW's step on rank-r moments
+    # plus two matmuls and two m x n products per decoder Linear, and a random projector (no SVD:
+    # cheaper than GaLore's renewal, which GaLore's 1.1 stands for). A placeholder like GaLore's;
+    # it orders APOLLO before GaLore where both fit at one rank (request.optimizer_given_up)
+    "apollo_adamw": 1.05, "apollo_adamw_layerwise": 1.05,
+    # the same fused AdamW kernel per parameter, launched once per parameter instead of once for all
+    # (torch's fused/foreach step batches the tensors); not measured by this project and no
+    # published step time checked: a placeholder a little above AdamW's 1.0
+    "adamw_in_backward": 1.02,
 }
 QUANTIZATION_SLOWDOWN = {
     "none": 1.0, "nf4": 1.35, "nf4-dq": 1.35, "fp4": 1.35,

@@ -185,7 +185,7 @@ def vision_problems(vision: VisionSpec | None, offload: str | None, objective: s
         what.append(f"offload {offload}")
     if objective != "sft":
         what.append(f"objective {objective}")
-    if optimizer and (optimizer.startswith("galore") or optimizer in ("lomo", "adalomo")):
+    if optimizer and (optimizer.startswith(("galore", "apollo")) or optimizer in ("lomo", "adalomo")):
         what.append(f"optimizer {optimizer}")
     if tiled_mlp:
         what.append("tiled_mlp")

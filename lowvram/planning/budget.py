@@ -85,7 +85,8 @@ def missing_extras() -> tuple[str, ...]:
     import importlib.util
 
     extras = (("deepspeed", "deepspeed"), ("liger", "liger_kernel"), ("galore", "galore_torch"),
-              ("lomo", "lomo_optim"))
+              ("lomo", "lomo_optim"), ("torchao", "torchao"),
+              ("apollo", "apollo_torch"))
     return tuple(e for e, module in extras if importlib.util.find_spec(module) is None)
 
 

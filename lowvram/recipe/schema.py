@@ -280,7 +280,10 @@ class TechniquesSection(_Section):
         "state, CUDA only), galore_adamw_layerwise / galore_adamw_8bit_layerwise (each weight stepped in the "
         "backward: no full set of gradients; no accumulation, no clipping, one GPU), lomo / adalomo (LOMO's SGD "
         "or AdaLomo's factored second moment fused into the backward, pip install 'lowvram[lomo]'; the same "
-        "limits, no fp16, adalomo CUDA only); 8-bit AdamW saves 6 bytes/param."
+        "limits, no fp16, adalomo CUDA only), adamw_torch_8bit / adamw_torch_4bit (torchao's block-wise 8/4-bit "
+        "moments, the step compiled, pip install 'lowvram[torchao]'; no offload), apollo_adamw / "
+        "apollo_adamw_layerwise (APOLLO: channel-wise scaled gradients from random rank-galore.rank moments, pip "
+        "install 'lowvram[apollo]'; GaLore's limits); 8-bit AdamW saves 6 bytes/param."
     )
     offload: Offload = Field(
         "auto", description="Offload/shard optimizer or parameters via DeepSpeed ZeRO or FSDP; slowest, last resort."

@@ -282,7 +282,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     trainer = build_trainer(
         loaded, bundle, args, make_collator(loaded.tokenizer),
         callbacks=[progress, *signals.make_callbacks(stop), *callbacks],
-        loss=plan.loss, loss_chunk_tokens=plan.loss_chunk_tokens,
+        loss=plan.loss, loss_chunk_tokens=plan.loss_chunk_tokens, optimizer=plan.optimizer,
     )
 
     at_data, compared_with = _prediction_at_data_length(recipe, plan, bundle, replanner,

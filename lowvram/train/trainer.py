@@ -11,10 +11,13 @@ from lowvram.errors import LowvramError
 from lowvram.plan.backward import CHUNK_TOKENS
 from lowvram.plan.setup import FSDP_OFFLOADS
 from lowvram.vocab import (
+    APOLLO_OPTIMIZERS,
+    FUSED_BACKWARD_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
     LOMO_OPTIMIZERS,
     OPTIMIZER_EXTRAS,
     PROJECTED_OPTIMIZERS,
+    TORCHAO_OPTIMIZERS,
     TRAINER_OPTIMIZERS,
 )
 
@@ -45,7 +48,7 @@ def precision_flags(plan) -> dict:
 def projected_optimizer_arguments(plan) -> dict:
     """optimizer galore_adamw (and its 8-bit and layerwise forms): the Linears it projects (optim_target_modules, by name, as
     transformers' _setup_low_rank_optimizer matches them) and its optim_args; checks the extra."""
-    if plan.optimizer not in PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS:
+    if plan.optimizer not in PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS + TORCHAO_OPTIMIZERS:
         return {}
     import importlib.util
 
@@ -55,13 +58,29 @@ def projected_optimizer_arguments(plan) -> dict:
                            f"pip install 'lowvram[{extra}]', or set techniques.optimizer: adamw_8bit")
     if plan.optimizer in LOMO_OPTIMIZERS:  # the Trainer hands lomo_optim the model itself: no arguments
         return {}
+    if plan.optimizer in TORCHAO_OPTIMIZERS:  # block_size 256, the Trainer's default (plan/optimizers.py)
+        _check_compiler(plan)
+        return {}
     if not plan.optimizer_target_modules:
         raise LowvramError(f"optimizer {plan.optimizer} needs the model's architecture to pick the Linears it "
                            "projects, and the model's config could not be read",
                            "make model.name_or_path a folder with config.json or a catalog model")
+    if plan.optimizer in APOLLO_OPTIMIZERS:  # galore.rank / update_proj_gap; APOLLO's own scale (1.0)
+        return {"optim_target_modules": list(plan.optimizer_target_modules),
+                "optim_args": f"rank={plan.galore_rank},update_proj_gap={plan.galore_update_proj_gap}"}
     return {"optim_target_modules": list(plan.optimizer_target_modules),
             "optim_args": f"rank={plan.galore_rank},update_proj_gap={plan.galore_update_proj_gap},"
                           f"scale={plan.galore_scale}"}
+
+
+def _check_compiler(plan) -> None:
+    """torchao's step is torch.compile'd: inductor's CPU backend builds C++ (it needs a compiler)."""
+    import shutil
+
+    if plan.device == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise LowvramError(f"optimizer {plan.optimizer} compiles its step with torch.compile, which needs a C++ "
+                           "compiler on the CPU, and none (g++, c++, clang++) is on PATH",
+                           "install one (apt-get install g++), or set techniques.optimizer: adamw_8bit")
 
 
 def max_grad_norm(plan, asked: float) -> float:
@@ -183,10 +202,12 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
 
 
 def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard",
-                  loss_chunk_tokens: int = CHUNK_TOKENS):
+                  loss_chunk_tokens: int = CHUNK_TOKENS, optimizer: str = "adamw"):
     """The Hugging Face Trainer over a DataBundle (lowvram.train.data); ``loss`` is plan.loss
     ("chunked": lowvram.train.loss computes the training loss in chunks of plan.loss_chunk_tokens
-    tokens; "fused": the plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss)."""
+    tokens; "fused": the plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss).
+    ``optimizer``: plan.optimizer (adamw_in_backward: lowvram.train.in_backward steps each parameter in
+    its gradient hook)."""
     from transformers import PrinterCallback, Trainer
 
     from lowvram.train.preference import build_preference_trainer, is_preference_config
@@ -197,6 +218,10 @@ def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "sta
         from lowvram.train.loss import chunked_loss_trainer_class
 
         Trainer = chunked_loss_trainer_class(loss_chunk_tokens)  # noqa: N806 - a Trainer subclass
+    if optimizer in FUSED_BACKWARD_OPTIMIZERS:
+        from lowvram.train.in_backward import in_backward_trainer_class
+
+        Trainer = in_backward_trainer_class(Trainer)  # noqa: N806 - a Trainer subclass
     trainer = Trainer(
         model=loaded.model,
         args=args,
