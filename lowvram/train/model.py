@@ -24,8 +24,13 @@ _NOISE = (
     "Failed to load CPU gemm_4bit_forward from kernels-community",
     # The Trainer sorting checkpoints written within the same second (it then sorts by number).
     "mtime may not be reliable on this filesystem",
+    # torchao (imported by peft when installed) without its optional CUDA kernels, e.g. on a CPU.
+    "/torchao/_C",
+    # torchao 0.18 registering its enums with torch 2.13's pytree (a deprecation, not the user's).
+    "is an Enum subclass and is now natively supported by torch.compile",
 )
-_NOISY_LOGGERS = ("bitsandbytes", "bitsandbytes.backends.cpu.ops", "transformers.trainer_utils")
+_NOISY_LOGGERS = ("bitsandbytes", "bitsandbytes.backends.cpu.ops", "transformers.trainer_utils", "torchao",
+                  "torch.utils._pytree")
 
 
 class _DropNoise(logging.Filter):
