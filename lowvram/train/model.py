@@ -231,6 +231,35 @@ def load_tokenizer(recipe, source: str):
     return tok
 
 
+def load_image_inputs(recipe, source: str, model):
+    """Format image_chat: the checkpoint's processor (AutoProcessor: image processor, tokenizer
+    and chat template) and the config's image token; None when no dataset is image_chat."""
+    if not any(d.format == "image_chat" for d in recipe.data.datasets):
+        return None
+    from lowvram.errors import DataError
+    from lowvram.train.data.build import ImageInputs
+
+    if not has_vision(model.config):
+        raise DataError(f"format image_chat needs a model with a vision tower; {source} has none "
+                        f"(model_type {getattr(model.config, 'model_type', '?')})",
+                        "use a multimodal checkpoint (Gemma-3 4B+, Llava) or format: chat")
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(source, revision=recipe.model.revision,
+                                                  trust_remote_code=recipe.model.trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        processor = None
+        why = _first_line(e)
+    else:
+        why = f"AutoProcessor gave a {type(processor).__name__}"
+    if processor is None or not hasattr(processor, "image_processor") or not hasattr(processor, "image_token"):
+        raise ModelError(f"format image_chat needs the model's processor and {source} has none usable ({why})",
+                         "a multimodal checkpoint folder holds processor_config.json and "
+                         "preprocessor_config.json beside the tokenizer files")
+    return ImageInputs(processor, int(model.config.image_token_id))
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
