@@ -42,10 +42,12 @@ from lowvram.difftest import (  # noqa: E402
     ANY_LIMIT,
     FAMILIES,
     FIRST_FAMILIES,
+    IMAGE_FAMILIES,
     OVER_LIMIT,
     TEN_FAMILIES,
     VISION_FAMILIES,
     made_galore,
+    made_images,
     made_lomo,
     preference_case,
     random_case,
@@ -59,7 +61,7 @@ from lowvram.difftest import (  # noqa: E402
 # "gpt_oss": gpt-oss alone (bench/results/plan_fuzz_gpt_oss.txt).
 # "vision": the multimodal checkpoints (Gemma-3 and Llava with a tiny vision tower), text recipes
 FAMILY_SETS = {"seven": FIRST_FAMILIES, "ten": TEN_FAMILIES, "all": FAMILIES, "gpt_oss": ("gpt_oss",),
-               "vision": VISION_FAMILIES}
+               "vision": VISION_FAMILIES, "images": IMAGE_FAMILIES}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -98,6 +100,9 @@ def main() -> int:
                          "through TRL) with the same models and techniques")
     ap.add_argument("--kto", action="store_true",
                     help="with --preference: every case is training.objective kto (preference_case(kto=True))")
+    ap.add_argument("--images", action="store_true",
+                    help="every case made an image + text run (format image_chat; made_images); "
+                         "with --families images")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
@@ -112,6 +117,7 @@ def main() -> int:
     families += " --kto" if args.kto else ""
     families += f" --galore {args.galore}" if args.galore else ""
     families += " --lomo" if args.lomo else ""
+    families += " --images" if args.images else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
@@ -124,6 +130,8 @@ def main() -> int:
                 continue
         if args.lomo:
             case = made_lomo(case)
+        if args.images:
+            case = made_images(case)
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

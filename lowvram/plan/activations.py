@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from lowvram.plan import constants as fitted
 from lowvram.plan import moe
+from lowvram.plan.images import bidirectional_image_masks
 from lowvram.plan.layer import describe_layer
 from lowvram.plan.models import ModelSpec, block_linears, dense_view
 from lowvram.plan.setup import RunSetup
@@ -350,7 +351,7 @@ def masked_layers(setup: RunSetup) -> int:
     if setup.attention != "sdpa":
         return 0
     spec = setup.model
-    if setup.packing:
+    if setup.packing or bidirectional_image_masks(setup):  # Gemma-3 with images: plan/images.py
         return spec.num_layers
     if spec.sliding_layers and setup.seq_len >= spec.sliding_window:
         return spec.sliding_layers
@@ -382,12 +383,13 @@ def _checkpointed_mask_bytes(setup: RunSetup) -> int:
     keep for the recompute, one per attention type. Without padding or packing the sliding-window
     mask depends on no row, so it is built once for the batch (measured: (1, 1, 512, 512) bool
     in lowvram train on a 2-layer Gemma-3, b4 s512, whose plan was 2.9% low without it); packed
-    samples make it b x 1 x s x s, with the full-attention layers' packed mask beside it."""
+    samples make it b x 1 x s x s, with the full-attention layers' packed mask beside it; so do
+    Gemma-3's image masks (plan/images.py)."""
     if not masked_layers(setup):
         return 0
     spec = setup.model
     s = setup.seq_len
-    if not setup.packing:
+    if not setup.packing and not bidirectional_image_masks(setup):
         return s * s
     return describe_layer(spec).attention_types * setup.micro_batch_size * s * s
 

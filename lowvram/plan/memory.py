@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan import dora, moe, optimizers, preference, tiled
+from lowvram.plan import dora, images, moe, optimizers, preference, tiled
 from lowvram.plan.activations import (
     activation_offload_host_bytes,
     activation_offloaded,
@@ -238,6 +238,21 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     return max(candidates, key=lambda m: m.bytes)  # the first of equals, as listed
 
 
+def _with_images(setup: RunSetup, moment: Moment) -> Moment:
+    """Image data: the batch's pixel values beside every moment, and the frozen vision tower's
+    forward as a moment of its own (plan/images.py; only the text embeddings made before it, no
+    saved activation, no gradient made yet; with accumulation the kept gradients are counted by
+    the caller)."""
+    r, _, autocast = dtypes(setup)
+    tower = 2 if autocast else dtype_bytes(setup)[0]
+    kept = images.pixel_bytes(setup) + images.scattered_embedding_bytes(setup, r)
+    forward = Moment("vision_encoder_forward", kept + images.encoder_forward_bytes(setup, tower, r))
+    if moment.logits:  # at the loss: the model's output, with its image outputs, still alive
+        kept += images.image_outputs_bytes(setup, tower, r)
+    moment = replace(moment, activations=moment.activations + kept)
+    return max((moment, forward), key=lambda m: m.bytes)
+
+
 def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> list[Moment]:
     """Layerwise GaLore (plan/optimizers.py): each parameter is stepped and its gradient dropped
     in its post-accumulate-grad hook (transformers _setup_low_rank_optimizer ``optimizer_hook``),
@@ -305,6 +320,8 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     live_weights = weights + gathered  # FSDP: shards plus the units gathered for compute
     persistent = weights + optim + kept_grads  # what lives across steps
     moment = _forward_backward_peak(core, acts, logits, grads, layer_grads)
+    if setup.images_per_row:  # format image_chat (plan/images.py)
+        moment = _with_images(setup, moment)
     if pref and preference.reference_forward_bytes(setup):
         # DPO: the reference forward (no_grad) after the policy's, every saved activation alive
         # (lowvram.plan.preference; TRL DPOTrainer._compute_loss)

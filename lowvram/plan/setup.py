@@ -111,6 +111,8 @@ class RunSetup:
     # data.packing: several samples per window, so SDPA gets a block-diagonal mask in every
     # layer (activations.masked_layers)
     packing: bool = False
+    # data.images_per_row with image_chat data (0: text): lowvram.plan.images
+    images_per_row: int = 0
     # techniques.tiled_mlp: each decoder layer's MLP computed over the sequence in shards and
     # recomputed shard by shard in the backward (DeepSpeed's TiledMLP, lowvram.plan.tiled);
     # tiled_mlp_shards 0 = DeepSpeed's rule, ceil(seq_len / hidden_size) (tiled.tiled_mlp_shards)
