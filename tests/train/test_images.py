@@ -9,10 +9,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
+from lowvram.check.builders import tiny_vision_config  # noqa: E402
 from lowvram.difftest import Case, made_images, run_case  # noqa: E402
 from lowvram.errors import DataError, LowvramError  # noqa: E402
 from lowvram.recipe import Recipe  # noqa: E402
-from lowvram.testing import build_processor, build_vision_tokenizer, tiny_vision_config, write_image_chat  # noqa: E402
+from lowvram.testing import build_processor, build_vision_tokenizer, write_image_chat  # noqa: E402
 from lowvram.train.data.build import ImageInputs, build_datasets  # noqa: E402
 from lowvram.train.data.collate import make_collator  # noqa: E402
 from lowvram.train.data.images import make_image_collator  # noqa: E402
@@ -182,8 +183,13 @@ def test_image_recipe_trains_end_to_end_at_its_plan(tmp_path, family, method):
     out = run_case(_case(family, method), tmp_path)
     assert out.error is None, out.error
     assert out.ok, (out.measured_bytes, out.predicted_bytes, out.ratio)
-    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert plan["images_per_row"] == out.case.images
+    from lowvram.planning.entry import plan_for_recipe
+    from lowvram.recipe import load_recipe
+
+    recipe = load_recipe(tmp_path / "recipe.yaml")
+    assert plan_for_recipe(recipe).predicted_peak_bytes == out.predicted_bytes
+    recipe.data.images_per_row += 1  # one more image a row: more pixels, more planned
+    assert plan_for_recipe(recipe).predicted_peak_bytes > out.predicted_bytes
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 2 and all(loss == loss for _, loss in metrics["loss_history"])
 
