@@ -16,9 +16,9 @@ Sources (transformers 5.25):
 - the frozen tower's forward (modeling_siglip.py, modeling_clip.py): no parameter or input needs a
   gradient, so autograd saves nothing and each layer's temporaries are freed as it goes; the
   embeddings cast the pixels to the patch embedding's dtype (``pixel_values.to(dtype=target_dtype)``).
-  Llava asks the tower for every layer's hidden state (LlavaModel.get_image_features,
-  ``output_hidden_states=True``), so they are all alive at the tower's last layer; Gemma-3 takes
-  only the last one. The projector's output (image features) is scattered into the text
+  Llava's tower returns every layer's hidden state (LlavaModel.get_image_features reads
+  ``hidden_states[vision_feature_layer]``), alive beside its projector; Gemma-3's only the last
+  one. The projector's output (image features) is scattered into the text
   embeddings (``inputs_embeds.masked_scatter``), which were made before the tower ran, and is
   freed there: the frozen path keeps nothing for the backward.
 - Gemma-3 (modeling_gemma3.py Gemma3Model.forward): with token_type_ids (its processor returns them,
@@ -38,13 +38,18 @@ if TYPE_CHECKING:
     from lowvram.plan.models import ModelSpec
     from lowvram.plan.setup import RunSetup
 
-# Elements alive in a frozen ViT encoder layer's forward, in units of n x P x h (n images, P
-# tokens each, h the tower's width), beside the layer's input: the attention side holds the
-# layer norm's output, q, k and v, the attention output and its projection (6); the MLP side the
-# norm's output and the output beside fc1's and the activation's n x P x I each (2, + 2 I / h).
-# Read off SiglipEncoderLayer / CLIPEncoderLayer forward (modeling_siglip.py, modeling_clip.py).
-ATTENTION_SIDE_TENSORS = 6
+# What a frozen ViT encoder layer's forward holds beside the hidden states kept before it, in
+# tensors of n x P x h (n images, P tokens each, h the tower's width), per tower: on the attention
+# side the layer norm's output, q, k, v, SDPA's output and its contiguous reshape, the output
+# projection (SigLIP 6 alive at once, CLIP 7); on the MLP side the attention block's output (the
+# residual) and the norm's output (2) beside the activation's n x P x I tensors (SigLIP's
+# gelu_pytorch_tanh: fc1's output and the activation's, 2; CLIP's quick_gelu, x * sigmoid(1.702 x):
+# 3). Read off modeling_siglip.py / modeling_clip.py (no tensor is saved without a gradient; each is
+# freed when its Python name is) and measured exactly with the live-bytes tracker on 1-3 layer
+# towers, fp32 and bf16, SDPA and eager (tests/plan/test_images.py).
+ATTENTION_SIDE_TENSORS = {"siglip": 6, "clip": 7}
 MLP_SIDE_TENSORS = 2
+ACTIVATION_TENSORS = {"siglip": 2, "clip": 3}
 
 
 def image_problems(spec: ModelSpec, images_per_row: int, seq_len: int) -> list[str]:
@@ -119,33 +124,44 @@ def scattered_embedding_bytes(setup: RunSetup, text_bytes: int) -> int:
     return setup.micro_batch_size * setup.seq_len * setup.model.hidden_size * text_bytes
 
 
-def encoder_forward_bytes(setup: RunSetup, tower_bytes: int, text_bytes: int) -> int:
-    """The largest working set of the frozen vision tower's and projector's forward, beside the
-    text embeddings (made first) and the pixels: the pixels' cast copy, the encoder layer's
-    temporaries (its input beside the larger of its attention and MLP sides; eager attention: the
-    n x heads x P x P scores and their softmax), Llava's kept hidden states, then the projector
-    with its output. ``tower_bytes``: bytes per element of the tower's activations (its weights'
-    dtype, 16-bit under autocast); ``text_bytes``: the language model's residual stream's."""
+def tower_forward_bytes(setup: RunSetup, tower_bytes: int) -> int:
+    """The largest working set of the frozen vision tower's and projector's forward beyond the
+    weights and the pixels: the pixels' cast copy (a 16-bit tower), the last encoder layer's
+    temporaries beside its input (the larger of the attention and MLP sides; eager attention: the
+    n x heads x P x P scores) and, for Llava, every earlier layer's hidden state it asks for; then
+    the projector beside what the tower returned, with its two largest outputs (n x T x h_text).
+    ``tower_bytes``: bytes per element of the tower's activations (its weights' dtype, 16-bit
+    under autocast)."""
     v = setup.model.vision
     n = images_per_micro_batch(setup)
     if not n or v is None:
         return 0
     e = tower_bytes
     tokens = v.patches + (1 if v.tower == "clip" else 0)  # CLIP: + the class token
-    npt = n * tokens
-    cast = n * v.num_channels * v.image_size ** 2 * e if e != 4 else 0
-    side = max(ATTENTION_SIDE_TENSORS * v.hidden_size,
-               MLP_SIDE_TENSORS * v.hidden_size + 2 * v.intermediate_size)
-    layer = npt * (v.hidden_size + side) * e
-    if setup.attention == "eager":
-        layer += 2 * n * v.num_heads * tokens * tokens * e
-    kept = (v.num_layers + 1) * npt * v.hidden_size * e if v.projector == "llava" else 0
-    t = setup.micro_batch_size * setup.seq_len
-    embeds = t * setup.model.hidden_size * text_bytes
-    # the projector: Llava linear_1, its activation and linear_2 (three n x T x h_text); Gemma-3
-    # its pooled, normed and projected outputs (smaller: T is patches / pooling); then the
-    # scatter's new embeddings beside the old
+    unit = n * tokens * v.hidden_size * e  # one hidden state of the tower
+    # the patch embedding: the pixels cast to the tower's dtype beside its output
+    embedding = (n * v.num_channels * v.image_size ** 2 * e if e != 4 else 0) + 2 * unit
+    side = max(ATTENTION_SIDE_TENSORS[v.tower] * v.hidden_size,
+               MLP_SIDE_TENSORS * v.hidden_size + ACTIVATION_TENSORS[v.tower] * v.intermediate_size)
+    side *= n * tokens * e
+    if setup.attention == "eager":  # the scores, softmaxed in place of the product
+        side += n * v.num_heads * tokens * tokens * e
+    llava = v.projector == "llava"
+    # kept before the last layer: the encoder's input (its caller's name) and the layer's input
+    before = min(v.num_layers, 2)
+    returned = (v.num_layers + 1) if llava else 1  # Llava asks for every hidden state
     features = n * v.tokens_per_image * v.text_hidden_size * e
-    projector = 3 * features + (npt * v.hidden_size * e)
-    scatter = features + embeds
-    return embeds + max(cast + layer + kept, projector, scatter)
+    return max(embedding, before * unit + side, returned * unit + 2 * features)
+
+
+def encoder_forward_bytes(setup: RunSetup, tower_bytes: int, text_bytes: int) -> int:
+    """The vision moment's working set: the text embeddings (made before the tower runs) beside
+    the tower's forward (tower_forward_bytes), or beside the image features and the new
+    embeddings the scatter makes. ``text_bytes``: the language model's residual stream's."""
+    v = setup.model.vision
+    n = images_per_micro_batch(setup)
+    if not n or v is None:
+        return 0
+    embeds = setup.micro_batch_size * setup.seq_len * setup.model.hidden_size * text_bytes
+    features = n * v.tokens_per_image * v.text_hidden_size * tower_bytes
+    return embeds + max(tower_forward_bytes(setup, tower_bytes), features + embeds)

@@ -1,0 +1,43 @@
+"""The frozen vision tower's forward (plan/images.py tower_forward_bytes, the moment
+vision_encoder_forward) against the live-bytes tracker on tiny Gemma-3 (SigLIP) and Llava (CLIP)
+towers: exact, attention- and MLP-bound, 1-4 layers, fp32 and bf16, SDPA and eager."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lowvram.check.builders import tiny_vision_config  # noqa: E402
+from lowvram.livebytes import LiveBytes  # noqa: E402
+from lowvram.plan.images import tower_forward_bytes  # noqa: E402
+from lowvram.plan.readers import spec_from_config  # noqa: E402
+from lowvram.plan.setup import RunSetup  # noqa: E402
+from lowvram.testing import build_vision_tokenizer  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llava"])
+@pytest.mark.parametrize("layers, hidden, intermediate, attention, dtype", [
+    (3, 128, 256, "sdpa", "float32"),   # the attention side binds
+    (3, 128, 256, "eager", "float32"),  # + the n x heads x P x P scores
+    (1, 64, 512, "sdpa", "float32"),    # the MLP side binds
+    (4, 64, 512, "sdpa", "bfloat16"),   # a 16-bit tower: the pixels cast at its embedding
+])
+def test_tower_forward_is_exact(family, layers, hidden, intermediate, attention, dtype):
+    from transformers import AutoModelForImageTextToText
+
+    tok = build_vision_tokenizer(family)
+    cfg = tiny_vision_config(family, tok, vision_layers=layers, vision_hidden=hidden, image_size=64, patch_size=8)
+    cfg.vision_config.intermediate_size = intermediate
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg, attn_implementation=attention).to(getattr(torch, dtype))
+    model.requires_grad_(False)  # frozen, as lowvram trains it (train.model.freeze_vision)
+    images = 4
+    pixels = torch.randn(images, 3, 64, 64)  # float32, as the image processor makes them
+    with LiveBytes() as t:
+        t.register(model, pixels)
+        before = t.current_bytes
+        model.model.get_image_features(pixel_values=pixels)
+        measured = t.peak_bytes - before
+    setup = RunSetup(model=spec_from_config(cfg.to_dict(), "tiny"), micro_batch_size=images, images_per_row=1,
+                     seq_len=128, precision="fp32" if dtype == "float32" else "bf16", attention=attention,
+                     device="cpu")
+    assert measured == tower_forward_bytes(setup, 4 if dtype == "float32" else 2)
