@@ -41,3 +41,17 @@ def test_tower_forward_is_exact(family, layers, hidden, intermediate, attention,
                      seq_len=128, precision="fp32" if dtype == "float32" else "bf16", attention=attention,
                      device="cpu")
     assert measured == tower_forward_bytes(setup, 4 if dtype == "float32" else 2)
+
+
+def test_simulate_runs_image_plans_on_text_rows_with_a_note():
+    """--simulate never refuses an image + text plan: it simulates the text step and says so."""
+    from dataclasses import replace
+
+    from lowvram.check.simulate import simulable
+
+    cfg = tiny_vision_config("llava", build_vision_tokenizer("llava"))
+    setup = RunSetup(model=spec_from_config(cfg.to_dict(), "tiny"), images_per_row=2, seq_len=128, device="cpu")
+    simulated, notes = simulable(setup)
+    assert simulated == replace(setup, images_per_row=0)
+    assert notes == ("simulated on text rows of seq_len: the images' pixels, the vision tower's forward and "
+                     "Gemma-3's image masks are modelled analytically (plan/images.py)",)
