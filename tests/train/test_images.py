@@ -249,3 +249,21 @@ def test_an_image_recipe_plan_names_the_images(tmp_path):
         (tmp_path / "r.yaml").write_text(f"model: {{name_or_path: {model}}}\n"
                                          f"data: {{datasets: [{{path: {data}, format: image_chat}}]}}\n")
         plan_for_recipe(load_recipe(tmp_path / "r.yaml"))
+
+
+def test_a_placeholder_in_text_counts_as_an_image_part(tmp_path, processor_of):
+    """LLaMA-Factory's shape: the processor's placeholder inside text content, images beside it;
+    with train_on_inputs the prompt is trained too, the image tokens still never."""
+    processor, cfg = processor_of
+    write_image_chat(tmp_path / "good.jsonl", rows=1)
+    row = {"messages": [{"role": "user", "content": processor.image_token + "What is it?"},
+                        {"role": "assistant", "content": "A square."}],
+           "images": ["images/image_0.png"]}
+    data = tmp_path / "text.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    bundle = _bundle(processor_of, data, train_on_inputs=True)
+    ids, labels = bundle.train["input_ids"][0], bundle.train["labels"][0]
+    assert cfg.image_token_id in ids
+    assert [lab for i, lab in zip(ids, labels, strict=True) if i == cfg.image_token_id] == [IGNORE_INDEX] * ids.count(
+        cfg.image_token_id)
+    assert sum(lab != IGNORE_INDEX for lab in labels) == len(ids) - ids.count(cfg.image_token_id)
