@@ -88,8 +88,8 @@ class DatasetSpec(_Section):
         "alpaca",
         description="alpaca (instruction/input/output), chat (messages with roles, rendered by the "
         "tokenizer's chat template), image_chat (messages whose content holds {type: image} parts, "
-        "plus images: image files relative to the data file; rendered by the model's processor; a "
-        "model with a vision tower), completion (prompt/completion), text (raw text), preference "
+        "plus images: image files relative to the data file, or a hub dataset's image column; "
+        "rendered by the model's processor; a model with a vision tower), completion (prompt/completion), text (raw text), preference "
         "(prompt/chosen/rejected: text or messages; no prompt field: the shared start of chosen and "
         "rejected; for training.objective dpo, orpo, simpo, kto), unpaired (prompt/completion/label: "
         "true for a desirable completion, false for an undesirable one; for training.objective kto).",

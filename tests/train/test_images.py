@@ -267,3 +267,24 @@ def test_a_placeholder_in_text_counts_as_an_image_part(tmp_path, processor_of):
     assert [lab for i, lab in zip(ids, labels, strict=True) if i == cfg.image_token_id] == [IGNORE_INDEX] * ids.count(
         cfg.image_token_id)
     assert sum(lab != IGNORE_INDEX for lab in labels) == len(ids) - ids.count(cfg.image_token_id)
+
+
+def test_a_datasets_image_column_is_read(tmp_path, processor_of):
+    """A dataset whose images are datasets' Image feature (a hub dataset's image column; here a
+    local Parquet file written by datasets): decoded images, written once as files for the collator."""
+    import datasets
+    from PIL import Image
+
+    processor, cfg = processor_of
+    rows = [json.loads(line) for line in write_image_chat(tmp_path / "vqa.jsonl", rows=2).read_text().splitlines()]
+    table = {"messages": [r["messages"] for r in rows],
+             "images": [[Image.open(tmp_path / p).convert("RGB") for p in r["images"]] for r in rows]}
+    ds = datasets.Dataset.from_dict(table)
+    ds = ds.cast_column("images", datasets.Sequence(datasets.Image()))
+    ds.to_parquet(str(tmp_path / "vqa.parquet"))
+    bundle = _bundle(processor_of, tmp_path / "vqa.parquet")
+    paths = [p for row in bundle.train["images"] for p in row]
+    assert len(paths) == 2 and all(Path(p).is_file() for p in paths)
+    collate = make_image_collator(processor, cfg.image_token_id, make_collator(processor.tokenizer))
+    side = cfg.vision_config.image_size
+    assert tuple(collate([bundle.train[0], bundle.train[1]])["pixel_values"].shape) == (2, 3, side, side)

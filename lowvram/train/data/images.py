@@ -113,16 +113,46 @@ def _text_of(content: str | list[dict]) -> str:
     return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
-def image_paths(row: dict, spec: DatasetSpec) -> list[str]:
+def _is_image(value: Any) -> bool:
+    """A hub dataset's image: a decoded PIL image, or datasets' {bytes, path} form."""
+    if isinstance(value, dict):
+        return isinstance(value.get("bytes"), bytes) or isinstance(value.get("path"), str)
+    return hasattr(value, "save") and hasattr(value, "size")
+
+
+def image_paths(row: dict, spec: DatasetSpec) -> list:
+    """The row's images: file paths (str), or a hub dataset's images (datasets' Image feature)."""
     column = spec.fields.get("images", "images")
     value = row.get(column)
     if value is None:
         return []
-    if isinstance(value, str):
+    if isinstance(value, str) or _is_image(value):
         return [value]
-    if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
-        raise BadRow(f"field '{column}': expected a list of image file paths, got {_short(value)}")
+    if not isinstance(value, list) or not all((isinstance(p, str) and p) or _is_image(p) for p in value):
+        raise BadRow(f"field '{column}': expected a list of image file paths (or a dataset's images), "
+                     f"got {_short(value)}")
     return list(value)
+
+
+def stored_image(value: Any, folder: Path) -> Path:
+    """A hub dataset's image written once as a file under ``folder`` (named by its content), so
+    the collator reads it per batch like a local file and the dataset keeps a path."""
+    import hashlib
+    import io
+
+    if isinstance(value, dict) and not isinstance(value.get("bytes"), bytes):
+        return Path(value["path"])  # datasets' form of a file it did not embed
+    if isinstance(value, dict):
+        data = value["bytes"]
+    else:
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        data = buf.getvalue()
+    path = folder / (hashlib.sha256(data).hexdigest()[:32] + ".img")
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return path
 
 
 @dataclass
@@ -138,10 +168,24 @@ class ImageChatTokenizer:
     base: Path
     max_images: int
     train_all: bool = False  # data.train_on_inputs
+    cache: Path | None = None  # where a hub dataset's images are written (a temporary folder)
 
     def __post_init__(self) -> None:
         self.chat = ChatRenderer(self.processor, self.spec, eos=self.processor.tokenizer.eos_token)
         self.placeholder = self.processor.image_token
+
+    def _path(self, entry: Any) -> str:
+        if not isinstance(entry, str):  # a hub dataset's image
+            if self.cache is None:
+                import atexit
+                import shutil
+                import tempfile
+
+                self.cache = Path(tempfile.mkdtemp(prefix="lowvram-images-"))
+                atexit.register(shutil.rmtree, self.cache, True)
+            return str(stored_image(entry, self.cache))
+        p = Path(entry).expanduser()
+        return str(p if p.is_absolute() else self.base / p)
 
     def sample(self, row: Any) -> tuple[list[int], list[int], list[str], list]:
         """(input_ids, labels, image paths, decoded images) of one row, untruncated."""
@@ -162,8 +206,10 @@ class ImageChatTokenizer:
             raise BadImage(f"{len(paths)} images in the row, more than data.images_per_row "
                            f"({self.max_images}), the number the plan counts",
                            f"raise data.images_per_row to {len(paths)} (the plan then counts that many)")
-        resolved = [str(p if (p := Path(s).expanduser()).is_absolute() else self.base / p) for s in paths]
-        images = [open_image(Path(r), f"'{s}'") for r, s in zip(resolved, paths, strict=True)]
+        resolved = [self._path(s) for s in paths]
+        shown = [f"'{s}'" if isinstance(s, str) else f"{column}[{j}] (an image of the dataset)"
+                 for j, s in enumerate(paths)]
+        images = [open_image(Path(r), s) for r, s in zip(resolved, shown, strict=True)]
         ids: list[int] = []
         labels: list[int] = []
         used = 0
