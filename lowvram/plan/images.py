@@ -98,20 +98,6 @@ def pixel_bytes(setup: RunSetup) -> int:
     return BATCHES_ALIVE * 4 * images_per_micro_batch(setup) * v.num_channels * v.image_size ** 2
 
 
-def image_outputs_bytes(setup: RunSetup, tower_bytes: int, text_bytes: int) -> int:
-    """What the model's output keeps of the vision forward until the loss is computed: its
-    ``image_outputs`` (Gemma3ModelOutputWithPast / LlavaModelOutputWithPast) hold the tower's
-    last hidden state (Llava: every layer's, ``hidden_states``) and the projected image features
-    (``pooler_output``, in the text embeddings' dtype after the cast for the scatter)."""
-    v = setup.model.vision
-    n = images_per_micro_batch(setup)
-    if not n or v is None:
-        return 0
-    tokens = v.patches + (1 if v.tower == "clip" else 0)
-    states = (v.num_layers + 1) if v.projector == "llava" else 1
-    return states * n * tokens * v.hidden_size * tower_bytes + n * v.tokens_per_image * v.text_hidden_size * text_bytes
-
-
 def scattered_embedding_bytes(setup: RunSetup, text_bytes: int) -> int:
     """LoRA with checkpointing: peft's enable_input_require_grads makes the embedding output a leaf
     that requires grad, and its AccumulateGrad node keeps it alive beside the copy the image
@@ -124,37 +110,37 @@ def scattered_embedding_bytes(setup: RunSetup, text_bytes: int) -> int:
     return setup.micro_batch_size * setup.seq_len * setup.model.hidden_size * text_bytes
 
 
-def tower_forward_bytes(setup: RunSetup, tower_bytes: int) -> int:
+def tower_forward_bytes(setup: RunSetup, res_bytes: int, lin_bytes: int) -> int:
     """The largest working set of the frozen vision tower's and projector's forward beyond the
     weights and the pixels: the pixels' cast copy (a 16-bit tower), the last encoder layer's
-    temporaries beside its input (the larger of the attention and MLP sides; eager attention: the
-    n x heads x P x P scores) and, for Llava, every earlier layer's hidden state it asks for; then
-    the projector beside what the tower returned, with its two largest outputs (n x T x h_text).
-    ``tower_bytes``: bytes per element of the tower's activations (its weights' dtype, 16-bit
-    under autocast)."""
+    temporaries beside the hidden states kept before it (the larger of the attention and MLP
+    sides; eager attention: the n x heads x P x P scores); then the projector beside what the
+    tower returned, with its two largest outputs (n x T x h_text). ``res_bytes``: bytes per
+    element of the tower's residual stream and layer norms (its weights' dtype: autocast runs
+    layer_norm in fp32); ``lin_bytes``: of its Linear outputs (16-bit under autocast)."""
     v = setup.model.vision
     n = images_per_micro_batch(setup)
     if not n or v is None:
         return 0
-    e = tower_bytes
     tokens = v.patches + (1 if v.tower == "clip" else 0)  # CLIP: + the class token
-    unit = n * tokens * v.hidden_size * e  # one hidden state of the tower
-    # the patch embedding: the pixels cast to the tower's dtype beside its output
-    embedding = (n * v.num_channels * v.image_size ** 2 * e if e != 4 else 0) + 2 * unit
-    side = max(ATTENTION_SIDE_TENSORS[v.tower] * v.hidden_size,
-               MLP_SIDE_TENSORS * v.hidden_size + ACTIVATION_TENSORS[v.tower] * v.intermediate_size)
-    side *= n * tokens * e
+    state = n * tokens * v.hidden_size  # elements of one hidden state of the tower
+    unit = state * res_bytes
+    # the patch embedding: the pixels cast to the convolution's dtype beside its output
+    embedding = (n * v.num_channels * v.image_size ** 2 * lin_bytes if lin_bytes != 4 else 0) + 2 * unit
+    attention = unit + (ATTENTION_SIDE_TENSORS[v.tower] - 1) * state * lin_bytes  # the norm's, then Linears'
+    mlp = MLP_SIDE_TENSORS * unit + ACTIVATION_TENSORS[v.tower] * n * tokens * v.intermediate_size * lin_bytes
+    side = max(attention, mlp)
     if setup.attention == "eager":  # the scores, softmaxed in place of the product
-        side += n * v.num_heads * tokens * tokens * e
+        side += n * v.num_heads * tokens * tokens * res_bytes
     llava = v.projector == "llava"
     # kept before the last layer: the encoder's input (its caller's name) and the layer's input
     before = min(v.num_layers, 2)
     returned = (v.num_layers + 1) if llava else 1  # Llava asks for every hidden state
-    features = n * v.tokens_per_image * v.text_hidden_size * e
+    features = n * v.tokens_per_image * v.text_hidden_size * lin_bytes
     return max(embedding, before * unit + side, returned * unit + 2 * features)
 
 
-def encoder_forward_bytes(setup: RunSetup, tower_bytes: int, text_bytes: int) -> int:
+def encoder_forward_bytes(setup: RunSetup, res_bytes: int, lin_bytes: int, text_bytes: int) -> int:
     """The vision moment's working set: the text embeddings (made before the tower runs) beside
     the tower's forward (tower_forward_bytes), or beside the image features and the new
     embeddings the scatter makes. ``text_bytes``: the language model's residual stream's."""
@@ -163,5 +149,5 @@ def encoder_forward_bytes(setup: RunSetup, tower_bytes: int, text_bytes: int) ->
     if not n or v is None:
         return 0
     embeds = setup.micro_batch_size * setup.seq_len * setup.model.hidden_size * text_bytes
-    features = n * v.tokens_per_image * v.text_hidden_size * tower_bytes
-    return embeds + max(tower_forward_bytes(setup, tower_bytes), features + embeds)
+    features = n * v.tokens_per_image * v.text_hidden_size * lin_bytes
+    return embeds + max(tower_forward_bytes(setup, res_bytes, lin_bytes), features + embeds)

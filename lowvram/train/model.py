@@ -157,6 +157,27 @@ def freeze_vision(model) -> None:
             continue
 
 
+def text_input_grads_only(model) -> None:
+    """transformers' enable_input_require_grads (peft calls it when it wraps a model, and
+    checkpointing calls it again for a peft model, in the Trainer's train() too) hooks every
+    sub-model's input embeddings, so the vision tower's patch embedding output would require a
+    gradient: the frozen tower's whole forward recorded (and checkpointed, and its backward run)
+    for no gradient at all (measured: +64% on a Gemma-3 LoRA image run with checkpointing). This
+    model's own enable_input_require_grads hooks the language model's embeddings only."""
+
+    def make_inputs_require_grads(module, args, output):
+        output.requires_grad_(True)
+
+    def enable_input_require_grads() -> None:
+        for hook in getattr(model, "_require_grads_hooks", None) or []:
+            hook.remove()
+        hook = model.get_input_embeddings().register_forward_hook(make_inputs_require_grads)
+        model._require_grads_hooks = [hook]
+        model._require_grads_hook = hook
+
+    model.enable_input_require_grads = enable_input_require_grads
+
+
 def quantization_config(plan, vision: bool = False):
     """BitsAndBytesConfig for plan.quantization, or None. ``vision``: the tower and projector are
     skipped (bitsandbytes then skips only what it is given, so lm_head is named too)."""
@@ -336,6 +357,7 @@ def prepare_model(model, plan, seed: int | None = None):
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
     if has_vision(model.config):
         freeze_vision(model)
+        text_input_grads_only(model)  # before peft's wrapping and checkpointing call it
     if plan.lora:
         if seed is not None:
             from transformers import set_seed

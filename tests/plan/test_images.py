@@ -20,6 +20,8 @@ from lowvram.testing import build_vision_tokenizer  # noqa: E402
     (3, 128, 256, "eager", "float32"),  # + the n x heads x P x P scores
     (1, 64, 512, "sdpa", "float32"),    # the MLP side binds
     (4, 64, 512, "sdpa", "bfloat16"),   # a 16-bit tower: the pixels cast at its embedding
+    (3, 128, 256, "sdpa", "bf16-mixed"),  # fp32 weights under autocast: fp32 residual, bf16 Linears
+    (3, 64, 512, "sdpa", "bf16-mixed"),
 ])
 def test_tower_forward_is_exact(family, layers, hidden, intermediate, attention, dtype):
     from transformers import AutoModelForImageTextToText
@@ -28,19 +30,27 @@ def test_tower_forward_is_exact(family, layers, hidden, intermediate, attention,
     cfg = tiny_vision_config(family, tok, vision_layers=layers, vision_hidden=hidden, image_size=64, patch_size=8)
     cfg.vision_config.intermediate_size = intermediate
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(cfg, attn_implementation=attention).to(getattr(torch, dtype))
+    mixed = dtype == "bf16-mixed"
+    model = AutoModelForImageTextToText.from_config(cfg, attn_implementation=attention)
+    model = model.to(torch.float32 if mixed else getattr(torch, dtype))
     model.requires_grad_(False)  # frozen, as lowvram trains it (train.model.freeze_vision)
     images = 4
     pixels = torch.randn(images, 3, 64, 64)  # float32, as the image processor makes them
     with LiveBytes() as t:
         t.register(model, pixels)
         before = t.current_bytes
-        model.model.get_image_features(pixel_values=pixels)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):  # as the Trainer runs bf16-mixed
+            model.model.get_image_features(pixel_values=pixels)
         measured = t.peak_bytes - before
     setup = RunSetup(model=spec_from_config(cfg.to_dict(), "tiny"), micro_batch_size=images, images_per_row=1,
-                     seq_len=128, precision="fp32" if dtype == "float32" else "bf16", attention=attention,
-                     device="cpu")
-    assert measured == tower_forward_bytes(setup, 4 if dtype == "float32" else 2)
+                     seq_len=128, precision={"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype),
+                     attention=attention, device="cpu")
+    res, lin = {"float32": (4, 4), "bfloat16": (2, 2), "bf16-mixed": (4, 2)}[dtype]
+    predicted = tower_forward_bytes(setup, res, lin)
+    if mixed:  # + autocast's bf16 copies of a Linear's bias, made per call (512 bytes at h = 128)
+        assert 0 <= measured - predicted <= 4 * 2 * cfg.vision_config.hidden_size
+    else:
+        assert measured == predicted
 
 
 def test_simulate_runs_image_plans_on_text_rows_with_a_note():

@@ -288,3 +288,23 @@ def test_a_datasets_image_column_is_read(tmp_path, processor_of):
     collate = make_image_collator(processor, cfg.image_token_id, make_collator(processor.tokenizer))
     side = cfg.vision_config.image_size
     assert tuple(collate([bundle.train[0], bundle.train[1]])["pixel_values"].shape) == (2, 3, side, side)
+
+
+def test_the_frozen_tower_stays_out_of_autograd_under_lora_and_checkpointing():
+    """transformers' enable_input_require_grads (peft's wrapping, checkpointing a peft model)
+    would hook the tower's patch embedding too; lowvram's hooks the language model's only."""
+    from transformers import AutoModelForImageTextToText
+
+    from lowvram.train.model import freeze_vision, text_input_grads_only
+
+    tok = build_vision_tokenizer("gemma3")
+    model = AutoModelForImageTextToText.from_config(tiny_vision_config("gemma3", tok))
+    model.requires_grad_(False)
+    freeze_vision(model)
+    text_input_grads_only(model)
+    model.enable_input_require_grads()
+    model.enable_input_require_grads()  # again, as the Trainer's train() does: still one hook
+    assert len(model._require_grads_hooks) == 1
+    features = model.model.get_image_features(pixel_values=torch.randn(1, 3, 32, 32)).pooler_output
+    assert not features.requires_grad  # no graph through the frozen tower
+    assert model.get_input_embeddings()(torch.tensor([[1, 2]])).requires_grad
