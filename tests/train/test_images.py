@@ -308,3 +308,39 @@ def test_the_frozen_tower_stays_out_of_autograd_under_lora_and_checkpointing():
     features = model.model.get_image_features(pixel_values=torch.randn(1, 3, 32, 32)).pooler_output
     assert not features.requires_grad  # no graph through the frozen tower
     assert model.get_input_embeddings()(torch.tensor([[1, 2]])).requires_grad
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_shipped_image_data_is_what_its_script_makes(tmp_path):
+    import runpy
+    import sys
+
+    from PIL import Image, ImageChops
+
+    out = tmp_path / "lowvram_shapes.jsonl"
+    argv, sys.argv = sys.argv, ["make_lowvram_shapes.py", str(out)]
+    try:
+        runpy.run_path(str(REPO / "recipes/data/make_lowvram_shapes.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    shipped = REPO / "recipes/data/lowvram_shapes.jsonl"
+    assert out.read_text() == shipped.read_text()
+    for row in map(json.loads, shipped.read_text().splitlines()):
+        for name in row["images"]:
+            a, b = Image.open(shipped.parent / name), Image.open(out.parent / name)
+            assert ImageChops.difference(a.convert("RGB"), b.convert("RGB")).getbbox() is None
+
+
+def test_the_shipped_image_recipe_data_builds_with_a_gemma3_processor():
+    """recipes/gemma-3-4b-vision-qlora.yaml's data through a tiny Gemma-3 processor: every row one
+    image, its answer the trained tokens."""
+    from lowvram.recipe import load_recipe
+
+    recipe = load_recipe(REPO / "recipes/gemma-3-4b-vision-qlora.yaml")
+    tok = build_vision_tokenizer("gemma3")
+    cfg = tiny_vision_config("gemma3", tok)
+    bundle = build_datasets(recipe, tok, ImageInputs(build_processor(cfg, tok), cfg.image_token_id))
+    assert bundle.stats.train_rows == 24 and bundle.stats.truncated == 0
+    assert all(len(images) == 1 for images in bundle.train["images"])
