@@ -344,3 +344,14 @@ def test_the_shipped_image_recipe_data_builds_with_a_gemma3_processor():
     bundle = build_datasets(recipe, tok, ImageInputs(build_processor(cfg, tok), cfg.image_token_id))
     assert bundle.stats.train_rows == 24 and bundle.stats.truncated == 0
     assert all(len(images) == 1 for images in bundle.train["images"])
+
+
+def test_a_wide_tower_under_lora_and_checkpointing_stays_at_its_plan(tmp_path):
+    """A 256-wide SigLIP tower, two images a row, LoRA with checkpointing: 64% above its plan while
+    transformers' enable_input_require_grads hooked the tower (train.model.text_input_grads_only)."""
+    case = Case(seed=901, family="gemma3", hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=512,
+                tie=True, method="lora", precision="fp32", seq_len=256, micro_batch_size=4, vision_layers=2,
+                vision_hidden=256, vision_image=64, vision_patch=4, images=2, gradient_checkpointing=True)
+    out = run_case(case, tmp_path)
+    assert out.error is None, out.error
+    assert out.ok, (out.measured_bytes, out.predicted_bytes, out.ratio)
