@@ -45,11 +45,13 @@ from lowvram.difftest import (  # noqa: E402
     ANY_LIMIT,
     FAMILIES,
     FIRST_FAMILIES,
+    IMAGE_FAMILIES,
     OVER_LIMIT,
     TEN_FAMILIES,
     VISION_FAMILIES,
     made_apollo,
     made_galore,
+    made_images,
     made_in_backward,
     made_lomo,
     made_short_pairs,
@@ -66,7 +68,7 @@ from lowvram.difftest import (  # noqa: E402
 # "gpt_oss": gpt-oss alone (bench/results/plan_fuzz_gpt_oss.txt).
 # "vision": the multimodal checkpoints (Gemma-3 and Llava with a tiny vision tower), text recipes
 FAMILY_SETS = {"seven": FIRST_FAMILIES, "ten": TEN_FAMILIES, "all": FAMILIES, "gpt_oss": ("gpt_oss",),
-               "vision": VISION_FAMILIES}
+               "vision": VISION_FAMILIES, "images": IMAGE_FAMILIES}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -117,6 +119,9 @@ def main() -> int:
     ap.add_argument("--short-pairs", action="store_true",
                     help="with --preference: pairs shorter than seq_len (difftest.made_short_pairs), the run "
                          "compared with the plan at the longest tokenized pair")
+    ap.add_argument("--images", action="store_true",
+                    help="every case made an image + text run (format image_chat; made_images); "
+                         "with --families images")
     ap.add_argument("--out", default=str(RESULTS / "plan_fuzz.txt"), help="results file ('' for none)")
     args = ap.parse_args()
     seeds = range(args.seed, args.seed + 1) if args.seed is not None else _seeds(args.seeds)
@@ -135,6 +140,7 @@ def main() -> int:
     families += " --torchao" if args.torchao else ""
     families += " --in-backward" if args.in_backward else ""
     families += f" --apollo {args.apollo}" if args.apollo else ""
+    families += " --images" if args.images else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
@@ -157,6 +163,8 @@ def main() -> int:
             case = made_apollo(case, layerwise=args.apollo == "layerwise")
             if case is None:
                 continue
+        if args.images:
+            case = made_images(case)
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

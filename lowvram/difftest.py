@@ -39,6 +39,8 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 # Gemma-3 (SigLIP, Gemma-3 text), Llava (CLIP, Llama) and Mistral-3 (Pixtral, Mistral); text-only recipes (bench/plan_fuzz.py
 # --families vision)
 VISION_FAMILIES = ("gemma3", "llava", "mistral3")
+# the ones image + text recipes are drawn for (made_images; Mistral-3's image tokens are refused)
+IMAGE_FAMILIES = ("gemma3", "llava")
 
 WORDS = ("the quick brown fox jumps over lazy dog gradient memory adapter train model plan "
          "peak tensor layer token batch sequence answer question").split()
@@ -87,6 +89,7 @@ class Case:
     vision_hidden: int = 0
     vision_image: int = 0
     vision_patch: int = 0
+    images: int = 0  # format image_chat: images per row (data.images_per_row), made_images
 
     # training.objective (dpo/orpo/simpo: preference pairs through TRL; preference_case)
     objective: str = "sft"
@@ -99,7 +102,8 @@ class Case:
     def label(self) -> str:
         bits = [f"#{self.seed}", self.family, self.method]
         if self.vision_layers:
-            bits.insert(2, f"vit{self.vision_layers}x{self.vision_hidden} {self.vision_image}px/{self.vision_patch}")
+            bits.insert(2, f"vit{self.vision_layers}x{self.vision_hidden} {self.vision_image}px/{self.vision_patch}"
+                        + (f" {self.images}img" if self.images else ""))
         if self.objective != "sft":
             bits.insert(2, self.objective + (f" {self.loss_type}" if self.objective == "dpo" else "")
                         + (" precompute" if self.precompute_ref else "")
@@ -253,6 +257,26 @@ def _with_vision(case: Case, rng: random.Random) -> Case:
                    vision_image=rng.choice([32, 64]), vision_patch=rng.choice([8, 16]))
 
 
+def image_tokens(case: Case) -> int:
+    """Tokens per image of a case's tower (as _multimodal sizes it, lowvram.plan.vision)."""
+    patches = (case.vision_image // case.vision_patch) ** 2
+    return max(1, patches // 4) if case.family == "gemma3" else patches
+
+
+def made_images(case: Case) -> Case:
+    """The case as an image + text run (format image_chat): one or two images a row, drawn from a
+    stream of its own; seq_len raised to hold the images' tokens and at least 32 of text; no
+    packing (refused with images). None-free: every IMAGE_FAMILIES case can be made one."""
+    if case.family not in IMAGE_FAMILIES:
+        raise ValueError(f"image recipes are drawn for {', '.join(IMAGE_FAMILIES)}, not {case.family}")
+    rng = random.Random(f"images-{case.seed}")
+    images = rng.choice([1, 1, 2])
+    seq_len = case.seq_len
+    while seq_len < images * image_tokens(case) + 64:
+        seq_len *= 2
+    return replace(case, images=images, seq_len=seq_len, packing=False)
+
+
 def _extend(case: Case, rng: random.Random) -> Case:
     """DoRA on half the adapter recipes (not on fused MoE experts: peft refuses it), GaLore on
     half the dense full fine-tuning ones, at a rank below the model's widths."""
@@ -343,7 +367,7 @@ def made_short_pairs(case: Case) -> Case:
 # Building a case's files
 
 
-def _config(case: Case, vocab: int, pad_id: int, eos_id: int):
+def _config(case: Case, vocab: int, pad_id: int, eos_id: int, image_tokens: dict | None = None):
     from transformers import AutoConfig
 
     kw = dict(
@@ -370,15 +394,16 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int):
         if hasattr(cfg, name):
             setattr(cfg, name, 0.0)  # the family's dropout is its own test (tests/check/test_simulate.py)
     if case.vision_layers:
-        cfg = _multimodal(case, cfg)
+        cfg = _multimodal(case, cfg, image_tokens)
     return cfg
 
 
-def _multimodal(case: Case, text):
+def _multimodal(case: Case, text, image_tokens: dict | None = None):
     """The Gemma3Config / Mistral3Config / LlavaConfig around ``text`` (check.builders'
     multimodal_config): the case's vision tower, two heads and an MLP twice its width, Gemma-3's
     image pooled to a quarter of its patches, each family's own projector defaults; the image
-    token inside the vocabulary (text-only data never holds it)."""
+    token inside the vocabulary (text-only data never holds it; an image case's: the tokenizer's
+    image tokens, lowvram.testing.image_token_config)."""
     from lowvram.check.builders import multimodal_config
     from lowvram.plan.vision import VisionSpec
 
@@ -391,23 +416,32 @@ def _multimodal(case: Case, text):
                    tokens_per_image=max(1, patches // 4) if tower == "siglip" else patches,
                    text_hidden_size=text.hidden_size, projector_bias=tower == "clip",
                    merge_size=2 if tower == "pixtral" else 1)
-    return multimodal_config(text, v, case.tie, image_token_index=text.vocab_size - 1)
+    return multimodal_config(text, v, case.tie, **(image_tokens or {"image_token_index": text.vocab_size - 1}))
 
 
 def write_model(case: Case, folder: Path) -> Path:
-    """Random-init model + a BPE tokenizer trained here, as a from_pretrained folder."""
+    """Random-init model + a BPE tokenizer trained here, as a from_pretrained folder (an image
+    case: the tokenizer with the family's image tokens, and the processor beside it)."""
     import torch
 
-    from lowvram.testing import build_tokenizer
+    from lowvram.testing import (
+        build_processor,
+        build_tokenizer,
+        build_vision_tokenizer,
+        image_token_config,
+    )
     from lowvram.train.model import has_vision, model_class
 
-    tok = build_tokenizer()
-    cfg = _config(case, max(case.vocab, len(tok)), tok.pad_token_id, tok.eos_token_id)
+    tok = build_vision_tokenizer(case.family) if case.images else build_tokenizer()
+    image_ids = image_token_config(case.family, tok) if case.images else None
+    cfg = _config(case, max(case.vocab, len(tok)), tok.pad_token_id, tok.eos_token_id, image_ids)
     torch.manual_seed(case.seed)
     model = model_class(has_vision(cfg)).from_config(cfg)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
+    if case.images:
+        build_processor(cfg, tok).save_pretrained(folder)
     return folder
 
 
@@ -417,6 +451,8 @@ def write_data(case: Case, path: Path, rows: int = 24) -> Path:
     windows are full and hold several samples (their position_ids restart, and SDPA gets the
     block-diagonal mask a user's packed run gets)."""
     rng = random.Random(case.seed)
+    if case.images:
+        return _write_image_data(case, path, rng, rows)
     if case.objective != "sft":
         # pairs as a user's are: a chosen longer than seq_len (TRL cuts it there: every batch
         # reaches seq_len) and a shorter rejected, so the batch's rows are padded and carry their
@@ -452,6 +488,25 @@ def _write_short_pairs(case: Case, path: Path, rng: random.Random, rows: int) ->
     return path
 
 
+def _write_image_data(case: Case, path: Path, rng: random.Random, rows: int) -> Path:
+    """image_chat rows: the row's images (PNGs of 24-96 px a side, which the processor resizes to
+    the tower's) and a short question first, then an answer longer than seq_len, so every row is
+    cut to seq_len after its image tokens."""
+    from lowvram.testing import write_images
+
+    files = write_images(path.parent / "images", rows * case.images, seed=case.seed,
+                         side=rng.choice([24, 48, 96]))
+    with open(path, "w") as f:
+        for i in range(rows):
+            names = [f"images/{p.name}" for p in files[i * case.images:(i + 1) * case.images]]
+            user = [{"type": "image"} for _ in names] + [{"type": "text", "text": "Describe the picture."}]
+            answer = " ".join(rng.choice(WORDS) for _ in range(3 * case.seq_len))
+            f.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                             {"role": "assistant", "content": answer}],
+                                "images": names}) + "\n")
+    return path
+
+
 def _write_packed_data(case: Case, path: Path, rng: random.Random, rows: int) -> Path:
     """Rows of exactly seq_len / 4 - 1 tokens (+ the eos lowvram's text format appends)."""
     from lowvram.testing import texts_of_exact_length
@@ -479,6 +534,9 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
             "offload": "off",
         },
     }
+    if case.images:
+        t["data"]["datasets"][0]["format"] = "image_chat"
+        t["data"]["images_per_row"] = case.images
     if case.tiled_mlp:
         t["techniques"]["tiled_mlp"] = case.tiled_mlp_shards or "on"
     if case.objective != "sft":
@@ -571,9 +629,10 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     return Outcome(case, measured_bytes=m.get("peak_memory_bytes"), predicted_bytes=predicted, details=details)
 
 
-__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
-           "made_apollo", "made_chunked", "made_galore", "made_in_backward", "made_lomo", "made_short_pairs", "made_tiled",
-           "made_torchao",
+__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES",
+           "OVER_LIMIT", "Outcome", "chunk_budget",
+           "made_apollo", "made_chunked", "made_galore", "made_images", "made_in_backward", "made_lomo",
+           "made_short_pairs", "made_tiled", "made_torchao",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -28,12 +28,14 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 512, chat_template: bool = True):
-    """A byte-level BPE tokenizer with ChatML specials, trained here in well under a second."""
+def build_tokenizer(vocab_size: int = 512, chat_template: bool = True, extra_specials: dict | None = None):
+    """A byte-level BPE tokenizer with ChatML specials, trained here in well under a second.
+    ``extra_specials``: named model-specific special tokens (e.g. image_token: "<image>"), in the
+    vocabulary and as tokenizer attributes (transformers' model_specific_special_tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", *(extra_specials or {}).values()]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -50,6 +52,7 @@ def build_tokenizer(vocab_size: int = 512, chat_template: bool = True):
         eos_token="<|im_end|>" if chat_template else "<|endoftext|>",
         pad_token="<pad>",
         unk_token=None,
+        **({"model_specific_special_tokens": dict(extra_specials)} if extra_specials else {}),
     )
     if chat_template:
         fast.chat_template = CHAT_TEMPLATE
@@ -110,3 +113,111 @@ def save_tiny_model(out_dir: str | Path, seed: int = 0, chat_template: bool = Tr
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# ChatML with content parts (TRL's and transformers' multimodal message shape): a part
+# {"type": "image"} renders as the processor's image placeholder, {"type": "text"} as its text.
+IMAGE_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '@IMAGE@' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The image specials of each family's tokenizer, as the real checkpoints name them: Gemma-3's
+# tokenizer_config.json (boi/eoi around image_soft_token repeated mm_tokens_per_image times),
+# Llava's "<image>" (llava-hf/llava-1.5-7b-hf added_tokens).
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                       "eoi_token": "<end_of_image>"}
+LLAVA_IMAGE_TOKENS = {"image_token": "<image>"}
+
+
+def build_vision_tokenizer(family: str, vocab_size: int = 512):
+    """build_tokenizer() with the image special tokens of ``family`` (gemma3 or llava), as the
+    tokenizer attributes the family's processor reads."""
+    return build_tokenizer(vocab_size, extra_specials=GEMMA3_IMAGE_TOKENS if family == "gemma3" else LLAVA_IMAGE_TOKENS)
+
+
+def image_token_config(family: str, tokenizer) -> dict:
+    """The top-level config keys that name the tokenizer's image tokens (Gemma3Config /
+    LlavaConfig image_token_index; Gemma-3's boi/eoi_token_index)."""
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in
+           (GEMMA3_IMAGE_TOKENS if family == "gemma3" else LLAVA_IMAGE_TOKENS).items()}
+    out = {"image_token_index": ids["image_token"]}
+    if family == "gemma3":
+        out.update(boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"])
+    return out
+
+
+def build_processor(config, tokenizer):
+    """The processor of a tiny multimodal ``config`` (Gemma3Config or LlavaConfig) around a
+    build_vision_tokenizer() tokenizer: Gemma3Processor with a Gemma3ImageProcessor at the
+    tower's image_size and mm_tokens_per_image tokens per image; LlavaProcessor with a
+    CLIPImageProcessor (shortest edge and center crop at image_size) and the tower's patch size,
+    CLS counted (num_additional_image_tokens 1, dropped by the "default" select strategy)."""
+    side = config.vision_config.image_size
+    if config.model_type == "gemma3":
+        from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+        images = Gemma3ImageProcessorPil(size={"height": side, "width": side})
+        return Gemma3Processor(images, tokenizer, image_seq_length=config.mm_tokens_per_image,
+                               chat_template=IMAGE_CHAT_TEMPLATE.replace("@IMAGE@", tokenizer.boi_token))
+    if config.model_type == "llava":
+        from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+        images = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+        return LlavaProcessor(images, tokenizer, patch_size=config.vision_config.patch_size,
+                              vision_feature_select_strategy=config.vision_feature_select_strategy,
+                              num_additional_image_tokens=1,
+                              chat_template=IMAGE_CHAT_TEMPLATE.replace("@IMAGE@", tokenizer.image_token))
+    raise ValueError(f"no tiny processor for model_type {config.model_type!r} (gemma3, llava)")
+
+
+def write_images(folder: str | Path, count: int, side: int = 48, seed: int = 0) -> list[Path]:
+    """``count`` small PNG images (random colored rectangles on a gradient), made with PIL."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(count):
+        img = Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3)))
+        draw = ImageDraw.Draw(img)
+        for _ in range(3):
+            x0, y0 = rng.randrange(side // 2), rng.randrange(side // 2)
+            draw.rectangle([x0, y0, x0 + rng.randrange(4, side // 2), y0 + rng.randrange(4, side // 2)],
+                           fill=tuple(rng.randrange(256) for _ in range(3)))
+        path = out / f"image_{i}.png"
+        img.save(path)
+        paths.append(path)
+    return paths
+
+
+def write_image_chat(path: str | Path, rows: int = 8, side: int = 48, seed: int = 0,
+                     answer_words: int = 12) -> Path:
+    """A tiny image_chat jsonl beside an ``images/`` folder of PNGs (write_images): each row one
+    image, a question and an answer (TRL's messages + images shape)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    path = Path(path)
+    images = write_images(path.parent / "images", rows, side, seed)
+    words = "red green blue square corner left right top bottom small large shape color".split()
+    with open(path, "w") as f:
+        for img in images:
+            answer = " ".join(rng.choice(words) for _ in range(answer_words))
+            f.write(json.dumps({
+                "messages": [{"role": "user", "content": [{"type": "image"},
+                                                          {"type": "text", "text": "What is in the picture?"}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                "images": [f"images/{img.name}"]}) + "\n")
+    return path

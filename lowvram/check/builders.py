@@ -8,6 +8,7 @@ torch and friends are imported inside functions (importing lowvram stays instant
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from lowvram.plan.models import ModelSpec
 from lowvram.plan.vision import VisionSpec
@@ -73,6 +74,46 @@ def multimodal_config(text, v: VisionSpec, tie: bool, **extra):
             vision_config=dict(model_type="clip_vision_model", **vision))
     cfg.tie_word_embeddings = tie
     return cfg
+
+
+def tiny_vision_config(family: str, tokenizer, hidden: int = 64, layers: int = 2, vision_layers: int = 1,
+                       vision_hidden: int = 32, image_size: int = 32, patch_size: int = 8):
+    """A tiny Gemma3Config (SigLIP tower, mm_tokens_per_image a quarter of the patches) or
+    LlavaConfig (CLIP tower, Llama text) whose image tokens are the tokenizer's."""
+    from transformers import AutoConfig
+
+    from lowvram.testing import image_token_config
+
+    text = AutoConfig.for_model(
+        "gemma3_text" if family == "gemma3" else "llama", hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+        vocab_size=len(tokenizer), max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    patches = (image_size // patch_size) ** 2
+    v = VisionSpec(tower="siglip" if family == "gemma3" else "clip", projector=family, num_layers=vision_layers,
+                   hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+                   patch_size=patch_size, image_size=image_size, num_channels=3,
+                   tokens_per_image=max(1, patches // 4) if family == "gemma3" else patches,
+                   text_hidden_size=hidden)
+    return multimodal_config(text, v, family == "gemma3", **image_token_config(family, tokenizer))
+
+
+def save_tiny_vision_model(out_dir: str | Path, family: str = "gemma3", seed: int = 0, **config_kwargs) -> Path:
+    """A random-init tiny multimodal model (``family`` gemma3 or llava), its tokenizer and its
+    processor (build_processor) as a from_pretrained / AutoProcessor folder."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from lowvram.testing import build_processor, build_vision_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_vision_tokenizer(family)
+    config = tiny_vision_config(family, tokenizer, **config_kwargs)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    build_processor(config, tokenizer).save_pretrained(out)
+    return out
 
 
 def _moe_config_kwargs(spec: ModelSpec) -> dict:

@@ -359,7 +359,8 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
 def simulable(setup: RunSetup) -> tuple[RunSetup, tuple[str, ...]]:
     """The setup the simulation can run in place of ``setup``, and a note for each change: the
     standard loss for the chunked or fused one, no activation offload, sdpa for flash attention,
-    one process without sharding or CPU offload (each of those is modelled analytically only)."""
+    text rows for image + text data, one process without sharding or CPU offload (each of those
+    is modelled analytically only)."""
     from dataclasses import replace
 
     changes, notes = {}, []
@@ -373,6 +374,10 @@ def simulable(setup: RunSetup) -> tuple[RunSetup, tuple[str, ...]]:
     if setup.attention == "flash_attention_2":
         changes["attention"] = "sdpa"
         notes.append("simulated with sdpa attention, which stores the same tensors as flash_attention_2")
+    if setup.images_per_row:
+        changes["images_per_row"] = 0
+        notes.append("simulated on text rows of seq_len: the images' pixels, the vision tower's forward "
+                     "and Gemma-3's image masks are modelled analytically (plan/images.py)")
     if setup.gpus > 1 or setup.offload != "none":
         changes.update(gpus=1, offload="none")
         notes.append(f"simulated as one process with nothing offloaded: offload {setup.offload!r} "

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from lowvram.plan import constants as fitted
 from lowvram.plan import moe
+from lowvram.plan.images import bidirectional_image_masks
 from lowvram.plan.layer import describe_layer
 from lowvram.plan.models import ModelSpec, block_linears, dense_view
 from lowvram.plan.setup import RunSetup
@@ -373,7 +374,7 @@ def masked_layers(setup: RunSetup) -> int:
     if setup.attention != "sdpa":
         return 0
     spec = setup.model
-    if setup.packing or setup.padded:
+    if setup.packing or setup.padded or bidirectional_image_masks(setup):  # Gemma-3 with images: plan/images.py
         return spec.num_layers
     if spec.sliding_layers and setup.seq_len >= spec.sliding_window:
         return spec.sliding_layers
@@ -409,12 +410,12 @@ def _checkpointed_mask_bytes(setup: RunSetup) -> int:
     each row's padding in, masking_utils padding_mask_function), make it b x 1 x s x s, one per
     attention type (measured: a (4, 1, 512, 512) bool at the peak of preference seed 12, a
     3-layer Gemma-3 ORPO LoRA run, b2 s512 of pairs = 4 rows, 3.4% above a plan that counted one
-    (1, 1, 512, 512))."""
+    (1, 1, 512, 512)); so do Gemma-3's image masks (plan/images.py)."""
     if not masked_layers(setup):
         return 0
     spec = setup.model
     s = setup.seq_len
-    if not (setup.packing or setup.padded):
+    if not (setup.packing or setup.padded or bidirectional_image_masks(setup)):
         return s * s
     return describe_layer(spec).attention_types * setup.micro_batch_size * s * s
 

@@ -42,7 +42,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         grad_accum=largest_micro_batch_size(req) // largest, gpus=req.gpus, offload=req.offload or "none",
         device=budget.device,
         activation_offload=bool(req.activation_offload and req.gradient_checkpointing) and budget.device == "cuda",
-        packing=req.packing, tiled_mlp=bool(req.tiled_mlp) and not req.model.is_moe,
+        packing=req.packing, images_per_row=req.images_per_row, tiled_mlp=bool(req.tiled_mlp) and not req.model.is_moe,
         tiled_mlp_shards=req.tiled_mlp_shards,
         objective=req.objective, precompute_ref=req.precompute_ref,
     )

@@ -115,6 +115,14 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "layerwise GaLore, LOMO or AdaLomo, untied: the embedding's gradient and step, the last "
         "hook of the backward",
         "as layerwise_head_step"),
+    "vision_encoder_forward": (
+        "format image_chat: the frozen vision tower's and projector's forward, before any decoder "
+        "layer: the text embeddings, the pixels, the last encoder layer's temporaries beside the "
+        "encoder's input (then Llava's every-layer hidden states beside its projector), then the "
+        "image features scattered into the embeddings; no saved activation, no gradient yet",
+        "images.tower_forward_bytes, images.encoder_forward_bytes; transformers 5.25 "
+        "modeling_siglip.py, modeling_clip.py, LlavaModel.get_image_features, Gemma3Model.forward; "
+        "measured: exact on 1-4 layer towers (tests/plan/test_images.py), bench/results/plan_fuzz_images*.txt"),
     "reference_forward": (
         "DPO without precomputed reference log-probs: the reference's no-grad forward after the "
         "policy's, every saved activation of the 2b concatenated rows alive beside the reference's "

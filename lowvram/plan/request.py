@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from lowvram.errors import LowvramError
 from lowvram.plan import preference, sharding
 from lowvram.plan.constants import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_BYTES
+from lowvram.plan.images import IMAGE_HINT, image_problems
 from lowvram.plan.models import ModelSpec
 from lowvram.plan.setup import (
     MemoryEstimate,
@@ -130,6 +131,9 @@ class PlanRequest:
     # data.packing (a data setting, not a technique): several samples per window, so SDPA gets a
     # block-diagonal mask in every layer (lowvram.plan.activations.masked_layers)
     packing: bool = False
+    # data.images_per_row when a dataset is format image_chat (0: text data): the images each row
+    # brings, their pixels and the vision tower's forward (lowvram.plan.images)
+    images_per_row: int = 0
     # training.objective and DPO's precompute_ref_log_probs (lowvram.plan.preference): a preference
     # objective plans 2 x micro_batch_size rows per forward, its own loss, DPO's reference
     objective: str = "sft"
@@ -239,6 +243,8 @@ def validate_request(req: PlanRequest) -> None:
                                req.objective, req.optimizer, req.tiled_mlp)
     if problems:
         raise LowvramError("; ".join(problems), VISION_HINT)
+    if req.model is not None and (problems := image_problems(req.model, req.images_per_row, req.seq_len)):
+        raise LowvramError("; ".join(problems), IMAGE_HINT)
     smallest = preference.min_micro_batch_size(req.objective)
     if smallest > 1 and (fixed_micro_batch_size(req) or req.batch_size // max(1, req.gpus)) < smallest:
         raise LowvramError(f"objective {req.objective} needs a micro-batch of at least {smallest} rows per GPU "

@@ -213,7 +213,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             attention=attention, loss=loss, micro_batch_size=micro,
             seq_len=req.seq_len, grad_accum=per_gpu // micro,
             gpus=req.gpus, offload=offload, device=budget.device,
-            activation_offload=act_off, packing=req.packing,
+            activation_offload=act_off, packing=req.packing, images_per_row=req.images_per_row,
             tiled_mlp=tiled_mlp, tiled_mlp_shards=req.tiled_mlp_shards,
             objective=req.objective, precompute_ref=req.precompute_ref,
         ))

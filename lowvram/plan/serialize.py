@@ -47,6 +47,8 @@ def choice_to_dict(choice: Choice) -> dict:
         "techniques": _setup_techniques(c.setup),
         "seq_len": req.seq_len,
         "packing": req.packing,
+        # format image_chat: the images per row the plan counts (lowvram.plan.images); absent for text
+        **({"images_per_row": req.images_per_row} if req.images_per_row else {}),
         "batch_size": req.batch_size,
         "micro_batch_size": c.setup.micro_batch_size,
         "grad_accum": c.setup.grad_accum,

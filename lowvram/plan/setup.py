@@ -115,6 +115,8 @@ class RunSetup:
     # preference collators, lowvram.plan.preference.policy_setup): SDPA gets a b x 1 x s x s
     # mask in every layer (activations.masked_layers)
     padded: bool = False
+    # data.images_per_row with image_chat data (0: text): lowvram.plan.images
+    images_per_row: int = 0
     # techniques.tiled_mlp: each decoder layer's MLP computed over the sequence in shards and
     # recomputed shard by shard in the backward (DeepSpeed's TiledMLP, lowvram.plan.tiled);
     # tiled_mlp_shards 0 = DeepSpeed's rule, ceil(seq_len / hidden_size) (tiled.tiled_mlp_shards)

@@ -139,6 +139,8 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
         t = recipe.training
         fields["gradient_clipping"] = "max_grad_norm" in t.model_fields_set and t.max_grad_norm > 0
         fields["packing"] = recipe.data.packing
+        if any(d.format == "image_chat" for d in recipe.data.datasets):  # lowvram.plan.images
+            fields["images_per_row"] = recipe.data.images_per_row
         fields["objective"] = recipe.training.objective
         fields["precompute_ref"] = recipe.preference.precompute_ref_log_probs
         fixed = recipe_choices(recipe)

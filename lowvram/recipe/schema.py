@@ -38,7 +38,7 @@ Optimizer = Literal[(*SWITCH, *OPTIMIZERS)]
 Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
 Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
-DataFormat = Literal["alpaca", "chat", "completion", "text", "preference", "unpaired"]
+DataFormat = Literal["alpaca", "chat", "image_chat", "completion", "text", "preference", "unpaired"]
 # training.objective: sft trains on responses (the Trainer); the others align on preference data
 # through TRL (lowvram.train.preference), the planner's list (lowvram.plan.preference).
 Objective = Literal[OBJECTIVES]
@@ -87,7 +87,9 @@ class DatasetSpec(_Section):
     format: DataFormat = Field(
         "alpaca",
         description="alpaca (instruction/input/output), chat (messages with roles, rendered by the "
-        "tokenizer's chat template), completion (prompt/completion), text (raw text), preference "
+        "tokenizer's chat template), image_chat (messages whose content holds {type: image} parts, "
+        "plus images: image files relative to the data file, or a hub dataset's image column; "
+        "rendered by the model's processor; a model with a vision tower), completion (prompt/completion), text (raw text), preference "
         "(prompt/chosen/rejected: text or messages; no prompt field: the shared start of chosen and "
         "rejected; for training.objective dpo, orpo, simpo, kto), unpaired (prompt/completion/label: "
         "true for a desirable completion, false for an undesirable one; for training.objective kto).",
@@ -111,6 +113,10 @@ class DataSection(_Section):
         False, description="Also train on prompt tokens (default: loss on response tokens only)."
     )
     packing: bool = Field(False, description="Pack several samples into each seq_len window.")
+    images_per_row: int = Field(
+        1, ge=1, description="The most images one row of format image_chat holds: the plan counts "
+        "this many per row (their tokens and the vision tower's forward); a row with more is an error.",
+    )
     skip_bad_rows: bool = Field(
         False, description="Skip and count malformed rows instead of stopping with an error."
     )
@@ -356,6 +362,13 @@ class Recipe(_Section):
                                     self.data.packing)
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _images_not_packed(self) -> Recipe:
+        if self.data.packing and any(d.format == "image_chat" for d in self.data.datasets):
+            raise ValueError("data.packing does not apply to format image_chat: a window's images and "
+                             "their tokens are not packed (set data.packing: false)")
         return self
 
     # Where the recipe came from; relative data paths resolve against it. Not a YAML key.

@@ -114,7 +114,10 @@ def show_plan(data: dict, as_json: bool = False) -> None:
         c.print(f"vision tower: {vision['tower']} ({vision['layers']} layers) + {vision['projector']} "
                 f"projector, {vision['parameters'] / 1e6:.1f}M params, loaded with the language model, "
                 f"frozen and not quantized: {gib(vision['weight_bytes'])} of the weights; "
-                f"{vision['tokens_per_image']} tokens per image", markup=False)
+                f"{vision['tokens_per_image']} tokens per image"
+                + (f"; {data['images_per_row']} image(s) per row (data.images_per_row): their tokens in "
+                   "seq_len, their pixels and the tower's forward counted" if data.get("images_per_row") else ""),
+                markup=False)
     for note in data.get("notes", ()):
         c.print(f"note: {note}", markup=False)
 

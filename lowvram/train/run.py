@@ -267,8 +267,14 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
 
     from lowvram.train.data.build import build_datasets
     from lowvram.train.data.collate import make_collator
+    from lowvram.train.data.images import make_image_collator
+    from lowvram.train.model import load_image_inputs
 
-    bundle = build_datasets(recipe, loaded.tokenizer)
+    images = load_image_inputs(recipe, loaded.source, loaded.model)  # format image_chat
+    bundle = build_datasets(recipe, loaded.tokenizer, images)
+    collator = make_collator(loaded.tokenizer)
+    if images is not None:  # pixel values per batch (data/images.py)
+        collator = make_image_collator(images.processor, images.image_token_id, collator)
     if len(bundle.train) == 0:
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
     check_shape(recipe, train_rows=len(bundle.train))  # the rows (windows) as built: hub data, packing
@@ -280,7 +286,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     progress = ProgressCallback()
     stop = signals.SignalStop()  # SIGINT/SIGTERM: checkpoint at the step's end, then stop
     trainer = build_trainer(
-        loaded, bundle, args, make_collator(loaded.tokenizer),
+        loaded, bundle, args, collator,
         callbacks=[progress, *signals.make_callbacks(stop), *callbacks],
         loss=plan.loss, loss_chunk_tokens=plan.loss_chunk_tokens, optimizer=plan.optimizer,
     )

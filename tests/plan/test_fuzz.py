@@ -181,6 +181,20 @@ def test_preference_recipes_stay_within_their_plan(seed, tmp_path):
     assert bool(out.details["data_longest_tokens"]) == short  # short pairs: predicted at their length
 
 
+# Image + text recipes (issue 29 item 3: difftest.made_images, bench/plan_fuzz.py --families images
+# --images): bench/results/plan_fuzz_images_*.txt.
+IMAGES = {0: "Llava LoRA bf16-mixed, checkpointing, chunked, b2 s512, eval: +4.17% before the pixels of "
+             "accelerate's prefetched batch and peft's embedding leaf were planned (plan/images.py)"}
+
+
+@pytest.mark.parametrize("seed", list(IMAGES))
+def test_image_recipes_stay_within_their_plan(seed, tmp_path):
+    from lowvram.difftest import IMAGE_FAMILIES, made_images
+
+    case = made_images(random_case(seed, families=IMAGE_FAMILIES))
+    _check(case, tmp_path, IMAGES[seed])
+
+
 @pytest.mark.parametrize("seed", list(PACKING))
 def test_packed_recipes_stay_within_their_plan(seed, tmp_path):
     from dataclasses import replace

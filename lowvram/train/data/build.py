@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from lowvram.errors import DataError
 from lowvram.recipe import Recipe
 from lowvram.train.data.collate import columns, hold_out, pack, to_dataset
+from lowvram.train.data.images import tokenize_image_rows
 from lowvram.train.data.read import load_rows
 from lowvram.train.data.tokenize import Counts, tokenize_rows
 from lowvram.train.loss import IGNORE_INDEX
@@ -21,6 +22,15 @@ if TYPE_CHECKING:
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """What format image_chat renders with: the model's processor (AutoProcessor) and the
+    config's image_token_id (the token each image is expanded into)."""
+
+    processor: object
+    image_token_id: int
 
 
 @dataclass(frozen=True)
@@ -43,22 +53,35 @@ class DataBundle:
     stats: DataStats
 
 
-def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> DataBundle:
+def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: ImageInputs | None = None) -> DataBundle:
     """Load, format, tokenize, mask, truncate (and pack) the recipe's datasets. A preference
-    objective: the checked prompt/chosen/rejected pairs, which TRL tokenizes (data/preference.py)."""
+    objective: the checked prompt/chosen/rejected pairs, which TRL tokenizes (data/preference.py).
+    ``images``: the model's processor and image token, for format image_chat (data/images.py);
+    every sample then carries its image paths (none for a text dataset beside it)."""
     if recipe.training.objective != "sft":
         return _preference_bundle(recipe)
     data = recipe.data
     counts = Counts()
     split_eval = isinstance(data.validation, str)
-    train_samples: list[tuple[list[int], list[int]]] = []
-    eval_samples: list[tuple[list[int], list[int]]] = []
+    train_samples: list[tuple] = []
+    eval_samples: list[tuple] = []
+    with_images = any(spec.format == "image_chat" for spec in data.datasets)
+    if with_images and images is None:
+        raise DataError("format image_chat needs a model with a vision tower and its processor",
+                        "use a multimodal checkpoint (Gemma-3 4B+, Llava) or format: chat")
+
+    def samples(rows: list, spec) -> list:
+        if spec.format == "image_chat":
+            return tokenize_image_rows(rows, spec, recipe, images.processor, images.image_token_id, counts)
+        out = tokenize_rows(rows, spec, recipe, tokenizer, counts)
+        return [(ids, labels, []) for ids, labels in out] if with_images else out
+
     for spec in data.datasets:
         rows = load_rows(recipe, spec, spec.split, spec.max_samples)
-        train_samples += tokenize_rows(rows, spec, recipe, tokenizer, counts)
+        train_samples += samples(rows, spec)
         if split_eval:
             eval_rows = load_rows(recipe, spec, data.validation, None)
-            eval_samples += tokenize_rows(eval_rows, spec, recipe, tokenizer, counts)
+            eval_samples += samples(eval_rows, spec)
     if not train_samples:
         raise DataError(
             "no training samples left after formatting and truncation",

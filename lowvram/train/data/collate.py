@@ -93,12 +93,17 @@ def hold_out(samples: list, fraction: float, seed: int) -> tuple[list, list]:
     return train, evals
 
 
-def columns(samples: list[tuple[list[int], list[int]]]) -> dict[str, list]:
-    return {
-        "input_ids": [ids for ids, _ in samples],
-        "attention_mask": [[1] * len(ids) for ids, _ in samples],
-        "labels": [labels for _, labels in samples],
+def columns(samples: list[tuple]) -> dict[str, list]:
+    """(input_ids, labels) samples, or (input_ids, labels, image paths) ones (format image_chat:
+    an ``images`` column the ImageCollator reads)."""
+    cols = {
+        "input_ids": [s[0] for s in samples],
+        "attention_mask": [[1] * len(s[0]) for s in samples],
+        "labels": [s[1] for s in samples],
     }
+    if samples and len(samples[0]) == 3:
+        cols["images"] = [list(s[2]) for s in samples]
+    return cols
 
 
 def pack(samples: list[tuple[list[int], list[int]]], seq_len: int) -> dict[str, list]:
@@ -137,5 +142,6 @@ def pack(samples: list[tuple[list[int], list[int]]], seq_len: int) -> dict[str, 
 def to_dataset(cols: dict[str, list]) -> datasets.Dataset:
     import datasets
 
-    features = datasets.Features({k: datasets.Sequence(datasets.Value("int32")) for k in cols})
+    features = datasets.Features({k: datasets.Sequence(datasets.Value("string" if k == "images" else "int32"))
+                                  for k in cols})
     return datasets.Dataset.from_dict(cols, features=features)

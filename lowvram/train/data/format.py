@@ -28,6 +28,7 @@ ALPACA_PROMPT_NO_INPUT = (
 FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "alpaca": (("instruction", "output"), ("input",)),
     "chat": (("messages",), ()),
+    "image_chat": (("messages",), ("images",)),  # lowvram.train.data.images
     "completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),  # lowvram.train.data.preference
@@ -116,14 +117,18 @@ class ChatRenderer:
     Mistral, Gemma and Qwen templates; a row where it fails is reported, not silently mis-masked.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: DatasetSpec) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: DatasetSpec, eos: str | None = None) -> None:
+        """``tokenizer``: what renders the template (a tokenizer, or a multimodal processor, whose
+        apply_chat_template takes the same arguments); ``eos``: its end token when it is no
+        tokenizer."""
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(
-                f"{spec.path}: format chat needs a chat template and the tokenizer has no chat template",
+                f"{spec.path}: format {spec.format} needs a chat template and the "
+                f"{'tokenizer' if eos is None else 'processor'} has no chat template",
                 "use a chat model's tokenizer (model.tokenizer) or format: alpaca",
             )
         self.tokenizer = tokenizer
-        self.eos = tokenizer.eos_token or ""
+        self.eos = (tokenizer.eos_token if eos is None else eos) or ""
 
     def _render(self, messages: list, generation_prompt: bool) -> str:
         if not messages:
@@ -136,7 +141,9 @@ class ChatRenderer:
             raise BadRow(f"the chat template rejected the messages: {e}") from None
 
     def segments(self, row: dict, spec: DatasetSpec) -> Segments:
-        messages = _messages(row, spec)
+        return self.segments_of(_messages(row, spec))
+
+    def segments_of(self, messages: list[dict]) -> Segments:
         full = self._render(messages, False)
         out: Segments = []
         pos = 0

@@ -1,0 +1,290 @@
+"""Image + text data, format ``image_chat``: chat messages whose content holds image parts, and
+an ``images`` column of image files, rendered through the model's processor and chat template.
+
+The row shape is TRL's SFTTrainer's (``messages`` with ``{"type": "image"}`` and ``{"type":
+"text", "text": ...}`` content parts, and an ``images`` list) and LLaMA-Factory's multimodal
+ShareGPT (an ``<image>`` placeholder inside text content counts as an image part too). Image paths
+are relative to the data file. Each image part becomes the processor's placeholder in the chat
+template's text; the processor (transformers Gemma3Processor / LlavaProcessor
+``replace_image_token``) expands it into the image's tokens, tokens_per_image of them
+(lowvram.plan.vision). Labels are on assistant turns only (ChatRenderer's segments) and never on
+an image token. The dataset keeps the token ids and the image paths: pixel values are made per
+batch by :class:`ImageCollator` (the processor's image processor), not stored.
+
+A row whose file is missing, not an image PIL can open, larger than :data:`IMAGE_MAX_PIXELS`, or
+whose placeholders and images differ in number is an error by file and row (or skipped and
+counted with data.skip_bad_rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowvram.errors import DataError
+from lowvram.recipe import DatasetSpec, Recipe
+from lowvram.train.data.collate import PadCollator
+from lowvram.train.data.format import ChatRenderer, check_fields
+from lowvram.train.data.read import BadRow, Row
+from lowvram.train.loss import IGNORE_INDEX
+
+# The largest image accepted, in pixels (width x height): 4096 x 4096. The processors resize every
+# image to the tower's side (896 px for Gemma-3, 336 for Llava-1.5), so a larger file only costs
+# decoding time and host memory; PIL itself refuses from 2 x 89,478,485 pixels (a decompression
+# bomb, PIL.Image.MAX_IMAGE_PIXELS) and this limit stops well below that with a row to fix.
+IMAGE_MAX_PIXELS = 4096 * 4096
+
+ImageSample = tuple[list[int], list[int], list[str]]  # input_ids, labels, image paths
+
+
+class BadImage(BadRow):
+    """A row whose image cannot be used; carries its own hint."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def open_image(path: Path, shown: str):
+    """The image at ``path`` decoded and in RGB, or BadImage naming ``shown`` (the row's entry)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise BadImage(f"image file not found: {shown} ({path})",
+                       "paths in images are relative to the data file; check the file exists")
+    try:
+        with Image.open(path) as img:
+            pixels = img.width * img.height
+            if pixels > IMAGE_MAX_PIXELS:
+                raise BadImage(f"image {shown} is {img.width} x {img.height} = {pixels:,} pixels, over the "
+                               f"limit of {IMAGE_MAX_PIXELS:,} (4096 x 4096)",
+                               "resize it (the processor resizes every image to the vision tower's side anyway)")
+            img.load()
+            return img.convert("RGB")
+    except BadImage:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise BadImage(f"image {shown} cannot be opened as an image ({type(e).__name__}: {e})",
+                       "replace the file with a valid PNG, JPEG or WebP image") from None
+
+
+def _short(value: Any) -> str:
+    s = repr(value)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def image_messages(row: dict, spec: DatasetSpec) -> list[dict]:
+    """The row's messages with text or content-part content (the chat template renders both)."""
+    column = spec.fields.get("messages", "messages")
+    if column not in row or row[column] is None:
+        present = ", ".join(map(str, row)) or "none"
+        raise BadRow(f"missing field '{column}'; expected a list of {{role, content}} (columns present: {present})")
+    messages = row[column]
+    expected = "expected a list of {role, content} objects"
+    if not isinstance(messages, list) or not messages:
+        raise BadRow(f"field '{column}': {expected}, got {type(messages).__name__} {_short(messages)}")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise BadRow(f"field '{column}', message {j}: {expected}, got {_short(m)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            for k, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    continue
+                if kind != "image":
+                    raise BadRow(f"field '{column}', message {j}, part {k}: expected {{type: text, text}} "
+                                 f"or {{type: image}}, got {_short(part)}")
+            # Keep only type/text: Arrow loading fills absent keys with None
+            content = [{"type": "image"} if p["type"] == "image" else {"type": "text", "text": p["text"]}
+                       for p in content]
+        elif not isinstance(content, str):
+            got = type(content).__name__ if "content" in m else "no content"
+            raise BadRow(f"field '{column}', message {j}: 'content' must be text or a list of parts, got {got}")
+        out.append({"role": m["role"], "content": content})
+    if not any(m["role"] == "assistant" and _text_of(m["content"]).strip() for m in out):
+        raise BadRow(f"field '{column}': {expected} with at least one non-empty assistant message")
+    return out
+
+
+def _text_of(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def _is_image(value: Any) -> bool:
+    """A hub dataset's image: a decoded PIL image, or datasets' {bytes, path} form."""
+    if isinstance(value, dict):
+        return isinstance(value.get("bytes"), bytes) or isinstance(value.get("path"), str)
+    return hasattr(value, "save") and hasattr(value, "size")
+
+
+def image_paths(row: dict, spec: DatasetSpec) -> list:
+    """The row's images: file paths (str), or a hub dataset's images (datasets' Image feature)."""
+    column = spec.fields.get("images", "images")
+    value = row.get(column)
+    if value is None:
+        return []
+    if isinstance(value, str) or _is_image(value):
+        return [value]
+    if not isinstance(value, list) or not all((isinstance(p, str) and p) or _is_image(p) for p in value):
+        raise BadRow(f"field '{column}': expected a list of image file paths (or a dataset's images), "
+                     f"got {_short(value)}")
+    return list(value)
+
+
+def stored_image(value: Any, folder: Path) -> Path:
+    """A hub dataset's image written once as a file under ``folder`` (named by its content), so
+    the collator reads it per batch like a local file and the dataset keeps a path."""
+    import hashlib
+    import io
+
+    if isinstance(value, dict) and not isinstance(value.get("bytes"), bytes):
+        return Path(value["path"])  # datasets' form of a file it did not embed
+    if isinstance(value, dict):
+        data = value["bytes"]
+    else:
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        data = buf.getvalue()
+    path = folder / (hashlib.sha256(data).hexdigest()[:32] + ".img")
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return path
+
+
+@dataclass
+class ImageChatTokenizer:
+    """Renders and tokenizes image_chat rows with the model's processor.
+
+    ``image_token_id``: the model config's image_token_id, the token each image becomes
+    tokens_per_image of (never a label); ``base``: the folder image paths are relative to."""
+
+    processor: Any
+    spec: DatasetSpec
+    image_token_id: int
+    base: Path
+    max_images: int
+    train_all: bool = False  # data.train_on_inputs
+    cache: Path | None = None  # where a hub dataset's images are written (a temporary folder)
+
+    def __post_init__(self) -> None:
+        self.chat = ChatRenderer(self.processor, self.spec, eos=self.processor.tokenizer.eos_token)
+        self.placeholder = self.processor.image_token
+
+    def _path(self, entry: Any) -> str:
+        if not isinstance(entry, str):  # a hub dataset's image
+            if self.cache is None:
+                import atexit
+                import shutil
+                import tempfile
+
+                self.cache = Path(tempfile.mkdtemp(prefix="lowvram-images-"))
+                atexit.register(shutil.rmtree, self.cache, True)
+            return str(stored_image(entry, self.cache))
+        p = Path(entry).expanduser()
+        return str(p if p.is_absolute() else self.base / p)
+
+    def sample(self, row: Any) -> tuple[list[int], list[int], list[str], list]:
+        """(input_ids, labels, image paths, decoded images) of one row, untruncated."""
+        if isinstance(row, BadRow):
+            raise row
+        if not isinstance(row, dict):
+            raise BadRow(f"expected an object with fields, got {type(row).__name__} {_short(row)}")
+        messages = image_messages(row, self.spec)
+        paths = image_paths(row, self.spec)
+        segs = self.chat.segments_of(messages)
+        placeholders = sum(text.count(self.placeholder) for text, _ in segs)
+        column = self.spec.fields.get("images", "images")
+        if placeholders != len(paths):
+            raise BadImage(f"{placeholders} image placeholder(s) in the messages ({{type: image}} parts or "
+                           f"'{self.placeholder}') but {len(paths)} image(s) in '{column}'",
+                           "give one image file per {type: image} part, in order")
+        if len(paths) > self.max_images:
+            raise BadImage(f"{len(paths)} images in the row, more than data.images_per_row "
+                           f"({self.max_images}), the number the plan counts",
+                           f"raise data.images_per_row to {len(paths)} (the plan then counts that many)")
+        resolved = [self._path(s) for s in paths]
+        shown = [f"'{s}'" if isinstance(s, str) else f"{column}[{j}] (an image of the dataset)"
+                 for j, s in enumerate(paths)]
+        images = [open_image(Path(r), s) for r, s in zip(resolved, shown, strict=True)]
+        ids: list[int] = []
+        labels: list[int] = []
+        used = 0
+        for text, trained in segs:
+            n = text.count(self.placeholder)
+            if n:
+                piece = self.processor(text=[text], images=[images[used:used + n]], add_special_tokens=False)
+                piece = [int(i) for i in piece["input_ids"][0]]
+                used += n
+            else:
+                piece = self.processor.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += piece
+            labels += [IGNORE_INDEX if (not (trained or self.train_all) or i == self.image_token_id) else i
+                       for i in piece]
+        return ids, labels, resolved, images
+
+
+def tokenize_image_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, processor, image_token_id: int,
+                        counts) -> list[ImageSample]:
+    """The (input_ids, labels, image paths) samples of an image_chat dataset, cut to seq_len;
+    a row whose image tokens would be cut is an error (the images would not match their tokens)."""
+    check_fields(spec)
+    base = recipe.resolve_path(spec.path).parent
+    tok = ImageChatTokenizer(processor, spec, image_token_id, base, recipe.data.images_per_row,
+                             train_all=recipe.data.train_on_inputs)
+    seq_len = recipe.training.seq_len
+    out: list[ImageSample] = []
+    for row in rows:
+        try:
+            ids, labels, paths, _ = tok.sample(row.data)
+            if len(ids) > seq_len:
+                n_image = ids.count(image_token_id)
+                if ids[:seq_len].count(image_token_id) != n_image:
+                    raise BadImage(f"the row is {len(ids)} tokens, and training.seq_len {seq_len} would cut "
+                                   f"into its images' {n_image} tokens",
+                                   "raise training.seq_len, or put the images before the long text")
+                counts.truncated += 1
+                ids, labels = ids[:seq_len], labels[:seq_len]
+                if all(lab == IGNORE_INDEX for lab in labels):
+                    counts.dropped += 1
+                    continue
+        except BadRow as e:
+            if recipe.data.skip_bad_rows:
+                counts.skipped += 1
+                continue
+            hint = getattr(e, "hint", None) or ("fix the row, map your column names with fields: {...}, or set "
+                                                "data.skip_bad_rows: true to skip and count bad rows")
+            raise DataError(f"{row.where}: {e}", hint) from None
+        out.append((ids, labels, paths))
+    return out
+
+
+@dataclass(frozen=True)
+class ImageCollator:
+    """PadCollator's batch plus the images' pixel values (the processor's image processor, all the
+    batch's images in row order, as the model's get_image_features takes them) and, for a model
+    whose processor returns them (Gemma-3), token_type_ids: 1 on image tokens, which makes
+    Gemma-3's attention bidirectional within an image (modeling_gemma3 create_masks_for_vision_model)."""
+
+    pad: PadCollator
+    image_processor: Any
+    image_token_id: int
+    token_type_ids: bool
+
+    def __call__(self, features: list[dict]) -> dict:
+        paths = [p for f in features for p in (f.get("images") or [])]
+        batch = self.pad([{k: v for k, v in f.items() if k != "images"} for f in features])
+        if paths:
+            images = [open_image(Path(p), p) for p in paths]
+            batch["pixel_values"] = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        if self.token_type_ids:
+            batch["token_type_ids"] = (batch["input_ids"] == self.image_token_id).long()
+        return batch
+
+
+def make_image_collator(processor, image_token_id: int, pad: PadCollator) -> ImageCollator:
+    types = "token_type_ids" in getattr(processor, "model_input_names", [])
+    return ImageCollator(pad, processor.image_processor, image_token_id, types)
