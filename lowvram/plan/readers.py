@@ -304,9 +304,10 @@ def multimodal_spec_from_config(cfg: dict, name: str) -> ModelSpec:
     if mt == "qwen2_5_vl":
         # Qwen2.5-VL's published config.json is flat: the language model's keys at the top level
         # (Qwen2_5_VLConfig pops them into its text_config); its text model is Qwen2's block
-        # (Qwen2_5_VLDecoderLayer: biased q/k/v, Qwen2MLP) with M-RoPE positions, whose 3-row
-        # position ids are an expanded view for text and whose cos/sin tables come out of
-        # Qwen2_5_VLRotaryEmbedding at Qwen2's (batch, seq, head_dim) shape
+        # (Qwen2_5_VLDecoderLayer: biased q/k/v, Qwen2MLP) with M-RoPE positions: the 3-row
+        # position ids are an expanded view for text, and Qwen2_5_VLRotaryEmbedding's cos/sin
+        # are (batch, seq, head_dim), one table a row (Qwen2's broadcast one (1, seq, head_dim)
+        # table): what activations.head_activation_bytes counts per token
         if not text:
             text = {k: v for k, v in cfg.items() if k != "vision_config" and v is not None}
         text["model_type"] = "qwen2"
