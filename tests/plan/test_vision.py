@@ -251,3 +251,14 @@ def test_qwen2_5_vl_packing_refused_with_a_hint():
     with pytest.raises(LowvramError, match="data.packing with Qwen2.5-VL") as e:
         validate_request(req)
     assert "packing: false" in e.value.hint
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen2_vl"])
+def test_other_qwen_vl_generations_refused_with_the_modelled_families(model_type):
+    """Qwen2-VL's and Qwen3-VL's towers differ from Qwen2.5-VL's (LayerNorms, a plain fc1/fc2
+    MLP; Qwen3-VL adds a learned position table and deepstack mergers): refused, not guessed."""
+    from lowvram.errors import ModelError
+    from lowvram.plan.readers import spec_from_config
+
+    with pytest.raises(ModelError, match=f"'{model_type}'.*qwen2_5_vl"):
+        spec_from_config({**_QWEN_VL, "model_type": model_type}, "x")
