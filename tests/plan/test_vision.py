@@ -262,3 +262,30 @@ def test_other_qwen_vl_generations_refused_with_the_modelled_families(model_type
 
     with pytest.raises(ModelError, match=f"'{model_type}'.*qwen2_5_vl"):
         spec_from_config({**_QWEN_VL, "model_type": model_type}, "x")
+
+
+def test_qwen2_5_vl_rotary_tables_are_batch_sized_as_the_plan_counts_them():
+    """M-RoPE on text: the cos/sin every decoder layer reads are (b, s, head_dim), one table a
+    batch row (Qwen2's: one (1, s, head_dim) table broadcast); activations.head_activation_bytes
+    counts 2 x head_dim per token, which is exactly these two tables."""
+    seen = {}
+
+    def grab(name):
+        def hook(module, args, kwargs):
+            seen[name] = kwargs["position_embeddings"]
+        return hook
+
+    b, s = 3, 10
+    ids = torch.randint(0, 500, (b, s))
+    qwen2 = {k: v for k, v in _QWEN_VL.items() if k not in ("vision_config", "rope_scaling")}
+    for name, cfg in (("qwen2_5_vl", _QWEN_VL), ("qwen2", {**qwen2, "model_type": "qwen2"})):
+        conf = transformers.AutoConfig.for_model(**cfg)
+        cls = transformers.AutoModelForImageTextToText if name == "qwen2_5_vl" else transformers.AutoModelForCausalLM
+        m = cls.from_config(conf)
+        layer = m.model.language_model.layers[0] if name == "qwen2_5_vl" else m.model.layers[0]
+        layer.register_forward_pre_hook(grab(name), with_kwargs=True)
+        with torch.no_grad():
+            m(input_ids=ids)
+    head_dim = _QWEN_VL["hidden_size"] // _QWEN_VL["num_attention_heads"]
+    assert [tuple(t.shape) for t in seen["qwen2_5_vl"]] == [(b, s, head_dim)] * 2
+    assert [tuple(t.shape) for t in seen["qwen2"]] == [(1, s, head_dim)] * 2
