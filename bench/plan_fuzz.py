@@ -66,9 +66,11 @@ from lowvram.difftest import (  # noqa: E402
 # seeds name the same recipes); "ten": also Gemma-3, OLMo-2 and SmolLM3 (what "all" drew before
 # gpt-oss was added); "all": also gpt-oss (a seed draws another recipe than under "ten");
 # "gpt_oss": gpt-oss alone (bench/results/plan_fuzz_gpt_oss.txt).
-# "vision": the multimodal checkpoints (Gemma-3 and Llava with a tiny vision tower), text recipes
+# "vision": the multimodal checkpoints (Gemma-3, Llava, Mistral-3, Qwen2.5-VL with a tiny vision
+# tower), text recipes; "qwen2_5_vl": Qwen2.5-VL alone (adding it to "vision" changed what the vision
+# seeds draw: seeds measured before name other recipes now)
 FAMILY_SETS = {"seven": FIRST_FAMILIES, "ten": TEN_FAMILIES, "all": FAMILIES, "gpt_oss": ("gpt_oss",),
-               "vision": VISION_FAMILIES, "images": IMAGE_FAMILIES}
+               "vision": VISION_FAMILIES, "images": IMAGE_FAMILIES, "qwen2_5_vl": ("qwen2_5_vl",)}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

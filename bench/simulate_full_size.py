@@ -13,6 +13,7 @@ without checkpointing, in bench/results/simulate_full_size_moe.txt (30-100 s per
 bench/results/simulate_full_size_families.txt. ``--gpt-oss``: gpt-oss-20b with the MoE cases,
 eager attention (its only path in transformers), in bench/results/simulate_full_size_gpt_oss.txt.
 ``--vision``: the multimodal catalog entries (Gemma-3-4B/12B, Llava-1.5-7B, Mistral-Small-3.1-24B,
+Qwen2.5-VL-3B/7B/72B; ``--only NAME,NAME`` runs some of them,
 vision tower frozen and loaded unquantized) with the MoE cases, text-only batches, in
 bench/results/simulate_full_size_vision.txt (20-90 s per row).
 """
@@ -34,7 +35,8 @@ MODELS = ["llama-2-7b", "llama-3-8b", "qwen2.5-7b"]
 MOE_MODELS = ["mixtral-8x7b", "qwen3-30b-a3b"]
 FAMILY_MODELS = ["gemma-3-1b", "olmo-2-7b", "smollm3-3b"]
 GPT_OSS_MODELS = ["gpt-oss-20b"]
-VISION_MODELS = ["gemma-3-4b", "gemma-3-12b", "llava-1.5-7b", "mistral-small-3.1-24b"]
+VISION_MODELS = ["gemma-3-4b", "gemma-3-12b", "llava-1.5-7b", "mistral-small-3.1-24b", "qwen2.5-vl-3b",
+                 "qwen2.5-vl-7b", "qwen2.5-vl-72b"]
 SEQ_LENS = [512, 2048]
 CASES: list[tuple[str, dict]] = [
     ("full bf16 adamw", dict(precision="bf16")),
@@ -55,7 +57,7 @@ MOE_CASES = [c for c in CASES if "adamw_8bit" not in c[0]]
 
 
 def main(quick: bool = False, moe: bool = False, families: bool = False,
-         gpt_oss: bool = False, vision: bool = False) -> int:
+         gpt_oss: bool = False, vision: bool = False, only: tuple[str, ...] = ()) -> int:
     from lowvram.check.simulate import simulate_memory
 
     gib = 2**30
@@ -69,6 +71,8 @@ def main(quick: bool = False, moe: bool = False, families: bool = False,
     print(f"{'model':<14} {'seq':>5} {'case':<32} {'analytic':>9} {'simulated':>9} {'diff':>7}  "
           f"{'phase (sim)':<16} {'time':>5}")
     worst = 0.0
+    if only:  # --only NAME[,NAME]: these catalog entries of the chosen set
+        models = [m for m in models if m in only]
     for name in models[:1] if quick else models:
         spec = resolve_model(name)
         for seq in SEQ_LENS:
@@ -89,5 +93,6 @@ def main(quick: bool = False, moe: bool = False, families: bool = False,
 
 
 if __name__ == "__main__":
+    names = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else ()
     sys.exit(main("--quick" in sys.argv, "--moe" in sys.argv, "--families" in sys.argv,
-                  "--gpt-oss" in sys.argv, "--vision" in sys.argv))
+                  "--gpt-oss" in sys.argv, "--vision" in sys.argv, tuple(names)))

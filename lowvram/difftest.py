@@ -36,9 +36,10 @@ TEN_FAMILIES = FIRST_FAMILIES + ("gemma3_text", "olmo2", "smollm3")
 FAMILIES = TEN_FAMILIES + ("gpt_oss",)
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 # multimodal checkpoints (a vision tower loaded with the language model, lowvram.plan.vision):
-# Gemma-3 (SigLIP, Gemma-3 text), Llava (CLIP, Llama) and Mistral-3 (Pixtral, Mistral); text-only recipes (bench/plan_fuzz.py
+# Gemma-3 (SigLIP, Gemma-3 text), Llava (CLIP, Llama), Mistral-3 (Pixtral, Mistral) and Qwen2.5-VL (its
+# window-attention ViT and patch merger, Qwen2 with M-RoPE); text-only recipes (bench/plan_fuzz.py
 # --families vision)
-VISION_FAMILIES = ("gemma3", "llava", "mistral3")
+VISION_FAMILIES = ("gemma3", "llava", "mistral3", "qwen2_5_vl")
 # the ones image + text recipes are drawn for (made_images; Mistral-3's image tokens are refused)
 IMAGE_FAMILIES = ("gemma3", "llava")
 
@@ -168,7 +169,8 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
         seed=seed, family=family, hidden=hidden, layers=rng.choice([2, 3]), heads=heads,
         kv_heads=rng.choice([h for h in (1, 2, heads) if heads % h == 0]),
         intermediate=rng.choice([2, 3, 4]) * hidden, vocab=rng.choice([512, 1024, 2048]),
-        tie=family in ("gemma", "gemma3_text", "smollm3", "gemma3") or (family == "qwen2" and rng.random() < 0.5),
+        tie=family in ("gemma", "gemma3_text", "smollm3", "gemma3")
+        or (family in ("qwen2", "qwen2_5_vl") and rng.random() < 0.5),
         method=method, lora_r=rng.choice([4, 8, 16]), lora_targets=_targets(family, rng),
         lora_dropout=0.0 if moe or rng.random() < 0.5 else rng.choice([0.05, 0.1]),
         precision=precision, model_dtype=dtype, gradient_checkpointing=rng.random() < 0.4,
@@ -179,6 +181,8 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
     )
     if family in VISION_FAMILIES:
         case = _with_vision(case, random.Random(f"vision-{seed}"))
+    if family == "qwen2_5_vl":  # packing refused (vision.packing_problem)
+        case = replace(case, packing=False)
     if extended:
         case = _extend(case, random.Random(f"issue27-{seed}"))
     if family == "gpt_oss":
@@ -385,7 +389,8 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int, image_tokens: dict
         kw.update(decoder_sparse_step=1, mlp_only_layers=[])
     if case.family == "gemma":
         kw["hidden_activation"] = "gelu_pytorch_tanh"
-    text_family = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral"}.get(case.family, case.family)
+    text_family = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral",
+                   "qwen2_5_vl": "qwen2"}.get(case.family, case.family)
     if text_family == "gemma3_text":  # alternate sliding (128 tokens) and full attention layers
         kw.update(sliding_window=128, layer_types=[
             "full_attention" if i % 2 else "sliding_attention" for i in range(case.layers)])
@@ -408,14 +413,17 @@ def _multimodal(case: Case, text, image_tokens: dict | None = None):
     from lowvram.plan.vision import VisionSpec
 
     tower, projector = {"gemma3": ("siglip", "gemma3"), "mistral3": ("pixtral", "mistral3"),
-                        "llava": ("clip", "llava")}[case.family]
+                        "llava": ("clip", "llava"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl")}[case.family]
     patches = (case.vision_image // case.vision_patch) ** 2
     v = VisionSpec(tower=tower, projector=projector, num_layers=case.vision_layers,
                    hidden_size=case.vision_hidden, intermediate_size=2 * case.vision_hidden, num_heads=2,
                    patch_size=case.vision_patch, image_size=case.vision_image, num_channels=3,
-                   tokens_per_image=max(1, patches // 4) if tower == "siglip" else patches,
-                   text_hidden_size=text.hidden_size, projector_bias=tower == "clip",
-                   merge_size=2 if tower == "pixtral" else 1)
+                   tokens_per_image=max(1, patches // 4) if tower in ("siglip", "qwen2_5_vl") else patches,
+                   text_hidden_size=text.hidden_size, projector_bias=tower in ("clip", "qwen2_5_vl"),
+                   merge_size=2 if tower in ("pixtral", "qwen2_5_vl") else 1,
+                   temporal_patch_size=2 if tower == "qwen2_5_vl" else 1)
+    if tower == "qwen2_5_vl":  # Qwen2_5_VLConfig's name for it
+        return multimodal_config(text, v, case.tie, image_token_id=text.vocab_size - 1)
     return multimodal_config(text, v, case.tie, **(image_tokens or {"image_token_index": text.vocab_size - 1}))
 
 

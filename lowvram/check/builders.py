@@ -62,6 +62,13 @@ def multimodal_config(text, v: VisionSpec, tie: bool, **extra):
             "mistral3", text_config=text.to_dict(), **extra, spatial_merge_size=v.merge_size,
             multimodal_projector_bias=v.projector_bias, vision_feature_layer=layer,
             vision_config=dict(model_type="pixtral", head_dim=v.hidden_size // v.num_heads, **vision))
+    elif v.tower == "qwen2_5_vl":
+        cfg = AutoConfig.for_model(
+            "qwen2_5_vl", text_config=qwen2_5_vl_text(text), **extra, vision_config=dict(
+                depth=v.num_layers, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                num_heads=v.num_heads, in_channels=v.num_channels, patch_size=v.patch_size,
+                spatial_merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size,
+                out_hidden_size=v.text_hidden_size))
     elif v.tower == "siglip":
         cfg = AutoConfig.for_model(
             "gemma3", text_config=text.to_dict(), **extra, mm_tokens_per_image=v.tokens_per_image,
@@ -114,6 +121,21 @@ def save_tiny_vision_model(out_dir: str | Path, family: str = "gemma3", seed: in
     AutoModelForImageTextToText.from_config(config).save_pretrained(out)
     build_processor(config, tokenizer).save_pretrained(out)
     return out
+
+
+def qwen2_5_vl_text(text) -> dict:
+    """A Qwen2 text config as Qwen2.5-VL's text_config (Qwen2_5_VLTextConfig): its M-RoPE
+    sections split head_dim / 2 as Qwen2.5-VL's published [16, 24, 24] splits 64 (a quarter for
+    time, the rest halved between height and width; Qwen2_5_VLRotaryEmbedding needs them to sum
+    to head_dim / 2)."""
+    t = text.to_dict()
+    half = t["hidden_size"] // t["num_attention_heads"] // 2
+    time = half // 4
+    height = (half - time) // 2
+    rope = dict(t.get("rope_parameters") or {"rope_theta": 1_000_000.0})
+    rope.update(rope_type="default", mrope_section=[time, height, half - time - height])
+    t.update(model_type="qwen2_5_vl_text", rope_parameters=rope)
+    return t
 
 
 def _moe_config_kwargs(spec: ModelSpec) -> dict:

@@ -59,8 +59,9 @@ def image_problems(spec: ModelSpec, images_per_row: int, seq_len: int) -> list[s
     v = spec.vision
     if v is None:
         return ["format image_chat needs a model with a vision tower (this model has none)"]
-    if v.projector == "mistral3":
-        return ["format image_chat with Mistral-3 (Pixtral) is not modelled: its image tokens depend on "
+    if v.projector in ("mistral3", "qwen2_5_vl"):
+        name = "Mistral-3 (Pixtral)" if v.projector == "mistral3" else "Qwen2.5-VL"
+        return [f"format image_chat with {name} is not modelled: its image tokens depend on "
                 "each image's size, which the plan does not know"]
     if images_per_row * v.tokens_per_image >= seq_len:
         return [f"data.images_per_row {images_per_row} x {v.tokens_per_image} tokens per image leave no "

@@ -62,7 +62,7 @@ from lowvram.plan.states import (
     trainable_tensors,
     weight_bytes,
 )
-from lowvram.plan.vision import vision_problems
+from lowvram.plan.vision import packing_problem, vision_problems
 from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
 
 # --------------------------------------------------------------------------------------------
@@ -87,6 +87,7 @@ def _check(setup: RunSetup) -> None:
     problems += dora.dora_problems(setup)
     problems += vision_problems(setup.model.vision, setup.offload, setup.objective, setup.optimizer,
                                 setup.tiled_mlp)
+    problems += [p for p in [packing_problem(setup.model.vision, setup.packing)] if p]
     problems += optimizers.optimizer_problems(setup)
     conflict = offload_conflict(setup.optimizer, setup.offload)
     if conflict:

@@ -276,7 +276,8 @@ def spec_from_gguf(path: Path, name: str) -> ModelSpec:
 
 # The language model's model_type when a multimodal config's text_config leaves it out
 # (Gemma3Config: Gemma3TextConfig; LlavaConfig: LlamaConfig; Mistral3Config: MistralConfig).
-_TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral"}
+_TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral",
+                    "qwen2_5_vl": "qwen2"}
 # Gemma3TextConfig's defaults (transformers 5 configuration_gemma3.py), which Gemma-3's published
 # config.json files rely on: google/gemma-3-4b-it's text_config names neither the heads nor the
 # vocabulary.
@@ -300,7 +301,16 @@ def multimodal_spec_from_config(cfg: dict, name: str) -> ModelSpec:
                       "vision_config)")
     vision = vision_spec_from_config(cfg, name, text_hidden_size=0)
     text = {k: v for k, v in (cfg.get("text_config") or {}).items() if v is not None}
-    text.setdefault("model_type", _TEXT_MODEL_TYPE.get(mt, "llama"))
+    if mt == "qwen2_5_vl":
+        # Qwen2.5-VL's published config.json is flat: the language model's keys at the top level
+        # (Qwen2_5_VLConfig pops them into its text_config); its text model is Qwen2's block
+        # (Qwen2_5_VLDecoderLayer: biased q/k/v, Qwen2MLP) with M-RoPE positions: the 3-row
+        # position ids are an expanded view for text, and Qwen2_5_VLRotaryEmbedding's cos/sin
+        # are (batch, seq, head_dim), one table a row (Qwen2's broadcast one (1, seq, head_dim)
+        # table): what activations.head_activation_bytes counts per token
+        if not text:
+            text = {k: v for k, v in cfg.items() if k != "vision_config" and v is not None}
+        text["model_type"] = "qwen2"
     for key, value in _TEXT_DEFAULTS.get(text["model_type"], {}).items():
         text.setdefault(key, value)
     # transformers ties by the top-level value (PreTrainedModel's tied-weights mapping); without

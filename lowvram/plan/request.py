@@ -22,7 +22,7 @@ from lowvram.plan.setup import (
 )
 from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.types import Plan
-from lowvram.plan.vision import VISION_HINT, vision_problems
+from lowvram.plan.vision import PACKING_HINT, VISION_HINT, packing_problem, vision_problems
 from lowvram.vocab import (
     FULL_ONLY_OPTIMIZERS,
     FUSED_BACKWARD_OPTIMIZERS,
@@ -245,6 +245,9 @@ def validate_request(req: PlanRequest) -> None:
         raise LowvramError("; ".join(problems), VISION_HINT)
     if req.model is not None and (problems := image_problems(req.model, req.images_per_row, req.seq_len)):
         raise LowvramError("; ".join(problems), IMAGE_HINT)
+    packed = packing_problem(req.model.vision if req.model is not None else None, req.packing)
+    if packed:
+        raise LowvramError(packed, PACKING_HINT)
     smallest = preference.min_micro_batch_size(req.objective)
     if smallest > 1 and (fixed_micro_batch_size(req) or req.batch_size // max(1, req.gpus)) < smallest:
         raise LowvramError(f"objective {req.objective} needs a micro-batch of at least {smallest} rows per GPU "

@@ -29,6 +29,16 @@ Sources (transformers 5):
   (Mistral3Config default False). Image tokens of the largest image (image_size): side =
   image_size / patch / spatial_merge_size merged patches a side, plus one [IMG_BREAK] per row
   (the last row's is [IMG_END]): side x (side + 1) (PixtralProcessor).
+- Qwen2.5-VL tower (``qwen2_5_vl``), modeling_qwen2_5_vl.py Qwen2_5_VisionTransformerPretrainedModel
+  (model.visual): patch_embed Conv3d(c, h, (temporal_patch_size, patch, patch)) without bias;
+  rotary_pos_emb (axial 2-D rope: buffers inv_freq and original_inv_freq, fp32, head_dim / 4
+  each); Qwen2_5_VLVisionBlock (norm1 / norm2 RMSNorm(h); attn qkv Linear(h, 3h) and proj
+  Linear(h, h) with bias; a gated MLP gate/up Linear(h, I), down Linear(I, h) with bias), window
+  attention in all blocks but fullatt_block_indexes (no parameters); no final norm.
+- Qwen2_5_VLPatchMerger (model.visual.merger, the projector): ln_q RMSNorm(h), mlp Linear(h m^2,
+  h m^2) and Linear(h m^2, out_hidden_size) with bias (m = spatial_merge_size). Image tokens of
+  the largest image: the image processor's default max_pixels 28 * 28 * 1280
+  (image_processing_qwen2_vl.py) over (patch * m)^2 pixels a token: 1280.
 Defaults left out of config.json: SiglipVisionConfig / CLIPVisionConfig class defaults
 (configuration_siglip.py, configuration_clip.py).
 """
@@ -51,10 +61,16 @@ _TOWER_DEFAULTS = {
     "pixtral": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                     num_attention_heads=16, num_channels=3, image_size=1024, patch_size=16,
                     vision_use_head=False),
+    # configuration_qwen2_5_vl.py Qwen2_5_VLVisionConfig (depth, num_heads, in_channels)
+    "qwen2_5_vl": dict(depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16,
+                       in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                       vision_use_head=False),
 }
+# Qwen2VLImageProcessor's default longest_edge (max_pixels): 28 * 28 * 1280 pixels an image
+_QWEN_MAX_PIXELS = 28 * 28 * 1280
 # multimodal model_type -> (tower kind, projector kind)
 VISION_FAMILIES = {"gemma3": ("siglip", "gemma3"), "llava": ("clip", "llava"),
-                   "mistral3": ("pixtral", "mistral3")}
+                   "mistral3": ("pixtral", "mistral3"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl")}
 
 
 @dataclass(frozen=True)
@@ -75,7 +91,8 @@ class VisionSpec:
     use_head: bool = False  # SigLIP attention-pooling head (unused by Gemma-3)
     projector_bias: bool = True  # Llava linear_1 / linear_2 bias
     feature_layers: int = 1  # Llava, Mistral-3: len(vision_feature_layer) when it is a list
-    merge_size: int = 1  # Mistral-3: spatial_merge_size (the patch merger's side)
+    merge_size: int = 1  # Mistral-3, Qwen2.5-VL: spatial_merge_size (the patch merger's side)
+    temporal_patch_size: int = 1  # Qwen2.5-VL: the Conv3d patch embedding's frames
 
     @property
     def patches(self) -> int:
@@ -90,6 +107,10 @@ def _layer_numel(v: VisionSpec) -> int:
 def tower_numel(v: VisionSpec) -> int:
     """Exact parameter count of the vision tower (``sum(p.numel())`` of model.vision_tower)."""
     h, c, p = v.hidden_size, v.num_channels, v.patch_size
+    if v.tower == "qwen2_5_vl":  # RMSNorms, biased qkv/proj and gated MLP, no final norm
+        i = v.intermediate_size
+        layer = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (h * i + i) + (i * h + h)
+        return c * v.temporal_patch_size * p * p * h + v.num_layers * layer
     if v.tower == "pixtral":  # RMSNorms, no biases, a gated MLP, no final norm
         layer = 2 * h + 4 * h * h + 3 * h * v.intermediate_size
         return c * p * p * h + h + v.num_layers * layer
@@ -108,7 +129,10 @@ def tower_numel(v: VisionSpec) -> int:
 def tower_buffer_bytes(v: VisionSpec) -> int:
     """The tower's buffers: SigLIP's and CLIP's position_ids (int64 arange of the positions,
     expanded without a copy), Pixtral's inv_freq and original_inv_freq (fp32, head_dim / 2 each;
-    modeling_pixtral.py PixtralVisionRotaryEmbedding)."""
+    modeling_pixtral.py PixtralVisionRotaryEmbedding), Qwen2.5-VL's inv_freq and original_inv_freq
+    (fp32, arange(0, head_dim / 2, 2) each; Qwen2_5_VLVisionRotaryEmbedding)."""
+    if v.tower == "qwen2_5_vl":
+        return 2 * 4 * len(range(0, v.hidden_size // v.num_heads // 2, 2))
     if v.tower == "pixtral":
         return 2 * 4 * (v.hidden_size // v.num_heads // 2)
     return 8 * (v.patches + (1 if v.tower == "clip" else 0))
@@ -118,6 +142,9 @@ def projector_numel(v: VisionSpec) -> int:
     """Exact parameter count of model.multi_modal_projector."""
     if v.projector == "gemma3":
         return v.hidden_size * v.text_hidden_size + v.hidden_size
+    if v.projector == "qwen2_5_vl":  # model.visual.merger: ln_q + two biased Linears
+        m = v.hidden_size * v.merge_size ** 2
+        return v.hidden_size + (m * m + m) + (m * v.text_hidden_size + v.text_hidden_size)
     d_in, d = v.hidden_size * v.feature_layers, v.text_hidden_size
     b = d if v.projector_bias else 0
     n = d_in * d + b + d * d + b
@@ -139,6 +166,8 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
     tower, projector = VISION_FAMILIES[mt]
     vc = dict(_TOWER_DEFAULTS[tower])
     vc.update({k: v for k, v in (cfg.get("vision_config") or {}).items() if v is not None})
+    if tower == "qwen2_5_vl":
+        return _qwen2_5_vl_spec(vc)
     for key in ("image_size", "patch_size"):
         if isinstance(vc[key], (list, tuple)):
             vc[key] = int(vc[key][0])
@@ -170,6 +199,23 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
         projector_bias=bias, feature_layers=feature_layers, merge_size=merge)
 
 
+def _qwen2_5_vl_spec(vc: dict) -> VisionSpec:
+    """Qwen2.5-VL's tower from its vision_config (Qwen2_5_VLVisionConfig's key names). Images have
+    no fixed size (the processor resizes them to a multiple of patch * merge within max_pixels):
+    image_size is the largest square side the default max_pixels allows, tokens_per_image the
+    most tokens an image gets (1280)."""
+    patch, merge = int(vc["patch_size"]), int(vc["spatial_merge_size"])
+    unit = patch * merge
+    side = int(_QWEN_MAX_PIXELS ** 0.5) // unit * unit
+    return VisionSpec(
+        tower="qwen2_5_vl", projector="qwen2_5_vl", num_layers=int(vc["depth"]),
+        hidden_size=int(vc["hidden_size"]), intermediate_size=int(vc["intermediate_size"]),
+        num_heads=int(vc["num_heads"]), patch_size=patch, image_size=side,
+        num_channels=int(vc["in_channels"]), tokens_per_image=_QWEN_MAX_PIXELS // unit ** 2,
+        text_hidden_size=0, projector_bias=True, merge_size=merge,
+        temporal_patch_size=int(vc["temporal_patch_size"]))
+
+
 def vision_problems(vision: VisionSpec | None, offload: str | None, objective: str,
                     optimizer: str | None, tiled_mlp: bool | None) -> list[str]:
     """What is not modelled with a vision tower loaded (each named, none guessed): DeepSpeed and
@@ -191,6 +237,21 @@ def vision_problems(vision: VisionSpec | None, offload: str | None, objective: s
         what.append("tiled_mlp")
     return [f"{w} with a vision tower loaded ({vision.tower} + {vision.projector} projector) is not "
             "modelled" for w in what]
+
+
+def packing_problem(vision: VisionSpec | None, packing: bool) -> str | None:
+    """Packed windows on Qwen2.5-VL: lowvram's packing sends 1-row position_ids that restart per
+    sample and no attention_mask, from which Qwen2's text model builds a block-diagonal mask
+    (masking_utils find_packed_sequence_indices); Qwen2_5_VLTextModel expands them to its three
+    M-RoPE rows and builds its mask without them (it reads boundaries only from a fourth, text
+    row: modeling_qwen2_5_vl.py), so packed samples would attend to each other. Refused."""
+    if vision is None or vision.tower != "qwen2_5_vl" or not packing:
+        return None
+    return ("data.packing with Qwen2.5-VL is not modelled: its text model reads no sample boundaries "
+            "from packed position_ids (Qwen2_5_VLTextModel), so packed samples would attend to each other")
+
+
+PACKING_HINT = "set data.packing: false (each sample is padded to its batch instead)"
 
 
 VISION_HINT = ("train it with offload none, objective sft, another optimizer and tiled_mlp off, or "

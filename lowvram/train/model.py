@@ -130,7 +130,8 @@ def autocast_dtype(precision: str):
 # A multimodal checkpoint's vision tower and projector, as transformers 5 names them
 # (Gemma3Model, LlavaModel: model.vision_tower, model.multi_modal_projector). They are frozen and
 # kept out of bitsandbytes' quantization (lowvram.plan.states.vision_weight_bytes).
-VISION_MODULES = ("model.vision_tower", "model.multi_modal_projector")
+VISION_MODULES = ("model.vision_tower", "model.multi_modal_projector",
+                  "model.visual")  # Qwen2_5_VLModel: the tower with its merger (the projector)
 
 
 def has_vision(config) -> bool:

@@ -172,3 +172,120 @@ def test_shipped_gemma3_recipe_fits_the_card_it_is_sized_for():
     d = json.loads(r.stdout)
     assert d["fits"] and d["vision"]["weight_bytes"] == 2 * 421_290_864 + 8 * 4096  # + position_ids
     assert d["techniques"]["quantization"] == "nf4-dq" and d["techniques"]["loss"] == "chunked"
+
+
+# Qwen2.5-VL's published config.json is flat (the language model's keys at the top level)
+_QWEN_VL = dict(model_type="qwen2_5_vl", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                vision_config=dict(depth=2, hidden_size=48, intermediate_size=80, num_heads=4,
+                                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                                   out_hidden_size=64, fullatt_block_indexes=[1]))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_qwen2_5_vl_tower_merger_buffers_and_whole_model_exact(tie):
+    """model.visual (patch embed, blocks, rotary buffers) without its merger is the tower, the
+    merger the projector; the language model is Qwen2's block from the flat config."""
+    from lowvram.plan.models import count_parameters, model_numel
+    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.vision import tower_buffer_bytes
+
+    cfg = {**_QWEN_VL, "tie_word_embeddings": tie}
+    with torch.device("meta"):
+        m = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model(**cfg))
+    visual = m.model.visual
+    merger = sum(p.numel() for p in visual.merger.parameters())
+    spec = spec_from_config(cfg, "tiny")
+    v = spec.vision
+    assert (tower_numel(v), projector_numel(v)) == (sum(p.numel() for p in visual.parameters()) - merger, merger)
+    assert tower_buffer_bytes(v) == sum(b.numel() * b.element_size() for b in visual.buffers())
+    assert model_numel(spec) == sum(p.numel() for p in m.parameters())
+    assert count_parameters(spec) == sum(p.numel() for n, p in m.named_parameters() if "visual" not in n)
+    assert (spec.model_type, spec.qkv_bias, spec.tie_word_embeddings) == ("qwen2", True, tie)
+    assert v.tokens_per_image == 1280 and v.image_size == 980  # default max_pixels 28*28*1280
+
+
+def test_qwen2_5_vl_saved_by_transformers_reads_the_same():
+    """transformers 5 saves the text_config nested (model_type qwen2_5_vl_text): the same spec."""
+    from lowvram.plan.readers import spec_from_config
+
+    saved = transformers.AutoConfig.for_model(**_QWEN_VL).to_dict()
+    assert "text_config" in saved
+    a, b = spec_from_config(saved, "tiny"), spec_from_config(_QWEN_VL, "tiny")
+    assert (a.vision, a.hidden_size, a.num_layers, a.num_kv_heads, a.qkv_bias, a.vocab_size) == (
+        b.vision, b.hidden_size, b.num_layers, b.num_kv_heads, b.qkv_bias, b.vocab_size)
+
+
+_QWEN_ADVERTISED = {"qwen2.5-vl-3b": 3.75e9, "qwen2.5-vl-7b": 8.29e9,
+                    "qwen2.5-vl-72b": 73.4e9}
+
+
+@pytest.mark.parametrize("name", sorted(_QWEN_ADVERTISED))
+def test_catalog_qwen2_5_vl_entries_count_what_transformers_builds(name):
+    """The catalog's Qwen2.5-VL entries: the model check.builders' config builds (meta) has the
+    planner's parameters exactly, and the model card's figure to its precision."""
+    from lowvram.check.builders import hf_config
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import model_numel
+
+    spec = resolve_model(name)
+    cfg = hf_config(spec)
+    assert cfg.text_config.rope_parameters["mrope_section"] == [16, 24, 24]  # the published split
+    with torch.device("meta"):
+        m = transformers.AutoModelForImageTextToText.from_config(cfg)
+    assert type(m).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert model_numel(spec) == sum(p.numel() for p in m.parameters())
+    digits = 2 if name in ("qwen2.5-vl-3b", "qwen2.5-vl-7b") else 1
+    assert round(model_numel(spec) / 1e9, digits) == round(_QWEN_ADVERTISED[name] / 1e9, digits)
+    assert resolve_model(spec.hf_id) == spec
+
+
+def test_qwen2_5_vl_packing_refused_with_a_hint():
+    """Packed windows: Qwen2_5_VLTextModel reads no sample boundaries from 1-row position_ids."""
+    from lowvram.errors import LowvramError
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.request import PlanRequest, validate_request
+
+    req = PlanRequest(model=resolve_model("qwen2.5-vl-3b"), packing=True)
+    with pytest.raises(LowvramError, match="data.packing with Qwen2.5-VL") as e:
+        validate_request(req)
+    assert "packing: false" in e.value.hint
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen2_vl"])
+def test_other_qwen_vl_generations_refused_with_the_modelled_families(model_type):
+    """Qwen2-VL's and Qwen3-VL's towers differ from Qwen2.5-VL's (LayerNorms, a plain fc1/fc2
+    MLP; Qwen3-VL adds a learned position table and deepstack mergers): refused, not guessed."""
+    from lowvram.errors import ModelError
+    from lowvram.plan.readers import spec_from_config
+
+    with pytest.raises(ModelError, match=f"'{model_type}'.*qwen2_5_vl"):
+        spec_from_config({**_QWEN_VL, "model_type": model_type}, "x")
+
+
+def test_qwen2_5_vl_rotary_tables_are_batch_sized_as_the_plan_counts_them():
+    """M-RoPE on text: the cos/sin every decoder layer reads are (b, s, head_dim), one table a
+    batch row (Qwen2's: one (1, s, head_dim) table broadcast); activations.head_activation_bytes
+    counts 2 x head_dim per token, which is exactly these two tables."""
+    seen = {}
+
+    def grab(name):
+        def hook(module, args, kwargs):
+            seen[name] = kwargs["position_embeddings"]
+        return hook
+
+    b, s = 3, 10
+    ids = torch.randint(0, 500, (b, s))
+    qwen2 = {k: v for k, v in _QWEN_VL.items() if k not in ("vision_config", "rope_scaling")}
+    for name, cfg in (("qwen2_5_vl", _QWEN_VL), ("qwen2", {**qwen2, "model_type": "qwen2"})):
+        conf = transformers.AutoConfig.for_model(**cfg)
+        cls = transformers.AutoModelForImageTextToText if name == "qwen2_5_vl" else transformers.AutoModelForCausalLM
+        m = cls.from_config(conf)
+        layer = m.model.language_model.layers[0] if name == "qwen2_5_vl" else m.model.layers[0]
+        layer.register_forward_pre_hook(grab(name), with_kwargs=True)
+        with torch.no_grad():
+            m(input_ids=ids)
+    head_dim = _QWEN_VL["hidden_size"] // _QWEN_VL["num_attention_heads"]
+    assert [tuple(t.shape) for t in seen["qwen2_5_vl"]] == [(b, s, head_dim)] * 2
+    assert [tuple(t.shape) for t in seen["qwen2"]] == [(1, s, head_dim)] * 2

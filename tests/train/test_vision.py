@@ -92,3 +92,63 @@ def test_training_builds_no_kv_cache_on_a_multimodal_model(family):
     model.train()
     out = model(input_ids=torch.randint(2, 500, (2, 16)))
     assert out.past_key_values is None
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora", "full"])
+def test_qwen2_5_vl_text_recipe_trains_at_its_plan_with_model_visual_frozen(tmp_path, method):
+    """Qwen2.5-VL (its tower and merger under model.visual): text through `lowvram train` at the
+    plan's peak; full fine-tuning leaves model.visual as it was, LoRA and QLoRA adapt none of it
+    (its MLP's gate/up/down_proj share the language model's names)."""
+    case = _case("qwen2_5_vl", method, tie=method == "lora", lora_targets="all-linear")
+    out = run_case(case, tmp_path)
+    assert out.error is None, out.error
+    assert out.ok, (out.measured_bytes, out.predicted_bytes, out.ratio)
+    run = tmp_path / "run"
+    plan = json.loads((run / "plan.json").read_text())
+    assert "vision tower" in plan["reasons"]["tiled_mlp"]  # planned with model.visual loaded
+    if method == "full":
+        from lowvram.train.model import model_class
+
+        def visual(folder):
+            m = model_class(True).from_pretrained(folder)
+            assert type(m).__name__ == "Qwen2_5_VLForConditionalGeneration"
+            return {k: v for k, v in m.state_dict().items() if "visual" in k}
+
+        trained, before = visual(run), visual(tmp_path / "model")
+        assert trained and trained.keys() == before.keys()
+        assert all(torch.equal(trained[k], before[k]) for k in trained)  # not trained
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(run / "adapter_model.safetensors"), "pt") as f:
+            keys = list(f.keys())
+        assert keys and not [k for k in keys if "visual" in k]
+        assert [k for k in keys if "mlp.gate_proj" in k]  # the language model's are adapted
+
+
+def test_qwen2_5_vl_qlora_keeps_model_visual_out_of_bitsandbytes():
+    """lowvram's BitsAndBytesConfig skips model.visual: its Linears stay torch Linears, held at
+    what states.vision_weight_bytes plans (weights + the rotary buffers), to the byte."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    from lowvram.check.builders import build_model
+    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.setup import RunSetup
+    from lowvram.plan.states import vision_weight_bytes
+
+    cfg = dict(model_type="qwen2_5_vl", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
+               vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                  patch_size=16, out_hidden_size=64))
+    spec = spec_from_config(cfg, "tiny-qwen2.5-vl")
+    setup = RunSetup(spec, quantization="nf4-dq", lora=True, lora_r=4, device="cpu", precision="fp32")
+    model = build_model(setup)
+    held = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if ".visual." in n)
+    assert held == vision_weight_bytes(setup)
+    names = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    tower = [n for n in names if ".visual." in n]
+    language = [n for n in names if "language_model" in n and n.endswith("base_layer")]
+    assert tower and all(names[n] is torch.nn.Linear for n in tower)
+    assert language and all(issubclass(names[n], bnb.nn.Linear4bit) for n in language)
