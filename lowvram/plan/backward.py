@@ -283,6 +283,22 @@ def logits_bytes(setup: RunSetup) -> int:
     return fitted.LOGITS_LOSS_BYTES.of(t * spec.vocab_size)
 
 
+def chunked_head_gradient_bytes(setup: RunSetup) -> int:
+    """The chunked loss's lm_head weight gradient at the loss, full fine-tuning: each chunk's
+    backward makes lm_head's V x h gradient, which AccumulateGrad sums into ``.grad``, so with
+    more than one chunk one V x h gradient more than the plan's kept gradients is alive beside a
+    chunk's logits: without accumulation the ``.grad`` an earlier chunk made, with accumulation
+    (its ``.grad`` a kept gradient already) the chunk's new one. Measured: the emulated-card
+    cell (1B/1024 Llama full bf16, two 128-token chunks, micro-batch 2 x 8) held one (2048, 128)
+    bf16 tensor more than its plan at its peak (+4.3%; +3.6% with AdamW, +3.8% with 8-bit AdamW),
+    and a 2-layer Llama at micro-batch 4 x 512 without accumulation one (8192, 128), beside
+    three fp32 chunk x V tensors (tests/plan/test_accuracy.py). A LoRA lm_head is frozen."""
+    t = setup.micro_batch_size * setup.seq_len
+    if setup.loss != "chunked" or setup.lora or t <= setup.loss_chunk_tokens:
+        return 0
+    return dtype_bytes(setup)[0] * lm_head_numel(setup.model)
+
+
 def chunk_resized(setup: RunSetup) -> bool:
     """The chunked loss runs with a chunk smaller than CHUNK_TOKENS (the budget needed it)."""
     return setup.loss == "chunked" and setup.loss_chunk_tokens != CHUNK_TOKENS
@@ -329,7 +345,7 @@ def fused_loss_bytes(setup: RunSetup) -> int:
 
 
 __all__ = [
-    "adapter_forward_bytes", "backward_gradient_bytes", "CHUNK_TOKENS", "chunk_resized", "MIN_CHUNK_TOKENS", "dequantized_weight_bytes",
+    "adapter_forward_bytes", "backward_gradient_bytes", "CHUNK_TOKENS", "chunk_resized", "chunked_head_gradient_bytes", "MIN_CHUNK_TOKENS", "dequantized_weight_bytes",
     "eager_softmax_backward_bytes", "expert_weight_gradient_bytes", "fused_loss_bytes",
     "fused_loss_chunk_tokens", "layer_backward_bytes", "logits_bytes", "mlp_backward_floor_bytes",
     "moe_combine_backward_bytes", "post_norm_backward_bytes", "recompute_bytes",

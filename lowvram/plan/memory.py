@@ -32,6 +32,7 @@ from lowvram.plan.activations import (
 )
 from lowvram.plan.backward import (
     backward_gradient_bytes,
+    chunked_head_gradient_bytes,
     dequantized_weight_bytes,
     eager_softmax_backward_bytes,
     logits_bytes,
@@ -137,7 +138,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     fsdp = setup.offload in ("fsdp", "fsdp-offload")
     not_gathered = layer_weight_bytes(setup) if fsdp else 0  # layer 0: no prefetch
     late_layer_grads = layer_grads // fitted.FSDP_LAYER_GRADIENTS.value if fsdp else layer_grads  # one layer's
-    candidates = [Moment("backward_start", acts, logits)]
+    candidates = [Moment("backward_start", acts, logits, chunked_head_gradient_bytes(setup))]
     if spec.tie_word_embeddings and not setup.lora:
         # The very end of the backward, with a tied embedding: every gradient exists (lm_head's
         # in the shared .grad) when the embedding's dense gradient arrives and is accumulated

@@ -34,8 +34,10 @@ class Moment:
 # name: (what is alive, source). The optimizer step is the other phase (estimate_memory).
 MOMENTS: dict[str, tuple[str, str]] = {
     "backward_start": (
-        "every saved activation (or checkpoint) and the logits with their gradient, at the loss",
-        "activations.activation_bytes, backward.logits_bytes; measured: bench/plan_accuracy.py"),
+        "every saved activation (or checkpoint) and the logits with their gradient, at the loss "
+        "(chunked, full fine-tuning: lm_head's new weight gradient beside the accumulated one)",
+        "activations.activation_bytes, backward.logits_bytes, backward.chunked_head_gradient_bytes; "
+        "measured: bench/plan_accuracy.py, bench/emulated_cards.py"),
     "tied_embedding_gradient": (
         "the end of the backward with a tied embedding: every gradient and two V x h tensors "
         "(embedding_dense_backward, then AccumulateGrad's sum into lm_head's .grad)",
