@@ -64,10 +64,9 @@ def _weight_is_fp32_parameter(setup: RunSetup) -> bool:
     return setup.quantization == "none" and dtype_bytes(setup)[0] == 4
 
 
-def saved_layer_bytes(setup: RunSetup) -> int:
-    """What DoRA saves for the backward in one decoder layer, beyond LoRA's (see the module)."""
-    if not dora_on(setup):
-        return 0
+def _saved_by_linear(setup: RunSetup) -> list[tuple[object, int]]:
+    """What DoRA saves for the backward per adapted Linear of a decoder layer, beyond LoRA's, in
+    forward order (see the module)."""
     t = setup.micro_batch_size * setup.seq_len
     autocast = _autocast(setup)
     _, c = dtype_bytes(setup)
@@ -79,8 +78,9 @@ def saved_layer_bytes(setup: RunSetup) -> int:
     r, _, _ = dtypes(setup)
     source = {lin.name: src for lin, src in zip(block_linears(setup.model), linear_sources(setup.model), strict=True)}
     x_bytes = {"attn_out": 2, "mlp_act": mlp_elementwise_bytes(setup)}
-    total = 0
+    out = []
     for lin in target_linears(setup):
+        total = 0
         if setup.lora_dropout:
             base_out = 2 if autocast else 4  # F.linear on the dropped fp32 input
             if autocast:
@@ -92,7 +92,15 @@ def saved_layer_bytes(setup: RunSetup) -> int:
         else:
             base_out = c
         total += t * lin.d_out * (base_out + lora_out) + 2 * 4 * lin.d_out  # + mag_norm_scale
-    return total
+        out.append((lin, total))
+    return out
+
+
+def saved_layer_bytes(setup: RunSetup) -> int:
+    """What DoRA saves for the backward in one decoder layer, beyond LoRA's (see the module)."""
+    if not dora_on(setup):
+        return 0
+    return sum(n for _, n in _saved_by_linear(setup))
 
 
 def weight_norm_bytes(setup: RunSetup) -> int:
@@ -137,5 +145,52 @@ def backward_bytes(setup: RunSetup) -> int:
     return per * t * max(lin.d_out for lin in target_linears(setup))
 
 
-__all__ = ["backward_bytes", "dora_on", "dora_problems", "saved_layer_bytes",
-           "weight_norm_bytes"]
+def recompute_backward_bytes(setup: RunSetup) -> int:
+    """With checkpointing, in the recomputed layer's backward (the last_layer_recompute moment):
+    the widest adapted Linear's magnitude gradient products, 2 fp32 t x d_out
+    (DORA_MAGNITUDE_BACKWARD_BYTES); the upcast gradients around them are counted where they are
+    made, beside only the DoRA tensors saved up to that Linear (:func:`magnitude_backward_bytes`).
+    Measured: extended seeds 123/128 (Llama QLoRA, Phi-3 LoRA, bf16 with checkpointing) were
+    12.1% and 14.6% under a plan that stacked 3.5 fp32 t x d_out here on every DoRA tensor."""
+    if not dora_on(setup):
+        return 0
+    t = setup.micro_batch_size * setup.seq_len
+    return fitted.DORA_MAGNITUDE_BACKWARD_BYTES.value * t * max(lin.d_out for lin in target_linears(setup))
+
+
+def recompute_input_bytes(setup: RunSetup) -> int:
+    """With checkpointing and 16-bit activations, the recompute's weight norm of the widest-input
+    adapted Linear also holds peft's fp32 cast of its input for the fp32 adapters
+    (``_cast_input_dtype``, 4 x t x d_in) and a 16-bit copy of it made in the DoRA forward (2 x t
+    x d_in), DORA_RECOMPUTE_INPUT_BYTES in all. Measured: extended seed 111 (Phi-3 LoRA DoRA, bf16,
+    checkpointing) peaked at down_proj's weight norm in the recompute with a (4, 128, 512) fp32
+    cast and a bf16 copy of it, 4.3% over a plan without them."""
+    if not dora_on(setup) or dtypes(setup)[0] == 4:
+        return 0
+    t = setup.micro_batch_size * setup.seq_len
+    return fitted.DORA_RECOMPUTE_INPUT_BYTES.value * t * max(lin.d_in for lin in target_linears(setup))
+
+
+def magnitude_backward_bytes(setup: RunSetup) -> int:
+    """With checkpointing, an adapted Linear's magnitude backward in the recomputed layer: the DoRA
+    tensors saved by the adapted Linears up to it in forward order (the later ones' freed: the
+    backward runs in reverse) and its magnitude gradient's temporaries, ``per`` bytes per token x
+    d_out (backward_bytes' coefficient), the largest over the adapted Linears. peft
+    DoraLinearLayer.forward: ``(mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result
+    * scaling``; its backward multiplies the incoming gradient by base_result, lora_result and the
+    scales (t x d_out each). Measured: extended seed 128 (Phi-3, gate_up_proj d_out 1024) peaked in
+    gate_up's magnitude backward with down_proj's DoRA tensors freed."""
+    if not dora_on(setup):
+        return 0
+    t = setup.micro_batch_size * setup.seq_len
+    per = (fitted.DORA_MAGNITUDE_BACKWARD_BYTES_AUTOCAST if _autocast(setup)
+           else fitted.DORA_MAGNITUDE_BACKWARD_BYTES).value
+    best, before = 0, 0
+    for lin, n in _saved_by_linear(setup):
+        before += n
+        best = max(best, before + per * t * lin.d_out)
+    return best
+
+
+__all__ = ["backward_bytes", "dora_on", "dora_problems", "magnitude_backward_bytes",
+           "recompute_backward_bytes", "recompute_input_bytes", "saved_layer_bytes", "weight_norm_bytes"]
