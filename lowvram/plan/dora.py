@@ -146,13 +146,16 @@ def backward_bytes(setup: RunSetup) -> int:
 
 
 def recompute_backward_bytes(setup: RunSetup) -> int:
-    """With checkpointing, in the recomputed layer's backward (the last_layer_recompute moment):
-    the widest adapted Linear's magnitude gradient products, 2 fp32 t x d_out
-    (DORA_MAGNITUDE_BACKWARD_BYTES); the upcast gradients around them are counted where they are
-    made, beside only the DoRA tensors saved up to that Linear (:func:`magnitude_backward_bytes`).
-    Measured: extended seeds 123/128 (Llama QLoRA, Phi-3 LoRA, bf16 with checkpointing) were
-    12.1% and 14.6% under a plan that stacked 3.5 fp32 t x d_out here on every DoRA tensor."""
-    if not dora_on(setup):
+    """With checkpointing, under autocast, in the recomputed layer's backward (the
+    last_layer_recompute moment, every tensor of the layer alive): the widest adapted Linear's
+    16-bit output gradients upcast to fp32 around the magnitude's combine, 2 fp32 t x d_out
+    (DORA_MAGNITUDE_BACKWARD_BYTES); outside autocast none (fp32 throughout: its 2 fp32 products
+    are :func:`magnitude_backward_bytes`' own). The rest of the magnitude backward is counted
+    where it runs, beside only the DoRA tensors saved up to its Linear. Measured: extended seeds
+    123/128 (Llama QLoRA, Phi-3 LoRA, bf16 with checkpointing) were 12.1% and 14.6% under a plan
+    that stacked 3.5 fp32 t x d_out here on every DoRA tensor; held-out seed 206 (Llama LoRA DoRA
+    fp32 with checkpointing) 11.0% under one with 2 fp32 t x d_out here, +0.34% without."""
+    if not dora_on(setup) or not _autocast(setup):
         return 0
     t = setup.micro_batch_size * setup.seq_len
     return fitted.DORA_MAGNITUDE_BACKWARD_BYTES.value * t * max(lin.d_out for lin in target_linears(setup))

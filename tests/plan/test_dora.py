@@ -71,8 +71,11 @@ def test_dora_checkpointed_moments_hold_what_is_alive_then():
     # up_proj's magnitude backward: down_proj's DoRA tensors freed (the backward runs in reverse),
     # gate's and up's alive, beside 14 bytes per token x d_out of its own (not every Linear's)
     assert dora.magnitude_backward_bytes(s) == 2 * gate + 14 * 512 * 11008
-    # the recompute's own moment: the widest Linear's 2 fp32 t x d_out products
+    # the recompute's own moment: the widest Linear's output gradients upcast, 2 fp32 t x d_out
+    # (none outside autocast)
     assert dora.recompute_backward_bytes(s) == 8 * 512 * 11008
+    assert dora.recompute_backward_bytes(replace(s, precision="fp32")) == 0
+    assert dora.magnitude_backward_bytes(replace(s, precision="fp32")) == 2 * (512 * 11008 * 8 + 8 * 11008) + 8 * 512 * 11008
     # the recompute's weight norm: down_proj's input (d_in 11008) cast to fp32 and copied in 16 bit
     assert dora.recompute_input_bytes(s) == 8 * 512 * 11008
     assert dora.recompute_input_bytes(replace(s, precision="fp32")) == 0
