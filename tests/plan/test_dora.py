@@ -60,6 +60,16 @@ def test_dora_saves_a_4bit_bases_result_in_its_inputs_dtype():
     assert dora.saved_layer_bytes(replace(s, quantization="none")) == 512 * 4096 * (2 + 2) + 8 * 4096
 
 
+def test_dora_saves_a_biased_base_result_in_the_biases_dtype():
+    # peft's ``base_result - bias``: under bf16-mixed the fp32 bias promotes Qwen2's q_proj result
+    # (held-out extended seed 160); o_proj has no bias; pure bf16 keeps it 16-bit
+    qwen = resolve_model("qwen2.5-0.5b")
+    s = RunSetup(qwen, lora=True, lora_targets=("q_proj", "o_proj"), lora_use_dora=True, precision="bf16-mixed",
+                 micro_batch_size=1, seq_len=512)
+    assert dora.saved_layer_bytes(s) == 512 * 896 * (4 + 2) + 512 * 896 * (2 + 2) + 2 * 8 * 896
+    assert dora.saved_layer_bytes(replace(s, precision="bf16")) == 2 * (512 * 896 * (2 + 2) + 8 * 896)
+
+
 def test_dora_checkpointed_moments_hold_what_is_alive_then():
     # Llama-2-7B gate/up/down, bf16 (autocast), 512 tokens: each adapted Linear saves its base and
     # adapter outputs (t x d_out, 2 + 2 bytes) and mag_norm_scale (8 x d_out)
