@@ -383,7 +383,8 @@ DORA_RECOMPUTE_INPUT_BYTES = FittedConstant(
     "dora.recompute_input_bytes", "the live-bytes tracker at extended seed 111's peak (Phi-3 LoRA "
     "DoRA bf16, checkpointing: a (4, 128, 512) fp32 cast and its bf16 copy; ~0.5 MiB more not "
     "attributed)", "6 attributed tensor by tensor; 8 brings seed 111 from +4.31% to +0.29%",
-    "extended seeds 100-169 (bench/results/plan_fuzz_extended_100-169_dora.txt)")
+    "extended seeds 100-169 in sample (bench/results/plan_fuzz_extended_100-169_dora.txt), held "
+    "out 170-199 and 230-259 (plan_fuzz_extended_heldout_*.txt)")
 
 # --------------------------------------------------------------------------------------------
 # Preference objectives (plan/preference.py): bytes per logit of ORPO's and SimPO's loss path

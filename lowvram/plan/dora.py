@@ -18,7 +18,13 @@ peft's implementation adds to a LoRA run, counted from its source (peft 0.21
   (the weight norm is detached, so all of it is freed after the layer). Under checkpointing the
   recompute forms it again, with the gradients made so far alive.
 - **Its backward**: the magnitude's gradient reduces ``grad * base_result`` and ``grad *
-  lora_result`` over the tokens, two t x d_out temporaries beside the layer's.
+  lora_result`` over the tokens, two t x d_out temporaries beside the layer's. It runs in reverse
+  order: when an adapted Linear's magnitude backward runs, the DoRA tensors of the Linears after
+  it are freed already. With checkpointing that is its own moment (dora_magnitude_backward:
+  magnitude_backward_bytes), not a term stacked on the recompute's; the recompute's weight norm
+  also holds peft's fp32 cast of the input and a 16-bit copy (recompute_input_bytes).
+- **A biased base** (Qwen2's q/k/v): peft subtracts the bias from the base result before saving
+  it, which promotes it to the bias's dtype (fp32 master weights under *-mixed).
 
 Measured per adapted Linear with the live-bytes tracker (one peft DoRA Linear against a plain
 LoRA one, d_in 256/512, d_out 384/768, 64/256 tokens; fp32, bf16 and fp32 weights under bf16
