@@ -399,6 +399,15 @@ DORA_MAGNITUDE_BACKWARD_BYTES_AUTOCAST = FittedConstant(
     "as DORA_MAGNITUDE_BACKWARD_BYTES under autocast: the bf16 outputs' gradients upcast and cast "
     "back around the fp32 combine", "dora.backward_bytes", _DORA_FIT,
     "3.3-3.4 fp32 t x d_out measured, taken as 3.5", "as DORA_NORM_BYTES_FP32")
+DORA_RECOMPUTE_INPUT_BYTES = FittedConstant(
+    "DORA_RECOMPUTE_INPUT_BYTES", 8, "8 B / (token x d_in)",
+    "with checkpointing and 16-bit activations: the widest adapted input at the recompute's DoRA "
+    "weight norm, peft's fp32 cast for the fp32 adapters (4) and a 16-bit copy (2), + 2 fitted",
+    "dora.recompute_input_bytes", "the live-bytes tracker at extended seed 111's peak (Phi-3 LoRA "
+    "DoRA bf16, checkpointing: a (4, 128, 512) fp32 cast and its bf16 copy; ~0.5 MiB more not "
+    "attributed)", "6 attributed tensor by tensor; 8 brings seed 111 from +4.31% to +0.29%",
+    "extended seeds 100-169 in sample (bench/results/plan_fuzz_extended_100-169_dora.txt), held "
+    "out 170-199 and 230-259 (plan_fuzz_extended_heldout_*.txt)")
 
 # --------------------------------------------------------------------------------------------
 # Preference objectives (plan/preference.py): bytes per logit of ORPO's and SimPO's loss path

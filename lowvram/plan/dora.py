@@ -18,7 +18,13 @@ peft's implementation adds to a LoRA run, counted from its source (peft 0.21
   (the weight norm is detached, so all of it is freed after the layer). Under checkpointing the
   recompute forms it again, with the gradients made so far alive.
 - **Its backward**: the magnitude's gradient reduces ``grad * base_result`` and ``grad *
-  lora_result`` over the tokens, two t x d_out temporaries beside the layer's.
+  lora_result`` over the tokens, two t x d_out temporaries beside the layer's. It runs in reverse
+  order: when an adapted Linear's magnitude backward runs, the DoRA tensors of the Linears after
+  it are freed already. With checkpointing that is its own moment (dora_magnitude_backward:
+  magnitude_backward_bytes), not a term stacked on the recompute's; the recompute's weight norm
+  also holds peft's fp32 cast of the input and a 16-bit copy (recompute_input_bytes).
+- **A biased base** (Qwen2's q/k/v): peft subtracts the bias from the base result before saving
+  it, which promotes it to the bias's dtype (fp32 master weights under *-mixed).
 
 Measured per adapted Linear with the live-bytes tracker (one peft DoRA Linear against a plain
 LoRA one, d_in 256/512, d_out 384/768, 64/256 tokens; fp32, bf16 and fp32 weights under bf16
@@ -64,13 +70,12 @@ def _weight_is_fp32_parameter(setup: RunSetup) -> bool:
     return setup.quantization == "none" and dtype_bytes(setup)[0] == 4
 
 
-def saved_layer_bytes(setup: RunSetup) -> int:
-    """What DoRA saves for the backward in one decoder layer, beyond LoRA's (see the module)."""
-    if not dora_on(setup):
-        return 0
+def _saved_by_linear(setup: RunSetup) -> list[tuple[object, int]]:
+    """What DoRA saves for the backward per adapted Linear of a decoder layer, beyond LoRA's, in
+    forward order (see the module)."""
     t = setup.micro_batch_size * setup.seq_len
     autocast = _autocast(setup)
-    _, c = dtype_bytes(setup)
+    c = dtype_bytes(setup)[1]
     lora_out = 2 if autocast else 4  # lora_B's output: bf16 under autocast, else fp32 adapters
     # a 4/8-bit base's result is cast back to its input's dtype (bitsandbytes Linear4bit.forward:
     # ``.to(inp_dtype)``), which autocast does not touch: the residual's, or the MLP product's
@@ -79,8 +84,9 @@ def saved_layer_bytes(setup: RunSetup) -> int:
     r, _, _ = dtypes(setup)
     source = {lin.name: src for lin, src in zip(block_linears(setup.model), linear_sources(setup.model), strict=True)}
     x_bytes = {"attn_out": 2, "mlp_act": mlp_elementwise_bytes(setup)}
-    total = 0
+    out = []
     for lin in target_linears(setup):
+        total = 0
         if setup.lora_dropout:
             base_out = 2 if autocast else 4  # F.linear on the dropped fp32 input
             if autocast:
@@ -89,10 +95,24 @@ def saved_layer_bytes(setup: RunSetup) -> int:
                 total += 4 * lin.d_in * lin.d_out  # weight.to(fp32), saved
         elif setup.quantization != "none" and autocast:
             base_out = x_bytes.get(source.get(lin.name, ""), r)
+        elif lin.bias and setup.quantization == "none":
+            # peft takes the bias off the base result (``base_result - bias``): promoted to the
+            # bias's dtype, fp32 master weights' under *-mixed (measured: held-out extended seed
+            # 160, Qwen2 LoRA DoRA bf16-mixed, saved fp32 q/k/v results, 3.27% over a plan with
+            # 16-bit ones)
+            base_out = max(c, dtype_bytes(setup)[0])
         else:
             base_out = c
         total += t * lin.d_out * (base_out + lora_out) + 2 * 4 * lin.d_out  # + mag_norm_scale
-    return total
+        out.append((lin, total))
+    return out
+
+
+def saved_layer_bytes(setup: RunSetup) -> int:
+    """What DoRA saves for the backward in one decoder layer, beyond LoRA's (see the module)."""
+    if not dora_on(setup):
+        return 0
+    return sum(n for _, n in _saved_by_linear(setup))
 
 
 def weight_norm_bytes(setup: RunSetup) -> int:
@@ -137,5 +157,55 @@ def backward_bytes(setup: RunSetup) -> int:
     return per * t * max(lin.d_out for lin in target_linears(setup))
 
 
-__all__ = ["backward_bytes", "dora_on", "dora_problems", "saved_layer_bytes",
-           "weight_norm_bytes"]
+def recompute_backward_bytes(setup: RunSetup) -> int:
+    """With checkpointing, under autocast, in the recomputed layer's backward (the
+    last_layer_recompute moment, every tensor of the layer alive): the widest adapted Linear's
+    16-bit output gradients upcast to fp32 around the magnitude's combine, 2 fp32 t x d_out
+    (DORA_MAGNITUDE_BACKWARD_BYTES); outside autocast none (fp32 throughout: its 2 fp32 products
+    are :func:`magnitude_backward_bytes`' own). The rest of the magnitude backward is counted
+    where it runs, beside only the DoRA tensors saved up to its Linear. Measured: extended seeds
+    123/128 (Llama QLoRA, Phi-3 LoRA, bf16 with checkpointing) were 12.1% and 14.6% under a plan
+    that stacked 3.5 fp32 t x d_out here on every DoRA tensor; held-out seed 206 (Llama LoRA DoRA
+    fp32 with checkpointing) 11.0% under one with 2 fp32 t x d_out here, +0.34% without."""
+    if not dora_on(setup) or not _autocast(setup):
+        return 0
+    t = setup.micro_batch_size * setup.seq_len
+    return fitted.DORA_MAGNITUDE_BACKWARD_BYTES.value * t * max(lin.d_out for lin in target_linears(setup))
+
+
+def recompute_input_bytes(setup: RunSetup) -> int:
+    """With checkpointing and 16-bit activations, the recompute's weight norm of the widest-input
+    adapted Linear also holds peft's fp32 cast of its input for the fp32 adapters
+    (``_cast_input_dtype``, 4 x t x d_in) and a 16-bit copy of it made in the DoRA forward (2 x t
+    x d_in), DORA_RECOMPUTE_INPUT_BYTES in all. Measured: extended seed 111 (Phi-3 LoRA DoRA, bf16,
+    checkpointing) peaked at down_proj's weight norm in the recompute with a (4, 128, 512) fp32
+    cast and a bf16 copy of it, 4.3% over a plan without them."""
+    if not dora_on(setup) or dtypes(setup)[0] == 4:
+        return 0
+    t = setup.micro_batch_size * setup.seq_len
+    return fitted.DORA_RECOMPUTE_INPUT_BYTES.value * t * max(lin.d_in for lin in target_linears(setup))
+
+
+def magnitude_backward_bytes(setup: RunSetup) -> int:
+    """With checkpointing, an adapted Linear's magnitude backward in the recomputed layer: the DoRA
+    tensors saved by the adapted Linears up to it in forward order (the later ones' freed: the
+    backward runs in reverse) and its magnitude gradient's temporaries, ``per`` bytes per token x
+    d_out (backward_bytes' coefficient), the largest over the adapted Linears. peft
+    DoraLinearLayer.forward: ``(mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result
+    * scaling``; its backward multiplies the incoming gradient by base_result, lora_result and the
+    scales (t x d_out each). Measured: extended seed 128 (Phi-3, gate_up_proj d_out 1024) peaked in
+    gate_up's magnitude backward with down_proj's DoRA tensors freed."""
+    if not dora_on(setup):
+        return 0
+    t = setup.micro_batch_size * setup.seq_len
+    per = (fitted.DORA_MAGNITUDE_BACKWARD_BYTES_AUTOCAST if _autocast(setup)
+           else fitted.DORA_MAGNITUDE_BACKWARD_BYTES).value
+    best, before = 0, 0
+    for lin, n in _saved_by_linear(setup):
+        before += n
+        best = max(best, before + per * t * lin.d_out)
+    return best
+
+
+__all__ = ["backward_bytes", "dora_on", "dora_problems", "magnitude_backward_bytes",
+           "recompute_backward_bytes", "recompute_input_bytes", "saved_layer_bytes", "weight_norm_bytes"]

@@ -166,9 +166,14 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # gradients made when the backward reaches the last decoder layer, and the first
         last_grads = layer_grads + int(share * head_g)
         first_grads = late_layer_grads + int(share * late_g)
-        rec = tiled.recompute_bytes(setup) + dora.saved_layer_bytes(setup) + dora.backward_bytes(setup)
+        rec = tiled.recompute_bytes(setup) + dora.saved_layer_bytes(setup) + dora.recompute_backward_bytes(setup)
         candidates += [Moment("last_layer_recompute", checkpoints + rec, 0, last_grads),
                        Moment("first_layer_recompute", one_layer + rec, 0, first_grads, not_gathered)]
+        if dora.dora_on(setup):  # an adapted Linear's magnitude backward in the recompute (plan/dora.py)
+            mag = (tiled.layer_activation_bytes(setup) + masked_attention_bytes(setup) + hidden_grads
+                   + dora.magnitude_backward_bytes(setup))
+            candidates += [Moment("dora_magnitude_backward", checkpoints + mag, 0, last_grads),
+                           Moment("dora_magnitude_backward", one_layer + mag, 0, first_grads, not_gathered)]
         if setup.tiled_mlp:  # the recomputed layer's MLP backward, shard by shard
             # the recomputed layer's saved tensors, and the additive mask its SDPA made
             # (masked_attention_bytes, as in recompute_bytes; measured: tiled seed 12, Gemma-3
@@ -178,6 +183,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                                                   first_grads, not_gathered)
         if dora.dora_on(setup):  # the recompute forms DoRA's weight norm again (plan/dora.py)
             norm = tiled.layer_activation_bytes(setup) + dora.saved_layer_bytes(setup) + dora.weight_norm_bytes(setup)
+            norm += dora.recompute_input_bytes(setup) + hidden_grads  # in the backward: its gradients
             candidates += [Moment("dora_weight_norm", checkpoints + norm, 0, last_grads),
                            Moment("dora_weight_norm", one_layer + norm, 0, first_grads, not_gathered)]
         if setup.attention == "eager":

@@ -80,6 +80,10 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "tiled MLP: the first decoder layer's MLP backward, one shard recomputed, nearly every "
         "gradient made",
         "tiled.tiled_mlp_backward_bytes (as above)"),
+    "dora_magnitude_backward": (
+        "checkpointing with lora.use_dora: an adapted Linear's backward in the recomputed layer, "
+        "its magnitude gradient's t x d_out temporaries beside the DoRA tensors saved up to it",
+        "peft tuners/lora/dora.py DoraLinearLayer.forward; dora.magnitude_backward_bytes; measured: tests/plan/test_dora.py"),
     "dora_weight_norm": (
         "lora.use_dora: an adapted layer's forward (or its recompute) forms B@A through an fp32 "
         "identity and the norm of weight + scaling x B@A: dense d_out x d_in temporaries beside "

@@ -60,6 +60,38 @@ def test_dora_saves_a_4bit_bases_result_in_its_inputs_dtype():
     assert dora.saved_layer_bytes(replace(s, quantization="none")) == 512 * 4096 * (2 + 2) + 8 * 4096
 
 
+def test_dora_saves_a_biased_base_result_in_the_biases_dtype():
+    # peft's ``base_result - bias``: under bf16-mixed the fp32 bias promotes Qwen2's q_proj result
+    # (held-out extended seed 160); o_proj has no bias; pure bf16 keeps it 16-bit
+    qwen = resolve_model("qwen2.5-0.5b")
+    s = RunSetup(qwen, lora=True, lora_targets=("q_proj", "o_proj"), lora_use_dora=True, precision="bf16-mixed",
+                 micro_batch_size=1, seq_len=512)
+    assert dora.saved_layer_bytes(s) == 512 * 896 * (4 + 2) + 512 * 896 * (2 + 2) + 2 * 8 * 896
+    assert dora.saved_layer_bytes(replace(s, precision="bf16")) == 2 * (512 * 896 * (2 + 2) + 8 * 896)
+
+
+def test_dora_checkpointed_moments_hold_what_is_alive_then():
+    # Llama-2-7B gate/up/down, bf16 (autocast), 512 tokens: each adapted Linear saves its base and
+    # adapter outputs (t x d_out, 2 + 2 bytes) and mag_norm_scale (8 x d_out)
+    s = RunSetup(LLAMA7, lora=True, lora_targets=("gate_proj", "up_proj", "down_proj"), lora_use_dora=True,
+                 precision="bf16", micro_batch_size=1, seq_len=512, gradient_checkpointing=True)
+    gate = 512 * 11008 * 4 + 8 * 11008
+    down = 512 * 4096 * 4 + 8 * 4096
+    assert dora.saved_layer_bytes(s) == 2 * gate + down
+    # up_proj's magnitude backward: down_proj's DoRA tensors freed (the backward runs in reverse),
+    # gate's and up's alive, beside 14 bytes per token x d_out of its own (not every Linear's)
+    assert dora.magnitude_backward_bytes(s) == 2 * gate + 14 * 512 * 11008
+    # the recompute's own moment: the widest Linear's output gradients upcast, 2 fp32 t x d_out
+    # (none outside autocast)
+    assert dora.recompute_backward_bytes(s) == 8 * 512 * 11008
+    assert dora.recompute_backward_bytes(replace(s, precision="fp32")) == 0
+    assert dora.magnitude_backward_bytes(replace(s, precision="fp32")) == 2 * (512 * 11008 * 8 + 8 * 11008) + 8 * 512 * 11008
+    # the recompute's weight norm: down_proj's input (d_in 11008) cast to fp32 and copied in 16 bit
+    assert dora.recompute_input_bytes(s) == 8 * 512 * 11008
+    assert dora.recompute_input_bytes(replace(s, precision="fp32")) == 0
+    assert dora.magnitude_backward_bytes(replace(s, lora_use_dora=False)) == 0
+
+
 def test_dora_costs_memory_and_names_its_moment():
     s = RunSetup(LLAMA7, lora=True, lora_r=16, precision="bf16", seq_len=256, gradient_checkpointing=True)
     plain, with_dora = estimate_memory(s), estimate_memory(replace(s, lora_use_dora=True))
@@ -126,6 +158,11 @@ DORA_RUNS = {
     "lora bf16 checkpointing": dict(method="lora", precision="bf16", gradient_checkpointing=True),
     "qlora bf16-mixed dropout": dict(method="qlora", precision="bf16-mixed", lora_dropout=0.1),
     "qlora bf16-mixed": dict(method="qlora", precision="bf16-mixed"),  # fp32 base results (seed 130)
+    # the MLP's magnitude backward binds (extended seeds 123/128: 12-15% under the stacked plan)
+    "lora bf16 checkpointing mlp 512 tokens": dict(method="lora", precision="bf16", model_dtype="bfloat16",
+                                                   gradient_checkpointing=True, micro_batch_size=2, seq_len=256,
+                                                   lora_targets=["gate_proj", "up_proj", "down_proj"],
+                                                   loss="chunked"),
 }
 
 
