@@ -299,8 +299,8 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
     return out
 
 
-def lomo_problems(setup: RunSetup) -> list[str]:
-    """Why the setup's LOMO form cannot run (see the module)."""
+def _stepped_in_backward_problems(setup: RunSetup) -> list[str]:
+    """What no optimizer stepped inside the backward runs with (LOMO, AdamW in the backward)."""
     o, out = setup.optimizer, []
     if setup.lora:
         out.append(f"optimizer {o} steps full weights in the backward; with lora the adapters' gradients are "
@@ -308,6 +308,12 @@ def lomo_problems(setup: RunSetup) -> list[str]:
     if setup.offload != "none":
         out.append(f"optimizer {o} cannot run under offload {setup.offload}: DeepSpeed and FSDP2 own the "
                    "parameters it steps (use offload none, one GPU)")
+    return out
+
+
+def lomo_problems(setup: RunSetup) -> list[str]:
+    """Why the setup's LOMO form cannot run (see the module)."""
+    o, out = setup.optimizer, _stepped_in_backward_problems(setup)
     if o == "adalomo" and setup.device != "cuda":
         out.append("optimizer adalomo needs CUDA: lomo_optim's AdaLomo makes its state with .cuda() "
                    "(use lomo on this machine)")
@@ -329,13 +335,7 @@ def lomo_problems(setup: RunSetup) -> list[str]:
 
 def fused_backward_problems(setup: RunSetup) -> list[str]:
     """Why AdamW in the backward cannot run as planned (see the module)."""
-    o, out = setup.optimizer, []
-    if setup.lora:
-        out.append(f"optimizer {o} steps full weights in the backward; with lora the adapters' gradients are "
-                   "small already (use it with lora: off, or optimizer adamw)")
-    if setup.offload != "none":
-        out.append(f"optimizer {o} cannot run under offload {setup.offload}: DeepSpeed and FSDP2 own the "
-                   "parameters it steps (use offload none, one GPU)")
+    o, out = setup.optimizer, _stepped_in_backward_problems(setup)
     if setup.grad_accum != 1:
         out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
                    f"gradients (gradient_accumulation {setup.grad_accum}; use gradient_accumulation 1, or adamw)")

@@ -71,13 +71,13 @@ def _text_field(row: dict, spec: DatasetSpec, field: str, required: bool = True)
         raise BadRow(f"missing field {shown}; expected text (columns present: {present})")
     value = row[column]
     if not isinstance(value, str):
-        raise BadRow(f"field {shown}: expected text, got {type(value).__name__} {_short(value)}")
+        raise BadRow(f"field {shown}: expected text, got {type(value).__name__} {short_repr(value)}")
     if required and not value.strip():
         raise BadRow(f"field {shown}: expected non-empty text, got an empty string")
     return value
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     s = repr(value)
     return s if len(s) <= 40 else s[:37] + "..."
 
@@ -101,7 +101,7 @@ def segments(row: Any, spec: DatasetSpec, chat: ChatRenderer | None) -> Segments
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
-        raise BadRow(f"expected an object with fields, got {type(row).__name__} {_short(row)}")
+        raise BadRow(f"expected an object with fields, got {type(row).__name__} {short_repr(row)}")
     if chat is not None:
         return chat.segments(row, spec)
     prompt, response = format_example(row, spec)
@@ -166,18 +166,29 @@ class ChatRenderer:
         return out
 
 
-def _messages(row: dict, spec: DatasetSpec) -> list[dict]:
+MESSAGES_EXPECTED = "expected a list of {role, content} objects"
+
+
+def message_list(row: dict, spec: DatasetSpec) -> tuple[str, list[dict]]:
+    """The row's messages column and its list, each message a dict with a role (BadRow if not);
+    the content is the caller's to check (text here, text or parts for image_chat)."""
     column = spec.fields.get("messages", "messages")
     if column not in row or row[column] is None:
         present = ", ".join(map(str, row)) or "none"
         raise BadRow(f"missing field '{column}'; expected a list of {{role, content}} (columns present: {present})")
     messages = row[column]
-    expected = "expected a list of {role, content} objects"
     if not isinstance(messages, list) or not messages:
-        raise BadRow(f"field '{column}': {expected}, got {type(messages).__name__} {_short(messages)}")
+        raise BadRow(f"field '{column}': {MESSAGES_EXPECTED}, got {type(messages).__name__} {short_repr(messages)}")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise BadRow(f"field '{column}', message {j}: {expected}, got {_short(m)}")
+            raise BadRow(f"field '{column}', message {j}: {MESSAGES_EXPECTED}, got {short_repr(m)}")
+    return column, messages
+
+
+def _messages(row: dict, spec: DatasetSpec) -> list[dict]:
+    column, messages = message_list(row, spec)
+    expected = MESSAGES_EXPECTED
+    for j, m in enumerate(messages):
         if not isinstance(m.get("content"), str):
             got = type(m.get("content")).__name__ if "content" in m else "no content"
             raise BadRow(f"field '{column}', message {j}: 'content' must be text, got {got}")

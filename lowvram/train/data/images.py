@@ -25,7 +25,13 @@ from typing import Any
 from lowvram.errors import DataError
 from lowvram.recipe import DatasetSpec, Recipe
 from lowvram.train.data.collate import PadCollator
-from lowvram.train.data.format import ChatRenderer, check_fields
+from lowvram.train.data.format import (
+    MESSAGES_EXPECTED,
+    ChatRenderer,
+    check_fields,
+    message_list,
+    short_repr,
+)
 from lowvram.train.data.read import BadRow, Row
 from lowvram.train.loss import IGNORE_INDEX
 
@@ -69,25 +75,12 @@ def open_image(path: Path, shown: str):
                        "replace the file with a valid PNG, JPEG or WebP image") from None
 
 
-def _short(value: Any) -> str:
-    s = repr(value)
-    return s if len(s) <= 40 else s[:37] + "..."
-
-
 def image_messages(row: dict, spec: DatasetSpec) -> list[dict]:
     """The row's messages with text or content-part content (the chat template renders both)."""
-    column = spec.fields.get("messages", "messages")
-    if column not in row or row[column] is None:
-        present = ", ".join(map(str, row)) or "none"
-        raise BadRow(f"missing field '{column}'; expected a list of {{role, content}} (columns present: {present})")
-    messages = row[column]
-    expected = "expected a list of {role, content} objects"
-    if not isinstance(messages, list) or not messages:
-        raise BadRow(f"field '{column}': {expected}, got {type(messages).__name__} {_short(messages)}")
+    column, messages = message_list(row, spec)
+    expected = MESSAGES_EXPECTED
     out = []
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise BadRow(f"field '{column}', message {j}: {expected}, got {_short(m)}")
         content = m.get("content")
         if isinstance(content, list):
             for k, part in enumerate(content):
@@ -96,7 +89,7 @@ def image_messages(row: dict, spec: DatasetSpec) -> list[dict]:
                     continue
                 if kind != "image":
                     raise BadRow(f"field '{column}', message {j}, part {k}: expected {{type: text, text}} "
-                                 f"or {{type: image}}, got {_short(part)}")
+                                 f"or {{type: image}}, got {short_repr(part)}")
             # Keep only type/text: Arrow loading fills absent keys with None
             content = [{"type": "image"} if p["type"] == "image" else {"type": "text", "text": p["text"]}
                        for p in content]
@@ -130,7 +123,7 @@ def image_paths(row: dict, spec: DatasetSpec) -> list:
         return [value]
     if not isinstance(value, list) or not all((isinstance(p, str) and p) or _is_image(p) for p in value):
         raise BadRow(f"field '{column}': expected a list of image file paths (or a dataset's images), "
-                     f"got {_short(value)}")
+                     f"got {short_repr(value)}")
     return list(value)
 
 
@@ -192,7 +185,7 @@ class ImageChatTokenizer:
         if isinstance(row, BadRow):
             raise row
         if not isinstance(row, dict):
-            raise BadRow(f"expected an object with fields, got {type(row).__name__} {_short(row)}")
+            raise BadRow(f"expected an object with fields, got {type(row).__name__} {short_repr(row)}")
         messages = image_messages(row, self.spec)
         paths = image_paths(row, self.spec)
         segs = self.chat.segments_of(messages)

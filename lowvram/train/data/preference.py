@@ -17,7 +17,7 @@ from typing import Any
 
 from lowvram.errors import DataError, LowvramError
 from lowvram.recipe import DatasetSpec, Recipe
-from lowvram.train.data.format import _short, check_fields
+from lowvram.train.data.format import check_fields, short_repr
 from lowvram.train.data.read import BadRow, Row, load_rows
 from lowvram.train.data.tokenize import Counts
 
@@ -63,7 +63,7 @@ def _value(row: dict, spec: DatasetSpec, field: str, required: bool = True):
     if isinstance(value, list) and value and all(_is_message(m) for m in value):
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise BadRow(f"field {shown}: expected text or a list of {{role, content}} messages, got "
-                 f"{type(value).__name__} {_short(value)}")
+                 f"{type(value).__name__} {short_repr(value)}")
 
 
 def _is_message(m: Any) -> bool:
@@ -85,7 +85,7 @@ def preference_pair(row: Any, spec: DatasetSpec) -> dict:
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
-        raise BadRow(f"expected an object with fields, got {type(row).__name__} {_short(row)}")
+        raise BadRow(f"expected an object with fields, got {type(row).__name__} {short_repr(row)}")
     chosen, rejected = _value(row, spec, "chosen"), _value(row, spec, "rejected")
     prompt = _value(row, spec, "prompt", required=False)
     if prompt is None:
@@ -120,14 +120,14 @@ def unpaired_row(row: Any, spec: DatasetSpec) -> dict:
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
-        raise BadRow(f"expected an object with fields, got {type(row).__name__} {_short(row)}")
+        raise BadRow(f"expected an object with fields, got {type(row).__name__} {short_repr(row)}")
     prompt, completion = _value(row, spec, "prompt"), _value(row, spec, "completion")
     column = _column(spec, "label")
     raw = row.get(column)
     # only scalars are looked up (a list or object label is a bad row, not a TypeError)
     key = raw.strip().lower() if isinstance(raw, str) else raw if isinstance(raw, (bool, int, float)) else None
     if key is None or key not in _LABELS:
-        raise BadRow(f"field 'label' must be true (desirable) or false (undesirable), got {_short(raw)}")
+        raise BadRow(f"field 'label' must be true (desirable) or false (undesirable), got {short_repr(raw)}")
     if _empty(completion):
         raise BadRow("completion is empty")
     if isinstance(prompt, str) != isinstance(completion, str):
