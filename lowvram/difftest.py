@@ -264,7 +264,7 @@ def _with_vision(case: Case, rng: random.Random) -> Case:
 def image_tokens(case: Case) -> int:
     """Tokens per image of a case's tower (as _multimodal sizes it, lowvram.plan.vision)."""
     patches = (case.vision_image // case.vision_patch) ** 2
-    return max(1, patches // 4) if case.family == "gemma3" else patches
+    return max(1, patches // 4) if case.family in ("gemma3", "qwen2_5_vl") else patches
 
 
 def made_images(case: Case) -> Case:
@@ -371,7 +371,7 @@ def made_short_pairs(case: Case) -> Case:
 # Building a case's files
 
 
-def _config(case: Case, vocab: int, pad_id: int, eos_id: int, image_tokens: dict | None = None):
+def _config(case: Case, vocab: int, pad_id: int, eos_id: int, image_token_ids: dict | None = None):
     from transformers import AutoConfig
 
     kw = dict(
@@ -399,11 +399,11 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int, image_tokens: dict
         if hasattr(cfg, name):
             setattr(cfg, name, 0.0)  # the family's dropout is its own test (tests/check/test_simulate.py)
     if case.vision_layers:
-        cfg = _multimodal(case, cfg, image_tokens)
+        cfg = _multimodal(case, cfg, image_token_ids)
     return cfg
 
 
-def _multimodal(case: Case, text, image_tokens: dict | None = None):
+def _multimodal(case: Case, text, image_token_ids: dict | None = None):
     """The Gemma3Config / Mistral3Config / LlavaConfig around ``text`` (check.builders'
     multimodal_config): the case's vision tower, two heads and an MLP twice its width, Gemma-3's
     image pooled to a quarter of its patches, each family's own projector defaults; the image
@@ -414,17 +414,16 @@ def _multimodal(case: Case, text, image_tokens: dict | None = None):
 
     tower, projector = {"gemma3": ("siglip", "gemma3"), "mistral3": ("pixtral", "mistral3"),
                         "llava": ("clip", "llava"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl")}[case.family]
-    patches = (case.vision_image // case.vision_patch) ** 2
     v = VisionSpec(tower=tower, projector=projector, num_layers=case.vision_layers,
                    hidden_size=case.vision_hidden, intermediate_size=2 * case.vision_hidden, num_heads=2,
                    patch_size=case.vision_patch, image_size=case.vision_image, num_channels=3,
-                   tokens_per_image=max(1, patches // 4) if tower in ("siglip", "qwen2_5_vl") else patches,
+                   tokens_per_image=image_tokens(case),
                    text_hidden_size=text.hidden_size, projector_bias=tower in ("clip", "qwen2_5_vl"),
                    merge_size=2 if tower in ("pixtral", "qwen2_5_vl") else 1,
                    temporal_patch_size=2 if tower == "qwen2_5_vl" else 1)
     if tower == "qwen2_5_vl":  # Qwen2_5_VLConfig's name for it
         return multimodal_config(text, v, case.tie, image_token_id=text.vocab_size - 1)
-    return multimodal_config(text, v, case.tie, **(image_tokens or {"image_token_index": text.vocab_size - 1}))
+    return multimodal_config(text, v, case.tie, **(image_token_ids or {"image_token_index": text.vocab_size - 1}))
 
 
 def write_model(case: Case, folder: Path) -> Path:

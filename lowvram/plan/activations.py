@@ -353,6 +353,12 @@ def head_activation_bytes(setup: RunSetup) -> int:
     return t * per_tok + fixed
 
 
+def _per_row_masks(setup: RunSetup) -> bool:
+    """SDPA gets a b x 1 x s x s mask in every layer: packed samples, padded rows with their
+    attention_mask, or Gemma-3's image masks (plan/images.py)."""
+    return setup.packing or setup.padded or bidirectional_image_masks(setup)
+
+
 def masked_layers(setup: RunSetup) -> int:
     """How many decoder layers call SDPA with an attention mask (0 without SDPA: eager attention
     adds its mask to the scores and saves none of it; flash-attention reads packed samples from
@@ -374,7 +380,7 @@ def masked_layers(setup: RunSetup) -> int:
     if setup.attention != "sdpa":
         return 0
     spec = setup.model
-    if setup.packing or setup.padded or bidirectional_image_masks(setup):  # Gemma-3 with images: plan/images.py
+    if _per_row_masks(setup):
         return spec.num_layers
     if spec.sliding_layers and setup.seq_len >= spec.sliding_window:
         return spec.sliding_layers
@@ -415,7 +421,7 @@ def _checkpointed_mask_bytes(setup: RunSetup) -> int:
         return 0
     spec = setup.model
     s = setup.seq_len
-    if not (setup.packing or setup.padded or bidirectional_image_masks(setup)):
+    if not _per_row_masks(setup):
         return s * s
     return describe_layer(spec).attention_types * setup.micro_batch_size * s * s
 

@@ -88,7 +88,8 @@ def _check(setup: RunSetup) -> None:
     problems += dora.dora_problems(setup)
     problems += vision_problems(setup.model.vision, setup.offload, setup.objective, setup.optimizer,
                                 setup.tiled_mlp)
-    problems += [p for p in [packing_problem(setup.model.vision, setup.packing)] if p]
+    if packed := packing_problem(setup.model.vision, setup.packing):
+        problems.append(packed)
     problems += optimizers.optimizer_problems(setup)
     conflict = offload_conflict(setup.optimizer, setup.offload)
     if conflict:

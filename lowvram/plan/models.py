@@ -150,6 +150,12 @@ def block_linears(spec: ModelSpec) -> list[Linear]:
     return out
 
 
+def mlp_linears(spec: ModelSpec) -> list[Linear]:
+    """The MLP's projections of one decoder block: block_linears after the attention's (q, k, v,
+    o, or a fused qkv and o)."""
+    return block_linears(spec)[2 if spec.fused_qkv else 4:]
+
+
 def norm_numel(spec: ModelSpec) -> int:
     """Parameters of one norm: RMSNorm has a weight, LayerNorm a weight and a bias."""
     return spec.hidden_size * (2 if spec.norm == "layer" else 1)

@@ -267,14 +267,12 @@ def validate_request(req: PlanRequest) -> None:
             flag = {"optimizer": "--optimizer", "offload": "--offload"}
             raise LowvramError(conflict, offload_conflict_hint(req.optimizer, req.offload,
                                                                lambda key, value: f"{flag[key]} {value}"))
-    if req.optimizer in LOMO_OPTIMIZERS and (req.lora or req.offload not in (None, "none")):
+    if (req.optimizer in LOMO_OPTIMIZERS + FUSED_BACKWARD_OPTIMIZERS
+            and (req.lora or req.offload not in (None, "none"))):
+        other = "adamw" if req.optimizer in FUSED_BACKWARD_OPTIMIZERS else "adamw_8bit"
         raise LowvramError(f"optimizer {req.optimizer} steps full weights inside the backward: it runs "
                            "without LoRA and without DeepSpeed/FSDP",
-                           "use --method full --offload none with it, or --optimizer adamw_8bit")
-    if req.optimizer in FUSED_BACKWARD_OPTIMIZERS and (req.lora or req.offload not in (None, "none")):
-        raise LowvramError(f"optimizer {req.optimizer} steps full weights inside the backward: it runs "
-                           "without LoRA and without DeepSpeed/FSDP",
-                           "use --method full --offload none with it, or --optimizer adamw")
+                           f"use --method full --offload none with it, or --optimizer {other}")
     if req.optimizer in PROJECTED_OPTIMIZERS and (req.lora or req.offload not in (None, "none")):
         raise LowvramError(f"optimizer {req.optimizer} projects the gradients of full weights on unsharded "
                            "parameters: it runs without LoRA and without DeepSpeed/FSDP",

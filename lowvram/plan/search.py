@@ -108,6 +108,13 @@ def torchao_options(budget: Budget) -> list[str]:
     return [] if "torchao" in budget.missing_extras else ["adamw_torch_8bit", "adamw_torch_4bit"]
 
 
+def _full_fine_tuning_asked(req: PlanRequest) -> bool:
+    """Full fine-tuning the user asked for (lora fixed off: with lora on auto, LoRA stays the
+    answer to a model too big to train whole), of a known architecture without a vision tower,
+    for sft: where the search tries the optimizers that train full weights only."""
+    return req.lora is False and req.objective == "sft" and req.model is not None and not _vision(req)
+
+
 def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
     """GaLore's forms the search tries on auto: only for full fine-tuning the user asked for
     (lora fixed off: with lora on auto, LoRA stays the answer to a model too big to train whole)
@@ -115,8 +122,7 @@ def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
     CUDA plan, the layerwise ones not when the recipe asks for gradient clipping. They rank after
     AdamW and 8-bit AdamW (request.optimizer_given_up); each setup is checked again in
     candidate_setups (optimizers.optimizer_problems: MoE, GPT-2, several GPUs, accumulation)."""
-    if (req.lora is not False or req.objective != "sft" or req.model is None or _vision(req)
-            or "galore" in budget.missing_extras):
+    if not _full_fine_tuning_asked(req) or "galore" in budget.missing_extras:
         return []
     out = ["galore_adamw"] + (["galore_adamw_8bit"] if budget.device == "cuda" else [])
     if not req.gradient_clipping:
@@ -128,7 +134,7 @@ def in_backward_options(req: PlanRequest) -> list[str]:
     """AdamW in the backward on auto: full fine-tuning asked for (sft, a known architecture), not
     when the recipe asks for gradient clipping; it needs no extra. It ranks after torchao's 4-bit
     AdamW and before GaLore (request.optimizer_given_up)."""
-    if req.lora is not False or req.objective != "sft" or req.model is None or req.gradient_clipping or _vision(req):
+    if not _full_fine_tuning_asked(req) or req.gradient_clipping:
         return []
     return ["adamw_in_backward"]
 
@@ -137,8 +143,7 @@ def apollo_options(req: PlanRequest, budget: Budget) -> list[str]:
     """APOLLO's forms on auto: as GaLore's (full fine-tuning asked for, sft, a known architecture;
     the layerwise form not with gradient clipping), where apollo_torch is installed; they rank
     with GaLore's (request.optimizer_given_up) and run on the CPU too."""
-    if (req.lora is not False or req.objective != "sft" or req.model is None or _vision(req)
-            or "apollo" in budget.missing_extras):
+    if not _full_fine_tuning_asked(req) or "apollo" in budget.missing_extras:
         return []
     return ["apollo_adamw"] + ([] if req.gradient_clipping else ["apollo_adamw_layerwise"])
 
@@ -147,8 +152,7 @@ def lomo_options(req: PlanRequest, budget: Budget) -> list[str]:
     """LOMO's forms on auto: as GaLore's (full fine-tuning asked for, sft, a known architecture),
     where lomo_optim is installed, not when the recipe asks for gradient clipping; AdaLomo on CUDA
     only. They rank after layerwise GaLore (request.optimizer_given_up: AdaLomo, then LOMO)."""
-    if (req.lora is not False or req.objective != "sft" or req.model is None or req.gradient_clipping
-            or _vision(req) or "lomo" in budget.missing_extras):
+    if not _full_fine_tuning_asked(req) or req.gradient_clipping or "lomo" in budget.missing_extras:
         return []
     return (["adalomo"] if budget.device == "cuda" else []) + ["lomo"]
 

@@ -32,7 +32,7 @@ from dataclasses import replace
 
 from lowvram.plan import activations, backward
 from lowvram.plan.activations import dtypes as dtypes_of
-from lowvram.plan.models import block_linears
+from lowvram.plan.models import block_linears, mlp_linears
 from lowvram.plan.moments import Moment
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import target_linears
@@ -130,7 +130,7 @@ def _shard_adapter_forward_bytes(setup: RunSetup) -> int:
     _, _, autocast = dtypes_of(setup)
     if not setup.lora or not autocast:
         return 0
-    mlp = {lin.name for lin in block_linears(setup.model)[4 if not setup.model.fused_qkv else 2:]}
+    mlp = {lin.name for lin in mlp_linears(setup.model)}
     widest = max((lin.d_in for lin in target_linears(setup) if lin.name in mlp), default=0)
     t = setup.micro_batch_size * setup.seq_len
     return t * 4 * widest * (2 if setup.lora_dropout else 1)
@@ -147,10 +147,8 @@ def tiled_mlp_moments(setup: RunSetup, last: int, first: int, last_grads: int, f
 
 def mlp_matmul_share(setup: RunSetup) -> float:
     """The MLP's share of a block's Linear weights (its share of the matmul FLOPs per token)."""
-    lins = block_linears(setup.model)
-    total = sum(lin.numel for lin in lins)
-    attention = 4 if not setup.model.fused_qkv else 2  # q, k, v, o (or qkv, o) come first
-    return sum(lin.numel for lin in lins[attention:]) / total if total else 0.0
+    total = sum(lin.numel for lin in block_linears(setup.model))
+    return sum(lin.numel for lin in mlp_linears(setup.model)) / total if total else 0.0
 
 
 def tiled_mlp_slowdown(setup: RunSetup) -> float:

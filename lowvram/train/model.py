@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowvram.errors import LowvramError, ModelError
+from lowvram.errors import DataError, LowvramError, ModelError
 from lowvram.hub import HUB_ID
 
 _NOISE = (
@@ -263,7 +263,6 @@ def load_image_inputs(recipe, source: str, model):
     and chat template) and the config's image token; None when no dataset is image_chat."""
     if not any(d.format == "image_chat" for d in recipe.data.datasets):
         return None
-    from lowvram.errors import DataError
     from lowvram.train.data.build import ImageInputs
 
     if not has_vision(model.config):

@@ -180,8 +180,8 @@ class ImageChatTokenizer:
         p = Path(entry).expanduser()
         return str(p if p.is_absolute() else self.base / p)
 
-    def sample(self, row: Any) -> tuple[list[int], list[int], list[str], list]:
-        """(input_ids, labels, image paths, decoded images) of one row, untruncated."""
+    def sample(self, row: Any) -> ImageSample:
+        """(input_ids, labels, image paths) of one row, untruncated."""
         if isinstance(row, BadRow):
             raise row
         if not isinstance(row, dict):
@@ -217,7 +217,7 @@ class ImageChatTokenizer:
             ids += piece
             labels += [IGNORE_INDEX if (not (trained or self.train_all) or i == self.image_token_id) else i
                        for i in piece]
-        return ids, labels, resolved, images
+        return ids, labels, resolved
 
 
 def tokenize_image_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, processor, image_token_id: int,
@@ -232,7 +232,7 @@ def tokenize_image_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, proc
     out: list[ImageSample] = []
     for row in rows:
         try:
-            ids, labels, paths, _ = tok.sample(row.data)
+            ids, labels, paths = tok.sample(row.data)
             if len(ids) > seq_len:
                 n_image = ids.count(image_token_id)
                 if ids[:seq_len].count(image_token_id) != n_image:
