@@ -68,9 +68,11 @@ from lowvram.difftest import (  # noqa: E402
 # "gpt_oss": gpt-oss alone (bench/results/plan_fuzz_gpt_oss.txt).
 # "vision": the multimodal checkpoints (Gemma-3, Llava, Mistral-3, Qwen2.5-VL with a tiny vision
 # tower), text recipes; "qwen2_5_vl": Qwen2.5-VL alone (adding it to "vision" changed what the vision
-# seeds draw: seeds measured before name other recipes now)
+# seeds draw: seeds measured before name other recipes now); "qwen3_vl": Qwen3-VL alone (kept out of
+# "vision" for the same reason)
 FAMILY_SETS = {"seven": FIRST_FAMILIES, "ten": TEN_FAMILIES, "all": FAMILIES, "gpt_oss": ("gpt_oss",),
-               "vision": VISION_FAMILIES, "images": IMAGE_FAMILIES, "qwen2_5_vl": ("qwen2_5_vl",)}
+               "vision": VISION_FAMILIES, "images": IMAGE_FAMILIES, "qwen2_5_vl": ("qwen2_5_vl",),
+               "qwen3_vl": ("qwen3_vl",)}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -40,6 +40,9 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 # window-attention ViT and patch merger, Qwen2 with M-RoPE); text-only recipes (bench/plan_fuzz.py
 # --families vision)
 VISION_FAMILIES = ("gemma3", "llava", "mistral3", "qwen2_5_vl")
+# Qwen3-VL (its ViT with learned positions and deepstack mergers, Qwen3 with interleaved M-RoPE),
+# drawn on its own (bench/plan_fuzz.py --families qwen3_vl) so the vision seeds keep their recipes
+MULTIMODAL_FAMILIES = VISION_FAMILIES + ("qwen3_vl",)
 # the ones image + text recipes are drawn for (made_images; Mistral-3's image tokens are refused)
 IMAGE_FAMILIES = ("gemma3", "llava")
 
@@ -170,7 +173,7 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
         kv_heads=rng.choice([h for h in (1, 2, heads) if heads % h == 0]),
         intermediate=rng.choice([2, 3, 4]) * hidden, vocab=rng.choice([512, 1024, 2048]),
         tie=family in ("gemma", "gemma3_text", "smollm3", "gemma3")
-        or (family in ("qwen2", "qwen2_5_vl") and rng.random() < 0.5),
+        or (family in ("qwen2", "qwen2_5_vl", "qwen3_vl") and rng.random() < 0.5),
         method=method, lora_r=rng.choice([4, 8, 16]), lora_targets=_targets(family, rng),
         lora_dropout=0.0 if moe or rng.random() < 0.5 else rng.choice([0.05, 0.1]),
         precision=precision, model_dtype=dtype, gradient_checkpointing=rng.random() < 0.4,
@@ -179,7 +182,7 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
         packing=rng.random() < 0.3, validation=0.2 if rng.random() < 0.25 else None,
         experts=rng.choice([4, 8]) if moe else 0, experts_per_tok=2 if moe else 0,
     )
-    if family in VISION_FAMILIES:
+    if family in MULTIMODAL_FAMILIES:
         case = _with_vision(case, random.Random(f"vision-{seed}"))
     if family == "qwen2_5_vl":  # packing refused (vision.packing_problem)
         case = replace(case, packing=False)
@@ -199,7 +202,7 @@ def random_case(seed: int, families: tuple[str, ...] = FAMILIES, tiled: float = 
         hidden = heads * 32
         case = replace(case, heads=heads, kv_heads=kv, hidden=hidden,
                        intermediate=case.intermediate // case.hidden * hidden)
-    if tiled and family not in MOE_FAMILIES + VISION_FAMILIES and random.Random(f"tiled-{seed}").random() < tiled:
+    if tiled and family not in MOE_FAMILIES + MULTIMODAL_FAMILIES and random.Random(f"tiled-{seed}").random() < tiled:
         case = made_tiled(replace(case, use_dora=False))  # DoRA with a tiled MLP: refused, not modelled
     if chunk and case.objective == "sft" and random.Random(f"chunk-{seed}").random() < chunk:
         case = made_chunked(case)
@@ -254,7 +257,7 @@ def made_tiled(case: Case) -> Case:
 
 
 def _with_vision(case: Case, rng: random.Random) -> Case:
-    """A vision tower for a VISION_FAMILIES case, from a stream of its own: 1-2 layers, 32-64
+    """A vision tower for a MULTIMODAL_FAMILIES case, from a stream of its own: 1-2 layers, 32-64
     wide, 32 or 64 px images in 8 or 16 px patches."""
     heads = 2
     return replace(case, vision_layers=rng.choice([1, 2]), vision_hidden=heads * rng.choice([16, 32]),
@@ -264,7 +267,7 @@ def _with_vision(case: Case, rng: random.Random) -> Case:
 def image_tokens(case: Case) -> int:
     """Tokens per image of a case's tower (as _multimodal sizes it, lowvram.plan.vision)."""
     patches = (case.vision_image // case.vision_patch) ** 2
-    return max(1, patches // 4) if case.family in ("gemma3", "qwen2_5_vl") else patches
+    return max(1, patches // 4) if case.family in ("gemma3", "qwen2_5_vl", "qwen3_vl") else patches
 
 
 def made_images(case: Case) -> Case:
@@ -390,7 +393,7 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int, image_token_ids: d
     if case.family == "gemma":
         kw["hidden_activation"] = "gelu_pytorch_tanh"
     text_family = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral",
-                   "qwen2_5_vl": "qwen2"}.get(case.family, case.family)
+                   "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}.get(case.family, case.family)
     if text_family == "gemma3_text":  # alternate sliding (128 tokens) and full attention layers
         kw.update(sliding_window=128, layer_types=[
             "full_attention" if i % 2 else "sliding_attention" for i in range(case.layers)])
@@ -413,15 +416,22 @@ def _multimodal(case: Case, text, image_token_ids: dict | None = None):
     from lowvram.plan.vision import VisionSpec
 
     tower, projector = {"gemma3": ("siglip", "gemma3"), "mistral3": ("pixtral", "mistral3"),
-                        "llava": ("clip", "llava"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl")}[case.family]
+                        "llava": ("clip", "llava"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl"),
+                        "qwen3_vl": ("qwen3_vl", "qwen3_vl")}[case.family]
+    qwen = tower in ("qwen2_5_vl", "qwen3_vl")
+    patches = (case.vision_image // case.vision_patch) ** 2
     v = VisionSpec(tower=tower, projector=projector, num_layers=case.vision_layers,
                    hidden_size=case.vision_hidden, intermediate_size=2 * case.vision_hidden, num_heads=2,
                    patch_size=case.vision_patch, image_size=case.vision_image, num_channels=3,
                    tokens_per_image=image_tokens(case),
-                   text_hidden_size=text.hidden_size, projector_bias=tower in ("clip", "qwen2_5_vl"),
-                   merge_size=2 if tower in ("pixtral", "qwen2_5_vl") else 1,
-                   temporal_patch_size=2 if tower == "qwen2_5_vl" else 1)
-    if tower == "qwen2_5_vl":  # Qwen2_5_VLConfig's name for it
+                   text_hidden_size=text.hidden_size, projector_bias=tower == "clip" or qwen,
+                   merge_size=2 if tower == "pixtral" or qwen else 1,
+                   temporal_patch_size=2 if qwen else 1,
+                   # Qwen3-VL: a learned position grid of the image's patches, a deepstack merger
+                   # per tower layer (the published 27-layer tower feeds three)
+                   position_embeddings=patches if tower == "qwen3_vl" else 0,
+                   deepstack_mergers=case.vision_layers if tower == "qwen3_vl" else 0)
+    if qwen:  # Qwen2_5_VLConfig's / Qwen3VLConfig's name for it
         return multimodal_config(text, v, case.tie, image_token_id=text.vocab_size - 1)
     return multimodal_config(text, v, case.tie, **(image_token_ids or {"image_token_index": text.vocab_size - 1}))
 
@@ -636,8 +646,8 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     return Outcome(case, measured_bytes=m.get("peak_memory_bytes"), predicted_bytes=predicted, details=details)
 
 
-__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES",
-           "OVER_LIMIT", "Outcome", "chunk_budget",
+__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_FAMILIES", "MULTIMODAL_FAMILIES",
+           "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
            "made_apollo", "made_chunked", "made_galore", "made_images", "made_in_backward", "made_lomo",
            "made_short_pairs", "made_tiled", "made_torchao",
            "preference_case",

@@ -69,6 +69,15 @@ def multimodal_config(text, v: VisionSpec, tie: bool, **extra):
                 num_heads=v.num_heads, in_channels=v.num_channels, patch_size=v.patch_size,
                 spatial_merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size,
                 out_hidden_size=v.text_hidden_size))
+    elif v.tower == "qwen3_vl":
+        layers = list(range(v.deepstack_mergers))  # which tower layers feed them: no parameters
+        cfg = AutoConfig.for_model(
+            "qwen3_vl", text_config=qwen3_vl_text(text), **extra, vision_config=dict(
+                depth=v.num_layers, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                num_heads=v.num_heads, in_channels=v.num_channels, patch_size=v.patch_size,
+                spatial_merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size,
+                out_hidden_size=v.text_hidden_size, num_position_embeddings=v.position_embeddings,
+                deepstack_visual_indexes=layers))
     elif v.tower == "siglip":
         cfg = AutoConfig.for_model(
             "gemma3", text_config=text.to_dict(), **extra, mm_tokens_per_image=v.tokens_per_image,
@@ -121,6 +130,20 @@ def save_tiny_vision_model(out_dir: str | Path, family: str = "gemma3", seed: in
     AutoModelForImageTextToText.from_config(config).save_pretrained(out)
     build_processor(config, tokenizer).save_pretrained(out)
     return out
+
+
+def qwen3_vl_text(text) -> dict:
+    """A Qwen3 text config as Qwen3-VL's text_config (Qwen3VLTextConfig): its interleaved M-RoPE
+    sections split head_dim / 2 as Qwen3-VL's published [24, 20, 20] splits 64 (Qwen3VLTextRotary
+    Embedding interleaves height and width into every third frequency, the rest is time)."""
+    t = text.to_dict()
+    half = t["head_dim"] // 2
+    height = half * 20 // 64
+    rope = dict(t.get("rope_parameters") or {"rope_theta": 5_000_000.0})
+    rope.update(rope_type="default", mrope_interleaved=True,
+                mrope_section=[half - 2 * height, height, height])
+    t.update(model_type="qwen3_vl_text", rope_parameters=rope, attention_bias=False)
+    return t
 
 
 def qwen2_5_vl_text(text) -> dict:

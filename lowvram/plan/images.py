@@ -27,7 +27,10 @@ Sources (transformers 5.25):
   packed data does (activations.masked_layers, _checkpointed_mask_bytes).
 - Mistral-3's image tokens depend on each image's size (PixtralProcessor resizes to fit
   image_size with the aspect ratio kept, then side x (side + 1) tokens), which the plan does not
-  know from the recipe: image data is refused for it with a hint.
+  know from the recipe: image data is refused for it with a hint. So are Qwen2.5-VL's and
+  Qwen3-VL's (dynamic resolution: Qwen2VLImageProcessor resizes each image to a multiple of
+  patch * merge within min/max_pixels, so its tokens follow its size; Qwen3-VL also adds its
+  deepstack features to the first language layers, only with images).
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def image_problems(spec: ModelSpec, images_per_row: int, seq_len: int) -> list[s
     v = spec.vision
     if v is None:
         return ["format image_chat needs a model with a vision tower (this model has none)"]
-    if v.projector in ("mistral3", "qwen2_5_vl"):
-        name = "Mistral-3 (Pixtral)" if v.projector == "mistral3" else "Qwen2.5-VL"
+    if v.projector in ("mistral3", "qwen2_5_vl", "qwen3_vl"):
+        name = {"mistral3": "Mistral-3 (Pixtral)", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}[v.projector]
         return [f"format image_chat with {name} is not modelled: its image tokens depend on "
                 "each image's size, which the plan does not know"]
     if images_per_row * v.tokens_per_image >= seq_len:

@@ -277,7 +277,7 @@ def spec_from_gguf(path: Path, name: str) -> ModelSpec:
 # The language model's model_type when a multimodal config's text_config leaves it out
 # (Gemma3Config: Gemma3TextConfig; LlavaConfig: LlamaConfig; Mistral3Config: MistralConfig).
 _TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral",
-                    "qwen2_5_vl": "qwen2"}
+                    "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 # Gemma3TextConfig's defaults (transformers 5 configuration_gemma3.py), which Gemma-3's published
 # config.json files rely on: google/gemma-3-4b-it's text_config names neither the heads nor the
 # vocabulary.
@@ -311,16 +311,28 @@ def multimodal_spec_from_config(cfg: dict, name: str) -> ModelSpec:
         if not text:
             text = {k: v for k, v in cfg.items() if k != "vision_config" and v is not None}
         text["model_type"] = "qwen2"
+    if mt == "qwen3_vl":
+        # Qwen3-VL's text_config (model_type qwen3_vl_text) is Qwen3's block: Qwen3VLTextAttention
+        # with q_norm/k_norm over one head and no biases (attention_bias false), Qwen3VLTextMLP
+        # gated; its interleaved M-RoPE tables are (batch, seq, head_dim) like Qwen2.5-VL's
+        # (Qwen3VLTextRotaryEmbedding, cast to the hidden states' dtype), and the deepstack
+        # features are added only with images (Qwen3VLTextModel._deepstack_process)
+        if text.get("attention_bias"):
+            raise _refuse(name, "Qwen3-VL with attention_bias true (biased q/k/v/o)")
+        text["model_type"] = "qwen3"
+    text.setdefault("model_type", _TEXT_MODEL_TYPE.get(mt, "llama"))
     for key, value in _TEXT_DEFAULTS.get(text["model_type"], {}).items():
         text.setdefault(key, value)
     # transformers ties by the top-level value (PreTrainedModel's tied-weights mapping); without
     # one, the text_config's says what the checkpoint holds (Mistral-3's has an lm_head, and
     # from_pretrained does not tie two different tensors), and Gemma-3's has none (Gemma3Config
-    # default True)
+    # default True); Qwen3VLConfig's top-level default is False, whatever its text_config says
     if "tie_word_embeddings" in cfg:
         text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     elif mt == "gemma3":
         text.setdefault("tie_word_embeddings", True)
+    elif mt == "qwen3_vl":
+        text["tie_word_embeddings"] = False
     if cfg.get("_name_or_path"):
         text.setdefault("_name_or_path", cfg["_name_or_path"])
     spec = spec_from_config(text, name)

@@ -39,6 +39,20 @@ Sources (transformers 5):
   h m^2) and Linear(h m^2, out_hidden_size) with bias (m = spatial_merge_size). Image tokens of
   the largest image: the image processor's default max_pixels 28 * 28 * 1280
   (image_processing_qwen2_vl.py) over (patch * m)^2 pixels a token: 1280.
+- Qwen3-VL tower (``qwen3_vl``), modeling_qwen3_vl.py Qwen3VLVisionModel (model.visual):
+  patch_embed Conv3d(c, h, (temporal_patch_size, patch, patch)) with bias; pos_embed
+  Embedding(num_position_embeddings, h) (a learned grid, bilinearly resampled per image);
+  rotary_pos_emb (axial 2-D rope: inv_freq and original_inv_freq, fp32,
+  arange(0, head_dim / 2, 2) each; Qwen3VLVisionRotaryEmbedding); Qwen3VLVisionBlock (norm1 /
+  norm2 LayerNorm(h); attn qkv Linear(h, 3h) and proj Linear(h, h) with bias; a plain MLP
+  linear_fc1 Linear(h, I), linear_fc2 Linear(I, h) with bias); no final norm.
+- Qwen3VLVisionPatchMerger (the projector): model.visual.merger (norm LayerNorm(h), linear_fc1
+  Linear(h m^2, h m^2), linear_fc2 Linear(h m^2, out_hidden_size), biased) and one deepstack
+  merger per deepstack_visual_indexes entry (model.visual.deepstack_merger_list: the same with
+  its norm LayerNorm(h m^2) after the shuffle), all projecting into the text width. Their
+  features are added to the first language layers' hidden states only when there are images
+  (Qwen3VLTextModel._deepstack_process); on text the language model is Qwen3's block. Image
+  tokens of the largest image: Qwen2VLImageProcessor's default max_pixels over (patch * m)^2.
 Defaults left out of config.json: SiglipVisionConfig / CLIPVisionConfig class defaults
 (configuration_siglip.py, configuration_clip.py).
 """
@@ -65,12 +79,21 @@ _TOWER_DEFAULTS = {
     "qwen2_5_vl": dict(depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16,
                        in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                        vision_use_head=False),
+    # configuration_qwen3_vl.py Qwen3VLVisionConfig
+    "qwen3_vl": dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
+                     patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                     num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+                     vision_use_head=False),
 }
 # Qwen2VLImageProcessor's default longest_edge (max_pixels): 28 * 28 * 1280 pixels an image
 _QWEN_MAX_PIXELS = 28 * 28 * 1280
 # multimodal model_type -> (tower kind, projector kind)
 VISION_FAMILIES = {"gemma3": ("siglip", "gemma3"), "llava": ("clip", "llava"),
-                   "mistral3": ("pixtral", "mistral3"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl")}
+                   "mistral3": ("pixtral", "mistral3"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl"),
+                   "qwen3_vl": ("qwen3_vl", "qwen3_vl")}
+# The Qwen-VL towers: images of any size (dynamic resolution), a Conv3d patch embedding and a
+# patch merger under model.visual
+QWEN_VL_TOWERS = ("qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -91,8 +114,10 @@ class VisionSpec:
     use_head: bool = False  # SigLIP attention-pooling head (unused by Gemma-3)
     projector_bias: bool = True  # Llava linear_1 / linear_2 bias
     feature_layers: int = 1  # Llava, Mistral-3: len(vision_feature_layer) when it is a list
-    merge_size: int = 1  # Mistral-3, Qwen2.5-VL: spatial_merge_size (the patch merger's side)
-    temporal_patch_size: int = 1  # Qwen2.5-VL: the Conv3d patch embedding's frames
+    merge_size: int = 1  # Mistral-3, Qwen-VL: spatial_merge_size (the patch merger's side)
+    temporal_patch_size: int = 1  # Qwen-VL: the Conv3d patch embedding's frames
+    position_embeddings: int = 0  # Qwen3-VL: num_position_embeddings (the learned position grid)
+    deepstack_mergers: int = 0  # Qwen3-VL: len(deepstack_visual_indexes)
 
     @property
     def patches(self) -> int:
@@ -107,6 +132,10 @@ def _layer_numel(v: VisionSpec) -> int:
 def tower_numel(v: VisionSpec) -> int:
     """Exact parameter count of the vision tower (``sum(p.numel())`` of model.vision_tower)."""
     h, c, p = v.hidden_size, v.num_channels, v.patch_size
+    if v.tower == "qwen3_vl":  # biased Conv3d, learned positions, LayerNorms, plain biased MLP
+        i = v.intermediate_size
+        layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+        return c * v.temporal_patch_size * p * p * h + h + v.position_embeddings * h + v.num_layers * layer
     if v.tower == "qwen2_5_vl":  # RMSNorms, biased qkv/proj and gated MLP, no final norm
         i = v.intermediate_size
         layer = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (h * i + i) + (i * h + h)
@@ -130,8 +159,9 @@ def tower_buffer_bytes(v: VisionSpec) -> int:
     """The tower's buffers: SigLIP's and CLIP's position_ids (int64 arange of the positions,
     expanded without a copy), Pixtral's inv_freq and original_inv_freq (fp32, head_dim / 2 each;
     modeling_pixtral.py PixtralVisionRotaryEmbedding), Qwen2.5-VL's inv_freq and original_inv_freq
-    (fp32, arange(0, head_dim / 2, 2) each; Qwen2_5_VLVisionRotaryEmbedding)."""
-    if v.tower == "qwen2_5_vl":
+    (fp32, arange(0, head_dim / 2, 2) each; Qwen2_5_VLVisionRotaryEmbedding), Qwen3-VL's alike
+    (Qwen3VLVisionRotaryEmbedding)."""
+    if v.tower in QWEN_VL_TOWERS:
         return 2 * 4 * len(range(0, v.hidden_size // v.num_heads // 2, 2))
     if v.tower == "pixtral":
         return 2 * 4 * (v.hidden_size // v.num_heads // 2)
@@ -139,12 +169,17 @@ def tower_buffer_bytes(v: VisionSpec) -> int:
 
 
 def projector_numel(v: VisionSpec) -> int:
-    """Exact parameter count of model.multi_modal_projector."""
+    """Exact parameter count of the projector (model.multi_modal_projector; the Qwen-VL
+    mergers under model.visual)."""
     if v.projector == "gemma3":
         return v.hidden_size * v.text_hidden_size + v.hidden_size
     if v.projector == "qwen2_5_vl":  # model.visual.merger: ln_q + two biased Linears
         m = v.hidden_size * v.merge_size ** 2
         return v.hidden_size + (m * m + m) + (m * v.text_hidden_size + v.text_hidden_size)
+    if v.projector == "qwen3_vl":  # merger (LayerNorm(h)) + deepstack mergers (LayerNorm(h m^2))
+        m = v.hidden_size * v.merge_size ** 2
+        mlp = (m * m + m) + (m * v.text_hidden_size + v.text_hidden_size)
+        return 2 * v.hidden_size + mlp + v.deepstack_mergers * (2 * m + mlp)
     d_in, d = v.hidden_size * v.feature_layers, v.text_hidden_size
     b = d if v.projector_bias else 0
     n = d_in * d + b + d * d + b
@@ -166,8 +201,8 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
     tower, projector = VISION_FAMILIES[mt]
     vc = dict(_TOWER_DEFAULTS[tower])
     vc.update({k: v for k, v in (cfg.get("vision_config") or {}).items() if v is not None})
-    if tower == "qwen2_5_vl":
-        return _qwen2_5_vl_spec(vc)
+    if tower in QWEN_VL_TOWERS:
+        return _qwen_vl_spec(tower, vc)
     for key in ("image_size", "patch_size"):
         if isinstance(vc[key], (list, tuple)):
             vc[key] = int(vc[key][0])
@@ -199,21 +234,24 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
         projector_bias=bias, feature_layers=feature_layers, merge_size=merge)
 
 
-def _qwen2_5_vl_spec(vc: dict) -> VisionSpec:
-    """Qwen2.5-VL's tower from its vision_config (Qwen2_5_VLVisionConfig's key names). Images have
-    no fixed size (the processor resizes them to a multiple of patch * merge within max_pixels):
-    image_size is the largest square side the default max_pixels allows, tokens_per_image the
-    most tokens an image gets (1280)."""
+def _qwen_vl_spec(tower: str, vc: dict) -> VisionSpec:
+    """A Qwen-VL tower from its vision_config (Qwen2_5_VLVisionConfig's / Qwen3VLVisionConfig's
+    key names). Images have no fixed size (the processor resizes them to a multiple of
+    patch * merge within max_pixels): image_size is the largest square side the default
+    max_pixels allows, tokens_per_image the most tokens an image gets (Qwen2.5-VL: 1280)."""
     patch, merge = int(vc["patch_size"]), int(vc["spatial_merge_size"])
     unit = patch * merge
     side = int(_QWEN_MAX_PIXELS ** 0.5) // unit * unit
+    qwen3 = tower == "qwen3_vl"
     return VisionSpec(
-        tower="qwen2_5_vl", projector="qwen2_5_vl", num_layers=int(vc["depth"]),
+        tower=tower, projector=tower, num_layers=int(vc["depth"]),
         hidden_size=int(vc["hidden_size"]), intermediate_size=int(vc["intermediate_size"]),
         num_heads=int(vc["num_heads"]), patch_size=patch, image_size=side,
         num_channels=int(vc["in_channels"]), tokens_per_image=_QWEN_MAX_PIXELS // unit ** 2,
         text_hidden_size=0, projector_bias=True, merge_size=merge,
-        temporal_patch_size=int(vc["temporal_patch_size"]))
+        temporal_patch_size=int(vc["temporal_patch_size"]),
+        position_embeddings=int(vc["num_position_embeddings"]) if qwen3 else 0,
+        deepstack_mergers=len(vc["deepstack_visual_indexes"]) if qwen3 else 0)
 
 
 def vision_problems(vision: VisionSpec | None, offload: str | None, objective: str,

@@ -213,3 +213,25 @@ def test_a_qwen2_5_vl_config_is_planned_and_simulated_alike(tmp_path, method):
     assert v["weight_bytes"] == v["parameters"] * w + 2 * 4 * 4  # inv_freq + original: vision head_dim 16 / 4 each
     assert d["simulated"]["parameters"] == d["parameters"]
     assert abs(d["simulated"]["difference"]) < 0.02, d["simulated"]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_qwen3_vl_config_is_planned_and_simulated_alike(tmp_path, method):
+    """Qwen3-VL's nested config.json: planned with model.visual counted (weights, its learned
+    position grid, the deepstack mergers, the axial rotary's two fp32 buffers) and simulated
+    without a refusal; the two agree within 2%."""
+    text = dict(model_type="qwen3_vl_text", **_VISION_TEXT,
+                rope_scaling={"rope_type": "default", "mrope_section": [8, 4, 4], "mrope_interleaved": True})
+    cfg = dict(model_type="qwen3_vl", text_config=text,
+               vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16,
+                                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                                  deepstack_visual_indexes=[0, 1], out_hidden_size=_VISION_TEXT["hidden_size"]))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    d = _plan_json("--model", str(tmp_path), "--vram", "1GB", "--method", method, "--seq-len", "256",
+                   "--batch-size", "2")
+    v = d["vision"]
+    assert v["tower"] == "qwen3_vl" and v["trainable"] is False and v["quantized"] is False
+    w = 2 if d["techniques"]["mixed_precision"] in ("bf16", "fp16") else 4
+    assert v["weight_bytes"] == v["parameters"] * w + 2 * 4 * 4  # inv_freq + original: vision head_dim 16 / 4 each
+    assert d["simulated"]["parameters"] == d["parameters"]
+    assert abs(d["simulated"]["difference"]) < 0.02, d["simulated"]

@@ -253,10 +253,11 @@ def test_qwen2_5_vl_packing_refused_with_a_hint():
     assert "packing: false" in e.value.hint
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen2_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl_moe"])
 def test_other_qwen_vl_generations_refused_with_the_modelled_families(model_type):
-    """Qwen2-VL's and Qwen3-VL's towers differ from Qwen2.5-VL's (LayerNorms, a plain fc1/fc2
-    MLP; Qwen3-VL adds a learned position table and deepstack mergers): refused, not guessed."""
+    """Qwen2-VL's tower differs from Qwen2.5-VL's (LayerNorms, a plain fc1/fc2 MLP); Qwen3-VL-MoE
+    (Qwen3VLMoeTextSparseMoeBlock under the Qwen3-VL tower) is not read into lowvram.plan.moe's
+    layout nor measured: refused, not guessed."""
     from lowvram.errors import ModelError
     from lowvram.plan.readers import spec_from_config
 
@@ -289,3 +290,131 @@ def test_qwen2_5_vl_rotary_tables_are_batch_sized_as_the_plan_counts_them():
     head_dim = _QWEN_VL["hidden_size"] // _QWEN_VL["num_attention_heads"]
     assert [tuple(t.shape) for t in seen["qwen2_5_vl"]] == [(b, s, head_dim)] * 2
     assert [tuple(t.shape) for t in seen["qwen2"]] == [(1, s, head_dim)] * 2
+
+
+# Qwen3-VL's published config.json nests its text_config (model_type qwen3_vl_text)
+_QWEN3_VL = dict(model_type="qwen3_vl", tie_word_embeddings=False,
+                 text_config=dict(model_type="qwen3_vl_text", hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, vocab_size=512, rope_theta=5_000_000,
+                                  rope_scaling={"rope_type": "default", "mrope_section": [4, 2, 2],
+                                                "mrope_interleaved": True}),
+                 vision_config=dict(depth=3, hidden_size=48, intermediate_size=80, num_heads=4,
+                                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                                    out_hidden_size=64, num_position_embeddings=64,
+                                    deepstack_visual_indexes=[0, 2]))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_qwen3_vl_tower_mergers_buffers_and_whole_model_exact(tie):
+    """model.visual without its mergers is the tower (patch embed, learned positions, blocks,
+    rotary buffers), the merger and the deepstack mergers the projector; the language model is
+    Qwen3's block from the nested text_config, tied by the top-level key."""
+    from lowvram.plan.models import count_parameters, model_numel
+    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.vision import tower_buffer_bytes
+
+    cfg = {**_QWEN3_VL, "tie_word_embeddings": tie}
+    with torch.device("meta"):
+        m = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model(**cfg))
+    assert type(m).__name__ == "Qwen3VLForConditionalGeneration"
+    visual = m.model.visual
+    mergers = sum(p.numel() for n, p in visual.named_parameters() if "merger" in n)
+    spec = spec_from_config(cfg, "tiny")
+    v = spec.vision
+    assert (v.position_embeddings, v.deepstack_mergers) == (64, 2)
+    assert (tower_numel(v), projector_numel(v)) == (sum(p.numel() for p in visual.parameters()) - mergers, mergers)
+    assert tower_buffer_bytes(v) == sum(b.numel() * b.element_size() for b in visual.buffers())
+    assert model_numel(spec) == sum(p.numel() for p in m.parameters())
+    assert count_parameters(spec) == sum(p.numel() for n, p in m.named_parameters() if "visual" not in n)
+    assert (spec.model_type, spec.qk_norm, spec.qkv_bias, spec.tie_word_embeddings) == ("qwen3", "head", False, tie)
+
+
+def test_qwen3_vl_saved_by_transformers_reads_the_same_and_ties_by_the_top_level_key():
+    """transformers 5's saved config (rope_parameters, text model_type qwen3_vl_text) gives the
+    same spec; without a top-level tie_word_embeddings Qwen3VLConfig's default (False) holds,
+    whatever the text_config says (PreTrainedModel ties by the top-level config)."""
+    from lowvram.plan.readers import spec_from_config
+
+    saved = transformers.AutoConfig.for_model(**_QWEN3_VL).to_dict()
+    a, b = spec_from_config(saved, "tiny"), spec_from_config(_QWEN3_VL, "tiny")
+    assert (a.vision, a.hidden_size, a.num_layers, a.num_kv_heads, a.qk_norm, a.vocab_size) == (
+        b.vision, b.hidden_size, b.num_layers, b.num_kv_heads, b.qk_norm, b.vocab_size)
+    untold = {k: v for k, v in _QWEN3_VL.items() if k != "tie_word_embeddings"}
+    untold["text_config"] = {**untold["text_config"], "tie_word_embeddings": True}
+    with torch.device("meta"):
+        m = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model(**untold))
+    assert m.lm_head.weight is not m.model.language_model.embed_tokens.weight
+    assert spec_from_config(untold, "x").tie_word_embeddings is False
+
+
+_QWEN3_ADVERTISED = {"qwen3-vl-2b": 2.13e9, "qwen3-vl-4b": 4.44e9, "qwen3-vl-8b": 8.77e9,
+                     "qwen3-vl-32b": 33.4e9}
+
+
+@pytest.mark.parametrize("name", sorted(_QWEN3_ADVERTISED))
+def test_catalog_qwen3_vl_entries_count_what_transformers_builds(name):
+    """The catalog's Qwen3-VL entries: the model check.builders' config builds (meta) has the
+    planner's parameters exactly, and the model card's figure to its precision."""
+    from lowvram.check.builders import hf_config
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.models import model_numel
+
+    spec = resolve_model(name)
+    cfg = hf_config(spec)
+    assert cfg.text_config.rope_parameters["mrope_section"] == [24, 20, 20]  # the published split
+    with torch.device("meta"):
+        m = transformers.AutoModelForImageTextToText.from_config(cfg)
+    assert type(m).__name__ == "Qwen3VLForConditionalGeneration"
+    assert model_numel(spec) == sum(p.numel() for p in m.parameters())
+    digits = 1 if name == "qwen3-vl-32b" else 2
+    assert round(model_numel(spec) / 1e9, digits) == round(_QWEN3_ADVERTISED[name] / 1e9, digits)
+    assert resolve_model(spec.hf_id) == spec
+
+
+def test_qwen3_vl_packs_its_samples_apart():
+    """Packed windows on Qwen3-VL are not refused: Qwen3VLTextModel expands 1-row position_ids to
+    four rows and builds its mask from the first (the text row), so masking_utils finds the
+    packed samples and the mask is block-diagonal, as for Qwen3 (Qwen2.5-VL expands to three rows
+    and finds none: refused)."""
+    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.request import PlanRequest, validate_request
+
+    validate_request(PlanRequest(model=resolve_model("qwen3-vl-2b"), packing=True))
+    masks = {}
+
+    def grab(name):
+        def hook(module, args, kwargs):
+            masks[name] = kwargs["attention_mask"]
+        return hook
+
+    ids, pos = torch.randint(0, 500, (1, 6)), torch.tensor([[0, 1, 2, 0, 1, 2]])
+    qwen25 = {**_QWEN_VL, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    for name, cfg in (("qwen3_vl", _QWEN3_VL), ("qwen2_5_vl", qwen25)):
+        conf = transformers.AutoConfig.for_model(**cfg)
+        conf._attn_implementation = "eager"
+        conf.get_text_config()._attn_implementation = "eager"
+        m = transformers.AutoModelForImageTextToText.from_config(conf)
+        m.model.language_model.layers[0].register_forward_pre_hook(grab(name), with_kwargs=True)
+        with torch.no_grad():  # no cache, as in training (train.model.no_kv_cache)
+            m(input_ids=ids, position_ids=pos, use_cache=False)
+    allowed = masks["qwen3_vl"][0, 0] == 0
+    assert allowed[4, 1].item() is False and allowed[4, 3].item() is True  # no attention across samples
+    assert (masks["qwen2_5_vl"][0, 0][4, 1] == 0).item()  # Qwen2.5-VL's would attend across
+
+
+def test_qwen3_vl_rotary_tables_are_batch_sized_as_the_plan_counts_them():
+    """Interleaved M-RoPE on text: the cos/sin every decoder layer reads are (b, s, head_dim) in
+    the hidden states' dtype, one table a batch row: what activations.head_activation_bytes counts
+    per token."""
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["cos_sin"] = kwargs["position_embeddings"]
+
+    b, s = 3, 10
+    m = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model(**_QWEN3_VL))
+    m.model.language_model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        m(input_ids=torch.randint(0, 500, (b, s)))
+    assert [(tuple(t.shape), t.dtype) for t in seen["cos_sin"]] == [((b, s, 16), torch.float32)] * 2

@@ -94,12 +94,17 @@ def test_training_builds_no_kv_cache_on_a_multimodal_model(family):
     assert out.past_key_values is None
 
 
+_QWEN_VL_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+
+
+@pytest.mark.parametrize("family", sorted(_QWEN_VL_CLASSES))
 @pytest.mark.parametrize("method", ["lora", "qlora", "full"])
-def test_qwen2_5_vl_text_recipe_trains_at_its_plan_with_model_visual_frozen(tmp_path, method):
-    """Qwen2.5-VL (its tower and merger under model.visual): text through `lowvram train` at the
-    plan's peak; full fine-tuning leaves model.visual as it was, LoRA and QLoRA adapt none of it
-    (its MLP's gate/up/down_proj share the language model's names)."""
-    case = _case("qwen2_5_vl", method, tie=method == "lora", lora_targets="all-linear")
+def test_qwen_vl_text_recipe_trains_at_its_plan_with_model_visual_frozen(tmp_path, family, method):
+    """Qwen2.5-VL and Qwen3-VL (tower, merger and Qwen3-VL's deepstack mergers under
+    model.visual): text through `lowvram train` at the plan's peak; full fine-tuning leaves
+    model.visual as it was, LoRA and QLoRA adapt none of it (Qwen2.5-VL's MLP's gate/up/down_proj
+    share the language model's names)."""
+    case = _case(family, method, tie=method == "lora", lora_targets="all-linear")
     out = run_case(case, tmp_path)
     assert out.error is None, out.error
     assert out.ok, (out.measured_bytes, out.predicted_bytes, out.ratio)
@@ -111,7 +116,7 @@ def test_qwen2_5_vl_text_recipe_trains_at_its_plan_with_model_visual_frozen(tmp_
 
         def visual(folder):
             m = model_class(True).from_pretrained(folder)
-            assert type(m).__name__ == "Qwen2_5_VLForConditionalGeneration"
+            assert type(m).__name__ == _QWEN_VL_CLASSES[family]
             return {k: v for k, v in m.state_dict().items() if "visual" in k}
 
         trained, before = visual(run), visual(tmp_path / "model")
@@ -126,9 +131,24 @@ def test_qwen2_5_vl_text_recipe_trains_at_its_plan_with_model_visual_frozen(tmp_
         assert [k for k in keys if "mlp.gate_proj" in k]  # the language model's are adapted
 
 
-def test_qwen2_5_vl_qlora_keeps_model_visual_out_of_bitsandbytes():
-    """lowvram's BitsAndBytesConfig skips model.visual: its Linears stay torch Linears, held at
-    what states.vision_weight_bytes plans (weights + the rotary buffers), to the byte."""
+_TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=512)
+_TINY_QWEN_VL = {
+    "qwen2_5_vl": dict(model_type="qwen2_5_vl", **_TINY_TEXT,
+                       vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                          patch_size=16, out_hidden_size=64)),
+    "qwen3_vl": dict(model_type="qwen3_vl", text_config=dict(model_type="qwen3_vl_text", head_dim=32, **_TINY_TEXT),
+                     vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                                        out_hidden_size=64, num_position_embeddings=16,
+                                        deepstack_visual_indexes=[0, 1])),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_TINY_QWEN_VL))
+def test_qwen_vl_qlora_keeps_model_visual_out_of_bitsandbytes(family):
+    """lowvram's BitsAndBytesConfig skips model.visual: its Linears (Qwen3-VL's deepstack mergers
+    too) stay torch Linears, held at what states.vision_weight_bytes plans (weights + the rotary
+    buffers), to the byte."""
     pytest.importorskip("bitsandbytes")
     import bitsandbytes as bnb
 
@@ -137,11 +157,7 @@ def test_qwen2_5_vl_qlora_keeps_model_visual_out_of_bitsandbytes():
     from lowvram.plan.setup import RunSetup
     from lowvram.plan.states import vision_weight_bytes
 
-    cfg = dict(model_type="qwen2_5_vl", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
-               vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                  patch_size=16, out_hidden_size=64))
-    spec = spec_from_config(cfg, "tiny-qwen2.5-vl")
+    spec = spec_from_config(_TINY_QWEN_VL[family], f"tiny-{family}")
     setup = RunSetup(spec, quantization="nf4-dq", lora=True, lora_r=4, device="cpu", precision="fp32")
     model = build_model(setup)
     held = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
