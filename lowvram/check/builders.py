@@ -133,7 +133,10 @@ def save_tiny_vision_model(out_dir: str | Path, family: str = "gemma3", seed: in
 def mllama_text(text, cross_attention_layers: tuple[int, ...]) -> dict:
     """A Llama text config (the self-attention layers) as Mllama's text_config (MllamaTextConfig):
     the cross-attention layers added at their indices."""
-    t = {k: v for k, v in text.to_dict().items() if v is not None}  # MllamaTextConfig takes no None ids
+    t = text.to_dict()
+    if t.get("bos_token_id") is None:  # MllamaTextConfig's bos_token_id is an int (128000)
+        t.pop("bos_token_id", None)
+    t.setdefault("pad_token_id", None)  # not MllamaTextConfig's 128004, beyond a small vocabulary
     t.update(model_type="mllama_text_model", cross_attention_layers=list(cross_attention_layers),
              num_hidden_layers=t["num_hidden_layers"] + len(cross_attention_layers))
     return t

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from lowvram.plan import constants as fitted
 from lowvram.plan import moe, optimizers
-from lowvram.plan.models import ModelSpec, block_linears, count_parameters, cross_attention_numel, vision_numel
+from lowvram.plan.models import (
+    ModelSpec,
+    block_linears,
+    count_parameters,
+    cross_attention_numel,
+    vision_numel,
+)
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.vision import tower_buffer_bytes
 from lowvram.vocab import OPTIMIZERS_8BIT
