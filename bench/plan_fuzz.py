@@ -46,6 +46,7 @@ from lowvram.difftest import (  # noqa: E402
     FAMILIES,
     FIRST_FAMILIES,
     IMAGE_FAMILIES,
+    MLLAMA_FAMILIES,
     OVER_LIMIT,
     TEN_FAMILIES,
     VISION_FAMILIES,
@@ -69,10 +70,11 @@ from lowvram.difftest import (  # noqa: E402
 # "vision": the multimodal checkpoints (Gemma-3, Llava, Mistral-3, Qwen2.5-VL with a tiny vision
 # tower), text recipes; "qwen2_5_vl": Qwen2.5-VL alone (adding it to "vision" changed what the vision
 # seeds draw: seeds measured before name other recipes now); "qwen3_vl": Qwen3-VL alone (kept out of
-# "vision" for the same reason)
+# "vision" for the same reason); "mllama": Llama-3.2-Vision alone (a tiny local + gated global
+# tower, Llama text with cross-attention layers the text forward skips), text recipes
 FAMILY_SETS = {"seven": FIRST_FAMILIES, "ten": TEN_FAMILIES, "all": FAMILIES, "gpt_oss": ("gpt_oss",),
                "vision": VISION_FAMILIES, "images": IMAGE_FAMILIES, "qwen2_5_vl": ("qwen2_5_vl",),
-               "qwen3_vl": ("qwen3_vl",)}
+               "qwen3_vl": ("qwen3_vl",), "mllama": MLLAMA_FAMILIES}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

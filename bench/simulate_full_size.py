@@ -13,7 +13,7 @@ without checkpointing, in bench/results/simulate_full_size_moe.txt (30-100 s per
 bench/results/simulate_full_size_families.txt. ``--gpt-oss``: gpt-oss-20b with the MoE cases,
 eager attention (its only path in transformers), in bench/results/simulate_full_size_gpt_oss.txt.
 ``--vision``: the multimodal catalog entries (Gemma-3-4B/12B, Llava-1.5-7B, Mistral-Small-3.1-24B,
-Qwen2.5-VL-3B/7B/72B, Qwen3-VL-2B/4B/8B/32B; ``--only NAME,NAME`` runs some of them,
+Qwen2.5-VL-3B/7B/72B, Qwen3-VL-2B/4B/8B/32B, Llama-3.2-11B/90B-Vision; ``--only NAME,NAME`` runs some of them,
 vision tower frozen and loaded unquantized) with the MoE cases, text-only batches, in
 bench/results/simulate_full_size_vision.txt (20-90 s per row).
 """
@@ -36,7 +36,8 @@ MOE_MODELS = ["mixtral-8x7b", "qwen3-30b-a3b"]
 FAMILY_MODELS = ["gemma-3-1b", "olmo-2-7b", "smollm3-3b"]
 GPT_OSS_MODELS = ["gpt-oss-20b"]
 VISION_MODELS = ["gemma-3-4b", "gemma-3-12b", "llava-1.5-7b", "mistral-small-3.1-24b", "qwen2.5-vl-3b",
-                 "qwen2.5-vl-7b", "qwen2.5-vl-72b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b"]
+                 "qwen2.5-vl-7b", "qwen2.5-vl-72b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b",
+                 "llama-3.2-11b-vision", "llama-3.2-90b-vision"]
 SEQ_LENS = [512, 2048]
 CASES: list[tuple[str, dict]] = [
     ("full bf16 adamw", dict(precision="bf16")),

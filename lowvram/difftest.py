@@ -38,11 +38,14 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 # multimodal checkpoints (a vision tower loaded with the language model, lowvram.plan.vision):
 # Gemma-3 (SigLIP, Gemma-3 text), Llava (CLIP, Llama), Mistral-3 (Pixtral, Mistral) and Qwen2.5-VL (its
 # window-attention ViT and patch merger, Qwen2 with M-RoPE); text-only recipes (bench/plan_fuzz.py
-# --families vision)
+# --families vision). Llama-3.2-Vision (mllama: its local + gated global ViT, Llama with
+# cross-attention layers the text forward skips) is drawn on its own (--families mllama), so the
+# seeds of the four keep their recipes.
 VISION_FAMILIES = ("gemma3", "llava", "mistral3", "qwen2_5_vl")
 # Qwen3-VL (its ViT with learned positions and deepstack mergers, Qwen3 with interleaved M-RoPE),
 # drawn on its own (bench/plan_fuzz.py --families qwen3_vl) so the vision seeds keep their recipes
-MULTIMODAL_FAMILIES = VISION_FAMILIES + ("qwen3_vl",)
+MLLAMA_FAMILIES = ("mllama",)
+MULTIMODAL_FAMILIES = VISION_FAMILIES + ("qwen3_vl",) + MLLAMA_FAMILIES
 # the ones image + text recipes are drawn for (made_images; Mistral-3's image tokens are refused)
 IMAGE_FAMILIES = ("gemma3", "llava")
 
@@ -93,6 +96,7 @@ class Case:
     vision_hidden: int = 0
     vision_image: int = 0
     vision_patch: int = 0
+    cross_layers: int = 0  # mllama: cross-attention layers among the text layers (skipped on text)
     images: int = 0  # format image_chat: images per row (data.images_per_row), made_images
 
     # training.objective (dpo/orpo/simpo: preference pairs through TRL; preference_case)
@@ -107,7 +111,8 @@ class Case:
         bits = [f"#{self.seed}", self.family, self.method]
         if self.vision_layers:
             bits.insert(2, f"vit{self.vision_layers}x{self.vision_hidden} {self.vision_image}px/{self.vision_patch}"
-                        + (f" {self.images}img" if self.images else ""))
+                        + (f" {self.images}img" if self.images else "")
+                        + (f" xattn{self.cross_layers}" if self.cross_layers else ""))
         if self.objective != "sft":
             bits.insert(2, self.objective + (f" {self.loss_type}" if self.objective == "dpo" else "")
                         + (" precompute" if self.precompute_ref else "")
@@ -260,8 +265,11 @@ def _with_vision(case: Case, rng: random.Random) -> Case:
     """A vision tower for a MULTIMODAL_FAMILIES case, from a stream of its own: 1-2 layers, 32-64
     wide, 32 or 64 px images in 8 or 16 px patches."""
     heads = 2
-    return replace(case, vision_layers=rng.choice([1, 2]), vision_hidden=heads * rng.choice([16, 32]),
+    case = replace(case, vision_layers=rng.choice([1, 2]), vision_hidden=heads * rng.choice([16, 32]),
                    vision_image=rng.choice([32, 64]), vision_patch=rng.choice([8, 16]))
+    if case.family == "mllama":  # drawn after the others: their towers keep their draws
+        case = replace(case, cross_layers=rng.choice([1, 2]))
+    return case
 
 
 def image_tokens(case: Case) -> int:
@@ -393,7 +401,7 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int, image_token_ids: d
     if case.family == "gemma":
         kw["hidden_activation"] = "gelu_pytorch_tanh"
     text_family = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral",
-                   "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}.get(case.family, case.family)
+                   "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "mllama": "llama"}.get(case.family, case.family)
     if text_family == "gemma3_text":  # alternate sliding (128 tokens) and full attention layers
         kw.update(sliding_window=128, layer_types=[
             "full_attention" if i % 2 else "sliding_attention" for i in range(case.layers)])
@@ -415,6 +423,10 @@ def _multimodal(case: Case, text, image_token_ids: dict | None = None):
     from lowvram.check.builders import multimodal_config
     from lowvram.plan.vision import VisionSpec
 
+    if case.family == "mllama":
+        return multimodal_config(text, _mllama_tower(case, text), False,
+                                 cross_attention_layers=mllama_cross_layers(case),
+                                 image_token_index=text.vocab_size - 1)
     tower, projector = {"gemma3": ("siglip", "gemma3"), "mistral3": ("pixtral", "mistral3"),
                         "llava": ("clip", "llava"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl"),
                         "qwen3_vl": ("qwen3_vl", "qwen3_vl")}[case.family]
@@ -433,7 +445,27 @@ def _multimodal(case: Case, text, image_token_ids: dict | None = None):
                    deepstack_mergers=case.vision_layers if tower == "qwen3_vl" else 0)
     if qwen:  # Qwen2_5_VLConfig's / Qwen3VLConfig's name for it
         return multimodal_config(text, v, case.tie, image_token_id=text.vocab_size - 1)
+
     return multimodal_config(text, v, case.tie, **(image_token_ids or {"image_token_index": text.vocab_size - 1}))
+
+
+def mllama_cross_layers(case: Case) -> tuple[int, ...]:
+    """Where a mllama case's cross-attention layers sit among its case.layers + cross_layers
+    decoder layers: after the first self-attention layer, then every other (Llama-3.2-Vision's
+    sit at 3, 8, 13, ...: between self-attention layers)."""
+    return tuple(1 + 2 * i for i in range(case.cross_layers))
+
+
+def _mllama_tower(case: Case, text):
+    """A mllama case's VisionSpec: the case's local layers, one gated global layer, four tiles in
+    the processor's eight layouts, the projector reading the last and one intermediate layer."""
+    from lowvram.plan.vision import VisionSpec
+
+    return VisionSpec(tower="mllama", projector="mllama", num_layers=case.vision_layers,
+                      hidden_size=case.vision_hidden, intermediate_size=2 * case.vision_hidden, num_heads=2,
+                      patch_size=case.vision_patch, image_size=case.vision_image, num_channels=3,
+                      tokens_per_image=1, text_hidden_size=text.hidden_size, global_layers=1,
+                      max_num_tiles=4, aspect_ratios=8, output_dim=2 * case.vision_hidden)
 
 
 def write_model(case: Case, folder: Path) -> Path:
@@ -646,8 +678,8 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     return Outcome(case, measured_bytes=m.get("peak_memory_bytes"), predicted_bytes=predicted, details=details)
 
 
-__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_FAMILIES", "MULTIMODAL_FAMILIES",
-           "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
+__all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_FAMILIES", "MLLAMA_FAMILIES",
+           "MULTIMODAL_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
            "made_apollo", "made_chunked", "made_galore", "made_images", "made_in_backward", "made_lomo",
            "made_short_pairs", "made_tiled", "made_torchao",
            "preference_case",

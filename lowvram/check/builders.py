@@ -43,16 +43,23 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
             setattr(cfg, name, value)
     if spec.vision is None:
         return cfg
-    cfg = multimodal_config(text=cfg, v=spec.vision, tie=spec.tie_word_embeddings)
+    cfg = multimodal_config(text=cfg, v=spec.vision, tie=spec.tie_word_embeddings,
+                            cross_attention_layers=spec.cross_attention_layers)
     cfg._attn_implementation = attention
     return cfg
 
 
-def multimodal_config(text, v: VisionSpec, tie: bool, **extra):
-    """The Gemma3Config / Mistral3Config / LlavaConfig around the text config ``text``, the tower
-    from ``v`` (lowvram.plan.vision); ``extra``: more top-level keys (e.g. image_token_index)."""
+def multimodal_config(text, v: VisionSpec, tie: bool, cross_attention_layers: tuple[int, ...] = (), **extra):
+    """The Gemma3Config / Mistral3Config / LlavaConfig / MllamaConfig around the text config
+    ``text``, the tower from ``v`` (lowvram.plan.vision); ``extra``: more top-level keys (e.g.
+    image_token_index); ``cross_attention_layers``: Mllama's (ModelSpec.cross_attention_layers)."""
     from transformers import AutoConfig
 
+    if v.tower == "mllama":
+        cfg = AutoConfig.for_model("mllama", text_config=mllama_text(text, cross_attention_layers),
+                                   vision_config=mllama_vision(v), **extra)
+        cfg.tie_word_embeddings = tie
+        return cfg
     vision = dict(hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
                   num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
                   num_channels=v.num_channels, image_size=v.image_size, patch_size=v.patch_size)
@@ -144,6 +151,36 @@ def qwen3_vl_text(text) -> dict:
                 mrope_section=[half - 2 * height, height, height])
     t.update(model_type="qwen3_vl_text", rope_parameters=rope, attention_bias=False)
     return t
+
+
+def mllama_text(text, cross_attention_layers: tuple[int, ...]) -> dict:
+    """A Llama text config (the self-attention layers) as Mllama's text_config (MllamaTextConfig):
+    the cross-attention layers added at their indices."""
+    t = text.to_dict()
+    if t.get("bos_token_id") is None:  # MllamaTextConfig's bos_token_id is an int (128000)
+        t.pop("bos_token_id", None)
+    t.setdefault("pad_token_id", None)  # not MllamaTextConfig's 128004, beyond a small vocabulary
+    t.update(model_type="mllama_text_model", cross_attention_layers=list(cross_attention_layers),
+             num_hidden_layers=t["num_hidden_layers"] + len(cross_attention_layers))
+    return t
+
+
+def mllama_vision(v: VisionSpec) -> dict:
+    """MllamaVisionConfig's keys for ``v``: the supported aspect ratios every tile layout of at
+    most max_num_tiles tiles (the image processor's get_all_supported_aspect_ratios order, which
+    gives the published default list for 4 tiles); the intermediate layers the projector's input
+    concatenates, as many as output_dim asks (vision_output_dim = h x (1 + their count))."""
+    tiles = v.max_num_tiles
+    ratios = [[w, h] for w in range(1, tiles + 1) for h in range(1, tiles + 1) if w * h <= tiles]
+    if len(ratios) != v.aspect_ratios:
+        raise ValueError(f"{v.aspect_ratios} aspect ratios for {tiles} tiles: not the processor's layouts")
+    extra = v.output_dim // v.hidden_size - 1
+    return dict(hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                num_hidden_layers=v.num_layers, num_global_layers=v.global_layers,
+                attention_heads=v.num_heads, num_channels=v.num_channels, image_size=v.image_size,
+                patch_size=v.patch_size, max_num_tiles=tiles, supported_aspect_ratios=ratios,
+                vision_output_dim=v.output_dim,
+                intermediate_layers_indices=[i % v.num_layers for i in range(extra)])
 
 
 def qwen2_5_vl_text(text) -> dict:

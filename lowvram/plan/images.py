@@ -66,14 +66,20 @@ def image_problems(spec: ModelSpec, images_per_row: int, seq_len: int) -> list[s
         name = {"mistral3": "Mistral-3 (Pixtral)", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}[v.projector]
         return [f"format image_chat with {name} is not modelled: its image tokens depend on "
                 "each image's size, which the plan does not know"]
+    if v.projector == "mllama":
+        # MllamaModel.forward: the tiles' features go to the cross-attention layers as
+        # cross_attention_states (and a cross_attention_mask per token and tile), not into the
+        # sequence as image tokens; those layers' forward and backward are not modelled
+        return ["format image_chat with Llama-3.2-Vision is not modelled: its images reach the language "
+                "model through its cross-attention layers, not as image tokens in the sequence"]
     if images_per_row * v.tokens_per_image >= seq_len:
         return [f"data.images_per_row {images_per_row} x {v.tokens_per_image} tokens per image leave no "
                 f"room for text in training.seq_len {seq_len}"]
     return []
 
 
-IMAGE_HINT = ("use a Gemma-3 (4B+) or Llava checkpoint for images, raise training.seq_len, or lower "
-              "data.images_per_row")
+IMAGE_HINT = ("use a Gemma-3 (4B+) or Llava checkpoint for images (or train this one on text: format chat, "
+              "completion or text), raise training.seq_len, or lower data.images_per_row")
 
 
 def bidirectional_image_masks(setup: RunSetup) -> bool:

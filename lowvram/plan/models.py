@@ -76,6 +76,19 @@ class ModelSpec:
     # transformers loads with the language model (lowvram.plan.vision); every field above then
     # describes the language model (its text_config)
     vision: VisionSpec | None = None
+    # Llama-3.2-Vision (mllama, modeling_mllama.py MllamaTextModel): the indices, among
+    # num_layers + len(cross_attention_layers) decoder layers, of its MllamaCrossAttentionDecoderLayer
+    # blocks. Without images (no cross_attention_states, no cache) the forward ``continue``s past
+    # them: they hold weights (cross_attention_numel) and no activations; num_layers counts the
+    # self-attention layers the forward runs. Its embed_tokens has vocab_size + 8 rows
+    # (MllamaTextModel: nn.Embedding(config.vocab_size + 8, ...)), lm_head vocab_size.
+    cross_attention_layers: tuple[int, ...] = ()
+    embedding_extra_rows: int = 0
+
+    @property
+    def embedding_rows(self) -> int:
+        """Rows of the token embedding (vocab_size, + Mllama's 8)."""
+        return self.vocab_size + self.embedding_extra_rows
 
     @property
     def is_moe(self) -> bool:
@@ -163,7 +176,7 @@ def norm_numel(spec: ModelSpec) -> int:
 
 def embedding_numel(spec: ModelSpec) -> int:
     """Token embedding (+ learned positions, + embedding norm)."""
-    n = spec.vocab_size * spec.hidden_size + spec.learned_positions * spec.hidden_size
+    n = spec.embedding_rows * spec.hidden_size + spec.learned_positions * spec.hidden_size
     return n + (norm_numel(spec) if spec.embedding_norm else 0)
 
 
@@ -227,10 +240,22 @@ def block_numel(spec: ModelSpec) -> int:
 
 
 def count_parameters(spec: ModelSpec) -> int:
-    """Exact parameter count (tied embeddings counted once), as ``sum(p.numel())`` of the HF model."""
+    """Exact parameter count (tied embeddings counted once), as ``sum(p.numel())`` of the HF
+    model; of a multimodal one, the language model's parameters the forward runs through (the
+    vision tower and Mllama's cross-attention layers: model_numel)."""
     final_norm = norm_numel(spec)
     return (embedding_numel(spec) + spec.num_layers * block_numel(spec) + final_norm
             + lm_head_numel(spec))
+
+
+def cross_attention_numel(spec: ModelSpec) -> int:
+    """Mllama's cross-attention layers (modeling_mllama.py MllamaCrossAttentionDecoderLayer): q, k,
+    v, o as the self-attention's (no bias), q_norm and k_norm over a head, input and
+    post-attention RMSNorms, the MLP, and two one-element tanh gates (cross_attn_attn_gate,
+    cross_attn_mlp_gate)."""
+    per_layer = (sum(lin.numel for lin in block_linears(spec)) + 2 * norm_numel(spec)
+                 + 2 * spec.head_dim + 2)
+    return len(spec.cross_attention_layers) * per_layer
 
 
 def vision_numel(spec: ModelSpec) -> int:
@@ -242,12 +267,13 @@ def vision_numel(spec: ModelSpec) -> int:
 
 def model_numel(spec: ModelSpec) -> int:
     """Every parameter transformers loads: the language model (count_parameters) and, for a
-    multimodal checkpoint, its vision tower and projector."""
-    return count_parameters(spec) + vision_numel(spec)
+    multimodal checkpoint, its vision tower and projector (and Mllama's cross-attention layers)."""
+    return count_parameters(spec) + cross_attention_numel(spec) + vision_numel(spec)
 
 
 def spec_from_dict(data: dict) -> ModelSpec:
     """A ModelSpec from its ``dataclasses.asdict`` form (a saved plan request)."""
     data = dict(data)
     vision = data.pop("vision", None)
+    data["cross_attention_layers"] = tuple(data.get("cross_attention_layers") or ())
     return ModelSpec(**data, vision=VisionSpec(**vision) if vision else None)

@@ -174,6 +174,9 @@ def attention_problems(spec: ModelSpec, attention: str) -> list[str]:
     if spec.model_type in EAGER_ONLY_MODEL_TYPES and attention != "eager":
         return [f"attention {attention} with {spec.model_type}: transformers has only eager "
                 f"attention for it (no _supports_sdpa / _supports_flash_attn): set attention: eager (--attention eager)"]
+    if spec.cross_attention_layers and attention == "flash_attention_2":
+        return ["attention flash_attention_2 with Llama-3.2-Vision (mllama): transformers has no flash-attention "
+                "path for it (MllamaPreTrainedModel._supports_flash_attn = False): set attention: sdpa (--attention sdpa)"]
     return []
 
 

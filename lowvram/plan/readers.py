@@ -277,14 +277,19 @@ def spec_from_gguf(path: Path, name: str) -> ModelSpec:
 # The language model's model_type when a multimodal config's text_config leaves it out
 # (Gemma3Config: Gemma3TextConfig; LlavaConfig: LlamaConfig; Mistral3Config: MistralConfig).
 _TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "llava": "llama", "mistral3": "mistral",
-                    "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+                    "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "mllama": "mllama_text_model"}
 # Gemma3TextConfig's defaults (transformers 5 configuration_gemma3.py), which Gemma-3's published
 # config.json files rely on: google/gemma-3-4b-it's text_config names neither the heads nor the
 # vocabulary.
 _TEXT_DEFAULTS = {"gemma3_text": dict(
     vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
     num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
-    sliding_window=4096, rope_theta=1_000_000)}
+    sliding_window=4096, rope_theta=1_000_000),
+    # MllamaTextConfig's (configuration_mllama.py)
+    "mllama_text_model": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=40,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0, cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38])}
 
 
 def multimodal_spec_from_config(cfg: dict, name: str) -> ModelSpec:
@@ -335,6 +340,26 @@ def multimodal_spec_from_config(cfg: dict, name: str) -> ModelSpec:
         text["tie_word_embeddings"] = False
     if cfg.get("_name_or_path"):
         text.setdefault("_name_or_path", cfg["_name_or_path"])
+    if text["model_type"] == "mllama_text_model":
+        return _mllama_spec(text, name, vision)
     spec = spec_from_config(text, name)
     return replace(spec, vision=replace(vision, text_hidden_size=spec.hidden_size))
+
+
+def _mllama_spec(text: dict, name: str, vision) -> ModelSpec:
+    """Llama-3.2-Vision's language model (modeling_mllama.py MllamaTextModel): Llama's
+    self-attention blocks (MllamaSelfAttentionDecoderLayer: Llama's attention, RMSNorms and gated
+    MLP, Llama's rotary) with cross-attention blocks at text_config.cross_attention_layers, which
+    the forward skips without images (ModelSpec.cross_attention_layers); embed_tokens has
+    vocab_size + 8 rows; MllamaForConditionalGeneration ties nothing (its _tied_weights_keys is
+    commented out)."""
+    from dataclasses import replace
+
+    cross = tuple(int(i) for i in text["cross_attention_layers"])
+    flat = {**text, "model_type": "llama", "tie_word_embeddings": False,
+            "num_hidden_layers": int(text["num_hidden_layers"]) - len(cross)}
+    flat.pop("head_dim", None)  # MllamaTextSelfAttention: hidden_size // num_attention_heads
+    spec = spec_from_config(flat, name)
+    return replace(spec, cross_attention_layers=cross, embedding_extra_rows=8,
+                   vision=replace(vision, text_hidden_size=spec.hidden_size))
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from lowvram.plan.calibration import term_checks
-from lowvram.plan.models import vision_numel
+from lowvram.plan.models import cross_attention_numel, vision_numel
 from lowvram.plan.preference import REFERENCE_OBJECTIVES
 from lowvram.plan.request import Choice
 from lowvram.plan.search import describe_setup, technique_words
 from lowvram.plan.setup import RunSetup
-from lowvram.plan.states import vision_weight_bytes
+from lowvram.plan.states import cross_attention_weight_bytes, vision_weight_bytes
 
 # --------------------------------------------------------------------------------------------
 # Plain data for `lowvram plan --json` and the report (bytes; report.py formats)
@@ -98,10 +98,16 @@ def choice_to_dict(choice: Choice) -> dict:
 def _vision(s: RunSetup) -> dict:
     """The vision tower and projector as loaded: frozen, in the weights (states.vision_weight_bytes)."""
     v = s.model.vision
-    return {"tower": v.tower, "projector": v.projector, "layers": v.num_layers,
-            "parameters": vision_numel(s.model), "weight_bytes": vision_weight_bytes(s),
-            "trainable": False, "tokens_per_image": v.tokens_per_image,
-            "quantized": False}
+    out = {"tower": v.tower, "projector": v.projector, "layers": v.num_layers + v.global_layers,
+           "parameters": vision_numel(s.model), "weight_bytes": vision_weight_bytes(s),
+           "trainable": False, "tokens_per_image": v.tokens_per_image,
+           "quantized": False}
+    if s.model.cross_attention_layers:  # Mllama: loaded, frozen, skipped on text (models.ModelSpec)
+        out["cross_attention"] = {"layers": len(s.model.cross_attention_layers),
+                                  "parameters": cross_attention_numel(s.model),
+                                  "weight_bytes": cross_attention_weight_bytes(s),
+                                  "quantized": s.quantization != "none"}
+    return out
 
 
 def _reference(s: RunSetup) -> str:

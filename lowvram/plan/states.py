@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from lowvram.plan import constants as fitted
 from lowvram.plan import moe, optimizers
-from lowvram.plan.models import ModelSpec, block_linears, count_parameters, vision_numel
+from lowvram.plan.models import (
+    ModelSpec,
+    block_linears,
+    count_parameters,
+    cross_attention_numel,
+    vision_numel,
+)
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.vision import tower_buffer_bytes
 from lowvram.vocab import OPTIMIZERS_8BIT
@@ -89,10 +95,7 @@ def weight_bytes(setup: RunSetup) -> int:
     w, _ = dtype_bytes(setup)
     total = count_parameters(spec)
     if setup.quantization != "none":
-        qlins = block_linears(spec)
-        q_numel = sum(lin.d_in * lin.d_out for lin in qlins) * spec.num_layers
-        q_bytes = sum(quantized_bytes(lin.d_in * lin.d_out, setup.quantization, lin.d_out)
-                      for lin in qlins) * spec.num_layers
+        q_numel, q_bytes = _quantized_blocks(setup, spec.num_layers)
         rest = total - q_numel  # embeddings, lm_head, norms, biases stay in the load dtype
         # peft prepare_model_for_kbit_training casts every non-quantized fp16/bf16 param to fp32.
         rest_bytes = rest * (4 if setup.kbit_prepare else w)
@@ -100,7 +103,31 @@ def weight_bytes(setup: RunSetup) -> int:
     else:
         base = total * w
     lora = 4 * lora_parameters(setup) if setup.lora else 0
-    return base + lora + vision_weight_bytes(setup)
+    return base + lora + cross_attention_weight_bytes(setup) + vision_weight_bytes(setup)
+
+
+def _quantized_blocks(setup: RunSetup, layers: int) -> tuple[int, int]:
+    """(weights, bytes) of ``layers`` decoder blocks' Linears as bitsandbytes quantizes them."""
+    lins = block_linears(setup.model)
+    q_numel = sum(lin.d_in * lin.d_out for lin in lins) * layers
+    return q_numel, sum(quantized_bytes(lin.d_in * lin.d_out, setup.quantization, lin.d_out) for lin in lins) * layers
+
+
+def cross_attention_weight_bytes(setup: RunSetup) -> int:
+    """Mllama's cross-attention layers (models.cross_attention_numel), loaded and frozen: lowvram
+    keeps them out of LoRA and out of the optimizer (lowvram.train.model.frozen_modules; on text
+    data the forward skips them, so they would get no gradient anyway), and bitsandbytes quantizes
+    their Linears like every other language-model Linear; their norms and gates stay in the load
+    dtype (fp32 under peft's k-bit upcast)."""
+    spec = setup.model
+    n = cross_attention_numel(spec)
+    if not n:
+        return 0
+    w, _ = dtype_bytes(setup)
+    if setup.quantization == "none":
+        return n * w
+    q_numel, q_bytes = _quantized_blocks(setup, len(spec.cross_attention_layers))
+    return q_bytes + (n - q_numel) * (4 if setup.kbit_prepare else w)
 
 
 def vision_weight_bytes(setup: RunSetup) -> int:
@@ -139,7 +166,7 @@ def trainable_tensors(setup: RunSetup) -> list[tuple[int, ...]]:
            for s in ([(lin.d_out, lin.d_in)] + ([(lin.d_out,)] if lin.bias else []))]
     per += norm * spec.norms_per_layer + _qk_norm_shapes(spec)
     per += moe.expert_trainable_shapes(spec, False, setup.lora_r, setup.lora_targets)
-    out = [(spec.vocab_size, h)] + per * spec.num_layers + norm
+    out = [(spec.embedding_rows, h)] + per * spec.num_layers + norm
     if spec.learned_positions:
         out.append((spec.learned_positions, h))
     if spec.embedding_norm:
@@ -192,7 +219,7 @@ def optimizer_bytes(setup: RunSetup) -> int:
         # The Trainer registers every nn.Embedding weight for 32-bit state (bnb
         # GlobalOptimManager override, transformers Trainer.create_optimizer): 8 bytes/param.
         h = setup.model.hidden_size
-        embeddings = [] if setup.lora else [(setup.model.vocab_size, h)] + (
+        embeddings = [] if setup.lora else [(setup.model.embedding_rows, h)] + (
             [(setup.model.learned_positions, h)] if setup.model.learned_positions else [])
         total = 2 * 256 * 4
         for s in shapes:
@@ -229,7 +256,8 @@ def optimizer_step_temp_bytes(setup: RunSetup) -> int:
 
 
 __all__ = [
-    "dtype_bytes", "gradient_bytes", "lora_parameters", "magnitude_shapes", "optimizer_bytes",
+    "cross_attention_weight_bytes", "dtype_bytes", "gradient_bytes", "lora_parameters", "magnitude_shapes",
+    "optimizer_bytes",
     "optimizer_step_temp_bytes", "quantized_bytes", "shape_numel", "target_linears",
     "trainable_parameters", "trainable_tensors", "weight_bytes",
 ]

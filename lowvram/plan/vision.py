@@ -53,6 +53,18 @@ Sources (transformers 5):
   features are added to the first language layers' hidden states only when there are images
   (Qwen3VLTextModel._deepstack_process); on text the language model is Qwen3's block. Image
   tokens of the largest image: Qwen2VLImageProcessor's default max_pixels over (patch * m)^2.
+- Llama-3.2-Vision tower (``mllama``), modeling_mllama.py MllamaVisionModel (model.vision_model):
+  patch_embedding Conv2d(c, h, p) without bias; class_embedding [h]; gated_positional_embedding
+  (gate [1], embedding [P + 1, h], tile_embedding Embedding(A + 1, T (P + 1) h)); pre- and
+  post_tile_positional_embedding (Embedding(A + 1, T h) and a gate [1] each); layernorm_pre and
+  layernorm_post LayerNorm(h); a local ``transformer`` of num_hidden_layers and a
+  ``global_transformer`` of num_global_layers MllamaVisionEncoderLayers (LayerNorms, q/k/v/o
+  without bias, fc1/fc2 with bias; the global ones gated: gate_attn, gate_ffn [1] each); no
+  buffers. P patches a tile, T = max_num_tiles, A = len(supported_aspect_ratios).
+  multi_modal_projector Linear(vision_output_dim, h_text) with bias (MllamaModel). Its images
+  reach the language model through the cross-attention layers (lowvram.plan.models
+  ModelSpec.cross_attention_layers), one <|image|> token in the sequence: not modelled
+  (images.image_problems).
 Defaults left out of config.json: SiglipVisionConfig / CLIPVisionConfig class defaults
 (configuration_siglip.py, configuration_clip.py).
 """
@@ -76,6 +88,11 @@ _TOWER_DEFAULTS = {
                     num_attention_heads=16, num_channels=3, image_size=1024, patch_size=16,
                     vision_use_head=False),
     # configuration_qwen2_5_vl.py Qwen2_5_VLVisionConfig (depth, num_heads, in_channels)
+    # configuration_mllama.py MllamaVisionConfig (attention_heads; 8 supported aspect ratios)
+    "mllama": dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                   num_global_layers=8, attention_heads=16, num_channels=3, image_size=448,
+                   patch_size=14, max_num_tiles=4, vision_output_dim=7680, vision_use_head=False,
+                   supported_aspect_ratios=[[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]]),
     "qwen2_5_vl": dict(depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16,
                        in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                        vision_use_head=False),
@@ -90,7 +107,7 @@ _QWEN_MAX_PIXELS = 28 * 28 * 1280
 # multimodal model_type -> (tower kind, projector kind)
 VISION_FAMILIES = {"gemma3": ("siglip", "gemma3"), "llava": ("clip", "llava"),
                    "mistral3": ("pixtral", "mistral3"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl"),
-                   "qwen3_vl": ("qwen3_vl", "qwen3_vl")}
+                   "qwen3_vl": ("qwen3_vl", "qwen3_vl"), "mllama": ("mllama", "mllama")}
 # The Qwen-VL towers: images of any size (dynamic resolution), a Conv3d patch embedding and a
 # patch merger under model.visual
 QWEN_VL_TOWERS = ("qwen2_5_vl", "qwen3_vl")
@@ -118,6 +135,12 @@ class VisionSpec:
     temporal_patch_size: int = 1  # Qwen-VL: the Conv3d patch embedding's frames
     position_embeddings: int = 0  # Qwen3-VL: num_position_embeddings (the learned position grid)
     deepstack_mergers: int = 0  # Qwen3-VL: len(deepstack_visual_indexes)
+    # Llama-3.2-Vision (mllama): the gated global encoder's layers, the tiles an image is cut
+    # into, the supported aspect ratios (tile layouts) and the projector's input width
+    global_layers: int = 0
+    max_num_tiles: int = 1
+    aspect_ratios: int = 0
+    output_dim: int = 0
 
     @property
     def patches(self) -> int:
@@ -136,6 +159,8 @@ def tower_numel(v: VisionSpec) -> int:
         i = v.intermediate_size
         layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
         return c * v.temporal_patch_size * p * p * h + h + v.position_embeddings * h + v.num_layers * layer
+    if v.tower == "mllama":
+        return _mllama_tower_numel(v)
     if v.tower == "qwen2_5_vl":  # RMSNorms, biased qkv/proj and gated MLP, no final norm
         i = v.intermediate_size
         layer = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (h * i + i) + (i * h + h)
@@ -155,12 +180,25 @@ def tower_numel(v: VisionSpec) -> int:
     return n
 
 
+def _mllama_tower_numel(v: VisionSpec) -> int:
+    """MllamaVisionModel (see the module docstring): its encoder layers are _layer_numel's less
+    the four attention biases; the global ones add two gates each."""
+    h, positions, rows = v.hidden_size, v.patches + 1, v.aspect_ratios + 1
+    layer = _layer_numel(v) - 4 * h
+    embeddings = (v.num_channels * v.patch_size ** 2 * h + h  # patch embedding, class embedding
+                  + 1 + positions * h + rows * v.max_num_tiles * positions * h  # gated positions
+                  + 2 * (rows * v.max_num_tiles * h + 1))  # pre/post tile embeddings + gates
+    return embeddings + 2 * 2 * h + v.num_layers * layer + v.global_layers * (layer + 2)
+
+
 def tower_buffer_bytes(v: VisionSpec) -> int:
     """The tower's buffers: SigLIP's and CLIP's position_ids (int64 arange of the positions,
     expanded without a copy), Pixtral's inv_freq and original_inv_freq (fp32, head_dim / 2 each;
     modeling_pixtral.py PixtralVisionRotaryEmbedding), Qwen2.5-VL's inv_freq and original_inv_freq
     (fp32, arange(0, head_dim / 2, 2) each; Qwen2_5_VLVisionRotaryEmbedding), Qwen3-VL's alike
     (Qwen3VLVisionRotaryEmbedding)."""
+    if v.tower == "mllama":  # MllamaVisionModel registers none
+        return 0
     if v.tower in QWEN_VL_TOWERS:
         return 2 * 4 * len(range(0, v.hidden_size // v.num_heads // 2, 2))
     if v.tower == "pixtral":
@@ -173,6 +211,8 @@ def projector_numel(v: VisionSpec) -> int:
     mergers under model.visual)."""
     if v.projector == "gemma3":
         return v.hidden_size * v.text_hidden_size + v.hidden_size
+    if v.projector == "mllama":  # one biased Linear(vision_output_dim, h_text)
+        return v.output_dim * v.text_hidden_size + v.text_hidden_size
     if v.projector == "qwen2_5_vl":  # model.visual.merger: ln_q + two biased Linears
         m = v.hidden_size * v.merge_size ** 2
         return v.hidden_size + (m * m + m) + (m * v.text_hidden_size + v.text_hidden_size)
@@ -203,6 +243,8 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
     vc.update({k: v for k, v in (cfg.get("vision_config") or {}).items() if v is not None})
     if tower in QWEN_VL_TOWERS:
         return _qwen_vl_spec(tower, vc)
+    if tower == "mllama":
+        return _mllama_spec(vc)
     for key in ("image_size", "patch_size"):
         if isinstance(vc[key], (list, tuple)):
             vc[key] = int(vc[key][0])
@@ -252,6 +294,20 @@ def _qwen_vl_spec(tower: str, vc: dict) -> VisionSpec:
         temporal_patch_size=int(vc["temporal_patch_size"]),
         position_embeddings=int(vc["num_position_embeddings"]) if qwen3 else 0,
         deepstack_mergers=len(vc["deepstack_visual_indexes"]) if qwen3 else 0)
+
+
+def _mllama_spec(vc: dict) -> VisionSpec:
+    """Llama-3.2-Vision's tower from its vision_config (MllamaVisionConfig's key names). Its
+    language model's sequence holds one <|image|> token an image (processing_mllama.py); the
+    tiles reach it through cross-attention (images not modelled: images.image_problem)."""
+    return VisionSpec(
+        tower="mllama", projector="mllama", num_layers=int(vc["num_hidden_layers"]),
+        hidden_size=int(vc["hidden_size"]), intermediate_size=int(vc["intermediate_size"]),
+        num_heads=int(vc["attention_heads"]), patch_size=int(vc["patch_size"]),
+        image_size=int(vc["image_size"]), num_channels=int(vc["num_channels"]), tokens_per_image=1,
+        text_hidden_size=0, projector_bias=True, global_layers=int(vc["num_global_layers"]),
+        max_num_tiles=int(vc["max_num_tiles"]), aspect_ratios=len(vc["supported_aspect_ratios"]),
+        output_dim=int(vc["vision_output_dim"]))
 
 
 def vision_problems(vision: VisionSpec | None, offload: str | None, objective: str,

@@ -114,10 +114,17 @@ def show_plan(data: dict, as_json: bool = False) -> None:
         c.print(f"vision tower: {vision['tower']} ({vision['layers']} layers) + {vision['projector']} "
                 f"projector, {vision['parameters'] / 1e6:.1f}M params, loaded with the language model, "
                 f"frozen and not quantized: {gib(vision['weight_bytes'])} of the weights; "
-                f"{vision['tokens_per_image']} tokens per image"
+                + (f"{vision['tokens_per_image']} tokens per image" if not vision.get("cross_attention")
+                   else "its images reach the language model through cross-attention (not modelled: text data only)")
                 + (f"; {data['images_per_row']} image(s) per row (data.images_per_row): their tokens in "
                    "seq_len, their pixels and the tower's forward counted" if data.get("images_per_row") else ""),
                 markup=False)
+        cross = vision.get("cross_attention")
+        if cross:  # Llama-3.2-Vision (lowvram.plan.models.ModelSpec.cross_attention_layers)
+            c.print(f"cross-attention layers: {cross['layers']} of the language model, "
+                    f"{cross['parameters'] / 1e6:.1f}M params, loaded ({'quantized, ' if cross['quantized'] else ''}"
+                    f"frozen, no adapters): {gib(cross['weight_bytes'])} of the weights; skipped without images, "
+                    "so they hold no activations", markup=False)
     for note in data.get("notes", ()):
         c.print(f"note: {note}", markup=False)
 
@@ -146,6 +153,9 @@ def show_plan(data: dict, as_json: bool = False) -> None:
         if name == "weights" and vision:
             b.add_row("  vision tower", gib(vision["weight_bytes"]), *([""] if sim else []),
                       "", *([""] if checked else []))
+            if vision.get("cross_attention"):
+                b.add_row("  cross-attention", gib(vision["cross_attention"]["weight_bytes"]),
+                          *([""] if sim else []), "", *([""] if checked else []))
     extra = [f"[bold]{gib(sim['peak_bytes'])}[/bold]"] if sim else []
     b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", *extra, "", *([""] if checked else []))
     c.print(b)

@@ -131,7 +131,26 @@ def autocast_dtype(precision: str):
 # (Gemma3Model, LlavaModel: model.vision_tower, model.multi_modal_projector). They are frozen and
 # kept out of bitsandbytes' quantization (lowvram.plan.states.vision_weight_bytes).
 VISION_MODULES = ("model.vision_tower", "model.multi_modal_projector",
-                  "model.visual")  # Qwen2_5_VLModel: the tower with its merger (the projector)
+                  "model.visual",  # Qwen2_5_VLModel: the tower with its merger (the projector)
+                  "model.vision_model")  # MllamaModel's tower
+
+
+def cross_attention_modules(config) -> tuple[str, ...]:
+    """Llama-3.2-Vision's cross-attention decoder layers (MllamaTextModel.layers at
+    text_config.cross_attention_layers). Without images the forward skips them (modeling_mllama.py:
+    ``continue`` when there are no cross_attention_states and no cache), so on text data they would
+    get no gradient: lowvram freezes them and gives them no LoRA adapters (dead adapters, and
+    trainable parameters DDP would wait for), and leaves them in bitsandbytes' 4-bit like the
+    other language-model Linears (lowvram.plan.states.cross_attention_weight_bytes)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    layers = getattr(text, "cross_attention_layers", None) if getattr(config, "model_type", "") == "mllama" else None
+    return tuple(f"model.language_model.layers.{i}" for i in layers or ())
+
+
+def frozen_modules(config) -> tuple[str, ...]:
+    """What training never updates in a multimodal checkpoint: the vision tower and projector,
+    and Mllama's cross-attention layers."""
+    return VISION_MODULES + cross_attention_modules(config)
 
 
 def has_vision(config) -> bool:
@@ -156,7 +175,7 @@ def model_class(vision: bool):
 def freeze_vision(model) -> None:
     """No gradient for the vision tower and projector (full fine-tuning trains the language
     model; text data never reaches the tower)."""
-    for name in VISION_MODULES:
+    for name in frozen_modules(model.config):
         try:
             model.get_submodule(name).requires_grad_(False)
         except AttributeError:
@@ -444,7 +463,7 @@ def apply_lora(model, plan):
         use_rslora=plan.lora_use_rslora,
         target_modules=targets[0] if targets == ("all-linear",) else list(targets),
         # the language model's Linears only: the tower's q_proj/fc1 share their names
-        exclude_modules=_vision_pattern() if has_vision(model.config) else None,
+        exclude_modules=_vision_pattern(model.config) if has_vision(model.config) else None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -455,12 +474,12 @@ def apply_lora(model, plan):
                            "use all-linear, or names of Linear modules in this model (e.g. [q_proj, v_proj])") from None
 
 
-def _vision_pattern() -> str:
+def _vision_pattern(config) -> str:
     """peft's exclude_modules (a regex matched in full against each module name) for
-    VISION_MODULES and everything under them."""
+    frozen_modules and everything under them."""
     import re
 
-    return "|".join(r"(.*\.)?" + re.escape(name) + r"(\..*)?" for name in VISION_MODULES)
+    return "|".join(r"(.*\.)?" + re.escape(name) + r"(\..*)?" for name in frozen_modules(config))
 
 
 def _weights_in(p) -> int:

@@ -235,3 +235,24 @@ def test_a_qwen3_vl_config_is_planned_and_simulated_alike(tmp_path, method):
     assert v["weight_bytes"] == v["parameters"] * w + 2 * 4 * 4  # inv_freq + original: vision head_dim 16 / 4 each
     assert d["simulated"]["parameters"] == d["parameters"]
     assert abs(d["simulated"]["difference"]) < 0.02, d["simulated"]
+
+
+def test_a_llama_3_2_vision_config_is_planned_and_simulated_alike(tmp_path):
+    """An mllama config.json under QLoRA: the tower unquantized and the cross-attention layers
+    4-bit, both counted, and simulated without a refusal (the simulator's 4-bit pass quantizes the
+    cross-attention Linears as bitsandbytes does); the two agree within 2%."""
+    text = dict(model_type="mllama_text_model", **{k: v for k, v in _VISION_TEXT.items() if k != "head_dim"},
+                cross_attention_layers=[1], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    text["num_hidden_layers"] = 3
+    cfg = dict(model_type="mllama", text_config=text,
+               vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_global_layers=1,
+                                  attention_heads=4, image_size=32, patch_size=8, vision_output_dim=128,
+                                  intermediate_layers_indices=[0]))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    d = _plan_json("--model", str(tmp_path), "--vram", "1GB", "--method", "qlora", "--seq-len", "256",
+                   "--batch-size", "2")
+    v = d["vision"]
+    assert v["tower"] == "mllama" and v["trainable"] is False and v["quantized"] is False
+    assert v["cross_attention"]["layers"] == 1 and v["cross_attention"]["quantized"] is True
+    assert d["simulated"]["parameters"] == d["parameters"]
+    assert abs(d["simulated"]["difference"]) < 0.02, d["simulated"]

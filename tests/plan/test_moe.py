@@ -93,8 +93,8 @@ def test_partial_fused_target_and_dropout_are_refused():
 
 
 REFUSED = [
-    (dict(BASE, model_type="mllama", text_config=dict(BASE), vision_config={}),
-     "vision tower of model_type 'mllama'"),
+    (dict(BASE, model_type="llama4", text_config=dict(BASE), vision_config={}),
+     "vision tower of model_type 'llama4'"),  # Llama-3.2-Vision (mllama) is modelled
     (dict(BASE, model_type="qwen3_vl_moe", text_config=dict(BASE), vision_config={}),
      "vision tower of model_type 'qwen3_vl_moe'"),  # Qwen2.5-VL and Qwen3-VL are modelled (plan/vision.py)
     (dict(BASE, model_type="dbrx"), "model_type 'dbrx'"),

@@ -65,8 +65,8 @@ def test_mistral3_pixtral_tower_and_projector_exact(layer):
 def test_unmodelled_family_refused():
     from lowvram.errors import ModelError
 
-    with pytest.raises(ModelError, match="mllama"):
-        vision_spec_from_config({"model_type": "mllama", "vision_config": {}}, "x", 64)
+    with pytest.raises(ModelError, match="llama4"):
+        vision_spec_from_config({"model_type": "llama4", "vision_config": {}}, "x", 64)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llava"])

@@ -168,3 +168,79 @@ def test_qwen_vl_qlora_keeps_model_visual_out_of_bitsandbytes(family):
     language = [n for n in names if "language_model" in n and n.endswith("base_layer")]
     assert tower and all(names[n] is torch.nn.Linear for n in tower)
     assert language and all(issubclass(names[n], bnb.nn.Linear4bit) for n in language)
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora", "full"])
+def test_mllama_text_recipe_trains_at_its_plan_with_tower_and_cross_attention_frozen(tmp_path, method):
+    """Llama-3.2-Vision on text through `lowvram train` at the plan's peak: full fine-tuning leaves
+    the tower, the projector and the cross-attention layers (skipped without images) as they were;
+    LoRA and QLoRA adapt none of them (their q_proj/gate_proj share the self-attention layers'
+    names), only the self-attention layers."""
+    from lowvram.difftest import mllama_cross_layers
+
+    case = _case("mllama", method, tie=False, lora_targets="all-linear", cross_layers=1)
+    out = run_case(case, tmp_path)
+    assert out.error is None, out.error
+    assert out.ok, (out.measured_bytes, out.predicted_bytes, out.ratio)
+    run = tmp_path / "run"
+    cross = [f"language_model.layers.{i}." for i in mllama_cross_layers(case)]
+    frozen = ["vision_model", "multi_modal_projector", *cross]
+    if method == "full":
+        from lowvram.train.model import model_class
+
+        def held(folder):
+            m = model_class(True).from_pretrained(folder)
+            assert type(m).__name__ == "MllamaForConditionalGeneration"
+            return {k: v for k, v in m.state_dict().items() if any(f in k for f in frozen)}
+
+        trained, before = held(run), held(tmp_path / "model")
+        assert trained and trained.keys() == before.keys()
+        assert [k for k in trained if cross[0] in k]
+        assert all(torch.equal(trained[k], before[k]) for k in trained)  # not trained
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(run / "adapter_model.safetensors"), "pt") as f:
+            keys = list(f.keys())
+        assert keys and not [k for k in keys if any(f in k for f in frozen)]
+        assert [k for k in keys if "mlp.gate_proj" in k]  # the self-attention layers' are adapted
+
+
+def test_mllama_qlora_quantizes_the_cross_attention_layers_without_adapters():
+    """QLoRA on Llama-3.2-Vision: the tower and projector stay torch Linears (vision_weight_bytes),
+    the cross-attention layers' Linears are 4-bit like the self-attention layers' but get no LoRA
+    adapter and no gradient, held at what states.cross_attention_weight_bytes plans, to the byte."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    from lowvram.check.builders import build_model
+    from lowvram.livebytes import iter_tensors
+    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.setup import RunSetup
+    from lowvram.plan.states import cross_attention_weight_bytes, vision_weight_bytes
+
+    cfg = dict(model_type="mllama",
+               text_config=dict(model_type="mllama_text_model", hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                                vocab_size=512, cross_attention_layers=[1], pad_token_id=0),
+               vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_global_layers=1, attention_heads=2, image_size=32, patch_size=16,
+                                  vision_output_dim=64, intermediate_layers_indices=[0]))
+    spec = spec_from_config(cfg, "tiny-mllama")
+    setup = RunSetup(spec, quantization="nf4-dq", lora=True, lora_r=4, device="cpu", precision="fp32")
+    model = build_model(setup)
+
+    def held(part):
+        return sum(t.numel() * t.element_size() for n, t in model.named_parameters() if part in n)
+
+    assert held(".vision_model.") + held(".multi_modal_projector.") == vision_weight_bytes(setup)
+    cross = [(n, p) for n, p in model.named_parameters() if ".language_model.layers.1." in n]
+    layer = model.get_submodule("base_model.model.model.language_model.layers.1")
+    tensors = {id(t): t for t in iter_tensors(layer)}.values()  # packed weights + their quant states
+    assert sum(t.numel() * t.element_size() for t in tensors) == cross_attention_weight_bytes(setup)
+    assert cross and not [n for n, p in cross if "lora_" in n or p.requires_grad]
+    names = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert [n for n in names if ".layers.1.cross_attn.q_proj" in n]
+    assert all(issubclass(names[n], bnb.nn.Linear4bit) for n in names if ".language_model.layers.1." in n)
+    assert all(names[n] is torch.nn.Linear for n in names if ".vision_model." in n or "multi_modal_projector" in n)
+    assert [n for n in names if ".layers.0.self_attn.q_proj.base_layer" in n]  # adapted
