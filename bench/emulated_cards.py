@@ -107,7 +107,7 @@ class Cell:
 # The models, the data and the recipe
 
 
-def save_model(out: Path, shape: dict) -> Path:
+def save_model(out: Path, shape: dict, max_positions: int = 4 * SEQ_LEN) -> Path:
     """A random-init Llama of ``shape`` with a VOCAB-entry config and a local BPE tokenizer."""
     import torch
     from transformers import LlamaForCausalLM
@@ -117,7 +117,7 @@ def save_model(out: Path, shape: dict) -> Path:
     if (out / "config.json").exists():
         return out
     tokenizer = build_tokenizer()
-    config = tiny_llama_config(VOCAB, max_positions=4 * SEQ_LEN, **shape)
+    config = tiny_llama_config(VOCAB, max_positions=max_positions, **shape)
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out)

@@ -14,6 +14,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --chunk 1 --seeds 0:3 --families ten   # the loss chunk sized to a budget
     python bench/plan_fuzz.py --extended      # also DoRA and GaLore (issue 27)
     python bench/plan_fuzz.py --galore layerwise --families ten  # dense cases made layerwise GaLore runs
+    python bench/plan_fuzz.py --galore 8bit --families ten  # dense cases made 8-bit GaLore runs (plain or layerwise)
     python bench/plan_fuzz.py --lomo --families ten  # every case made a LOMO full fine-tuning run
     python bench/plan_fuzz.py --preference --short-pairs --families ten  # pairs shorter than seq_len
     python bench/plan_fuzz.py --torchao --families ten  # every case with torchao's 8/4-bit AdamW
@@ -94,9 +95,10 @@ def main() -> int:
     ap.add_argument("--extended", action="store_true",
                     help="also draw issue 27's options (lora.use_dora, optimizer galore_adamw; "
                          "random_case(extended=True))")
-    ap.add_argument("--galore", choices=["plain", "layerwise"],
+    ap.add_argument("--galore", choices=["plain", "layerwise", "8bit"],
                     help="make every dense recipe a GaLore full fine-tuning run (difftest.made_galore: "
-                         "galore_adamw, or galore_adamw_layerwise at accumulation 1); MoE seeds are skipped")
+                         "galore_adamw, or galore_adamw_layerwise at accumulation 1; 8bit: "
+                         "galore_adamw_8bit or galore_adamw_8bit_layerwise, drawn per seed); MoE seeds are skipped")
     ap.add_argument("--lomo", action="store_true",
                     help="make every recipe a LOMO full fine-tuning run (difftest.made_lomo: optimizer lomo "
                          "at accumulation 1, no fp16)")
@@ -156,7 +158,7 @@ def main() -> int:
             case = random_case(seed, FAMILY_SETS[args.families], tiled=args.tiled, extended=args.extended,
                                chunk=args.chunk)
         if args.galore:
-            case = made_galore(case, layerwise=args.galore == "layerwise")
+            case = made_galore(case, layerwise=args.galore == "layerwise", eight_bit=args.galore == "8bit")
             if case is None:
                 continue
         if args.lomo:

@@ -303,17 +303,22 @@ def _extend(case: Case, rng: random.Random) -> Case:
     return case
 
 
-def made_galore(case: Case, layerwise: bool = False) -> Case | None:
+def made_galore(case: Case, layerwise: bool = False, eight_bit: bool = False) -> Case | None:
     """The case as a GaLore full fine-tuning run (bench/plan_fuzz.py --galore): optimizer
     galore_adamw, or galore_adamw_layerwise with gradient accumulation 1 (the batch in one
     micro-batch: transformers refuses accumulation for it), at a rank drawn from the seed's own
-    stream. None for an MoE family (GaLore is refused there: its experts are no nn.Linear). The
-    8-bit forms are not drawn: galore_torch's AdamW8bit cannot step on the CPU."""
+    stream. None for an MoE family (GaLore is refused there: its experts are no nn.Linear).
+    ``eight_bit`` (--galore 8bit): galore_adamw_8bit or galore_adamw_8bit_layerwise, the form
+    drawn from the seed's stream too (``layerwise`` ignored); its step runs on the CPU through
+    lowvram.train.galore_cpu."""
     if case.family in MOE_FAMILIES:
         return None
     rng = random.Random(f"galore-{case.seed}")
-    out = replace(case, method="full", use_dora=False, lora_dropout=0.0, galore_rank=rng.choice([4, 8, 16, 32]),
-                  optimizer="galore_adamw_layerwise" if layerwise else "galore_adamw")
+    rank = rng.choice([4, 8, 16, 32])
+    if eight_bit:
+        layerwise = rng.random() < 0.5
+    optimizer = "galore_adamw" + ("_8bit" if eight_bit else "") + ("_layerwise" if layerwise else "")
+    out = replace(case, method="full", use_dora=False, lora_dropout=0.0, galore_rank=rank, optimizer=optimizer)
     return replace(out, grad_accum=1) if layerwise else out
 
 

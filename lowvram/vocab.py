@@ -44,7 +44,7 @@ TRAINER_OPTIMIZERS = {
     # gradient projected to `galore.rank` (lowvram.plan.optimizers); full fine-tuning, one GPU
     "galore_adamw": "galore_adamw",
     # its 8-bit state (galore_torch AdamW8bit, a bitsandbytes Optimizer2State: blockwise uint8
-    # moments; CUDA only: its step calls torch.cuda.synchronize()) and its layerwise forms (one
+    # moments; on the CPU through lowvram.train.galore_cpu) and its layerwise forms (one
     # optimizer per parameter stepped in a post-accumulate-grad hook: transformers
     # trainer_optimizer._setup_low_rank_optimizer), the Trainer's own optim names
     "galore_adamw_8bit": "galore_adamw_8bit",
@@ -78,8 +78,11 @@ APOLLO_OPTIMIZERS = ("apollo_adamw", "apollo_adamw_layerwise")
 # Optimizers that project the gradients of the decoder Linears (GaLore, APOLLO): full fine-tuning only.
 PROJECTED_OPTIMIZERS = ("galore_adamw", "galore_adamw_8bit", "galore_adamw_layerwise",
                         "galore_adamw_8bit_layerwise") + APOLLO_OPTIMIZERS
-# GaLore with bitsandbytes-style 8-bit moments (galore_torch AdamW8bit): its step needs CUDA.
+# GaLore with bitsandbytes-style 8-bit moments (galore_torch AdamW8bit).
 GALORE_8BIT_OPTIMIZERS = ("galore_adamw_8bit", "galore_adamw_8bit_layerwise")
+# Where they step: where bitsandbytes 0.50 registers optimizer_update_8bit_blockwise, CUDA and the
+# CPU (backends/cpu/ops.py; galore_torch's torch.cuda.synchronize() there: lowvram.train.galore_cpu).
+EIGHT_BIT_DEVICES = ("cuda", "cpu")
 # Stepped one parameter at a time inside the backward (transformers LayerWiseDummyOptimizer):
 # gradient accumulation 1, no gradient clipping, one process.
 LAYERWISE_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "apollo_adamw_layerwise")

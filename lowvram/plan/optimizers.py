@@ -30,10 +30,13 @@ each (``blocksize = 256``). Every other parameter the same rule on its own shape
 *not* kept in 32 bit (the Trainer's ``register_module_override`` runs only when "bitsandbytes" is
 in the class's path, and galore_torch's is not). AdamW8bit hands ``percentile_clipping=100`` to
 the positional slot of ``max_unorm``, so every state also gets a 4-byte ``unorm_vec``; each
-optimizer that has an 8-bit state holds the two 256-entry fp32 maps (``name2qmap``). bitsandbytes
+optimizer makes the two 256-entry fp32 maps (``name2qmap``) on the CPU, and one that has an 8-bit
+state moves them to its device (:func:`_qmaps_bytes`). bitsandbytes
 updates in place; the projection back makes two m x n tensors (``project_back``, ``* scale``)
-added into ``saved_data``. Its step calls ``torch.cuda.synchronize()`` unconditionally: it cannot
-step on a machine without CUDA.
+added into ``saved_data``. Its step calls ``torch.cuda.synchronize()`` unconditionally; on a
+machine without CUDA lowvram.train.galore_cpu makes that call a no-op (bitsandbytes 0.50 steps CPU
+tensors with its CPU kernels, whose fp32 working copies live inside one operator: the live-bytes
+tracker does not see them, and on CUDA the kernel updates in place).
 
 **Layerwise** (transformers ``_setup_low_rank_optimizer``, ``is_layerwise``): one optimizer per
 parameter (``optimizer_dict[param] = optimizer_cls([{"params": [param], ...}])``), stepped and
@@ -47,9 +50,9 @@ up: gradient accumulation (``ValueError`` "does not support gradient accumulatio
 gradient clipping: the Trainer's ``clip_grad_norm_`` runs after the backward, on parameters whose
 gradients the hooks already applied and set to None (it clips nothing and logs a norm of 0).
 
-Measured: the state of a real GaLoreAdamW / AdamW8bit (its ``cuda.synchronize`` stubbed on the
-CPU) after one Trainer step, plain and layerwise (tests/plan/test_galore.py, exact), and whole
-runs through ``lowvram train`` (the differential test's GaLore draws; 8-bit cannot run there).
+Measured: the state of a real GaLoreAdamW / AdamW8bit after one Trainer step, plain and layerwise,
+and the 8-bit step's temporaries (tests/plan/test_galore.py, exact), and whole runs through
+``lowvram train`` (the differential test's GaLore draws, bench/plan_fuzz.py --galore 8bit).
 
 **LOMO** (optimizer lomo; Lv et al. 2024, "Full Parameter Fine-tuning for Large Language Models
 with Limited Resources") and **AdaLomo** (optimizer adalomo; Lv et al. 2024, "AdaLomo:
@@ -167,6 +170,7 @@ from lowvram.plan.models import ModelSpec, block_linears
 from lowvram.plan.setup import RunSetup
 from lowvram.vocab import (
     APOLLO_OPTIMIZERS,
+    EIGHT_BIT_DEVICES,
     FUSED_BACKWARD_OPTIMIZERS,
     GALORE_8BIT_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
@@ -257,7 +261,7 @@ def given_up(setup: RunSetup) -> str:
                f"{setup.galore_rank} subspace (renewed every update_proj_gap steps; its step-time "
                "cost is not measured by this project)"]
     if eight_bit(setup):
-        out.append("8-bit moments (bitsandbytes blockwise; CUDA only)")
+        out.append("8-bit moments (bitsandbytes blockwise)")
     if layerwise(setup):
         out.append("layerwise: " + IN_BACKWARD_GIVEN_UP)
     return "; ".join(out)
@@ -286,9 +290,9 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
     if setup.model.model_type == "gpt2":
         out.append(f"optimizer {o}: GPT-2's projections are Conv1D, not nn.Linear (transformers' "
                    "optim_target_modules takes Linears only)")
-    if eight_bit(setup) and setup.device != "cuda":
-        out.append(f"optimizer {o} needs CUDA: galore_torch's AdamW8bit.step calls "
-                   "torch.cuda.synchronize() (use galore_adamw or galore_adamw_layerwise on this machine)")
+    if eight_bit(setup) and setup.device not in EIGHT_BIT_DEVICES:
+        out.append(f"optimizer {o} needs CUDA or the CPU: bitsandbytes 0.50 has no 8-bit optimizer kernel "
+                   f"for {setup.device} (use galore_adamw or galore_adamw_layerwise on this machine)")
     if layerwise(setup) and setup.grad_accum != 1:
         out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
                    f"gradients (transformers raises for gradient_accumulation {setup.grad_accum}; "
@@ -432,10 +436,19 @@ def _moments_bytes(setup: RunSetup, w: int, numel: int) -> int:
 
 
 def _qmaps_bytes(setup: RunSetup, numels: list[int]) -> int:
-    """The 256-entry maps of every optimizer holding an 8-bit state: one optimizer, or one per
-    parameter when layerwise (fill_qmap runs per instance)."""
+    """The two 256-entry fp32 maps of the 8-bit optimizers: one optimizer, or one per parameter
+    when layerwise. Every instance makes them in its ``__init__`` (bitsandbytes
+    ``Optimizer8bit.__init__``: ``fill_qmap()`` when optim_bits == 8, galore_torch's always), as
+    CPU tensors; ``init_state`` moves them to the device of a tensor whose state it quantizes
+    (``name2qmap[...].to(p.device)``). So on a GPU only the optimizers holding an 8-bit state keep
+    maps there; on the CPU every optimizer's maps are in the same memory (measured: held-out seed
+    2005, Gemma-3 full fp32 layerwise, 41 optimizers, 39 of them fp32-only, was +5.45% without
+    them)."""
     if not eight_bit(setup):
         return 0
+    optimizers = len(numels) if layerwise(setup) else 1
+    if setup.device == "cpu":
+        return BNB_QMAPS_BYTES * optimizers
     quantized = [n for n in numels if n >= BNB_MIN_8BIT_SIZE]
     if not quantized:
         return 0
@@ -468,11 +481,19 @@ def galore_state_bytes(setup: RunSetup, w: int, shapes: list[tuple[int, ...]]) -
     return total + sum(_moments_bytes(setup, w, prod(s)) for s in rest) + _qmaps_bytes(setup, numels)
 
 
-def _svd_bytes(w: int, m: int, n: int) -> int:
-    """A projector's renewal: ``torch.linalg.svd(matrix.float())``, U (m x k), S, Vh (k x n)."""
+def _svd_bytes(w: int, m: int, n: int, rank: int) -> int:
+    """A projector's renewal (``GaLoreProjector.get_orthogonal_matrix``):
+    ``torch.linalg.svd(matrix.float())``, U (m x k), S, Vh (k x n); beside them the fp32 product
+    it builds and drops, ``U[:, :q] @ diag(S[:q])`` (m >= n) or ``diag(S[:q]) @ Vh[:q]`` (m < n),
+    q x max(m, n) with the q x q diagonal alive while it is made; then a 16-bit weight's projector,
+    the other factor's slice in its dtype (q x min(m, n); an fp32 one is a view). Measured exactly
+    against the real projector under the live-bytes tracker (tests/plan/test_galore.py)."""
     k = min(m, n)
+    q = min(rank, k)
     copy = 0 if w == 4 else 4 * m * n  # matrix.float()
-    return copy + 4 * (m * k + k + k * n)
+    product = 4 * q * max(m, n)
+    made = 4 * q * q if w == 4 else max(4 * q * q, w * q * min(m, n))
+    return copy + 4 * (m * k + k + k * n) + product + made
 
 
 def _step_temps(setup: RunSetup, w: int, shape: tuple[int, ...], target: bool) -> int:
@@ -480,10 +501,13 @@ def _step_temps(setup: RunSetup, w: int, shape: tuple[int, ...], target: bool) -
 
     32-bit: ``denom`` and ``exp_avg / denom`` (state-sized; a target's ``project_back`` and
     ``* scale`` full-sized): 2 x the parameter's size, or a renewal's SVD. 8-bit: bitsandbytes
-    updates in place (0 for a tensor it does not project); a target's ``saved_data`` clone
-    (m x n beside the full gradient) or a renewal's SVD; its two full-sized projection-back
-    tensors come after the full gradient is dropped (``p.grad = grad``), so they count as the
-    clone plus the gradient (:func:`layerwise_step_bytes` adds the gradient)."""
+    updates in place (0 for a tensor it does not project); a target's projected gradient, the
+    ``saved_data`` clone (m x n beside the full gradient) and the projected gradient's clone made
+    the new ``p.data`` (while the old weight is still alive: it is dropped by that assignment), or a
+    renewal's SVD; its two full-sized projection-back tensors come after the full gradient and
+    the old weight are dropped, so they count as the clone plus the gradient
+    (:func:`layerwise_step_bytes` adds the gradient). Measured exactly, renewal and steady step,
+    against the real optimizer on the CPU (tests/plan/test_galore.py)."""
     numel = prod(shape)
     if fused_backward(setup):  # torch's fused AdamW steps in place
         return 0
@@ -493,8 +517,13 @@ def _step_temps(setup: RunSetup, w: int, shape: tuple[int, ...], target: bool) -
         steady = 3 * w * pm * pn + 2 * w * numel + w * max(m, n) + w
         return max(steady, 8 * _apollo_projector_numel(m, n, setup.galore_rank))
     if eight_bit(setup):
-        return max(w * numel, _svd_bytes(w, *shape)) if target else 0
-    return max(2 * w * numel, _svd_bytes(w, *shape)) if target else 2 * w * numel
+        if not target:
+            return 0
+        pm, pn = _projected_shape(*shape, setup.galore_rank)
+        return max(w * numel + 2 * w * pm * pn, _svd_bytes(w, *shape, setup.galore_rank))
+    if not target:
+        return 2 * w * numel
+    return max(2 * w * numel, _svd_bytes(w, *shape, setup.galore_rank))
 
 
 def _all_tensors(setup: RunSetup, shapes: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], bool]]:

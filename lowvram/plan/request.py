@@ -24,6 +24,7 @@ from lowvram.plan.techniques import flash_attention_hint, flash_attention_unavai
 from lowvram.plan.types import Plan
 from lowvram.plan.vision import PACKING_HINT, VISION_HINT, packing_problem, vision_problems
 from lowvram.vocab import (
+    EIGHT_BIT_DEVICES,
     FULL_ONLY_OPTIMIZERS,
     FUSED_BACKWARD_OPTIMIZERS,
     GALORE_8BIT_OPTIMIZERS,
@@ -309,7 +310,7 @@ def validate_request(req: PlanRequest) -> None:
 
 def check_optimizer(req: PlanRequest, budget: Budget) -> None:
     """A fixed GaLore form that cannot run as asked -> LowvramError (the search never picks one:
-    lowvram.plan.search.candidate_setups). 8-bit: CUDA only; layerwise: gradient accumulation 1,
+    lowvram.plan.search.candidate_setups). 8-bit: CUDA or the CPU; layerwise: gradient accumulation 1,
     one process, no gradient clipping (plan/optimizers.py, transformers _setup_low_rank_optimizer)."""
     o = req.optimizer
     if o == "adalomo" and budget.device != "cuda":
@@ -320,10 +321,10 @@ def check_optimizer(req: PlanRequest, budget: Budget) -> None:
         raise LowvramError(f"optimizer {o} cannot train in {req.mixed_precision}: accelerate's GradScaler "
                            "backward runs instead of LOMO's fused_backward, so its hooks would step with "
                            "scaled gradients", "set techniques.mixed_precision: bf16 (or fp32)")
-    if o in GALORE_8BIT_OPTIMIZERS and budget.device != "cuda":
+    if o in GALORE_8BIT_OPTIMIZERS and budget.device not in EIGHT_BIT_DEVICES:
         other = "galore_adamw_layerwise" if o in LAYERWISE_OPTIMIZERS else "galore_adamw"
-        raise LowvramError(f"optimizer {o} needs a CUDA GPU: galore_torch's AdamW8bit calls "
-                           f"torch.cuda.synchronize() in every step, and this plan is for {budget.device}",
+        raise LowvramError(f"optimizer {o} needs a CUDA GPU or the CPU: bitsandbytes 0.50 has no 8-bit "
+                           f"optimizer kernel for {budget.device}, and this plan is for {budget.device}",
                            f"set techniques.optimizer: {other} to train here, or train on a CUDA GPU")
     if o not in IN_BACKWARD_OPTIMIZERS:
         return

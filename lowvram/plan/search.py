@@ -32,6 +32,7 @@ from lowvram.plan.setup import (
 )
 from lowvram.plan.types import Plan, dtype_precision
 from lowvram.vocab import (
+    EIGHT_BIT_DEVICES,
     FULL_ONLY_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
     LOMO_OPTIMIZERS,
@@ -118,15 +119,16 @@ def _full_fine_tuning_asked(req: PlanRequest) -> bool:
 def galore_options(req: PlanRequest, budget: Budget) -> list[str]:
     """GaLore's forms the search tries on auto: only for full fine-tuning the user asked for
     (lora fixed off: with lora on auto, LoRA stays the answer to a model too big to train whole)
-    and only where galore_torch is installed (vocab.OPTIMIZER_EXTRAS); the 8-bit forms only for a
-    CUDA plan, the layerwise ones not when the recipe asks for gradient clipping. They rank after
+    and only where galore_torch is installed (vocab.OPTIMIZER_EXTRAS); the 8-bit forms only where
+    bitsandbytes has their kernel (CUDA and the CPU: optimizers.EIGHT_BIT_DEVICES), the layerwise ones not when the recipe asks for gradient clipping. They rank after
     AdamW and 8-bit AdamW (request.optimizer_given_up); each setup is checked again in
     candidate_setups (optimizers.optimizer_problems: MoE, GPT-2, several GPUs, accumulation)."""
     if not _full_fine_tuning_asked(req) or "galore" in budget.missing_extras:
         return []
-    out = ["galore_adamw"] + (["galore_adamw_8bit"] if budget.device == "cuda" else [])
+    eight = budget.device in EIGHT_BIT_DEVICES
+    out = ["galore_adamw"] + (["galore_adamw_8bit"] if eight else [])
     if not req.gradient_clipping:
-        out += ["galore_adamw_layerwise"] + (["galore_adamw_8bit_layerwise"] if budget.device == "cuda" else [])
+        out += ["galore_adamw_layerwise"] + (["galore_adamw_8bit_layerwise"] if eight else [])
     return out
 
 

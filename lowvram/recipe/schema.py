@@ -283,7 +283,7 @@ class TechniquesSection(_Section):
     optimizer: Optimizer = Field(
         "auto", description="adamw (on: adamw_8bit), paged_*, adafactor, sgd, or galore_adamw (GaLore: full "
         "fine-tuning with projected AdamW state, pip install 'lowvram[galore]'), galore_adamw_8bit (8-bit "
-        "state, CUDA only), galore_adamw_layerwise / galore_adamw_8bit_layerwise (each weight stepped in the "
+        "state), galore_adamw_layerwise / galore_adamw_8bit_layerwise (each weight stepped in the "
         "backward: no full set of gradients; no accumulation, no clipping, one GPU), lomo / adalomo (LOMO's SGD "
         "or AdaLomo's factored second moment fused into the backward, pip install 'lowvram[lomo]'; the same "
         "limits, no fp16, adalomo CUDA only), adamw_torch_8bit / adamw_torch_4bit (torchao's block-wise 8/4-bit "

@@ -13,6 +13,7 @@ from lowvram.plan.setup import FSDP_OFFLOADS
 from lowvram.vocab import (
     APOLLO_OPTIMIZERS,
     FUSED_BACKWARD_OPTIMIZERS,
+    GALORE_8BIT_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
     LOMO_OPTIMIZERS,
     OPTIMIZER_EXTRAS,
@@ -207,7 +208,8 @@ def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "sta
     ("chunked": lowvram.train.loss computes the training loss in chunks of plan.loss_chunk_tokens
     tokens; "fused": the plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss).
     ``optimizer``: plan.optimizer (adamw_in_backward: lowvram.train.in_backward steps each parameter in
-    its gradient hook)."""
+    its gradient hook; galore_adamw_8bit and its layerwise form: lowvram.train.galore_cpu lets its
+    step run without CUDA)."""
     from transformers import PrinterCallback, Trainer
 
     from lowvram.train.preference import build_preference_trainer, is_preference_config
@@ -222,6 +224,10 @@ def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "sta
         from lowvram.train.in_backward import in_backward_trainer_class
 
         Trainer = in_backward_trainer_class(Trainer)  # noqa: N806 - a Trainer subclass
+    if optimizer in GALORE_8BIT_OPTIMIZERS:  # without CUDA: its step's torch.cuda.synchronize() a no-op
+        from lowvram.train.galore_cpu import allow_cpu_step
+
+        allow_cpu_step()
     trainer = Trainer(
         model=loaded.model,
         args=args,
