@@ -233,6 +233,12 @@ def vision_spec_from_config(cfg: dict, name: str, text_hidden_size: int) -> Visi
     """The VisionSpec of a multimodal config.json (model_type gemma3 or llava); other
     multimodal families are refused with what is missing."""
     mt = cfg.get("model_type")
+    if mt == "qwen3_vl_moe":  # the Qwen3-VL tower over Qwen3-MoE's sparse block: not read, not measured
+        raise ModelError(
+            f"{name}: the analytic planner does not model Qwen3-VL-MoE (model_type 'qwen3_vl_moe'): its "
+            "mixture-of-experts text model (Qwen3VLMoeTextSparseMoeBlock) with the Qwen3-VL tower is not "
+            "modelled; the dense Qwen3-VL (qwen3_vl) is",
+            "`lowvram plan --model DIR --simulate` runs the real training step of the config")
     if mt not in VISION_FAMILIES:
         raise ModelError(
             f"{name}: the analytic planner does not model the vision tower of model_type '{mt}' "

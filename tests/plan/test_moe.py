@@ -96,7 +96,7 @@ REFUSED = [
     (dict(BASE, model_type="llama4", text_config=dict(BASE), vision_config={}),
      "vision tower of model_type 'llama4'"),  # Llama-3.2-Vision (mllama) is modelled
     (dict(BASE, model_type="qwen3_vl_moe", text_config=dict(BASE), vision_config={}),
-     "vision tower of model_type 'qwen3_vl_moe'"),  # Qwen2.5-VL and Qwen3-VL are modelled (plan/vision.py)
+     "Qwen3-VL-MoE (model_type 'qwen3_vl_moe')"),  # Qwen2.5-VL and Qwen3-VL are modelled (plan/vision.py)
     (dict(BASE, model_type="dbrx"), "model_type 'dbrx'"),
     (dict(BASE, model_type="phimoe", num_local_experts=16, num_experts_per_tok=2),
      "mixture-of-experts layout of model_type 'phimoe'"),
