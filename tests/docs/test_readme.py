@@ -115,4 +115,4 @@ def test_the_full_fine_tuning_table_is_the_bench_result():
     """docs/planner.md's table of the largest model per card is bench/full_finetune_table.py's output."""
     table = (REPO / "bench" / "results" / "full_finetune_table.txt").read_text().split("\n\n")[0].strip()
     assert table in (REPO / "docs" / "planner.md").read_text()
-    assert "| 24 GB | qwen3-8b (8.2B) |" in table
+    assert "| 24 GB | gemma-7b (8.5B) |" in table
