@@ -31,6 +31,11 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's lowvram
+# the allocator as `lowvram train` runs it: expandable segments unless PYTORCH_CUDA_ALLOC_CONF is
+# set, before torch is imported (lowvram.train.allocator); the plans read the same variable
+from lowvram.train.allocator import set_expandable_segments  # noqa: E402
+
+set_expandable_segments()
 
 MODELS = ["qwen2.5-0.5b", "llama-3.2-1b", "llama-2-7b"]
 SEQ_LENS = (512, 2048)
@@ -126,9 +131,11 @@ def run_technique(probe, spec, kw, seq_lens, saved_dir):
     from lowvram.check.builders import build_model
     from lowvram.check.step import measure_trainer_step
     from lowvram.plan.memory import estimate_memory
-    from lowvram.plan.setup import RunSetup
+    from lowvram.plan.setup import RunSetup, expandable_segments_set
 
-    setups = [RunSetup(spec, seq_len=s, device=probe.device, **kw) for s in seq_lens]
+    expandable = expandable_segments_set(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    setups = [RunSetup(spec, seq_len=s, device=probe.device, expandable_segments=expandable, **kw)
+              for s in seq_lens]
     ests = [estimate_memory(s) for s in setups]
     fitting = []
     for s, e in zip(setups, ests, strict=True):
@@ -148,6 +155,7 @@ def run_technique(probe, spec, kw, seq_lens, saved_dir):
         tensors = est.peak_bytes - est.breakdown["cuda_context"] - est.breakdown["allocator"]
         yield dict(seq_len=setup.seq_len, micro_batch_size=setup.micro_batch_size,
                    predicted=est.peak_bytes, predicted_tensors=tensors,
+                   predicted_once=est.allocated_once_bytes,
                    predicted_phase=est.peak_phase, build_s=round(build_s, 1), **measured)
     del model
     probe.release()
@@ -195,7 +203,14 @@ def summarize(rows: list[dict], baseline: int) -> list[str]:
     if not done:
         return ["no case measured"]
     errs = [(r["predicted_tensors"] - r["allocated"]) / r["allocated"] * 100 for r in done]
+    from lowvram.plan.setup import cuda_overheads, expandable_segments_set
+
     slack = max((r["reserved"] - r["allocated"]) / r["allocated"] for r in done)
+    # the churn share the runs ask for, the loaded_once share kept (setup.CudaOverheads)
+    once = cuda_overheads().once_fraction
+    churn = max(((r["reserved"] - r["allocated"] - once * r.get("predicted_once", 0))
+                 / (r["allocated"] - r.get("predicted_once", 0)) for r in done
+                 if r["allocated"] > r.get("predicted_once", 0)), default=0.0)
     context = max(r["outside_allocator"] for r in done) - baseline
     device_used = [r["reserved"] + r["outside_allocator"] - baseline for r in done]
     under = sum(r["predicted"] < u for r, u in zip(done, device_used, strict=True))
@@ -207,7 +222,9 @@ def summarize(rows: list[dict], baseline: int) -> list[str]:
         f"({context:,} bytes; other processes' {baseline / GIB:.3f} GiB taken off)",
         f"allocator slack (reserved over allocated): up to {slack * 100:.1f}%",
         f"plans under the device memory really used (reserved + outside): {under} of {len(done)}",
-        f"suggested cuda_overheads(): context_bytes={context:,}, allocator_fraction={slack:.3f}",
+        f"suggested cuda_overheads(): context_bytes={context:,}, churn_fraction"
+        f"{'_expandable' if expandable_segments_set(os.environ.get('PYTORCH_CUDA_ALLOC_CONF')) else ''}="
+        f"{churn:.3f} (once_fraction {once} kept)",
     ]
 
 

@@ -6,13 +6,15 @@ builds the plan the way `lowvram plan` does (lowvram.plan.catalog.resolve_model,
 the row's settings, lowvram.plan.memory.estimate_memory) and compares like with like:
 
     allocated (torch.cuda.max_memory_allocated, "active")   vs the plan's tensor bytes
-    reserved  (torch.cuda.max_memory_reserved)               vs tensors x (1 + allocator fraction)
-    device    (nvidia-smi, the whole process)                vs tensors x (1 + fraction) + context
+    reserved  (torch.cuda.max_memory_reserved)               vs tensors + the allocator slack
+    device    (nvidia-smi, the whole process)                vs tensors + slack + context
     capacity  (the longest run that fit a card of this size) vs the same device total
 
-The CUDA context and the allocator fraction of lowvram.plan.setup.cuda_overheads() are fitted
-here, on the sources marked `split: fit` only (fit_overheads); every other source is held out.
-The headline is the error on the held-out rows.
+The slack has two shares (lowvram.plan.setup.CudaOverheads): once x (weights + optimizer state)
++ churn x (tensors - those), the churn share smaller with expandable segments. The CUDA context
+and the three allocator constants of lowvram.plan.setup.cuda_overheads() are fitted here, on the
+sources marked `split: fit` and on bench/gpu_truth/allocator_pairs.yaml only (fit_overheads);
+every other source is held out. The headline is the error on the held-out rows.
 
     python bench/published_accuracy.py            # prints the report, writes bench/results/published_accuracy.txt
     python bench/published_accuracy.py --check    # prints only
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -37,9 +40,11 @@ if str(REPO) not in sys.path:
 
 from lowvram.plan.catalog import resolve_model  # noqa: E402
 from lowvram.plan.memory import estimate_memory  # noqa: E402
-from lowvram.plan.setup import RunSetup, cuda_overheads  # noqa: E402
+from lowvram.plan.setup import CudaOverheads, RunSetup, cuda_overheads  # noqa: E402
 
 DATA = REPO / "bench" / "gpu_truth"
+# Pairs of reserved and allocated bytes that give the allocator slack its shares (not planned rows)
+ALLOCATOR_PAIRS = DATA / "allocator_pairs.yaml"
 RESULTS = REPO / "bench" / "results" / "published_accuracy.txt"
 GIB = 2**30
 KINDS = ("allocated", "reserved", "device", "capacity")
@@ -49,7 +54,7 @@ ROW_KEYS = {
     "id", "model", "method", "lora_r", "lora_targets", "lora_dropout", "quantization", "precision",
     "seq_len", "micro_batch", "grad_accum", "gradient_checkpointing", "optimizer", "attention",
     "loss", "gpus", "offload", "kbit_prepare", "gpu", "measured", "where", "url", "score",
-    "excluded", "differences", "assumptions", "overhead_fit", "overhead_why",
+    "excluded", "differences", "assumptions", "overhead_fit", "overhead_why", "allocated_once",
 }
 # The device total of a fitting row must stay below this share of the card: near the top the
 # caching allocator frees its cache and retries instead of growing, so the slack it would show
@@ -80,6 +85,9 @@ class Row:
     assumptions: list[str] = field(default_factory=list)
     overhead_fit: bool = False
     gpu_memory: int | None = None
+    # bytes allocated once and kept (weights + optimizer state) for a row the planner cannot plan
+    allocated_once: int | None = None
+    expandable_segments: bool = False  # the run had PyTorch's expandable segments (its source says)
 
     @property
     def key(self) -> str:
@@ -100,6 +108,8 @@ def load_sources(data: Path = DATA) -> list[Source]:
     """Every bench/gpu_truth/*.yaml, each row merged over its source's defaults."""
     sources = []
     for path in sorted(data.glob("*.yaml")):
+        if path.name == ALLOCATOR_PAIRS.name:  # not planned rows: fit_allocator reads it
+            continue
         doc = yaml.safe_load(path.read_text())
         head = doc["source"]
         if head["split"] not in ("fit", "heldout"):
@@ -120,6 +130,8 @@ def load_sources(data: Path = DATA) -> list[Source]:
                 differences=list(merged.pop("differences", [])),
                 assumptions=list(merged.pop("assumptions", [])),
                 overhead_fit=merged.pop("overhead_fit", False), gpu_memory=gpu_memory,
+                allocated_once=parse_size(merged.pop("allocated_once")) if "allocated_once" in merged else None,
+                expandable_segments=bool(head.get("expandable_segments", False)),
                 settings={k: v for k, v in merged.items() if k not in ("gpu", "overhead_why")},
             ))
         sources.append(Source(head["name"], head["split"], head["url"], path, rows,
@@ -162,6 +174,7 @@ def row_setup(row: Row) -> RunSetup | None:
         offload=s.get("offload", "none"),
         device="cuda",
         kbit_prepare=bool(s.get("kbit_prepare", False)),
+        expandable_segments=row.expandable_segments,
     )
     # Inputs the planner gains later (issue 12: lora_dropout) are passed once RunSetup has them.
     names = {f.name for f in dataclasses.fields(RunSetup)}
@@ -170,56 +183,122 @@ def row_setup(row: Row) -> RunSetup | None:
     return RunSetup(**kw)
 
 
-def tensor_bytes(setup: RunSetup) -> int:
-    """The plan's tensor peak: everything but the CUDA context and the allocator slack."""
+def plan_bytes(setup: RunSetup) -> tuple[int, int]:
+    """The plan's tensor peak (everything but the CUDA context and the allocator slack) and the
+    part of it allocated once (the allocator's loaded_once share is taken on it)."""
     est = estimate_memory(setup)
-    return est.peak_bytes - est.breakdown["cuda_context"] - est.breakdown["allocator"]
+    tensors = est.peak_bytes - est.breakdown["cuda_context"] - est.breakdown["allocator"]
+    return tensors, est.allocated_once_bytes
 
 
-def predict(kind: str, tensors: int, context: int, fraction: float) -> int:
+def slack(ov: CudaOverheads, once: int, tensors: int, expandable: bool) -> int:
+    return sum(ov.allocator_parts(once, tensors - once, expandable).values())
+
+
+def predict(kind: str, tensors: int, once: int, ov: CudaOverheads, expandable: bool = False) -> int:
     if kind == "allocated":
         return tensors
     if kind == "reserved":
-        return round(tensors * (1 + fraction))
-    return round(tensors * (1 + fraction)) + context  # device, capacity
+        return tensors + slack(ov, once, tensors, expandable)
+    return tensors + slack(ov, once, tensors, expandable) + ov.context_bytes  # device, capacity
 
 
 # --------------------------------------------------------------------------------------------
-# Fitting the CUDA context and the allocator fraction (sources with split: fit only)
+# Fitting the CUDA context and the allocator's shares (split: fit sources and allocator_pairs.yaml)
 
 
 @dataclass(frozen=True)
 class OverheadFit:
     context_bytes: int
-    allocator_fraction: float
+    once_fraction: float  # the largest load-time share (a bound), rounded up to ONCE_STEP
+    churn_fraction: float  # least squares over the pair rows, rounded to 0.01
+    expandable_ratio: float  # the largest published bound of slack(on) / slack(off), rounded up
+    churn_fraction_expandable: float  # churn_fraction x expandable_ratio, rounded up to 0.01
     context_rows: tuple[str, ...]
+    load_rows: tuple[str, ...]
     pair_rows: tuple[str, ...]
+    off_on_rows: tuple[str, ...]
+
+    def overheads(self) -> CudaOverheads:
+        return CudaOverheads(self.context_bytes, self.once_fraction, self.churn_fraction,
+                             self.churn_fraction_expandable)
 
 
-def fit_overheads(sources: list[Source]) -> OverheadFit:
-    """context: the median published CUDA context (rows measuring `context`); fraction: least
-    squares through that context of (device - allocated - context) against allocated over the
-    fitting rows that measured both in the same run (single GPU, below FIT_CAPACITY_SHARE of the
-    card). The overhead pairs use the measured allocated bytes, not the plan's, so the tensor
-    model's own error does not leak into these two constants. Rounded: context to MiB, fraction
-    to 0.01 (what memory.cuda_overheads() ships)."""
+ONCE_STEP = 0.005
+RATIO_STEP = 0.05
+
+
+def round_up(x: float, step: float) -> float:
+    return round(math.ceil(x / step - 1e-9) * step, 4)
+
+
+def load_allocator_pairs(path: Path = ALLOCATOR_PAIRS) -> dict:
+    """allocator_pairs.yaml with its sizes parsed: {"load": [...], "off_on": [...]}."""
+    doc = yaml.safe_load(path.read_text())
+    sizes = ("allocated", "reserved", "reserved_off", "reserved_on", "allocated_floor")
+    return {part: [{k: parse_size(v) if k in sizes else v for k, v in row.items()} for row in doc[part]]
+            for part in ("load", "off_on")}
+
+
+def load_share(row: dict) -> float:
+    """reserved - allocated over allocated, read right after loading: the slack on once-allocated bytes."""
+    return (row["reserved"] - row["allocated"]) / row["allocated"]
+
+
+def off_on_bound(row: dict) -> float:
+    """Upper bound of slack(on) / slack(off) for one run: (R_on - A) / (R_off - A) falls as the
+    unpublished peak allocated A grows, so A's published floor gives the largest value."""
+    floor = row["allocated_floor"]
+    return (row["reserved_on"] - floor) / (row["reserved_off"] - floor)
+
+
+def row_once(row: Row) -> int | None:
+    """The bytes a run allocated once (weights + optimizer state): stated for a row the planner
+    cannot plan, else the plan's."""
+    if row.allocated_once is not None:
+        return row.allocated_once
+    setup = row_setup(row)
+    return plan_bytes(setup)[1] if setup is not None else None
+
+
+def fit_overheads(sources: list[Source], pairs_doc: dict | None = None) -> OverheadFit:
+    """context: the median published CUDA context (rows measuring `context`).
+    once: the largest reserved - allocated over allocated of the load pairs (a bound, not a mean).
+    churn: least squares through the origin of (device - allocated - context - once x W) against
+    (allocated - W), W the bytes allocated once, over the fitting rows that measured device and
+    allocated in the same run (single GPU, below FIT_CAPACITY_SHARE of the card, expandable
+    segments off). The measured allocated bytes are used, not the plan's tensor peak, so the tensor
+    model's own error does not leak in (W is the plan's weights and optimizer state).
+    churn with expandable segments: churn x the largest published bound of slack(on) / slack(off).
+    Rounded up: once to 0.005, the ratio to 0.05, the expandable churn to 0.01; churn to 0.01;
+    context to MiB (what setup.cuda_overheads() ships)."""
+    pairs_doc = load_allocator_pairs() if pairs_doc is None else pairs_doc
     fit_rows = [r for src in sources if src.split == "fit" for r in src.rows]
     contexts = [r for r in fit_rows if "context" in r.measured and r.score]
     pairs = [r for r in fit_rows if r.overhead_fit and {"device", "allocated"} <= set(r.measured)]
-    if not contexts or not pairs:
-        raise ValueError("the fitting set needs context rows and device/allocated pairs")
+    if not contexts or not pairs or not pairs_doc["load"] or not pairs_doc["off_on"]:
+        raise ValueError("the fitting set needs context rows, device/allocated pairs, load pairs and off/on runs")
     for r in pairs:
         if r.settings.get("gpus", 1) != 1:
             raise ValueError(f"{r.key}: overhead pairs must be single-GPU runs")
         if r.gpu_memory and r.measured["device"] > FIT_CAPACITY_SHARE * r.gpu_memory:
             raise ValueError(f"{r.key}: device total above {FIT_CAPACITY_SHARE:.0%} of the card")
+        if r.expandable_segments:
+            raise ValueError(f"{r.key}: the churn share is fitted on runs without expandable segments")
     context = statistics.median(r.measured["context"] for r in contexts)
     context = round(context / 2**20) * 2**20
-    num = sum(r.measured["allocated"] * (r.measured["device"] - r.measured["allocated"] - context)
-              for r in pairs)
-    den = sum(r.measured["allocated"] ** 2 for r in pairs)
-    return OverheadFit(int(context), round(num / den, 2), tuple(r.key for r in contexts),
-                       tuple(r.key for r in pairs))
+    once = round_up(max(load_share(p) for p in pairs_doc["load"] if not p["expandable_segments"]), ONCE_STEP)
+    num = den = 0
+    for r in pairs:
+        m, w = r.measured, row_once(r)
+        churn = m["allocated"] - w
+        num += churn * (m["device"] - m["allocated"] - context - once * w)
+        den += churn * churn
+    churn_fraction = round(num / den, 2)
+    ratio = round_up(max(off_on_bound(p) for p in pairs_doc["off_on"]), RATIO_STEP)
+    return OverheadFit(int(context), once, churn_fraction, ratio, round_up(churn_fraction * ratio, 0.01),
+                       tuple(r.key for r in contexts), tuple(p["id"] for p in pairs_doc["load"]),
+                       tuple(r.key for r in pairs), tuple(p["id"] for p in pairs_doc["off_on"]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,35 +318,37 @@ class Comparison:
         return (self.predicted - self.measured) / self.measured
 
 
-def compare(sources: list[Source], context: int, fraction: float) -> list[Comparison]:
+def compare(sources: list[Source], ov: CudaOverheads) -> list[Comparison]:
     out = []
     for src in sources:
         for row in src.rows:
             setup = row_setup(row)
             if setup is None:
                 continue
-            tensors = tensor_bytes(setup)
+            tensors, once = plan_bytes(setup)
             for kind in KINDS:
                 if kind in row.measured:
-                    out.append(Comparison(row, kind, predict(kind, tensors, context, fraction),
-                                          row.measured[kind], row.score))
+                    pred = predict(kind, tensors, once, ov, row.expandable_segments)
+                    out.append(Comparison(row, kind, pred, row.measured[kind], row.score))
     return out
 
 
-def overhead_checks(sources: list[Source], context: int, fraction: float) -> list[tuple[Row, str, float]]:
+def overhead_checks(sources: list[Source], ov: CudaOverheads) -> list[tuple[Row, str, float]]:
     """Rows measuring allocated and reserved (or device) in the same run: the overheads alone,
-    (predicted from the measured allocated - measured) / measured, whatever the tensor model says."""
+    (predicted from the measured allocated - measured) / measured, whatever the tensor model says
+    (the loaded_once share on the row's once-allocated bytes, at most the measured allocated)."""
     out = []
     for src in sources:
         for row in src.rows:
             m = row.measured
             if "allocated" not in m:
                 continue
+            once = min(row_once(row) or 0, m["allocated"])
+            reserved = m["allocated"] + slack(ov, once, m["allocated"], row.expandable_segments)
             if "reserved" in m:
-                out.append((row, "reserved", (m["allocated"] * (1 + fraction) - m["reserved"]) / m["reserved"]))
+                out.append((row, "reserved", (reserved - m["reserved"]) / m["reserved"]))
             if "device" in m and row.settings.get("gpus", 1) == 1:
-                pred = m["allocated"] * (1 + fraction) + context
-                out.append((row, "device", (pred - m["device"]) / m["device"]))
+                out.append((row, "device", (reserved + ov.context_bytes - m["device"]) / m["device"]))
     return out
 
 
@@ -303,26 +384,64 @@ def headline(comps: list[Comparison], split: str) -> Summary | None:
 # Report
 
 
+# The allocator term before it had shares (ALLOCATOR_FRACTION, 12% of every tensor, fitted here on
+# the same nine runs) and before any fit (0.5 GiB, 5%): the report scores both beside the shipped one.
+SINGLE_SHARE = CudaOverheads(300 * 2**20, 0.12, 0.12, 0.12)
+BEFORE_FIT = CudaOverheads(512 * 2**20, 0.05, 0.05, 0.05)
+
+
+def allocator_lines(sources: list[Source], fit: OverheadFit, pairs_doc: dict) -> list[str]:
+    """What the allocator's shares rest on: each load pair, each off/on run, each pair row's residual."""
+    lines = ["## The allocator slack's shares (bench/gpu_truth/allocator_pairs.yaml, the fitting rows)",
+             f"loaded_once = {fit.once_fraction} x (weights + optimizer state): the largest share of "
+             f"{len(fit.load_rows)} load pairs, rounded up to {ONCE_STEP}"]
+    for p in pairs_doc["load"]:
+        lines.append(f"  load  {p['id']:<40} allocated {p['allocated'] / GIB:6.2f} GiB  reserved "
+                     f"{p['reserved'] / GIB:6.2f} GiB  share {100 * load_share(p):5.2f}%")
+    lines.append(f"churn (expandable segments off) = {fit.churn_fraction} x (tensors - once): least squares "
+                 f"over {len(fit.pair_rows)} single-GPU runs (residual: predicted device from the measured "
+                 "allocated, vs measured; the single 12% share beside it)")
+    ov = fit.overheads()
+    fit_rows = {r.key: r for src in sources for r in src.rows}
+    for key in fit.pair_rows:
+        r = fit_rows[key]
+        m, w = r.measured, row_once(r)
+        pred = m["allocated"] + slack(ov, w, m["allocated"], False) + ov.context_bytes
+        single = m["allocated"] + slack(SINGLE_SHARE, w, m["allocated"], False) + SINGLE_SHARE.context_bytes
+        lines.append(f"  pair  {key:<40} once {w / GIB:6.2f} GiB  churn {(m['allocated'] - w) / GIB:6.2f} GiB  "
+                     f"{100 * (pred - m['device']) / m['device']:+6.1f}%  (12%: "
+                     f"{100 * (single - m['device']) / m['device']:+6.1f}%)")
+    lines.append(f"churn (expandable segments on) = {fit.churn_fraction} x {fit.expandable_ratio} = "
+                 f"{fit.churn_fraction_expandable} x (tensors - once): the ratio is the largest published "
+                 f"upper bound of slack(on) / slack(off), rounded up to {RATIO_STEP}")
+    for p in pairs_doc["off_on"]:
+        lines.append(f"  off/on {p['id']:<39} reserved {p['reserved_off'] / GIB:6.2f} -> {p['reserved_on'] / GIB:6.2f} "
+                     f"GiB, allocated >= {p['allocated_floor'] / GIB:6.2f} GiB: slack(on)/slack(off) <= "
+                     f"{off_on_bound(p):.3f}")
+    return lines + [""]
+
+
 def report(sources: list[Source]) -> str:
-    fit = fit_overheads(sources)
+    pairs_doc = load_allocator_pairs()
+    fit = fit_overheads(sources, pairs_doc)
     shipped = cuda_overheads()
-    comps = compare(sources, shipped.context_bytes, shipped.allocator_fraction)
-    old = compare(sources, 512 * 2**20, 0.05)
+    comps = compare(sources, shipped)
+    matches = dataclasses.replace(shipped, calibrated=False) == fit.overheads()
     lines = [
         "# lowvram plan vs published GPU measurements (bench/gpu_truth; python bench/published_accuracy.py)",
-        "# error = (predicted - measured) / measured; allocated vs the plan's tensors, reserved vs tensors x (1 + f),",
-        "# device/capacity vs tensors x (1 + f) + context. '~' marks information rows (not scored: see 'excluded').",
+        "# error = (predicted - measured) / measured; allocated vs the plan's tensors, reserved vs tensors + the",
+        "# allocator slack (once x (weights + optimizer state) + churn x the rest), device/capacity vs reserved +",
+        "# context. '~' marks information rows (not scored: see 'excluded').",
         "",
-        "## CUDA overheads, fitted on the split: fit sources only",
-        f"context_bytes      = {fit.context_bytes:,} ({fit.context_bytes / 2**20:.0f} MiB): median of "
+        "## CUDA overheads, fitted on the split: fit sources and allocator_pairs.yaml only",
+        f"context_bytes = {fit.context_bytes:,} ({fit.context_bytes / 2**20:.0f} MiB): median of "
         f"{len(fit.context_rows)} published CUDA-context readings ({', '.join(fit.context_rows)})",
-        f"allocator_fraction = {fit.allocator_fraction:.2f}: least squares of device - allocated - context "
-        f"against allocated over {len(fit.pair_rows)} single-GPU runs ({', '.join(fit.pair_rows)})",
         f"shipped in lowvram.plan.setup.cuda_overheads(): context_bytes={shipped.context_bytes:,}, "
-        f"allocator_fraction={shipped.allocator_fraction}"
-        + ("" if (shipped.context_bytes, shipped.allocator_fraction) == (fit.context_bytes, fit.allocator_fraction)
-           else "  <-- DIFFERS FROM THE FIT"),
+        f"once_fraction={shipped.once_fraction}, churn_fraction={shipped.churn_fraction}, "
+        f"churn_fraction_expandable={shipped.churn_fraction_expandable}"
+        + ("" if matches else "  <-- DIFFERS FROM THE FIT"),
         "",
+        *allocator_lines(sources, fit, pairs_doc),
     ]
     for src in sources:
         rows = [c for c in comps if c.row.source == src.name]
@@ -342,11 +461,15 @@ def report(sources: list[Source]) -> str:
         lines.append(f"  summary: {fmt_summary(summarize([c.error for c in rows if c.scored]))}")
         lines.append("")
     lines.append("## Overheads alone (measured allocated -> predicted reserved/device, vs measured)")
-    for row, kind, err in overhead_checks(sources, shipped.context_bytes, shipped.allocator_fraction):
-        lines.append(f"  {row.key:<48} {kind:<9} {100 * err:+7.1f}%  ({'fitting set' if row.split == 'fit' else 'held out'})")
-    checks = overhead_checks(sources, shipped.context_bytes, shipped.allocator_fraction)
+    checks = overhead_checks(sources, shipped)
+    single = {(r.key, k): e for r, k, e in overhead_checks(sources, SINGLE_SHARE)}
+    for row, kind, err in checks:
+        lines.append(f"  {row.key:<48} {kind:<9} {100 * err:+7.1f}%  (12%: {100 * single[row.key, kind]:+6.1f}%)  "
+                     f"({'fitting set' if row.split == 'fit' else 'held out'})")
     for split, label in (("heldout", "held out"), ("fit", "fitting set")):
         lines.append(f"  summary, {label}: {fmt_summary(summarize([e for r, _, e in checks if r.split == split]))}")
+        lines.append(f"  the single 12% share, {label}: "
+                     f"{fmt_summary(summarize([e for (k, _), e in single.items() if _split(sources, k) == split]))}")
     lines.append("")
     lines.append("## Headline")
     for split, label in (("heldout", "held out (never used in any fit)"), ("fit", "in sample (fitting set)")):
@@ -360,9 +483,15 @@ def report(sources: list[Source]) -> str:
         s = summarize([c.error for c in comps if c.scored and c.row.split == "heldout"
                        and c.row.settings.get("method", "full") == method])
         lines.append(f"  {method:<34} {fmt_summary(s)}")
-    held_old = headline(old, "heldout")
-    lines.append(f"{'held out, before the fit (0.5 GiB, 5%)':<36} {fmt_summary(held_old)}")
+    for label, ov in (("held out, the single 12% share", SINGLE_SHARE),
+                      ("held out, before the fit (0.5 GiB, 5%)", BEFORE_FIT)):
+        lines.append(f"{label:<36} {fmt_summary(headline(compare(sources, ov), 'heldout'))}")
+    lines.append(f"{'in sample, the single 12% share':<36} {fmt_summary(headline(compare(sources, SINGLE_SHARE), 'fit'))}")
     return "\n".join(lines) + "\n"
+
+
+def _split(sources: list[Source], key: str) -> str:
+    return next(src.split for src in sources for r in src.rows if r.key == key)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -339,8 +339,12 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
     tensors = sum(parts.values())
     ov = cuda_overheads()
     cuda = setup.device == "cuda"
+    # the allocator slack's shares as estimate_memory takes them: on the weights and optimizer
+    # state (allocated once), on the rest (churn)
+    once = min(parts["weights"] + b.get("optimizer", 0), tensors)
+    slack = ov.allocator_parts(once, tensors - once, setup.expandable_segments) if cuda else {}
     parts["cuda_context"] = ov.context_bytes if cuda else 0
-    parts["allocator"] = int(ov.allocator_fraction * tensors) if cuda else 0
+    parts["allocator"] = sum(slack.values())
     breakdown = {k: int(parts[k]) for k in BREAKDOWN_KEYS}
     process = PROCESS_HOST_BYTES  # as estimate_memory
     peak = sum(breakdown.values())
@@ -349,6 +353,8 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
         breakdown=breakdown, peak_phase=phase,
         cpu_ram_bytes=peak + process if not cuda else process,
         persistent_bytes=step.start_bytes,
+        allocator_parts=slack,
+        allocated_once_bytes=int(once),
     )
 
 

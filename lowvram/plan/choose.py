@@ -147,6 +147,7 @@ def next_cheaper(plan: Plan, req: PlanRequest, measured_peak_bytes: int | None,
     limit = int(STEP_DOWN * seen)
     pinned = replace(req, mixed_precision=plan.mixed_precision, attention=plan.attention, gpus=plan.gpus)
     budget = Budget(vram_needed_bytes(limit), device=plan.device, bf16=plan.mixed_precision.startswith("bf16"),
+                    expandable_segments=plan.expandable_segments,
                     source="re-plan after out of memory",
                     # Liger's fused loss only where the failed plan ran it (installed, supported)
                     missing_extras=() if plan.loss == "fused" else ("liger",))

@@ -40,7 +40,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         loss=loss_options(req, budget)[0] if req.loss else "standard", micro_batch_size=largest,
         seq_len=req.seq_len,
         grad_accum=largest_micro_batch_size(req) // largest, gpus=req.gpus, offload=req.offload or "none",
-        device=budget.device,
+        device=budget.device, expandable_segments=budget.expandable_segments,
         activation_offload=bool(req.activation_offload and req.gradient_checkpointing) and budget.device == "cuda",
         packing=req.packing, images_per_row=req.images_per_row, tiled_mlp=bool(req.tiled_mlp) and not req.model.is_moe,
         tiled_mlp_shards=req.tiled_mlp_shards,

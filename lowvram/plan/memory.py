@@ -388,10 +388,16 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
                      optimizer=step - weights - step_grads - buckets,
                      activations=0, logits=0)
     tensors = sum(parts.values())
+    slack = {}
+    once = min(weights + optim, tensors)
     if setup.device == "cuda":
         ov = cuda_overheads()
+        # the allocator slack's two shares (setup.CudaOverheads): on what is allocated once and
+        # kept (the weights loaded at start, the optimizer state of the first step), and on the
+        # rest of the tensor peak, which churns every step
+        slack = ov.allocator_parts(once, tensors - once, setup.expandable_segments)
         parts["cuda_context"] = ov.context_bytes
-        parts["allocator"] = int(ov.allocator_fraction * tensors)
+        parts["allocator"] = sum(slack.values())
     else:
         parts["cuda_context"] = 0
         parts["allocator"] = 0
@@ -414,6 +420,8 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
         peak_moment=peak_moment,
         cpu_ram_bytes=int(cpu_ram),
         persistent_bytes=int(persistent),
+        allocator_parts=slack,
+        allocated_once_bytes=int(once),
     )
 
 

@@ -42,7 +42,7 @@ class Replanner:
             optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,
             attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
             seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,
-            device=plan.device, activation_offload=plan.activation_offload, packing=self.request.packing if packing is None else packing,
+            device=plan.device, expandable_segments=plan.expandable_segments, activation_offload=plan.activation_offload, packing=self.request.packing if packing is None else packing,
             images_per_row=self.request.images_per_row,
             tiled_mlp=plan.tiled_mlp, tiled_mlp_shards=plan.tiled_mlp_shards,
             loss_chunk_tokens=plan.loss_chunk_tokens, objective=self.request.objective, precompute_ref=self.request.precompute_ref,

@@ -72,6 +72,10 @@ class Budget:
     # Optional extras not installed here ("deepspeed"): plans that need one rank after the plans
     # that need nothing more (lowvram.planning.make_budget fills it; tests pass their own).
     missing_extras: tuple[str, ...] = ()
+    # PyTorch's expandable segments in the run (setup.expandable_segments_set of the run's
+    # PYTORCH_CUDA_ALLOC_CONF; lowvram.planning.make_budget reads it): the allocator slack's churn
+    # share is smaller with them
+    expandable_segments: bool = True
     # The margin's floor: MIN_MARGIN_BYTES on a real card; an emulated card scaled down
     # (bench/emulated_cards.py) scales it by the same factor.
     min_margin_bytes: int = MIN_MARGIN_BYTES

@@ -219,6 +219,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             attention=attention, loss=loss, micro_batch_size=micro,
             seq_len=req.seq_len, grad_accum=per_gpu // micro,
             gpus=req.gpus, offload=offload, device=budget.device,
+            expandable_segments=budget.expandable_segments,
             activation_offload=act_off, packing=req.packing, images_per_row=req.images_per_row,
             tiled_mlp=tiled_mlp, tiled_mlp_shards=req.tiled_mlp_shards,
             objective=req.objective, precompute_ref=req.precompute_ref,
@@ -314,7 +315,8 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
     its runs from this too); ``extra``: reasons and the predictions."""
     s = setup
     return Plan(
-        device=device, mixed_precision=s.precision, gradient_checkpointing=s.gradient_checkpointing,
+        device=device, expandable_segments=s.expandable_segments,
+        mixed_precision=s.precision, gradient_checkpointing=s.gradient_checkpointing,
         micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum, lora=s.lora,
         quantization=s.quantization, optimizer=s.optimizer, offload=s.offload, attention=s.attention,
         loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len,

@@ -7,7 +7,7 @@ from lowvram.plan.models import cross_attention_numel, vision_numel
 from lowvram.plan.preference import REFERENCE_OBJECTIVES
 from lowvram.plan.request import Choice
 from lowvram.plan.search import describe_setup, technique_words
-from lowvram.plan.setup import RunSetup
+from lowvram.plan.setup import MemoryEstimate, RunSetup, cuda_overheads
 from lowvram.plan.states import cross_attention_weight_bytes, vision_weight_bytes
 
 # --------------------------------------------------------------------------------------------
@@ -90,6 +90,8 @@ def choice_to_dict(choice: Choice) -> dict:
         "notes": list(choice.notes),
         # a multimodal checkpoint's vision tower (lowvram.plan.vision); absent for a text model
         **({"vision": _vision(c.setup)} if req.model.vision is not None else {}),
+        # the allocator term's named parts (setup.CudaOverheads); absent off CUDA
+        **({"allocator": _allocator(c.setup, est)} if est.allocator_parts else {}),
         # training.objective dpo/orpo/simpo (lowvram.plan.preference); absent for SFT
         **({"objective": req.objective, "reference_model": _reference(c.setup)} if req.objective != "sft" else {}),
     }
@@ -108,6 +110,23 @@ def _vision(s: RunSetup) -> dict:
                                   "weight_bytes": cross_attention_weight_bytes(s),
                                   "quantized": s.quantization != "none"}
     return out
+
+
+def _allocator(s: RunSetup, est: MemoryEstimate) -> dict:
+    """The allocator slack's two parts, the bytes and share each is taken on, and where the
+    shares come from (constants.ALLOCATOR_*; docs/constants.md)."""
+    ov = cuda_overheads()
+    churn = ov.churn_fraction_expandable if s.expandable_segments else ov.churn_fraction
+    tensors = est.peak_bytes - est.breakdown["cuda_context"] - est.breakdown["allocator"]
+    return {
+        "expandable_segments": s.expandable_segments,
+        "parts": dict(est.allocator_parts),
+        "on_bytes": {"loaded_once": est.allocated_once_bytes, "churn": tensors - est.allocated_once_bytes},
+        "fractions": {"loaded_once": ov.once_fraction, "churn": churn},
+        "source": ("published pairs of reserved and allocated bytes (bench/gpu_truth/allocator_pairs.yaml, "
+                   "fms_acceleration.yaml; constants ALLOCATOR_ONCE_FRACTION, ALLOCATOR_CHURN_FRACTION"
+                   + ("_EXPANDABLE" if s.expandable_segments else "") + ")"),
+    }
 
 
 def _reference(s: RunSetup) -> str:

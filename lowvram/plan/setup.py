@@ -4,7 +4,7 @@ memory model: the modules of the terms (states, activations, backward, sharding)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lowvram.plan import constants as fitted
 from lowvram.plan.models import ModelSpec
@@ -123,6 +123,9 @@ class RunSetup:
     tiled_mlp: bool = False
     tiled_mlp_shards: int = 0
     device: str = "cuda"  # "cpu": no CUDA context, no allocator slack
+    # PyTorch's expandable_segments on CUDA (setup.expandable_segments_set): the allocator
+    # slack's churn share is smaller with it (CudaOverheads)
+    expandable_segments: bool = True
     # True: peft prepare_model_for_kbit_training (non-quantized params -> fp32). lowvram trains
     # QLoRA without that upcast (lowvram.train.model.prepare_kbit_model), so False is the default.
     kbit_prepare: bool = False
@@ -144,6 +147,12 @@ class MemoryEstimate:
     persistent_bytes: int
     # the moment that binds (a key of lowvram.plan.moments.MOMENTS, or "optimizer_step")
     peak_moment: str = ""
+    # the allocator term's named parts (CudaOverheads.allocator_parts; empty off CUDA), summing
+    # to breakdown["allocator"]
+    allocator_parts: dict[str, int] = field(default_factory=dict)
+    # the tensor bytes at the peak allocated once and kept (weights, optimizer state): the
+    # allocator's loaded_once share is taken on them, its churn share on the rest
+    allocated_once_bytes: int = 0
 
 
 # Host RAM of one training process before any tensor of the run: torch + CUDA libraries
@@ -154,26 +163,58 @@ PROCESS_HOST_BYTES: int = fitted.PROCESS_HOST_BYTES.value
 @dataclass(frozen=True)
 class CudaOverheads:
     """Memory a CUDA process holds beyond tensors. Fitted on published measurements; not yet
-    calibrated on a GPU by this project (bench/gpu_check.py)."""
+    calibrated on a GPU by this project (bench/gpu_check.py).
+
+    The caching allocator's slack (reserved - allocated at the peak, and the kernels training loads
+    beyond the initial context) has two shares: one on the bytes allocated once and kept (the
+    weights loaded at start, the optimizer state made at the first step), whose blocks are packed
+    as they were made; one on what churns (activations, logits, gradients, temporaries: freed and
+    allocated again every step, leaving blocks the next step's sizes do not fill), smaller with
+    PyTorch's expandable_segments, which ``lowvram train`` sets unless the user set
+    PYTORCH_CUDA_ALLOC_CONF (lowvram.train.allocator)."""
 
     context_bytes: int
-    allocator_fraction: float  # reserved - allocated, as a fraction of the tensor peak
+    once_fraction: float  # slack on bytes allocated once (weights, optimizer state)
+    churn_fraction: float  # slack on the rest of the tensor peak, expandable_segments off
+    churn_fraction_expandable: float  # the same with expandable_segments on
     calibrated: bool = False
+
+    def allocator_parts(self, once_bytes: int, churn_bytes: int, expandable_segments: bool) -> dict[str, int]:
+        """The allocator term's two named parts, bytes: ``loaded_once`` and ``churn``."""
+        churn = self.churn_fraction_expandable if expandable_segments else self.churn_fraction
+        return {"loaded_once": int(self.once_fraction * once_bytes), "churn": int(churn * churn_bytes)}
 
 
 def cuda_overheads() -> CudaOverheads:
-    """Fitted on published GPU measurements (bench/published_accuracy.py, the `split: fit`
-    sources of bench/gpu_truth; not yet measured by this project's bench/gpu_check.py, hence
-    calibrated=False): constants.CUDA_CONTEXT_BYTES (the median of three published nvidia-smi
-    readings right after CUDA init) and constants.ALLOCATOR_FRACTION (a least-squares slope over
-    nine single-GPU Trainer runs: the caching allocator's slack and the kernels training loads
-    beyond the initial context), each with its sources and held-out error (docs/constants.md)."""
+    """Fitted on published GPU measurements (bench/published_accuracy.py over bench/gpu_truth; not
+    yet measured by this project's bench/gpu_check.py, hence calibrated=False):
+    constants.CUDA_CONTEXT_BYTES (the median of three published nvidia-smi readings right after
+    CUDA init), constants.ALLOCATOR_ONCE_FRACTION (a bound from four published load-time pairs of
+    reserved and allocated bytes), constants.ALLOCATOR_CHURN_FRACTION (least squares over nine
+    single-GPU Trainer runs without expandable segments) and
+    constants.ALLOCATOR_CHURN_FRACTION_EXPANDABLE (that share times a bound from two published runs
+    measured with expandable segments off and on), each with its sources and error
+    (docs/constants.md)."""
     return CudaOverheads(context_bytes=fitted.CUDA_CONTEXT_BYTES.value,
-                         allocator_fraction=fitted.ALLOCATOR_FRACTION.value)
+                         once_fraction=fitted.ALLOCATOR_ONCE_FRACTION.value,
+                         churn_fraction=fitted.ALLOCATOR_CHURN_FRACTION.value,
+                         churn_fraction_expandable=fitted.ALLOCATOR_CHURN_FRACTION_EXPANDABLE.value)
+
+
+def expandable_segments_set(alloc_conf: str | None) -> bool:
+    """Whether a CUDA run has PyTorch's expandable segments, from its PYTORCH_CUDA_ALLOC_CONF
+    (None: unset, so ``lowvram train`` sets ``expandable_segments:True``; lowvram.train.allocator).
+    The caller reads the environment (lowvram.planning.budget); plan/ reads none."""
+    if alloc_conf is None:
+        return True
+    options = {k.strip().lower(): v.strip().lower() for k, _, v in
+               (part.partition(":") for part in alloc_conf.split(",")) if k.strip()}
+    return options.get("expandable_segments") == "true"
 
 
 __all__ = [
     "PROCESS_HOST_BYTES",
-    "BREAKDOWN_KEYS", "cuda_overheads", "CudaOverheads", "DEEPSPEED_CPU_OPTIMIZER", "FSDP_OFFLOADS",
+    "BREAKDOWN_KEYS", "cuda_overheads", "CudaOverheads", "DEEPSPEED_CPU_OPTIMIZER", "expandable_segments_set",
+    "FSDP_OFFLOADS",
     "MemoryEstimate", "offload_conflict", "offload_conflict_hint", "RunSetup", "tiled_mlp_conflict",
 ]

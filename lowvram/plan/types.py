@@ -58,6 +58,8 @@ class Plan:
     attention: Attention
     loss: Loss
     gpus: int = 1
+    # PyTorch's expandable segments, as planned (the allocator slack's churn share; RunSetup)
+    expandable_segments: bool = True
     # Checkpointed layer inputs kept in pinned host RAM (transformers' offload=True); GPU only.
     activation_offload: bool = False
     # Each layer's MLP over the sequence in shards (lowvram.plan.tiled; 0 shards: ceil(seq_len / hidden)).

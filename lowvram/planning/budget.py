@@ -9,6 +9,7 @@ import os
 
 from lowvram.errors import LowvramError
 from lowvram.plan.cards import read_vram
+from lowvram.plan.setup import expandable_segments_set
 from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
 from lowvram.units import gib
@@ -32,7 +33,10 @@ def make_budget(vram: str | None = None, hardware=None, gpus: int = 1, host_ram:
         budget = replace(budget, **detected_cuda_budget(hardware, gpus))
     if budget.device != "cpu":  # a CPU run's host RAM is its budget already
         budget = replace(budget, **host_ram_budget(host_ram, hardware))
-    return replace(budget, missing_extras=missing_extras())
+    # `lowvram train` sets expandable segments unless PYTORCH_CUDA_ALLOC_CONF is set
+    # (lowvram.train.allocator); a value the user set is planned as it is
+    expandable = expandable_segments_set(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    return replace(budget, missing_extras=missing_extras(), expandable_segments=expandable)
 
 
 def host_ram_budget(host_ram: str | None, hardware=None) -> dict:

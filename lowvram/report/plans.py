@@ -156,6 +156,9 @@ def show_plan(data: dict, as_json: bool = False) -> None:
             if vision.get("cross_attention"):
                 b.add_row("  cross-attention", gib(vision["cross_attention"]["weight_bytes"]),
                           *([""] if sim else []), "", *([""] if checked else []))
+        if name == "allocator" and data.get("allocator"):
+            for label, part_bytes in _allocator_rows(data["allocator"]):
+                b.add_row(label, gib(part_bytes), *([""] if sim else []), "", *([""] if checked else []))
     extra = [f"[bold]{gib(sim['peak_bytes'])}[/bold]"] if sim else []
     b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", *extra, "", *([""] if checked else []))
     c.print(b)
@@ -301,6 +304,14 @@ def show_models(rows: list[tuple[str, str, int]], as_json: bool = False) -> None
     for n, h, p in rows:
         t.add_row(n, h or "-", f"{p / 1e9:.2f}B")
     console().print(t)
+
+
+def _allocator_rows(alloc: dict) -> list[tuple[str, int]]:
+    """The allocator term's parts as breakdown rows: the share and the bytes it is taken on."""
+    mode = "expandable segments" if alloc["expandable_segments"] else "no expandable segments"
+    names = {"loaded_once": "  loaded once: {} x {} (weights, optimizer)", "churn": "  churn: {} x {} (" + mode + ")"}
+    return [(names[k].format(f"{100 * alloc['fractions'][k]:g}%", gib(alloc["on_bytes"][k])), alloc["parts"][k])
+            for k in ("loaded_once", "churn")]
 
 
 def _peak_title(data: dict) -> str:

@@ -6,7 +6,10 @@ fixed-size blocks, so the reserved memory stays close to the allocated (PyTorch 
 Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF; ALST's recipe, arXiv:2506.13996 sec. 4:
 "fragmentation nearly disappears"). PyTorch reads the variable when CUDA first allocates, so it
 is set in the launcher's environment before anything touches CUDA; ``accelerate launch`` and the
-hardware probe inherit it (lowvram.train.launch.run_launch passes os.environ on).
+hardware probe inherit it (lowvram.train.launch.run_launch passes os.environ on). The plan reads
+the same rule (lowvram.plan.setup.expandable_segments_set, from lowvram.planning.budget): the
+allocator slack's churn share is smaller with expandable segments (docs/planner.md, The allocator
+slack).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_dry_run_measures_every_technique_at_both_lengths(tmp_path, monkeypatch,
 def test_summary_derives_the_overheads_from_measurements():
     gc = _load()
     rows = [
-        dict(predicted=1200, predicted_tensors=1000, allocated=1000, reserved=1100,
+        dict(predicted=1200, predicted_tensors=1000, predicted_once=200, allocated=1000, reserved=1100,
              outside_allocator=600),
         dict(predicted=2300, predicted_tensors=2100, allocated=2000, reserved=2050,
              outside_allocator=700),
@@ -66,7 +66,9 @@ def test_summary_derives_the_overheads_from_measurements():
     assert "up to 10.0%" in lines[3]  # (1100 - 1000) / 1000
     # device really used: 1100 + 600 - 100 = 1600 > 1200 predicted; 2050 + 700 - 100 = 2650 > 2300
     assert "2 of 2" in lines[4]
-    assert lines[5] == "suggested cuda_overheads(): context_bytes=600, allocator_fraction=0.100"
+    # the churn share: (1100 - 1000 - 0.015 x 200) / (1000 - 200) = 0.12125, over (2050 - 2000) / 2000
+    assert lines[5] == ("suggested cuda_overheads(): context_bytes=600, churn_fraction_expandable=0.121 "
+                        "(once_fraction 0.015 kept)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

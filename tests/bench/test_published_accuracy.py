@@ -69,8 +69,20 @@ def test_config_copies_cite_their_source():
 
 def test_shipped_cuda_overheads_are_the_fit():
     fit = pa.fit_overheads(SOURCES)
-    ov = cuda_overheads()
-    assert (ov.context_bytes, ov.allocator_fraction) == (fit.context_bytes, fit.allocator_fraction)
+    assert cuda_overheads() == fit.overheads()
+    # the allocator's shares: a bound over the load pairs, least squares over the nine runs, and
+    # that share times the larger published off/on bound
+    assert (fit.once_fraction, fit.churn_fraction, fit.expandable_ratio) == (0.015, 0.23, 0.55)
+    pairs = pa.load_allocator_pairs()
+    assert max(pa.load_share(p) for p in pairs["load"]) == pytest.approx(0.21 / 14.41)
+    assert [round(pa.off_on_bound(p), 3) for p in pairs["off_on"]] == [0.455, 0.541]
+
+
+def test_allocator_pairs_name_their_source():
+    pairs = pa.load_allocator_pairs()
+    for row in pairs["load"] + pairs["off_on"]:
+        assert row["url"].startswith("https://") and len(row["where"]) > 10, row["id"]
+        assert "expandable_segments" in row or "reserved_on" in row, row["id"]
 
 
 def test_fit_uses_the_fitting_set_only():

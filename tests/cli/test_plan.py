@@ -210,14 +210,15 @@ def test_limits_over_all_plans_are_printed_with_their_plan():
 
 
 def test_a_reason_says_why_the_fitting_alternative_was_not_taken():
-    """llama-7b at 6 GB (issue 13's case): full fine-tuning with offload fits too; the LoRA line
-    must not read as if full fine-tuning had been ruled out by memory."""
-    d = json.loads(plan("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "6000MB",
+    """llama-7b at 5.6 GB (issue 13's case, at 6 GB before the allocator's shares, where QLoRA now
+    fits without offload): full fine-tuning with offload fits too; the LoRA line must not read as
+    if full fine-tuning had been ruled out by memory."""
+    d = json.loads(plan("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "5600MB",
                         "--json").stdout)
     assert d["techniques"]["offload"] == "full" and d["techniques"]["lora"] is True
     lora = d["reasons"]["lora"]
-    assert "full fine-tuning would be 4.98 GiB <= budget 5.31 GiB" in lora
-    assert "chosen as the faster of the two (step time x4.00 vs x5.00" in lora
+    assert "full fine-tuning would be 4.92 GiB <= budget 4.95 GiB" in lora
+    assert "chosen as the faster of the two (step time x4.08 vs x5.10" in lora
 
 
 def test_flash_attention_in_fp32_does_not_fit_it_is_refused():

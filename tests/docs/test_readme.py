@@ -87,15 +87,15 @@ def test_readme_command_runs(cmd, monkeypatch, quickstart_model):
 
 @pytest.mark.parametrize("args, shown", [
     (("--model", "llama-2-70b", "--method", "qlora", "--gpus", "2", "--vram", "24GB"),
-     ("| 19.85 GiB | 50.3 GiB (2 x 25.13) |", "plain `fsdp` would peak at 40.11 GiB")),
+     ("| 20.02 GiB | 50.3 GiB (2 x 25.13) |", "plain `fsdp` would peak at 38.38 GiB")),
     (("--model", "llama-3.1-8b", "--method", "full", "--gpus", "4", "--vram", "24GB"),
-     ("| 21.04 GiB | 26.63 GiB (4 x 6.66) | DDP would peak at 84.06 GiB",)),
-    (("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "6000MB"),
-     ("shows ZeRO-3 full offload at 5.05 GiB (2.05 GiB of it parameters",)),
+     ("| 19.93 GiB | 26.63 GiB (4 x 6.66) | DDP would peak at 79.64 GiB",)),
+    (("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "6000MB", "--offload",
+      "zero3-offload"), ("shows ZeRO-3 full offload at 5.10 GiB (2.05 GiB of it parameters",)),
     (("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "3GB"),
-     ("the lowest plan peaks at 2.78 GiB and needs a card with 3.03 GiB free",)),
+     ("the lowest plan peaks at 2.80 GiB and needs a card with 3.05 GiB free",)),
     (("--model", "llama-2-7b", "--method", "full", "--gpus", "4", "--vram", "40GB"),
-     ("Llama-2-7B on 4 x 40 GB, planned 29.38 GiB per GPU",)),
+     ("Llama-2-7B on 4 x 40 GB, planned 28.56 GiB per GPU",)),
 ])
 def test_readme_plan_figures_are_what_the_plan_says(args, shown):
     """The multi-GPU table (docs/multi-gpu.md) and the ZeRO example (docs/planner.md) quote
@@ -115,4 +115,4 @@ def test_the_full_fine_tuning_table_is_the_bench_result():
     """docs/planner.md's table of the largest model per card is bench/full_finetune_table.py's output."""
     table = (REPO / "bench" / "results" / "full_finetune_table.txt").read_text().split("\n\n")[0].strip()
     assert table in (REPO / "docs" / "planner.md").read_text()
-    assert "| 24 GB | qwen3-8b (8.2B) |" in table
+    assert "| 24 GB | gemma-7b (8.5B) |" in table

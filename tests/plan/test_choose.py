@@ -217,8 +217,8 @@ def test_search_picks_the_fastest_plan_of_the_first_level_with_a_fake_estimator(
 
 def test_a_plan_that_needs_a_missing_extra_says_so_and_names_one_that_needs_nothing_more(llama7b):
     req = PlanRequest(llama7b, seq_len=2048, batch_size=1)
-    c = choose_plan(req, Budget(6 * GB, missing_extras=("deepspeed",)))
-    assert c.fits and c.plan.offload == "full"  # nothing without DeepSpeed fits 6 GB
+    c = choose_plan(req, Budget(5 * GB, missing_extras=("deepspeed",)))
+    assert c.fits and c.plan.offload == "full"  # nothing without DeepSpeed fits 5 GB (QLoRA fits 6)
     note = next(n for n in c.notes if "deepspeed" in n)
     assert "pip install 'lowvram[deepspeed]'" in note and "none fits" in note
     c = choose_plan(replace(req, gpus=2, batch_size=2), Budget(40 * GB, missing_extras=("deepspeed",)),)
@@ -288,8 +288,8 @@ def test_deepspeed_offload_plans_use_adamw_and_a_fixed_8bit_optimizer_is_refused
 
 
 @pytest.mark.parametrize("model, seq_len, batch, gb, loss, slowdown", [
-    ("llama-3.1-8b", 2048, 8, 80, "chunked", 1.03 * 1.02),
-    ("llama-3.2-3b", 4096, 1, 40, "chunked", 1.03 * 1.02),
+    ("llama-3.1-8b", 2048, 8, 76, "chunked", 1.03 * 1.02),
+    ("llama-3.2-3b", 4096, 1, 36, "chunked", 1.03 * 1.02),
 ])
 def test_search_finds_plans_the_ladder_missed(model, seq_len, batch, gb, loss, slowdown):
     """docs/planner.md's two examples: the ladder's first rung that fits is checkpointing (~25%); the

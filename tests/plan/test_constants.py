@@ -51,7 +51,10 @@ def _setup(**kw) -> RunSetup:
 
 def test_terms_read_the_table():
     assert cuda_overheads().context_bytes == k.CUDA_CONTEXT_BYTES.value == 300 * 2**20
-    assert cuda_overheads().allocator_fraction == k.ALLOCATOR_FRACTION.value == 0.12
+    ov = cuda_overheads()
+    assert ov.once_fraction == k.ALLOCATOR_ONCE_FRACTION.value == 0.015
+    assert ov.churn_fraction == k.ALLOCATOR_CHURN_FRACTION.value == 0.23
+    assert ov.churn_fraction_expandable == k.ALLOCATOR_CHURN_FRACTION_EXPANDABLE.value == 0.13
     s = _setup(micro_batch_size=2, seq_len=1024)
     t, v, h = 2048, 128256, 2048
     assert logits_bytes(s) == 12 * t * v

@@ -250,7 +250,7 @@ def test_dry_run_snapshot(recipe_8b, monkeypatch):
 
 # Llama-3-8B, batch 16 x seq 2048, on a 12 GB card: what `lowvram train --dry-run` must show.
 SNAPSHOT = {
-    "mixed_precision": "bf16", "gradient_checkpointing": "on", "gradient_accumulation": "8",
+    "mixed_precision": "bf16", "gradient_checkpointing": "on", "gradient_accumulation": "16",
     "lora": "on", "quantization": "nf4-dq", "optimizer": "adamw", "offload": "none", "activation_offload": "off", "tiled_mlp": "off",
-    "attention": "sdpa", "loss": "chunked", "micro_batch_size": "2", "predicted peak": "9.85 GiB",
+    "attention": "sdpa", "loss": "standard", "micro_batch_size": "1", "predicted peak": "10.25 GiB",
 }
