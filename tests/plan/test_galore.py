@@ -240,7 +240,7 @@ def test_galore_ranks_after_adamw_and_layerwise_last():
     from lowvram.plan.request import Budget, PlanRequest
 
     req = PlanRequest(resolve_model("llama-3.2-3b"), seq_len=2048, batch_size=1, lora=False, offload="none")
-    picks = [choose_plan(req, Budget(gb * GIB)).plan.optimizer for gb in (40, 28, 24, 18, 16, 12)]
+    picks = [choose_plan(req, Budget(gb * GIB)).plan.optimizer for gb in (40, 28, 23, 17, 16, 11)]
     assert picks == ["adamw", "adamw_8bit", "adamw_in_backward", "galore_adamw_8bit", "apollo_adamw_layerwise",
                      "galore_adamw_8bit_layerwise"], picks
 
@@ -257,7 +257,8 @@ def test_llama_8b_full_fine_tuning_plans_on_24_gib_with_layerwise_8bit_galore():
     req = PlanRequest(spec, seq_len=2048, batch_size=1, lora=False, offload="none")
     c = choose_plan(req, Budget(24 * GIB))
     assert c.fits and c.plan.optimizer == "galore_adamw_8bit_layerwise"
-    assert (c.plan.grad_accum, c.plan.gradient_checkpointing, c.plan.loss) == (1, True, "chunked")
+    # the standard loss: with the allocator's 1.5% on the weights and state it fits without chunks
+    assert (c.plan.grad_accum, c.plan.gradient_checkpointing, c.plan.loss) == (1, True, "standard")
     assert c.chosen.estimate.peak_moment == "backward_start"
     assert c.chosen.estimate.breakdown["gradients"] == 0
     assert 21 * GIB < c.chosen.peak_bytes <= Budget(24 * GIB).usable_bytes

@@ -25,7 +25,9 @@ def test_the_default_chunk_when_it_fits_and_the_largest_that_fits_when_not():
     s = _setup()
     roomy = Budget(24 * GIB)
     assert sized_loss_chunk(s, roomy, estimate_memory).loss_chunk_tokens == CHUNK_TOKENS
-    tight = Budget(int(7.8 * GIB))  # an 8 GB card as sold: 1024-token chunks do not fit at 540 tokens
+    # 7.5 GiB (7.13 after the margin): 1024-token chunks do not fit at 540 tokens (an 8 GB card as
+    # sold, 7.8 GiB, holds them since the allocator's slack on the weights is 1.5%)
+    tight = Budget(int(7.5 * GIB))
     assert not fits_budget(estimate_memory(s), tight)
     sized = sized_loss_chunk(s, tight, estimate_memory)
     assert sized.loss_chunk_tokens == 256 and fits_budget(estimate_memory(sized), tight)
