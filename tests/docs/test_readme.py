@@ -1,6 +1,6 @@
 """The README and docs/: the recipe reference equals `lowvram keys`, every command is exercised,
 the figures quoted from `lowvram plan` are what it prints, the links lead somewhere, and the
-README stays a page (300 lines at most)."""
+README stays a page (310 lines at most: the long-context and full fine-tuning tables included)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_readme_has_commands():
 
 def test_readme_is_a_page():
     """The README is for users, about 250 lines; the depth is in docs/."""
-    assert len(README.splitlines()) <= 300
+    assert len(README.splitlines()) <= 310
 
 
 def _anchors(text: str) -> set[str]:
