@@ -202,6 +202,22 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
     )
 
 
+def _forget_bitsandbytes_overrides() -> None:
+    """Start a Trainer with none of bitsandbytes' per-parameter overrides. Its GlobalOptimManager is
+    one per process: the Trainer registers every Embedding weight for 32-bit state
+    (Trainer.create_optimizer), and an 8-bit optimizer's first step records that override by
+    position, index2config[(group, index)] (bitsandbytes optim/optimizer.py check_overrides). A
+    second Trainer in the same process (train_with_recovery's re-plan after an OOM, a test after a
+    test) then gave 32-bit state to whatever sat at that position: with the layerwise 8-bit forms
+    (one optimizer a parameter, each at (0, 0)) every parameter's. A new process starts empty;
+    this makes a new Trainer start the same."""
+    import sys
+
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is not None:
+        bnb.optim.GlobalOptimManager.get_instance().initialize()
+
+
 def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard",
                   loss_chunk_tokens: int = CHUNK_TOKENS, optimizer: str = "adamw"):
     """The Hugging Face Trainer over a DataBundle (lowvram.train.data); ``loss`` is plan.loss
@@ -214,6 +230,7 @@ def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "sta
 
     from lowvram.train.preference import build_preference_trainer, is_preference_config
 
+    _forget_bitsandbytes_overrides()
     if is_preference_config(args):  # training.objective dpo/orpo/simpo: TRL's trainer, its collator
         return build_preference_trainer(loaded, bundle, args, callbacks)
     if loss == "chunked":

@@ -43,8 +43,10 @@ def test_with_it_a_tensor_it_does_not_project_steps_as_bitsandbytes_adamw8bit(mo
     from galore_torch import GaLoreAdamW8bit
 
     from lowvram.train.galore_cpu import allow_cpu_step
+    from lowvram.train.trainer import _forget_bitsandbytes_overrides
 
     _restore_step(monkeypatch)
+    _forget_bitsandbytes_overrides()  # an earlier test's Trainer may have left (0, 0) at 32 bit
     assert allow_cpu_step() and allow_cpu_step()  # idempotent: wrapped once
     assert not getattr(GaLoreAdamW8bit.step.__wrapped__, "_lowvram_cpu_step", False)
     torch.manual_seed(0)
@@ -111,3 +113,26 @@ def test_the_trainer_builds_and_steps_the_layerwise_form_on_the_cpu(tmp_path):
     assert all(p.grad is None for p in model.parameters())  # each stepped and dropped in its hook
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert len(opt.optimizer_dict) == len(before)
+
+
+def test_a_new_trainer_forgets_the_last_ones_32_bit_override_by_position():
+    """bitsandbytes records the Trainer's 32-bit Embedding override by position (group, index) in a
+    process-wide manager: left there, every later 8-bit optimizer's first parameter got 32-bit state
+    (the layerwise forms: all of them). build_trainer clears it first, as a new process starts."""
+    import bitsandbytes as bnb
+
+    from lowvram.train.trainer import _forget_bitsandbytes_overrides
+
+    def first_state_dtype():
+        p = torch.nn.Parameter(torch.randn(128, 64))  # 8192 elements: 8-bit (min_8bit_size 4096)
+        opt = bnb.optim.AdamW8bit([p])
+        p.grad = torch.randn_like(p)
+        opt.step()
+        return opt.state[p]["state1"].dtype
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.index2config[(0, 0)] = {"optim_bits": 32}  # what check_overrides leaves after a Trainer
+    manager.uses_config_override = True
+    assert first_state_dtype() == torch.float32
+    _forget_bitsandbytes_overrides()
+    assert first_state_dtype() == torch.uint8
