@@ -219,27 +219,36 @@ def test_qwen2_5_vl_saved_by_transformers_reads_the_same():
         b.vision, b.hidden_size, b.num_layers, b.num_kv_heads, b.qkv_bias, b.vocab_size)
 
 
-_QWEN_ADVERTISED = {"qwen2.5-vl-3b": 3.75e9, "qwen2.5-vl-7b": 8.29e9,
-                    "qwen2.5-vl-72b": 73.4e9}
+# catalog name -> (the model card's parameters, the digits it gives them to, the published
+# mrope_section, the class transformers builds)
+_QWEN_VL_ADVERTISED = {
+    "qwen2.5-vl-3b": (3.75e9, 2, [16, 24, 24], "Qwen2_5_VLForConditionalGeneration"),
+    "qwen2.5-vl-7b": (8.29e9, 2, [16, 24, 24], "Qwen2_5_VLForConditionalGeneration"),
+    "qwen2.5-vl-72b": (73.4e9, 1, [16, 24, 24], "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3-vl-2b": (2.13e9, 2, [24, 20, 20], "Qwen3VLForConditionalGeneration"),
+    "qwen3-vl-4b": (4.44e9, 2, [24, 20, 20], "Qwen3VLForConditionalGeneration"),
+    "qwen3-vl-8b": (8.77e9, 2, [24, 20, 20], "Qwen3VLForConditionalGeneration"),
+    "qwen3-vl-32b": (33.4e9, 1, [24, 20, 20], "Qwen3VLForConditionalGeneration"),
+}
 
 
-@pytest.mark.parametrize("name", sorted(_QWEN_ADVERTISED))
-def test_catalog_qwen2_5_vl_entries_count_what_transformers_builds(name):
-    """The catalog's Qwen2.5-VL entries: the model check.builders' config builds (meta) has the
-    planner's parameters exactly, and the model card's figure to its precision."""
+@pytest.mark.parametrize("name", sorted(_QWEN_VL_ADVERTISED))
+def test_catalog_qwen_vl_entries_count_what_transformers_builds(name):
+    """The catalog's Qwen2.5-VL and Qwen3-VL entries: the model check.builders' config builds
+    (meta) has the planner's parameters exactly, and the model card's figure to its precision."""
     from lowvram.check.builders import hf_config
     from lowvram.plan.catalog import resolve_model
     from lowvram.plan.models import model_numel
 
+    advertised, digits, split, cls = _QWEN_VL_ADVERTISED[name]
     spec = resolve_model(name)
     cfg = hf_config(spec)
-    assert cfg.text_config.rope_parameters["mrope_section"] == [16, 24, 24]  # the published split
+    assert cfg.text_config.rope_parameters["mrope_section"] == split  # the published split
     with torch.device("meta"):
         m = transformers.AutoModelForImageTextToText.from_config(cfg)
-    assert type(m).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert type(m).__name__ == cls
     assert model_numel(spec) == sum(p.numel() for p in m.parameters())
-    digits = 2 if name in ("qwen2.5-vl-3b", "qwen2.5-vl-7b") else 1
-    assert round(model_numel(spec) / 1e9, digits) == round(_QWEN_ADVERTISED[name] / 1e9, digits)
+    assert round(model_numel(spec) / 1e9, digits) == round(advertised / 1e9, digits)
     assert resolve_model(spec.hf_id) == spec
 
 
@@ -349,30 +358,6 @@ def test_qwen3_vl_saved_by_transformers_reads_the_same_and_ties_by_the_top_level
         m = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model(**untold))
     assert m.lm_head.weight is not m.model.language_model.embed_tokens.weight
     assert spec_from_config(untold, "x").tie_word_embeddings is False
-
-
-_QWEN3_ADVERTISED = {"qwen3-vl-2b": 2.13e9, "qwen3-vl-4b": 4.44e9, "qwen3-vl-8b": 8.77e9,
-                     "qwen3-vl-32b": 33.4e9}
-
-
-@pytest.mark.parametrize("name", sorted(_QWEN3_ADVERTISED))
-def test_catalog_qwen3_vl_entries_count_what_transformers_builds(name):
-    """The catalog's Qwen3-VL entries: the model check.builders' config builds (meta) has the
-    planner's parameters exactly, and the model card's figure to its precision."""
-    from lowvram.check.builders import hf_config
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.models import model_numel
-
-    spec = resolve_model(name)
-    cfg = hf_config(spec)
-    assert cfg.text_config.rope_parameters["mrope_section"] == [24, 20, 20]  # the published split
-    with torch.device("meta"):
-        m = transformers.AutoModelForImageTextToText.from_config(cfg)
-    assert type(m).__name__ == "Qwen3VLForConditionalGeneration"
-    assert model_numel(spec) == sum(p.numel() for p in m.parameters())
-    digits = 1 if name == "qwen3-vl-32b" else 2
-    assert round(model_numel(spec) / 1e9, digits) == round(_QWEN3_ADVERTISED[name] / 1e9, digits)
-    assert resolve_model(spec.hf_id) == spec
 
 
 def test_qwen3_vl_packs_its_samples_apart():
