@@ -197,43 +197,39 @@ def test_a_vision_checkpoint_is_simulated_and_agrees_with_the_plan(tmp_path, fam
     assert abs(d["simulated"]["difference"]) < 0.02, d["simulated"]
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_a_qwen2_5_vl_config_is_planned_and_simulated_alike(tmp_path, method):
-    """Qwen2.5-VL's flat config.json (the language model's keys at the top level): planned with
-    model.visual counted (weights + the axial rotary's two fp32 inv_freq buffers) and simulated
-    without a refusal; the two agree within 2%."""
-    cfg = dict(model_type="qwen2_5_vl", **{k: v for k, v in _VISION_TEXT.items() if k != "head_dim"},
-               rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
-               vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4,
-                                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                                  out_hidden_size=_VISION_TEXT["hidden_size"]))
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    d = _plan_json("--model", str(tmp_path), "--vram", "1GB", "--method", method, "--seq-len", "256",
-                   "--batch-size", "2")
-    v = d["vision"]
-    assert v["tower"] == "qwen2_5_vl" and v["trainable"] is False and v["quantized"] is False
-    w = 2 if d["techniques"]["mixed_precision"] in ("bf16", "fp16") else 4
-    assert v["weight_bytes"] == v["parameters"] * w + 2 * 4 * 4  # inv_freq + original: vision head_dim 16 / 4 each
-    assert d["simulated"]["parameters"] == d["parameters"]
-    assert abs(d["simulated"]["difference"]) < 0.02, d["simulated"]
+def _qwen2_5_vl_config() -> dict:
+    """Qwen2.5-VL's flat config.json: the language model's keys at the top level."""
+    return dict(model_type="qwen2_5_vl", **{k: v for k, v in _VISION_TEXT.items() if k != "head_dim"},
+                rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
+                vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4,
+                                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                                   out_hidden_size=_VISION_TEXT["hidden_size"]))
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_a_qwen3_vl_config_is_planned_and_simulated_alike(tmp_path, method):
-    """Qwen3-VL's nested config.json: planned with model.visual counted (weights, its learned
-    position grid, the deepstack mergers, the axial rotary's two fp32 buffers) and simulated
-    without a refusal; the two agree within 2%."""
+def _qwen3_vl_config() -> dict:
+    """Qwen3-VL's nested config.json, with its learned position grid and deepstack mergers."""
     text = dict(model_type="qwen3_vl_text", **_VISION_TEXT,
                 rope_scaling={"rope_type": "default", "mrope_section": [8, 4, 4], "mrope_interleaved": True})
-    cfg = dict(model_type="qwen3_vl", text_config=text,
-               vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16,
-                                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
-                                  deepstack_visual_indexes=[0, 1], out_hidden_size=_VISION_TEXT["hidden_size"]))
+    return dict(model_type="qwen3_vl", text_config=text,
+                vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16,
+                                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                                   deepstack_visual_indexes=[0, 1], out_hidden_size=_VISION_TEXT["hidden_size"]))
+
+
+@pytest.mark.parametrize(("config", "method"), [
+    (_qwen2_5_vl_config, "lora"), (_qwen2_5_vl_config, "qlora"),
+    (_qwen3_vl_config, "lora"), (_qwen3_vl_config, "full"),
+])
+def test_a_qwen_vl_config_is_planned_and_simulated_alike(tmp_path, config, method):
+    """A Qwen2.5-VL or Qwen3-VL config.json: planned with model.visual counted (weights + the
+    axial rotary's two fp32 inv_freq buffers; Qwen3-VL's position grid and deepstack mergers are
+    parameters) and simulated without a refusal; the two agree within 2%."""
+    cfg = config()
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     d = _plan_json("--model", str(tmp_path), "--vram", "1GB", "--method", method, "--seq-len", "256",
                    "--batch-size", "2")
     v = d["vision"]
-    assert v["tower"] == "qwen3_vl" and v["trainable"] is False and v["quantized"] is False
+    assert v["tower"] == cfg["model_type"] and v["trainable"] is False and v["quantized"] is False
     w = 2 if d["techniques"]["mixed_precision"] in ("bf16", "fp16") else 4
     assert v["weight_bytes"] == v["parameters"] * w + 2 * 4 * 4  # inv_freq + original: vision head_dim 16 / 4 each
     assert d["simulated"]["parameters"] == d["parameters"]

@@ -14,6 +14,7 @@ from lowvram.plan.catalog import resolve_model
 from lowvram.plan.memory import estimate_memory
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import optimizer_bytes, optimizer_step_temp_bytes
+from tests.plan.stepping import measure_steps
 from tests.plan.test_galore import TINY, _state_bytes_after_one_step
 
 LLAMA = resolve_model("llama-3.2-1b")
@@ -58,23 +59,14 @@ def test_one_apollo_step_makes_what_the_plan_counts(shape, dtype):
     import torch
     from apollo_torch import APOLLOAdamW
 
-    from lowvram.livebytes import LiveBytes
     from lowvram.plan.optimizers import _step_temps
 
     dt = getattr(torch, dtype)
     p = torch.nn.Parameter(torch.randn(*shape, dtype=dt))
     opt = APOLLOAdamW([{"params": [p], "rank": 8, "proj": "random", "scale_type": "channel",
                         "update_proj_gap": 200, "scale": 1.0, "proj_type": "std"}], lr=1e-3)
-    peaks = []
-    for _ in range(2):
-        p.grad = torch.randn_like(p)
-        tracker = LiveBytes()
-        tracker.register(p, p.grad, opt)
-        with tracker:
-            before = tracker.current_bytes
-            opt.step()
-            new_state = tracker.current_bytes - before
-        peaks.append(tracker.peak_bytes - before - new_state)
+    # each step's peak above what it keeps (the state made at the first)
+    peaks = [m.peak - m.after for m in measure_steps(p, opt, 2)]
     w = 4 if dtype == "float32" else 2
     planned = _step_temps(RunSetup(TINY, optimizer="apollo_adamw", galore_rank=8), w, shape, True)
     assert max(peaks) == planned

@@ -15,6 +15,7 @@ from lowvram.plan.memory import estimate_memory
 from lowvram.plan.models import block_linears
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.states import optimizer_bytes
+from tests.plan.stepping import measure_steps
 
 LLAMA = resolve_model("llama-3.2-1b")
 # q,k,v,o + gate/up/down of a 2-layer Llama (h 64, kv 32, I 160): some projections wider than
@@ -119,7 +120,6 @@ def test_one_8bit_galore_step_makes_what_the_plan_counts(shape, dtype, rank):
     import torch
     from galore_torch import GaLoreAdamW8bit
 
-    from lowvram.livebytes import LiveBytes
     from lowvram.plan.optimizers import _projected_shape, _step_temps
     from lowvram.train.galore_cpu import allow_cpu_step
 
@@ -129,18 +129,11 @@ def test_one_8bit_galore_step_makes_what_the_plan_counts(shape, dtype, rank):
 
     def second_step(group: dict) -> int:
         p = torch.nn.Parameter(torch.randn(*shape, dtype=dt))
-        opt = GaLoreAdamW8bit([{"params": [p], **group}])
-        for _ in range(2):
-            p.grad = torch.randn_like(p)
-            tracker = LiveBytes()
-            tracker.register(p, p.grad, opt)
-            with tracker:
-                before = tracker.current_bytes
-                opt.step()
+        second = measure_steps(p, GaLoreAdamW8bit([{"params": [p], **group}]), 2)[-1]
         # afterwards the projected gradient is p.grad, the full one dropped (the hook's zero_grad drops it)
         projected = w * pm * pn if group else w * p.numel()
-        assert tracker.current_bytes == before - w * p.numel() + projected
-        return tracker.peak_bytes - before
+        assert second.after == second.before - w * p.numel() + projected
+        return second.peak - second.before
 
     target = {"rank": rank, "scale": 0.25, "proj_type": "std"}
     steady, renewal = (second_step({**target, "update_proj_gap": gap}) for gap in (200, 1))

@@ -385,10 +385,8 @@ def test_dpo_oom_replans_and_resumes_as_sft(tmp_path, tiny_model_dir, monkeypatc
     same recover loop, tests/train/test_recover.py): an OOM at step 1 on an emulated card retries
     with micro-batch 2 x 2 from the start; an OOM in step 3 resumes from checkpoint-2; both end at
     the uninterrupted run's loss (the same effective batch, TRL's same pairs)."""
-    import torch
-    from transformers import TrainerCallback
-
-    from lowvram.train import oom, signals
+    from lowvram.train import oom
+    from tests.train.test_recover import raise_oom_in_step_3
 
     for name in ("ref", "card", "step3"):
         (tmp_path / name).mkdir()
@@ -401,13 +399,7 @@ def test_dpo_oom_replans_and_resumes_as_sft(tmp_path, tiny_model_dir, monkeypatc
     assert len(m["rewards_margins_history"]) == 4
     monkeypatch.delenv(oom.EMULATE_ENV)
 
-    class OomInStep3(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == 2 and args.per_device_train_batch_size == 4:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    make = signals.make_callbacks
-    monkeypatch.setattr(signals, "make_callbacks", lambda stop: [*make(stop), OomInStep3()])
+    raise_oom_in_step_3(monkeypatch)
     m = _train(tmp_path / "step3", _oom_recipe(tiny_model_dir))
     assert m["oom_retries"][0]["step"] == 3 and m["oom_retries"][0]["resumed_from"].endswith("checkpoint-2")
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4

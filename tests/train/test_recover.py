@@ -125,18 +125,24 @@ def test_oom_on_emulated_card_retries_with_a_smaller_micro_batch(tmp_path, tiny_
     assert m["train_loss"] == pytest.approx(reference["train_loss"], abs=1e-4)
 
 
-def test_oom_after_a_checkpoint_resumes_from_it(tmp_path, tiny_model_dir, monkeypatch, reference):
-    """An OOM in step 3 (as a longer batch would cause): the retry continues from checkpoint-2."""
+def raise_oom_in_step_3(monkeypatch, micro_batch_size: int = 4) -> None:
+    """Every Trainer made from now on raises CUDA's OOM as step 3 begins while its micro-batch is
+    ``micro_batch_size`` (as a longer batch would): the retry, at a smaller one, gets past it."""
     import torch
     from transformers import TrainerCallback
 
     class OomInStep3(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == 2 and args.per_device_train_batch_size == 4:
+            if state.global_step == 2 and args.per_device_train_batch_size == micro_batch_size:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     make = signals.make_callbacks
     monkeypatch.setattr(signals, "make_callbacks", lambda stop: [*make(stop), OomInStep3()])
+
+
+def test_oom_after_a_checkpoint_resumes_from_it(tmp_path, tiny_model_dir, monkeypatch, reference):
+    """An OOM in step 3 (as a longer batch would cause): the retry continues from checkpoint-2."""
+    raise_oom_in_step_3(monkeypatch)
     recipe = write_recipe(tmp_path, tiny_model_dir, steps=4, save_steps=2)
     result = train(str(recipe))
     assert result.exit_code == 0, result.output

@@ -18,6 +18,32 @@ def _case(family: str, method: str, **kw) -> Case:
     return Case(**{**base, **kw})
 
 
+def _assert_only_the_text_model_trained(run, base, method: str, tower_markers: tuple[str, ...],
+                                        class_name: str | None = None) -> list[str]:
+    """Full fine-tuning left every tower tensor (a state_dict key with one of ``tower_markers``)
+    as it was in ``base``; LoRA and QLoRA saved no adapter on one. Returns the adapter's keys
+    (empty under full fine-tuning)."""
+    def tower(folder):
+        from lowvram.train.model import model_class
+
+        m = model_class(True).from_pretrained(folder)
+        if class_name:
+            assert type(m).__name__ == class_name
+        return {k: v for k, v in m.state_dict().items() if any(t in k for t in tower_markers)}
+
+    if method == "full":
+        trained, before = tower(run), tower(base)
+        assert trained and trained.keys() == before.keys()
+        assert all(torch.equal(trained[k], before[k]) for k in trained)  # not trained
+        return []
+    from safetensors import safe_open
+
+    with safe_open(str(run / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not [k for k in keys if any(t in k for t in tower_markers)]
+    return keys
+
+
 @pytest.mark.parametrize("family, method", [("gemma3", "lora"), ("llava", "qlora"), ("gemma3", "full")])
 def test_text_recipe_trains_at_its_plan_with_the_tower_frozen(tmp_path, family, method):
     out = run_case(_case(family, method), tmp_path)
@@ -25,22 +51,7 @@ def test_text_recipe_trains_at_its_plan_with_the_tower_frozen(tmp_path, family, 
     assert out.ok, (out.measured_bytes, out.predicted_bytes, out.ratio)
     run = tmp_path / "run"
     plan = json.loads((run / "plan.json").read_text())
-    if method == "full":
-        from lowvram.train.model import model_class
-
-        def tower(folder):
-            m = model_class(True).from_pretrained(folder)
-            return {k: v for k, v in m.state_dict().items() if "vision_tower" in k}
-
-        trained, before = tower(run), tower(tmp_path / "model")
-        assert trained and trained.keys() == before.keys()
-        assert all(torch.equal(trained[k], before[k]) for k in trained)  # not trained
-    else:
-        from safetensors import safe_open
-
-        with safe_open(str(run / "adapter_model.safetensors"), "pt") as f:
-            keys = list(f.keys())
-        assert keys and not [k for k in keys if "vision_tower" in k or "multi_modal_projector" in k]
+    _assert_only_the_text_model_trained(run, tmp_path / "model", method, ("vision_tower", "multi_modal_projector"))
     assert plan["lora"] == (method != "full")
 
 
@@ -111,23 +122,9 @@ def test_qwen_vl_text_recipe_trains_at_its_plan_with_model_visual_frozen(tmp_pat
     run = tmp_path / "run"
     plan = json.loads((run / "plan.json").read_text())
     assert "vision tower" in plan["reasons"]["tiled_mlp"]  # planned with model.visual loaded
-    if method == "full":
-        from lowvram.train.model import model_class
-
-        def visual(folder):
-            m = model_class(True).from_pretrained(folder)
-            assert type(m).__name__ == _QWEN_VL_CLASSES[family]
-            return {k: v for k, v in m.state_dict().items() if "visual" in k}
-
-        trained, before = visual(run), visual(tmp_path / "model")
-        assert trained and trained.keys() == before.keys()
-        assert all(torch.equal(trained[k], before[k]) for k in trained)  # not trained
-    else:
-        from safetensors import safe_open
-
-        with safe_open(str(run / "adapter_model.safetensors"), "pt") as f:
-            keys = list(f.keys())
-        assert keys and not [k for k in keys if "visual" in k]
+    keys = _assert_only_the_text_model_trained(run, tmp_path / "model", method, ("visual",),
+                                               _QWEN_VL_CLASSES[family])
+    if method != "full":
         assert [k for k in keys if "mlp.gate_proj" in k]  # the language model's are adapted
 
 
