@@ -160,6 +160,36 @@ lora: {{r: {lora_r}, alpha: {2 * lora_r}}}
     return path
 
 
+def fixed_recipe(folder: Path, model_dir: Path, setup, steps: int, seq_len: int, extra: str = "") -> Path:
+    """A recipe for ``model_dir`` with every technique of the plan ``setup`` (a RunSetup) fixed,
+    none auto: a real-size plan's choices replayed on a scaled model. Batch 1 x seq_len (one packed
+    window per step, this bench's data); ``extra``: further YAML sections (``lora:``, ``galore:``)."""
+    on = {True: '"on"', False: '"off"'}
+    if not (folder / "data.jsonl").exists():
+        write_data(folder / "data.jsonl", rows=4 * (steps + 2), seq_len=seq_len)
+    path = folder / "recipe.yaml"
+    path.write_text(f"""\
+model: {{name_or_path: {model_dir}, dtype: bfloat16}}
+data:
+  datasets: [{{path: data.jsonl, format: text}}]
+  packing: true
+training: {{max_steps: {steps}, batch_size: 1, micro_batch_size: 1, seq_len: {seq_len},
+           learning_rate: 1.0e-4, logging_steps: 1, save_steps: 1000, output_dir: out}}
+techniques:
+  mixed_precision: {setup.precision}
+  gradient_checkpointing: {on[setup.gradient_checkpointing]}
+  activation_offload: {on[setup.activation_offload]}
+  lora: {on[setup.lora]}
+  quantization: {'"off"' if setup.quantization == "none" else setup.quantization}
+  optimizer: {setup.optimizer}
+  loss: {setup.loss}
+  attention: {setup.attention}
+  tiled_mlp: {on[setup.tiled_mlp]}
+  offload: "off"
+{extra}""")
+    return path
+
+
 # --------------------------------------------------------------------------------------------
 # One cell
 

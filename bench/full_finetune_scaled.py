@@ -67,28 +67,7 @@ def scaled_recipe(folder: Path, setup, rank: int, steps: int, seq_len: int) -> P
     ec = _emulated_cards()
     _name, _real, shape = ec.MODELS[2]
     model_dir = ec.save_model(folder / "model", shape, max_positions=seq_len)
-    ec.write_data(folder / "data.jsonl", rows=4 * (steps + 2), seq_len=seq_len)
-    path = folder / "recipe.yaml"
-    path.write_text(f"""\
-model: {{name_or_path: {model_dir}, dtype: bfloat16}}
-data:
-  datasets: [{{path: data.jsonl, format: text}}]
-  packing: true
-training: {{max_steps: {steps}, batch_size: 1, micro_batch_size: 1, seq_len: {seq_len},
-           learning_rate: 1.0e-4, logging_steps: 1, save_steps: 1000, output_dir: out}}
-techniques:
-  mixed_precision: {setup.precision}
-  gradient_checkpointing: {"on" if setup.gradient_checkpointing else "off"}
-  lora: "off"
-  quantization: "off"
-  optimizer: {setup.optimizer}
-  loss: {setup.loss}
-  attention: {setup.attention}
-  tiled_mlp: "{"on" if setup.tiled_mlp else "off"}"
-  offload: "off"
-galore: {{rank: {rank}}}
-""")
-    return path
+    return ec.fixed_recipe(folder, model_dir, setup, steps, seq_len, extra=f"galore: {{rank: {rank}}}\n")
 
 
 def main() -> int:

@@ -169,6 +169,20 @@ SHARE_BLOCK_NORMS = FittedConstant(
     "under their plans with them): the three were 10-13% off",
     "300 fuzz seeds within target", "200 fresh held-out seeds (bench/results/plan_fuzz_heldout*.txt)")
 
+PRE_NORM_BACKWARD_TEMPORARIES = FittedConstant(
+    "PRE_NORM_BACKWARD_TEMPORARIES", 5, "one hidden-state gradient + 5 fp32 t x h",
+    "a Llama-style block (two norms, before attention and MLP) with a tiled MLP: once TiledMLP's "
+    "backward is done, the RMSNorm before the MLP runs its backward in fp32 (LlamaRMSNorm: "
+    "x.float(), x * rsqrt(x.pow(2).mean(-1) + eps), the weight applied in the input dtype) beside "
+    "the attention side's saved tensors: 5 fp32 temporaries (mul, mul, pow, mul.Scalar, "
+    "div.Scalar) and one 16-bit hidden-state gradient seen at the peak",
+    "tiled.pre_mlp_norm_backward_delta",
+    "the live-bytes tracker's dump of the context table's 16 GB plan at 1/16 width "
+    "(bench/long_context_scaled.py: Llama 8B/1024 QLoRA bf16, checkpointing, tiled MLP, packed, "
+    "2,960 tokens), 4.6% over its plan without this moment",
+    "bench/long_context_scaled.py's rows (bench/results/long_context_scaled.txt)",
+    "tiled held-out seeds (bench/results/plan_fuzz_tiled_heldout*.txt)")
+
 POST_NORM_BACKWARD_TEMPORARIES = FittedConstant(
     "POST_NORM_BACKWARD_TEMPORARIES", 6, "incoming gradient + 6 fp32 t x h",
     "a block that ends with a norm (OLMo-2, LoRA): that RMSNorm's backward in fp32 beside the "

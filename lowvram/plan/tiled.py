@@ -169,17 +169,23 @@ def pre_mlp_norm_backward_delta(setup: RunSetup) -> int | None:
     peaked at the pow backward's mul there, 3.94% over a plan without it: x_grad, the residual
     gradient and 6 fp32 (2048, 128) temporaries (mul x3, div.Scalar, pow, mul.Scalar).
 
-    Gemma-2/3's four-norm block only: in a Llama-style block (two norms) the same instant is
-    covered by the layer's other terms, which count more than is alive there (held-out tiled seed
-    45, Mistral LoRA fp32 with checkpointing, peaked at this norm's backward 4.68% under the plan
-    without this moment; with it, counted as here, 15.1% under)."""
+    A Llama-style block (two norms, both before; LlamaRMSNorm applies its weight in the input
+    dtype, so one fp32 product fewer) makes less there: one hidden-state gradient and
+    constants.PRE_NORM_BACKWARD_TEMPORARIES fp32 t x h, and frees only x. Measured: the context
+    table's 16 GB plan at 1/16 width (bench/long_context_scaled.py: Llama QLoRA bf16, packed,
+    2,960 tokens) peaked there, 4.6% over its plan without this moment: 5 fp32 (2960, 256)
+    temporaries and a bf16 gradient beside the recomputed attention side and its (2960, 2960)
+    mask. Counted the Gemma way it put held-out tiled seed 45 (Mistral LoRA fp32 with
+    checkpointing) 15.1% under its peak."""
     spec = setup.model
-    if not setup.tiled_mlp or spec.norms_per_layer != 4:  # OLMo-2 (norms after, none before): 2
+    if not setup.tiled_mlp or spec.norm_after or spec.norms_per_layer not in (2, 4):  # OLMo-2: none before
         return None
     r, _, _ = activations.dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
     h = spec.hidden_size
     freed = _x_bytes(setup)
+    if spec.norms_per_layer == 2:
+        return (r + fitted.PRE_NORM_BACKWARD_TEMPORARIES.value * 4) * t * h - freed
     normed = 0 if setup.lora else activations.normed_bytes(setup) * h  # the post-MLP norm's saved
     freed += t * (4 * h + 4 + normed)
     made = (2 * r + fitted.POST_NORM_BACKWARD_TEMPORARIES.value * 4) * t * h
