@@ -150,15 +150,15 @@ def run_cuda_row(row, steps: int, work: Path) -> dict:  # pragma: no cover - nee
 
 
 def table(results: list[dict], unit: float, unit_name: str) -> str:
-    head = (f"{'card':>6}  {'real len':>8}  {'run len':>7}  {'r':>2}  {'plan':70}  "
-            f"{'planned':>10}  {'measured':>10}  {'error':>7}  ok")
-    lines = [head, "-" * len(head)]
+    head = (f"{'card':>6}  {'real len':>8}  {'run len':>7}  {'r':>2}  {'planned':>10}  {'measured':>10}  "
+            f"{'error':>7}  {'ok':3}  plan")
+    lines = [head, "-" * 100]
     for r in results:
         measured = "-" if r["measured"] is None else f"{r['measured'] / unit:.3f}"
         error = "-" if r["ratio"] is None else f"{r['ratio']:+.2%}"
         ok = "yes" if r["ok"] else ("OOM" if r["oom"] else "NO")
-        lines.append(f"{r['card']:>6}  {r['real_len']:>8,}  {r['seq_len']:>7,}  {r['rank']:>2}  {r['plan'][:70]:70}  "
-                     f"{r['predicted'] / unit:>10.3f}  {measured:>10}  {error:>7}  {ok}")
+        lines.append(f"{r['card']:>6}  {r['real_len']:>8,}  {r['seq_len']:>7,}  {r['rank']:>2}  "
+                     f"{r['predicted'] / unit:>10.3f}  {measured:>10}  {error:>7}  {ok:3}  {r['plan']}")
     good = sum(r["ok"] for r in results)
     lines += ["", f"planned / measured in {unit_name}; error = measured / planned - 1; {good} of {len(results)} "
               "within the plan-truth target (measured <= plan +3%, |error| <= 10%) without OOM"]
