@@ -71,6 +71,7 @@ class Case:
     lora_targets: tuple[str, ...] | str = "all-linear"
     lora_dropout: float = 0.0
     use_dora: bool = False  # lora.use_dora (drawn by random_case(..., extended=True) only)
+    lora_init: str = "default"  # lora.init (random_case(..., pissa=share), made_pissa)
     galore_rank: int = 128  # galore.rank, with a GaLore optimizer (extended draws, made_galore)
     precision: str = "fp32"
     model_dtype: str = "auto"
@@ -120,7 +121,8 @@ class Case:
         if self.method != "full":
             t = self.lora_targets if isinstance(self.lora_targets, str) else ",".join(self.lora_targets)
             bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else "")
-                        + (" dora" if self.use_dora else ""))
+                        + (" dora" if self.use_dora else "")
+                        + (f" {self.lora_init}" if self.lora_init != "default" else ""))
         bits += [self.precision] + ([f"dtype {self.model_dtype}"] if self.model_dtype != "auto" else [])
         bits += (["ckpt"] if self.gradient_checkpointing else [])
         bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer.startswith(("galore", "apollo")) else ""))
@@ -615,6 +617,8 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
             t["lora"]["dropout"] = case.lora_dropout
         if case.use_dora:
             t["lora"]["use_dora"] = True
+        if case.lora_init != "default":
+            t["lora"]["init"] = case.lora_init
     import yaml
 
     return yaml.safe_dump(t, sort_keys=False)
