@@ -305,6 +305,19 @@ def _extend(case: Case, rng: random.Random) -> Case:
     return case
 
 
+def made_pissa(case: Case) -> Case | None:
+    """An adapter recipe made a lora.init PiSSA run (plan/lora_init.py), full or fast SVD drawn from
+    a stream of its own: QLoRA made LoRA (PiSSA needs a float base), no DoRA; None for full
+    fine-tuning, fused MoE experts and an r above the narrowest adapted Linear (refused)."""
+    if case.method == "full" or (case.family in MOE_FAMILIES and case.lora_targets == "all-linear"):
+        return None
+    rng = random.Random(f"pissa-{case.seed}")
+    init = rng.choice(["pissa", "pissa", "pissa_niter_1", "pissa_niter_4"])
+    widths = [case.hidden, case.kv_heads * case.hidden // case.heads, case.intermediate]
+    r = min(case.lora_r, min(widths))
+    return replace(case, method="lora", use_dora=False, lora_init=init, lora_r=r)
+
+
 def made_galore(case: Case, layerwise: bool = False, eight_bit: bool = False) -> Case | None:
     """The case as a GaLore full fine-tuning run (bench/plan_fuzz.py --galore): optimizer
     galore_adamw, or galore_adamw_layerwise with gradient accumulation 1 (the batch in one
@@ -690,7 +703,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_FAMILIES", "MLLAMA_FAMILIES",
            "MULTIMODAL_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
            "made_apollo", "made_chunked", "made_galore", "made_images", "made_in_backward", "made_lomo",
-           "made_short_pairs", "made_tiled", "made_torchao",
+           "made_pissa", "made_short_pairs", "made_tiled", "made_torchao",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -73,9 +73,16 @@ def init_problems(setup: RunSetup) -> list[str]:
     it (empty when it can)."""
     if not setup.lora:
         return []
-    return init_conflicts(setup.lora_init, setup.quantization, setup.lora_use_dora,
-                          bool(moe.expert_adapters(setup.model, setup.lora_r, setup.lora_targets)),
-                          setup.gpus, setup.offload)
+    problems = init_conflicts(setup.lora_init, setup.quantization, setup.lora_use_dora,
+                              bool(moe.expert_adapters(setup.model, setup.lora_r, setup.lora_targets)),
+                              setup.gpus, setup.offload)
+    narrow = min((min(lin.d_in, lin.d_out) for lin in target_linears(setup)), default=setup.lora_r)
+    if is_svd_init(setup.lora_init) and setup.lora_r > narrow:
+        # pissa_init keeps min(d_out, d_in) singular triplets when r is larger: smaller adapters
+        # than planned (and torch.svd_lowrank refuses q > min(m, n))
+        problems.append(f"lora.init {setup.lora_init} needs lora.r <= {narrow}, the narrowest adapted Linear's "
+                        "smaller side (its SVD has no more singular vectors): lower lora.r or use lora.init default")
+    return problems
 
 
 def init_conflicts(init: str, quantization: str, use_dora: bool, expert_adapters: bool, gpus: int,
