@@ -30,8 +30,8 @@ at most half the adapters' bytes for 16-bit ones. Measured with the live-bytes t
 ``get_peft_model`` on tiny Llamas (tests/plan/test_lora_init.py): exact. Not counted: LAPACK's
 (CPU) or cuSOLVER's (CUDA) own workspace inside the SVD kernel, which no tensor op returns.
 
-Time: one SVD per adapted Linear (full: O(m n k) each, minutes on a 7B model's 224 Linears on a
-GPU, far longer on a CPU; fast: O(m n r N)), once, before the first step.
+Time: one SVD per adapted Linear (full: O(m n k) each, 224 of them on a 7-8B model; fast:
+O(m n r N)), once, before the first step.
 
 PiSSA needs a float base weight (peft raises TypeError on a 4/8-bit one: "re-quantize the
 residual model"): refused under quantization, as on fused MoE experts (peft's ParamWrapper
