@@ -382,11 +382,12 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     step = weights + optim + step_grads + buckets + optimizer_step_temp_bytes(setup)
     # lora.init pissa: an SVD per adapted Linear at model build, before any optimizer state or
     # activation (plan/lora_init.py)
-    init = weights + lora_init.init_bytes(setup) if lora_init.is_svd_init(setup.lora_init) and setup.lora else 0
-    if init > max(fb, step):
-        phase = peak_moment = "lora_init"
+    # (its working tensors net of the adapters not yet made or still 16-bit: lora_init.init_bytes)
+    init = Moment("lora_init", lora_init.init_bytes(setup)) if lora_init.is_svd_init(setup.lora_init) else None
+    if setup.lora and init is not None and weights + init.bytes > max(fb, step):
+        phase = peak_moment = init.name
         # the SVD's fp32 factors, product and residual: working copies of one weight
-        parts = dict(weights=init, gradients=0, optimizer=0, activations=0, logits=0)
+        parts = dict(weights=weights + init.bytes, gradients=0, optimizer=0, activations=0, logits=0)
     elif fb >= step:
         phase, peak_moment = "forward_backward", moment.name
         parts = dict(weights=live_weights, gradients=kept_grads, optimizer=optim, activations=acts,
