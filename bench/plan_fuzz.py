@@ -13,6 +13,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --tiled 1 --seeds 0:40 --families ten  # dense cases made tiled-MLP runs
     python bench/plan_fuzz.py --chunk 1 --seeds 0:3 --families ten   # the loss chunk sized to a budget
     python bench/plan_fuzz.py --extended      # also DoRA and GaLore (issue 27)
+    python bench/plan_fuzz.py --pissa --seeds 0:20 --families ten  # adapter recipes with lora.init PiSSA
     python bench/plan_fuzz.py --galore layerwise --families ten  # dense cases made layerwise GaLore runs
     python bench/plan_fuzz.py --galore 8bit --families ten  # dense cases made 8-bit GaLore runs (plain or layerwise)
     python bench/plan_fuzz.py --lomo --families ten  # every case made a LOMO full fine-tuning run
@@ -56,6 +57,7 @@ from lowvram.difftest import (  # noqa: E402
     made_images,
     made_in_backward,
     made_lomo,
+    made_pissa,
     made_short_pairs,
     made_torchao,
     preference_case,
@@ -119,6 +121,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=float, default=0.0,
                     help="share of recipes made chunked-loss runs whose chunk the plan sizes to a budget "
                          "(difftest.made_chunked: 128-512 tokens, --vram from difftest.chunk_budget)")
+    ap.add_argument("--pissa", action="store_true",
+                    help="adapter recipes made lora.init PiSSA runs (difftest.made_pissa; full fine-tuning skipped)")
     ap.add_argument("--preference", action="store_true",
                     help="draw preference recipes (lowvram.difftest.preference_case: dpo/orpo/simpo "
                          "through TRL) with the same models and techniques")
@@ -149,6 +153,7 @@ def main() -> int:
     families += " --in-backward" if args.in_backward else ""
     families += f" --apollo {args.apollo}" if args.apollo else ""
     families += " --images" if args.images else ""
+    families += " --pissa" if args.pissa else ""
     for seed in seeds:
         if args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
@@ -173,6 +178,10 @@ def main() -> int:
                 continue
         if args.images:
             case = made_images(case)
+        if args.pissa:
+            case = made_pissa(case)
+            if case is None:
+                continue
         if args.eager_checkpointing:
             case = replace(case, attention="eager", gradient_checkpointing=True)
         with tempfile.TemporaryDirectory() as d:

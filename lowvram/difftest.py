@@ -71,6 +71,7 @@ class Case:
     lora_targets: tuple[str, ...] | str = "all-linear"
     lora_dropout: float = 0.0
     use_dora: bool = False  # lora.use_dora (drawn by random_case(..., extended=True) only)
+    lora_init: str = "default"  # lora.init (random_case(..., pissa=share), made_pissa)
     galore_rank: int = 128  # galore.rank, with a GaLore optimizer (extended draws, made_galore)
     precision: str = "fp32"
     model_dtype: str = "auto"
@@ -120,7 +121,8 @@ class Case:
         if self.method != "full":
             t = self.lora_targets if isinstance(self.lora_targets, str) else ",".join(self.lora_targets)
             bits.append(f"r{self.lora_r} {t}" + (f" drop{self.lora_dropout}" if self.lora_dropout else "")
-                        + (" dora" if self.use_dora else ""))
+                        + (" dora" if self.use_dora else "")
+                        + (f" {self.lora_init}" if self.lora_init != "default" else ""))
         bits += [self.precision] + ([f"dtype {self.model_dtype}"] if self.model_dtype != "auto" else [])
         bits += (["ckpt"] if self.gradient_checkpointing else [])
         bits.append(self.optimizer + (f" r{self.galore_rank}" if self.optimizer.startswith(("galore", "apollo")) else ""))
@@ -301,6 +303,19 @@ def _extend(case: Case, rng: random.Random) -> Case:
     if case.method == "full" and not moe and not case.vision_layers and rng.random() < 0.5:
         case = replace(case, optimizer="galore_adamw", galore_rank=rng.choice([4, 8, 16, 32]))
     return case
+
+
+def made_pissa(case: Case) -> Case | None:
+    """An adapter recipe made a lora.init PiSSA run (plan/lora_init.py), full or fast SVD drawn from
+    a stream of its own: QLoRA made LoRA (PiSSA needs a float base), no DoRA; None for full
+    fine-tuning, fused MoE experts and an r above the narrowest adapted Linear (refused)."""
+    if case.method == "full" or (case.family in MOE_FAMILIES and case.lora_targets == "all-linear"):
+        return None
+    rng = random.Random(f"pissa-{case.seed}")
+    init = rng.choice(["pissa", "pissa", "pissa_niter_1", "pissa_niter_4"])
+    widths = [case.hidden, case.kv_heads * case.hidden // case.heads, case.intermediate]
+    r = min(case.lora_r, min(widths))
+    return replace(case, method="lora", use_dora=False, lora_init=init, lora_r=r)
 
 
 def made_galore(case: Case, layerwise: bool = False, eight_bit: bool = False) -> Case | None:
@@ -615,6 +630,8 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
             t["lora"]["dropout"] = case.lora_dropout
         if case.use_dora:
             t["lora"]["use_dora"] = True
+        if case.lora_init != "default":
+            t["lora"]["init"] = case.lora_init
     import yaml
 
     return yaml.safe_dump(t, sort_keys=False)
@@ -686,7 +703,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_FAMILIES", "MLLAMA_FAMILIES",
            "MULTIMODAL_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
            "made_apollo", "made_chunked", "made_galore", "made_images", "made_in_backward", "made_lomo",
-           "made_short_pairs", "made_tiled", "made_torchao",
+           "made_pissa", "made_short_pairs", "made_tiled", "made_torchao",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan import dora, images, moe, optimizers, preference, tiled
+from lowvram.plan import dora, images, lora_init, moe, optimizers, preference, tiled
 from lowvram.plan.activations import (
     activation_offload_host_bytes,
     activation_offloaded,
@@ -86,6 +86,9 @@ def _check(setup: RunSetup) -> None:
                                  setup.lora_dropout)
     problems += moe.attention_problems(setup.model, setup.attention)
     problems += dora.dora_problems(setup)
+    problems += lora_init.init_problems(setup)
+    if problem := lora_init.init_name_problem(setup.lora_init):
+        problems.append(problem)
     problems += vision_problems(setup.model.vision, setup.offload, setup.objective, setup.optimizer,
                                 setup.tiled_mlp)
     if packed := packing_problem(setup.model.vision, setup.packing):
@@ -377,7 +380,15 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     # backward (plan/optimizers.py)
     step_grads = 0 if optimizers.in_backward(setup) else grads
     step = weights + optim + step_grads + buckets + optimizer_step_temp_bytes(setup)
-    if fb >= step:
+    # lora.init pissa: an SVD per adapted Linear at model build, before any optimizer state or
+    # activation (plan/lora_init.py)
+    # (its working tensors net of the adapters not yet made or still 16-bit: lora_init.init_bytes)
+    init = Moment("lora_init", lora_init.init_bytes(setup)) if lora_init.is_svd_init(setup.lora_init) else None
+    if setup.lora and init is not None and weights + init.bytes > max(fb, step):
+        phase = peak_moment = init.name
+        # the SVD's fp32 factors, product and residual: working copies of one weight
+        parts = dict(weights=weights + init.bytes, gradients=0, optimizer=0, activations=0, logits=0)
+    elif fb >= step:
         phase, peak_moment = "forward_backward", moment.name
         parts = dict(weights=live_weights, gradients=kept_grads, optimizer=optim, activations=acts,
                      logits=logits)

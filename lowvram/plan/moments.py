@@ -98,6 +98,12 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "identity and the norm of weight + scaling x B@A: dense d_out x d_in temporaries beside "
         "every activation or checkpoint",
         "peft tuners/lora/dora.py DoraLinearLayer; dora.weight_norm_bytes; measured: tests/plan/test_dora.py"),
+    "lora_init": (
+        "lora.init pissa: at model build, before any optimizer state or activation, the widest adapted "
+        "Linear's SVD (fp32 factors, B@A and the residual, an fp32 copy of a 16-bit weight) beside "
+        "the loaded weights and the adapters",
+        "peft tuners/lora/layer.py LoraLayer.pissa_init; lora_init.init_bytes; measured: "
+        "tests/plan/test_lora_init.py"),
     "first_layer_backward": (
         "without checkpointing: the first decoder layer's backward, nearly every gradient made",
         "activations.layer_activation_bytes(first=True), backward.layer_backward_bytes"),

@@ -38,7 +38,7 @@ class Replanner:
         setup = RunSetup(
             model=self.request.model, precision=plan.mixed_precision, quantization=plan.quantization,
             lora=plan.lora, lora_r=plan.lora_r, lora_targets=plan.lora_targets, lora_dropout=plan.lora_dropout,
-            lora_use_dora=plan.lora_use_dora, galore_rank=plan.galore_rank,
+            lora_use_dora=plan.lora_use_dora, lora_init=plan.lora_init, galore_rank=plan.galore_rank,
             optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,
             attention=plan.attention, loss=plan.loss, micro_batch_size=plan.micro_batch_size,
             seq_len=seq_len, grad_accum=plan.grad_accum, gpus=plan.gpus, offload=plan.offload,

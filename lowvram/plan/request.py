@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lowvram.errors import LowvramError
-from lowvram.plan import preference, sharding
+from lowvram.plan import lora_init, moe, preference, sharding
 from lowvram.plan.constants import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_BYTES
 from lowvram.plan.images import IMAGE_HINT, image_problems
 from lowvram.plan.models import ModelSpec
@@ -112,6 +112,7 @@ class PlanRequest:
     lora_dropout: float = 0.0
     lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitude and per-forward weight norm (plan/dora.py)
     lora_use_rslora: bool = False  # no memory effect; carried into the Plan for training
+    lora_init: str = "default"  # lora.init: pissa's SVD at model build (plan/lora_init.py)
     galore_rank: int = 128  # galore.*: optimizer galore_adamw (plan/optimizers.py)
     galore_update_proj_gap: int = 200  # no memory effect; carried into the Plan for training
     galore_scale: float = 0.25  # no memory effect; carried into the Plan for training
@@ -263,6 +264,11 @@ def validate_request(req: PlanRequest) -> None:
         raise LowvramError("tiled_mlp with lora.use_dora is not modelled (DoRA forms each adapted layer's "
                            "dense weight in every forward, and a tiled MLP runs that forward once per shard)",
                            "set techniques.tiled_mlp: off (or auto) with DoRA, or lora.use_dora: false")
+    if req.lora is not False and (problems := lora_init.init_conflicts(
+            req.lora_init, req.quantization or "none", req.lora_use_dora,
+            req.model is not None and bool(moe.expert_adapters(req.model, req.lora_r, req.lora_targets)),
+            req.gpus, req.offload or "none")):
+        raise LowvramError("; ".join(problems), "lora.init default trains with any of these")
     if req.tiled_mlp_shards < 0:
         raise LowvramError(f"tiled_mlp shards must be a positive integer, got {req.tiled_mlp_shards}",
                            "e.g. --tiled-mlp 8, or --tiled-mlp on for ceil(seq_len / hidden_size)")

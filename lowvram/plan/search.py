@@ -11,6 +11,7 @@ from lowvram.plan import moe, preference
 from lowvram.plan import techniques as tq
 from lowvram.plan.backward import CHUNK_TOKENS, MIN_CHUNK_TOKENS, chunk_resized, logits_bytes
 from lowvram.plan.explain import Estimator, divisors_descending
+from lowvram.plan.lora_init import is_svd_init
 from lowvram.plan.optimizers import galore_targets, optimizer_problems
 from lowvram.plan.request import (
     SHARDED,
@@ -203,6 +204,9 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
         # GaLore projects the full weights' gradients, unsharded and unflattened (plan/optimizers.py)
         if optim in FULL_ONLY_OPTIMIZERS and (lora or offload != "none"):
             continue
+        # PiSSA's SVD needs a float base weight, in one process (plan/lora_init.py)
+        if lora and is_svd_init(req.lora_init) and (quant != "none" or offload != "none"):
+            continue
         if optim in TORCHAO_OPTIMIZERS and offload != "none":  # not planned under DeepSpeed/FSDP2
             continue
         if optim in IN_BACKWARD_OPTIMIZERS and per_gpu // micro != 1:  # stepped in the backward: no accumulation
@@ -214,6 +218,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
             lora_dropout=req.lora_dropout,
             lora_use_dora=req.lora_use_dora and lora,
+            lora_init=req.lora_init if lora else "default",
             galore_rank=req.galore_rank,
             optimizer=optim, gradient_checkpointing=gc,
             attention=attention, loss=loss, micro_batch_size=micro,
@@ -322,7 +327,7 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
         loss=s.loss, gpus=s.gpus, activation_offload=s.activation_offload, seq_len=s.seq_len,
         tiled_mlp=s.tiled_mlp, tiled_mlp_shards=s.tiled_mlp_shards, loss_chunk_tokens=s.loss_chunk_tokens,
         lora_r=s.lora_r, lora_alpha=lora_alpha, lora_dropout=s.lora_dropout, lora_targets=tuple(s.lora_targets),
-        lora_use_dora=s.lora_use_dora, lora_use_rslora=lora_use_rslora and s.lora,
+        lora_use_dora=s.lora_use_dora, lora_use_rslora=lora_use_rslora and s.lora, lora_init=s.lora_init,
         galore_rank=s.galore_rank, galore_update_proj_gap=galore_update_proj_gap, galore_scale=galore_scale,
         optimizer_target_modules=galore_targets(s.model) if s.optimizer in PROJECTED_OPTIMIZERS else (), **extra,
     )

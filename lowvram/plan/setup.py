@@ -92,6 +92,7 @@ class RunSetup:
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.0  # lora.dropout: > 0 saves a dropped input and a mask per adapter
     lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitudes and weight-norm temporaries (plan/dora.py)
+    lora_init: str = "default"  # lora.init: pissa's SVD at model build (plan/lora_init.py)
     optimizer: str = "adamw"
     galore_rank: int = 128  # galore.rank: optimizer galore_adamw's projection rank (plan/optimizers.py)
     gradient_checkpointing: bool = False

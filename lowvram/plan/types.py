@@ -74,6 +74,7 @@ class Plan:
     lora_dropout: float = 0.0
     lora_use_dora: bool = False
     lora_use_rslora: bool = False
+    lora_init: str = "default"  # lora.init (lowvram.plan.lora_init)
     lora_targets: tuple[str, ...] = ("all-linear",)
     # optimizer galore_adamw: its rank, renewal gap, scale and the Linears it projects (by name)
     galore_rank: int = 128

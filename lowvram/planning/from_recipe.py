@@ -160,7 +160,7 @@ def lora_fields(recipe: Recipe) -> dict:
     lc = recipe.lora
     targets = (lc.target_modules,) if isinstance(lc.target_modules, str) else tuple(lc.target_modules)
     return {"lora_r": lc.r, "lora_alpha": lc.alpha, "lora_dropout": lc.dropout, "lora_targets": targets,
-            "lora_use_dora": lc.use_dora, "lora_use_rslora": lc.use_rslora}
+            "lora_use_dora": lc.use_dora, "lora_use_rslora": lc.use_rslora, "lora_init": lc.init}
 
 
 def galore_fields(recipe: Recipe) -> dict:

@@ -190,6 +190,22 @@ class LoraSection(_Section):
                     "Not on fused MoE experts.")
     use_rslora: bool = Field(
         False, description="rsLoRA (peft use_rslora): scale = alpha / sqrt(r) instead of alpha / r; no memory change.")
+    init: str = Field(
+        "default",
+        description="Adapter initialisation (peft init_lora_weights): default (A Kaiming-uniform, B zeros), "
+                    "gaussian (A normal, B zeros), pissa (PiSSA: A and B from the top r singular vectors of each "
+                    "weight, which becomes the residual; one full SVD per adapted Linear at start, planned as the "
+                    "lora_init moment) or pissa_niter_N (a randomised SVD with N iterations: much faster). "
+                    "PiSSA needs a 16/32-bit base on one GPU (not QLoRA, DoRA, offload or several GPUs).")
+
+    @field_validator("init")
+    @classmethod
+    def _known_init(cls, v: str) -> str:
+        from lowvram.plan.lora_init import init_name_problem
+
+        if problem := init_name_problem(v):
+            raise ValueError(problem)
+        return v
 
 
 class GaloreSection(_Section):
@@ -354,6 +370,9 @@ class Recipe(_Section):
         if self.lora.use_dora and self.techniques.lora == "off":
             raise ValueError("lora.use_dora needs LoRA: DoRA decomposes the adapter update "
                              "(set techniques.lora: on or auto, or lora.use_dora: false)")
+        if self.lora.init != "default" and self.techniques.lora == "off":
+            raise ValueError(f"lora.init {self.lora.init} needs LoRA: it initialises the adapters "
+                             "(set techniques.lora: on or auto, or lora.init: default)")
         return self
 
     @model_validator(mode="after")

@@ -450,7 +450,9 @@ def prepare_kbit_model(model, gradient_checkpointing: bool, plan=None):
 
 def apply_lora(model, plan):
     """k-bit preparation (if quantized) and LoRA adapters with the plan's lora settings."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from lowvram.plan.lora_init import peft_init_lora_weights
 
     if plan.quantization != "none":
         model = prepare_kbit_model(model, plan.gradient_checkpointing, plan)
@@ -461,6 +463,7 @@ def apply_lora(model, plan):
         lora_dropout=plan.lora_dropout,
         use_dora=plan.lora_use_dora,
         use_rslora=plan.lora_use_rslora,
+        init_lora_weights=peft_init_lora_weights(plan.lora_init),  # lowvram.plan.lora_init
         target_modules=targets[0] if targets == ("all-linear",) else list(targets),
         # the language model's Linears only: the tower's q_proj/fc1 share their names
         exclude_modules=_vision_pattern(model.config) if has_vision(model.config) else None,
@@ -468,10 +471,33 @@ def apply_lora(model, plan):
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        return _with_adapters(model, config, plan)
     except ValueError as e:
         raise LowvramError(f"lora.target_modules: {_first_line(e)}",
                            "use all-linear, or names of Linear modules in this model (e.g. [q_proj, v_proj])") from None
+
+
+def _with_adapters(model, config, plan):
+    """get_peft_model; under lora.init pissa on a CPU, inside lowvram.livebytes' tracker, so that
+    the SVD's moment at model build (lowvram.plan.lora_init) is part of the run's measured peak
+    (``INIT_PEAK_ATTRIBUTE`` on the returned model; train.run reads it)."""
+    from peft import get_peft_model
+
+    from lowvram.plan.lora_init import is_svd_init
+
+    if not (is_svd_init(plan.lora_init) and plan.device == "cpu"):
+        return get_peft_model(model, config)
+    from lowvram.livebytes import LiveBytes
+
+    tracker = LiveBytes()
+    tracker.register(model)  # the loaded weights exist before the mode starts counting
+    with tracker:
+        out = get_peft_model(model, config)
+    setattr(out, INIT_PEAK_ATTRIBUTE, int(tracker.peak_bytes))
+    return out
+
+
+INIT_PEAK_ATTRIBUTE = "_lowvram_init_peak_bytes"
 
 
 def _vision_pattern(config) -> str:

@@ -106,15 +106,17 @@ def _memory_tracker(plan: Plan, model: PreTrainedModel, track: bool = True) -> T
 
 
 def _peak_memory(plan: Plan, tracker: TorchDispatchMode | None, history: TrainerCallback | None = None,
-                 breakdown: dict[str, int] | None = None) -> dict:
+                 breakdown: dict[str, int] | None = None, init_peak_bytes: int = 0) -> dict:
     """The run's measured peak; ``history`` (livebytes.memory_history_callback) holds the peaks of
     the logging intervals, whose maximum is the run's peak. ``breakdown``: the prediction to
-    compare with, part by part (``memory_comparison``: lowvram.gpumemory, like with like)."""
+    compare with, part by part (``memory_comparison``: lowvram.gpumemory, like with like).
+    ``init_peak_bytes``: the adapters' initialisation measured at model build (lora.init pissa on
+    a CPU: train.model._with_adapters), before this tracker started."""
     from lowvram import gpumemory
 
     peak, reserved = history.finish() if history is not None else (0, 0)
     if tracker is not None:
-        measured = max(peak, int(tracker.peak_bytes))
+        measured = max(peak, int(tracker.peak_bytes), init_peak_bytes)
         rows = gpumemory.compare_tensors(breakdown, measured, "live tensor bytes") if breakdown else ()
         return {"peak_memory_bytes": measured, "peak_memory_kind": "live tensor bytes (exact, CPU)",
                 "peak_rss_bytes": _peak_rss(), **_comparison(rows)}
@@ -335,7 +337,10 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     if stop.signum is not None:
         saved = complete_checkpoints(out)
         raise signals.TrainingInterrupted(stop.signum, trainer.state.global_step, saved[-1] if saved else None)
-    peak = _peak_memory(plan, tracker, mem_history, compared_with)
+    from lowvram.train.model import INIT_PEAK_ATTRIBUTE
+
+    peak = _peak_memory(plan, tracker, mem_history, compared_with,
+                        getattr(loaded.model, INIT_PEAK_ATTRIBUTE, 0))
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
     _save_final(trainer, loaded.tokenizer, out)
