@@ -99,13 +99,14 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     return backward.layer_backward_bytes(without_mlp(setup))
 
 
-def recompute_bytes(setup: RunSetup) -> int:
+def recompute_bytes(setup: RunSetup, last: bool = True) -> int:
     """backward.recompute_bytes with the tiled layer's activations and backward."""
     if not setup.tiled_mlp:
-        return backward.recompute_bytes(setup)
+        return backward.recompute_bytes(setup, last)
     if not setup.gradient_checkpointing:
         return 0
-    return layer_activation_bytes(setup) + layer_backward_bytes(setup) + activations.masked_attention_bytes(setup)
+    return (layer_activation_bytes(setup) + layer_backward_bytes(setup)
+            + activations.recomputed_mask_bytes(setup, last))
 
 
 def tiled_mlp_backward_bytes(setup: RunSetup) -> int:
