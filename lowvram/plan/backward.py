@@ -13,10 +13,10 @@ from lowvram.plan.activations import (
     layer_activation_bytes,
     linear_sources,
     lora_dropout_layer_bytes,
-    masked_attention_bytes,
     mlp_elementwise_bytes,
     normed_bytes,
     qk_norm_activation_bytes,
+    recomputed_mask_bytes,
 )
 from lowvram.plan.layer import describe_layer
 from lowvram.plan.models import (
@@ -38,13 +38,14 @@ CHUNK_TOKENS = 1024
 MIN_CHUNK_TOKENS = 128
 
 
-def recompute_bytes(setup: RunSetup) -> int:
+def recompute_bytes(setup: RunSetup, last: bool = True) -> int:
     """With checkpointing: one layer's recomputed activations and what its backward makes while
     they are alive (layer_backward_bytes): the peak when the logits are small (chunked loss,
-    small vocabulary; bench/plan_accuracy.py "checkpointing + chunked" cases)."""
+    small vocabulary; bench/plan_accuracy.py "checkpointing + chunked" cases). ``last``: the last
+    decoder layer's recompute, else layer 0's (their masks: recomputed_mask_bytes)."""
     if not setup.gradient_checkpointing:
         return 0
-    return layer_activation_bytes(setup) + layer_backward_bytes(setup) + masked_attention_bytes(setup)
+    return layer_activation_bytes(setup) + layer_backward_bytes(setup) + recomputed_mask_bytes(setup, last)
 
 
 def layer_backward_bytes(setup: RunSetup) -> int:

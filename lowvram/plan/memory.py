@@ -26,9 +26,9 @@ from lowvram.plan.activations import (
     dtypes,
     eager_mask_bytes,
     head_activation_bytes,
-    masked_attention_bytes,
     moe_layer_after_experts_bytes,
     offloaded_layer_input_bytes,
+    recomputed_mask_bytes,
 )
 from lowvram.plan.backward import (
     backward_gradient_bytes,
@@ -170,21 +170,24 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # gradients made when the backward reaches the last decoder layer, and the first
         last_grads = layer_grads + int(share * head_g)
         first_grads = late_layer_grads + int(share * late_g)
-        rec = tiled.recompute_bytes(setup) + dora.saved_layer_bytes(setup) + dora.recompute_backward_bytes(setup)
-        candidates += [Moment("last_layer_recompute", checkpoints + rec, 0, last_grads),
-                       Moment("first_layer_recompute", one_layer + rec, 0, first_grads, not_gathered)]
+        # the recomputed layer's additive SDPA mask, in the last layer and in layer 0
+        # (recomputed_mask_bytes: a full-attention layer between sliding ones makes none)
+        mask_last, mask_first = recomputed_mask_bytes(setup, last=True), recomputed_mask_bytes(setup, last=False)
+        rec = tiled.recompute_bytes(setup) - mask_last + dora.saved_layer_bytes(setup) + dora.recompute_backward_bytes(setup)
+        candidates += [Moment("last_layer_recompute", checkpoints + rec + mask_last, 0, last_grads),
+                       Moment("first_layer_recompute", one_layer + rec + mask_first, 0, first_grads, not_gathered)]
         if dora.dora_on(setup):  # an adapted Linear's magnitude backward in the recompute (plan/dora.py)
-            mag = (tiled.layer_activation_bytes(setup) + masked_attention_bytes(setup) + hidden_grads
-                   + dora.magnitude_backward_bytes(setup))
-            candidates += [Moment("dora_magnitude_backward", checkpoints + mag, 0, last_grads),
-                           Moment("dora_magnitude_backward", one_layer + mag, 0, first_grads, not_gathered)]
+            mag = tiled.layer_activation_bytes(setup) + hidden_grads + dora.magnitude_backward_bytes(setup)
+            candidates += [Moment("dora_magnitude_backward", checkpoints + mag + mask_last, 0, last_grads),
+                           Moment("dora_magnitude_backward", one_layer + mag + mask_first, 0, first_grads,
+                                  not_gathered)]
         if setup.tiled_mlp:  # the recomputed layer's MLP backward, shard by shard
-            # the recomputed layer's saved tensors, and the additive mask its SDPA made
-            # (masked_attention_bytes, as in recompute_bytes; measured: tiled seed 12, Gemma-3
-            # LoRA with checkpointing, held its (2, 1, 512, 512) bf16 mask at the peak)
-            layer = tiled.layer_activation_bytes(setup) + masked_attention_bytes(setup)
-            candidates += tiled.tiled_mlp_moments(setup, checkpoints + layer, one_layer + layer, last_grads,
-                                                  first_grads, not_gathered)
+            # the recomputed layer's saved tensors, and the additive mask its SDPA made (measured:
+            # tiled seed 12, Gemma-3 LoRA with checkpointing, held its (2, 1, 512, 512) bf16 mask
+            # at the peak, in layer 0, a sliding-window layer)
+            layer = tiled.layer_activation_bytes(setup)
+            candidates += tiled.tiled_mlp_moments(setup, checkpoints + layer + mask_last, one_layer + layer + mask_first,
+                                                  last_grads, first_grads, not_gathered)
         if dora.dora_on(setup):  # the recompute forms DoRA's weight norm again (plan/dora.py)
             norm = tiled.layer_activation_bytes(setup) + dora.saved_layer_bytes(setup) + dora.weight_norm_bytes(setup)
             norm += dora.recompute_input_bytes(setup) + hidden_grads  # in the backward: its gradients

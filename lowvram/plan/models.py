@@ -59,6 +59,12 @@ class ModelSpec:
     rotary_fp32: bool = False  # OLMo-2: cos/sin stay fp32 (Olmo2RotaryEmbedding casts nothing)
     sliding_window: int = 0  # Gemma-3: tokens a sliding-attention layer sees
     sliding_layers: int = 0  # how many layers use it
+    # with sliding_layers: whether layer 0 and the last layer are sliding-window layers (the ones
+    # a checkpointed backward recomputes first and last). Gemma-3's pattern (every 6th layer
+    # full) and gpt-oss' (every other) start sliding; 48 Gemma-3 layers, or an even number of
+    # gpt-oss layers, end with a full-attention one (readers: from layer_types)
+    first_layer_sliding: bool = True
+    last_layer_sliding: bool = True
     # Mixture of experts (every decoder layer sparse; 0 = dense). transformers 5 stores a layer's
     # experts fused in two 3-D parameters (experts.gate_up_proj [E, 2I, h], experts.down_proj
     # [E, h, I]) and the router as a bare [E, h] weight: none of them is an nn.Linear.

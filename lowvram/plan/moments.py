@@ -43,10 +43,12 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "(embedding_dense_backward, then AccumulateGrad's sum into lm_head's .grad)",
         "measured: 2.0 x V*h*w, Qwen2.5-0.5B full bf16 at 256 tokens (simulated step)"),
     "last_layer_recompute": (
-        "checkpointing: the last decoder layer recomputed and its backward, every checkpoint alive",
+        "checkpointing: the last decoder layer recomputed and its backward, every checkpoint alive "
+        "(its SDPA mask where that layer has one: activations.recomputed_mask_bytes)",
         "backward.recompute_bytes; measured: held-out seeds (bench/results/plan_fuzz_heldout*.txt)"),
     "first_layer_recompute": (
-        "checkpointing: the first decoder layer recomputed and its backward, nearly every gradient made",
+        "checkpointing: the first decoder layer recomputed and its backward, nearly every gradient made "
+        "(its SDPA mask as above)",
         "backward.recompute_bytes, backward.backward_gradient_bytes; measured as above"),
     "last_layer_softmax_backward": (
         "eager attention: the last layer's softmax backward, its s x s gradients beside its "

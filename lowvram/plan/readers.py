@@ -161,6 +161,9 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
             "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
         arch["sliding_window"] = int(cfg.get("sliding_window") or 128)
         arch["sliding_layers"] = sum(1 for lt in types if lt == "sliding_attention")
+    if mt in ("gemma3_text", "gpt_oss") and types:
+        arch["first_layer_sliding"] = types[0] == "sliding_attention"
+        arch["last_layer_sliding"] = types[-1] == "sliding_attention"
     if mt == "gpt2":
         arch["learned_positions"] = positions
     if mt == "opt":

@@ -69,10 +69,12 @@ def _x_bytes(setup: RunSetup) -> int:
 
 def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side: bool = False) -> int:
     """What a decoder layer saves; with a tiled MLP the layer without its MLP plus x (TiledMLP's
-    ``ctx.save_for_backward(x)``)."""
+    ``ctx.save_for_backward(x)``). Layer 0 under LoRA is traced on the whole block (its MLP
+    included: the layout the first-layer terms know; without it every saved tensor of layer 0
+    was counted, and held-out tiled seed 48's 16-bit copy of layer 0's probabilities with v frozen)."""
     if not setup.tiled_mlp:
         return activations.layer_activation_bytes(setup, first, attention_side)
-    rest = activations.layer_activation_bytes(without_mlp(setup), first, attention_side)
+    rest = activations.layer_activation_bytes(without_mlp(setup), first, attention_side, traced=setup)
     return rest if attention_side else rest + _x_bytes(setup)
 
 
@@ -97,13 +99,14 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     return backward.layer_backward_bytes(without_mlp(setup))
 
 
-def recompute_bytes(setup: RunSetup) -> int:
+def recompute_bytes(setup: RunSetup, last: bool = True) -> int:
     """backward.recompute_bytes with the tiled layer's activations and backward."""
     if not setup.tiled_mlp:
-        return backward.recompute_bytes(setup)
+        return backward.recompute_bytes(setup, last)
     if not setup.gradient_checkpointing:
         return 0
-    return layer_activation_bytes(setup) + layer_backward_bytes(setup) + activations.masked_attention_bytes(setup)
+    return (layer_activation_bytes(setup) + layer_backward_bytes(setup)
+            + activations.recomputed_mask_bytes(setup, last))
 
 
 def tiled_mlp_backward_bytes(setup: RunSetup) -> int:

@@ -74,6 +74,56 @@ def test_sliding_window_masks_start_at_the_window():
     assert masked_attention_bytes(at) == 2 * (2 * 128 * 128) + 2 * (2 * 128) * 2 * 64
 
 
+def test_a_recompute_holds_a_mask_only_in_a_sliding_layer():
+    """recomputed_mask_bytes: with checkpointing the last layer's recompute and layer 0's hold the
+    additive mask only where that layer is a sliding-window one (layer_types; held-out tiled seed
+    50: a 2-layer Gemma-3, layer 1 full, kept its mask in layer 0's recompute only); packed rows
+    mask every layer."""
+    from dataclasses import replace
+
+    from lowvram.plan.activations import recomputed_mask_bytes
+
+    cfg = dict(CONFIGS["gemma3_text"], layer_types=["sliding_attention", "full_attention"])
+    spec = spec_from_config(cfg, "g")
+    assert (spec.first_layer_sliding, spec.last_layer_sliding) == (True, False)
+    setup = RunSetup(spec, seq_len=128, micro_batch_size=2, device="cpu", precision="bf16",
+                     gradient_checkpointing=True)
+    mask = masked_attention_bytes(setup)
+    assert mask > 0
+    assert (recomputed_mask_bytes(setup, last=True), recomputed_mask_bytes(setup, last=False)) == (0, mask)
+    packed = replace(setup, packing=True)
+    assert recomputed_mask_bytes(packed, last=True) == masked_attention_bytes(packed) > 0
+    # the catalog: Gemma-3-1B's 26 layers end sliding, Gemma-3-12B's 48 with a full one
+    assert resolve_model("google/gemma-3-1b-it").last_layer_sliding
+    assert not resolve_model("gemma-3-12b").last_layer_sliding
+
+
+def test_layer_zero_of_olmo2_under_lora_keeps_no_probabilities_copy_with_v_frozen():
+    """OLMo-2's v_proj in layer 0 reads the frozen embedding output (no norm before the
+    attention): with v frozen the matmul with v saves no 16-bit copy of the eager probabilities,
+    tiled MLP or not (held-out tiled seed 48: -11.15% with it counted). A tiled layer is traced on
+    its whole block (without its MLP it is no standard block, and layer 0 was counted whole)."""
+    from dataclasses import replace
+
+    from lowvram.plan import tiled
+    from lowvram.plan.activations import layer_activation_bytes
+
+    spec = spec_from_config(CONFIGS["olmo2"], "o")
+    setup = RunSetup(spec, seq_len=512, micro_batch_size=1, device="cpu", precision="bf16-mixed", lora=True,
+                     lora_r=4, lora_targets=("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj"),
+                     attention="eager", tiled_mlp=True)
+    copy = 2 * spec.num_heads * 512**2  # bf16 (1, heads, 512, 512)
+    plain = replace(setup, tiled_mlp=False)
+    assert layer_activation_bytes(plain) - layer_activation_bytes(plain, first=True) == copy
+    assert tiled.layer_activation_bytes(setup) - tiled.layer_activation_bytes(setup, first=True) == copy
+    with_v = replace(setup, lora_targets=setup.lora_targets + ("v_proj",))
+    assert tiled.layer_activation_bytes(with_v, first=True) == tiled.layer_activation_bytes(with_v)
+    # a Llama-style block, tiled: layer 0 with LoRA on down_proj alone saves x (TiledMLP's leaf) only
+    llama = RunSetup(spec_from_config(CONFIGS["smollm3"], "s"), seq_len=256, micro_batch_size=1, device="cpu",
+                     precision="bf16", lora=True, lora_r=4, lora_targets=("down_proj",), tiled_mlp=True)
+    assert tiled.layer_activation_bytes(llama, first=True) == 2 * 256 * llama.model.hidden_size
+
+
 def test_packing_masks_every_sdpa_layer():
     """data.packing: several samples per window, a block-diagonal mask in every layer's SDPA (not
     in eager attention, which saves none; not in flash-attention, which reads position_ids)."""

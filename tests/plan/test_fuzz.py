@@ -91,7 +91,14 @@ TILED = {
     5: "SmolLM3 full bf16, checkpointing, s512, 16 shards (+0.09%)",
     12: "Gemma-3 LoRA all-linear, dropout 0.1, bf16, checkpointing, s512: the recomputed layer's SDPA "
         "mask and a shard's fp32 input cast and dropped input at down_proj (+8.46% before, +2.79%)",
+    48: "held out (seeds 46-65), OLMo-2 LoRA on q/k/o/gate/down_proj, bf16-mixed, eager, no "
+        "checkpointing: layer 0 (tiled, so traced without its MLP: no standard block) was counted "
+        "whole, its 16-bit probabilities too, which v frozen keeps none of (-11.15%; -1.73%)",
+    50: "held out (seeds 46-65), Gemma-3 LoRA all-linear, bf16-mixed, checkpointing, b2 s1024, 16 shards: "
+        "the last layer's recompute counted a sliding-window mask its full-attention layer never makes "
+        "(-6.09%; -0.71%)",
 }
+SLOW_TILED = {50}  # b2 s1024 with checkpointing: ~30 s (make test-all)
 # One-adapter recipes the random draw rarely makes (found by varying held-out seed 272's targets,
 # precision and method on a 2-layer Llama with checkpointing), each once above its plan.
 ADAPTER_OVERRIDES = {
@@ -140,7 +147,7 @@ def test_eager_attention_with_checkpointing_stays_within_its_plan(seed, tmp_path
     _check(case, tmp_path, EAGER_CHECKPOINTING[seed])
 
 
-@pytest.mark.parametrize("seed", list(TILED))
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_TILED else s for s in TILED])
 def test_tiled_mlp_runs_stay_within_their_plan(seed, tmp_path):
     pytest.importorskip("deepspeed")
     case = random_case(seed, families=TEN_FAMILIES, tiled=1.0)
