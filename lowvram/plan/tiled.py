@@ -130,14 +130,27 @@ def _shard_adapter_forward_bytes(setup: RunSetup) -> int:
     (``dropout(x)``, its noise counted as saved), 4 x d_in each per token, the widest adapted MLP
     input (down_proj's: the t x I product). Measured: tiled seed 12 (Gemma-3 LoRA all-linear,
     dropout 0.1, bf16 with checkpointing) peaked there with a (256, 512) fp32 cast and dropped
-    input beside the shard's gate, up and product, +8.46% over a plan without it and the mask."""
+    input beside the shard's gate, up and product, +8.46% over a plan without it and the mask.
+
+    At down_proj's adapter also the product itself (no saved tensor: the frozen base saves no
+    input, lora_A its 16-bit cast), down_proj's 16-bit outputs (the base's ``result``, lora_B's
+    and its scaled copy, peft ``lora.Linear.forward``) and, past the first shard, the previous
+    shard's output (DeepSpeed's TiledMLP.backward keeps ``output`` until the next shard's is
+    made). Measured: held-out tiled seed 66 (Qwen2 LoRA all-linear, bf16, checkpointing, b2
+    s1024, 4 shards) peaked at the second shard's lora_B scaling with a (512, 512) bf16 product,
+    its fp32 cast, three (512, 128) bf16 outputs and the first shard's, 10.3% over a plan with
+    the cast alone."""
     _, _, autocast = dtypes_of(setup)
     if not setup.lora or not autocast:
         return 0
     mlp = {lin.name for lin in mlp_linears(setup.model)}
     widest = max((lin.d_in for lin in target_linears(setup) if lin.name in mlp), default=0)
     t = setup.micro_batch_size * setup.seq_len
-    return t * 4 * widest * (2 if setup.lora_dropout else 1)
+    cast = t * 4 * widest * (2 if setup.lora_dropout else 1)
+    if widest != setup.model.intermediate_size:  # gate / up: their input is x, saved already
+        return cast
+    outputs = 3 + (1 if tiled_mlp_shards(setup) > 1 else 0)  # result, lora_B's, scaled; the last shard's
+    return cast + t * (activations.mlp_elementwise_bytes(setup) * widest + 2 * outputs * setup.model.hidden_size)
 
 
 def tiled_mlp_moments(setup: RunSetup, last: int, first: int, last_grads: int, first_grads: int,
