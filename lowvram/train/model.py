@@ -485,19 +485,52 @@ def _with_adapters(model, config, plan):
 
     from lowvram.plan.lora_init import is_svd_init
 
-    if not (is_svd_init(plan.lora_init) and plan.device == "cpu"):
+    if not is_svd_init(plan.lora_init):
         return get_peft_model(model, config)
-    from lowvram.livebytes import LiveBytes
-
-    tracker = LiveBytes()
-    tracker.register(model)  # the loaded weights exist before the mode starts counting
-    with tracker:
+    if plan.device != "cpu":
         out = get_peft_model(model, config)
-    setattr(out, INIT_PEAK_ATTRIBUTE, int(tracker.peak_bytes))
+    else:
+        from lowvram.livebytes import LiveBytes
+
+        tracker = LiveBytes()
+        tracker.register(model)  # the loaded weights exist before the mode starts counting
+        with tracker:
+            out = get_peft_model(model, config)
+        setattr(out, INIT_PEAK_ATTRIBUTE, int(tracker.peak_bytes))
+    _keep_initial_adapter(out)
     return out
 
 
 INIT_PEAK_ATTRIBUTE = "_lowvram_init_peak_bytes"
+INITIAL_ADAPTER_ATTRIBUTE = "_lowvram_initial_adapter"
+
+
+def _keep_initial_adapter(model) -> None:
+    """Write the PiSSA-initialised adapters (lora_A, lora_B before any step) to a temporary folder
+    on disk (not memory: the plan does not hold them), as peft's conversion reads them (their
+    config with init_lora_weights True, so that loading them does not decompose the residual
+    again), for the final save to turn the trained adapter into a plain LoRA (train.run
+    _as_plain_lora; peft's ``path_initial_model_for_weight_conversion``): the PiSSA adapter only
+    fits the residual base peft made at build, and with a fast SVD (pissa_niter_N, a random
+    sketch) reloading it onto the original model would make a slightly different residual."""
+    import atexit
+    import copy
+    import shutil
+    import tempfile
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = Path(tempfile.mkdtemp(prefix="lowvram-initial-adapter-"))
+    atexit.register(shutil.rmtree, folder, True)
+    path = folder / "initial_adapter"
+    path.mkdir()
+    config = copy.deepcopy(model.peft_config["default"])
+    config.init_lora_weights = True
+    config.save_pretrained(str(path))
+    state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    save_file(state, str(path / "adapter_model.safetensors"))
+    setattr(model, INITIAL_ADAPTER_ATTRIBUTE, str(path))
 
 
 def _vision_pattern(config) -> str:

@@ -52,6 +52,7 @@ def _save_final(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, out: Path)
     tmp = Path(tempfile.mkdtemp(prefix=".final-", dir=out))
     try:
         trainer.save_model(str(tmp))
+        _as_plain_lora(trainer, tmp)
         if not main:
             return
         tokenizer.save_pretrained(str(tmp))
@@ -66,6 +67,20 @@ def _save_final(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, out: Path)
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _as_plain_lora(trainer: Trainer, tmp: Path) -> None:
+    """lora.init pissa: the saved adapter rewritten as the plain LoRA of what training changed,
+    B A - B0 A0 at rank 2r (peft's ``path_initial_model_for_weight_conversion``, the conversion
+    its PiSSA guide recommends; the initial adapters written at build, train.model
+    _keep_initial_adapter), so it applies to the original base model like any adapter (the
+    PiSSA adapter itself fits only the residual base made at build)."""
+    from lowvram.train.model import INITIAL_ADAPTER_ATTRIBUTE
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    initial = getattr(model, INITIAL_ADAPTER_ATTRIBUTE, None)
+    if initial is not None:
+        model.save_pretrained(str(tmp), path_initial_model_for_weight_conversion=initial)
 
 
 def _name_what_did_not_fit(exc: Exception, tmp: Path, out: Path) -> None:

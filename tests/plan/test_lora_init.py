@@ -182,5 +182,33 @@ def test_pissa_runs_stay_within_their_plan(name, tmp_path):
                     f"({out.ratio:+.2%}; limits +{OVER_LIMIT:.0%}, +-{ANY_LIMIT:.0%})")
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["lora_init"] == case.lora_init
+    _assert_saved_as_plain_lora(case, tmp_path)
+
+
+def _assert_saved_as_plain_lora(case, tmp_path) -> None:
+    """The saved adapter is peft's conversion of the trained PiSSA adapter to a plain LoRA of
+    rank 2r, [A | A0] and [B | -B0] (B A - B0 A0): for the original base model, not the residual
+    made at build. Its second half is the initial adapter, which (for the deterministic full SVD)
+    peft's pissa_init on the original weights makes again."""
+    import json
+
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     config = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
-    assert config["init_lora_weights"] == case.lora_init  # peft reloads it by the same SVD
+    assert config["init_lora_weights"] is True and config["r"] == 2 * case.lora_r
+    saved = load_file(str(tmp_path / "run" / "adapter_model.safetensors"))
+    r = case.lora_r
+    a = next(k for k in saved if k.endswith("layers.1.mlp.down_proj.lora_A.weight"))
+    b = a.replace("lora_A", "lora_B")
+    assert saved[a].shape[0] == 2 * r and saved[b].shape[1] == 2 * r
+    if case.lora_init != "pissa":
+        return  # a fast SVD's sketch is random: its initial adapter is not made again here
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    init = get_peft_model(base, LoraConfig(r=r, lora_alpha=config["lora_alpha"] // 2, init_lora_weights="pissa",
+                                           target_modules="all-linear"))
+    initial = get_peft_model_state_dict(init)
+    torch.testing.assert_close(saved[a][r:].float(), initial[a].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(saved[b][:, r:].float(), -initial[b].float(), atol=2e-2, rtol=2e-2)
