@@ -155,8 +155,9 @@ def quantized_base_backward_bytes(setup: RunSetup) -> int:
     Linear's adapters and the nodes after it are mostly consumed by then. Measured with the
     live-bytes tracker: extended seed 142 (SmolLM3 QLoRA DoRA on o_proj, bf16 with
     checkpointing) peaked at the recomputed MLP product's backward with no dequantized weight
-    alive, 17.45% under a plan with the weight stacked on the share; at seq 256 the 7B
-    simulated steps need the weight (constants.DEQUANTIZED_WEIGHTS)."""
+    alive; with the weight stacked on the share its last_layer_recompute was 13.3% above that
+    peak (once its DoRA weight-norm moment was counted as it runs), with this moment 5.55%. At
+    seq 256 the 7B simulated steps need the weight (constants.DEQUANTIZED_WEIGHTS)."""
     if setup.quantization == "none":
         return 0
     r, c, autocast = dtypes(setup)
