@@ -55,8 +55,8 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     share taken is at or above each measurement): constants.BACKWARD_SHARE_FULL (full fine-tuning
     and fp32), BACKWARD_SHARE_LORA (LoRA over 16-bit weights), BACKWARD_SHARE_LORA_AUTOCAST (LoRA
     under autocast with fp32 weights), BACKWARD_SHARE_FULL_AUTOCAST (full fine-tuning under
-    autocast), each with its measured shares. A 4/8-bit base adds the dequantized weight of its
-    largest linear (dequantized_weight_bytes)."""
+    autocast), each with its measured shares. A 4/8-bit base's dequantized weight is a moment of
+    its own inside the layer's backward, not a term on the share (quantized_base_backward_bytes)."""
     r, c, autocast = dtypes(setup)
     t = setup.micro_batch_size * setup.seq_len
     # Eager attention's s x s part has a backward of its own (eager_softmax_backward_bytes, a
@@ -84,19 +84,27 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     else:
         share = fitted.BACKWARD_SHARE_FULL_AUTOCAST if mixed else fitted.BACKWARD_SHARE_FULL
     backward = share.of(layer)
-    dequant = dequantized_weight_bytes(setup)
     # lora.dropout: its masks and dropped inputs make no gradients of their own (not in the
     # share); the backward multiplies the widest adapter's fp32 input gradient by the mask, one
-    # more fp32 t x d_in (measured: a Gemma LoRA run, dropout 0.05 under bf16-mixed with
-    # checkpointing, was 3.2% above its plan with the masks inside the share)
+    # more fp32 t x d_in. Under autocast lora_A saved a 16-bit cast of the dropped input, so that
+    # gradient is new beside every saved tensor (measured: a Gemma LoRA run, dropout 0.05 under
+    # bf16-mixed with checkpointing, was 3.2% above its plan with the masks inside the share).
+    # Outside autocast lora_A saved the fp32 dropped input itself (activations._lora_dropout_bytes)
+    # and its backward frees it as the gradient is made: the gradient is alive in that Linear's
+    # backward only, beside the layer's incoming gradient, not beside the MLP product's gradients
+    # after it (measured with the live-bytes tracker: held-out seed 878 of the mllama draw, QLoRA
+    # fp32 on down_proj and v_proj with dropout and checkpointing, peaked 11.09% under a plan that
+    # stacked it on the MLP floor; its backward held one (4, 128, 512) fp32 input gradient)
     drop_grad = 4 * t * widest if dropout else 0
-    # the dequantized weight lives for one linear's backward, not beside the MLP product's
-    # (a merged expert weight's gradient, likewise, for one fused expert parameter at a time)
-    temp = max(dequant, expert_weight_gradient_bytes(setup))
-    shared = max(backward + 2 * r * t * setup.model.hidden_size + temp, mlp_backward_floor_bytes(setup),
+    hidden_in = r * t * setup.model.hidden_size
+    stacked, own = (drop_grad, 0) if autocast else (0, hidden_in + drop_grad)
+    # a merged expert weight's gradient lives beside the share (one fused expert parameter at a
+    # time); a 4/8-bit base's dequantized weight in its own moment (quantized_base_backward_bytes)
+    shared = max(backward + 2 * r * t * setup.model.hidden_size + expert_weight_gradient_bytes(setup),
+                 mlp_backward_floor_bytes(setup), quantized_base_backward_bytes(setup), own,
                  adapter_forward_bytes(setup), moe_combine_backward_bytes(setup),
                  post_norm_backward_bytes(setup))
-    return shared + drop_grad
+    return shared + stacked
 
 
 def _extra_norm_saved_bytes(setup: RunSetup) -> int:
@@ -135,6 +143,29 @@ def dequantized_weight_bytes(setup: RunSetup) -> int:
         return 0
     _, c, _ = dtypes(setup)
     return fitted.DEQUANTIZED_WEIGHTS.of(c * max(lin.numel for lin in block_linears(setup.model)))
+
+
+def quantized_base_backward_bytes(setup: RunSetup) -> int:
+    """A 4/8-bit base Linear's backward inside a decoder layer's: bitsandbytes 0.50
+    ``MatMul4Bit.backward`` makes ``grad_A = grad_output @ dequantize_4bit(W)``, the whole weight
+    dequantized (dequantized_weight_bytes) beside its output's gradient and the input gradient it
+    makes (t x d_out and t x d_in in the gradient's dtype, the activations' compute dtype), with
+    the layer's incoming hidden-state gradient (r x t*h); the largest over the block's Linears
+    (0 without quantization). The share's intermediate gradients are not stacked on it: the
+    weight is freed when the one matmul returns, and the gradients made before it by that
+    Linear's adapters and the nodes after it are mostly consumed by then. Measured with the
+    live-bytes tracker: extended seed 142 (SmolLM3 QLoRA DoRA on o_proj, bf16 with
+    checkpointing) peaked at the recomputed MLP product's backward with no dequantized weight
+    alive; with the weight stacked on the share its last_layer_recompute was 13.3% above that
+    peak (once its DoRA weight-norm moment was counted as it runs), with this moment 5.55%. At
+    seq 256 the 7B simulated steps need the weight (constants.DEQUANTIZED_WEIGHTS)."""
+    if setup.quantization == "none":
+        return 0
+    r, c, autocast = dtypes(setup)
+    g = 2 if autocast else c  # the gradients' dtype: the matmuls' outputs
+    t = setup.micro_batch_size * setup.seq_len
+    widest = max(g * t * (lin.d_in + lin.d_out) for lin in block_linears(setup.model))
+    return dequantized_weight_bytes(setup) + widest + r * t * setup.model.hidden_size
 
 
 def eager_softmax_backward_bytes(setup: RunSetup) -> int:
@@ -349,5 +380,6 @@ __all__ = [
     "adapter_forward_bytes", "backward_gradient_bytes", "CHUNK_TOKENS", "chunk_resized", "chunked_head_gradient_bytes", "MIN_CHUNK_TOKENS", "dequantized_weight_bytes",
     "eager_softmax_backward_bytes", "expert_weight_gradient_bytes", "fused_loss_bytes",
     "fused_loss_chunk_tokens", "layer_backward_bytes", "logits_bytes", "mlp_backward_floor_bytes",
-    "moe_combine_backward_bytes", "post_norm_backward_bytes", "recompute_bytes",
+    "moe_combine_backward_bytes", "post_norm_backward_bytes", "quantized_base_backward_bytes",
+    "recompute_bytes",
 ]

@@ -197,7 +197,8 @@ DEQUANTIZED_WEIGHTS = FittedConstant(
     "DEQUANTIZED_WEIGHTS", 1, "the largest block linear in the compute dtype",
     "a 4/8-bit base's dequantization temporary: bitsandbytes' MatMul4Bit dequantizes a whole "
     "weight in forward and backward; one (the largest) is alive at a time",
-    "backward.dequantized_weight_bytes (layer_backward_bytes, memory's last_layer_mlp_backward)",
+    "backward.dequantized_weight_bytes (quantized_base_backward_bytes, a moment of its own in "
+    "layer_backward_bytes; memory's last_layer_mlp_backward)",
     "simulated step, Llama-2-7B and Phi-3-mini QLoRA + checkpointing, seq 256 (-1.4% and -2.7% "
     "without it, +0.5% / +0.9% with it)",
     "full-size simulation worst 0.58%", "GPU QLoRA rows: 20.7% under (README accuracy table)")

@@ -128,6 +128,13 @@ def weight_norm_bytes(setup: RunSetup) -> int:
     element in fp32, 14.7-14.8 under autocast over fp32 weights, 18.7-18.8 over bf16 ones."""
     if not dora_on(setup):
         return 0
+    return _weight_norm_bytes(setup, target_linears(setup))
+
+
+def _weight_norm_bytes(setup: RunSetup, lins) -> int:
+    """weight_norm_bytes over the adapted Linears ``lins`` (0 for none)."""
+    if not lins:
+        return 0
     autocast = _autocast(setup)
     fp32_param = _weight_is_fp32_parameter(setup)
     per_weight = (fitted.DORA_NORM_BYTES_FP32 if fp32_param else fitted.DORA_NORM_BYTES_16BIT_AUTOCAST
@@ -142,7 +149,39 @@ def weight_norm_bytes(setup: RunSetup) -> int:
             return max(identity * 3 // 2, identity // 2 + norm)
         return identity + norm
 
-    return max(one(lin) for lin in target_linears(setup))
+    return max(one(lin) for lin in lins)
+
+
+def _attention_side(setup: RunSetup) -> set[str]:
+    """The block's Linears that run before its MLP (the attention's projections, o_proj)."""
+    return {lin.name for lin, src in zip(block_linears(setup.model), linear_sources(setup.model), strict=True)
+            if src in ("norm_attn", "attn_out")}
+
+
+def recompute_weight_norm_bytes(setup: RunSetup, layer_bytes: int, attention_bytes: int) -> int:
+    """With checkpointing, the recompute's weight norm (the dora_weight_norm moment, beside the
+    checkpoints and the gradients made so far): the recompute runs the layer's forward in order
+    (torch.utils.checkpoint), so when an attention Linear forms its weight norm only the
+    attention's saved tensors exist (``attention_bytes``: activations.layer_activation_bytes with
+    attention_side, from the input norm to SDPA's output that o_proj reads) and only the
+    attention Linears' DoRA tensors; an MLP Linear's sees the whole layer's (``layer_bytes``).
+    Each side adds its widest Linear's weight norm (weight_norm_bytes), peft's input cast
+    (recompute_input_bytes) and the layer's two hidden-state gradients (hidden_grads). The larger
+    side is the moment. Measured with the live-bytes tracker: extended seed 142 (SmolLM3 QLoRA
+    DoRA on o_proj only, bf16, checkpointing) formed o_proj's norm in the recompute at 1.14 MB
+    live with no MLP tensor alive, under a plan of 1.43 MB that counted the whole layer."""
+    if not dora_on(setup):
+        return 0
+    attention = _attention_side(setup)
+    saved = _saved_by_linear(setup)
+    best = 0
+    for side, acts in ((True, attention_bytes), (False, layer_bytes)):
+        lins = [lin for lin in target_linears(setup) if (lin.name in attention) == side]
+        if not lins:
+            continue
+        dora_saved = sum(n for lin, n in saved if side is False or lin.name in attention)
+        best = max(best, acts + dora_saved + _weight_norm_bytes(setup, lins) + _recompute_input_bytes(setup, lins))
+    return best
 
 
 def backward_bytes(setup: RunSetup) -> int:
@@ -180,10 +219,16 @@ def recompute_input_bytes(setup: RunSetup) -> int:
     x d_in), DORA_RECOMPUTE_INPUT_BYTES in all. Measured: extended seed 111 (Phi-3 LoRA DoRA, bf16,
     checkpointing) peaked at down_proj's weight norm in the recompute with a (4, 128, 512) fp32
     cast and a bf16 copy of it, 4.3% over a plan without them."""
-    if not dora_on(setup) or dtypes(setup)[0] == 4:
+    if not dora_on(setup):
+        return 0
+    return _recompute_input_bytes(setup, target_linears(setup))
+
+
+def _recompute_input_bytes(setup: RunSetup, lins) -> int:
+    if dtypes(setup)[0] == 4 or not lins:
         return 0
     t = setup.micro_batch_size * setup.seq_len
-    return fitted.DORA_RECOMPUTE_INPUT_BYTES.value * t * max(lin.d_in for lin in target_linears(setup))
+    return fitted.DORA_RECOMPUTE_INPUT_BYTES.value * t * max(lin.d_in for lin in lins)
 
 
 def magnitude_backward_bytes(setup: RunSetup) -> int:
@@ -208,4 +253,5 @@ def magnitude_backward_bytes(setup: RunSetup) -> int:
 
 
 __all__ = ["backward_bytes", "dora_on", "dora_problems", "magnitude_backward_bytes",
-           "recompute_backward_bytes", "recompute_input_bytes", "saved_layer_bytes", "weight_norm_bytes"]
+           "recompute_backward_bytes", "recompute_input_bytes", "recompute_weight_norm_bytes", "saved_layer_bytes",
+           "weight_norm_bytes"]

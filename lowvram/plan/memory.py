@@ -189,8 +189,10 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             candidates += tiled.tiled_mlp_moments(setup, checkpoints + layer + mask_last, one_layer + layer + mask_first,
                                                   last_grads, first_grads, not_gathered)
         if dora.dora_on(setup):  # the recompute forms DoRA's weight norm again (plan/dora.py)
-            norm = tiled.layer_activation_bytes(setup) + dora.saved_layer_bytes(setup) + dora.weight_norm_bytes(setup)
-            norm += dora.recompute_input_bytes(setup) + hidden_grads  # in the backward: its gradients
+            # the layer's saved tensors up to the Linear whose norm is formed (the attention's or all)
+            norm = dora.recompute_weight_norm_bytes(setup, tiled.layer_activation_bytes(setup),
+                                                    tiled.layer_activation_bytes(setup, attention_side=True))
+            norm += hidden_grads  # in the backward: its gradients
             candidates += [Moment("dora_weight_norm", checkpoints + norm, 0, last_grads),
                            Moment("dora_weight_norm", one_layer + norm, 0, first_grads, not_gathered)]
         if setup.attention == "eager":
