@@ -93,7 +93,7 @@ def test_readme_command_runs(cmd, monkeypatch, quickstart_model):
     (("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "6000MB", "--offload",
       "zero3-offload"), ("shows ZeRO-3 full offload at 5.10 GiB (2.05 GiB of it parameters",)),
     (("--model", "llama-7b", "--seq-len", "2048", "--batch-size", "1", "--vram", "3GB"),
-     ("the lowest plan peaks at 2.80 GiB and needs a card with 3.05 GiB free",)),
+     ("the lowest plan peaks at 2.81 GiB and needs a card with 3.06 GiB free",)),
     (("--model", "llama-2-7b", "--method", "full", "--gpus", "4", "--vram", "40GB"),
      ("Llama-2-7B on 4 x 40 GB, planned 28.56 GiB per GPU",)),
 ])
