@@ -57,9 +57,14 @@ def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
     nothing but down_proj's input (measured on a 3-layer Phi-3: the plan was 15% high). Standard
     pre-norm gated blocks only, with two norms or Gemma-2/3's four (input, post-attention,
     pre-feedforward, post-feedforward: held-out fuzz seed 653, Gemma-3 LoRA on gate/down_proj
-    with eager attention, was 19.8% under its plan with layer 0's scores counted); other layouts
-    count everything (over, never under)."""
-    if not setup.lora or not describe_layer(setup.model).standard_block:
+    with eager attention, was 19.8% under its plan with layer 0's scores counted), and OLMo-2's
+    post-norm block (_post_norm_block: the attention reads the layer's input itself, the MLP the
+    residual after it; measured with the live-bytes tracker: held-out seed 1703, OLMo-2 LoRA on
+    up_proj only, fp32, b1 s256, no checkpointing, was 11.8% under its plan with all of layer 0
+    counted: its attention, norms and gate saved nothing); other layouts count everything (over,
+    never under)."""
+    layer = describe_layer(setup.model)
+    if not setup.lora or not (layer.standard_block or _post_norm_block(layer)):
         return True, True, True, True
     spec = setup.model
     names = {lin.name for lin in target_linears(setup)}
@@ -124,8 +129,13 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
     for n in range(layer.norms):
         # the norms on the attention's output and the MLP's input (n = 1, and Gemma's n = 2)
         after_attention = n == 1 or (n == 2 and layer.norms == 4)
-        if first and not full and ((n == 0 and not layer.norm_after) or (after_attention and not resid_grad)):
-            continue  # LoRA: no gradient flows into the embedding output (OLMo-2: no norm there)
+        if first and not full and layer.norm_after:
+            # OLMo-2: n 0 normalizes the attention's output, n 1 the MLP's; each saves only where
+            # its input needs a gradient (an adapter upstream of it in layer 0)
+            if not (resid_grad if n == 0 else resid_grad or gate_grad or up_grad or _mlp_out_adapted(setup)):
+                continue
+        elif first and not full and ((n == 0 and not layer.norm_after) or (after_attention and not resid_grad)):
+            continue  # LoRA: no gradient flows into the embedding output
         if attention_side and (n > 0 or layer.norm_after):
             continue  # the norms after the attention (and OLMo-2's post-norms) are done
         per_tok += 4 * h + 4 + (normed_bytes(setup) * h if full else 0)
@@ -192,6 +202,8 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
     attention = eager_bytes(setup) + _attention_dropout_bytes(setup) if attn_grad else 0
     if first and attn_grad and not _first_layer_value_grad(traced or setup):
         attention -= _eager_copy_bytes(setup)
+    if first and attn_grad and not _first_layer_scores_grad(traced or setup) and _eager_copy_bytes(setup):
+        attention -= 4 * spec.num_heads * setup.seq_len**2 * setup.micro_batch_size
     return t * per_tok + fixed + attention
 
 
@@ -210,6 +222,28 @@ def _first_layer_value_grad(setup: RunSetup) -> bool:
     if not setup.lora or not (layer.standard_block or _post_norm_block(layer)):
         return True
     return any(lin.name in ("v_proj", "qkv_proj") for lin in target_linears(setup))
+
+
+def _mlp_out_adapted(setup: RunSetup) -> bool:
+    """Whether the MLP's output projection (down_proj, reading the activation) has an adapter."""
+    names = {lin.name for lin in target_linears(setup)}
+    return any(lin.name in names for lin, src in zip(block_linears(setup.model), linear_sources(setup.model),
+                                                     strict=True) if src == "mlp_act")
+
+
+def _first_layer_scores_grad(setup: RunSetup) -> bool:
+    """Whether layer 0's attention scores need a gradient: under LoRA only when q_proj or k_proj
+    (or a fused qkv) is adapted (other layouts: assumed, as _first_layer_grads). Without it eager
+    attention's fp32 softmax saves no output (its input needs no gradient); the 16-bit copy the
+    matmul with v saves for v's gradient stays (in fp32 that matmul saves the softmax output
+    itself: eager_bytes' one s x s term). Measured with the live-bytes tracker: held-out seed
+    1729 (Llama LoRA on v/o/down_proj, bf16-mixed, eager, b2 s256, no checkpointing) peaked at
+    the loss's backward with one fp32 (2, 4, 256, 256) softmax output alive, layer 1's, and both
+    layers' bf16 copies, 10.8% under its plan with layer 0's counted."""
+    layer = describe_layer(setup.model)
+    if not setup.lora or not (layer.standard_block or _post_norm_block(layer)):
+        return True
+    return any(lin.name in ("q_proj", "k_proj", "qkv_proj") for lin in target_linears(setup))
 
 
 def _post_norm_block(layer) -> bool:

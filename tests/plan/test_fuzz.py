@@ -227,6 +227,21 @@ def test_qlora_recompute_at_small_widths_stays_within_its_plan(name, tmp_path):
     _check(case, tmp_path, QLORA_RECOMPUTE[name])
 
 
+# Layer 0 under LoRA where an adapter leaves part of it without gradients (held out, seeds 1700-1739;
+# plan.activations._first_layer_scores_grad, _first_layer_grads on OLMo-2's post-norm block).
+LAYER_ZERO = {
+    1703: ("OLMo-2 LoRA on up_proj only, fp32, no checkpointing: its layer 0 counted whole, though "
+           "its attention, norms and gate save nothing (-11.83%)"),
+    1729: ("Llama LoRA on v/o/down_proj, bf16-mixed, eager: layer 0's fp32 softmax output counted, "
+           "though its scores need no gradient with q and k frozen (-10.80%)"),
+}
+
+
+@pytest.mark.parametrize("seed", list(LAYER_ZERO))
+def test_layer_zero_without_gradients_stays_within_its_plan(seed, tmp_path):
+    _check(random_case(seed, families=TEN_FAMILIES), tmp_path, LAYER_ZERO[seed])
+
+
 @pytest.mark.parametrize("seed", list(PACKING))
 def test_packed_recipes_stay_within_their_plan(seed, tmp_path):
     from dataclasses import replace
