@@ -8,13 +8,14 @@ Each optimizer runs through the Trainer `lowvram train` builds (lowvram.train.tr
 build_training_args + build_trainer, the Plan's optimizer arguments, clipping where the plan keeps
 it), same model (seed 0), same batch, same tokens. A callback times every step: the forward and
 backward until the optimizer step (in-backward forms step inside it), then the optimizer step and
-zero_grad. Step 1 makes the state (and GaLore's first SVD, APOLLO's first projector); the steady
-steps after WARMUP are the median; ROUNDS rounds run every optimizer in turn, and the fastest
-round is reported (other processes on a shared machine only ever slow a round down), with the
-ratio of the rounds' medians beside it. torch runs on one thread.
+zero_grad, in CPU seconds of this process (time.process_time: a shared machine's other processes
+changed the wall time of a round up to fourfold, hardly its CPU time). Step 1 makes the state (and
+GaLore's first SVD, APOLLO's first projector); the steady steps after WARMUP are the median; ROUNDS
+rounds run every optimizer in turn, and the fastest round is reported, with the ratio of the
+rounds' medians beside it. torch runs on one thread.
 
 Run: .venv/bin/python bench/optimizer_step_time.py [--hidden 512 --layers 4 --seq-len 512]
-(about 5 minutes on one core); writes bench/results/optimizer_step_time.txt.
+(about 5 minutes on an idle core); writes bench/results/optimizer_step_time.txt.
 """
 
 from __future__ import annotations
@@ -77,13 +78,13 @@ def time_steps(setup: RunSetup, steps: int) -> list[tuple[float, float]]:
         begin = mid = 0.0
 
         def on_step_begin(self, args, state, control, **kw):
-            self.begin = time.perf_counter()
+            self.begin = time.process_time()
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
-            self.mid = time.perf_counter()
+            self.mid = time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
-            end = time.perf_counter()
+            end = time.process_time()
             times.append((self.mid - self.begin, end - self.mid))
 
     model = build_model(setup)
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--precision", default="bf16")
     p.add_argument("--steps", type=int, default=8, help="timed steps per run, after the warm-up")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", nargs="*", default=None, help="a subset of the optimizers (adamw is always run)")
     p.add_argument("--out", default="bench/results/optimizer_step_time.txt")
     a = p.parse_args(argv)
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
 
     adamw = med("adamw", 0)
     lines = [
-        f"# {Path(__file__).name}: Trainer steps on this CPU (1 thread), torch {torch.__version__}",
+        f"# {Path(__file__).name}: Trainer steps on this CPU (1 thread, CPU time), torch {torch.__version__}",
         f"# tiny Llama hidden {a.hidden}, {a.layers} layers, vocab {a.vocab} (MLP "
         f"{spec.hidden_size}x{spec.intermediate_size}), {a.precision}, batch 1 x seq {a.seq_len}; "
         f"median of {a.steps} steady steps after {WARMUP}, the fastest of {a.rounds} rounds",
