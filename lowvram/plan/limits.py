@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
-from lowvram.plan.request import Budget, PlanRequest, fits_budget, plan_level
+from lowvram.plan.request import Budget, PlanRequest, fits_budget, optimizer_given_up, plan_level
 from lowvram.plan.search import candidate_setups, loss_options, sized_estimate, sized_loss_chunk
 from lowvram.plan.setup import RunSetup
 
@@ -68,12 +68,14 @@ def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
 def limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator, top: int | None = None
                        ) -> tuple[tuple[int, RunSetup | None], tuple[int, RunSetup | None]]:
     """(longest seq_len, the plan), (largest micro-batch at req.seq_len, the plan), over every
-    plan the request allows; ties go to the faster plan (plan_level, then step time). ``top``:
-    the longest seq_len searched (max_fitting_seq_len's default when None)."""
+    plan the request allows; ties go to the plan that gives up less, then the faster (plan_level,
+    what its optimizer gives up, then step time: search.rank's order, so AdamW in the backward,
+    whose measured step is a little faster than AdamW's, never wins a tie against AdamW itself).
+    ``top``: the longest seq_len searched (max_fitting_seq_len's default when None)."""
     setups = _limit_setups(req, budget)
 
     def speed(s: RunSetup) -> tuple:
-        return (plan_level(s), round(tq.setup_slowdown(s, 1), 6))
+        return (plan_level(s), optimizer_given_up(s), round(tq.setup_slowdown(s, 1), 6))
 
     best_seq: tuple[int, RunSetup | None] = (0, None)
     best_micro: tuple[int, RunSetup | None] = (0, None)

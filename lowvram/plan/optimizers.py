@@ -254,12 +254,12 @@ def given_up(setup: RunSetup) -> str:
                 "(Adafactor-like; CUDA only); " + IN_BACKWARD_GIVEN_UP)
     if apollo(setup):
         out = [f"APOLLO trains every weight with the raw gradient scaled channel-wise by AdamW moments "
-               f"kept in a random rank-{setup.galore_rank} projection (its step-time cost is not "
-               "measured by this project)"]
+               f"kept in a random rank-{setup.galore_rank} projection (its step takes about AdamW's time: "
+               "APOLLO's Table 7, docs/constants.md)"]
     else:
         out = [f"GaLore trains every weight but each decoder Linear's update lives in a rank-"
-               f"{setup.galore_rank} subspace (renewed every update_proj_gap steps; its step-time "
-               "cost is not measured by this project)"]
+               f"{setup.galore_rank} subspace (renewed by an SVD every update_proj_gap steps, which makes "
+               "its step about 3.2x AdamW's at 7B: APOLLO's Table 7, docs/constants.md)"]
     if eight_bit(setup):
         out.append("8-bit moments (bitsandbytes blockwise)")
     if layerwise(setup):

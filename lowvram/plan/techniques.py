@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lowvram.plan.constants import OPTIMIZER_STEP_TIMES
 from lowvram.plan.tiled import tiled_mlp_slowdown
 
 
@@ -141,33 +142,10 @@ LADDER = (
 OPTIMIZER_SLOWDOWN = {
     "adamw": 1.0, "adamw_8bit": 1.03, "paged_adamw_8bit": 1.05, "paged_adamw_32bit": 1.03,
     "adafactor": 1.05, "sgd": 0.98,
-    # not measured by this project (no GPU run yet): AdamW's step plus a projection and its
-    # projection back per decoder Linear, and an SVD of each every update_proj_gap steps. A
-    # placeholder. The search tries GaLore only for full fine-tuning asked for, after AdamW and its
-    # 8-bit form (request.optimizer_given_up), so these order the GaLore forms among themselves:
-    # the 8-bit step is bitsandbytes' (x 1.03, as adamw_8bit); layerwise does the same work, one
-    # parameter at a time in the backward
-    "galore_adamw": 1.1, "galore_adamw_8bit": 1.13, "galore_adamw_layerwise": 1.1,
-    "galore_adamw_8bit_layerwise": 1.13,
-    # not measured by this project and no published step time checked: read from lomo_optim's
-    # source, the step is SGD's (LOMO) or Adafactor's (AdaLomo, x 1.05 as adafactor) done in the
-    # backward on fp32 copies, and each parameter's hook walks every named parameter (a Python
-    # loop of P^2 checks per backward). Placeholders; they order nothing the search compares:
-    # each form ranks alone by what it gives up (request.optimizer_given_up)
-    "lomo": 1.05, "adalomo": 1.1,
-    # torchao's own Llama-2-7B full-bf16 fine-tune on an A100 (torchao/optim/README.md, torchtune
-    # 52d1b838): 3200 tokens/s with fused AdamW, 2900 with ao 8-bit and ao 4-bit (x 1.10); not
-    # measured by this project. The first step's compiles (once per shape) are not in the factor
-    "adamw_torch_8bit": 1.1, "adamw_torch_4bit": 1.1,
-    # not measured by this project: read from apollo_torch's source, AdamW's step on rank-r moments
-    # plus two matmuls and two m x n products per decoder Linear, and a random projector (no SVD:
-    # cheaper than GaLore's renewal, which GaLore's 1.1 stands for). A placeholder like GaLore's;
-    # it orders APOLLO before GaLore where both fit at one rank (request.optimizer_given_up)
-    "apollo_adamw": 1.05, "apollo_adamw_layerwise": 1.05,
-    # the same fused AdamW kernel per parameter, launched once per parameter instead of once for all
-    # (torch's fused/foreach step batches the tensors); not measured by this project and no
-    # published step time checked: a placeholder a little above AdamW's 1.0
-    "adamw_in_backward": 1.02,
+    # GaLore, APOLLO, LOMO, AdaLomo, torchao's low-bit AdamW and AdamW in the backward: each from
+    # a published same-batch measurement against AdamW (or an estimate that says so), with the setup
+    # and the arithmetic, in the constants table (constants.OPTIMIZER_STEP_TIMES, docs/constants.md)
+    **{f.optimizer: f.value for f in OPTIMIZER_STEP_TIMES},
 }
 QUANTIZATION_SLOWDOWN = {
     "none": 1.0, "nf4": 1.35, "nf4-dq": 1.35, "fp4": 1.35,

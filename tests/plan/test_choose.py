@@ -370,3 +370,14 @@ def test_bloom_plans_eager_attention_the_only_one_transformers_has_for_it():
     assert all(a.setup.attention == "eager" for a in c.alternatives)
     with pytest.raises(LowvramError, match="only eager attention"):
         _plan(spec, 24, lora=True, attention="sdpa")
+
+
+def test_limits_break_ties_by_what_the_optimizer_gives_up():
+    """The longest-seq_len plan of a full fine-tune that reaches the searched top with AdamW keeps
+    AdamW: AdamW in the backward (measured a little faster, x 0.99: constants.OPTIMIZER_STEP_TIMES)
+    and APOLLO (x 1.0, under 8-bit AdamW's 1.03) reach no further and give up more, so they win no tie."""
+    c = _plan(resolve_model("gpt2"), 80, seq_len=1024, batch_size=16)
+    assert tq.OPTIMIZER_SLOWDOWN["adamw_in_backward"] < 1.0
+    assert c.longest[1].optimizer == "adamw"
+    tiny = _plan(resolve_model("tinyllama"), 24, seq_len=8192, batch_size=1)
+    assert tiny.longest[1].optimizer in ("adamw", "adamw_8bit")

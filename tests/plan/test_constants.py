@@ -81,3 +81,47 @@ def test_comments_cite_documents_in_the_repository():
     hits = [f"{p.relative_to(REPO)}:{n}" for p in sorted((REPO / "lowvram").rglob("*.py"))
             for n, line in enumerate(p.read_text().splitlines(), 1) if outside.search(line)]
     assert hits == []
+
+
+def test_every_new_optimizer_has_a_sourced_step_time():
+    """GaLore, APOLLO, LOMO, AdaLomo, torchao's AdamW and AdamW in the backward: one entry each, with
+    its setup, its arithmetic and its source, and the search's speed key reads that entry."""
+    from lowvram import vocab
+    from lowvram.plan import techniques as tq
+
+    names = [f.optimizer for f in k.OPTIMIZER_STEP_TIMES]
+    assert len(names) == len(set(names))
+    assert set(names) == set(vocab.PROJECTED_OPTIMIZERS + vocab.LOMO_OPTIMIZERS + vocab.TORCHAO_OPTIMIZERS
+                             + vocab.FUSED_BACKWARD_OPTIMIZERS)
+    for f in k.OPTIMIZER_STEP_TIMES:
+        assert f.value > 0 and all(getattr(f, a).strip() for a in ("measured_on", "derived", "source")), f
+        assert tq.OPTIMIZER_SLOWDOWN[f.optimizer] == f.value
+    estimates = {f.optimizer for f in k.OPTIMIZER_STEP_TIMES if f.source.startswith("estimate")}
+    assert estimates == {"lomo", "adalomo"}  # the two with no same-batch measurement, said so
+
+
+def test_step_times_follow_the_published_numbers():
+    """The factors are the arithmetic of the cited tables (APOLLO's Table 7, GaLore's Table 11,
+    torchtune's and torchao's READMEs), not numbers typed in."""
+    s = {f.optimizer: f.value for f in k.OPTIMIZER_STEP_TIMES}
+    assert k.apollo_table7_ratio(2.874, 0.173, 0.712) == pytest.approx(3.176, abs=1e-3)  # GaLore, 7B
+    assert k.apollo_table7_ratio(0.371, 0.036, 1.069) == pytest.approx(1.204, abs=1e-3)  # GaLore, 1B
+    assert k.apollo_table7_ratio(0.051, 0.036, 1.069) == pytest.approx(1.009, abs=1e-3)  # APOLLO, 1B
+    assert k.apollo_table7_ratio(0.159, 0.173, 0.712) == pytest.approx(0.989, abs=1e-3)  # APOLLO, 7B
+    assert s["galore_adamw"] == s["galore_adamw_layerwise"] == 3.18
+    assert s["galore_adamw_8bit"] == round(3.176 * 1.03, 2) == 3.27
+    assert s["galore_adamw_8bit_layerwise"] == round(3.176 * 1.03 * 1109.38 / 1019.63, 2) == 3.56
+    assert s["apollo_adamw"] == s["apollo_adamw_layerwise"] == 1.0
+    assert s["adamw_in_backward"] == round(7210 / 7309, 2) == 0.99
+    assert s["adamw_torch_8bit"] == s["adamw_torch_4bit"] == round(3200 / 2900, 2) == 1.1
+    # where two forms rank on speed alone (request.optimizer_given_up) the order is the tables':
+    # APOLLO before GaLore, 32-bit GaLore before 8-bit, the whole step before the per-layer one
+    assert s["apollo_adamw"] < s["galore_adamw"] < s["galore_adamw_8bit"]
+    assert s["apollo_adamw_layerwise"] < s["galore_adamw_layerwise"] < s["galore_adamw_8bit_layerwise"]
+
+
+def test_docs_constants_lists_the_step_times():
+    text = (REPO / "docs" / "constants.md").read_text()
+    section = text[text.index("## Step-time factors of the optimizers"):]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| optimizer")]
+    assert [r.split(" | ")[0][2:] for r in rows] == [f.optimizer for f in k.OPTIMIZER_STEP_TIMES]
