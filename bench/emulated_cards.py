@@ -148,16 +148,21 @@ def write_recipe(folder: Path, model_dir: Path, steps: int = STEPS, seq_len: int
     if not (folder / "data.jsonl").exists():
         write_data(folder / "data.jsonl", rows=max(400, 2 * 4 * steps * BATCH), seq_len=seq_len)
     path = folder / "recipe.yaml"
-    path.write_text(f"""\
+    path.write_text(_recipe_head(model_dir, steps, f"batch_size: {BATCH}", seq_len)
+                    + f"lora: {{r: {lora_r}, alpha: {2 * lora_r}}}\n")
+    return path
+
+
+def _recipe_head(model_dir: Path, steps: int, batch: str, seq_len: int) -> str:
+    """The model (bf16), the packed data and the training section every recipe here shares."""
+    return f"""\
 model: {{name_or_path: {model_dir}, dtype: bfloat16}}
 data:
   datasets: [{{path: data.jsonl, format: text}}]
   packing: true
-training: {{max_steps: {steps}, batch_size: {BATCH}, seq_len: {seq_len}, learning_rate: 1.0e-4,
-           logging_steps: 1, save_steps: 1000, output_dir: out}}
-lora: {{r: {lora_r}, alpha: {2 * lora_r}}}
-""")
-    return path
+training: {{max_steps: {steps}, {batch}, seq_len: {seq_len},
+           learning_rate: 1.0e-4, logging_steps: 1, save_steps: 1000, output_dir: out}}
+"""
 
 
 def fixed_recipe(folder: Path, model_dir: Path, setup, steps: int, seq_len: int, extra: str = "") -> Path:
@@ -168,13 +173,7 @@ def fixed_recipe(folder: Path, model_dir: Path, setup, steps: int, seq_len: int,
     if not (folder / "data.jsonl").exists():
         write_data(folder / "data.jsonl", rows=4 * (steps + 2), seq_len=seq_len)
     path = folder / "recipe.yaml"
-    path.write_text(f"""\
-model: {{name_or_path: {model_dir}, dtype: bfloat16}}
-data:
-  datasets: [{{path: data.jsonl, format: text}}]
-  packing: true
-training: {{max_steps: {steps}, batch_size: 1, micro_batch_size: 1, seq_len: {seq_len},
-           learning_rate: 1.0e-4, logging_steps: 1, save_steps: 1000, output_dir: out}}
+    path.write_text(_recipe_head(model_dir, steps, "batch_size: 1, micro_batch_size: 1", seq_len) + f"""\
 techniques:
   mixed_precision: {setup.precision}
   gradient_checkpointing: {on[setup.gradient_checkpointing]}

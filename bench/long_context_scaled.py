@@ -30,32 +30,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("NO_COLOR", "1")
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the offline environment, the repo on sys.path, the 1 GiB emulated card and bench/emulated_cards.py's loader
+from full_finetune_scaled import REPO, SCALED_CARD_GIB, _emulated_cards  # noqa: E402
+
 RESULTS = REPO / "bench" / "results" / "long_context_scaled.txt"
-SCALED_CARD_GIB = 1024  # x 1/1024: a 1 GiB emulated card, room for every scaled plan
 SCALED_HIDDEN = 256  # bench/emulated_cards.py's 8B/1024
 REQUEST = dict(model="llama-3.1-8b", method="qlora", lora_r=32, offload="none", host_ram="1TiB")
-
-
-def _emulated_cards():
-    """bench/emulated_cards.py (its model shapes, data, recipe and cell runner), loaded once."""
-    if "emulated_cards" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("emulated_cards", REPO / "bench" / "emulated_cards.py")
-        sys.modules["emulated_cards"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["emulated_cards"])
-    return sys.modules["emulated_cards"]
 
 
 def real_rows(cards: tuple[int, ...]):
