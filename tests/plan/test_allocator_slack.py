@@ -92,9 +92,12 @@ def test_the_plan_shows_the_parts_and_their_source(monkeypatch):
 
 
 def test_the_8gb_row_and_the_70b_on_48gb():
-    """docs/planner.md, Long context: at Unsloth's 2,972 tokens the 8 GB plan peaks 0.11 GiB over
-    its 7.41 GiB budget, less than its 0.16 GiB churn share; the 70B fits a 48 GB card."""
-    est = estimate_memory(QLORA_8B)
+    """docs/planner.md, Long context: at Unsloth's 2,972 tokens the 8 GB row's plan (no tiled MLP:
+    its shard's backward costs more than it saves at this length) peaks 0.15 GiB over its 7.41 GiB
+    budget, less than its 0.17 GiB churn share; the 70B fits a 48 GB card."""
+    est = estimate_memory(replace(QLORA_8B, tiled_mlp=False))
+    assert estimate_memory(QLORA_8B).peak_bytes > est.peak_bytes
     budget = 0.975 * 8 * GIB * 0.95
-    assert f"{est.peak_bytes / GIB:.2f}" == "7.52" and f"{budget / GIB:.2f}" == "7.41"
+    assert f"{est.peak_bytes / GIB:.2f}" == "7.56" and f"{budget / GIB:.2f}" == "7.41"
+    assert f"{est.allocator_parts['churn'] / GIB:.2f}" == "0.17"
     assert est.peak_bytes - est.allocator_parts["churn"] < budget < est.peak_bytes

@@ -15,8 +15,8 @@ def _check(every: int) -> None:
 
 
 def test_golden_snapshot_sample_unchanged():
-    """Every 9th case of each grid (~820 of 7,380), in about 15 s."""
-    _check(every=9)
+    """Every 13th case of each grid (~760 of 9,900), in about a minute on 2 cores."""
+    _check(every=13)
 
 
 @pytest.mark.slow

@@ -114,7 +114,11 @@ def test_the_norm_before_a_tiled_mlp_runs_its_backward_once_x_is_freed():
     # in bf16 the gradients are 2 bytes a value, the temporaries fp32 (cast + 5) all the same
     bf16 = replace(setup, precision="bf16")
     assert tiled.pre_mlp_norm_backward_delta(bf16) == (2 * 2 + 24) * t * 128 - (2 * t * 128 + t * (4 * 128 + 4))
-    # no tiled MLP, no moment; a two-norm (Llama-style) block: its other terms cover the instant
+    # no tiled MLP, no moment; a two-norm (Llama-style) block: one hidden-state gradient and five
+    # fp32 temporaries made, only x freed (bench/long_context_scaled.py's 16 GB row); OLMo-2's
+    # post-norm block has no norm before its MLP
     assert tiled.pre_mlp_norm_backward_delta(replace(setup, tiled_mlp=False)) is None
     llama = replace(setup, model=replace(setup.model, norms_per_layer=2))
-    assert tiled.pre_mlp_norm_backward_delta(llama) is None
+    assert tiled.pre_mlp_norm_backward_delta(llama) == (4 + 5 * 4) * t * 128 - 4 * t * 128
+    olmo = replace(setup, model=replace(setup.model, norms_per_layer=2, norm_after=True))
+    assert tiled.pre_mlp_norm_backward_delta(olmo) is None
