@@ -63,8 +63,7 @@ def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:
     up_proj only, fp32, b1 s256, no checkpointing, was 11.8% under its plan with all of layer 0
     counted: its attention, norms and gate saved nothing); other layouts count everything (over,
     never under)."""
-    layer = describe_layer(setup.model)
-    if not setup.lora or not (layer.standard_block or _post_norm_block(layer)):
+    if not _layer_zero_traced(setup):
         return True, True, True, True
     spec = setup.model
     names = {lin.name for lin in target_linears(setup)}
@@ -134,7 +133,7 @@ def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side:
             # its input needs a gradient (an adapter upstream of it in layer 0)
             if not (resid_grad if n == 0 else resid_grad or gate_grad or up_grad or _mlp_out_adapted(setup)):
                 continue
-        elif first and not full and ((n == 0 and not layer.norm_after) or (after_attention and not resid_grad)):
+        elif first and not full and (n == 0 or (after_attention and not resid_grad)):
             continue  # LoRA: no gradient flows into the embedding output
         if attention_side and (n > 0 or layer.norm_after):
             continue  # the norms after the attention (and OLMo-2's post-norms) are done
@@ -218,10 +217,7 @@ def _first_layer_value_grad(setup: RunSetup) -> bool:
     bf16-mixed, eager, b1 s512, no checkpointing) peaked at the last layer's softmax backward
     with layer 0's fp32 probabilities alive and no 16-bit copy of them, 11.15% under its plan
     with that copy counted."""
-    layer = describe_layer(setup.model)
-    if not setup.lora or not (layer.standard_block or _post_norm_block(layer)):
-        return True
-    return any(lin.name in ("v_proj", "qkv_proj") for lin in target_linears(setup))
+    return not _layer_zero_traced(setup) or _adapted(setup, ("v_proj", "qkv_proj"))
 
 
 def _mlp_out_adapted(setup: RunSetup) -> bool:
@@ -240,10 +236,20 @@ def _first_layer_scores_grad(setup: RunSetup) -> bool:
     1729 (Llama LoRA on v/o/down_proj, bf16-mixed, eager, b2 s256, no checkpointing) peaked at
     the loss's backward with one fp32 (2, 4, 256, 256) softmax output alive, layer 1's, and both
     layers' bf16 copies, 10.8% under its plan with layer 0's counted."""
+    return not _layer_zero_traced(setup) or _adapted(setup, ("q_proj", "k_proj", "qkv_proj"))
+
+
+def _layer_zero_traced(setup: RunSetup) -> bool:
+    """Whether the layer-0 rules trace which of its tensors need a gradient: under LoRA, in a
+    standard pre-norm gated block or OLMo-2's post-norm one; elsewhere every tensor is assumed to
+    (over, never under)."""
     layer = describe_layer(setup.model)
-    if not setup.lora or not (layer.standard_block or _post_norm_block(layer)):
-        return True
-    return any(lin.name in ("q_proj", "k_proj", "qkv_proj") for lin in target_linears(setup))
+    return setup.lora and (layer.standard_block or _post_norm_block(layer))
+
+
+def _adapted(setup: RunSetup, names: tuple[str, ...]) -> bool:
+    """Whether any of the Linears ``names`` has an adapter."""
+    return any(lin.name in names for lin in target_linears(setup))
 
 
 def _post_norm_block(layer) -> bool:
