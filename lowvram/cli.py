@@ -61,10 +61,10 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.report.info import show_validated
 
     r = load_recipe(recipe, set_ or [])
-    from lowvram.train.preflight import check_inputs
+    from lowvram.train.run.preflight import check_inputs
 
     check_inputs(r)
-    from lowvram.train.preflight import check_shape
+    from lowvram.train.run.preflight import check_shape
 
     check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
     show_validated(r, recipe, as_json=json_)
@@ -203,7 +203,7 @@ def plan(
         tiled_mlp=None if tiled_mlp == "auto" else tiled_mlp,
         objective=objective, host_ram=host_ram,
     )
-    from lowvram.plan.request import Choice
+    from lowvram.plan.choose.request import Choice
     from lowvram.plan.serialize import choice_to_dict
 
     if not isinstance(result, Choice):
@@ -276,8 +276,8 @@ def merge(
 ) -> None:
     """Merge a run's LoRA adapter into its base model and save a plain transformers folder."""
     from lowvram.report.results import show_merge_plan, show_merge_result
-    from lowvram.train.lock import run_lock
-    from lowvram.train.merge import merge_run, plan_merge
+    from lowvram.train.after.merge import merge_run, plan_merge
+    from lowvram.train.run.lock import run_lock
 
     with run_lock(out, "lowvram merge --out"):
         mp = plan_merge(run_dir, out, dtype=dtype)
@@ -301,7 +301,12 @@ def generate(
     """Load a trained model and stream its answer to a prompt (or chat with --interactive)."""
     from lowvram.errors import UsageError
     from lowvram.report.results import show_generator, stream_text, write_stream
-    from lowvram.train.generate import GenerationSettings, chat_loop, load_generator, stream_reply
+    from lowvram.train.after.generate import (
+        GenerationSettings,
+        chat_loop,
+        load_generator,
+        stream_reply,
+    )
 
     if (prompt is None) == (not interactive):
         raise UsageError("pass --prompt TEXT or --interactive (one of them)", 'e.g. lowvram generate runs/quickstart --prompt "Hello"')

@@ -126,7 +126,7 @@ def _shown(value) -> str:
 def build_request(model, recipe: Recipe | None = None, flags: dict | None = None,
                   flag_sources: dict | None = None):
     """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
-    from lowvram.plan.request import PlanRequest
+    from lowvram.plan.choose.request import PlanRequest
 
     training = recipe.training if recipe else TrainingSection()
     fields: dict = {"seq_len": training.seq_len, "batch_size": training.batch_size}
@@ -135,11 +135,11 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
         fields.update(lora_fields(recipe))
         fields.update(galore_fields(recipe))
         # a max_grad_norm the recipe writes is asked for; the default (1.0) a layerwise optimizer
-        # drops, and its plan says so (plan/optimizers.py given_up)
+        # drops, and its plan says so (plan/memory/optimizers.py given_up)
         t = recipe.training
         fields["gradient_clipping"] = "max_grad_norm" in t.model_fields_set and t.max_grad_norm > 0
         fields["packing"] = recipe.data.packing
-        if any(d.format == "image_chat" for d in recipe.data.datasets):  # lowvram.plan.images
+        if any(d.format == "image_chat" for d in recipe.data.datasets):  # lowvram.plan.memory.images
             fields["images_per_row"] = recipe.data.images_per_row
         fields["objective"] = recipe.training.objective
         fields["precompute_ref"] = recipe.preference.precompute_ref_log_probs
@@ -171,7 +171,7 @@ def galore_fields(recipe: Recipe) -> dict:
 
 def recipe_model(recipe: Recipe):
     """The recipe's model as a ModelSpec (a local folder resolves against the recipe file)."""
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
 
     return resolve_model(recipe_model_ref(recipe))
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lowvram.plan.preference import OBJECTIVES, PREFERENCE_OBJECTIVES
+from lowvram.plan.memory.preference import OBJECTIVES, PREFERENCE_OBJECTIVES
 from lowvram.plan.setup import activation_offload_conflict, quantization_conflict
 from lowvram.vocab import (
     ATTENTIONS,
@@ -40,7 +40,7 @@ Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
 DataFormat = Literal["alpaca", "chat", "image_chat", "completion", "text", "preference", "unpaired"]
 # training.objective: sft trains on responses (the Trainer); the others align on preference data
-# through TRL (lowvram.train.preference), the planner's list (lowvram.plan.preference).
+# through TRL (lowvram.train.build.preference), the planner's list (lowvram.plan.memory.preference).
 Objective = Literal[OBJECTIVES]
 # the data formats of the preference objectives (kto also reads pairs: TRL unpairs them)
 PREFERENCE_FORMATS = ("preference", "unpaired")
@@ -201,7 +201,7 @@ class LoraSection(_Section):
     @field_validator("init")
     @classmethod
     def _known_init(cls, v: str) -> str:
-        from lowvram.plan.lora_init import init_name_problem
+        from lowvram.plan.memory.lora_init import init_name_problem
 
         if problem := init_name_problem(v):
             raise ValueError(problem)

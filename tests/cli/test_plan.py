@@ -90,8 +90,8 @@ def test_flags_fix_choices():
 
 def test_packing_is_a_plan_input():
     """--packing (data.packing in a recipe): every layer's SDPA keeps a b x s x s mask."""
-    from lowvram.plan.activations import masked_attention_bytes
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.memory.activations import masked_attention_bytes
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.plan.setup import RunSetup
 
     fixed = ("--model", "llama-7b", "--vram", "80GB", "--method", "lora", "--mixed-precision", "bf16",

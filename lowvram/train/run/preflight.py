@@ -1,0 +1,191 @@
+"""`validate` and `train --dry-run`: the recipe's local files exist, its first rows parse and
+the model folder's JSON and weight files are whole (runfiles.folder_problem).
+
+The same rules as training uses (data.py decides what is a local file and what a hub id,
+model.py where a model folder is), without loading a model or a whole dataset: a few
+milliseconds, so a missing file is reported before anything heavy starts, not after the model
+has loaded. No torch here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lowvram.errors import LowvramError
+
+if TYPE_CHECKING:
+    from lowvram.recipe import Recipe
+
+_HEAD_BYTES = 1 << 16  # the first rows of a JSON Lines file: enough for a few rows, read in microseconds
+
+
+def input_problems(recipe: Recipe) -> list[str]:
+    """One line per missing or unreadable input (empty when all are there)."""
+    from lowvram.runfiles import folder_problem
+    from lowvram.train.build.model import resolve_model_location
+    from lowvram.train.data.read import is_local
+
+    problems = []
+    try:
+        damaged = folder_problem(Path(resolve_model_location(recipe)), model_files(recipe))  # a hub id: no folder
+        if damaged:
+            problems.append(f"{damaged[0]} is damaged: {damaged[1]}")
+    except LowvramError as e:
+        problems.append(e.message)
+    for spec in recipe.data.datasets:
+        path = recipe.resolve_path(spec.path)
+        suffix = path.suffix.lower()
+        if not is_local(path, spec.path):
+            continue  # a hub dataset: checked when it downloads
+        if not path.is_file():
+            problems.append(f"data file not found: {path}" if not path.exists() else f"{path} is a folder, not a data file")
+        elif suffix in (".jsonl", ".ndjson") and not recipe.data.skip_bad_rows:
+            problems += _first_rows_problem(path)
+    return problems
+
+
+def model_files(recipe: Recipe) -> tuple[str, ...] | None:
+    """The files of the model folder that training reads and that runfiles.folder_problem
+    checks: a GGUF model's gguf_file only (a folder may hold several quantizations); else all."""
+    return (recipe.model.gguf_file,) if recipe.model.gguf_file else None
+
+
+def _first_rows_problem(path: Path) -> list[str]:
+    from lowvram.train.data.read import BadRow, jsonl_rows
+
+    with path.open("rb") as f:
+        head = f.read(_HEAD_BYTES)
+    if len(head) == _HEAD_BYTES:
+        head = head[: head.rfind(b"\n") + 1]  # whole lines only
+    try:
+        rows = list(jsonl_rows(head.decode("utf-8-sig"), path.name))
+    except UnicodeDecodeError as e:
+        return [f"{path}: not UTF-8 text (byte {e.start})"]
+    bad = [f"{r.where}: {r.data}" for r in rows if isinstance(r.data, BadRow)]
+    if not rows:
+        return [f"{path}: the data file is empty"]
+    return bad[:1]  # the first; training reports each, or skips them with data.skip_bad_rows
+
+
+def check_inputs(recipe: Recipe) -> None:
+    problems = input_problems(recipe)
+    if problems:
+        raise LowvramError(
+            f"{len(problems)} input{'s' if len(problems) != 1 else ''} of the recipe cannot be read:\n  "
+            + "\n  ".join(problems),
+            "paths in a recipe are relative to the recipe file; fix them and run `lowvram validate RECIPE` again",
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# What the data and the model can hold: a full optimizer step, seq_len positions
+
+
+def check_shape(recipe: Recipe, train_rows: int | None = None) -> None:
+    """LowvramError when one optimizer step needs more rows than the training data has, or
+    seq_len is beyond the model's positions without rope scaling (`validate`; `train` once its
+    data is built). ``train_rows``: the rows (packed windows) training built; None: counted here
+    from local JSON Lines files (an upper bound: bad rows and empty samples are dropped later),
+    skipped when a file cannot be counted cheaply (a hub dataset, another format, packing).
+    `train --dry-run` checks neither: it shows the plan for the recipe as it is."""
+    _check_batch(recipe, train_rows if train_rows is not None else _counted_train_rows(recipe))
+    check_seq_len(recipe)
+
+
+def _check_batch(recipe: Recipe, rows: int | None) -> None:
+    batch = recipe.training.batch_size
+    if rows is None or rows >= batch:
+        return
+    what = "packed windows" if recipe.data.packing else "rows"
+    held = " after data.validation's hold-out" if isinstance(recipe.data.validation, float) else ""
+    raise LowvramError(
+        f"training.batch_size {batch:,} is more than the training data holds: one optimizer step takes "
+        f"{batch:,} samples, the data has {rows:,} training {what}{held}",
+        f"lower training.batch_size to {rows:,} or less, or add rows to the data",
+    )
+
+
+def _counted_train_rows(recipe: Recipe) -> int | None:
+    """Training rows of local .jsonl/.ndjson files (non-blank lines, capped by max_samples, less the
+    validation fraction as collate.hold_out takes it); None when any dataset cannot be counted."""
+    from lowvram.train.data.read import is_local
+
+    if recipe.data.packing:
+        return None  # windows are known only after tokenizing
+    total = 0
+    for spec in recipe.data.datasets:
+        path = recipe.resolve_path(spec.path)
+        if not is_local(path, spec.path) or path.suffix.lower() not in (".jsonl", ".ndjson") or not path.is_file():
+            return None
+        n = _non_blank_lines(path)
+        total += min(n, spec.max_samples) if spec.max_samples else n
+    fraction = recipe.data.validation
+    if isinstance(fraction, float) and total >= 2:
+        total -= min(total - 1, max(1, round(total * fraction)))  # collate.hold_out's n_eval
+    return total
+
+
+def _non_blank_lines(path: Path) -> int:
+    n = 0
+    with path.open("rb") as f:
+        for line in f:
+            n += bool(line.strip())
+    return n
+
+
+def check_seq_len(recipe: Recipe) -> None:
+    positions, scaled = _model_positions(recipe)
+    seq_len = recipe.training.seq_len
+    if positions is None or seq_len <= positions or scaled:
+        return
+    raise LowvramError(
+        f"training.seq_len {seq_len:,} is beyond the model's max_position_embeddings {positions:,}, and its "
+        "config.json sets no rope scaling: positions past it were never trained",
+        f"lower training.seq_len to {positions:,} or less, or use a model whose config.json sets rope_scaling "
+        "(rope_parameters) with a factor for longer contexts",
+    )
+
+
+def _model_positions(recipe: Recipe) -> tuple[int | None, bool]:
+    """(max_position_embeddings, whether rope scaling is set) from the model's config.json (a
+    local folder or the hub cache; plan.catalog.local_config), else the catalog; (None, False)
+    when neither knows the model (a GGUF file: its own metadata)."""
+    from lowvram.plan.model.catalog import local_config, resolve_model
+    from lowvram.train.build.model import resolve_model_location
+
+    if recipe.model.gguf_file:
+        return None, False
+    try:
+        ref = resolve_model_location(recipe)
+    except LowvramError:
+        return None, False  # input_problems names the missing model
+    cfg = local_config(ref)
+    if cfg is None:
+        try:
+            return resolve_model(ref).max_position_embeddings, False
+        except LowvramError:
+            return None, False
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    # The keys plan.readers.spec_from_config reads the positions from (GPT-2: n_positions).
+    for source in (cfg, text):
+        positions = next((source[k] for k in ("max_position_embeddings", "n_positions", "seq_length")
+                          if isinstance(source.get(k), int)), None)
+        if positions is not None:
+            return positions, _rope_scaled(source)
+    return None, False
+
+
+def _rope_scaled(cfg: dict) -> bool:
+    """Rope scaling with a factor: ``rope_scaling`` (transformers 4) or ``rope_parameters``
+    (transformers 5, modeling_rope_utils: linear, dynamic, yarn, longrope and llama3 all carry
+    ``factor``), also per layer type (Gemma-3: {"full_attention": {...}, ...})."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if not isinstance(value, dict):
+            continue
+        for params in (value, *(v for v in value.values() if isinstance(v, dict))):
+            factor = params.get("factor")
+            if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+                return True
+    return False
