@@ -189,3 +189,57 @@ def _rope_scaled(cfg: dict) -> bool:
             if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
                 return True
     return False
+
+
+# --------------------------------------------------------------------------------------------
+# The data, row by row (lowvram.train.data.check), with the tokenizer when it is on this machine
+
+
+def check_recipe_data(recipe: Recipe, samples: int = 0, tokens: bool = True):
+    """check_data with the recipe's local tokenizer (when there is one and ``tokens``); a
+    DataError listing every bad row (the first MAX_LISTED, then a count) when any row would stop
+    training."""
+    from lowvram.errors import DataError
+    from lowvram.train.data.check import MAX_LISTED, DataReport, check_data
+
+    structure = check_data(recipe)
+    if structure.problems and not recipe.data.skip_bad_rows:
+        shown = list(structure.problems[:MAX_LISTED])
+        more = len(structure.problems) - len(shown)
+        raise DataError(
+            shown[0] if len(shown) == 1 else f"{len(structure.problems)} problems in the data:\n  "
+            + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""),
+            "fix the rows, set the dataset's format: and map your column names with fields: {...} (and "
+            "roles: {...} for chat speakers), or set data.skip_bad_rows: true to skip and count bad rows",
+        )
+    tokenizer, why = local_tokenizer(recipe) if tokens else (None, None)
+    if tokenizer is None:
+        return DataReport(structure.files, structure.problems, structure.notes, tokenizer=None, skipped_tokens=why)
+    return check_data(recipe, tokenizer, samples)
+
+
+def local_tokenizer(recipe: Recipe):
+    """The recipe's tokenizer when it is on this machine (a model folder, or model.tokenizer as a
+    folder), else (None, why): the data check never downloads."""
+    from lowvram.train.model import load_tokenizer, resolve_model_location
+
+    if recipe.model.tokenizer and not recipe.resolve_path(recipe.model.tokenizer).is_dir():
+        return None, f"model.tokenizer {recipe.model.tokenizer} is a hub id: token counts need it on this machine"
+    try:
+        source = resolve_model_location(recipe)
+    except LowvramError as e:
+        return None, e.message
+    tok_path = recipe.resolve_path(recipe.model.tokenizer) if recipe.model.tokenizer else None
+    if not Path(source).is_dir() and not (tok_path and tok_path.is_dir()):
+        return None, f"{recipe.model.name_or_path} is a hub id: token counts need the model on this machine"
+    if recipe.model.gguf_file and not (tok_path and tok_path.is_dir()):
+        from lowvram.train.gguf import cached_gguf_folder
+
+        converted = cached_gguf_folder(source, recipe.model.gguf_file)
+        if converted is None:
+            return None, "the GGUF model is converted at its first `lowvram train`: token counts after that"
+        source = str(converted)
+    try:
+        return load_tokenizer(recipe, source), None
+    except LowvramError as e:
+        return None, e.message

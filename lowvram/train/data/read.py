@@ -189,6 +189,25 @@ def _load_hub(spec: DatasetSpec, split: str, max_samples: int | None) -> list[Ro
     return [Row(r, f"{spec.path}[{split}]: row {i}") for i, r in enumerate(ds, 1)]
 
 
+def concrete_spec(spec: DatasetSpec, rows: list[Row]) -> DatasetSpec:
+    """The spec with a concrete format: as written, or (format auto: a hub dataset, or a file
+    load_recipe could not peek into) recognised from the first row's columns."""
+    from lowvram.recipe.formats import recognise
+
+    if spec.format != "auto":
+        return spec
+    first = next((r.data for r in rows if isinstance(r.data, dict)), None)
+    found = recognise(first)
+    if found is None:
+        columns = ", ".join(map(str, first)) if isinstance(first, dict) else "none"
+        raise DataError(
+            f"{spec.path}: cannot tell the data format from the columns ({columns})",
+            "set its format: (alpaca, chat, sharegpt, completion, text, preference, ...) and map your "
+            "column names with fields: {...}; `lowvram keys` lists them",
+        )
+    return spec.model_copy(update={"format": found.format, "fields": {**found.fields, **spec.fields}})
+
+
 def _root_cause(e: BaseException) -> str:
     while e.__cause__ is not None:
         e = e.__cause__
