@@ -23,6 +23,7 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),  # lowvram.train.data.preference
     "unpaired": (("prompt", "completion", "label"), ()),  # training.objective kto (data/preference.py)
+    "prompt": (("prompt",), ()),  # training.objective grpo / rloo: prompts the model completes
 }
 
 # The columns each format reads when fields: does not map them (sharegpt: ShareGPT's own names).

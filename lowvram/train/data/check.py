@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.recipe import DatasetSpec, Recipe
-from lowvram.train.data.format import CHAT_FORMATS, _messages, format_example
+from lowvram.recipe.formats import column_of
+from lowvram.train.data.format import CHAT_FORMATS, _messages, format_example, short_repr
 from lowvram.train.data.read import BadRow, Row, concrete_spec, is_local, jsonl_rows, load_rows
 
 if TYPE_CHECKING:
@@ -154,6 +155,11 @@ def row_problem(row: object, spec: DatasetSpec) -> str | None:
             preference_pair(row, spec)
         elif spec.format == "unpaired":
             unpaired_row(row, spec)
+        elif spec.format == "prompt":  # grpo / rloo: a prompt, text or messages; other columns go to the rewards
+            value = row.get(column_of("prompt", spec.fields, "prompt"))
+            if not (isinstance(value, str) and value.strip()) and not (isinstance(value, list) and value):
+                return (f"field 'prompt': expected text or a list of messages, got {short_repr(value)} "
+                        f"(columns present: {', '.join(map(str, row)) or 'none'})")
         else:
             format_example(row, spec)
     except BadRow as e:
@@ -164,7 +170,8 @@ def row_problem(row: object, spec: DatasetSpec) -> str | None:
 def _with_tokens(report: DataReport, recipe: Recipe, tokenizer, good: list[_Rows], n_samples: int) -> DataReport:
     from lowvram.train.data.tokenize import Counts, tokenize_rows
 
-    text = [g for g in good if g.spec.format not in (*PREFERENCE_FORMATS, "image_chat")]
+    sft = recipe.training.objective == "sft"  # TRL tokenizes the rows of the other objectives itself
+    text = [g for g in good if sft and g.spec.format not in (*PREFERENCE_FORMATS, "image_chat")]
     skipped = sorted({g.spec.format for g in good} - {g.spec.format for g in text})
     counts = Counts()
     lengths: list[int] = []
@@ -185,7 +192,8 @@ def _with_tokens(report: DataReport, recipe: Recipe, tokenizer, good: list[_Rows
             median_tokens=int(statistics.median(ordered)), p95_tokens=ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
             max_tokens=ordered[-1], truncated=counts.truncated, dropped=counts.dropped, trained_tokens=trained,
             total_tokens=total)
-    note = (f"format {', '.join(skipped)}: tokenized by TRL at train time, not counted here" if skipped else None)
+    note = (f"format {', '.join(skipped)}" + ("" if sft else f" under training.objective {recipe.training.objective}")
+            + ": tokenized at train time (TRL, or the processor for images), not counted here" if skipped else None)
     return DataReport(report.files, report.problems, report.notes, stats, tuple(samples),
                       getattr(tokenizer, "name_or_path", None), note)
 
