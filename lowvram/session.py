@@ -67,6 +67,9 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
     if options.recipe_path is None:
         raise ValueError("lowvram train needs a recipe file (TrainOptions.recipe_path)")
     recipe = load_recipe(options.recipe_path, list(options.overrides))
+    from lowvram.train.preflight import check_ordinary_inputs
+
+    check_ordinary_inputs(recipe)  # a FIFO or a device among the inputs: said at once, never opened
     if not options.dry_run:  # before planning and loading; the rows are counted once built (run.py)
         from lowvram.train.preflight import check_seq_len
 

@@ -256,7 +256,11 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:
         raise LowvramError(f"recipe file not found: {p}", "pass the path to a .yaml recipe, e.g. recipes/quickstart.yaml")
     if p.is_dir():
         raise LowvramError(f"{p} is a folder, not a recipe file", "pass the path to a .yaml recipe inside it")
-    raw = p.read_bytes()
+    from lowvram.inputfiles import RECIPE_LIMIT_BYTES, read_bounded, require_ordinary
+
+    hint = "pass the path to a .yaml recipe file, e.g. recipes/quickstart.yaml"
+    require_ordinary(p, "the recipe", hint)  # a FIFO or /dev/zero would block or never end
+    raw = read_bounded(p, RECIPE_LIMIT_BYTES, "the recipe", "a recipe is a small YAML file; pass the recipe, not a data file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
