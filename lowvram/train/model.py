@@ -28,9 +28,13 @@ _NOISE = (
     "/torchao/_C",
     # torchao 0.18 registering its enums with torch 2.13's pytree (a deprecation, not the user's).
     "is an Enum subclass and is now natively supported by torch.compile",
+    # kernels (bitsandbytes' hub kernels) offline: the kernel is cached or not used; nothing to do.
+    "Skipping publisher trust check for 'kernels-community/",
+    # DeepSpeed's import on a machine without a GPU (lowvram chose the device already).
+    "Setting accelerator to CPU",
 )
 _NOISY_LOGGERS = ("bitsandbytes", "bitsandbytes.backends.cpu.ops", "transformers.trainer_utils", "torchao",
-                  "torch.utils._pytree")
+                  "torch.utils._pytree", "kernels._internals.hf_hub", "DeepSpeed")
 
 
 class _DropNoise(logging.Filter):

@@ -191,10 +191,19 @@ def _json_rows(text: str, name: str) -> list[Row]:
     return [Row(r, f"{name}: row {i}") for i, r in enumerate(data, 1)]
 
 
+def _datasets():
+    """``datasets`` with its progress bars off (they would print "Generating train split" on the
+    user's terminal for every file)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets
+
+
 def _load_csv(path: Path, text: str, name: str) -> list[Row]:
     import csv
 
-    import datasets
+    datasets = _datasets()
 
     header = next(csv.reader(text.splitlines()), [])
     if not header:
@@ -212,7 +221,7 @@ def _load_csv(path: Path, text: str, name: str) -> list[Row]:
 
 
 def _load_parquet(path: Path, name: str) -> list[Row]:
-    import datasets
+    datasets = _datasets()
 
     if path.stat().st_size == 0:
         raise DataError(f"{path}: the data file is empty", "write the parquet file again")
@@ -225,7 +234,7 @@ def _load_parquet(path: Path, name: str) -> list[Row]:
 
 
 def _load_hub(spec: DatasetSpec, split: str, max_samples: int | None) -> list[Row]:
-    import datasets
+    datasets = _datasets()
 
     # A slice lets the hub loader stop early on large datasets.
     sliced = f"{split}[:{max_samples}]" if max_samples else split
