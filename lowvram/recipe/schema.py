@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lowvram.plan.memory.preference import OBJECTIVES, PREFERENCE_OBJECTIVES, RL_OBJECTIVES
 from lowvram.plan.setup import activation_offload_conflict, quantization_conflict
@@ -318,8 +326,10 @@ class TechniquesSection(_Section):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _yaml_booleans(cls, v: object) -> object:
+    def _yaml_booleans(cls, v: object, info: ValidationInfo) -> object:
         # true/false, and the YAML 1.1 words yes/no/y/n, mean on/off here.
+        if v == "none" and info.field_name in ("offload", "quantization"):
+            return "off"  # the flags' spelling (--offload none, --quantization none) is accepted too
         if isinstance(v, bool):
             return "on" if v else "off"
         if isinstance(v, str) and v.lower() in ON_OFF_WORDS:
