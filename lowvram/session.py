@@ -80,7 +80,7 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
     data = check_recipe_data(recipe, samples=1, tokens=options.dry_run)
     _fetch_config(recipe_model_ref(recipe))  # plan a hub model before downloading it
     if not options.dry_run and not options.print_launch:
-        from lowvram.train.preflight import check_model_download
+        from lowvram.train.run.preflight import check_model_download
 
         check_model_download(recipe)  # a hub model not cached, with no network: said now, not after retries
     asked = options.processes.several or options.print_launch  # the flags ask for accelerate

@@ -136,7 +136,7 @@ def check_model_download(recipe: Recipe) -> None:
     now (HF_HUB_OFFLINE, or no network: one connection attempt of a few seconds)."""
     from lowvram.errors import ModelError
     from lowvram.hub import download_problem
-    from lowvram.train.model import resolve_model_location
+    from lowvram.train.build.model import resolve_model_location
 
     location = resolve_model_location(recipe)
     if not Path(location).is_dir() and (why := download_problem(location)):
