@@ -6,14 +6,17 @@ No torch here unless the hardware has to be detected (no ``--vram`` / ``LOWVRAM_
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.plan.cards import read_vram
 from lowvram.plan.setup import expandable_segments_set
 from lowvram.plan.types import Plan
-from lowvram.recipe import Recipe
 from lowvram.units import gib
 from lowvram.vocab import BNB_OPTIMIZERS, GALORE_8BIT_OPTIMIZERS, ON_VALUES
+
+if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
+    from lowvram.recipe import Recipe
 
 
 def make_budget(vram: str | None = None, hardware=None, gpus: int = 1, host_ram: str | None = None):

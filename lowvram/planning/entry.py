@@ -8,6 +8,8 @@ cannot, the same request is planned with nothing left on auto (fixed.py,
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lowvram.errors import LowvramError
 from lowvram.plan.preference import OBJECTIVES
 from lowvram.plan.replan import Replanner
@@ -15,9 +17,11 @@ from lowvram.plan.types import Plan
 from lowvram.planning.budget import check_card, check_runnable, make_budget
 from lowvram.planning.fixed import fixed_with_note
 from lowvram.planning.from_recipe import METHODS, build_request, flag_choices, recipe_model
-from lowvram.recipe import Recipe
 from lowvram.units import gib
 from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
+
+if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
+    from lowvram.recipe import Recipe
 
 
 def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus: int = 1) -> Plan:
