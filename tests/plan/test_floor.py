@@ -19,7 +19,12 @@ from lowvram.plan import techniques as tq
 from lowvram.plan.catalog import resolve_model
 from lowvram.plan.choose import choose_plan
 from lowvram.plan.floor import peak_floor_bytes
-from lowvram.plan.limits import _limit_setups, limits_over_plans, max_fitting_micro_batch, max_fitting_seq_len
+from lowvram.plan.limits import (
+    _limit_setups,
+    limits_over_plans,
+    max_fitting_micro_batch,
+    max_fitting_seq_len,
+)
 from lowvram.plan.memory import estimate_memory
 from lowvram.plan.pool import CandidatePool, Estimates
 from lowvram.plan.request import Budget, PlanRequest, missing_extras, optimizer_given_up, plan_level
