@@ -1,8 +1,10 @@
 """Budget + request -> the cheapest plan that fits, every choice with its reason.
 
-The search is exhaustive over the techniques left on ``auto`` (a few hundred memory estimates,
-well under a second): each candidate gets a peak from :func:`lowvram.plan.memory.estimate_memory`
-and a step-time factor from :mod:`lowvram.plan.techniques`. Among the candidates that fit, the
+The search is exhaustive over the techniques left on ``auto``: each candidate gets a peak from
+:func:`lowvram.plan.memory.estimate_memory` and a step-time factor from
+:mod:`lowvram.plan.techniques`, estimated only where the answer needs it (:mod:`lowvram.plan.pool`:
+in rank order until the first that fits, never where its floor is over the budget; the answer is
+that of estimating all of them). Among the candidates that fit, the
 first level of what the plan gives up wins (``plan_level``: full fine-tuning on the GPU, LoRA,
 QLoRA, offload to CPU RAM), then a plan that needs no missing extra (DeepSpeed), then the
 fastest, then the larger micro-batch, then the smaller peak (``rank``). The ladder (one technique
