@@ -31,6 +31,7 @@ from lowvram.plan.limits import limits_over_plans, max_fitting_micro_batch, max_
 from lowvram.plan.memory import estimate_memory
 from lowvram.plan.pool import CandidatePool, Estimates
 from lowvram.plan.request import (
+    BUILT_EXTRAS,
     Budget,
     Candidate,
     Choice,
@@ -93,8 +94,11 @@ def _extras_notes(chosen: Candidate, cands: CandidatePool, budget: Budget) -> li
     missing = missing_extras(chosen.setup, budget)
     if not missing:
         return []
-    pip = " ".join(f"'lowvram[{e}]'" for e in missing)
-    text = f"this plan needs {', '.join(missing)}, not installed here (pip install {pip})"
+    pip = " ".join(f"'lowvram[{e}]'" for e in missing if e not in BUILT_EXTRAS)
+    text = "; ".join([f"this plan needs {', '.join(e for e in missing if e not in BUILT_EXTRAS)}, not installed "
+                      f"here (pip install {pip})"] * bool(pip)
+                     + [f"this plan needs {BUILT_EXTRAS[e]}, which cannot be built here" for e in missing
+                        if e in BUILT_EXTRAS])
 
     def ready(o) -> bool:
         return not missing_extras(o.setup, budget)
