@@ -97,7 +97,7 @@ def _smaller_model(req: PlanRequest, budget: Budget, lowest: Candidate, estimate
         other = replace(lowest.setup, model=spec, tiled_mlp=lowest.setup.tiled_mlp and not spec.is_moe)
         if optimizer_problems(other) or vision_problems(spec.vision, other.offload, other.objective,
                                                         other.optimizer, other.tiled_mlp):
-            continue  # a GaLore setup on an MoE or GPT-2 model (plan/memory/optimizers.py), an offload
+            continue  # a GaLore setup on an MoE or GPT-2 model (plan/memory/optimizers/), an offload
             # or a tiled MLP with a vision tower (plan/model/vision.py)
         if fits_budget(estimate(other), budget):
             best = (n, name)

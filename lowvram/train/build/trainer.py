@@ -59,7 +59,7 @@ def projected_optimizer_arguments(plan) -> dict:
                            f"pip install 'lowvram[{extra}]', or set techniques.optimizer: adamw_8bit")
     if plan.optimizer in LOMO_OPTIMIZERS:  # the Trainer hands lomo_optim the model itself: no arguments
         return {}
-    if plan.optimizer in TORCHAO_OPTIMIZERS:  # block_size 256, the Trainer's default (plan/memory/optimizers.py)
+    if plan.optimizer in TORCHAO_OPTIMIZERS:  # block_size 256, the Trainer's default (plan/memory/optimizers/)
         _check_compiler(plan)
         return {}
     if not plan.optimizer_target_modules:
