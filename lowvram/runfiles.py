@@ -34,6 +34,47 @@ LAUNCH_FILES = (CONFIG, LAUNCH_PLAN, LAUNCH_REQUEST, LAUNCH_LOG)
 OOM_REPORT = "oom-rank{rank}.json"  # a launched worker's out-of-memory, for the launcher (oom.py)
 
 
+LOCK_SUFFIX = ".lowvram-lock"  # beside a run folder while a process trains in it (train/lock.py)
+
+
+def lock_path(folder: Path) -> Path:
+    """The lock file of a run folder: ``.<name>.lowvram-lock`` beside it (train/lock.py says why)."""
+    folder = Path(folder).resolve()
+    return folder.parent / f".{folder.name}{LOCK_SUFFIX}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it runs
+        return True
+    return True
+
+
+def read_lock(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def lock_holder(folder: Path) -> dict | None:
+    """Who trains in ``folder`` now: its lock's record while its process runs (on another host:
+    taken as running, it cannot be checked from here), else None (no lock, or a stale one)."""
+    import socket
+
+    holder = read_lock(lock_path(folder))
+    if holder is None:
+        return None
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
+        return None
+    return holder
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write via a temp file in the same folder + rename: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ symbols as in :mod:`lowvram.plan.memory`."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from lowvram.plan import constants as fitted
 from lowvram.plan import moe
@@ -33,7 +34,8 @@ def dtypes(setup: RunSetup) -> tuple[int, int, bool]:
     return r, c, autocast
 
 
-def linear_sources(spec: ModelSpec) -> list[str]:
+@lru_cache(maxsize=256)  # per model, as models.block_linears
+def linear_sources(spec: ModelSpec) -> tuple[str, ...]:
     """Which tensor feeds each block linear: the attention norm, the attention output, the MLP
     norm, or the MLP activation (same order as block_linears)."""
     out = []
@@ -47,7 +49,7 @@ def linear_sources(spec: ModelSpec) -> list[str]:
             out.append("mlp_act")
         else:
             out.append("norm_attn" if spec.parallel_attn else "norm_mlp")
-    return out
+    return tuple(out)
 
 
 def _first_layer_grads(setup: RunSetup) -> tuple[bool, bool, bool, bool]:

@@ -27,7 +27,7 @@ from lowvram.plan.models import (
     norm_numel,
 )
 from lowvram.plan.moe import expert_adapters
-from lowvram.plan.setup import RunSetup
+from lowvram.plan.setup import RunSetup, per_states
 from lowvram.plan.states import dtype_bytes, gradient_bytes, target_linears
 
 # Tokens per chunk of the chunked cross-entropy: the default of RunSetup.loss_chunk_tokens (and of
@@ -271,6 +271,7 @@ def moe_combine_backward_bytes(setup: RunSetup) -> int:
     return r * t * spec.hidden_size + 3 * 4 * spec.num_experts_per_tok * t * spec.hidden_size
 
 
+@per_states
 def backward_gradient_bytes(setup: RunSetup) -> tuple[int, int]:
     """Trainable gradients that exist when the backward recomputes its first checkpointed layer
     (the last decoder layer: the head's gradients, lm_head and final norm, with a tied embedding's)
@@ -294,7 +295,7 @@ def backward_gradient_bytes(setup: RunSetup) -> tuple[int, int]:
     return head, total - embed - per_layer + last_linear
 
 
-def logits_bytes(setup: RunSetup) -> int:
+def logits_bytes(setup: RunSetup, chunk: int | None = None) -> int:
     """Logits around the loss: transformers upcasts logits to fp32 for cross-entropy
     (transformers loss/loss_utils.py ForCausalLMLoss: ``logits.float()``); in its backward the
     saved log-softmax, the incoming gradient and the input gradient coexist:
@@ -302,12 +303,12 @@ def logits_bytes(setup: RunSetup) -> int:
     (lowvram.train.loss) keeps one chunk of setup.loss_chunk_tokens tokens' logits, plus the gradient of all
     final hidden states, accumulated chunk by chunk next to the current chunk's
     (constants.CHUNKED_LOSS_HIDDEN_GRADIENTS x t*h in the hidden dtype), and the flat int64
-    targets."""
+    targets. ``chunk``: the chunked loss's tokens per chunk if not the setup's."""
     spec = setup.model
     t = setup.micro_batch_size * setup.seq_len
     if setup.loss == "fused":
         return fused_loss_bytes(setup)
-    chunk = setup.loss_chunk_tokens
+    chunk = chunk or setup.loss_chunk_tokens
     if setup.loss == "chunked" and t > chunk:  # one chunk: the same as the standard loss
         r, _, _ = dtypes(setup)
         return (fitted.LOGITS_LOSS_BYTES.of(chunk * spec.vocab_size)

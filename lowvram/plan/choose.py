@@ -1,8 +1,10 @@
 """Budget + request -> the cheapest plan that fits, every choice with its reason.
 
-The search is exhaustive over the techniques left on ``auto`` (a few hundred memory estimates,
-well under a second): each candidate gets a peak from :func:`lowvram.plan.memory.estimate_memory`
-and a step-time factor from :mod:`lowvram.plan.techniques`. Among the candidates that fit, the
+The search is exhaustive over the techniques left on ``auto``: each candidate gets a peak from
+:func:`lowvram.plan.memory.estimate_memory` and a step-time factor from
+:mod:`lowvram.plan.techniques`, estimated only where the answer needs it (:mod:`lowvram.plan.pool`:
+in rank order until the first that fits, never where its floor is over the budget; the answer is
+that of estimating all of them). Among the candidates that fit, the
 first level of what the plan gives up wins (``plan_level``: full fine-tuning on the GPU, LoRA,
 QLoRA, offload to CPU RAM), then a plan that needs no missing extra (DeepSpeed), then the
 fastest, then the larger micro-batch, then the smaller peak (``rank``). The ladder (one technique
@@ -27,7 +29,9 @@ from lowvram.plan.explain import Estimator, technique_reasons
 from lowvram.plan.ladder import build_ladder
 from lowvram.plan.limits import limits_over_plans, max_fitting_micro_batch, max_fitting_seq_len
 from lowvram.plan.memory import estimate_memory
+from lowvram.plan.pool import CandidatePool, Estimates
 from lowvram.plan.request import (
+    BUILT_EXTRAS,
     Budget,
     Candidate,
     Choice,
@@ -40,12 +44,9 @@ from lowvram.plan.request import (
 )
 from lowvram.plan.search import (
     auto_precision,
-    candidate,
-    candidate_setups,
     describe_setup,
     largest_micro_batch_size,
     plan_for_setup,
-    rank,
 )
 from lowvram.plan.suggestions import suggest_changes
 from lowvram.plan.types import Plan
@@ -60,11 +61,12 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     validate_request(req)
     check_attention(req, budget, req.mixed_precision or auto_precision(budget, req.weight_dtype))
     check_optimizer(req, budget)
-    cands = [candidate(s, req, budget, estimate) for s in candidate_setups(req, budget)]
-    fitting = [c for c in cands if c.fits]
-    lowest = min(cands, key=lambda c: (c.peak_bytes, c.slowdown))
-    chosen = min(fitting, key=lambda c: rank(c, budget)) if fitting else lowest
-    fits = bool(fitting)
+    estimate = Estimates.of(estimate)  # each setup estimated once in this choice
+    cands = CandidatePool(req, budget, estimate)
+    best = cands.best_fitting()
+    lowest = cands.lowest()
+    chosen = best or lowest
+    fits = best is not None
     max_seq = max_fitting_seq_len(chosen.setup, budget, estimate)
     max_micro = max_fitting_micro_batch(chosen.setup, budget, estimate)
     longest, largest = limits_over_plans(req, budget, estimate)
@@ -79,7 +81,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     plan = _to_plan(chosen, req, budget, reasons)
     return Choice(
         plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,
-        alternatives=_alternatives(cands, chosen), ladder=build_ladder(req, budget, estimate),
+        alternatives=cands.alternatives(chosen), ladder=build_ladder(req, budget, estimate),
         max_seq_len=max_seq, max_micro_batch_size=max_micro,
         min_vram_bytes=vram_needed_bytes(lowest.peak_bytes, budget.min_margin_bytes), longest=longest, largest_micro=largest,
         suggestion=suggestions[0] if suggestions else None, suggestions=suggestions,
@@ -87,21 +89,26 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     )
 
 
-def _extras_notes(chosen: Candidate, cands: list[Candidate], budget: Budget) -> list[str]:
+def _extras_notes(chosen: Candidate, cands: CandidatePool, budget: Budget) -> list[str]:
     """A plan that needs a missing extra says so and names the best plan that needs nothing more."""
     missing = missing_extras(chosen.setup, budget)
     if not missing:
         return []
-    pip = " ".join(f"'lowvram[{e}]'" for e in missing)
-    text = f"this plan needs {', '.join(missing)}, not installed here (pip install {pip})"
-    ready = [c for c in cands if not missing_extras(c.setup, budget)]
-    fit = [c for c in ready if c.fits]
-    if fit:
-        best = min(fit, key=lambda c: rank(c, budget))
+    pip = " ".join(f"'lowvram[{e}]'" for e in missing if e not in BUILT_EXTRAS)
+    text = "; ".join([f"this plan needs {', '.join(e for e in missing if e not in BUILT_EXTRAS)}, not installed "
+                      f"here (pip install {pip})"] * bool(pip)
+                     + [f"this plan needs {BUILT_EXTRAS[e]}, which cannot be built here" for e in missing
+                        if e in BUILT_EXTRAS])
+
+    def ready(o) -> bool:
+        return not missing_extras(o.setup, budget)
+
+    best = cands.best_fitting(keep=ready)
+    if best:
         return [f"{text}; the best plan that needs nothing more: {describe_setup(best.setup)}, "
                 f"peak {gib(best.peak_bytes)}, {best.slowdown / chosen.slowdown:.2f}x its step time"]
-    if ready:
-        best = min(ready, key=lambda c: (c.peak_bytes, c.slowdown))
+    best = cands.lowest(keep=ready)
+    if best:
         return [f"{text}; of the plans that need nothing more none fits: the lowest, "
                 f"{describe_setup(best.setup)}, peaks at {gib(best.peak_bytes)}"]
     return [text]
@@ -112,16 +119,6 @@ def _to_plan(c: Candidate, req: PlanRequest, budget: Budget, reasons: dict[str, 
                           req.galore_update_proj_gap, req.galore_scale, reasons=reasons,
                           predicted_peak_bytes=c.peak_bytes, budget_bytes=budget.usable_bytes,
                           breakdown=dict(c.estimate.breakdown), host_ram_bytes=c.estimate.cpu_ram_bytes)
-
-
-def _alternatives(cands: list[Candidate], chosen: Candidate) -> tuple[Candidate, ...]:
-    """The best candidate of each tier other than the chosen one (fitting first)."""
-    best: dict[float, Candidate] = {}
-    for c in cands:
-        cur = best.get(c.ladder_tier)
-        if cur is None or (not c.fits, rank(c)) < (not cur.fits, rank(cur)):
-            best[c.ladder_tier] = c
-    return tuple(best[t] for t in sorted(best) if best[t].setup != chosen.setup)
 
 
 # --------------------------------------------------------------------------------------------

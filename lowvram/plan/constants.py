@@ -40,9 +40,10 @@ class FittedConstant:
     def of(self, n: int) -> int:
         """``n`` scaled by this constant, in integers where it is a fraction (``n * p // q``)."""
         v = self.value
-        if isinstance(v, Fraction):
+        kind = type(v)  # not isinstance: Fraction's ABC check is slow, and the planner calls this often
+        if kind is Fraction:
             return n * v.numerator // v.denominator
-        if isinstance(v, int):
+        if kind is int:
             return n * v
         return int(v * n)
 

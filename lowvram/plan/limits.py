@@ -8,8 +8,15 @@ from dataclasses import dataclass, replace
 
 from lowvram.plan import techniques as tq
 from lowvram.plan.explain import Estimator
-from lowvram.plan.request import Budget, PlanRequest, fits_budget, optimizer_given_up, plan_level
-from lowvram.plan.search import candidate_setups, loss_options, sized_estimate, sized_loss_chunk
+from lowvram.plan.pool import Estimates
+from lowvram.plan.request import Budget, PlanRequest, optimizer_given_up, plan_level
+from lowvram.plan.search import (
+    candidate_setups,
+    loss_options,
+    sized_estimate,
+    sized_fits,
+    sized_loss_chunk,
+)
 from lowvram.plan.setup import RunSetup
 
 # Longest micro-batch the max_micro_batch_size search tries.
@@ -20,13 +27,17 @@ _MAX_MICRO_BATCH = 4096
 # Limits under the chosen plan
 
 
-def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
-    """Largest n in [lo, hi] with fits(n), assuming fits is monotone; lo - 1 if none."""
+def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool], beyond: int = 0) -> int:
+    """Largest n in [lo, hi] with fits(n), assuming fits is monotone; lo - 1 if none. ``beyond``:
+    only an answer above it is wanted: the search stops (with an answer <= beyond) once its upper
+    end shows the answer cannot be above it, after the same probes as a full search until then."""
     if not fits(lo):
         return lo - 1
+    if hi <= beyond:
+        return lo  # the answer is hi at most
     if fits(hi):
         return hi
-    while hi - lo > 1:
+    while hi - lo > 1 and hi - 1 > beyond:  # the answer is below hi now
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
@@ -35,21 +46,25 @@ def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
     return lo
 
 
-def max_fitting_seq_len(setup: RunSetup, budget: Budget, estimate: Estimator, top: int | None = None) -> int:
+def max_fitting_seq_len(setup: RunSetup, budget: Budget, estimate: Estimator, top: int | None = None,
+                        beyond: int = 0) -> int:
     """The longest seq_len that fits, up to ``top`` (default: the model's max_position_embeddings,
-    or the setup's own seq_len if longer)."""
+    or the setup's own seq_len if longer); ``beyond``: see _largest_fitting."""
     top = top or max(setup.model.max_position_embeddings, setup.seq_len)
-    return _largest_fitting(1, top, lambda n: _fits(replace(setup, seq_len=n), budget, estimate))
+    return _largest_fitting(1, top, lambda n: _fits(replace(setup, seq_len=n), budget, estimate), beyond)
 
 
 def _fits(setup: RunSetup, budget: Budget, estimate: Estimator) -> bool:
-    """``setup`` fits, its loss chunk sized to the budget (search.sized_loss_chunk)."""
-    return fits_budget(sized_estimate(setup, budget, estimate)[1], budget)
+    """``setup`` fits, its loss chunk sized to the budget (search.sized_loss_chunk); not estimated
+    where its floor is over the budget already (pool.Estimates.cannot_fit)."""
+    if isinstance(estimate, Estimates) and estimate.cannot_fit(setup, budget):
+        return False
+    return sized_fits(setup, budget, estimate)
 
 
-def max_fitting_micro_batch(setup: RunSetup, budget: Budget, estimate: Estimator) -> int:
+def max_fitting_micro_batch(setup: RunSetup, budget: Budget, estimate: Estimator, beyond: int = 0) -> int:
     return _largest_fitting(
-        1, _MAX_MICRO_BATCH, lambda n: _fits(replace(setup, micro_batch_size=n), budget, estimate))
+        1, _MAX_MICRO_BATCH, lambda n: _fits(replace(setup, micro_batch_size=n), budget, estimate), beyond)
 
 
 def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
@@ -72,20 +87,24 @@ def limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator, top
     what its optimizer gives up, then step time: search.rank's order, so AdamW in the backward,
     whose measured step is a little faster than AdamW's, never wins a tie against AdamW itself).
     ``top``: the longest seq_len searched (max_fitting_seq_len's default when None)."""
-    setups = _limit_setups(req, budget)
+    estimate = Estimates.of(estimate)
 
     def speed(s: RunSetup) -> tuple:
         return (plan_level(s), optimizer_given_up(s), round(tq.setup_slowdown(s, 1), 6))
 
+    # Each plan in speed order that fits the best limit so far is searched (from 1: the same
+    # probes as alone) and kept if it goes further; a search is cut short once its upper end is
+    # at the best (its answer can only be below the upper end), and setups whose floor is over
+    # the budget are never estimated (_fits).
     best_seq: tuple[int, RunSetup | None] = (0, None)
     best_micro: tuple[int, RunSetup | None] = (0, None)
-    for s in sorted(setups, key=speed):
-        if _fits(replace(s, seq_len=max(best_seq[0], 1)), budget, estimate) or best_seq[1] is None:
-            n = max_fitting_seq_len(s, budget, estimate, top)
+    for s in sorted(_limit_setups(req, budget), key=speed):
+        if best_seq[1] is None or _fits(replace(s, seq_len=max(best_seq[0], 1)), budget, estimate):
+            n = max_fitting_seq_len(s, budget, estimate, top, beyond=best_seq[0])
             if n > best_seq[0]:
                 best_seq = (n, sized_loss_chunk(replace(s, seq_len=n), budget, estimate))
-        if _fits(replace(s, micro_batch_size=max(best_micro[0], 1)), budget, estimate) or best_micro[1] is None:
-            m = max_fitting_micro_batch(s, budget, estimate)
+        if best_micro[1] is None or _fits(replace(s, micro_batch_size=max(best_micro[0], 1)), budget, estimate):
+            m = max_fitting_micro_batch(s, budget, estimate, beyond=best_micro[0])
             if m > best_micro[0]:
                 best_micro = (m, sized_loss_chunk(replace(s, micro_batch_size=m, grad_accum=1), budget, estimate))
     return best_seq, best_micro
@@ -117,6 +136,7 @@ class ContextRow:
 
 def context_table(req: PlanRequest, cards: list[tuple[str, Budget]], estimate: Estimator) -> list[ContextRow]:
     """One ContextRow per (card, budget): the longest seq_len over every plan ``req`` allows."""
+    estimate = Estimates.of(estimate)  # the cards share what they estimate
     rows = []
     for card, budget in cards:
         top = BEYOND_POSITIONS * req.model.max_position_embeddings

@@ -22,12 +22,9 @@ from lowvram.plan import constants as fitted
 from lowvram.plan import dora, images, lora_init, moe, optimizers, preference, tiled
 from lowvram.plan.activations import (
     activation_offload_host_bytes,
-    activation_offloaded,
     dtypes,
-    eager_mask_bytes,
     head_activation_bytes,
     moe_layer_after_experts_bytes,
-    offloaded_layer_input_bytes,
     recomputed_mask_bytes,
 )
 from lowvram.plan.backward import (
@@ -38,8 +35,9 @@ from lowvram.plan.backward import (
     logits_bytes,
     mlp_backward_floor_bytes,
 )
+from lowvram.plan.floor import checkpoint_bytes, model_states, saved_activation_bytes
 from lowvram.plan.layer import describe_layer
-from lowvram.plan.models import block_linears, embedding_numel, model_numel, moe_numel
+from lowvram.plan.models import block_linears, embedding_numel, moe_numel
 from lowvram.plan.moments import Moment
 from lowvram.plan.setup import (
     BREAKDOWN_KEYS,
@@ -52,16 +50,11 @@ from lowvram.plan.setup import (
     quantization_conflict,
     tiled_mlp_conflict,
 )
-from lowvram.plan.sharding import layer_weight_bytes, shard, sharding_overhead_bytes
+from lowvram.plan.sharding import layer_weight_bytes
 from lowvram.plan.states import (
     dtype_bytes,
     gradient_bytes,
-    lora_parameters,
-    optimizer_bytes,
-    optimizer_step_temp_bytes,
-    trainable_parameters,
     trainable_tensors,
-    weight_bytes,
 )
 from lowvram.plan.vision import packing_problem, vision_problems
 from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
@@ -135,8 +128,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     Measured on CPU (bench/plan_accuracy.py, bench/multi_process_accuracy.py, tests).
     """
     spec = setup.model
-    layers = max(1, spec.num_layers)
-    total = gradient_bytes(setup)
+    total = model_states(setup).all_gradients
     # This process's share of each gradient (DDP all, FSDP 1/N, offloaded none); with
     # accumulation every gradient exists already (counted as kept gradients).
     share = grads / total if total and setup.grad_accum == 1 else 0.0
@@ -164,11 +156,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                                                     2 if autocast else c, dtype_bytes(setup)[0])
         sink_experts = moe.sink_experts_backward_bytes(spec, t, dtype_bytes(setup)[0], setup.lora)
     if setup.gradient_checkpointing:
-        checkpoints = acts - head_activation_bytes(setup)
-        masks = eager_mask_bytes(setup)  # kept to the end of the backward (layer 0's checkpoint)
-        one_layer = (checkpoints - masks) // layers + masks
-        if activation_offloaded(setup):  # only the recomputed layer's input is back on the GPU
-            checkpoints = one_layer = checkpoints + offloaded_layer_input_bytes(setup)
+        checkpoints, one_layer = checkpoint_bytes(setup, acts)
         # gradients made when the backward reaches the last decoder layer, and the first
         last_grads = layer_grads + int(share * head_g)
         first_grads = late_layer_grads + int(share * late_g)
@@ -354,17 +342,13 @@ def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> 
 def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     """Peak bytes of a steady-state step (optimizer state already allocated)."""
     _check(setup)
-    weights, grads, optim, host = shard(
-        setup, weight_bytes(setup), gradient_bytes(setup), optimizer_bytes(setup))
-    gathered, layer_grads, buckets = sharding_overhead_bytes(setup)
+    st = model_states(setup)
+    weights, grads, optim, host = st.weights, st.gradients, st.optimizer, st.host
+    gathered, layer_grads, buckets = st.gathered, st.layer_gradients, st.buckets
     pref = preference.is_preference(setup)
     core = preference.policy_setup(setup) if pref else setup  # chosen + rejected: 2b rows
-    acts = tiled.activation_bytes(core)
-    if not setup.gradient_checkpointing:  # DoRA's saved tensors in every layer (plan/dora.py)
-        acts += setup.model.num_layers * dora.saved_layer_bytes(core)
+    acts = saved_activation_bytes(core)  # DoRA's saved tensors in every layer included
     logits = preference.objective_logits_bytes(setup) if pref else logits_bytes(setup)
-    if pref:  # DPO full fine-tuning: the frozen reference copy (none with LoRA or precompute)
-        weights += shard(setup, preference.reference_weight_bytes(setup), 0, 0)[0]
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
     kept_grads += buckets
     live_weights = weights + gathered  # FSDP: shards plus the units gathered for compute
@@ -386,7 +370,7 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     # AcceleratedOptimizer.step returns for it), every gradient was applied and dropped in the
     # backward (plan/optimizers.py)
     step_grads = 0 if optimizers.in_backward(setup) else grads
-    step = weights + optim + step_grads + buckets + optimizer_step_temp_bytes(setup)
+    step = weights + optim + step_grads + buckets + st.step_temp
     # lora.init pissa: an SVD per adapted Linear at model build, before any optimizer state or
     # activation (plan/lora_init.py)
     # (its working tensors net of the adapters not yet made or still 16-bit: lora_init.init_bytes)
@@ -424,14 +408,14 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     # checkpoint shard staged while loading (constants.CHECKPOINT_SHARD_BYTES).
     process = PROCESS_HOST_BYTES
     host += activation_offload_host_bytes(setup)
-    staging = min(model_numel(setup.model) * dtype_bytes(setup)[0], fitted.CHECKPOINT_SHARD_BYTES.value)
+    staging = min(st.parameters * dtype_bytes(setup)[0], fitted.CHECKPOINT_SHARD_BYTES.value)
     if setup.device == "cpu":
         cpu_ram = sum(breakdown.values()) + host + process
     else:
         cpu_ram = host + process + staging
     return MemoryEstimate(
-        parameters=model_numel(setup.model) + (lora_parameters(setup) if setup.lora else 0),
-        trainable_parameters=trainable_parameters(setup),
+        parameters=st.parameters + (st.trainable if setup.lora else 0),
+        trainable_parameters=st.trainable,
         peak_bytes=sum(breakdown.values()),
         breakdown=breakdown,
         peak_phase=phase,

@@ -8,7 +8,8 @@ the meta device and compares ``sum(p.numel())``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import lru_cache
 
 from lowvram.plan.vision import VisionSpec, projector_numel, tower_numel
 
@@ -91,6 +92,19 @@ class ModelSpec:
     cross_attention_layers: tuple[int, ...] = ()
     embedding_extra_rows: int = 0
 
+    def __hash__(self) -> int:
+        # computed once (the planner hashes the same spec tens of thousands of times as a cache
+        # key: models._per_model, setup.cached_on); equal specs hash equal, as the generated one
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # a pickled spec leaves its hash behind: another process hashes strings differently
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def embedding_rows(self) -> int:
         """Rows of the token embedding (vocab_size, + Mllama's 8)."""
@@ -137,16 +151,24 @@ _NAMES: dict[str, dict[str, str]] = {
 }
 
 
-def block_linears(spec: ModelSpec) -> list[Linear]:
+# What depends only on the model is computed once per model: the functions below that take a
+# ModelSpec alone are cached on it (a frozen, hashable dataclass; the search asks the same
+# model's shapes tens of thousands of times per plan). They return tuples, never a list a caller
+# could change under the cache.
+_per_model = lru_cache(maxsize=256)
+
+
+@_per_model
+def block_linears(spec: ModelSpec) -> tuple[Linear, ...]:
     """The projections of one decoder block (the ones LoRA adapts and bitsandbytes quantizes).
 
     An MoE block's nn.Linear modules are its attention and, where it has one, the shared expert
     and its one-output gate; the routed experts and the router are not Linears (moe_numel)."""
     if spec.is_moe:
-        out = block_linears(dense_view(spec))
+        out = list(block_linears(dense_view(spec)))
         if spec.shared_expert_intermediate_size:
             out.append(Linear("shared_expert_gate", spec.hidden_size, 1, False))
-        return out
+        return tuple(out)
     n = _NAMES.get(spec.model_type, _NAMES["default"])
     h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
     out: list[Linear] = []
@@ -157,7 +179,7 @@ def block_linears(spec: ModelSpec) -> list[Linear]:
                 Linear(n["v"], h, kv, spec.qkv_bias)]
     out.append(Linear(n["o"], q, h, spec.out_bias))
     if spec.mlp == "none":
-        return out
+        return tuple(out)
     if spec.mlp == "gated":
         if spec.fused_gate_up:
             out.append(Linear(n["gate_up"], h, 2 * i, spec.mlp_bias))
@@ -166,10 +188,11 @@ def block_linears(spec: ModelSpec) -> list[Linear]:
         out.append(Linear(n["down"], i, h, spec.mlp_bias))
     else:
         out += [Linear(n["fc1"], h, i, spec.mlp_bias), Linear(n["fc2"], i, h, spec.mlp_bias)]
-    return out
+    return tuple(out)
 
 
-def mlp_linears(spec: ModelSpec) -> list[Linear]:
+@_per_model
+def mlp_linears(spec: ModelSpec) -> tuple[Linear, ...]:
     """The MLP's projections of one decoder block: block_linears after the attention's (q, k, v,
     o, or a fused qkv and o)."""
     return block_linears(spec)[2 if spec.fused_qkv else 4:]
@@ -180,6 +203,7 @@ def norm_numel(spec: ModelSpec) -> int:
     return spec.hidden_size * (2 if spec.norm == "layer" else 1)
 
 
+@_per_model
 def embedding_numel(spec: ModelSpec) -> int:
     """Token embedding (+ learned positions, + embedding norm)."""
     n = spec.embedding_rows * spec.hidden_size + spec.learned_positions * spec.hidden_size
@@ -202,6 +226,7 @@ def qk_norm_numel(spec: ModelSpec) -> int:
     return 0
 
 
+@_per_model
 def dense_view(spec: ModelSpec) -> ModelSpec:
     """An MoE spec as the dense block its Linears form: attention plus the shared expert (a gated
     MLP of shared_expert_intermediate_size), or attention alone."""
@@ -213,22 +238,24 @@ def dense_view(spec: ModelSpec) -> ModelSpec:
                    mlp="gated" if shared else "none")
 
 
-def expert_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
+@_per_model
+def expert_shapes(spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
     """One MoE layer's parameters that are no nn.Linear and no norm: router [E, h],
     experts.gate_up_proj [E, 2I, h], experts.down_proj [E, h, I] (transformers 5 MixtralExperts /
     Qwen3MoeExperts / OlmoeExperts / Qwen2MoeExperts). gpt-oss (GptOssTopKRouter, GptOssExperts,
     GptOssAttention): router weight [E, h] and bias [E], gate_up_proj [E, h, 2I] and its bias
     [E, 2I], down_proj [E, I, h] and its bias [E, h], and the attention sinks [a]."""
     if not spec.is_moe:
-        return []
+        return ()
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     if spec.expert_bias:
         out = [(e, h), (e,), (e, h, 2 * i), (e, 2 * i), (e, i, h), (e, h)]
     else:
         out = [(e, h), (e, 2 * i, h), (e, h, i)]
-    return out + ([(spec.num_heads,)] if spec.attention_sinks else [])
+    return tuple(out + ([(spec.num_heads,)] if spec.attention_sinks else []))
 
 
+@_per_model
 def moe_numel(spec: ModelSpec) -> int:
     """Router + routed experts of one layer."""
     total = 0
@@ -240,11 +267,13 @@ def moe_numel(spec: ModelSpec) -> int:
     return total
 
 
+@_per_model
 def block_numel(spec: ModelSpec) -> int:
     return (sum(lin.numel for lin in block_linears(spec)) + spec.norms_per_layer * norm_numel(spec)
             + qk_norm_numel(spec) + moe_numel(spec))
 
 
+@_per_model
 def count_parameters(spec: ModelSpec) -> int:
     """Exact parameter count (tied embeddings counted once), as ``sum(p.numel())`` of the HF
     model; of a multimodal one, the language model's parameters the forward runs through (the
@@ -254,6 +283,7 @@ def count_parameters(spec: ModelSpec) -> int:
             + lm_head_numel(spec))
 
 
+@_per_model
 def cross_attention_numel(spec: ModelSpec) -> int:
     """Mllama's cross-attention layers (modeling_mllama.py MllamaCrossAttentionDecoderLayer): q, k,
     v, o as the self-attention's (no bias), q_norm and k_norm over a head, input and
@@ -264,6 +294,7 @@ def cross_attention_numel(spec: ModelSpec) -> int:
     return len(spec.cross_attention_layers) * per_layer
 
 
+@_per_model
 def vision_numel(spec: ModelSpec) -> int:
     """The vision tower + projector a multimodal checkpoint loads (0 for a text model)."""
     if spec.vision is None:
@@ -271,6 +302,7 @@ def vision_numel(spec: ModelSpec) -> int:
     return tower_numel(spec.vision) + projector_numel(spec.vision)
 
 
+@_per_model
 def model_numel(spec: ModelSpec) -> int:
     """Every parameter transformers loads: the language model (count_parameters) and, for a
     multimodal checkpoint, its vision tower and projector (and Mllama's cross-attention layers)."""

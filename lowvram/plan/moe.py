@@ -114,7 +114,7 @@ def expert_trainable_shapes(spec: ModelSpec, lora: bool, lora_r: int,
                             targets: tuple[str, ...]) -> list[tuple[int, ...]]:
     """Trainable tensors of one layer beyond its Linears (optimizer state is per tensor)."""
     if not lora:
-        return expert_shapes(spec)
+        return list(expert_shapes(spec))
     return [s for a in expert_adapters(spec, lora_r, targets) for s in a.shapes]
 
 

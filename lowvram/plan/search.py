@@ -255,9 +255,7 @@ def sized_estimate(setup: RunSetup, budget: Budget, estimate: Estimator) -> tupl
     if fits_budget(est, budget):
         return whole, est
     smallest = replace(setup, loss_chunk_tokens=MIN_CHUNK_TOKENS)
-    # A smaller chunk saves at most its logits (and the allocator slack on them, well under 2x):
-    # a plan further over the budget than that stays over it, without estimating it again.
-    if est.peak_bytes - budget.usable_bytes > 2 * (logits_bytes(whole) - logits_bytes(smallest)):
+    if _too_far_over(est, whole, smallest, budget):
         return whole, est
     low = estimate(smallest)
     if not fits_budget(low, budget):  # the peak only grows with the chunk
@@ -272,15 +270,42 @@ def sized_estimate(setup: RunSetup, budget: Budget, estimate: Estimator) -> tupl
     return smallest, low
 
 
+def _too_far_over(est: MemoryEstimate, whole: RunSetup, smallest: RunSetup, budget: Budget) -> bool:
+    """A smaller chunk saves at most its logits (and the allocator slack on them, well under 2x):
+    a plan further over the budget than that stays over it, without estimating it again."""
+    return est.peak_bytes - budget.usable_bytes > 2 * (logits_bytes(whole) - logits_bytes(smallest))
+
+
+def sized_fits(setup: RunSetup, budget: Budget, estimate: Estimator) -> bool:
+    """Whether :func:`sized_estimate`'s setup fits, in at most two estimates: the whole chunk, and
+    the smallest where the whole does not fit (where the smallest fits, the halving finds a
+    chunk that fits; where it does not, none does)."""
+    t = setup.micro_batch_size * setup.seq_len
+    if setup.loss != "chunked" or t <= MIN_CHUNK_TOKENS:
+        return fits_budget(estimate(setup), budget)
+    whole = replace(setup, loss_chunk_tokens=CHUNK_TOKENS)
+    est = estimate(whole)
+    if fits_budget(est, budget):
+        return True
+    smallest = replace(setup, loss_chunk_tokens=MIN_CHUNK_TOKENS)
+    return not _too_far_over(est, whole, smallest, budget) and fits_budget(estimate(smallest), budget)
+
+
 def candidate(setup: RunSetup, req: PlanRequest, budget: Budget, estimate: Estimator) -> Candidate:
     setup, est = sized_estimate(setup, budget, estimate)
     largest = largest_micro_batch_size(req)
+    return Candidate(setup, est, candidate_tier(setup, largest), tq.setup_slowdown(setup, largest),
+                     fits_budget(est, budget))
+
+
+def candidate_tier(setup: RunSetup, largest_micro: int) -> float:
+    """The ladder tier a candidate is shown under (its alternatives group)."""
     tier = tq.setup_tier(setup)
     if setup.offload in SHARDED and setup.gpus > 1:
         tier = max(tq.setup_tier(replace(setup, offload="none")), TIER_SHARD)
-    if setup.micro_batch_size < largest:
+    if setup.micro_batch_size < largest_micro:
         tier = max(tier, tq.TIER_MICRO_BATCH)
-    return Candidate(setup, est, tier, tq.setup_slowdown(setup, largest), fits_budget(est, budget))
+    return tier
 
 
 def rank(c: Candidate, budget: Budget | None = None) -> tuple:
@@ -289,8 +314,13 @@ def rank(c: Candidate, budget: Budget | None = None) -> tuple:
     AdaLomo, LOMO), then plans
     that need no missing extra, then the fastest (techniques.setup_slowdown); ties in speed go to the larger
     micro-batch (fewer passes), then to the smaller peak."""
-    missing = bool(missing_extras(c.setup, budget)) if budget else False
-    return (plan_level(c.setup), optimizer_given_up(c.setup), missing, round(c.slowdown, 6), -c.setup.micro_batch_size, c.peak_bytes)
+    return rank_order(c.setup, c.slowdown, budget) + (c.peak_bytes,)
+
+
+def rank_order(setup: RunSetup, slowdown: float, budget: Budget | None = None) -> tuple:
+    """:func:`rank` without the peak: known before the setup is estimated (plan/pool.py)."""
+    missing = bool(missing_extras(setup, budget)) if budget else False
+    return (plan_level(setup), optimizer_given_up(setup), missing, round(slowdown, 6), -setup.micro_batch_size)
 
 
 def describe_setup(s: RunSetup) -> str:
@@ -334,8 +364,8 @@ def plan_for_setup(setup: RunSetup, device: str, lora_alpha: int, lora_use_rslor
 
 
 __all__ = [
-    "auto_precision", "candidate", "candidate_setups", "describe_setup", "fixed_micro_batch_size",
+    "auto_precision", "candidate", "candidate_setups", "candidate_tier", "rank_order", "describe_setup", "fixed_micro_batch_size",
     "allowed_micro_batches", "apollo_options", "galore_options", "in_backward_options", "lomo_options", "torchao_options",
     "largest_micro_batch_size", "loss_options", "MULTI_GPU_OFFLOADS", "plan_for_setup", "rank",
-    "sized_estimate", "sized_loss_chunk", "technique_options", "technique_words", "TIER_SHARD",
+    "sized_estimate", "sized_fits", "sized_loss_chunk", "technique_options", "technique_words", "TIER_SHARD",
 ]

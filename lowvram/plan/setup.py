@@ -4,7 +4,10 @@ memory model: the modules of the terms (states, activations, backward, sharding)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from functools import lru_cache, wraps
+from operator import attrgetter
 
 from lowvram.plan import constants as fitted
 from lowvram.plan.models import ModelSpec
@@ -137,6 +140,52 @@ class RunSetup:
     precompute_ref: bool = False
 
 
+# Terms computed once per the fields they read. The search asks the same terms of hundreds of
+# setups that differ in fields a term does not read: the activation and backward terms
+# (activations, tiled, backward's layer terms, dora) read no optimizer, offload, sharding,
+# accumulation or loss (ACTIVATION_FIELDS); the model states (states, sharding, the optimizers'
+# state, a preference objective's reference copy) read STATE_FIELDS. tests/plan/test_floor.py
+# checks that each cached term ignores the fields left out of its key.
+_NOT_ACTIVATION_FIELDS = ("optimizer", "galore_rank", "offload", "gpus", "grad_accum", "loss",
+                          "loss_chunk_tokens", "expandable_segments")
+ACTIVATION_FIELDS = tuple(f.name for f in fields(RunSetup) if f.name not in _NOT_ACTIVATION_FIELDS)
+STATE_FIELDS = ("model", "precision", "quantization", "kbit_prepare", "lora", "lora_r", "lora_targets",
+                "lora_use_dora", "optimizer", "galore_rank", "offload", "gpus", "device", "objective",
+                "precompute_ref")
+_TERM_CACHE_SIZE = 8192  # entries per cached term; emptied when full (one process plans many models)
+
+
+def cached_on(names: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    """A decorator: ``term(setup, *args, **kwargs)`` computed once per (the setup's ``names``
+    fields, its other arguments), for a term that reads no other field of the setup.
+    ``term.uncached`` is the term itself, ``term.key_fields`` the names."""
+    key_of = attrgetter(*names)
+
+    def decorator(term: Callable) -> Callable:
+        cache: dict = {}
+        missing = object()
+
+        @wraps(term)
+        def cached(setup: RunSetup, *args, **kwargs):
+            key = (key_of(setup), args, tuple(kwargs.items()))
+            value = cache.get(key, missing)
+            if value is missing:
+                if len(cache) >= _TERM_CACHE_SIZE:
+                    cache.clear()
+                value = cache[key] = term(setup, *args, **kwargs)
+            return value
+
+        cached.uncached = term
+        cached.key_fields = names
+        return cached
+
+    return decorator
+
+
+per_activations = cached_on(ACTIVATION_FIELDS)
+per_states = cached_on(STATE_FIELDS)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     parameters: int
@@ -186,6 +235,7 @@ class CudaOverheads:
         return {"loaded_once": int(self.once_fraction * once_bytes), "churn": int(churn * churn_bytes)}
 
 
+@lru_cache(maxsize=1)  # constants: one object, asked for by every estimate
 def cuda_overheads() -> CudaOverheads:
     """Fitted on published GPU measurements (bench/published_accuracy.py over bench/gpu_truth; not
     yet measured by this project's bench/gpu_check.py, hence calibrated=False):
@@ -214,7 +264,7 @@ def expandable_segments_set(alloc_conf: str | None) -> bool:
 
 
 __all__ = [
-    "PROCESS_HOST_BYTES",
+    "ACTIVATION_FIELDS", "cached_on", "per_activations", "per_states", "PROCESS_HOST_BYTES", "STATE_FIELDS",
     "BREAKDOWN_KEYS", "cuda_overheads", "CudaOverheads", "DEEPSPEED_CPU_OPTIMIZER", "expandable_segments_set",
     "FSDP_OFFLOADS",
     "MemoryEstimate", "offload_conflict", "offload_conflict_hint", "RunSetup", "tiled_mlp_conflict",

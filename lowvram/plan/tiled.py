@@ -29,13 +29,14 @@ matmuls (:func:`tiled_mlp_slowdown`).
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from lowvram.plan import activations, backward
 from lowvram.plan import constants as fitted
 from lowvram.plan.activations import dtypes as dtypes_of
-from lowvram.plan.models import block_linears, mlp_linears
+from lowvram.plan.models import ModelSpec, block_linears, mlp_linears
 from lowvram.plan.moments import Moment
-from lowvram.plan.setup import RunSetup
+from lowvram.plan.setup import RunSetup, per_activations
 from lowvram.plan.states import target_linears
 
 
@@ -55,7 +56,12 @@ def _shard_rows(setup: RunSetup) -> int:
 def without_mlp(setup: RunSetup) -> RunSetup:
     """The same block without its MLP (ModelSpec.mlp "none": no MLP Linears, no MLP tensors):
     what a tiled layer saves besides x, and whose backward follows the MLP's."""
-    return replace(setup, tiled_mlp=False, model=replace(setup.model, mlp="none", intermediate_size=0))
+    return replace(setup, tiled_mlp=False, model=_without_mlp_model(setup.model))
+
+
+@lru_cache(maxsize=256)  # per model
+def _without_mlp_model(spec: ModelSpec) -> ModelSpec:
+    return replace(spec, mlp="none", intermediate_size=0)
 
 
 def _x_bytes(setup: RunSetup) -> int:
@@ -67,6 +73,7 @@ def _x_bytes(setup: RunSetup) -> int:
 # The per-layer terms of lowvram.plan.activations / backward, with the MLP tiled where the setup
 # says so (the same numbers as theirs otherwise): lowvram.plan.memory asks these.
 
+@per_activations
 def layer_activation_bytes(setup: RunSetup, first: bool = False, attention_side: bool = False) -> int:
     """What a decoder layer saves; with a tiled MLP the layer without its MLP plus x (TiledMLP's
     ``ctx.save_for_backward(x)``). Layer 0 under LoRA is traced on the whole block (its MLP
@@ -90,6 +97,7 @@ def activation_bytes(setup: RunSetup) -> int:
     return plain - first - (setup.model.num_layers - 1) * other
 
 
+@per_activations
 def layer_backward_bytes(setup: RunSetup) -> int:
     """One layer's backward (backward.layer_backward_bytes); with a tiled MLP, once its MLP's is
     done: the attention side, norms, hidden-state gradients (the layer without its MLP). The
@@ -99,6 +107,7 @@ def layer_backward_bytes(setup: RunSetup) -> int:
     return backward.layer_backward_bytes(without_mlp(setup))
 
 
+@per_activations
 def recompute_bytes(setup: RunSetup, last: bool = True) -> int:
     """backward.recompute_bytes with the tiled layer's activations and backward."""
     if not setup.tiled_mlp:
@@ -109,6 +118,7 @@ def recompute_bytes(setup: RunSetup, last: bool = True) -> int:
             + activations.recomputed_mask_bytes(setup, last))
 
 
+@per_activations
 def tiled_mlp_backward_bytes(setup: RunSetup) -> int:
     """The tiled MLP's backward beside the layer's saved tensors: the incoming gradient and
     x_grad (2 x t*h), and one shard's MLP recomputed with autograd plus its backward's
@@ -167,6 +177,7 @@ def tiled_mlp_moments(setup: RunSetup, last: int, first: int, last_grads: int, f
     return moments
 
 
+@per_activations
 def pre_mlp_norm_backward_delta(setup: RunSetup) -> int | None:
     """Once TiledMLP's backward is done, the RMSNorm before the MLP (Gemma-3's
     pre_feedforward_layernorm, Llama's post_attention_layernorm) runs its backward; against the
@@ -210,8 +221,13 @@ def pre_mlp_norm_backward_delta(setup: RunSetup) -> int | None:
 
 def mlp_matmul_share(setup: RunSetup) -> float:
     """The MLP's share of a block's Linear weights (its share of the matmul FLOPs per token)."""
-    total = sum(lin.numel for lin in block_linears(setup.model))
-    return sum(lin.numel for lin in mlp_linears(setup.model)) / total if total else 0.0
+    return _mlp_matmul_share(setup.model)
+
+
+@lru_cache(maxsize=256)  # per model
+def _mlp_matmul_share(spec: ModelSpec) -> float:
+    total = sum(lin.numel for lin in block_linears(spec))
+    return sum(lin.numel for lin in mlp_linears(spec)) / total if total else 0.0
 
 
 def tiled_mlp_slowdown(setup: RunSetup) -> float:

@@ -8,28 +8,30 @@ cannot, the same request is planned with nothing left on auto (fixed.py,
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lowvram.errors import LowvramError
 from lowvram.plan.preference import OBJECTIVES
 from lowvram.plan.replan import Replanner
 from lowvram.plan.types import Plan
-from lowvram.planning.budget import check_card, check_runnable, make_budget
+from lowvram.planning.budget import check_card, check_runnable, make_budget, read_machine
 from lowvram.planning.fixed import fixed_with_note
 from lowvram.planning.from_recipe import METHODS, build_request, flag_choices, recipe_model
-from lowvram.recipe import Recipe
 from lowvram.units import gib
 from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
+
+if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
+    from lowvram.recipe import Recipe
 
 
 def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus: int = 1) -> Plan:
     """The plan `lowvram train` runs with (and `lowvram plan RECIPE` shows).
 
     ``gpus``: data-parallel processes in all (``--gpus`` x ``--nodes``); memory is per GPU."""
-    if hardware is None:
-        from lowvram.hardware import detect_hardware
-
-        hardware = detect_hardware(vram, gpus=gpus)  # only the cards the run uses
-    check_card(recipe, hardware, vram)
-    budget = make_budget(vram, hardware, gpus)
+    machine = read_machine(vram, gpus, hardware=hardware, cards=True)  # only the cards the run uses
+    check_card(recipe, machine.hardware, vram)
+    budget = make_budget(vram, gpus=gpus, machine=machine)
+    hardware = machine.hardware
     flags, sources = ({"gpus": gpus}, {"gpus": f"--gpus {gpus}"}) if gpus > 1 else ({}, {})
     try:
         spec = recipe_model(recipe)
@@ -114,9 +116,10 @@ def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str 
         try:
             spec = recipe_model(recipe)
         except LowvramError as err:  # the same request and budget, planned without a memory model
-            return fixed_with_note(recipe, make_budget(vram, hardware, fields.get("gpus") or 1, host_ram),
-                                   err, fields, sources)
+            spec = err
     budget = make_budget(vram, hardware, fields.get("gpus") or 1, host_ram)
+    if isinstance(spec, LowvramError):
+        return fixed_with_note(recipe, budget, spec, fields, sources)
     return choose_plan(build_request(spec, recipe, fields, sources), budget)
 
 
@@ -135,7 +138,8 @@ def context_table(recipe: Recipe | None = None, model: str | None = None, method
     req = build_request(spec, recipe, fields, sources)
     validate_request(req)
     gpus = fields.get("gpus") or 1
-    budgets = [(f"{n} GB", make_budget(f"{n}GB", None, gpus, host_ram)) for n in (cards or CARD_SIZES_GB)]
+    machine = read_machine(None, gpus, host_ram, cards=False)  # once for every card; no card read
+    budgets = [(f"{n} GB", make_budget(f"{n}GB", gpus=gpus, machine=machine)) for n in (cards or CARD_SIZES_GB)]
     return req, table(req, budgets, estimate_memory), budgets[0][1]
 
 

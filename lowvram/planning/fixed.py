@@ -5,13 +5,17 @@ and the plan says that its memory was not predicted."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lowvram.errors import LowvramError
 from lowvram.plan.request import Budget
 from lowvram.plan.types import Plan
 from lowvram.plan.unpredicted import unpredicted_plan
 from lowvram.planning.budget import missing_extras
 from lowvram.planning.from_recipe import build_request
-from lowvram.recipe import Recipe
+
+if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
+    from lowvram.recipe import Recipe
 
 
 def fixed_with_note(recipe: Recipe, budget: Budget, err: LowvramError, flags: dict | None = None,

@@ -4,11 +4,14 @@ top (flags win), and the recipe's model as a ModelSpec."""
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.plan.types import precisions_for_dtype
-from lowvram.recipe import Recipe, TrainingSection
 from lowvram.vocab import OFF_VALUES, ON_VALUES, WEIGHT_DTYPE, on_off
+
+if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
+    from lowvram.recipe import Recipe
 
 # `--method` is a shorthand for the lora and quantization techniques.
 METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, ON_VALUES["quantization"])}
@@ -130,10 +133,11 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
     from lowvram.plan.request import PlanRequest
 
-    training = recipe.training if recipe else TrainingSection()
-    fields: dict = {"seq_len": training.seq_len, "batch_size": training.batch_size}
+    # without a recipe the request's own defaults, the schema's (tests/planning pins them equal)
+    fields: dict = {}
     sources: dict = {}
     if recipe is not None:
+        fields.update(seq_len=recipe.training.seq_len, batch_size=recipe.training.batch_size)
         fields.update(lora_fields(recipe))
         fields.update(galore_fields(recipe))
         # a max_grad_norm the recipe writes is asked for; the default (1.0) a layerwise optimizer

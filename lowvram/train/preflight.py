@@ -22,6 +22,7 @@ _HEAD_BYTES = 1 << 16  # the first rows of a JSON Lines file: enough for a few r
 
 def input_problems(recipe: Recipe) -> list[str]:
     """One line per missing or unreadable input (empty when all are there)."""
+    from lowvram.hub import download_problem
     from lowvram.runfiles import folder_problem
     from lowvram.train.data.read import is_local
     from lowvram.train.model import resolve_model_location
@@ -30,9 +31,12 @@ def input_problems(recipe: Recipe) -> list[str]:
     if problems:  # a FIFO or a device is not opened, not even to look at its first rows
         return problems
     try:
-        damaged = folder_problem(Path(resolve_model_location(recipe)), model_files(recipe))  # a hub id: no folder
+        location = resolve_model_location(recipe)
+        damaged = folder_problem(Path(location), model_files(recipe))  # a hub id: no folder
         if damaged:
             problems.append(f"{damaged[0]} is damaged: {damaged[1]}")
+        if not Path(location).is_dir() and (why := download_problem(location)):
+            problems.append(why)  # said in seconds, not after huggingface_hub's retries
     except LowvramError as e:
         problems.append(e.message)
     for spec in recipe.data.datasets:
@@ -127,14 +131,37 @@ def _lines_problem(path: Path, seq_len: int, parse: bool) -> list[str]:
     return bad[:1]  # the first; training reports each, or skips them with data.skip_bad_rows
 
 
+def check_model_download(recipe: Recipe) -> None:
+    """ModelError when the model is a hub id that is not in the hub cache and cannot be downloaded
+    now (HF_HUB_OFFLINE, or no network: one connection attempt of a few seconds)."""
+    from lowvram.errors import ModelError
+    from lowvram.hub import download_problem
+    from lowvram.train.model import resolve_model_location
+
+    location = resolve_model_location(recipe)
+    if not Path(location).is_dir() and (why := download_problem(location)):
+        raise ModelError(why, _inputs_hint([why]))
+
+
 def check_inputs(recipe: Recipe) -> None:
     problems = input_problems(recipe)
     if problems:
         raise LowvramError(
             f"{len(problems)} input{'s' if len(problems) != 1 else ''} of the recipe cannot be read:\n  "
-            + "\n  ".join(problems),
-            "paths in a recipe are relative to the recipe file; fix them and run `lowvram validate RECIPE` again",
-        )
+            + "\n  ".join(problems), _inputs_hint(problems))
+
+
+def _inputs_hint(problems: list[str]) -> str:
+    """The way out for what is wrong: a path (not found, a folder) or a file's content."""
+    if any(p.startswith("no network") or "HF_HUB_OFFLINE is set" in p for p in problems):
+        return "download the model where there is network (`hf download ORG/NAME`) and set model.name_or_path to its folder"
+    content = ("the data file is empty", "not UTF-8 text", "invalid JSON", "is damaged", "is longer than")
+    if all(any(c in p for c in content) for p in problems):
+        if all("the data file is empty" in p for p in problems):
+            return "add examples to the file (one JSON object per line for .jsonl) or remove it from data.datasets"
+        return "fix the file named above (save data as UTF-8, one JSON object per line for .jsonl) and run " \
+               "`lowvram validate RECIPE` again"
+    return "paths in a recipe are relative to the recipe file; fix them and run `lowvram validate RECIPE` again"
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,3 +283,57 @@ def _rope_scaled(cfg: dict) -> bool:
             if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
                 return True
     return False
+
+
+# --------------------------------------------------------------------------------------------
+# The data, row by row (lowvram.train.data.check), with the tokenizer when it is on this machine
+
+
+def check_recipe_data(recipe: Recipe, samples: int = 0, tokens: bool = True):
+    """check_data with the recipe's local tokenizer (when there is one and ``tokens``); a
+    DataError listing every bad row (the first MAX_LISTED, then a count) when any row would stop
+    training."""
+    from lowvram.errors import DataError
+    from lowvram.train.data.check import MAX_LISTED, DataReport, check_data
+
+    structure = check_data(recipe)
+    if structure.problems and not recipe.data.skip_bad_rows:
+        shown = list(structure.problems[:MAX_LISTED])
+        more = len(structure.problems) - len(shown)
+        raise DataError(
+            shown[0] if len(shown) == 1 else f"{len(structure.problems)} problems in the data:\n  "
+            + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""),
+            "fix the rows, set the dataset's format: and map your column names with fields: {...} (and "
+            "roles: {...} for chat speakers), or set data.skip_bad_rows: true to skip and count bad rows",
+        )
+    tokenizer, why = local_tokenizer(recipe) if tokens else (None, None)
+    if tokenizer is None:
+        return DataReport(structure.files, structure.problems, structure.notes, tokenizer=None, skipped_tokens=why)
+    return check_data(recipe, tokenizer, samples)
+
+
+def local_tokenizer(recipe: Recipe):
+    """The recipe's tokenizer when it is on this machine (a model folder, or model.tokenizer as a
+    folder), else (None, why): the data check never downloads."""
+    from lowvram.train.model import load_tokenizer, resolve_model_location
+
+    if recipe.model.tokenizer and not recipe.resolve_path(recipe.model.tokenizer).is_dir():
+        return None, f"model.tokenizer {recipe.model.tokenizer} is a hub id: token counts need it on this machine"
+    try:
+        source = resolve_model_location(recipe)
+    except LowvramError as e:
+        return None, e.message
+    tok_path = recipe.resolve_path(recipe.model.tokenizer) if recipe.model.tokenizer else None
+    if not Path(source).is_dir() and not (tok_path and tok_path.is_dir()):
+        return None, f"{recipe.model.name_or_path} is a hub id: token counts need the model on this machine"
+    if recipe.model.gguf_file and not (tok_path and tok_path.is_dir()):
+        from lowvram.train.gguf import cached_gguf_folder
+
+        converted = cached_gguf_folder(source, recipe.model.gguf_file)
+        if converted is None:
+            return None, "the GGUF model is converted at its first `lowvram train`: token counts after that"
+        source = str(converted)
+    try:
+        return load_tokenizer(recipe, source), None
+    except LowvramError as e:
+        return None, e.message
