@@ -2,10 +2,10 @@
 from measurements (or chosen) rather than derived from the code it models, with what it means,
 what it was fitted on, which runs were in sample and which were held out.
 
-The terms (:mod:`lowvram.plan.setup`, :mod:`lowvram.plan.states`, :mod:`lowvram.plan.activations`,
-:mod:`lowvram.plan.backward`, :mod:`lowvram.plan.memory`, :mod:`lowvram.plan.moe`,
-:mod:`lowvram.plan.sharding`, :mod:`lowvram.plan.request`, :mod:`lowvram.plan.dora`,
-:mod:`lowvram.plan.preference`) read their values from here; exact
+The terms (:mod:`lowvram.plan.setup`, :mod:`lowvram.plan.memory.states`, :mod:`lowvram.plan.memory.activations`,
+:mod:`lowvram.plan.memory.backward`, :mod:`lowvram.plan.memory.memory`, :mod:`lowvram.plan.model.moe`,
+:mod:`lowvram.plan.memory.sharding`, :mod:`lowvram.plan.choose.request`, :mod:`lowvram.plan.memory.dora`,
+:mod:`lowvram.plan.memory.preference`) read their values from here; exact
 math (bytes per dtype, int64 indices, a tensor's shape) stays where it is derived. The docs
 table, ``docs/constants.md``, is generated from :data:`CONSTANTS` (:func:`markdown_table`;
 ``python -m lowvram.docs`` or ``make docs`` writes it, and tests/plan/test_constants.py fails
@@ -226,7 +226,7 @@ LOGITS_FORWARD_BYTES = FittedConstant(
 
 CHUNKED_LOSS_HIDDEN_GRADIENTS = FittedConstant(
     "CHUNKED_LOSS_HIDDEN_GRADIENTS", 2, "one 1024-token chunk + 2 x tokens x hidden + int64 targets",
-    "chunked loss (lowvram.train.loss, chunks of backward.CHUNK_TOKENS): the gradient of all "
+    "chunked loss (lowvram.train.build.loss, chunks of backward.CHUNK_TOKENS): the gradient of all "
     "final hidden states, accumulated chunk by chunk next to the current chunk's (2 x t x h in "
     "the hidden dtype), beside one chunk's logits (LOGITS_LOSS_BYTES)",
     "backward.logits_bytes",
@@ -414,7 +414,7 @@ CARD_REPORTED_FRACTION = FittedConstant(
 
 
 # --------------------------------------------------------------------------------------------
-# DoRA (plan/dora.py): peft's weight norm and magnitude backward, per element
+# DoRA (plan/memory/dora.py): peft's weight norm and magnitude backward, per element
 
 _DORA_FIT = ("the live-bytes tracker on one peft DoRA Linear (d_in x d_out 1024 x 256 to 256 x 2048, "
              "64 tokens; tests/plan/test_dora.py)")
@@ -456,7 +456,7 @@ DORA_RECOMPUTE_INPUT_BYTES = FittedConstant(
     "out 170-199 and 230-259 (plan_fuzz_extended_heldout_*.txt)")
 
 # --------------------------------------------------------------------------------------------
-# Preference objectives (plan/preference.py): bytes per logit of ORPO's and SimPO's loss path
+# Preference objectives (plan/memory/preference.py): bytes per logit of ORPO's and SimPO's loss path
 
 _PREFERENCE_FIT = ("TRL 1.16's own loss functions under the live-bytes tracker (2b = 4 rows, s = 128, "
                    "V = 1024; the hidden states' gradient included)")
@@ -465,7 +465,7 @@ ORPO_LOGIT_BYTES = FittedConstant(
     "peak bytes per logit of the 2b rows in ORPO's loss path (fp32 logits)",
     "preference.objective_logits_bytes", _PREFERENCE_FIT, "18.7 measured",
     "held-out seeds 12-23 (bench/plan_fuzz.py --preference), re-planned after TRL's disable_dropout "
-    "(plan/preference.py policy_setup): -0.8% to +3.4% (seed 12; 16-bit runs' logits measure at the "
+    "(plan/memory/preference.py policy_setup): -0.8% to +3.4% (seed 12; 16-bit runs' logits measure at the "
     "fp32 count); seeds 40-51: none above its plan by over 0.7%")
 SIMPO_LOGIT_BYTES = FittedConstant(
     "SIMPO_LOGIT_BYTES", 16, "16 B / logit",
@@ -612,7 +612,7 @@ def markdown_table() -> str:
         "     tests/plan/test_constants.py fails when this file drifts from the code -->",
         "",
         "Every constant of the planner that was set from measurements (or chosen) rather than derived",
-        "from the code it models: the memory model, `lowvram/plan/memory.py` and the modules of its",
+        "from the code it models: the memory model, `lowvram/plan/memory/memory.py` and the modules of its",
         "terms, which read each value from `lowvram/plan/constants.py`. Exact math (bytes per dtype,",
         "int64 indices, a tensor's shape) is not listed: it stays where it is derived, with its source.",
         "",
@@ -633,7 +633,7 @@ def markdown_table() -> str:
     steps = [
         "", "## Step-time factors of the optimizers", "",
         "Not memory: each optimizer's step time over plain AdamW's, same model, same batch (the search",
-        "ranks plans of one kind by it, `lowvram/plan/techniques.py`; it does not predict wall time).",
+        "ranks plans of one kind by it, `lowvram/plan/choose/techniques.py`; it does not predict wall time).",
         "Each rests on a published measurement of both, or is an estimate that says so;",
         "`bench/optimizer_step_time.py` cross-checks them on the CPU (not a GPU number).", "",
         "| optimizer | factor | measured on | how the ratio to AdamW comes out | source |", "|---|---|---|---|---|",

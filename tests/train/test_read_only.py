@@ -146,7 +146,7 @@ def test_a_run_on_read_only_storage_is_read_as_any_other(ro_run, tmp_path):
 _REMOUNT_AFTER_STEP_3 = """
 import subprocess, sys
 from transformers import TrainerCallback
-from lowvram.train import signals
+from lowvram.train.run import signals
 
 DISK = sys.argv.pop()
 

@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lowvram.train import manifest
+from lowvram.train.run import manifest
 from tests.train.test_e2e import metrics, train, write_recipe
 
 MIXING = "error: --resume would continue the run in {out} with different settings, mixing two runs:"
