@@ -80,7 +80,7 @@ _CPU_BACKWARD_TILES = 7.25
 # (CPOTrainer.get_batch_logps, ORPO's cross_entropy_loss) run on fp32 logits under the live-bytes
 # tracker (2b=4 rows, s=128, V=1024: 16.7 and 18.7, the hidden states' gradient included);
 # bf16 logits under autocast measure 6.7 and 8.8, counted as fp32 here (an upper bound).
-FULL_LOGITS_BYTES_PER_LOGIT = {"simpo": fitted.SIMPO_LOGIT_BYTES.value, "orpo": fitted.ORPO_LOGIT_BYTES.value}  # constants.py
+FULL_LOGITS_BYTES_PER_LOGIT = {"simpo": fitted.SIMPO_LOGIT_BYTES.value, "orpo": fitted.ORPO_LOGIT_BYTES.value}  # constants/logits.py
 
 
 def is_preference(setup: RunSetup) -> bool:
