@@ -67,6 +67,10 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.train.preflight import check_shape
 
     check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
+    if r.training.objective in ("grpo", "rloo"):  # the rewards import and score a sample row (no model)
+        from lowvram.train.grpo import check_grpo
+
+        check_grpo(r)
     show_validated(r, recipe, as_json=json_)
 
 

@@ -163,16 +163,19 @@ def multiples(n: int, of: int) -> str:
     return f"{low} or {high}" if low else str(high)
 
 
-def grpo_problem(g: GrpoSection, t, written: bool) -> str | None:
+def grpo_problem(g: GrpoSection, t, written: bool, validation: object = None) -> str | None:
     """Why a grpo/rloo recipe's batch cannot hold whole groups of completions (None when it can):
     with generation_batch_size and steps_per_generation auto, TRL's generation batch is the
     effective batch (training.batch_size), which must then be a multiple of num_generations
     (GRPOConfig.__post_init__, TRL 1.16); its rewards must be named. ``t``: the training section;
-    ``written``: the recipe has a grpo section."""
+    ``written``: the recipe has a grpo section; ``validation``: data.validation."""
     if t.objective not in RL_OBJECTIVES:
         if written:
             return f"the grpo section applies to training.objective grpo or rloo (training.objective is {t.objective})"
         return None
+    if validation is not None:
+        return (f"data.validation does not apply to training.objective {t.objective}: lowvram reports the rewards "
+                "of the training completions (TRL's evaluation would generate again); remove data.validation")
     if not g.rewards:
         return (f"training.objective {t.objective} needs grpo.rewards: the functions that score the completions "
                 "(e.g. rewards: [rewards/my_task.py:my_reward] or a built-in: exact_match, format, length)")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.plan.backward import CHUNK_TOKENS
+from lowvram.plan.preference import RL_OBJECTIVES
 from lowvram.plan.setup import FSDP_OFFLOADS
 from lowvram.vocab import (
     APOLLO_OPTIMIZERS,
@@ -122,6 +123,10 @@ def build_training_args(recipe, plan, has_eval: bool = False):
     """TrainingArguments of the Plan; a preference objective: TRL's config of the same settings
     plus its own (lowvram.train.preference)."""
     arguments = training_arguments(recipe, plan, has_eval)
+    if recipe.training.objective in RL_OBJECTIVES:
+        from lowvram.train.grpo import grpo_config
+
+        return grpo_config(recipe, plan, arguments)
     if recipe.training.objective != "sft":
         from lowvram.train.preference import preference_config
 
@@ -219,18 +224,22 @@ def _forget_bitsandbytes_overrides() -> None:
 
 
 def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard",
-                  loss_chunk_tokens: int = CHUNK_TOKENS, optimizer: str = "adamw"):
+                  loss_chunk_tokens: int = CHUNK_TOKENS, optimizer: str = "adamw", recipe=None):
     """The Hugging Face Trainer over a DataBundle (lowvram.train.data); ``loss`` is plan.loss
     ("chunked": lowvram.train.loss computes the training loss in chunks of plan.loss_chunk_tokens
     tokens; "fused": the plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss).
     ``optimizer``: plan.optimizer (adamw_in_backward: lowvram.train.in_backward steps each parameter in
     its gradient hook; galore_adamw_8bit and its layerwise form: lowvram.train.galore_cpu lets its
-    step run without CUDA)."""
+    step run without CUDA). ``recipe``: grpo/rloo's rewards (lowvram.train.grpo)."""
     from transformers import PrinterCallback, Trainer
 
     from lowvram.train.preference import build_preference_trainer, is_preference_config
 
     _forget_bitsandbytes_overrides()
+    from lowvram.train.grpo import build_rl_trainer, is_rl_config
+
+    if is_rl_config(args):  # training.objective grpo/rloo: TRL's trainer generates and scores
+        return build_rl_trainer(loaded, bundle, args, recipe, callbacks)
     if is_preference_config(args):  # training.objective dpo/orpo/simpo: TRL's trainer, its collator
         return build_preference_trainer(loaded, bundle, args, callbacks)
     if loss == "chunked":

@@ -33,6 +33,7 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),  # lowvram.train.data.preference
     "unpaired": (("prompt", "completion", "label"), ()),  # training.objective kto (data/preference.py)
+    "prompt": (("prompt",), ()),  # training.objective grpo, rloo (data/prompts.py); other columns pass through
 }
 
 
