@@ -288,3 +288,45 @@ def test_resume_reaches_the_same_weights(tmp_path, tiny_model_dir):
     ra = json.loads((whole / "out" / "metrics.json").read_text())["reward_history"]
     rb = json.loads((cut / "out" / "metrics.json").read_text())["reward_history"]
     assert ra[2:] == rb[-2:]
+
+
+# ---------------------------------------------------------------------------------- the shipped recipe
+
+GRPO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-grpo.yaml"
+
+
+def test_shipped_recipe_validates_with_its_rewards(quickstart_model):
+    """validate imports recipes/rewards/addition.py and scores the first prompt (no model loaded)."""
+    result = validate(GRPO_RECIPE)
+    assert result.exit_code == 0, result.output
+    from lowvram.recipe import load_recipe
+    from lowvram.train.rewards import load_rewards
+
+    rewards = {r.name: r.function for r in load_rewards(load_recipe(GRPO_RECIPE))}
+    done = [[{"role": "assistant", "content": t}] for t in ("15", "It is 15.", "16", "The sum of 4 and 11 is 15.")]
+    assert rewards["correct"](None, done, answer=["15"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert rewards["brief"](None, done) == [1.0, 1 - 2 / 15, 1.0, 1 - 7 / 15]
+
+
+def test_shipped_prompts_are_what_the_generator_writes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_addition", GRPO_RECIPE.parent / "data" / "make_addition_prompts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = (GRPO_RECIPE.parent / "data" / "addition_prompts.jsonl").read_text()
+    assert written == "".join(json.dumps(r) + "\n" for r in module.rows())
+
+
+@pytest.mark.slow
+def test_shipped_recipe_trains_two_steps(tmp_path, quickstart_model):
+    """The real SmolLM2-135M through TRL's GRPOTrainer, two steps (the learning run is
+    bench/grpo_demo.py's, minutes long)."""
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.run import run_training
+    from lowvram.train.types import TrainOptions
+
+    r = load_recipe(GRPO_RECIPE, ["training.max_steps=2", f"training.output_dir={tmp_path / 'out'}"])
+    m = run_training(r, resolve_fixed(r), TrainOptions(overwrite=True)).metrics
+    assert m.steps == 2 and set(m.reward_functions) == {"correct", "brief"}
