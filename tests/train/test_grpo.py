@@ -269,6 +269,7 @@ def test_a_reward_that_raises_names_itself_and_the_step_and_resume_goes_on(tmp_p
     assert result.metrics.steps == 4 and result.resumed_from.endswith("checkpoint-2")
 
 
+@pytest.mark.slow  # ~100 s on 2 shared cores: `make test-all`
 def test_resume_reaches_the_same_weights(tmp_path, tiny_model_dir):
     """A checkpoint mid-run and --resume give the weights of the uninterrupted run (fixed seed:
     the Trainer restores the RNG, so the resumed run samples the same completions)."""
