@@ -25,12 +25,25 @@ def cache_root() -> Path:
     return Path(base)
 
 
+_KEY_EDGE_BYTES = 4 << 20  # the GGUF header (metadata, tensor table) and the last tensors' bytes
+
+
 def _gguf_key(gguf: Path) -> str:
+    """The cache key of a GGUF file's conversion, by content, not path: its size, the SHA-256 of
+    its first and last 4 MiB (the header holds the metadata and the tensor table with every
+    tensor's offset; the tail, the last tensors' data) and the transformers version that converts
+    it. Reading 8 MiB is instant where hashing a multi-GB file is not, and every checkout or copy
+    of one file shares one conversion in the per-user cache."""
     import transformers
 
-    st = gguf.stat()
-    raw = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|transformers {transformers.__version__}"
-    return f"{gguf.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{size}|transformers {transformers.__version__}|".encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(_KEY_EDGE_BYTES))
+        if size > 2 * _KEY_EDGE_BYTES:
+            f.seek(size - _KEY_EDGE_BYTES)
+        digest.update(f.read(_KEY_EDGE_BYTES))
+    return f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
 @contextlib.contextmanager
@@ -47,6 +60,15 @@ def _no_gguf_progress():
         yield
     finally:
         g.tqdm = orig
+
+
+def cached_gguf_folder(folder: str, gguf_file: str) -> Path | None:
+    """The converted folder of a GGUF model when an earlier run made it (no conversion here)."""
+    gguf = Path(folder) / gguf_file
+    if not gguf.is_file():
+        return None
+    out = cache_root() / "gguf" / _gguf_key(gguf)
+    return out if (out / "config.json").is_file() and (out / ".complete").is_file() else None
 
 
 def gguf_folder(folder: str, gguf_file: str, trust_remote_code: bool = False) -> tuple[Path, bool]:

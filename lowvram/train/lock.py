@@ -22,35 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
+from lowvram.runfiles import LOCK_SUFFIX, lock_path, pid_alive, read_lock
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-SUFFIX = ".lowvram-lock"
+SUFFIX = LOCK_SUFFIX
 _TORN_AFTER_S = 10.0  # an empty or unreadable lock older than this was left by a crash while it was taken
-
-
-def lock_path(folder: Path) -> Path:
-    folder = Path(folder).resolve()
-    return folder.parent / f".{folder.name}{SUFFIX}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it runs
-        return True
-    return True
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+_read = read_lock
+_pid_alive = pid_alive
 
 
 def _describe(holder: dict) -> str:
