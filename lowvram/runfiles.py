@@ -34,11 +34,11 @@ LAUNCH_FILES = (CONFIG, LAUNCH_PLAN, LAUNCH_REQUEST, LAUNCH_LOG)
 OOM_REPORT = "oom-rank{rank}.json"  # a launched worker's out-of-memory, for the launcher (oom.py)
 
 
-LOCK_SUFFIX = ".lowvram-lock"  # beside a run folder while a process trains in it (train/lock.py)
+LOCK_SUFFIX = ".lowvram-lock"  # beside a run folder while a process trains in it (train/run/lock.py)
 
 
 def lock_path(folder: Path) -> Path:
-    """The lock file of a run folder: ``.<name>.lowvram-lock`` beside it (train/lock.py says why)."""
+    """The lock file of a run folder: ``.<name>.lowvram-lock`` beside it (train/run/lock.py says why)."""
     folder = Path(folder).resolve()
     return folder.parent / f".{folder.name}{LOCK_SUFFIX}"
 

@@ -1,7 +1,7 @@
 """The recipe's grpo section (training.objective grpo and rloo, through TRL's GRPOTrainer and
 RLOOTrainer): TRL's knobs under the recipe's names, their rules checked when the recipe loads, and
 the shape of a reward reference (``path/file.py:function``, ``module:function`` or a built-in).
-Importing and calling the rewards is lowvram.train.rewards' (validate runs it before any model).
+Importing and calling the rewards is lowvram.train.build.rewards' (validate runs it before any model).
 
 No torch here: ``lowvram validate`` must be instant.
 """
@@ -13,9 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lowvram.plan.preference import RL_OBJECTIVES
+from lowvram.plan.memory.preference import RL_OBJECTIVES
 
-# The rewards lowvram ships (lowvram.train.rewards): exact_match (the completion's answer equals
+# The rewards lowvram ships (lowvram.train.build.rewards): exact_match (the completion's answer equals
 # the row's answer or solution column), format (a regular expression), length (a target length).
 BUILTIN_REWARDS = ("exact_match", "format", "length")
 # the data formats of grpo and rloo: the prompt the model completes (format prompt; chat: the

@@ -139,7 +139,7 @@ def show_run(r, as_json: bool = False) -> None:
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
     # preference objectives: TRL's reward metrics and each objective's own terms (kto's KL, orpo's
-    # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.preference)
+    # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.build.preference)
     rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m.get(key), 3))
              for key in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies")
              if m is not None and m.get(key) is not None]
@@ -176,7 +176,7 @@ def show_run(r, as_json: bool = False) -> None:
 
 def _rl_rows(m) -> list[tuple[str, str | None]]:
     """grpo/rloo: the reward (last logged mean +- std), each reward function's, the completion
-    length, the truncated completions and the clip ratio (metrics.json, lowvram.train.grpo)."""
+    length, the truncated completions and the clip ratio (metrics.json, lowvram.train.build.grpo)."""
     if m is None or m.reward is None:
         return []
     rows = [("reward (last, mean ± std)", f"{m.reward:+.3f} ± {m.reward_std or 0:.3f}")]

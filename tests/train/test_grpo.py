@@ -116,7 +116,7 @@ def test_mixed_prompt_kinds_are_refused(tmp_path):
 
 
 def test_builtins():
-    from lowvram.train.rewards import exact_match, format_reward, length_reward
+    from lowvram.train.build.rewards import exact_match, format_reward, length_reward
 
     assert exact_match(None, ["the answer is 4.", "#### 5", r"so \boxed{4}", "4"], answer=["4", "5", "4", "3"]) == [
         1.0, 1.0, 1.0, 0.0]
@@ -182,7 +182,7 @@ def test_vllm_is_refused_with_the_versions(tmp_path, tiny_model_dir):
 def _config(tmp_path, model, **kw):
     from lowvram.planning.fixed import resolve_fixed
     from lowvram.recipe import load_recipe
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     recipe = load_recipe(setup_run(tmp_path, model, **kw))
     plan = resolve_fixed(recipe)
@@ -211,11 +211,11 @@ def test_trl_config_carries_the_plan(tmp_path, tiny_model_dir):
 
 
 def _train(recipe: Path, *flags):
-    """The recipe trained through lowvram's own run (train/run.py) on the fixed plan: TRL's trainer,
+    """The recipe trained through lowvram's own run (train/run/run.py) on the fixed plan: TRL's trainer,
     lowvram's model builder, the run folder (the planner's GRPO terms are grpoplan's, issue 44)."""
     from lowvram.planning.fixed import resolve_fixed
     from lowvram.recipe import load_recipe
-    from lowvram.train.run import run_training
+    from lowvram.train.run.run import run_training
     from lowvram.train.types import TrainOptions
 
     r = load_recipe(recipe)
@@ -255,7 +255,7 @@ def fragile(prompts, completions, trainer_state, **kwargs):
 
 
 def test_a_reward_that_raises_names_itself_and_the_step_and_resume_goes_on(tmp_path, tiny_model_dir):
-    from lowvram.train.checkpoints import complete_checkpoints
+    from lowvram.train.run.checkpoints import complete_checkpoints
 
     recipe = setup_run(tmp_path, tiny_model_dir, reward_code=RAISES_AT_STEP_3, steps=4, save_steps=2,
                        rewards="[rewards.py:short, rewards.py:fragile]")
@@ -301,7 +301,7 @@ def test_shipped_recipe_validates_with_its_rewards(quickstart_model):
     result = validate(GRPO_RECIPE)
     assert result.exit_code == 0, result.output
     from lowvram.recipe import load_recipe
-    from lowvram.train.rewards import load_rewards
+    from lowvram.train.build.rewards import load_rewards
 
     rewards = {r.name: r.function for r in load_rewards(load_recipe(GRPO_RECIPE))}
     done = [[{"role": "assistant", "content": t}] for t in ("15", "It is 15.", "16", "The sum of 4 and 11 is 15.")]
@@ -325,7 +325,7 @@ def test_shipped_recipe_trains_two_steps(tmp_path, quickstart_model):
     bench/grpo_demo.py's, minutes long)."""
     from lowvram.planning.fixed import resolve_fixed
     from lowvram.recipe import load_recipe
-    from lowvram.train.run import run_training
+    from lowvram.train.run.run import run_training
     from lowvram.train.types import TrainOptions
 
     r = load_recipe(GRPO_RECIPE, ["training.max_steps=2", f"training.output_dir={tmp_path / 'out'}"])
