@@ -404,7 +404,10 @@ def prepare_model(model, plan, seed: int | None = None):
     if getattr(plan, "tiled_mlp", False):
         from lowvram.train.tiled_mlp import enable_tiled_mlp
 
-        enable_tiled_mlp(model, plan.tiled_mlp_shards)  # DeepSpeed's TiledMLP (lowvram.plan.tiled)
+        # DeepSpeed's TiledMLP (lowvram.plan.tiled); several processes without offload: DDP,
+        # whose reducer takes each parameter's gradient once per backward (train/tiled_mlp.py)
+        ddp = plan.offload == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        enable_tiled_mlp(model, plan.tiled_mlp_shards, one_grad_hook=ddp)
     return model
 
 
