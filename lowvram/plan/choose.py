@@ -58,8 +58,9 @@ from lowvram.units import gib, mem
 def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate_memory) -> Choice:
     """The cheapest plan that fits ``budget``; if none does, the closest one and what would help."""
     validate_request(req)
-    check_attention(req, budget, req.mixed_precision or auto_precision(budget, req.weight_dtype))
-    check_optimizer(req, budget)
+    precision = req.mixed_precision or auto_precision(budget, req.weight_dtype)
+    check_attention(req, budget, precision)
+    check_optimizer(req, budget, precision)
     cands = [candidate(s, req, budget, estimate) for s in candidate_setups(req, budget)]
     fitting = [c for c in cands if c.fits]
     lowest = min(cands, key=lambda c: (c.peak_bytes, c.slowdown))
