@@ -15,7 +15,7 @@ import yaml
 
 from lowvram.errors import LowvramError
 from lowvram.metrics import RunMetrics, metrics_problem, read_metrics
-from lowvram.runfiles import CHECKPOINT_GLOB, METRICS, PLAN, RECIPE, checkpoint_number
+from lowvram.runfiles import CHECKPOINT_GLOB, METRICS, PLAN, RECIPE, checkpoint_number, lock_holder
 from lowvram.units import shell_line
 from lowvram.vocab import PLAN_KEYS
 
@@ -28,7 +28,7 @@ class RunInfo:
     path: str
     name: str
     model: str
-    status: str  # finished | interrupted (checkpoints, no metrics.json) | failed (neither)
+    status: str  # running (its lock is held) | finished | interrupted (checkpoints, no metrics.json) | failed (neither)
     recipe_path: str | None = None
     techniques: dict = field(default_factory=dict)
     predicted_peak_bytes: int | None = None
@@ -137,7 +137,8 @@ def read_run(path: str | Path) -> RunInfo:
     return RunInfo(
         path=str(p), name=p.name, recipe_path=recipe_path,
         model=str((recipe.get("model") or {}).get("name_or_path", "?")),
-        status="damaged" if damaged else _status(metrics, ckpts),
+        # a process trains in it now (its lock): half-written files are not damage
+        status="running" if lock_holder(p) else "damaged" if damaged else _status(metrics, ckpts),
         techniques=techniques,
         predicted_peak_bytes=m.predicted_peak_bytes if m.predicted_peak_bytes is not None else plan.get("predicted_peak_bytes"),
         measured_peak_bytes=m.peak_memory_bytes,

@@ -137,7 +137,7 @@ def show_run(r, as_json: bool = False) -> None:
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
     # preference objectives: TRL's reward metrics and each objective's own terms (kto's KL, orpo's
-    # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.preference)
+    # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.build.preference)
     rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m.get(key), 3))
              for key in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies")
              if m is not None and m.get(key) is not None]

@@ -2,15 +2,15 @@
 and the layerwise GaLore/APOLLO forms step each parameter in its gradient hook, before accelerate's
 GradScaler unscales; GradScaler then finds no gradient on the Trainer's LayerWiseDummyOptimizer
 and fails the step. Refused before the model loads, never searched, and said in the plan's reason
-(lowvram.plan.optimizers.scaled_gradient_problem)."""
+(lowvram.plan.memory.optimizers.scaled_gradient_problem)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.request import Budget, PlanRequest
+from lowvram.plan.choose.request import Budget, PlanRequest
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.vocab import FUSED_BACKWARD_OPTIMIZERS, IN_BACKWARD_OPTIMIZERS, LAYERWISE_OPTIMIZERS
 
 LLAMA = resolve_model("llama-3.2-1b")
@@ -27,7 +27,7 @@ def test_gradscaler_fails_the_step_after_the_hooks_stepped_with_scaled_gradients
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from lowvram.check.builders import hf_config
-    from lowvram.train.in_backward import in_backward_trainer_class
+    from lowvram.train.build.in_backward import in_backward_trainer_class
     from tests.plan.test_galore import TINY
 
     model = AutoModelForCausalLM.from_config(hf_config(TINY))
@@ -52,7 +52,7 @@ def test_gradscaler_fails_the_step_after_the_hooks_stepped_with_scaled_gradients
     ({}, Budget(24 * GIB, bf16=False)),  # a card without bf16: auto takes fp16-mixed
 ])
 def test_a_fixed_in_backward_optimizer_under_fp16_is_refused(optimizer, fixed, budget):
-    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.choose.choose import choose_plan
 
     with pytest.raises(LowvramError) as e:
         choose_plan(PlanRequest(model=LLAMA, batch_size=1, lora=False, optimizer=optimizer, **fixed), budget)
@@ -67,8 +67,8 @@ def test_the_search_never_steps_in_the_backward_under_fp16_and_says_why():
     """Llama-3.2-1B full fine-tuning on an 8 GiB card without bf16: before, the search took a
     layerwise form (GaLore or APOLLO, ~5-6 GiB); now none of the in-backward forms is a
     candidate, and the optimizer's reason says why."""
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.search import candidate_setups
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.search import candidate_setups
 
     req = PlanRequest(model=LLAMA, batch_size=1, lora=False)
     fp16 = Budget(8 * GIB, bf16=False)
@@ -91,7 +91,7 @@ def test_a_plan_made_elsewhere_stops_before_the_model_loads(tmp_path, optimizer)
 
     from lowvram.planning.fixed import resolve_fixed
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.trainer import training_arguments
+    from lowvram.train.build.trainer import training_arguments
 
     recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},
                                     "training": {"output_dir": str(tmp_path), "report_to": "none",

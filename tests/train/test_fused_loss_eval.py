@@ -30,7 +30,7 @@ def _liger_lce_forward(calls: list, chunk_tokens: int = 32):
     """Liger 0.8.2's lce_forward for Llama, the fused Triton kernel replaced as the module says."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from lowvram.train.loss import chunked_cross_entropy
+    from lowvram.train.build.loss import chunked_cross_entropy
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, skip_logits=None,
                 logits_to_keep=0, num_items_in_batch=None, **kwargs):
