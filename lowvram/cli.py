@@ -360,10 +360,9 @@ def runs(
     folder = folder or Path("runs")
     found = list_runs(folder)
     show_runs(found, folder, as_json=json_)
-    from lowvram.past_runs import damaged_error
+    from lowvram.report.results import warn_damaged
 
-    if (err := damaged_error(found)) is not None:  # after the list: the other runs are shown
-        raise err
+    warn_damaged(found)  # on stderr, exit 0: a script listing runs goes on past one damaged run
 
 
 @app.command()

@@ -191,7 +191,9 @@ def metrics_problem(data) -> str | None:
 
 def read_metrics(path: Path) -> RunMetrics | None:
     """The metrics.json at ``path``; None when it is missing, does not parse or does not match the
-    schema (runs.py names such a file as damaged)."""
+    schema (runs.py names such a file as damaged), or is not an ordinary file (a FIFO would block)."""
+    if not Path(path).is_file():
+        return None
     try:
         return RunMetrics.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
     except (OSError, ValueError):

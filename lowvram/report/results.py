@@ -94,6 +94,15 @@ def _relative(path: str, folder) -> str:
         return str(path)
 
 
+def warn_damaged(runs) -> None:
+    """One `warning:` line on stderr per damaged file of the listed runs, naming the run (`lowvram
+    runs` exits 0 with them: the other runs are listed; `lowvram show RUN` says how to repair)."""
+    lines = [f"warning: run {r.name}: {line}; `lowvram show {r.path}` says how to repair it\n"
+             for r in runs for line in r.damaged]
+    sys.stderr.write("".join(lines))
+    sys.stderr.flush()
+
+
 def show_run(r, as_json: bool = False) -> None:
     if as_json:
         print_json(r.to_dict())
