@@ -155,6 +155,14 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
             "mixed_precision fp16 (16-bit weights) cannot train all weights",
             "use techniques.mixed_precision: fp16-mixed (fp32 master weights), or lora: on",
         )
+    if plan.mixed_precision.startswith("fp16") and plan.optimizer in IN_BACKWARD_OPTIMIZERS:
+        # the planner never makes this plan (plan.optimizers.scaled_gradient_problem); one made
+        # elsewhere stops here, before the model loads
+        from lowvram.plan.memory.optimizers import FP16_IN_BACKWARD_WHY, in_backward_alternative
+
+        raise LowvramError(f"optimizer {plan.optimizer} cannot train in {plan.mixed_precision}: {FP16_IN_BACKWARD_WHY}",
+                           f"set techniques.optimizer: {in_backward_alternative(plan.optimizer)}, or "
+                           "techniques.mixed_precision: bf16 (or fp32)")
     configured = {}
     if fsdp_on_cpu(plan):
         configure_cpu_fsdp_state()
