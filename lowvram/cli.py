@@ -67,6 +67,10 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.train.run.preflight import check_shape
 
     check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
+    if r.training.objective in ("grpo", "rloo"):  # the rewards import and score a sample row (no model)
+        from lowvram.train.build.grpo import check_grpo
+
+        check_grpo(r)
     from lowvram.train.run.preflight import check_recipe_data
 
     show_validated(r, recipe, check_recipe_data(r), as_json=json_)  # every row, as training reads it
@@ -360,10 +364,9 @@ def runs(
     folder = folder or Path("runs")
     found = list_runs(folder)
     show_runs(found, folder, as_json=json_)
-    from lowvram.past_runs import damaged_error
+    from lowvram.report.results import warn_damaged
 
-    if (err := damaged_error(found)) is not None:  # after the list: the other runs are shown
-        raise err
+    warn_damaged(found)  # on stderr, exit 0: a script listing runs goes on past one damaged run
 
 
 @app.command()

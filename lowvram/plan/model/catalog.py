@@ -54,11 +54,16 @@ def _from_catalog(name: str) -> ModelSpec:
     return spec_from_dict({"name": name, **entry})
 
 
-def hub_cache_config(hub_id: str) -> Path | None:
-    """The newest cached config.json of a hub id (huggingface_hub's cache layout), or None."""
+def hub_cache_folder(hub_id: str) -> Path:
+    """Where huggingface_hub caches a model repo (HF_HUB_CACHE, else HF_HOME/hub)."""
     root = Path(os.environ.get("HF_HUB_CACHE") or Path(
         os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
-    folder = root / ("models--" + hub_id.replace("/", "--"))
+    return root / ("models--" + hub_id.replace("/", "--"))
+
+
+def hub_cache_config(hub_id: str) -> Path | None:
+    """The newest cached config.json of a hub id (huggingface_hub's cache layout), or None."""
+    folder = hub_cache_folder(hub_id)
     found = sorted(folder.glob("snapshots/*/config.json"), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
 

@@ -32,6 +32,12 @@ class BaseModel:
     source: str  # a folder or hub id from_pretrained reads
     found_via: str  # where the location came from, for the report
     gguf_file: str | None = None
+    trust_remote_code: bool = False  # the run's model.trust_remote_code: may the model's own code run
+
+
+def run_trusts_code(recipe: dict) -> bool:
+    """The run's choice: model.trust_remote_code of its recipe.yaml (off when not recorded)."""
+    return (recipe.get("model") or {}).get("trust_remote_code") is True
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,15 +106,16 @@ def find_base_model(run_dir: Path, adapter: dict, recipe: dict) -> BaseModel:
     from lowvram.train.build.model import _looks_like_path
 
     model = recipe.get("model") or {}
+    trust = run_trusts_code(recipe)
     gguf_file = model.get("gguf_file")
     named = adapter.get("base_model_name_or_path")
     looked = []
     if named:
         p = Path(named).expanduser()
         if _is_model_dir(p):
-            return BaseModel(str(p), "adapter_config.json")
+            return BaseModel(str(p), "adapter_config.json", trust_remote_code=trust)
         if not _looks_like_path(named) and not gguf_file:
-            return BaseModel(named, "adapter_config.json (hub id)")
+            return BaseModel(named, "adapter_config.json (hub id)", trust_remote_code=trust)
         looked.append(f"adapter_config.json names {named} (missing)")
     name = model.get("name_or_path")
     if name:
@@ -116,13 +123,13 @@ def find_base_model(run_dir: Path, adapter: dict, recipe: dict) -> BaseModel:
             if gguf_file and (c / gguf_file).is_file():
                 from lowvram.train.build.gguf import gguf_folder
 
-                folder, hit = gguf_folder(str(c), gguf_file, bool(model.get("trust_remote_code")))
+                folder, hit = gguf_folder(str(c), gguf_file, trust)
                 how = "recipe.yaml, GGUF (cached conversion)" if hit else "recipe.yaml, GGUF (converted now)"
-                return BaseModel(str(folder), how, gguf_file)
+                return BaseModel(str(folder), how, gguf_file, trust)
             if not gguf_file and _is_model_dir(c):
-                return BaseModel(str(c.resolve()), "recipe.yaml")
+                return BaseModel(str(c.resolve()), "recipe.yaml", trust_remote_code=trust)
         if not _looks_like_path(name) and not gguf_file:
-            return BaseModel(name, "recipe.yaml (hub id)")
+            return BaseModel(name, "recipe.yaml (hub id)", trust_remote_code=trust)
         what = f"{name}/{gguf_file}" if gguf_file else name
         looked.append(f"recipe.yaml names {what} (not found next to the run or in {Path.cwd()})")
     raise ModelError(
@@ -272,16 +279,59 @@ def load_base(base: BaseModel, dtype: str, device: str):
 def _from_pretrained(base: BaseModel, **kwargs):
     from lowvram.plan.model.catalog import local_config
     from lowvram.runfiles import require_intact
+    from lowvram.train.build.custom_code import custom_code_error, is_custom_code_refusal
     from lowvram.train.build.model import _first_line, has_vision, model_class
 
     require_intact(Path(base.source))  # a hub id: no such folder, nothing to check
     try:
         # quantization_config=None is not enough for a pre-quantized checkpoint; plain folders
         # (hub bases, the GGUF cache) carry none, and that is what a lowvram run trains on.
-        return model_class(has_vision(local_config(base.source) or {})).from_pretrained(base.source, **kwargs)
+        # trust_remote_code always given: left None, transformers asks on the terminal.
+        return model_class(has_vision(local_config(base.source) or {})).from_pretrained(
+            base.source, trust_remote_code=base.trust_remote_code, **kwargs)
     except OSError as e:
         raise ModelError(f"cannot load the base model {base.source}: {_first_line(e)}",
                          "check the folder (or hub cache; HF_HUB_OFFLINE=1 reads only the cache)") from None
+    except ValueError as e:
+        if is_custom_code_refusal(e):
+            raise custom_code_error(base.source, base.found_via) from None
+        raise
+
+
+def load_pretrained(source: str | Path, trust_remote_code: bool, found_via: str = "folder", **kwargs):
+    """A full model folder (merged, or a full fine-tune) as _from_pretrained loads a base."""
+    return _from_pretrained(BaseModel(str(source), found_via, trust_remote_code=trust_remote_code), **kwargs)
+
+
+def load_run_tokenizer(source: str | Path, trust_remote_code: bool, found_via: str = "folder"):
+    """AutoTokenizer of ``source`` with the run's trust_remote_code choice (pad token = eos)."""
+    from transformers import AutoTokenizer
+
+    from lowvram.runfiles import require_intact
+    from lowvram.train.build.custom_code import custom_code_error, is_custom_code_refusal
+
+    require_intact(Path(source))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if is_custom_code_refusal(e):
+            raise custom_code_error(str(source), found_via) from None
+        raise
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def trusts_code(folder: str | Path) -> bool:
+    """A merged or fully fine-tuned folder's choice: lowvram_merge.json's trust_remote_code (a
+    merge), else the recipe.yaml of its run (the folder, or the run above a checkpoint)."""
+    info = Path(folder) / MERGE_INFO
+    if info.is_file():
+        try:
+            return json.loads(info.read_text()).get("trust_remote_code") is True
+        except (OSError, ValueError):
+            return False
+    return run_trusts_code(_recipe_of(Path(folder)))
 
 
 def load_adapter(model: PreTrainedModel, folder: str | Path):

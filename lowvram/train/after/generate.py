@@ -23,6 +23,8 @@ from lowvram.train.after.artifacts import (
     find_base_model,
     load_adapter,
     load_base,
+    load_pretrained,
+    load_run_tokenizer,
     load_trained_base,
     merge_dtype,
     read_adapter_run,
@@ -30,6 +32,7 @@ from lowvram.train.after.artifacts import (
     run_prompt_format,
     trained_plan,
     trained_size,
+    trusts_code,
 )
 from lowvram.units import mem
 
@@ -98,10 +101,6 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
 
     quiet_libraries()
     import torch
-    from transformers import AutoTokenizer
-
-    from lowvram.plan.model.catalog import local_config
-    from lowvram.train.build.model import has_vision, model_class
 
     if prompt_format not in FORMATS:
         raise LowvramError(f"unknown --format {prompt_format!r}", f"use one of {', '.join(FORMATS)}")
@@ -113,22 +112,21 @@ def load_generator(path: str | Path, prompt_format: str = "auto", dtype: str = "
         model = load_adapter(_load_run_base(base, recipe, plan, dtype, device, p), p)
         source = f"{base.source} + adapter {p}"
         tok_source = p if (p / "tokenizer_config.json").is_file() else Path(base.source)
+        trust = base.trust_remote_code
     elif (p / "config.json").is_file():
         from lowvram.hardware import detect_hardware
 
         require_intact(p)  # a merged or full fine-tuned folder: its weights and config
         check_fits(dense_size(BaseModel(str(p), "folder"), _stored_dtype(p) if dtype == "auto" else dtype, p),
                    device, detect_hardware(gpus=1))
-        kwargs = {"dtype": getattr(torch, dtype) if dtype != "auto" else "auto", "device_map": {"": device}}
-        model = model_class(has_vision(local_config(str(p)) or {})).from_pretrained(str(p), **kwargs)
+        trust = trusts_code(p)  # the run's (or the merge's) model.trust_remote_code
+        model = load_pretrained(p, trust, dtype=getattr(torch, dtype) if dtype != "auto" else "auto",
+                                device_map={"": device})
         source, tok_source = str(p), p
     else:
         read_adapter_run(p)  # raises the precise error: not a run / unfinished run
         raise LowvramError(f"no model in {p}", "pass a run folder or a merged folder")  # pragma: no cover
-    require_intact(Path(tok_source))
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_source))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_run_tokenizer(tok_source, trust)
     model.eval()
     fmt = choose_format(prompt_format, run_prompt_format(p), bool(getattr(tokenizer, "chat_template", None)))
     return Generator(model, tokenizer, fmt, source, device)

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError
-from lowvram.runfiles import require_intact
 from lowvram.train.after.artifacts import (
     MERGE_INFO,
     BaseModel,
@@ -32,6 +31,7 @@ from lowvram.train.after.artifacts import (
     find_base_model,
     load_adapter,
     load_base,
+    load_run_tokenizer,
     merge_dtype,
     read_adapter_run,
     refuse_if_short,
@@ -123,8 +123,6 @@ def merge_run(plan: MergePlan) -> MergeResult:
     from lowvram.train.build.model import quiet_libraries
 
     quiet_libraries()
-    from transformers import AutoTokenizer
-
     t0 = time.perf_counter()
     run = Path(plan.run_dir)
     merged = load_adapter(load_base(plan.base, plan.dtype, plan.device), run).merge_and_unload()
@@ -132,8 +130,7 @@ def merge_run(plan: MergePlan) -> MergeResult:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     tok_source = run if (run / "tokenizer_config.json").is_file() else plan.base.source
-    require_intact(Path(tok_source))
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_source))
+    tokenizer = load_run_tokenizer(tok_source, plan.base.trust_remote_code)
 
     out = Path(plan.out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +139,7 @@ def merge_run(plan: MergePlan) -> MergeResult:
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         info = {"merged_from": str(run.resolve()), "base": plan.base.source, "dtype": plan.dtype,
-                "prompt_format": run_prompt_format(run)}
+                "prompt_format": run_prompt_format(run), "trust_remote_code": plan.base.trust_remote_code}
         (tmp / MERGE_INFO).write_text(json.dumps(info, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty (plan_merge checked)

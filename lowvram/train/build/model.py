@@ -17,6 +17,7 @@ from typing import Any
 
 from lowvram.errors import DataError, LowvramError, ModelError
 from lowvram.hub import HUB_ID
+from lowvram.train.build.custom_code import custom_code_refused, is_custom_code_refusal
 from lowvram.train.build.quiet import quiet_libraries
 from lowvram.train.build.vision import (
     VISION_MODULES,
@@ -165,6 +166,8 @@ def load_tokenizer(recipe, source: str):
             name or source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
         )
     except (OSError, ValueError) as e:
+        if is_custom_code_refusal(e):
+            raise custom_code_refused(name or source) from None
         if not name and not Path(source).is_dir():  # a hub id that is not there (or not cached)
             raise ModelError(f"model not found: {source} ({_first_line(e)})", _HUB_HINT) from None
         raise ModelError(f"cannot load the tokenizer of {name or source}: {_first_line(e)}",
@@ -264,6 +267,8 @@ def load_base_model(recipe, plan, source: str):
                          f"quantization={plan.quantization}: {_first_line(e)}",
                          "install the missing package, or set techniques.attention: sdpa") from None
     except ValueError as e:
+        if is_custom_code_refusal(e):
+            raise custom_code_refused(recipe.model.name_or_path) from None
         raise ModelError(f"cannot load {recipe.model.name_or_path}: {_first_line(e)}",
                          "check techniques.attention / quantization against this model and device") from None
 
@@ -302,7 +307,10 @@ def prepare_model(model, plan, seed: int | None = None):
     if getattr(plan, "tiled_mlp", False):
         from lowvram.train.build.tiled_mlp import enable_tiled_mlp
 
-        enable_tiled_mlp(model, plan.tiled_mlp_shards)  # DeepSpeed's TiledMLP (lowvram.plan.memory.tiled)
+        # DeepSpeed's TiledMLP (lowvram.plan.memory.tiled); several processes without offload: DDP,
+        # whose reducer takes each parameter's gradient once per backward (train/build/tiled_mlp.py)
+        ddp = plan.offload == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        enable_tiled_mlp(model, plan.tiled_mlp_shards, one_grad_hook=ddp)
     return model
 
 

@@ -44,10 +44,11 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe: Recipe 
         return checkpoint
     manifest.check_output_dir_is_safe(out, recipe.source if recipe is not None else None, overwrite)
     hashes = manifest.data_hashes(recipe) if recipe is not None else {}
+    model = manifest.model_hashes(recipe) if recipe is not None else {}
     if not _has_content(out):
         old = manifest.read(out) if out.is_dir() else None
         created = old["created_folder"] if old else not out.is_dir() or not any(out.iterdir())
-        manifest.start(out, bool(created), hashes)
+        manifest.start(out, bool(created), hashes, model)
         return None
     if not manifest.is_run(out):
         raise LowvramError(
@@ -59,7 +60,7 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe: Recipe 
         left = manifest.remove_run(out)
         if left:
             (notify or _note)(f"note: --overwrite kept what the run did not write in {out}: {', '.join(left[:6])}")
-        manifest.start(out, created, hashes)
+        manifest.start(out, created, hashes, model)
         return None
     if (out / METRICS).is_file():
         raise LowvramError(

@@ -297,6 +297,11 @@ def prepare_launch(recipe: Recipe, plan: Plan, options: TrainOptions, check_outp
         check_backend_installed(plan)
         check_cpu_adam_buildable(plan)
     out = output_dir(recipe)
+    if print_only:
+        from lowvram.runfiles import require_writable
+        from lowvram.train.run.lock import folder_words
+
+        require_writable(out, *folder_words("lowvram train --print-launch"))
     if not print_only and check_output:
         from lowvram.train.run.folder import prepare_output_dir
 

@@ -55,14 +55,23 @@ def _stale_reason(path: Path, holder: dict | None) -> str | None:
     return None if _pid_alive(pid) else f"{_describe(holder)} is no longer running"
 
 
-def _try_create(path: Path, record: dict) -> bool:
+def folder_words(what: str) -> tuple[str, str]:
+    """(what the folder is, the hint when it cannot be written) for the command ``what``."""
+    if "--out" in what:
+        return "--out", "merge into a folder on writable storage (--out DIR)"
+    return "training.output_dir", ("set training.output_dir to a folder on writable storage "
+                                   "(--set training.output_dir=DIR); nothing was written")
+
+
+def _try_create(path: Path, record: dict, what: str = "lowvram train") -> bool:
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
     except OSError as e:
-        raise LowvramError(f"cannot create the lock file {path}: {e.strerror or e}",
-                           "the folder that holds training.output_dir must be writable") from None
+        subject, hint = folder_words(what)
+        raise LowvramError(f"cannot create the lock file {path} beside {subject}: {e.strerror or e}",
+                           hint.replace("a folder on writable storage", "a folder whose parent folder is writable")) from None
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(record) + "\n")
     return True
@@ -70,12 +79,19 @@ def _try_create(path: Path, record: dict) -> bool:
 
 def acquire(folder: Path, what: str, notify: Callable[[str], None] | None = None) -> dict:
     """Take the lock on ``folder`` or raise LowvramError naming its holder; returns our record."""
+    from lowvram.runfiles import require_writable
+
     notify = notify or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
     path = lock_path(folder)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    subject, hint = folder_words(what)
+    require_writable(folder, subject, hint)  # read-only storage: said before anything is written
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LowvramError(f"{subject} {folder} cannot be made: {e.strerror or e}", hint) from None
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": what}
     for _ in range(5):  # a stale lock is moved aside, then taken like a free one
-        if _try_create(path, record):
+        if _try_create(path, record, what):
             return record
         holder = _read(path)
         why = _stale_reason(path, holder)
@@ -107,7 +123,10 @@ def release(folder: Path, record: dict) -> None:
     path = lock_path(folder)
     holder = _read(path)
     if holder and holder.get("pid") == record["pid"] and holder.get("started") == record["started"]:
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # its storage turned read-only: the lock is stale once this process ends
+            pass
 
 
 @contextmanager

@@ -56,13 +56,14 @@ def _write(out: Path, data: dict) -> None:
     write_atomic(out / MANIFEST, json.dumps(data, indent=1) + "\n")
 
 
-def start(out: Path, created_folder: bool, data_hashes: dict | None = None) -> None:
-    """A new run in ``out``: an empty list of paths (recorded as they are written)."""
+def start(out: Path, created_folder: bool, data_hashes: dict | None = None, model_hashes: dict | None = None) -> None:
+    """A new run in ``out``: an empty list of paths (recorded as they are written), the hashes of
+    its data files and of its base model (``--resume`` compares both, resume_check.py)."""
     from lowvram import __version__
 
     out.mkdir(parents=True, exist_ok=True)
     _write(out, {"lowvram": __version__, "created_folder": created_folder, "paths": [],
-                 "data_sha256": data_hashes or {}})
+                 "data_sha256": data_hashes or {}, "model_sha256": model_hashes or {}})
 
 
 def record(out: Path, *names: str) -> None:
@@ -172,3 +173,70 @@ def data_hashes(recipe: Recipe) -> dict[str, str]:
             out[d.path] = file_sha256(p)
     return out
 
+
+
+# --------------------------------------------------------------------------------------------
+# The base model: a fingerprint that is cheap for a 70B model
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
+SMALL_FILE_BYTES = 64 << 20  # config, index, tokenizer and template files: hashed whole
+HEAD_BYTES = 1 << 20  # a weight file's start: the safetensors header (names, dtypes, shapes, offsets)
+SAMPLES, SAMPLE_BYTES = 8, 64 << 10  # and 8 blocks of 64 KiB spread through its tensors
+
+
+def model_hashes(recipe: Recipe) -> dict[str, str]:
+    """A fingerprint of the base model's folder (a local folder, or a hub id's cached snapshot
+    at model.revision, else main), one sha256 per file, keyed by its name: every file directly
+    in the folder of up to 64 MiB whole (config.json, model.safetensors.index.json, tokenizer and
+    generation files); each weight file (.safetensors, .bin, .pt, .gguf ...) larger than that
+    by its size, its first 1 MiB (the safetensors header) and 8 blocks of 64 KiB spread through
+    the rest: under 2 MiB read per weight file whatever its size, and any fine-tune changes
+    values in every block. Never the modification time: a copy or a fresh download of the same
+    model is the same model. {} when the model is not found locally (a hub id not in the cache:
+    nothing to compare)."""
+    from lowvram.train.build.model import resolve_model_location
+
+    try:
+        folder = Path(resolve_model_location(recipe))
+    except LowvramError:
+        return {}
+    if not folder.is_dir():
+        folder = _hub_snapshot(str(folder), recipe.model.revision)
+        if folder is None:
+            return {}
+    only = {recipe.model.gguf_file} if recipe.model.gguf_file else None
+    out = {}
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith(".") or not p.is_file() or (only and p.suffix == ".gguf" and p.name not in only):
+            continue
+        out[p.name] = _weight_fingerprint(p) if p.stat().st_size > SMALL_FILE_BYTES else file_sha256(p)
+    return out
+
+
+def _weight_fingerprint(path: Path) -> str:
+    import hashlib
+
+    size = path.stat().st_size
+    h = hashlib.sha256(f"size {size}\n".encode())
+    start, span = min(size, HEAD_BYTES), max(0, size - HEAD_BYTES - SAMPLE_BYTES)
+    with path.open("rb") as f:
+        h.update(f.read(HEAD_BYTES))
+        for i in range(SAMPLES):  # the first block right after the head, the last at the file's end
+            f.seek(start + span * i // (SAMPLES - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return "sampled:" + h.hexdigest()
+
+
+def _hub_snapshot(hub_id: str, revision: str | None) -> Path | None:
+    """The cached snapshot transformers loads for ``hub_id`` at ``revision`` (huggingface_hub's
+    cache layout: refs/<branch> holds the commit, snapshots/<commit>/ the files), or None."""
+    from lowvram.plan.model.catalog import hub_cache_folder
+
+    repo = hub_cache_folder(hub_id)
+    ref = repo / "refs" / (revision or "main")
+    try:
+        commit = ref.read_text().strip() if ref.is_file() else (revision or "")
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / commit if commit else None
+    return snapshot if snapshot is not None and snapshot.is_dir() else None

@@ -31,7 +31,7 @@ from lowvram.errors import LowvramError
 from lowvram.past_runs import resume_command
 from lowvram.plan.choose.replan import Replanner
 from lowvram.plan.types import Plan
-from lowvram.runfiles import CHECKPOINT_GLOB, OOM_REPORT
+from lowvram.runfiles import CHECKPOINT_GLOB, OOM_REPORT, is_read_only
 from lowvram.train.diskfull import is_disk_full, written_file
 from lowvram.train.run.checkpoints import complete_checkpoints, partial_checkpoints
 from lowvram.train.run.oom import EXTRA_METRICS_ENV, REPORT_ENV, TrainingOOM, collect_oom_reports
@@ -140,6 +140,17 @@ def _disk_full(exc: BaseException, out: Path, hint_cmd: str) -> LowvramError:
                         f"free space on that disk (df -h {shlex.quote(str(out))}); {kept}{then}")
 
 
+def _read_only(exc: BaseException, out: Path, hint_cmd: str) -> LowvramError:
+    """The run's storage turned read-only while it wrote (a filesystem remounted read-only after
+    an I/O error, ext4's errors=remount-ro): nothing more can be written or removed there."""
+    name = written_file(exc, out) or out
+    last = complete_checkpoints(out)
+    kept = f"the last complete checkpoint {last[-1].name} is intact" if last else "no complete checkpoint was written"
+    then = f", then {hint_cmd}" if last and hint_cmd else ""
+    return LowvramError(f"{out} became read-only while writing {name}",
+                        f"check the disk (dmesg) and make it writable again (mount -o remount,rw); {kept}{then}")
+
+
 def _stderr_line(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
@@ -179,6 +190,8 @@ def _train_loop(recipe: Recipe, plan: Plan, out: Path, options: TrainOptions, re
         except Exception as e:
             if is_disk_full(e):
                 raise _disk_full(e, out, resume_cmd) from None
+            if is_read_only(e):
+                raise _read_only(e, out, resume_cmd) from None
             raise
         first = False
         _free_memory()  # err holds no frame now: the failed attempt's model, optimizer and Trainer go

@@ -1,7 +1,7 @@
 """`--resume` continues the run in output_dir, never a mix of two runs.
 
-The run's ``recipe.yaml`` (the resolved recipe it started with), ``plan.json`` and the data hashes
-in its manifest are compared with the recipe and plan of the command that resumes, before
+The run's ``recipe.yaml`` (the resolved recipe it started with), ``plan.json``, and the data hashes
+and base model fingerprint (manifest.model_hashes) in its manifest are compared with the recipe and plan of the command that resumes, before
 anything in the folder is rewritten. A change to what is trained (model, data and its content,
 seq_len, LoRA shape, quantization, optimizer, precision, learning rate and schedule, batch, seed)
 is refused with every difference listed; a change to how the run is watched or saved (logging,
@@ -99,6 +99,26 @@ def data_differences(out: Path, recipe: Recipe) -> list[str]:
             for name, old in recorded.items() if name in now and now[name] != old]
 
 
+def model_differences(out: Path, recipe: Recipe) -> list[str]:
+    """The base model's files that changed, appeared or went since the run started
+    (manifest.model_hashes: small files whole, weight files sampled); [] for a run that recorded
+    none (an older lowvram) or a model not found locally now."""
+    from lowvram.train.run import manifest
+
+    recorded = (manifest.read(out) or {}).get("model_sha256") or {}
+    if not recorded:
+        return []
+    now = manifest.model_hashes(recipe)
+    if not now:
+        return []
+    where = recipe.model.name_or_path
+    changed = [f"base model file {name} changed since the run started (in {where})"
+               for name in recorded if name in now and now[name] != recorded[name]]
+    gone = [f"base model file {name} is gone since the run started (in {where})" for name in recorded if name not in now]
+    new = [f"base model file {name} is new since the run started (in {where})" for name in now if name not in recorded]
+    return changed + gone + new
+
+
 def check_resume(out: Path, recipe: Recipe, plan: Plan | None = None, notify: Callable[[str], None] | None = None) -> None:
     """Refuse a resume that would mix two runs; say which safe changes it takes."""
     from lowvram.past_runs import read_json, read_yaml_dict
@@ -112,11 +132,12 @@ def check_resume(out: Path, recipe: Recipe, plan: Plan | None = None, notify: Ca
     if plan is not None:
         refused += plan_differences(read_json(out / PLAN), plan)
     refused += data_differences(out, recipe)
+    refused += model_differences(out, recipe)
     if refused:
         raise LowvramError(
             f"--resume would continue the run in {out} with different settings, mixing two runs:\n  "
             + "\n  ".join(refused),
-            f"resume with the run's own settings ({out / 'recipe.yaml'} is its recipe), "
+            f"resume with the run's own settings, data and base model ({out / 'recipe.yaml'} is its recipe), "
             "or start over: --overwrite, or a new training.output_dir (--set training.output_dir=runs/new)",
         )
     for line in allowed:

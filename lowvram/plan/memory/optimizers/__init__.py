@@ -9,8 +9,11 @@ family asked; the terms (states, memory) read every family's state and step thro
 from __future__ import annotations
 
 from lowvram.plan.memory.optimizers.adamw_in_backward import (
+    FP16_IN_BACKWARD_WHY,
     IN_BACKWARD_GIVEN_UP,
     fused_backward_problems,
+    in_backward_alternative,
+    scaled_gradient_problem,
 )
 from lowvram.plan.memory.optimizers.family import (
     apollo,
@@ -96,4 +99,4 @@ __all__ = ["GALORE_RANK", "GALORE_SCALE", "GALORE_UPDATE_PROJ_GAP", "eight_bit",
            "galore_step_temp_bytes", "galore_targets", "given_up", "in_backward", "layerwise",
            "layerwise_step_bytes", "lomo", "lomo_experts_steps", "lomo_pending_bytes", "lomo_problems", "lomo_state_bytes",
            "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected", "apollo", "fused_backward",
-           "fused_backward_problems", "torchao", "torchao_problems", "torchao_state_bytes", "torchao_step_temp_bytes"]
+           "fused_backward_problems", "FP16_IN_BACKWARD_WHY", "in_backward_alternative", "scaled_gradient_problem", "torchao", "torchao_problems", "torchao_state_bytes", "torchao_step_temp_bytes"]

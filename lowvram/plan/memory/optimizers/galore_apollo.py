@@ -84,6 +84,7 @@ from __future__ import annotations
 
 from math import prod
 
+from lowvram.plan.memory.optimizers.adamw_in_backward import scaled_gradient_problem
 from lowvram.plan.memory.optimizers.family import (
     all_tensors,
     apollo,
@@ -134,6 +135,8 @@ def projected_problems(setup: RunSetup) -> list[str]:
         out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
                    f"gradients (transformers raises for gradient_accumulation {setup.grad_accum}; "
                    f"use gradient_accumulation 1, or {o.replace('_layerwise', '')})")
+    if problem := scaled_gradient_problem(setup):
+        out.append(problem)
     if layerwise(setup) and setup.gpus > 1:
         out.append(f"optimizer {o} runs in one process only (transformers raises NotImplementedError "
                    f"under DDP; use --gpus 1, or {o.replace('_layerwise', '')})")
