@@ -66,6 +66,8 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
         from lowvram.train.preflight import check_seq_len
 
         check_seq_len(recipe)
+        if not options.print_launch:
+            _refuse_output_dir_early(recipe, options)
     _fetch_config(recipe_model_ref(recipe))  # plan a hub model before downloading it
     asked = options.processes.several or options.print_launch  # the flags ask for accelerate
     spec, hardware = _processes(options, asked)
@@ -97,6 +99,19 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
 
 def _quiet(planned: PlannedRun) -> None:
     pass
+
+
+def _refuse_output_dir_early(recipe: Recipe, options: TrainOptions) -> None:
+    """A usage error or a run folder that refuses this run (train/folder.py refuse_early), said
+    before the plan is made; checked again under the lock when the run starts. A folder another
+    process holds is left to the lock's own error, which names the holder."""
+    from lowvram.train.folder import refuse_early
+    from lowvram.train.lock import held_by_another
+    from lowvram.train.trainer import output_dir
+
+    out = output_dir(recipe)
+    if options.resume and options.overwrite or not held_by_another(out):
+        refuse_early(out, options.resume, options.overwrite, recipe)
 
 
 def _fetch_config(model_ref: str) -> None:

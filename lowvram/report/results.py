@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -151,9 +152,12 @@ def show_run(r, as_json: bool = False) -> None:
         c.print(f"reward margin {sparkline([v for _, v in margins])}  (steps {margins[0][0]}-{margins[-1][0]}: "
                 f"{margins[0][1]:.3f} -> {margins[-1][1]:.3f})", markup=False)
     if r.loss_history:
-        lo, hi = min(v for _, v in r.loss_history), max(v for _, v in r.loss_history)
+        finite = [v for _, v in r.loss_history if math.isfinite(v)] or [math.nan]
         c.print(f"loss {sparkline([v for _, v in r.loss_history])}  (steps {r.loss_history[0][0]}-"
-                f"{r.loss_history[-1][0]}, {hi:.3f} max, {lo:.3f} min)", markup=False)
+                f"{r.loss_history[-1][0]}, {max(finite):.3f} max, {min(finite):.3f} min)", markup=False)
+        from lowvram.report.training import warn_climb
+
+        warn_climb(r.loss_history)
     if r.eval_history:
         c.print("eval loss: " + ", ".join(f"step {s} {v:.3f}" for s, v in r.eval_history), markup=False)
     c.print(f"checkpoints: {', '.join(r.checkpoints) or 'none'}", markup=False)

@@ -295,22 +295,37 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     if len(bundle.train) == 0:
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
     check_shape(recipe, train_rows=len(bundle.train))  # the rows (windows) as built: hub data, packing
+    from lowvram.train.guard import NonFiniteGuard, require_finite_weights, require_trained_tokens
+
+    require_trained_tokens(bundle.stats)
 
     from lowvram.train import oom, signals
     from lowvram.train.progress import ProgressCallback
     from lowvram.train.trainer import build_trainer
+    from lowvram.vocab import IN_BACKWARD_OPTIMIZERS
 
     progress = ProgressCallback()
     stop = signals.SignalStop()  # SIGINT/SIGTERM: checkpoint at the step's end, then stop
+    t = recipe.training
+    guard = NonFiniteGuard(t.on_nonfinite, t.nonfinite_skips, t.save_total_limit,
+                           in_backward=plan.optimizer in IN_BACKWARD_OPTIMIZERS, learning_rate=t.learning_rate)
     trainer = build_trainer(
         loaded, bundle, args, collator,
-        callbacks=[progress, *signals.make_callbacks(stop), *callbacks],
+        # signals' MarkComplete before the guard: the guard rotates complete checkpoints only
+        callbacks=[*signals.make_callbacks(stop), guard, progress, *callbacks],
         loss=plan.loss, loss_chunk_tokens=plan.loss_chunk_tokens, optimizer=plan.optimizer,
     )
+    guard.attach(trainer)
 
     at_data, compared_with = _prediction_at_data_length(recipe, plan, bundle, replanner,
                                                         _longest_row(recipe, bundle, trainer))
     plan = _with_data_length_reason(plan, recipe, at_data)
+    from lowvram.train import worst_batch
+
+    worst = None
+    if not at_end and worst_batch.wanted(recipe, plan, trainer.accelerator.num_processes):
+        worst = worst_batch.run_worst_batch(trainer, bundle.train, plan)  # an OOM here: recover.py re-plans
+        worst_batch.report(worst, plan, at_data)
     main = trainer.is_world_process_zero()
     out.mkdir(parents=True, exist_ok=True)
     if main:  # several processes: rank 0 writes the run files
@@ -346,6 +361,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
             if bundle.eval is not None and stop.signum is None:
                 eval_loss = float(trainer.evaluate()["eval_loss"])
     except Exception as e:
+        progress.close()  # a bar on a terminal ends before the error is said
         if not oom.is_oom(e):
             raise
         raise oom.oom_error(e, trainer.state.global_step, plan, tracker) from None
@@ -358,6 +374,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
                         getattr(loaded.model, INIT_PEAK_ATTRIBUTE, 0))
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
+    require_finite_weights(trainer.model)
     _save_final(trainer, loaded.tokenizer, out)
     from lowvram.train.preference import preference_metrics
 
@@ -395,6 +412,9 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
         eval_history=_loss_history(trainer.state.log_history, "eval_loss"),
         **preference_metrics(trainer.state.log_history),  # dpo/orpo/simpo: rewards/* (train/preference.py)
         **(retries.to_dict() if retries is not None else {}),
+        nonfinite_steps=guard.skipped or None,  # training.on_nonfinite skip: the steps whose update was skipped
+        worst_batch_tokens=worst.tokens if worst else None,
+        worst_batch_peak_bytes=worst.peak_bytes if worst else None,
     )
     if per_rank:  # the largest rank: what must fit one card
         metrics = dataclasses.replace(metrics, peak_memory_bytes=max(per_rank))

@@ -186,7 +186,12 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
         logging_first_step=True,
         save_strategy="steps",
         save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
+        # Rotation is train/guard.py's: a checkpoint counts against training.save_total_limit only
+        # once the step after it is finite (the Trainer's own would rotate the last finite one away).
+        save_total_limit=None,
+        # A non-finite step is read as it is (guard.py stops or skips it): the filter would log it
+        # as the window's average, 0.0 right after a log (transformers Trainer._run_epoch).
+        logging_nan_inf_filter=False,
         seed=t.seed,
         data_seed=t.seed,
         report_to=[] if t.report_to == "none" else [t.report_to],
@@ -228,11 +233,14 @@ def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "sta
     step run without CUDA)."""
     from transformers import PrinterCallback, Trainer
 
+    from lowvram.train.guard import record_steps
     from lowvram.train.preference import build_preference_trainer, is_preference_config
 
     _forget_bitsandbytes_overrides()
     if is_preference_config(args):  # training.objective dpo/orpo/simpo: TRL's trainer, its collator
-        return build_preference_trainer(loaded, bundle, args, callbacks)
+        trainer = build_preference_trainer(loaded, bundle, args, callbacks)
+        record_steps(trainer)
+        return trainer
     if loss == "chunked":
         from lowvram.train.loss import chunked_loss_trainer_class
 
@@ -256,4 +264,5 @@ def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "sta
     )
     # With disable_tqdm the Trainer prints every log dict; progress.py reports instead.
     trainer.remove_callback(PrinterCallback)
+    record_steps(trainer)  # each step's loss, gradient norm and rows (guard.py); the row index leaves the batch
     return trainer

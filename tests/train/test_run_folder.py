@@ -120,16 +120,58 @@ def test_sigkill_in_the_final_save_then_resume_equals_an_uninterrupted_run(tmp_p
     assert list(out.glob(".final-*")) and not (out / "metrics.json").exists()
     assert ref.wait(300) == 0, ref.stderr.read()
 
-    for _ in range(2):  # the interrupted run, then the finished one: both finish without a step
-        resumed = train(str(recipe), "--resume")
-        assert resumed.exit_code == 0, resumed.output
-        assert "checkpoint-4 is at the last step (4): finishing without training" in resumed.output
-        assert "step 5/" not in resumed.output and not list(out.glob(".final-*"))
-        m, r = metrics(out), metrics(ref_dir / "out")
-        assert m["steps"] == 4 and m["resumed_from"].endswith("checkpoint-4")
-        assert m["train_loss"] == r["train_loss"] and m["loss_history"] == r["loss_history"]
-        a, b = _weights(out), _weights(ref_dir / "out")
-        assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+    resumed = train(str(recipe), "--resume")  # the interrupted run finishes without a step
+    assert resumed.exit_code == 0, resumed.output
+    assert "checkpoint-4 is at the last step (4): finishing without training" in resumed.output
+    assert "step 5/" not in resumed.output and not list(out.glob(".final-*"))
+    m, r = metrics(out), metrics(ref_dir / "out")
+    assert m["steps"] == 4 and m["resumed_from"].endswith("checkpoint-4")
+    assert m["train_loss"] == r["train_loss"] and m["loss_history"] == r["loss_history"]
+    a, b = _weights(out), _weights(ref_dir / "out")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+    again = train(str(recipe), "--resume")  # now finished: refused, nothing rewritten (issue 42)
+    assert again.exit_code == 1 and "holds a finished run (4 steps)" in again.output
+    assert metrics(out) == m
+
+
+def _hashes(folder) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_on_a_finished_run_changes_no_file_and_says_how_to_train_more(tmp_path, tiny_model_dir):
+    """Issue 42 item 5: `--resume` after a finished run rewrote its metrics.json (the runtime, the
+    peak) and warned of a prediction error that was not there. Now it is refused before planning,
+    every file as it was; raising training.max_steps continues from the final checkpoint."""
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=2)
+    assert train(str(recipe)).exit_code == 0
+    out = tmp_path / "out"
+    before = _hashes(out)
+    resumed = train(str(recipe), "--resume")
+    assert resumed.exit_code == 1, resumed.output
+    assert f"error: {out} holds a finished run (2 steps): --resume continues an unfinished run, so nothing " \
+        "was trained and no file was changed" in resumed.output
+    assert "hint: to train more, raise training.max_steps: `--resume --set training.max_steps=4` continues " \
+        "from its final checkpoint; or start a new run with --set training.output_dir=runs/new" in resumed.output
+    assert "predicted peak" not in resumed.output and "please report" not in resumed.output  # before planning
+    assert _hashes(out) == before
+    more = train(str(recipe), "--resume", "--set", "training.max_steps=4")
+    assert more.exit_code == 0, more.output
+    m = metrics(out)
+    assert m["steps"] == 4 and m["resumed_from"].endswith("checkpoint-2") and "step 3/4" in more.output
+
+
+def test_usage_errors_and_folder_refusals_come_before_the_plan(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=1)
+    both = train(str(recipe), "--resume", "--overwrite")
+    assert both.exit_code == 2 and "error: --resume and --overwrite contradict each other" in both.output
+    assert "predicted peak" not in both.output
+    assert train(str(recipe)).exit_code == 0
+    again = train(str(recipe))
+    assert again.exit_code == 1 and "already holds a finished run" in again.output
+    assert "predicted peak" not in again.output
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,11 @@ if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
 
+# Each training row's index in the train Dataset, passed through the collator as a batch key so
+# that a step names the rows it trained on (train/guard.py takes it out before the model sees it).
+ROW_COLUMN = "lowvram_row"
+
+
 @dataclass(frozen=True)
 class PadCollator:
     """Right-pads a batch to its longest row (rounded up to ``pad_to_multiple_of``).
@@ -61,6 +66,8 @@ class PadCollator:
             elif self.padding_mask:
                 mask = list(f["attention_mask"]) if "attention_mask" in f else [1] * len(ids)
                 batch["attention_mask"].append(mask + [0] * n)
+        if ROW_COLUMN in features[0]:
+            batch[ROW_COLUMN] = [int(f[ROW_COLUMN]) for f in features]
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
 
 
