@@ -310,7 +310,8 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_rewritten(tm
     recipe = write_recipe(tmp_path, tiny_model_dir, steps=2, save_steps=2)
     assert train(str(recipe)).exit_code == 0
     out = tmp_path / "out"
-    before = {n: (out / n).read_bytes() for n in ("recipe.yaml", "plan.json", "metrics.json", manifest.MANIFEST)}
+    (out / "metrics.json").unlink()  # as if stopped before its final save (a finished run is refused first)
+    before = {n: (out / n).read_bytes() for n in ("recipe.yaml", "plan.json", manifest.MANIFEST)}
     for change, line in [("training.learning_rate=5e-4", "training.learning_rate: 0.003 -> 0.0005"),
                          ("training.seq_len=32", "training.seq_len: 64 -> 32"),
                          ("lora.r=4", "lora.r: 8 -> 4"),
@@ -354,6 +355,7 @@ def test_a_checkpoint_corrupted_in_place_is_skipped_for_the_previous_one(tmp_pat
             f.write(b"\xff" * 8)  # same size: the marker's sizes still match
 
     corrupt(4)
+    (out / "metrics.json").unlink()  # as if stopped before its final save (a finished run is refused first)
     result = train(str(recipe), "--resume")
     assert result.exit_code == 0, result.output
     assert "note: skipped checkpoint-4 (adapter_model.safetensors changed after it was written" in result.output
@@ -362,6 +364,7 @@ def test_a_checkpoint_corrupted_in_place_is_skipped_for_the_previous_one(tmp_pat
 
     corrupt(2)
     corrupt(4)  # written again by the resumed run
+    (out / "metrics.json").unlink()
     result = train(str(recipe), "--resume")
     assert result.exit_code == 1
     assert f"error: no checkpoint to resume from in {out} (checkpoint folders: checkpoint-2, checkpoint-4); " \
