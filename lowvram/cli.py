@@ -67,7 +67,28 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.train.preflight import check_shape
 
     check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
-    show_validated(r, recipe, as_json=json_)
+    from lowvram.train.preflight import check_recipe_data
+
+    show_validated(r, recipe, check_recipe_data(r), as_json=json_)  # every row, as training reads it
+
+
+@app.command()
+@handle_errors
+def data(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    samples: Annotated[int, typer.Option("--samples", "-n", min=0, help="Rendered samples to print.")] = 3,
+    json_: JsonOpt = False,
+) -> None:
+    """Show the data as the model will see it: rendered samples with the trained tokens marked,
+    token lengths, what seq_len cuts; every row checked against its format (no model loaded)."""
+    from lowvram.recipe import load_recipe
+    from lowvram.report.data import show_data
+    from lowvram.train.preflight import check_inputs, check_recipe_data
+
+    r = load_recipe(recipe, set_ or [])
+    check_inputs(r)
+    show_data(check_recipe_data(r, samples=samples), as_json=json_)
 
 
 @app.command()
@@ -169,6 +190,10 @@ def plan(
         from lowvram.recipe import load_recipe
 
         r = load_recipe(recipe, set_ or [])
+    elif set_:  # no recipe: the schema's defaults + the sets (never silently ignored)
+        from lowvram.planning.from_recipe import recipe_from_sets
+
+        r = recipe_from_sets(model, set_)
     model_ref = model or (recipe_model_ref(r) if r else None)
     if model_ref:
         _fetch_hub_config(model_ref, explicit=model is not None)

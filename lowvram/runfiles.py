@@ -162,15 +162,21 @@ def _gguf_problem(path: Path) -> str | None:
 
 
 def folder_problem(folder: Path, only: tuple[str, ...] | None = None) -> tuple[Path, str] | None:
-    """The first damaged file directly in ``folder`` (file_problem), with why; None if none is.
+    """The first damaged file directly in ``folder`` (file_problem), or one that is not an
+    ordinary file (a FIFO, a device: inputfiles.not_ordinary), with why; None if none is.
     ``only``: the names to check (a GGUF model folder: its gguf_file, not the other GGUFs)."""
+    from lowvram.inputfiles import not_ordinary
+
     if not folder.is_dir():
         return None
     for p in sorted(folder.iterdir()):
-        if p.is_file() and not p.name.startswith(".") and (only is None or p.name in only):
-            why = file_problem(p)
-            if why:
-                return p, why
+        if p.name.startswith(".") or (only is not None and p.name not in only):
+            continue
+        kind = not_ordinary(p)  # a FIFO would block the library that opens it, /dev/zero never end
+        if kind and kind != "a folder":
+            return p, f"it is {kind}, not an ordinary file"
+        if p.is_file() and (why := file_problem(p)):
+            return p, why
     return None
 
 

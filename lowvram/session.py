@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.hardware import Hardware
@@ -21,6 +22,9 @@ from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
 from lowvram.train.launch import Launch
 from lowvram.train.types import LaunchSpec, RunResult, TrainOptions
+
+if TYPE_CHECKING:
+    from lowvram.train.data.check import DataReport
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class TrainOutcome:
     print_only: bool = False
     result: RunResult | None = None
     exit_code: int = 0
+    data: DataReport | None = None  # the data check (--dry-run: token counts and a rendered sample)
 
 
 Started = Callable[[PlannedRun], None]
@@ -62,12 +67,19 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
     if options.recipe_path is None:
         raise ValueError("lowvram train needs a recipe file (TrainOptions.recipe_path)")
     recipe = load_recipe(options.recipe_path, list(options.overrides))
+    from lowvram.train.preflight import check_ordinary_inputs
+
+    check_ordinary_inputs(recipe)  # a FIFO or a device among the inputs: said at once, never opened
     if not options.dry_run:  # before planning and loading; the rows are counted once built (run.py)
         from lowvram.train.preflight import check_seq_len
 
         check_seq_len(recipe)
         if not options.print_launch:
             _refuse_output_dir_early(recipe, options)
+    from lowvram.train.preflight import check_recipe_data
+
+    # every row against its format before the plan and the model (seconds, not a model load later)
+    data = check_recipe_data(recipe, samples=1, tokens=options.dry_run)
     _fetch_config(recipe_model_ref(recipe))  # plan a hub model before downloading it
     asked = options.processes.several or options.print_launch  # the flags ask for accelerate
     spec, hardware = _processes(options, asked)
@@ -81,7 +93,7 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
             from lowvram.train.preflight import check_inputs
 
             check_inputs(recipe)
-        return TrainOutcome(planned, dry_run=True)
+        return TrainOutcome(planned, dry_run=True, data=data)
     if not options.print_launch:
         from lowvram.planning.entry import require_fit
 

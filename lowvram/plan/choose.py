@@ -28,6 +28,7 @@ from lowvram.plan.ladder import build_ladder
 from lowvram.plan.limits import limits_over_plans, max_fitting_micro_batch, max_fitting_seq_len
 from lowvram.plan.memory import estimate_memory
 from lowvram.plan.request import (
+    BUILT_EXTRAS,
     Budget,
     Candidate,
     Choice,
@@ -92,8 +93,11 @@ def _extras_notes(chosen: Candidate, cands: list[Candidate], budget: Budget) -> 
     missing = missing_extras(chosen.setup, budget)
     if not missing:
         return []
-    pip = " ".join(f"'lowvram[{e}]'" for e in missing)
-    text = f"this plan needs {', '.join(missing)}, not installed here (pip install {pip})"
+    pip = " ".join(f"'lowvram[{e}]'" for e in missing if e not in BUILT_EXTRAS)
+    text = "; ".join([f"this plan needs {', '.join(e for e in missing if e not in BUILT_EXTRAS)}, not installed "
+                      f"here (pip install {pip})"] * bool(pip)
+                     + [f"this plan needs {BUILT_EXTRAS[e]}, which cannot be built here" for e in missing
+                        if e in BUILT_EXTRAS])
     ready = [c for c in cands if not missing_extras(c.setup, budget)]
     fit = [c for c in ready if c.fits]
     if fit:

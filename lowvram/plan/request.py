@@ -12,6 +12,7 @@ from lowvram.plan.constants import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_BYT
 from lowvram.plan.images import IMAGE_HINT, image_problems
 from lowvram.plan.models import ModelSpec
 from lowvram.plan.setup import (
+    DEEPSPEED_CPU_OPTIMIZER,
     MemoryEstimate,
     RunSetup,
     activation_offload_conflict,
@@ -416,7 +417,13 @@ def check_attention(req: PlanRequest, budget: Budget, precision: str) -> None:
 LEVEL_NAMES = ("full fine-tuning on the GPU", "LoRA", "QLoRA", "offload to CPU RAM")
 
 # Optional extras each offload needs (pyproject.toml [project.optional-dependencies]).
-EXTRAS = {o: ("deepspeed",) for o in sharding.ZERO_OFFLOADS}
+# "cpu_adam" is no pip extra: DeepSpeed's CPU Adam, which the offloads that move the optimizer to the
+# CPU run (setup.DEEPSPEED_CPU_OPTIMIZER), JIT-built at first use (a C++ compiler, ninja, Python.h)
+EXTRAS = {o: ("deepspeed",) + (("cpu_adam",) if o in DEEPSPEED_CPU_OPTIMIZER else ())
+          for o in sharding.ZERO_OFFLOADS}
+# what each non-pip requirement is, for the plan's note
+BUILT_EXTRAS = {"cpu_adam": "DeepSpeed's CPU Adam, built at its first use (it needs a C++ compiler, ninja "
+                            "and the Python headers: apt-get install g++ python3-dev; pip install ninja)"}
 
 
 def plan_level(setup: RunSetup) -> int:
@@ -436,7 +443,7 @@ def missing_extras(setup: RunSetup, budget: Budget) -> tuple[str, ...]:
 
 
 __all__ = [
-    "Budget", "Candidate", "check_attention", "check_optimizer", "Choice", "optimizer_given_up", "EXTRAS", "fits_budget", "fixed_micro_batch_size", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
+    "BUILT_EXTRAS", "Budget", "Candidate", "check_attention", "check_optimizer", "Choice", "optimizer_given_up", "EXTRAS", "fits_budget", "fixed_micro_batch_size", "LEVEL_NAMES", "MARGIN_FRACTION", "MIN_MARGIN_BYTES",
     "missing_extras", "plan_level", "PlanRequest", "Rung", "safety_margin_bytes", "SHARDED",
     "validate_request", "vram_needed_bytes",
 ]

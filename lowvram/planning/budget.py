@@ -85,13 +85,19 @@ def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
 
 
 def missing_extras() -> tuple[str, ...]:
-    """Optional extras (pyproject.toml) a plan may need that are not importable here."""
+    """Optional extras (pyproject.toml) a plan may need that are not importable here, and
+    "cpu_adam" where DeepSpeed's CPU Adam cannot be built (lowvram.deps.cpu_adam_build_problems)."""
     import importlib.util
 
     extras = (("deepspeed", "deepspeed"), ("liger", "liger_kernel"), ("galore", "galore_torch"),
               ("lomo", "lomo_optim"), ("torchao", "torchao"),
               ("apollo", "apollo_torch"))
-    return tuple(e for e, module in extras if importlib.util.find_spec(module) is None)
+    missing = tuple(e for e, module in extras if importlib.util.find_spec(module) is None)
+    from lowvram.deps import cpu_adam_build_problems
+
+    # DeepSpeed's CPU Adam is built at first use (issue 41 item 12): where it cannot be, plans that
+    # offload the optimizer rank after those that need nothing more, and say so
+    return missing + (("cpu_adam",) if cpu_adam_build_problems() else ())
 
 
 def _budget(vram: str | None, hardware):

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from lowvram.plan.preference import OBJECTIVES, PREFERENCE_OBJECTIVES
+from lowvram.plan.preference import OBJECTIVES, PREFERENCE_OBJECTIVES, RL_OBJECTIVES
 from lowvram.plan.setup import activation_offload_conflict, quantization_conflict
+from lowvram.recipe.formats import unknown_field
+from lowvram.recipe.grpo import GrpoSection, grpo_problem, rl_format_problem
 from lowvram.vocab import (
     ATTENTIONS,
     DTYPES,
@@ -38,7 +40,10 @@ Optimizer = Literal[(*SWITCH, *OPTIMIZERS)]
 Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
 Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
-DataFormat = Literal["alpaca", "chat", "image_chat", "completion", "text", "preference", "unpaired"]
+DataFormat = Literal["auto", "alpaca", "chat", "sharegpt", "image_chat", "completion", "text", "preference",
+                     "unpaired", "prompt"]
+# The roles a chat template renders (OpenAI's message roles).
+CHAT_ROLES = ("user", "assistant", "system", "tool")
 # training.objective: sft trains on responses (the Trainer); the others align on preference data
 # through TRL (lowvram.train.preference), the planner's list (lowvram.plan.preference).
 Objective = Literal[OBJECTIVES]
@@ -85,22 +90,51 @@ class DatasetSpec(_Section):
         description="Local .json/.jsonl/.csv/.parquet/.txt file (relative to the recipe) or a hub id."
     )
     format: DataFormat = Field(
-        "alpaca",
-        description="alpaca (instruction/input/output), chat (messages with roles, rendered by the "
-        "tokenizer's chat template), image_chat (messages whose content holds {type: image} parts, "
+        "auto",
+        description="auto (recognised from the file's columns: messages, conversations, instruction/output, "
+        "prompt/response, prompt/completion, question/answer, input/output, text, chosen/rejected; the choice is "
+        "printed), alpaca (instruction/input/output), chat (messages with roles, rendered by the "
+        "tokenizer's chat template; OpenAI tool calls kept as the template renders them), sharegpt "
+        "(conversations of {from, value}: human/gpt/system/observation/function_call), image_chat "
+        "(messages whose content holds {type: image} parts, "
         "plus images: image files relative to the data file, or a hub dataset's image column; "
         "rendered by the model's processor; a model with a vision tower), completion (prompt/completion), text (raw text), preference "
         "(prompt/chosen/rejected: text or messages; no prompt field: the shared start of chosen and "
         "rejected; for training.objective dpo, orpo, simpo, kto), unpaired (prompt/completion/label: "
-        "true for a desirable completion, false for an undesirable one; for training.objective kto).",
+        "true for a desirable completion, false for an undesirable one; for training.objective kto), prompt "
+        "(a prompt column, text or messages, that the model completes; every other column is handed to the "
+        "rewards by name; for training.objective grpo and rloo, which also take chat and alpaca rows' prompts).",
     )
     fields: dict[str, str] = Field(
         default_factory=dict,
-        description="Map the format's field names to your column names, e.g. {output: response}.",
+        description="Map the format's field names to your column names, e.g. {output: response}; chat and "
+        "sharegpt also map the keys inside a message, e.g. {messages: conversations, role: from, content: value}.",
+    )
+    roles: dict[str, str] = Field(
+        default_factory=dict,
+        description="chat, sharegpt: map your data's role names to user, assistant, system or tool, e.g. "
+        "{human: user, gpt: assistant} (sharegpt maps ShareGPT's tags by default).",
     )
     split: str = Field("train", description="Split to read (hub datasets; local files have 'train').")
     name: str | None = Field(None, description="Hub dataset configuration name.")
     max_samples: int | None = Field(None, gt=0, description="Use at most this many rows.")
+
+    @model_validator(mode="after")
+    def _known_fields(self) -> DatasetSpec:
+        if self.format == "auto":
+            return self
+        if wrong := unknown_field(self.format, self.fields):
+            key, tip, known = wrong
+            raise ValueError(f"fields: '{key}' is not a field of format {self.format} ({tip}format "
+                             f"{self.format} has {', '.join(known)}; fields maps them to your column names)")
+        if self.roles and self.format not in ("chat", "sharegpt", "image_chat"):
+            raise ValueError(f"roles: maps the speakers of a conversation; format {self.format} has none "
+                             "(use format: chat or sharegpt)")
+        wrong = sorted({v for v in self.roles.values() if v not in CHAT_ROLES})
+        if wrong:
+            raise ValueError(f"roles: {', '.join(wrong)} is not a chat role (map each to one of "
+                             f"{', '.join(CHAT_ROLES)})")
+        return self
 
 
 class DataSection(_Section):
@@ -110,7 +144,13 @@ class DataSection(_Section):
         description="A fraction (0-0.5) of the training rows held out, or a split name to evaluate on.",
     )
     train_on_inputs: bool = Field(
-        False, description="Also train on prompt tokens (default: loss on response tokens only)."
+        False, description="Also train on prompt tokens (default: loss on response tokens only); true is "
+        "train_on: all.",
+    )
+    train_on: Literal["assistant", "last", "all"] = Field(
+        "assistant", description="Which tokens carry the loss: assistant (every response: each assistant turn "
+        "of a conversation), last (only a conversation's last assistant turn; other formats: the response), "
+        "all (every token, prompts and user turns too).",
     )
     packing: bool = Field(False, description="Pack several samples into each seq_len window.")
     images_per_row: int = Field(
@@ -166,7 +206,10 @@ class TrainingSection(_Section):
         description="sft (train on responses), or align on preference pairs through TRL: dpo (against a "
         "frozen reference: LoRA turns the adapter off, full fine-tuning keeps a second copy), orpo or "
         "simpo (no reference), kto (unpaired desirable/undesirable completions, against a reference as dpo; "
-        "a micro-batch of at least 2).",
+        "a micro-batch of at least 2), or learn online from rewards through TRL: grpo (each prompt completed "
+        "grpo.num_generations times, scored by grpo.rewards, each completion against its group's mean) or rloo "
+        "(the same generation, each completion against the mean of the others); training.batch_size then "
+        "counts completions per optimizer step.",
     )
     report_to: Literal["none", "tensorboard", "wandb"] = Field(
         "tensorboard",
@@ -372,6 +415,7 @@ class Recipe(_Section):
     lora: LoraSection = Field(default_factory=LoraSection)
     galore: GaloreSection = Field(default_factory=GaloreSection)
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
+    grpo: GrpoSection = Field(default_factory=GrpoSection)
     techniques: TechniquesSection = Field(default_factory=TechniquesSection)
 
     @model_validator(mode="after")
@@ -393,6 +437,13 @@ class Recipe(_Section):
         return self
 
     @model_validator(mode="after")
+    def _grpo_batch(self) -> Recipe:
+        problem = grpo_problem(self.grpo, self.training, "grpo" in self.model_fields_set)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _images_not_packed(self) -> Recipe:
         if self.data.packing and any(d.format == "image_chat" for d in self.data.datasets):
             raise ValueError("data.packing does not apply to format image_chat: a window's images and "
@@ -401,6 +452,12 @@ class Recipe(_Section):
 
     # Where the recipe came from; relative data paths resolve against it. Not a YAML key.
     _source: Path | None = None
+    # What load_recipe decided for the user (a data format recognised from the columns), to print.
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        return self._notes
 
     @property
     def source(self) -> Path | None:
@@ -420,6 +477,9 @@ class Recipe(_Section):
 
 def objective_problem(objective: str, formats: list[str], packing: bool) -> str | None:
     """Why training.objective cannot train on data of these formats (None when it can)."""
+    formats = [f for f in formats if f != "auto"]  # recognised from the rows when they are read
+    if objective in RL_OBJECTIVES or "prompt" in formats:
+        return rl_format_problem(objective, formats, packing)
     preference = objective in PREFERENCE_OBJECTIVES
     allowed = PREFERENCE_FORMATS if objective == "kto" else ("preference",)
     wrong = sorted({f for f in formats if ((f not in allowed) if preference else (f in PREFERENCE_FORMATS))})
@@ -451,6 +511,10 @@ def _type_name(ann: Any) -> str:
         )
     if origin is list:
         return f"list[{_type_name(args[0])}]"
+    if args and origin is None:  # a union written with |
+        return ", ".join(_type_name(a) for a in args if a is not type(None))
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return "mapping"
     if origin is dict:
         return "mapping"
     if type(None) in (args or ()):
@@ -472,7 +536,8 @@ def describe_schema() -> list[tuple[str, str, str, str]]:
             if inner and not f.description:
                 walk(inner[0], key + ".")
                 continue
-            if getattr(ann, "__origin__", None) is list and issubclass(ann.__args__[0], BaseModel):
+            item = ann.__args__[0] if getattr(ann, "__origin__", None) is list else None
+            if isinstance(item, type) and issubclass(item, BaseModel):
                 rows.append((key, "list", "(required)", f.description or ""))
                 walk(ann.__args__[0], key + "[].")
                 continue

@@ -33,14 +33,21 @@ def _warn_remote_code(c, recipe) -> None:
                 "on this machine (turn it off unless you trust the model's source)", markup=False)
 
 
-def show_dry_run(recipe, plan, as_json: bool = False) -> None:
+def show_dry_run(recipe, plan, as_json: bool = False, data=None) -> None:
+    """``data``: the data check's report (a rendered sample, token counts), printed after the plan."""
+    from lowvram.report.data import data_json, show_data
+
     if as_json:
-        print_json({"recipe": recipe.model_dump(mode="json"), "plan": plan.to_dict()})
+        print_json({"recipe": recipe.model_dump(mode="json"), "plan": plan.to_dict(),
+                    **({"data": data_json(data)} if data is not None else {})})
         return
     c = console()
     c.print("# resolved recipe (defaults filled in)", markup=False)
     c.print(recipe.to_yaml(), markup=False)
     c.print(_plan_table(plan))
+    if data is not None:
+        c.print("# the data as the model sees it (`lowvram data RECIPE` shows more)", markup=False)
+        show_data(data)
     _warn_remote_code(c, recipe)
     c.print("dry run: nothing was trained.")
 
@@ -50,6 +57,8 @@ def show_plan_brief(recipe, plan) -> None:
     c = console()
     c.print(_plan_table(plan))
     _warn_remote_code(c, recipe)
+    for note in recipe.notes:  # a data format recognised from the columns
+        c.print(f"note: {note}", markup=False)
     tokens = plan.effective_batch * recipe.training.seq_len
     objective = recipe.training.objective
     if objective != "sft":  # preference pairs: chosen and rejected, two rows of seq_len each

@@ -172,7 +172,7 @@ def run_prompt_format(folder: str | Path) -> str | None:
         return None
     if formats == {"alpaca"}:
         return "alpaca"
-    if "chat" in formats:
+    if formats & {"chat", "sharegpt"}:
         return "chat"
     return "raw"
 

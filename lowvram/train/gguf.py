@@ -49,6 +49,15 @@ def _no_gguf_progress():
         g.tqdm = orig
 
 
+def cached_gguf_folder(folder: str, gguf_file: str) -> Path | None:
+    """The converted folder of a GGUF model when an earlier run made it (no conversion here)."""
+    gguf = Path(folder) / gguf_file
+    if not gguf.is_file():
+        return None
+    out = cache_root() / "gguf" / _gguf_key(gguf)
+    return out if (out / "config.json").is_file() and (out / ".complete").is_file() else None
+
+
 def gguf_folder(folder: str, gguf_file: str, trust_remote_code: bool = False) -> tuple[Path, bool]:
     """A plain from_pretrained folder with the GGUF model's weights and tokenizer; (path, cache hit)."""
     gguf = Path(folder) / gguf_file

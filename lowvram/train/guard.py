@@ -128,17 +128,21 @@ class NonFiniteGuard(TrainerCallback):
     training.save_total_limit; ``in_backward``: the optimizer steps inside the backward
     (vocab.IN_BACKWARD_OPTIMIZERS): its gradients are gone and its update made before this sees
     the step, so only the loss is checked and a non-finite step stops (it cannot be skipped).
+    ``zero_grads``: whether a zero gradient norm at the first steps stops the run (not under an RL
+    objective, where a group of equal rewards has no advantage and so no gradient).
     :meth:`attach` gives it the Trainer once built (the callback is passed to it first, so that
     its corrected loss reaches the progress line after it)."""
 
     def __init__(self, policy: str = "stop", skips: int = 3, save_limit: int | None = None,
-                 in_backward: bool = False, learning_rate: float | None = None, notify=None) -> None:
+                 in_backward: bool = False, learning_rate: float | None = None, notify=None,
+                 zero_grads: bool = True) -> None:
         self.trainer: Trainer | None = None
         self.record = StepRecord()
         self.policy = policy
         self.skips = skips
         self.save_limit = save_limit
         self.in_backward = in_backward
+        self.zero_grads = zero_grads  # off for RL objectives: equal rewards in a group give zero gradients
         self.learning_rate = learning_rate
         self.notify = notify or (lambda text: (sys.stdout.write(text + "\n"), sys.stdout.flush()))
         self.skipped: list[int] = []  # the steps whose update was skipped (metrics.json: nonfinite_steps)
@@ -186,7 +190,7 @@ class NonFiniteGuard(TrainerCallback):
         if loss is not None:
             self.last_finite = (step, loss)
             self._window.append(loss)
-        if not self.in_backward:
+        if self.zero_grads and not self.in_backward:
             self._check_zero_gradients(step, norm)
         self.finite_through = step
         if self._saved:  # the checkpoint before this step is confirmed now

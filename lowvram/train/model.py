@@ -28,9 +28,14 @@ _NOISE = (
     "/torchao/_C",
     # torchao 0.18 registering its enums with torch 2.13's pytree (a deprecation, not the user's).
     "is an Enum subclass and is now natively supported by torch.compile",
+    # int8 on CUDA: bitsandbytes 0.50's MatMul8bitLt.forward logs this at every call with bf16/fp32
+    # inputs (autograd/_functions.py L128-129), one line per int8 Linear per forward and recompute;
+    # the cast is the path int8 always takes on CUDA (docs/planner.md, int8 on CUDA)
+    "MatMul8bitLt: inputs will be cast from",
 )
-_NOISY_LOGGERS = ("bitsandbytes", "bitsandbytes.backends.cpu.ops", "transformers.trainer_utils", "torchao",
-                  "torch.utils._pytree")
+# a filter acts only on the logger a record is made on, not on its parents': each is named
+_NOISY_LOGGERS = ("bitsandbytes", "bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions",
+                  "transformers.trainer_utils", "torchao", "torch.utils._pytree")
 
 
 class _DropNoise(logging.Filter):
@@ -424,6 +429,10 @@ def checkpointing_kwargs(plan) -> dict:
 def enable_checkpointing(model, plan) -> None:
     kwargs = checkpointing_kwargs(plan)
     offload = kwargs.pop("offload", False)
+    if offload:  # TRL re-enables checkpointing with the kwargs dict whole (train/checkpointing.py)
+        from lowvram.train.checkpointing import hold_offload
+
+        hold_offload(model)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
 
 

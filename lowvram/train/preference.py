@@ -98,6 +98,7 @@ def build_preference_trainer(loaded, bundle, args, callbacks=()):
 
     objective = {v[2]: k for k, v in TRAINERS.items()}[type(args).__name__]
     trainer_class, _ = _classes(objective)
+    trained = _trainable_dtypes(loaded.model)
     trainer = trainer_class(
         model=loaded.model,
         args=args,
@@ -107,7 +108,24 @@ def build_preference_trainer(loaded, bundle, args, callbacks=()):
         callbacks=list(callbacks),
     )
     trainer.remove_callback(PrinterCallback)  # progress.py reports, as for SFT
+    _restore_dtypes(trainer.model, trained)
     return trainer
+
+
+def _trainable_dtypes(model) -> dict:
+    return {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _restore_dtypes(model, dtypes: dict) -> None:
+    """The trained parameters back in the dtype lowvram.train.model gave them (fp32 LoRA adapters,
+    as SFT trains them and plan/states.py counts them, with fp32 AdamW state). Over a 4/8-bit base,
+    TRL 1.16's DPOTrainer and KTOTrainer cast every trainable parameter but DoRA's magnitude to
+    bf16 in __init__ ("to follow the recommendations of the QLoRA paper", dpo_trainer.py L726-729,
+    kto_trainer.py L777-780): DPO would train other adapters than SFT of the same recipe, and bf16
+    ones on an fp16-only card. The optimizer is made later (Trainer.train), so it sees these."""
+    for name, p in model.named_parameters():
+        if name in dtypes and p.dtype != dtypes[name]:
+            p.data = p.data.to(dtypes[name])
 
 
 def longest_tokenized_row(dataset, objective: str, max_length: int) -> int:

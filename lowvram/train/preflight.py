@@ -26,7 +26,9 @@ def input_problems(recipe: Recipe) -> list[str]:
     from lowvram.train.data.read import is_local
     from lowvram.train.model import resolve_model_location
 
-    problems = []
+    problems = ordinary_problems(recipe)
+    if problems:  # a FIFO or a device is not opened, not even to look at its first rows
+        return problems
     try:
         damaged = folder_problem(Path(resolve_model_location(recipe)), model_files(recipe))  # a hub id: no folder
         if damaged:
@@ -40,9 +42,49 @@ def input_problems(recipe: Recipe) -> list[str]:
             continue  # a hub dataset: checked when it downloads
         if not path.is_file():
             problems.append(f"data file not found: {path}" if not path.exists() else f"{path} is a folder, not a data file")
-        elif suffix in (".jsonl", ".ndjson") and not recipe.data.skip_bad_rows:
-            problems += _first_rows_problem(path)
+        elif suffix in (".jsonl", ".ndjson", ".txt"):
+            problems += _lines_problem(path, recipe.training.seq_len,
+                                       parse=suffix != ".txt" and not recipe.data.skip_bad_rows)
     return problems
+
+
+def ordinary_problems(recipe: Recipe) -> list[str]:
+    """The recipe's inputs that exist and are not ordinary files: a local data file, an entry of
+    the model or tokenizer folder, a tokenizer file that is a FIFO, a device, a socket or a link
+    to one (lowvram.inputfiles). Cheap (stat calls only): `train` asks before planning."""
+    from lowvram.inputfiles import not_ordinary, ordinary_entries_problem
+    from lowvram.train.data.read import is_local
+    from lowvram.train.model import resolve_model_location
+
+    problems = []
+    for spec in recipe.data.datasets:
+        path = recipe.resolve_path(spec.path)
+        why = not_ordinary(path) if is_local(path, spec.path) else None
+        if why and why != "a folder":
+            problems.append(f"data file {path} is {why}, not an ordinary file")
+    try:
+        folders = [Path(resolve_model_location(recipe))]
+    except LowvramError:
+        folders = []  # input_problems names the missing model
+    if recipe.model.tokenizer:
+        tok = recipe.resolve_path(recipe.model.tokenizer)
+        why = not_ordinary(tok)
+        if why and why != "a folder":
+            problems.append(f"model.tokenizer {tok} is {why}, not an ordinary file")
+        folders.append(tok)
+    problems += [why for folder in dict.fromkeys(folders) if (why := ordinary_entries_problem(folder))]
+    return problems
+
+
+def check_ordinary_inputs(recipe: Recipe) -> None:
+    """LowvramError listing the recipe's inputs that are not ordinary files (ordinary_problems)."""
+    problems = ordinary_problems(recipe)
+    if problems:
+        raise LowvramError(
+            f"{len(problems)} input{'s' if len(problems) != 1 else ''} of the recipe "
+            f"{'is' if len(problems) == 1 else 'are'} not an ordinary file:\n  " + "\n  ".join(problems),
+            "lowvram reads regular files only, never pipes, devices or sockets: point the recipe at the files themselves",
+        )
 
 
 def model_files(recipe: Recipe) -> tuple[str, ...] | None:
@@ -51,19 +93,36 @@ def model_files(recipe: Recipe) -> tuple[str, ...] | None:
     return (recipe.model.gguf_file,) if recipe.model.gguf_file else None
 
 
-def _first_rows_problem(path: Path) -> list[str]:
+def _lines_problem(path: Path, seq_len: int, parse: bool) -> list[str]:
+    """A line past inputfiles.line_limit_bytes(seq_len) anywhere in the file (the whole file is
+    read, a line at a time, never more than the limit of one), or the first of its first rows
+    (_HEAD_BYTES) that is not JSON (``parse``)."""
+    from lowvram.inputfiles import (
+        LineTooLong,
+        bounded_lines,
+        line_limit_bytes,
+        open_ordinary,
+        too_long_error,
+    )
     from lowvram.train.data.read import BadRow, jsonl_rows
 
-    with path.open("rb") as f:
-        head = f.read(_HEAD_BYTES)
-    if len(head) == _HEAD_BYTES:
-        head = head[: head.rfind(b"\n") + 1]  # whole lines only
-    try:
-        rows = list(jsonl_rows(head.decode("utf-8-sig"), path.name))
-    except UnicodeDecodeError as e:
-        return [f"{path}: not UTF-8 text (byte {e.start})"]
-    bad = [f"{r.where}: {r.data}" for r in rows if isinstance(r.data, BadRow)]
-    if not rows:
+    seen, bad, blank = 0, [], True
+    with open_ordinary(path, "data file") as f:
+        try:
+            for number, _, raw in bounded_lines(f, line_limit_bytes(seq_len)):
+                blank = blank and not raw.strip()
+                if not parse or seen >= _HEAD_BYTES or bad:
+                    continue
+                seen += len(raw)
+                try:
+                    text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    return [f"{path}: not UTF-8 text (byte {seen - len(raw) + e.start}, line {number})"]
+                bad += [f"{r.where}: {r.data}" for r in jsonl_rows(text.rstrip("\n"), path.name, number)
+                        if isinstance(r.data, BadRow)]
+        except LineTooLong as e:
+            return [too_long_error(f"{path}:{e.line}", seq_len).message]
+    if blank:
         return [f"{path}: the data file is empty"]
     return bad[:1]  # the first; training reports each, or skips them with data.skip_bad_rows
 
@@ -119,6 +178,8 @@ def _counted_train_rows(recipe: Recipe) -> int | None:
         if not is_local(path, spec.path) or path.suffix.lower() not in (".jsonl", ".ndjson") or not path.is_file():
             return None
         n = _non_blank_lines(path)
+        if n is None:
+            return None
         total += min(n, spec.max_samples) if spec.max_samples else n
     fraction = recipe.data.validation
     if isinstance(fraction, float) and total >= 2:
@@ -126,11 +187,17 @@ def _counted_train_rows(recipe: Recipe) -> int | None:
     return total
 
 
-def _non_blank_lines(path: Path) -> int:
+def _non_blank_lines(path: Path) -> int | None:
+    """None when a line is past the limit of any seq_len read (input_problems says so)."""
+    from lowvram.inputfiles import LineTooLong, bounded_lines, line_limit_bytes, open_ordinary
+
     n = 0
-    with path.open("rb") as f:
-        for line in f:
-            n += bool(line.strip())
+    with open_ordinary(path, "data file") as f:
+        try:
+            for _, _, line in bounded_lines(f, line_limit_bytes(1 << 20)):
+                n += bool(line.strip())
+        except LineTooLong:
+            return None
     return n
 
 
@@ -189,3 +256,57 @@ def _rope_scaled(cfg: dict) -> bool:
             if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
                 return True
     return False
+
+
+# --------------------------------------------------------------------------------------------
+# The data, row by row (lowvram.train.data.check), with the tokenizer when it is on this machine
+
+
+def check_recipe_data(recipe: Recipe, samples: int = 0, tokens: bool = True):
+    """check_data with the recipe's local tokenizer (when there is one and ``tokens``); a
+    DataError listing every bad row (the first MAX_LISTED, then a count) when any row would stop
+    training."""
+    from lowvram.errors import DataError
+    from lowvram.train.data.check import MAX_LISTED, DataReport, check_data
+
+    structure = check_data(recipe)
+    if structure.problems and not recipe.data.skip_bad_rows:
+        shown = list(structure.problems[:MAX_LISTED])
+        more = len(structure.problems) - len(shown)
+        raise DataError(
+            shown[0] if len(shown) == 1 else f"{len(structure.problems)} problems in the data:\n  "
+            + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""),
+            "fix the rows, set the dataset's format: and map your column names with fields: {...} (and "
+            "roles: {...} for chat speakers), or set data.skip_bad_rows: true to skip and count bad rows",
+        )
+    tokenizer, why = local_tokenizer(recipe) if tokens else (None, None)
+    if tokenizer is None:
+        return DataReport(structure.files, structure.problems, structure.notes, tokenizer=None, skipped_tokens=why)
+    return check_data(recipe, tokenizer, samples)
+
+
+def local_tokenizer(recipe: Recipe):
+    """The recipe's tokenizer when it is on this machine (a model folder, or model.tokenizer as a
+    folder), else (None, why): the data check never downloads."""
+    from lowvram.train.model import load_tokenizer, resolve_model_location
+
+    if recipe.model.tokenizer and not recipe.resolve_path(recipe.model.tokenizer).is_dir():
+        return None, f"model.tokenizer {recipe.model.tokenizer} is a hub id: token counts need it on this machine"
+    try:
+        source = resolve_model_location(recipe)
+    except LowvramError as e:
+        return None, e.message
+    tok_path = recipe.resolve_path(recipe.model.tokenizer) if recipe.model.tokenizer else None
+    if not Path(source).is_dir() and not (tok_path and tok_path.is_dir()):
+        return None, f"{recipe.model.name_or_path} is a hub id: token counts need the model on this machine"
+    if recipe.model.gguf_file and not (tok_path and tok_path.is_dir()):
+        from lowvram.train.gguf import cached_gguf_folder
+
+        converted = cached_gguf_folder(source, recipe.model.gguf_file)
+        if converted is None:
+            return None, "the GGUF model is converted at its first `lowvram train`: token counts after that"
+        source = str(converted)
+    try:
+        return load_tokenizer(recipe, source), None
+    except LowvramError as e:
+        return None, e.message

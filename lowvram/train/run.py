@@ -289,7 +289,10 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
 
     images = load_image_inputs(recipe, loaded.source, loaded.model)  # format image_chat
     bundle = build_datasets(recipe, loaded.tokenizer, images)
-    collator = make_collator(loaded.tokenizer)
+    from transformers.utils.generic import is_flash_attention_requested
+
+    # flash-attention reads packed samples only from varlen kwargs in a batch of 2+ rows (collate.py)
+    collator = make_collator(loaded.tokenizer, flash_varlen=is_flash_attention_requested(loaded.model.config))
     if images is not None:  # pixel values per batch (data/images.py)
         collator = make_image_collator(images.processor, images.image_token_id, collator)
     if len(bundle.train) == 0:
@@ -299,6 +302,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
 
     require_trained_tokens(bundle.stats)
 
+    from lowvram.plan.preference import RL_OBJECTIVES
     from lowvram.train import oom, signals
     from lowvram.train.progress import ProgressCallback
     from lowvram.train.trainer import build_trainer
@@ -308,7 +312,8 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     stop = signals.SignalStop()  # SIGINT/SIGTERM: checkpoint at the step's end, then stop
     t = recipe.training
     guard = NonFiniteGuard(t.on_nonfinite, t.nonfinite_skips, t.save_total_limit,
-                           in_backward=plan.optimizer in IN_BACKWARD_OPTIMIZERS, learning_rate=t.learning_rate)
+                           in_backward=plan.optimizer in IN_BACKWARD_OPTIMIZERS, learning_rate=t.learning_rate,
+                           zero_grads=t.objective not in RL_OBJECTIVES)
     trainer = build_trainer(
         loaded, bundle, args, collator,
         # signals' MarkComplete before the guard: the guard rotates complete checkpoints only

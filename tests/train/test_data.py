@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lowvram.errors import DataError
+from lowvram.errors import DataError, RecipeError
 from lowvram.recipe import parse_recipe
 from lowvram.train.data.build import build_datasets
 from lowvram.train.data.collate import make_collator
@@ -216,10 +216,10 @@ def test_fields_map_user_columns(tmp_path, tiny_tokenizer):
 
 
 def test_misspelled_field_name_is_reported(tmp_path, tiny_tokenizer):
-    with pytest.raises(DataError) as e:
-        build(tmp_path, tiny_tokenizer, [ALPACA_ROW], spec={"fields": {"ouptut": "response"}})
-    assert "'ouptut' is not a field of format alpaca" in e.value.message
-    assert "did you mean 'output'?" in e.value.hint
+    # refused with the recipe (validate), before any row or model is read
+    with pytest.raises(RecipeError) as e:
+        build(tmp_path, tiny_tokenizer, [ALPACA_ROW], spec={"format": "alpaca", "fields": {"ouptut": "response"}})
+    assert "'ouptut' is not a field of format alpaca (did you mean 'output'?" in e.value.message
 
 
 def test_several_datasets_concatenate_with_max_samples(tmp_path, tiny_tokenizer):

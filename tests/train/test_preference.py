@@ -422,3 +422,39 @@ def test_dpo_resume_continues_from_the_last_checkpoint(tmp_path, tiny_model_dir)
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4
     assert m["train_loss"] == pytest.approx(full["train_loss"], abs=1e-6)
+
+
+# issue 41 item 11: over a 4/8-bit base TRL's DPOTrainer and KTOTrainer cast the LoRA adapters to
+# bf16 in __init__ (dpo_trainer.py L726-729, kto_trainer.py L777-780), while SFT of the same recipe
+# trains fp32 adapters and the plan counts fp32 adapters and fp32 AdamW state (plan/states.py)
+@pytest.mark.parametrize("objective, quantization", [("dpo", "nf4"), ("kto", "nf4"), ("dpo", "int8")])
+def test_trl_keeps_the_adapters_fp32_over_a_quantized_base(tmp_path, tiny_model_dir, monkeypatch,
+                                                              objective, quantization):
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.data.build import build_datasets
+    from lowvram.train.model import load_model
+    from lowvram.train.trainer import build_trainer, build_training_args
+
+    monkeypatch.chdir(tmp_path)
+    write_pairs(tmp_path / "pairs.jsonl")
+    text = recipe_text(tiny_model_dir, objective=objective,
+                       techniques=f"lora: on, quantization: {quantization}, mixed_precision: bf16-mixed")
+    if objective == "kto":  # KTO estimates its KL term from the batch: 2 rows or more
+        text = text.replace("batch_size: 2", "batch_size: 2\n  micro_batch_size: 2")
+    (tmp_path / "r.yaml").write_text(text)
+    recipe = load_recipe(tmp_path / "r.yaml")
+    plan = resolve_fixed(recipe)
+    assert plan.quantization == quantization and plan.lora
+    loaded = load_model(recipe, plan)
+    assert getattr(loaded.model, f"is_loaded_in_{quantization[-1]}bit")  # what TRL tests before its cast
+    before = {n: p.dtype for n, p in loaded.model.named_parameters() if p.requires_grad}
+    assert set(before.values()) == {torch.float32}  # as lowvram.train.model makes them (SFT trains these)
+    trainer = build_trainer(loaded, build_datasets(recipe, loaded.tokenizer), build_training_args(recipe, plan),
+                            None)
+    assert type(trainer).__name__ == {"dpo": "DPOTrainer", "kto": "KTOTrainer"}[objective]
+    after = {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert after == before
