@@ -292,7 +292,8 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     from transformers.utils.generic import is_flash_attention_requested
 
     # flash-attention reads packed samples only from varlen kwargs in a batch of 2+ rows (collate.py)
-    collator = make_collator(loaded.tokenizer, flash_varlen=is_flash_attention_requested(loaded.model.config))
+    collator = make_collator(loaded.tokenizer, flash_varlen=is_flash_attention_requested(loaded.model.config),
+                             rows=True)  # each step's rows, for its error (train/guard.py)
     if images is not None:  # pixel values per batch (data/images.py)
         collator = make_image_collator(images.processor, images.image_token_id, collator)
     if len(bundle.train) == 0:

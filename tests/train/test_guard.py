@@ -189,3 +189,30 @@ def test_rows_text_and_step_record():
     assert rows_text([7]) == "training row 7"
     assert rows_text(list(range(12, 0, -1))) == "training rows 1, 2, 3, 4, 5, 6, 7, 8 and 4 more"
     assert StepRecord().loss() is None
+
+
+def test_a_run_of_skipped_loss_scaler_steps_stops_the_run(tiny_model_dir, tmp_path):
+    """fp16 with a loss scaler (a GPU's): torch's own GradScaler, on the CPU, in the Trainer's own
+    loop through accelerate (set where accelerate sets it on a GPU, before the loop prepares the
+    optimizer). At a scale of 1e38 that hardly backs off every scaled loss overflows (as fp16
+    gradients that overflow at any scale do), the scaler skips every step; an overflowing
+    gradient is the scaler's to skip (no stop at the first), ten skipped steps in a row stop it."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from lowvram.train.guard import SCALER_SKIPS, TrainingDiverged
+
+    ids = [[5, 6, 7, 8, 9, 10]] * 64
+    data = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=20,
+                             per_device_train_batch_size=2, optim="adamw_torch", logging_steps=1,
+                             logging_nan_inf_filter=False, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=args, train_dataset=data)
+    guard = NonFiniteGuard()
+    trainer.add_callback(guard)
+    guard.attach(trainer)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1e38, backoff_factor=0.999)
+    with pytest.raises(TrainingDiverged, match=f"the fp16 loss scaler skipped {SCALER_SKIPS} steps in a row"):
+        trainer.train()
+    assert trainer.state.global_step == SCALER_SKIPS - 1  # the tenth skipped step stops before it counts
