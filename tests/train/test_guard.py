@@ -15,11 +15,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from lowvram.train.run.run.guard import NonFiniteGuard, StepRecord, record_steps, rows_text
 from typer.testing import CliRunner
 
 from lowvram.cli import app
-from lowvram.train.checkpoints import complete_checkpoints
-from lowvram.train.guard import NonFiniteGuard, StepRecord, record_steps, rows_text
+from lowvram.train.run.checkpoints import complete_checkpoints
 from tests.train.test_e2e import metrics, train, write_recipe
 
 POISONED_ROW = 15  # the data row that says "Q"; with seed 42 its batch is step 4 of 5
@@ -166,7 +166,7 @@ def test_record_steps_reads_the_trainers_own_grad_norm_and_takes_the_rows_out(ti
 def test_rotation_counts_a_checkpoint_only_once_the_step_after_it_is_finite(tmp_path):
     from transformers import TrainingArguments
 
-    from lowvram.train.checkpoints import mark_complete
+    from lowvram.train.run.checkpoints import mark_complete
 
     for step in (2, 4, 6):
         d = tmp_path / f"checkpoint-{step}"
@@ -199,9 +199,8 @@ def test_a_run_of_skipped_loss_scaler_steps_stops_the_run(tiny_model_dir, tmp_pa
     gradient is the scaler's to skip (no stop at the first), ten skipped steps in a row stop it."""
     import datasets
     import torch
+    from lowvram.train.run.run.guard import SCALER_SKIPS, TrainingDiverged
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-    from lowvram.train.guard import SCALER_SKIPS, TrainingDiverged
 
     ids = [[5, 6, 7, 8, 9, 10]] * 64
     data = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.train import oom, worst_batch
+from lowvram.train.run import oom, worst_batch
 from tests.train.test_e2e import metrics, train, write_recipe
 from tests.train.test_recover import CARD
 

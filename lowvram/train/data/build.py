@@ -15,7 +15,7 @@ from lowvram.train.data.collate import ROW_COLUMN, columns, hold_out, pack, to_d
 from lowvram.train.data.images import tokenize_image_rows
 from lowvram.train.data.read import concrete_spec, load_rows
 from lowvram.train.data.tokenize import Counts, tokenize_rows
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -100,7 +100,7 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: I
     else:
         train_cols = columns(train_samples)
     train = to_dataset(train_cols)
-    train = train.add_column(ROW_COLUMN, list(range(len(train))))  # the step's rows, by index (train/guard.py)
+    train = train.add_column(ROW_COLUMN, list(range(len(train))))  # the step's rows, by index (train/run/guard.py)
     eval_ds = to_dataset(columns(eval_samples)) if data.validation is not None else None
     stats = DataStats(
         train_rows=len(train),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lowvram.errors import DataError
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 # Each training row's index in the train Dataset, passed through the run's collator (rows=True)
-# as a batch key so that a step names the rows it trained on (train/guard.py takes it out of the
+# as a batch key so that a step names the rows it trained on (train/run/guard.py takes it out of the
 # batch before the model sees it).
 ROW_COLUMN = "lowvram_row"
 
@@ -49,7 +49,7 @@ class PadCollator:
     pad_to_multiple_of: int | None = None
     padding_mask: bool = False
     flash_varlen: bool = False
-    rows: bool = False  # pass each row's index (ROW_COLUMN) on: the run's collator, train/guard.py takes it out
+    rows: bool = False  # pass each row's index (ROW_COLUMN) on: the run's collator, train/run/guard.py takes it out
 
     def __call__(self, features: list[dict]) -> dict:
         import torch
@@ -105,7 +105,7 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, pad_to_multiple_of: int | 
                   flash_varlen: bool = False, rows: bool = False) -> PadCollator:
     """Dynamic per-batch padding with the tokenizer's pad id (its eos id if it has no pad).
     ``flash_varlen``: the model runs flash-attention (PadCollator). ``rows``: each batch names its
-    training rows (ROW_COLUMN), for a Trainer whose training_step takes them out (train/guard.py)."""
+    training rows (ROW_COLUMN), for a Trainer whose training_step takes them out (train/run/guard.py)."""
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
