@@ -146,6 +146,11 @@ def show_run(r, as_json: bool = False) -> None:
         ("trainable / total params", f"{m.trainable_params:,} / {m.total_params:,}"
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
+    if m is not None and m.worst_batch_peak_bytes is not None:  # training.worst_batch_first
+        rows.append((f"worst batch first ({m.worst_batch_tokens} tokens, forward and backward)",
+                     mem(m.worst_batch_peak_bytes)))
+    if m is not None and m.nonfinite_steps:  # training.on_nonfinite skip
+        rows.append(("non-finite steps skipped", ", ".join(str(s) for s in m.nonfinite_steps)))
     # preference objectives: TRL's reward metrics and each objective's own terms (kto's KL, orpo's
     # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.build.preference)
     rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m.get(key), 3))

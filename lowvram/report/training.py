@@ -72,6 +72,9 @@ def show_train_result(result, as_json: bool = False) -> None:
         rows.append(("model load", f"{m.load_s:.1f} s{cache}"))
     if m.loss_history:
         rows.append(("loss curve", sparkline([v for _, v in m.loss_history])))
+    if m.worst_batch_peak_bytes is not None:  # training.worst_batch_first
+        rows.append((f"worst batch first ({m.worst_batch_tokens} tokens, forward and backward)",
+                     mem(m.worst_batch_peak_bytes)))
     if m.nonfinite_steps:  # training.on_nonfinite skip
         rows.append(("non-finite steps skipped", ", ".join(str(s) for s in m.nonfinite_steps)))
     for k, v in rows:

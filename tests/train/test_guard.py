@@ -96,6 +96,8 @@ def test_on_nonfinite_skip_skips_the_step_and_shows_no_nonfinite_loss(tmp_path, 
     assert all(math.isfinite(v) and v > 1.0 for _, v in m["loss_history"]), m["loss_history"]
     assert "loss nan" not in result.output and "loss 0.0000" not in result.output
     assert "non-finite steps skipped" in result.output
+    shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
+    assert shown.exit_code == 0 and "non-finite steps skipped" in shown.output and "4" in shown.output
     assert _finite_adapter(tmp_path / "out")  # the skipped step's NaN never reached the weights
     assert [p.name for p in complete_checkpoints(tmp_path / "out")] == ["checkpoint-5"]
 

@@ -33,6 +33,7 @@ def test_the_worst_batch_runs_first_and_changes_nothing_of_the_run(tmp_path, tin
                       r"measured; the plan predicts [\d.]+ MiB for a whole step", on.output)
     assert found, on.output
     assert "worst batch first" not in off.output
+    assert "worst batch first (" in on.output  # the summary's row
     a, b = metrics(tmp_path / "on" / "out"), metrics(tmp_path / "off" / "out")
     assert a["loss_history"] == b["loss_history"]  # exactly: no weight, moment, schedule or draw moved
     assert a["worst_batch_tokens"] == int(found.group(1)) and a["worst_batch_peak_bytes"] > 0
