@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from lowvram.train.run.run.guard import NonFiniteGuard, StepRecord, record_steps, rows_text
+from lowvram.train.run.guard import NonFiniteGuard, StepRecord, record_steps, rows_text
 from typer.testing import CliRunner
 
 from lowvram.cli import app
@@ -201,7 +201,7 @@ def test_a_run_of_skipped_loss_scaler_steps_stops_the_run(tiny_model_dir, tmp_pa
     gradient is the scaler's to skip (no stop at the first), ten skipped steps in a row stop it."""
     import datasets
     import torch
-    from lowvram.train.run.run.guard import SCALER_SKIPS, TrainingDiverged
+    from lowvram.train.run.guard import SCALER_SKIPS, TrainingDiverged
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     ids = [[5, 6, 7, 8, 9, 10]] * 64

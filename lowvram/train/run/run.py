@@ -299,7 +299,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     if len(bundle.train) == 0:
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
     check_shape(recipe, train_rows=len(bundle.train))  # the rows (windows) as built: hub data, packing
-    from lowvram.train.run.run.guard import (
+    from lowvram.train.run.guard import (
         NonFiniteGuard,
         require_finite_weights,
         require_trained_tokens,
@@ -330,7 +330,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     at_data, compared_with = _prediction_at_data_length(recipe, plan, bundle, replanner,
                                                         _longest_row(recipe, bundle, trainer))
     plan = _with_data_length_reason(plan, recipe, at_data)
-    from lowvram.train.run.run import worst_batch
+    from lowvram.train.run import worst_batch
 
     worst = None
     if not at_end and worst_batch.wanted(recipe, plan, trainer.accelerator.num_processes):
