@@ -15,11 +15,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from lowvram.train.run.guard import NonFiniteGuard, StepRecord, record_steps, rows_text
 from typer.testing import CliRunner
 
 from lowvram.cli import app
 from lowvram.train.run.checkpoints import complete_checkpoints
+from lowvram.train.run.guard import NonFiniteGuard, StepRecord, record_steps, rows_text
 from tests.train.test_e2e import metrics, train, write_recipe
 
 POISONED_ROW = 15  # the data row that says "Q"; with seed 42 its batch is step 4 of 5
@@ -201,8 +201,9 @@ def test_a_run_of_skipped_loss_scaler_steps_stops_the_run(tiny_model_dir, tmp_pa
     gradient is the scaler's to skip (no stop at the first), ten skipped steps in a row stop it."""
     import datasets
     import torch
-    from lowvram.train.run.guard import SCALER_SKIPS, TrainingDiverged
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from lowvram.train.run.guard import SCALER_SKIPS, TrainingDiverged
 
     ids = [[5, 6, 7, 8, 9, 10]] * 64
     data = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
