@@ -7,9 +7,11 @@ from dataclasses import replace
 
 from lowvram.errors import LowvramError
 from lowvram.plan import moe
+from lowvram.plan.cards import card_words
 from lowvram.plan.catalog import catalog_names, resolve_model
+from lowvram.plan.constants import CARD_REPORTED_FRACTION
 from lowvram.plan.explain import Estimator
-from lowvram.plan.limits import max_fitting_seq_len
+from lowvram.plan.limits import CARD_SIZES_GB, max_fitting_seq_len
 from lowvram.plan.models import model_numel
 from lowvram.plan.optimizers import optimizer_problems
 from lowvram.plan.request import Budget, Candidate, PlanRequest, fits_budget, vram_needed_bytes
@@ -17,6 +19,7 @@ from lowvram.plan.search import candidate, candidate_setups, rank
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.vision import vision_problems
 from lowvram.units import gib
+from lowvram.vocab import ANY_OPTIMIZER
 
 # --------------------------------------------------------------------------------------------
 # Nothing fits: what would help
@@ -39,6 +42,13 @@ def suggest_changes(req: PlanRequest, budget: Budget, lowest: Candidate, estimat
             value = _describe(name, best.setup)
             out.append(f"drop {source} and let the planner choose {name}: {value} fits "
                        f"(peak {gib(best.peak_bytes)})")
+    # 1b. The optimizers that change the algorithm, which auto never picks unasked.
+    if opt_in := _any_optimizer_fits(req, budget, estimate):
+        out.append(opt_in)
+    # 1c. The method released, on the smallest card of the usual sizes where it fits.
+    if req.fixed("lora") and not any(s.startswith(f"drop {req.sources.get('lora', '--method')}") for s in out):
+        if bigger := _larger_card_fits(replace(req, lora=None, quantization=None), budget, estimate):
+            out.append(f"drop {req.sources.get('lora', '--method')}: {bigger}")
     # 2. A shorter sequence under the lowest-peak plan.
     max_seq = max_fitting_seq_len(lowest.setup, budget, estimate)
     if max_seq >= 1:
@@ -58,6 +68,42 @@ _RELEASABLE = {
     "loss": "--loss", "attention": "--attention", "micro_batch_size": "micro_batch_size",
     "grad_accum": "--gradient-accumulation", "activation_offload": "--activation-offload",
 }
+
+
+def _best_fit(req: PlanRequest, budget: Budget, estimate: Estimator) -> Candidate | None:
+    fit = [c for c in (candidate(s, req, budget, estimate) for s in candidate_setups(req, budget)) if c.fits]
+    return min(fit, key=rank) if fit else None
+
+
+def _any_optimizer_fits(req: PlanRequest, budget: Budget, estimate: Estimator) -> str | None:
+    """optimizer any-that-fits, when the plan would then fit: the optimizer it would take and what
+    it changes (auto keeps to AdamW's family: vocab.ANY_OPTIMIZER)."""
+    if req.optimizer is not None or req.optimizer_any:
+        return None
+    best = _best_fit(replace(req, optimizer_any=True), budget, estimate)
+    if best is None:
+        return None
+    o = best.setup.optimizer
+    what = ("SGD without momentum, no gradient clipping or accumulation" if o == "lomo" else
+            "a factored second moment, no gradient clipping or accumulation" if o == "adalomo" else
+            "AdamW on gradients projected to galore.rank" if "galore" in o else
+            "AdamW moments from a random projection (APOLLO)")
+    return (f"techniques.optimizer: {ANY_OPTIMIZER} (--optimizer {ANY_OPTIMIZER}): {o} fits (peak "
+            f"{gib(best.peak_bytes)}), but it changes the training algorithm: {what}")
+
+
+def _larger_card_fits(req: PlanRequest, budget: Budget, estimate: Estimator) -> str | None:
+    """The smallest card of the usual sizes, larger than this budget, on which ``req`` fits."""
+    for gb in CARD_SIZES_GB:
+        card = replace(budget, vram_bytes=CARD_REPORTED_FRACTION.of(gb * 2**30), source=card_words(gb))
+        if card.vram_bytes <= budget.vram_bytes:
+            continue
+        best = _best_fit(req, card, estimate)
+        if best is not None:
+            method = ("full fine-tuning" if not best.setup.lora else
+                      "LoRA" if best.setup.quantization == "none" else f"QLoRA ({best.setup.quantization})")
+            return f"{method} fits {card_words(gb)} (peak {gib(best.peak_bytes)})"
+    return None
 
 
 def _describe(name: str, s: RunSetup) -> str:
