@@ -233,7 +233,7 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     ladder.add_column("peak", justify="right")
     ladder.add_column("saves", justify="right")
     ladder.add_column("speed")
-    ladder.add_column("fits")
+    ladder.add_column("fits", no_wrap=True)
     usable = data["budget_bytes"]
     for r in data["ladder"]:
         # "no (host RAM)": the card holds the peak, this machine's RAM not what the rung offloads
