@@ -66,7 +66,7 @@ def test_a_method_that_fits_a_larger_card_is_named():
 
 
 def test_the_peak_line_describes_the_plans_own_loss_and_method():
-    from lowvram.plan.moments import describe_moment
+    from lowvram.plan.memory.moments import describe_moment
 
     qlora = describe_moment("backward_start", {"loss": "standard", "lora": True, "gradient_checkpointing": True})
     assert qlora == "every layer's checkpoint and the full logits and their gradient, at the loss"
