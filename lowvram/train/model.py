@@ -18,6 +18,7 @@ from typing import Any
 
 from lowvram.errors import DataError, LowvramError, ModelError
 from lowvram.hub import HUB_ID
+from lowvram.plan.lora_init import is_svd_init
 
 _NOISE = (
     # bitsandbytes on CPU tries to fetch an optional kernel from the hub, then falls back (harmless).
@@ -324,6 +325,12 @@ def load_kwargs(plan, vision: bool = False) -> dict:
     if q is not None:
         kwargs["quantization_config"] = q
         kwargs["device_map"] = _device_map(plan)
+    elif plan.lora and is_svd_init(plan.lora_init) and plan.device == "cuda":
+        # lora.init pissa: peft's pissa_init runs its SVD on the weight's device; loaded without
+        # a device_map the base would sit on the CPU until the Trainer moves it, so every SVD
+        # would run there (hours for a 7-8B model), not on the GPU the lora_init moment is planned
+        # on. PiSSA runs on one process with offload none (plan/lora_init.init_conflicts).
+        kwargs["device_map"] = _device_map(plan)
     return kwargs
 
 
@@ -491,8 +498,6 @@ def _with_adapters(model, config, plan):
     the SVD's moment at model build (lowvram.plan.lora_init) is part of the run's measured peak
     (``INIT_PEAK_ATTRIBUTE`` on the returned model; train.run reads it)."""
     from peft import get_peft_model
-
-    from lowvram.plan.lora_init import is_svd_init
 
     if not is_svd_init(plan.lora_init):
         return get_peft_model(model, config)
