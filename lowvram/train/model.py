@@ -356,6 +356,18 @@ def prequantized_kwargs(plan, source: str) -> dict:
             f"{source} is stored in MXFP4 (gpt-oss): lowvram trains it dequantized to bf16, and "
             f"bitsandbytes quantization ({plan.quantization}) on top of that is not supported",
             "set techniques.quantization: none (LoRA trains on the bf16 weights)")
+    return mxfp4_dequantized(source)
+
+
+def mxfp4_dequantized(source: str) -> dict:
+    """``quantization_config=Mxfp4Config(dequantize=True)`` for an MXFP4 checkpoint (gpt-oss), {}
+    for any other. Every load of a trained run's base goes through it (train, generate, merge):
+    without it transformers keeps the experts packed (Mxfp4GptOssExperts, ``*_blocks``/``*_scales``)
+    wherever its Triton kernels run (quantizer_mxfp4.validate_environment dequantizes only on a
+    CPU or without triton/kernels), so the adapters trained on the bf16 experts would not fit and
+    a merge would save packed tensors without their quantization config."""
+    if checkpoint_quant_method(source) != "mxfp4":
+        return {}
     from transformers import Mxfp4Config
 
     return {"quantization_config": Mxfp4Config(dequantize=True)}
