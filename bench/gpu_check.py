@@ -34,8 +34,8 @@ from typing import NamedTuple
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's lowvram
 # the allocator as `lowvram train` runs it: expandable segments unless PYTORCH_CUDA_ALLOC_CONF is
-# set, before torch is imported (lowvram.train.allocator); the plans read the same variable
-from lowvram.train.allocator import set_expandable_segments  # noqa: E402
+# set, before torch is imported (lowvram.train.build.allocator); the plans read the same variable
+from lowvram.train.build.allocator import set_expandable_segments  # noqa: E402
 
 set_expandable_segments()
 
@@ -172,7 +172,7 @@ def run_technique(probe, spec, kw, seq_lens, out_dir):
     Yields each row as soon as it is measured, so the caller can write it before the next one."""
     from lowvram.check.builders import build_model
     from lowvram.check.step import measure_trainer_step
-    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.memory.memory import estimate_memory
     from lowvram.plan.setup import RunSetup, expandable_segments_set
 
     expandable = expandable_segments_set(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
@@ -242,7 +242,7 @@ def _technique(name: str) -> dict:
 def _setting(dry_run: bool, cases: list[Case]):
     """(probe, model specs by case model name, the lengths a case runs at): the catalog's models
     on a GPU; on the CPU dry run one tiny Llama for every model and short lengths."""
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
 
     if dry_run:
         from lowvram.check.cases import tiny_llama_spec

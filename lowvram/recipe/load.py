@@ -244,8 +244,9 @@ def _recognise_formats(data: dict, base: Path) -> list[str]:
         if found.fields:
             fields = spec.get("fields")
             spec["fields"] = {**found.fields, **(fields if isinstance(fields, dict) else {})}
-        mapped = "".join(f", {k} <- {v}" for k, v in found.fields.items() if k != v)
-        notes.append(f"{spec['path']}: format {found.format} ({found.reason}{mapped})")
+        mapped = ", ".join(f"{k}: {v}" for k, v in found.fields.items() if k != v)
+        notes.append(f"{spec['path']}: format {found.format} ({found.reason}"
+                     + (f"; fields: {{{mapped}}}" if mapped else "") + ")")
     return notes
 
 

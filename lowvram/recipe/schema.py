@@ -10,9 +10,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from lowvram.plan.preference import OBJECTIVES, PREFERENCE_OBJECTIVES, RL_OBJECTIVES
+from lowvram.plan.memory.preference import OBJECTIVES, PREFERENCE_OBJECTIVES, RL_OBJECTIVES
 from lowvram.plan.setup import activation_offload_conflict, quantization_conflict
 from lowvram.recipe.formats import unknown_field
 from lowvram.recipe.grpo import GrpoSection, grpo_problem, rl_format_problem
@@ -45,7 +53,7 @@ DataFormat = Literal["auto", "alpaca", "chat", "sharegpt", "image_chat", "comple
 # The roles a chat template renders (OpenAI's message roles).
 CHAT_ROLES = ("user", "assistant", "system", "tool")
 # training.objective: sft trains on responses (the Trainer); the others align on preference data
-# through TRL (lowvram.train.preference), the planner's list (lowvram.plan.preference).
+# through TRL (lowvram.train.build.preference), the planner's list (lowvram.plan.memory.preference).
 Objective = Literal[OBJECTIVES]
 # the data formats of the preference objectives (kto also reads pairs: TRL unpairs them)
 PREFERENCE_FORMATS = ("preference", "unpaired")
@@ -244,7 +252,7 @@ class LoraSection(_Section):
     @field_validator("init")
     @classmethod
     def _known_init(cls, v: str) -> str:
-        from lowvram.plan.lora_init import init_name_problem
+        from lowvram.plan.memory.lora_init import init_name_problem
 
         if problem := init_name_problem(v):
             raise ValueError(problem)
@@ -318,8 +326,10 @@ class TechniquesSection(_Section):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _yaml_booleans(cls, v: object) -> object:
+    def _yaml_booleans(cls, v: object, info: ValidationInfo) -> object:
         # true/false, and the YAML 1.1 words yes/no/y/n, mean on/off here.
+        if v == "none" and info.field_name in ("offload", "quantization"):
+            return "off"  # the flags' spelling (--offload none, --quantization none) is accepted too
         if isinstance(v, bool):
             return "on" if v else "off"
         if isinstance(v, str) and v.lower() in ON_OFF_WORDS:

@@ -1,4 +1,4 @@
-"""lowvram.train.model: what loading the model leaves on the user's terminal."""
+"""lowvram.train.build.model: what loading the model leaves on the user's terminal."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_int8_on_cuda_does_not_log_at_every_linear_call(caplog):
     import torch
     from bitsandbytes.autograd._functions import MatMul8bitLt, MatmulLtState
 
-    from lowvram.train.model import quiet_libraries
+    from lowvram.train.build.model import quiet_libraries
 
     quiet_libraries()
     a = torch.randn(4, 16, dtype=torch.bfloat16)
@@ -48,7 +48,7 @@ def test_pissa_loads_the_base_onto_the_gpu_so_its_svds_run_there(monkeypatch, ti
 
     from lowvram.planning.fixed import resolve_fixed
     from lowvram.recipe import parse_recipe
-    from lowvram.train.model import load_kwargs
+    from lowvram.train.build.model import load_kwargs
 
     monkeypatch.setenv("LOCAL_RANK", rank)
     recipe = parse_recipe(f"model: {{name_or_path: {tiny_model_dir}}}\n"

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lowvram.cli import app
+from lowvram.train.build.loss import IGNORE_INDEX
 from lowvram.train.data.build import build_datasets
-from lowvram.train.loss import IGNORE_INDEX
 from tests.train.test_data import recipe, write_jsonl
 
 SHAREGPT = [
@@ -135,7 +135,7 @@ def test_validate_names_every_row_that_lacks_the_formats_fields(tmp_path, tiny_m
 def test_validate_refuses_a_csv_given_the_wrong_format_and_fields_the_format_lacks(tmp_path, tiny_model_dir):
     (tmp_path / "d.csv").write_text("prompt,response\nHi,Hello\nA,B\n")
     result = cli("validate", str(write_recipe(tmp_path, tiny_model_dir, [{"path": "d.csv", "format": "completion"}])))
-    assert result.exit_code == 1 and "d.csv: row 1: missing field 'completion'" in result.stderr
+    assert result.exit_code == 1 and "d.csv:2: missing field 'completion'" in result.stderr
     bad_keys = [{"path": "d.csv", "format": "alpaca", "fields": {"role": "from", "content": "value"}}]
     result = cli("validate", str(write_recipe(tmp_path, tiny_model_dir, bad_keys)))
     assert result.exit_code == 1 and "fields: 'role' is not a field of format alpaca" in result.stderr

@@ -15,7 +15,7 @@ from lowvram.train.data.collate import columns, hold_out, pack, to_dataset
 from lowvram.train.data.images import tokenize_image_rows
 from lowvram.train.data.read import concrete_spec, load_rows
 from lowvram.train.data.tokenize import Counts, tokenize_rows
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -43,7 +43,7 @@ class Row:
     """One raw row and where it came from, for error messages."""
 
     data: Any
-    where: str  # "file.jsonl:12" or "file.csv: row 3"
+    where: str  # "file.jsonl:12" (a line of a text file: JSON Lines, JSON, CSV, .txt) or "file.parquet: row 3"
 
 
 class BadRow(ValueError):
@@ -188,13 +188,45 @@ def _json_rows(text: str, name: str) -> list[Row]:
     if not isinstance(data, list):
         raise DataError(f"{name}: expected a list of objects, got a {type(data).__name__}",
                         "a .json data file holds a list of objects, e.g. [{\"instruction\": ...}]")
-    return [Row(r, f"{name}: row {i}") for i, r in enumerate(data, 1)]
+    lines = _element_lines(text, len(data))
+    if None in lines or len(set(lines)) != len(lines):  # elements share lines: name them by number
+        return [Row(r, f"{name}: row {i}") for i, r in enumerate(data, 1)]
+    return [Row(r, f"{name}:{line}") for r, line in zip(data, lines, strict=True)]
+
+
+def _element_lines(text: str, count: int) -> list[int | None]:
+    """The line each element of the file's array starts on (``FILE:LINE``, as for JSON Lines), or
+    Nones when the array cannot be walked (e.g. a {"data": [...]} wrapper with odd keys)."""
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0 or (text.lstrip().startswith("{") and text.find(":") > start):
+        return [None] * count
+    pos, out = start + 1, []
+    ws = " \t\r\n,"
+    for _ in range(count):
+        while pos < len(text) and text[pos] in ws:
+            pos += 1
+        out.append(text.count("\n", 0, pos) + 1)
+        try:
+            _, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return [None] * count
+    return out
+
+
+def _datasets():
+    """``datasets`` with its progress bars off (they would print "Generating train split" on the
+    user's terminal for every file)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets
 
 
 def _load_csv(path: Path, text: str, name: str) -> list[Row]:
     import csv
 
-    import datasets
+    datasets = _datasets()
 
     header = next(csv.reader(text.splitlines()), [])
     if not header:
@@ -208,11 +240,32 @@ def _load_csv(path: Path, text: str, name: str) -> list[Row]:
     except Exception as e:  # noqa: BLE001 - pandas/arrow raise many kinds
         raise DataError(f"{path}: cannot read as CSV: {_root_cause(e)}",
                         "check the quoting and that every line has the header's columns") from None
-    return [Row(r, f"{name}: row {i}") for i, r in enumerate(ds, 1)]
+    lines = _record_lines(text)
+    if len(lines) != len(ds):  # pandas and the csv module disagree on this file: rows, not lines
+        return [Row(r, f"{name}: row {i}") for i, r in enumerate(ds, 1)]
+    return [Row(r, f"{name}:{line}") for r, line in zip(ds, lines, strict=True)]
+
+
+def _record_lines(text: str) -> list[int]:
+    """The line each data record of a CSV text starts on (the header is line 1; a quoted field
+    may span lines; blank lines hold no record, as pandas reads them)."""
+    import csv
+    import io
+
+    reader = csv.reader(io.StringIO(text))
+    starts, end = [], 0
+    try:
+        for record in reader:
+            if record:
+                starts.append(end + 1)
+            end = reader.line_num
+    except csv.Error:
+        return []
+    return starts[1:]
 
 
 def _load_parquet(path: Path, name: str) -> list[Row]:
-    import datasets
+    datasets = _datasets()
 
     if path.stat().st_size == 0:
         raise DataError(f"{path}: the data file is empty", "write the parquet file again")
@@ -225,7 +278,7 @@ def _load_parquet(path: Path, name: str) -> list[Row]:
 
 
 def _load_hub(spec: DatasetSpec, split: str, max_samples: int | None) -> list[Row]:
-    import datasets
+    datasets = _datasets()
 
     # A slice lets the hub loader stop early on large datasets.
     sliced = f"{split}[:{max_samples}]" if max_samples else split
