@@ -67,6 +67,10 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.train.run.preflight import check_shape
 
     check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
+    if r.training.objective in ("grpo", "rloo"):  # the rewards import and score a sample row (no model)
+        from lowvram.train.build.grpo import check_grpo
+
+        check_grpo(r)
     from lowvram.train.run.preflight import check_recipe_data
 
     show_validated(r, recipe, check_recipe_data(r), as_json=json_)  # every row, as training reads it

@@ -439,7 +439,7 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _grpo_batch(self) -> Recipe:
-        problem = grpo_problem(self.grpo, self.training, "grpo" in self.model_fields_set)
+        problem = grpo_problem(self.grpo, self.training, "grpo" in self.model_fields_set, self.data.validation)
         if problem:
             raise ValueError(problem)
         return self

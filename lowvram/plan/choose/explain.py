@@ -180,6 +180,10 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
                            f"{gib(c.estimate.breakdown['optimizer'])} per GPU at the peak"))
     else:
         r["optimizer"] = f"adamw: optimizer state {gib(c.estimate.breakdown['optimizer'])} fits"
+    if not req.fixed("optimizer") and s.precision.startswith("fp16") and req.lora is False and req.objective == "sft":
+        # search.candidate_setups drops them (full fine-tuning asked: search.in_backward_options)
+        r["optimizer"] += (f"; under {s.precision} no optimizer stepped in the backward is tried "
+                           f"(adamw_in_backward, layerwise GaLore and APOLLO, LOMO): {optimizers.FP16_IN_BACKWARD_WHY}")
 
     # LoRA
     trained = f"{c.estimate.trainable_parameters / 1e6:,.1f}M of {c.estimate.parameters / 1e6:,.1f}M params trained"

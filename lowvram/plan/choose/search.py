@@ -37,7 +37,6 @@ from lowvram.vocab import (
     EIGHT_BIT_DEVICES,
     FULL_ONLY_OPTIMIZERS,
     IN_BACKWARD_OPTIMIZERS,
-    LOMO_OPTIMIZERS,
     PROJECTED_OPTIMIZERS,
     TORCHAO_OPTIMIZERS,
 )
@@ -212,7 +211,9 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             continue
         if optim in IN_BACKWARD_OPTIMIZERS and per_gpu // micro != 1:  # stepped in the backward: no accumulation
             continue
-        if optim in LOMO_OPTIMIZERS and precision.startswith("fp16"):  # GradScaler's backward, not LOMO's
+        # fp16's GradScaler unscales after the backward: LOMO's fused_backward never runs, and the
+        # other hooks would step with scaled gradients (optimizers.scaled_gradient_problem)
+        if optim in IN_BACKWARD_OPTIMIZERS and precision.startswith("fp16"):
             continue
         out.append(RunSetup(
             model=req.model, precision=precision, quantization=quant,

@@ -438,7 +438,10 @@ def prepare_model(model, plan, seed: int | None = None):
     if getattr(plan, "tiled_mlp", False):
         from lowvram.train.build.tiled_mlp import enable_tiled_mlp
 
-        enable_tiled_mlp(model, plan.tiled_mlp_shards)  # DeepSpeed's TiledMLP (lowvram.plan.memory.tiled)
+        # DeepSpeed's TiledMLP (lowvram.plan.memory.tiled); several processes without offload: DDP,
+        # whose reducer takes each parameter's gradient once per backward (train/build/tiled_mlp.py)
+        ddp = plan.offload == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        enable_tiled_mlp(model, plan.tiled_mlp_shards, one_grad_hook=ddp)
     return model
 
 

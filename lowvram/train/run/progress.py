@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
 
+from lowvram.train.build.grpo import rl_progress
+
 if TYPE_CHECKING:
     from typing import TextIO
 
@@ -33,6 +35,7 @@ class ProgressCallback(TrainerCallback):
         self._t0 = 0.0
         self._progress = None
         self._task = None
+        self._rl = ""  # grpo/rloo: the last log's rewards (train/build/grpo.py rl_progress)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -87,7 +90,7 @@ class ProgressCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: object):
-        self.tokens_seen = int(state.num_input_tokens_seen or 0)
+        self.tokens_seen = int(state.num_input_tokens_seen or 0) or self.tokens_seen
         if control is not None and state.max_steps and state.global_step >= state.max_steps:
             control.should_log = True  # the final loss is the last step's, whatever logging_steps is
         self._update_bar(state)
@@ -97,13 +100,16 @@ class ProgressCallback(TrainerCallback):
         if self._progress is not None:
             loss = f"loss {self.losses[-1][1]:.4f}  " if self.losses else ""
             tps = self.tokens_per_s()
-            info = loss + (f"{tps:,.0f} tok/s" if tps else "")
+            info = loss + (f"{tps:,.0f} tok/s" if tps else "") + (f"  {self._rl}" if self._rl else "")
             self._progress.update(self._task, completed=state.global_step, info=info)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: object):
         logs = logs or {}
         step = state.global_step
+        if "num_tokens" in logs and not state.num_input_tokens_seen:  # TRL's grpo/rloo count (prompt + completion)
+            self.tokens_seen = int(logs["num_tokens"])
+        self._rl = rl_progress(logs) or self._rl
         if "loss" in logs:
             self.losses.append((step, float(logs["loss"])))
             self._update_bar(state)  # the step's own loss (on_step_end ran before this log)
@@ -112,6 +118,7 @@ class ProgressCallback(TrainerCallback):
                 self._line(
                     f"step {step}/{state.max_steps}  loss {logs['loss']:.4f}  lr {logs.get('learning_rate', 0):.2e}"
                     + (f"  {tps:,.0f} tok/s" if tps else "") + f"  eta {self._eta(step, state.max_steps)}"
+                    + (f"  {self._rl}" if "reward" in logs else "")
                 )
         if "eval_loss" in logs:
             self.eval_losses.append((step, float(logs["eval_loss"])))
@@ -124,7 +131,7 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: object):
-        self.tokens_seen = int(state.num_input_tokens_seen or 0)
+        self.tokens_seen = int(state.num_input_tokens_seen or 0) or self.tokens_seen
         if self._progress is not None:
             self._progress.update(self._task, completed=state.global_step)
             self._progress.stop()

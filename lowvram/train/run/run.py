@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from lowvram.errors import LowvramError
 from lowvram.metrics import RunMetrics
 from lowvram.plan.choose.replan import Replanner
+from lowvram.plan.memory.preference import RL_OBJECTIVES
 from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
 from lowvram.runfiles import METRICS, PLAN, RECIPE, require_intact, write_atomic
@@ -200,8 +201,11 @@ def _distribution(trainer: Trainer) -> dict:
 def _longest_row(recipe: Recipe, bundle: DataBundle, trainer: Trainer) -> int | None:
     """The longest row a batch of the training data reaches: SFT's tokenized rows (or packed
     windows), or the longest tokenized pair TRL made (train/build/preference.py)."""
+    from lowvram.train.build.grpo import is_rl_config
     from lowvram.train.build.preference import is_preference_config, longest_tokenized_row
 
+    if is_rl_config(trainer.args):
+        return None  # grpo/rloo: the plan's rows are max_prompt_length + max_completion_length
     if is_preference_config(trainer.args):
         return longest_tokenized_row(trainer.train_dataset, recipe.training.objective, recipe.training.seq_len)
     if "input_ids" not in bundle.train.column_names:
@@ -280,6 +284,10 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
 
     # A damaged model file names itself before a library fails on it (a hub id: no folder).
     require_intact(Path(resolve_model_location(recipe)), only=model_files(recipe))
+    if recipe.training.objective in RL_OBJECTIVES:  # the rewards score a sample row before the model loads
+        from lowvram.train.build.grpo import check_grpo
+
+        check_grpo(recipe)
     args, loaded = _arguments_then_model(recipe, plan)
 
     from lowvram.train.build.model import load_image_inputs
@@ -308,7 +316,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     trainer = build_trainer(
         loaded, bundle, args, collator,
         callbacks=[progress, *signals.make_callbacks(stop), *callbacks],
-        loss=plan.loss, loss_chunk_tokens=plan.loss_chunk_tokens, optimizer=plan.optimizer,
+        loss=plan.loss, loss_chunk_tokens=plan.loss_chunk_tokens, optimizer=plan.optimizer, recipe=recipe,
     )
 
     at_data, compared_with = _prediction_at_data_length(recipe, plan, bundle, replanner,
@@ -362,6 +370,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
     _save_final(trainer, loaded.tokenizer, out)
+    from lowvram.train.build.grpo import rl_metrics
     from lowvram.train.build.preference import preference_metrics
 
     history = _loss_history(trainer.state.log_history)
@@ -397,6 +406,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
         loss_history=history,
         eval_history=_loss_history(trainer.state.log_history, "eval_loss"),
         **preference_metrics(trainer.state.log_history),  # dpo/orpo/simpo: rewards/* (train/build/preference.py)
+        **rl_metrics(trainer.state.log_history),  # grpo/rloo: the rewards per function (train/build/grpo.py)
         **(retries.to_dict() if retries is not None else {}),
     )
     if per_rank:  # the largest rank: what must fit one card
