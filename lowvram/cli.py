@@ -67,6 +67,10 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.train.run.preflight import check_shape
 
     check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
+    if r.training.objective in ("grpo", "rloo"):  # the rewards import and score a sample row (no model)
+        from lowvram.train.build.grpo import check_grpo
+
+        check_grpo(r)
     from lowvram.train.run.preflight import check_recipe_data
 
     show_validated(r, recipe, check_recipe_data(r), as_json=json_)  # every row, as training reads it
@@ -242,8 +246,12 @@ def plan(
 
         data["simulated"] = simulate_plan(result.chosen.setup, model_ref, data["peak_bytes"])
     show_plan(data, as_json=json_)
-    if check and not result.fits:
-        raise typer.Exit(1)
+    if not result.fits:
+        from lowvram.report.plans import show_not_fitting
+
+        show_not_fitting(data)  # the verdict on stderr, where a script and a reader both see it
+        if check:
+            raise typer.Exit(1)
 
 
 def _fetch_hub_config(model_ref: str, explicit: bool) -> None:

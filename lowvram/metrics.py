@@ -90,6 +90,19 @@ class RunMetrics:
     log_odds_ratio_history: Pairs | None = None
     log_odds_chosen_history: Pairs | None = None
     nll_loss_history: Pairs | None = None
+    # grpo/rloo (train/build/grpo.py rl_metrics): TRL's summed reward (mean and std over the logged
+    # steps' completions, last and history), each reward function's (name -> {mean, std, history}),
+    # the mean completion length in tokens, the share of completions cut at max_completion_length,
+    # and the share of tokens whose probability ratio was clipped (GRPO's clip_ratio/region_mean)
+    reward: float | None = None
+    reward_std: float | None = None
+    reward_history: Pairs | None = None
+    reward_functions: dict | None = None
+    completion_length: float | None = None
+    completion_length_history: Pairs | None = None
+    truncated_completions: float | None = None
+    clip_ratio: float | None = None
+    clip_ratio_history: Pairs | None = None
     # Out-of-memory retries (train/run/recover.py): absent when the run was not trained through it
     oom_retries: list[dict] | None = None
     final_plan: dict | None = None  # after a retry: the techniques the run ended with
@@ -136,13 +149,19 @@ class RunMetrics:
 # A preference objective's own terms as metrics.json keys (TRL's log names; train/build/preference.py)
 OBJECTIVE_METRIC_KEYS = ("kl", "log_odds_ratio", "log_odds_chosen", "nll_loss")
 
+# grpo/rloo's keys (train/build/grpo.py rl_metrics)
+RL_METRIC_KEYS = ("reward", "reward_std", "reward_history", "reward_functions", "completion_length",
+                  "completion_length_history", "truncated_completions", "clip_ratio", "clip_ratio_history")
+
 # Keys written only where the run measured them (as metrics.json has always done).
 _SITUATIONAL = ("peak_rss_bytes", "peak_reserved_bytes", "beyond_reserved_bytes", "memory_comparison",
                 "data_longest_tokens", "predicted_peak_bytes_at_data", "data_windows_one_sample",
                 "oom_retries", "final_plan", "status", "nonfinite_steps",
                 "worst_batch_tokens", "worst_batch_peak_bytes",
                 *(f"rewards_{m}{h}" for m in ("chosen", "rejected", "margins", "accuracies") for h in ("", "_history")),
-                *(f"{m}{h}" for m in OBJECTIVE_METRIC_KEYS for h in ("", "_history")))
+                *(f"{m}{h}" for m in OBJECTIVE_METRIC_KEYS for h in ("", "_history")),
+                *RL_METRIC_KEYS)
+
 
 _HINTS = typing.get_type_hints(RunMetrics)
 _TYPES = {f.name: _HINTS[f.name] for f in dataclasses.fields(RunMetrics) if f.name != "other"}

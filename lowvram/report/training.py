@@ -83,7 +83,8 @@ def show_train_result(result, as_json: bool = False) -> None:
     if len(m.memory_comparison or ()) > 1:  # a CUDA run; the CPU's one pair is above
         console().print(_comparison_table(m.memory_comparison))
     _warn_prediction(m)
-    warn_climb(m.loss_history)
+    if m.get("reward") is None:  # grpo/rloo: the loss is no measure of divergence
+        warn_climb(m.loss_history)
     if (Path(result.output_dir) / "loss.png").is_file():
         console().print(f"loss plot: {Path(result.output_dir) / 'loss.png'}", markup=False)
 

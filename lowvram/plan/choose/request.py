@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from lowvram.errors import LowvramError
 from lowvram.plan.choose.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.constants import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_BYTES
-from lowvram.plan.memory import lora_init, preference, sharding
+from lowvram.plan.memory import lora_init, optimizers, preference, sharding
 from lowvram.plan.memory.images import IMAGE_HINT, image_problems
 from lowvram.plan.model import moe
 from lowvram.plan.model.models import ModelSpec
@@ -129,6 +129,9 @@ class PlanRequest:
     lora: bool | None = None
     quantization: str | None = None
     optimizer: str | None = None
+    # optimizer any-that-fits (vocab.ANY_OPTIMIZER): with optimizer None, the search also tries the
+    # optimizers that change the algorithm (GaLore, APOLLO, LOMO); plain auto keeps to AdamW's
+    optimizer_any: bool = False
     offload: str | None = None
     activation_offload: bool | None = None
     # techniques.tiled_mlp (lowvram.plan.memory.tiled): None = auto; its shards, 0 = ceil(seq_len / hidden)
@@ -177,6 +180,7 @@ class Rung:
     slowdown: float
     fits: bool
     fixed: bool = False  # the user fixed this technique otherwise; the rung is skipped
+    host_ram_bytes: int = 0  # what the rung needs of host RAM: "fits: no (host RAM)" when only that is short
 
 
 @dataclass(frozen=True)
@@ -320,19 +324,18 @@ def validate_request(req: PlanRequest) -> None:
             )
 
 
-def check_optimizer(req: PlanRequest, budget: Budget) -> None:
+def check_optimizer(req: PlanRequest, budget: Budget, precision: str | None = None) -> None:
     """A fixed GaLore form that cannot run as asked -> LowvramError (the search never picks one:
     lowvram.plan.choose.search.candidate_setups). 8-bit: CUDA or the CPU; layerwise: gradient accumulation 1,
-    one process, no gradient clipping (plan/memory/optimizers.py, transformers _setup_low_rank_optimizer)."""
+    one process, no gradient clipping (plan/memory/optimizers.py, transformers _setup_low_rank_optimizer).
+    ``precision``: the run's (fixed, or the card's auto choice); any optimizer stepped in the backward
+    is refused under fp16 loss scaling (optimizers.scaled_gradient_problem)."""
     o = req.optimizer
     if o == "adalomo" and budget.device != "cuda":
         raise LowvramError(f"optimizer adalomo needs a CUDA GPU: lomo_optim's AdaLomo makes its state with "
                            f".cuda(), and this plan is for {budget.device}",
                            "set techniques.optimizer: lomo to train here, or train on a CUDA GPU")
-    if o in LOMO_OPTIMIZERS and (req.mixed_precision or "").startswith("fp16"):
-        raise LowvramError(f"optimizer {o} cannot train in {req.mixed_precision}: accelerate's GradScaler "
-                           "backward runs instead of LOMO's fused_backward, so its hooks would step with "
-                           "scaled gradients", "set techniques.mixed_precision: bf16 (or fp32)")
+    _check_fp16_in_backward(req, precision or req.mixed_precision or "")
     if o in GALORE_8BIT_OPTIMIZERS and budget.device not in EIGHT_BIT_DEVICES:
         other = "galore_adamw_layerwise" if o in LAYERWISE_OPTIMIZERS else "galore_adamw"
         raise LowvramError(f"optimizer {o} needs a CUDA GPU or the CPU: bitsandbytes 0.50 has no 8-bit "
@@ -363,6 +366,21 @@ def check_optimizer(req: PlanRequest, budget: Budget) -> None:
         raise LowvramError(f"optimizer {o} cannot clip gradients: each parameter is stepped as soon as its "
                            "gradient exists, before the Trainer's clip_grad_norm_ (which would clip nothing)",
                            f"set training.max_grad_norm: 0 (no clipping), or use optimizer {other}")
+
+
+def _check_fp16_in_backward(req: PlanRequest, precision: str) -> None:
+    o = req.optimizer
+    if o not in IN_BACKWARD_OPTIMIZERS or not precision.startswith("fp16"):
+        return
+    why = ("accelerate's GradScaler backward runs instead of LOMO's fused_backward, so its hooks would "
+           "step with scaled gradients" if o in LOMO_OPTIMIZERS else optimizers.FP16_IN_BACKWARD_WHY)
+    asked = (f"set by {req.sources['mixed_precision']}" if req.sources.get("mixed_precision") else
+             "asked" if req.mixed_precision else "the card has no bf16")
+    other = optimizers.in_backward_alternative(o)
+    raise LowvramError(f"optimizer {o} cannot train in {precision} ({asked}): {why}",
+                       f"set techniques.optimizer: {other}" + (" (or techniques.mixed_precision: bf16 or fp32)"
+                                                              if req.mixed_precision else
+                                                              " (fp16-mixed trains with loss scaling on this card)"))
 
 
 def optimizer_given_up(setup: RunSetup) -> int:

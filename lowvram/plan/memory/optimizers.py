@@ -297,6 +297,8 @@ def optimizer_problems(setup: RunSetup) -> list[str]:
         out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
                    f"gradients (transformers raises for gradient_accumulation {setup.grad_accum}; "
                    f"use gradient_accumulation 1, or {o.replace('_layerwise', '')})")
+    if problem := scaled_gradient_problem(setup):
+        out.append(problem)
     if layerwise(setup) and setup.gpus > 1:
         out.append(f"optimizer {o} runs in one process only (transformers raises NotImplementedError "
                    f"under DDP; use --gpus 1, or {o.replace('_layerwise', '')})")
@@ -337,9 +339,43 @@ def lomo_problems(setup: RunSetup) -> list[str]:
     return out
 
 
+# Under fp16 loss scaling an optimizer stepped in the backward applies scaled gradients: accelerate's
+# GradScaler (``AcceleratedOptimizer.step``: ``scaler.step(optimizer)``) unscales and checks for
+# inf/NaN only at the end of the step, on the optimizer the Trainer holds, which here is transformers'
+# LayerWiseDummyOptimizer whose one parameter has no gradient, so ``GradScaler.unscale_`` records no
+# inf check and ``step`` asserts "No inf checks were recorded for this optimizer"
+# (tests/train/test_fp16_in_backward.py runs it with a real GradScaler on the CPU). By then each
+# parameter's hook has already stepped it with its gradient times the loss scale (65536 at first),
+# and no step is skipped on inf/NaN. Unscaling in each hook cannot be made consistent with
+# GradScaler: its skip is all-or-nothing over a step, decided after every gradient exists.
+FP16_IN_BACKWARD_WHY = ("each parameter is stepped in its gradient hook, before accelerate's GradScaler "
+                        "unscales: every update would use gradients multiplied by the loss scale, no "
+                        "inf/NaN step would be skipped, and GradScaler then fails the step")
+
+
+def scaled_gradient_problem(setup: RunSetup) -> str | None:
+    """Why an optimizer stepped in the backward (AdamW in the backward, layerwise GaLore/APOLLO)
+    cannot train under fp16 loss scaling (None when it can). LOMO has its own (lomo_problems)."""
+    if not setup.precision.startswith("fp16") or not (layerwise(setup) or fused_backward(setup)):
+        return None
+    return (f"optimizer {setup.optimizer} cannot train in {setup.precision}: {FP16_IN_BACKWARD_WHY} "
+            f"(use bf16 or fp32, or optimizer {in_backward_alternative(setup.optimizer)})")
+
+
+def in_backward_alternative(optimizer: str) -> str:
+    """The same optimizer stepped after the backward (what an in-backward form's hint names)."""
+    if optimizer in FUSED_BACKWARD_OPTIMIZERS:
+        return "adamw"
+    if optimizer in LOMO_OPTIMIZERS:
+        return "adamw_8bit"
+    return optimizer.replace("_8bit", "").replace("_layerwise", "")
+
+
 def fused_backward_problems(setup: RunSetup) -> list[str]:
     """Why AdamW in the backward cannot run as planned (see the module)."""
     o, out = setup.optimizer, _stepped_in_backward_problems(setup)
+    if problem := scaled_gradient_problem(setup):
+        out.append(problem)
     if setup.grad_accum != 1:
         out.append(f"optimizer {o} steps each parameter inside the backward, so it cannot accumulate "
                    f"gradients (gradient_accumulation {setup.grad_accum}; use gradient_accumulation 1, or adamw)")
@@ -620,4 +656,4 @@ __all__ = ["GALORE_RANK", "GALORE_SCALE", "GALORE_UPDATE_PROJ_GAP", "eight_bit",
            "galore_step_temp_bytes", "galore_targets", "given_up", "in_backward", "layerwise",
            "layerwise_step_bytes", "lomo", "lomo_experts_steps", "lomo_pending_bytes", "lomo_problems", "lomo_state_bytes",
            "lomo_step_bytes", "lomo_working_bytes", "optimizer_problems", "projected", "apollo", "fused_backward",
-           "fused_backward_problems", "torchao", "torchao_problems", "torchao_state_bytes", "torchao_step_temp_bytes"]
+           "fused_backward_problems", "FP16_IN_BACKWARD_WHY", "in_backward_alternative", "scaled_gradient_problem", "torchao", "torchao_problems", "torchao_state_bytes", "torchao_step_temp_bytes"]

@@ -354,3 +354,14 @@ def require_finite_weights(model) -> None:
                 "lower training.learning_rate and train again with --overwrite",
                 -1,
             )
+
+
+def guard_for(recipe, plan) -> NonFiniteGuard:
+    """The run's guard, as its recipe and plan say (attach it to the Trainer once built)."""
+    from lowvram.plan.memory.preference import RL_OBJECTIVES
+    from lowvram.vocab import IN_BACKWARD_OPTIMIZERS
+
+    t = recipe.training
+    return NonFiniteGuard(t.on_nonfinite, t.nonfinite_skips, t.save_total_limit,
+                          in_backward=plan.optimizer in IN_BACKWARD_OPTIMIZERS, learning_rate=t.learning_rate,
+                          zero_grads=t.objective not in RL_OBJECTIVES)

@@ -66,6 +66,16 @@ def wanted(recipe: Recipe, plan: Plan, processes: int) -> bool:
     return why is None
 
 
+def worst_batch_first(recipe: Recipe, plan: Plan, trainer: Trainer, dataset, at_data: dict) -> WorstBatch | None:
+    """The worst batch's step where training.worst_batch_first asks for it, reported; None where
+    it does not run. An OOM in it propagates (TrainingOOM at step 0: recover.py re-plans)."""
+    if not wanted(recipe, plan, trainer.accelerator.num_processes):
+        return None
+    found = run_worst_batch(trainer, dataset, plan)
+    report(found, plan, at_data)
+    return found
+
+
 def worst_rows(dataset, micro_batch_size: int) -> tuple[int, ...]:
     """The ``micro_batch_size`` rows with the most tokens (then the most images): the largest
     batch any shuffle of the run can put together."""
