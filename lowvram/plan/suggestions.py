@@ -12,8 +12,8 @@ from lowvram.plan.explain import Estimator
 from lowvram.plan.limits import max_fitting_seq_len
 from lowvram.plan.models import model_numel
 from lowvram.plan.optimizers import optimizer_problems
+from lowvram.plan.pool import CandidatePool
 from lowvram.plan.request import Budget, Candidate, PlanRequest, fits_budget, vram_needed_bytes
-from lowvram.plan.search import candidate, candidate_setups, rank
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.vision import vision_problems
 from lowvram.units import gib
@@ -32,9 +32,8 @@ def suggest_changes(req: PlanRequest, budget: Budget, lowest: Candidate, estimat
         freed = replace(req, **{name: None})
         if name == "lora":
             freed = replace(freed, quantization=None if req.quantization in (None, "none") else req.quantization)
-        fit = [c for c in (candidate(s, freed, budget, estimate) for s in candidate_setups(freed, budget)) if c.fits]
-        if fit:
-            best = min(fit, key=rank)
+        best = CandidatePool(freed, budget, estimate).best_fitting(shown=True)  # min(fitting, key=rank)
+        if best:
             source = req.sources.get(name, flag)
             value = _describe(name, best.setup)
             out.append(f"drop {source} and let the planner choose {name}: {value} fits "

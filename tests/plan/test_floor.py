@@ -155,6 +155,7 @@ def test_pool_answers_what_estimating_every_candidate_answers(model, fields, bud
     fitting = [c for c in cands if c.fits]
     chosen = min(fitting, key=lambda c: rank(c, budget)) if fitting else None
     assert pool.best_fitting() == chosen
+    assert pool.best_fitting(shown=True) == (min(fitting, key=rank) if fitting else None)  # suggestions'
     assert pool.lowest() == min(cands, key=lambda c: (c.peak_bytes, c.slowdown))
     ready = [c for c in cands if not missing_extras(c.setup, budget)]
     ready_fit = [c for c in ready if c.fits]
