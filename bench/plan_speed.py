@@ -67,7 +67,7 @@ def _time(cmd: list[str], runs: int) -> tuple[float, float, float]:
 def _estimates(args: list[str]) -> int:
     """Full memory estimates one `lowvram plan ARGS` makes (run here through lowvram.cli.main)."""
     from lowvram import cli
-    from lowvram.plan import memory
+    from lowvram.plan.memory import memory
 
     count = [0]
     real = memory._check  # every estimate_memory checks its setup once first
@@ -95,7 +95,7 @@ def main() -> int:
     py = [sys.executable, "-c"]
     rows = [("python -c 'import lowvram.cli'", *_time(py + ["import lowvram.cli"], args.runs), None, None),
             ("python -c 'import <the plan path>'",
-             *_time(py + ["import lowvram.cli, lowvram.planning.entry, lowvram.plan.choose, lowvram.report.plans"],
+             *_time(py + ["import lowvram.cli, lowvram.planning.entry, lowvram.plan.choose.choose, lowvram.report.plans"],
                     args.runs), None, None)]
     for case, limit in [(c, LIMIT_S) for c in CASES] + [(TABLE, TABLE_LIMIT_S)]:
         rows.append(("lowvram plan " + " ".join(case), *_time(_cli() + ["plan", *case], args.runs),

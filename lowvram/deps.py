@@ -17,13 +17,13 @@ MIN_VERSIONS: dict[str, tuple[str, str]] = {
               "fully_shard all-gather calls Stream.record_event, which CPU streams lack there; 2.6 ran "
               "everything else; 2.7-2.10 not checked; transformers 5.23 itself asks >=2.6"),
     "transformers": ("5.23", "TrainingArguments(activation_checkpointing=, activation_checkpointing_kwargs=) "
-                     "and PreTrainedModel.activation_checkpointing_enable(offload=) (lowvram.train.trainer, "
+                     "and PreTrainedModel.activation_checkpointing_enable(offload=) (lowvram.train.build.trainer, "
                      ".model), first in 5.23; 5.17-5.22 raise in TrainingArguments"),
     "peft": ("0.18", "LoraConfig/get_peft_model and PeftModel on transformers 5 models "
              "(0.17.1 imports transformers' HybridCache, gone in 5)"),
     "accelerate": ("1.8", "FSDP2's full-state-dict load onto the CPU mesh (utils/fsdp_utils.py "
                    "fsdp2_load_full_state_dict: 1.7 calls .cuda(), a --cpu FSDP launch fails), for the "
-                   "FSDP2 launch config (fsdp_version: 2, lowvram.train.launch)"),
+                   "FSDP2 launch config (fsdp_version: 2, lowvram.train.run.launch)"),
     "bitsandbytes": ("0.50", "bnb.optim 8-bit AdamW on CPU tensors (lowvram train --cpu, the CPU tests): 0.48-0.49 "
                      "raise in functional.is_on_gpu at the first step; transformers 5's BitsAndBytesConfig "
                      "asks >=0.46.1; bnb.functional.quantize_4bit under FakeTensorMode (lowvram.check.simulate)"),

@@ -2,7 +2,7 @@
 
 ``lowvram plan --model org/name`` for a model that is neither in the catalog nor in the hub cache
 downloads that file only (``hf_hub_download(repo_id, "config.json")``: a few KB, no weights) into
-the hub cache, where ``lowvram.plan.models`` finds it from then on (offline too). Kept out of
+the hub cache, where ``lowvram.plan.model.models`` finds it from then on (offline too). Kept out of
 ``plan/``, which stays pure: the CLI calls this before it plans. huggingface_hub reads HF_TOKEN
 (gated and private repos) and HF_HUB_CACHE / HF_HOME itself; HF_HUB_OFFLINE is checked here first
 so that an offline machine gets one clear error instead of a connection attempt.
@@ -86,7 +86,7 @@ def download_problem(repo_id: str) -> str | None:
 def ensure_config(model_ref: str, download=None) -> Path | None:
     """For a hub id that neither the catalog nor the hub cache knows, fetch its config.json (the
     path); None when nothing needed fetching (catalog name, local path, cached hub id)."""
-    from lowvram.plan.catalog import hub_cache_config, is_catalog_name
+    from lowvram.plan.model.catalog import hub_cache_config, is_catalog_name
 
     ref = model_ref.strip()
     if not looks_like_hub_id(ref) or is_catalog_name(ref) or hub_cache_config(ref) is not None:

@@ -10,7 +10,7 @@ from functools import lru_cache, wraps
 from operator import attrgetter
 
 from lowvram.plan import constants as fitted
-from lowvram.plan.models import ModelSpec
+from lowvram.plan.model.models import ModelSpec
 from lowvram.vocab import BNB_OPTIMIZERS
 
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", "cuda_context",
@@ -64,7 +64,7 @@ def activation_offload_conflict(activation_offload: bool, gradient_checkpointing
 
 def tiled_mlp_conflict(tiled_mlp: bool, is_moe: bool) -> str | None:
     """Why the tiled MLP cannot run (None when it can): lowvram tiles a dense MLP module (one
-    function of the hidden states, lowvram.train.tiled_mlp); a mixture of experts routes each
+    function of the hidden states, lowvram.train.build.tiled_mlp); a mixture of experts routes each
     token to its own experts, which lowvram does not tile."""
     if tiled_mlp and is_moe:
         return "tiled_mlp needs a dense MLP: this model's MLP is a mixture of experts"
@@ -94,10 +94,10 @@ class RunSetup:
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.0  # lora.dropout: > 0 saves a dropped input and a mask per adapter
-    lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitudes and weight-norm temporaries (plan/dora.py)
-    lora_init: str = "default"  # lora.init: pissa's SVD at model build (plan/lora_init.py)
+    lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitudes and weight-norm temporaries (plan/memory/dora.py)
+    lora_init: str = "default"  # lora.init: pissa's SVD at model build (plan/memory/lora_init.py)
     optimizer: str = "adamw"
-    galore_rank: int = 128  # galore.rank: optimizer galore_adamw's projection rank (plan/optimizers.py)
+    galore_rank: int = 128  # galore.rank: optimizer galore_adamw's projection rank (plan/memory/optimizers.py)
     gradient_checkpointing: bool = False
     attention: str = "sdpa"  # sdpa | eager | flash_attention_2
     loss: str = "standard"  # standard | chunked
@@ -116,13 +116,13 @@ class RunSetup:
     # layer (activations.masked_layers)
     packing: bool = False
     # the rows are right-padded to the batch's longest and carry an attention_mask (TRL's
-    # preference collators, lowvram.plan.preference.policy_setup): SDPA gets a b x 1 x s x s
+    # preference collators, lowvram.plan.memory.preference.policy_setup): SDPA gets a b x 1 x s x s
     # mask in every layer (activations.masked_layers)
     padded: bool = False
-    # data.images_per_row with image_chat data (0: text): lowvram.plan.images
+    # data.images_per_row with image_chat data (0: text): lowvram.plan.memory.images
     images_per_row: int = 0
     # techniques.tiled_mlp: each decoder layer's MLP computed over the sequence in shards and
-    # recomputed shard by shard in the backward (DeepSpeed's TiledMLP, lowvram.plan.tiled);
+    # recomputed shard by shard in the backward (DeepSpeed's TiledMLP, lowvram.plan.memory.tiled);
     # tiled_mlp_shards 0 = DeepSpeed's rule, ceil(seq_len / hidden_size) (tiled.tiled_mlp_shards)
     tiled_mlp: bool = False
     tiled_mlp_shards: int = 0
@@ -131,9 +131,9 @@ class RunSetup:
     # slack's churn share is smaller with it (CudaOverheads)
     expandable_segments: bool = True
     # True: peft prepare_model_for_kbit_training (non-quantized params -> fp32). lowvram trains
-    # QLoRA without that upcast (lowvram.train.model.prepare_kbit_model), so False is the default.
+    # QLoRA without that upcast (lowvram.train.build.model.prepare_kbit_model), so False is the default.
     kbit_prepare: bool = False
-    # training.objective (lowvram.plan.preference): dpo/orpo/simpo run chosen + rejected in one
+    # training.objective (lowvram.plan.memory.preference): dpo/orpo/simpo run chosen + rejected in one
     # forward of 2 x micro_batch_size rows; precompute_ref: DPO's reference log-probs computed
     # before training (preference.precompute_ref_log_probs), no reference copy or forward per step
     objective: str = "sft"
@@ -195,7 +195,7 @@ class MemoryEstimate:
     peak_phase: str  # "forward_backward" or "optimizer_step"
     cpu_ram_bytes: int
     persistent_bytes: int
-    # the moment that binds (a key of lowvram.plan.moments.MOMENTS, or "optimizer_step")
+    # the moment that binds (a key of lowvram.plan.memory.moments.MOMENTS, or "optimizer_step")
     peak_moment: str = ""
     # the allocator term's named parts (CudaOverheads.allocator_parts; empty off CUDA), summing
     # to breakdown["allocator"]
@@ -221,7 +221,7 @@ class CudaOverheads:
     as they were made; one on what churns (activations, logits, gradients, temporaries: freed and
     allocated again every step, leaving blocks the next step's sizes do not fill), smaller with
     PyTorch's expandable_segments, which ``lowvram train`` sets unless the user set
-    PYTORCH_CUDA_ALLOC_CONF (lowvram.train.allocator)."""
+    PYTORCH_CUDA_ALLOC_CONF (lowvram.train.build.allocator)."""
 
     context_bytes: int
     once_fraction: float  # slack on bytes allocated once (weights, optimizer state)
@@ -254,7 +254,7 @@ def cuda_overheads() -> CudaOverheads:
 
 def expandable_segments_set(alloc_conf: str | None) -> bool:
     """Whether a CUDA run has PyTorch's expandable segments, from its PYTORCH_CUDA_ALLOC_CONF
-    (None: unset, so ``lowvram train`` sets ``expandable_segments:True``; lowvram.train.allocator).
+    (None: unset, so ``lowvram train`` sets ``expandable_segments:True``; lowvram.train.build.allocator).
     The caller reads the environment (lowvram.planning.budget); plan/ reads none."""
     if alloc_conf is None:
         return True

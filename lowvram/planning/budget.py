@@ -47,7 +47,7 @@ def read_machine(vram: str | None = None, gpus: int = 1, host_ram: str | None = 
 
         hardware = detect_hardware(vram, gpus=gpus)
     # `lowvram train` sets expandable segments unless PYTORCH_CUDA_ALLOC_CONF is set
-    # (lowvram.train.allocator); a value the user set is planned as it is
+    # (lowvram.train.build.allocator); a value the user set is planned as it is
     expandable = expandable_segments_set(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     return Machine(hardware, host_ram_budget(host_ram, hardware), missing_extras(), expandable)
 
@@ -140,7 +140,7 @@ def _budget(vram: str | None, hardware):
     - Otherwise the hardware is detected: the first GPU's free memory; on a CPU-only machine the
       plan is for a CPU run against the available host RAM, and a note says so.
     """
-    from lowvram.plan.request import Budget
+    from lowvram.plan.choose.request import Budget
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     flag = "--vram" if vram else "LOWVRAM_VRAM"
@@ -197,7 +197,7 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     quant = recipe.techniques.quantization
     _check_bnb(ON_VALUES["quantization"] if quant == "on" else quant, recipe.techniques.optimizer, hardware)
     # techniques.attention: flash_attention_2 where it cannot run: the planner refuses it
-    # (lowvram.plan.request.check_attention), whether the memory is predicted or not
+    # (lowvram.plan.choose.request.check_attention), whether the memory is predicted or not
 
 
 def check_runnable(plan: Plan, hardware) -> Plan:

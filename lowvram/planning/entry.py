@@ -2,17 +2,17 @@
 (+ flags, + detected hardware) -> request (request.py) -> :mod:`lowvram.plan` -> Plan or Choice.
 
 When the model's architecture can be read (catalog name, a folder with config.json, a cached hub
-id) the memory-driven chooser (:mod:`lowvram.plan.choose`) picks every ``auto`` technique. When it
+id) the memory-driven chooser (:mod:`lowvram.plan.choose.choose`) picks every ``auto`` technique. When it
 cannot, the same request is planned with nothing left on auto (fixed.py,
-:mod:`lowvram.plan.unpredicted`) and the plan says that its memory was not predicted."""
+:mod:`lowvram.plan.choose.unpredicted`) and the plan says that its memory was not predicted."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
-from lowvram.plan.preference import OBJECTIVES
-from lowvram.plan.replan import Replanner
+from lowvram.plan.choose.replan import Replanner
+from lowvram.plan.memory.preference import OBJECTIVES
 from lowvram.plan.types import Plan
 from lowvram.planning.budget import check_card, check_runnable, make_budget, read_machine
 from lowvram.planning.fixed import fixed_with_note
@@ -37,7 +37,7 @@ def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus
         spec = recipe_model(recipe)
     except LowvramError as err:
         return check_runnable(fixed_with_note(recipe, budget, err, flags, sources), hardware)
-    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.choose.choose import choose_plan
 
     return check_runnable(choose_plan(build_request(spec, recipe, flags, sources), budget).plan, hardware)
 
@@ -106,8 +106,8 @@ def _checked_flags(recipe: Recipe | None, model: str | None, method: str | None,
 def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,
               method: str | None = None, hardware=None, host_ram: str | None = None, **flags):
     """The plan `lowvram plan` shows: a Choice, or a fixed Plan if the model cannot be read."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.model.catalog import resolve_model
 
     fields, sources = _checked_flags(recipe, model, method, flags)
     if model is not None:
@@ -127,11 +127,11 @@ def context_table(recipe: Recipe | None = None, model: str | None = None, method
                   cards: tuple[int, ...] | None = None, host_ram: str | None = None, **flags):
     """`lowvram plan --context-table`: the longest seq_len over every plan on each card size
     (8 to 80 GB, read as cards are sold: lowvram.plan.cards), for the request the flags make."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.limits import CARD_SIZES_GB
-    from lowvram.plan.limits import context_table as table
-    from lowvram.plan.memory import estimate_memory
-    from lowvram.plan.request import validate_request
+    from lowvram.plan.choose.limits import CARD_SIZES_GB
+    from lowvram.plan.choose.limits import context_table as table
+    from lowvram.plan.choose.request import validate_request
+    from lowvram.plan.memory.memory import estimate_memory
+    from lowvram.plan.model.catalog import resolve_model
 
     fields, sources = _checked_flags(recipe, model, method, flags)
     spec = resolve_model(model) if model is not None else recipe_model(recipe)
@@ -144,8 +144,8 @@ def context_table(recipe: Recipe | None = None, model: str | None = None, method
 
 
 def list_models() -> list[tuple[str, str, int]]:
-    from lowvram.plan.catalog import catalog_names, resolve_model
-    from lowvram.plan.models import model_numel
+    from lowvram.plan.model.catalog import catalog_names, resolve_model
+    from lowvram.plan.model.models import model_numel
 
     rows = []
     for name in catalog_names():

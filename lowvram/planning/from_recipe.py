@@ -131,7 +131,7 @@ def _shown(value) -> str:
 def build_request(model, recipe: Recipe | None = None, flags: dict | None = None,
                   flag_sources: dict | None = None):
     """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
-    from lowvram.plan.request import PlanRequest
+    from lowvram.plan.choose.request import PlanRequest
 
     # without a recipe the request's own defaults, the schema's (tests/planning pins them equal)
     fields: dict = {}
@@ -141,11 +141,11 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
         fields.update(lora_fields(recipe))
         fields.update(galore_fields(recipe))
         # a max_grad_norm the recipe writes is asked for; the default (1.0) a layerwise optimizer
-        # drops, and its plan says so (plan/optimizers.py given_up)
+        # drops, and its plan says so (plan/memory/optimizers.py given_up)
         t = recipe.training
         fields["gradient_clipping"] = "max_grad_norm" in t.model_fields_set and t.max_grad_norm > 0
         fields["packing"] = recipe.data.packing
-        if any(d.format == "image_chat" for d in recipe.data.datasets):  # lowvram.plan.images
+        if any(d.format == "image_chat" for d in recipe.data.datasets):  # lowvram.plan.memory.images
             fields["images_per_row"] = recipe.data.images_per_row
         fields["objective"] = recipe.training.objective
         fields["precompute_ref"] = recipe.preference.precompute_ref_log_probs
@@ -198,7 +198,7 @@ def recipe_from_sets(model: str | None, overrides: list[str] | tuple) -> Recipe:
             raise LowvramError(f"--set {item}: {key} cannot be set without a recipe",
                                "name the model with --model; write data and model keys in a recipe "
                                "(lowvram plan RECIPE --set ...), e.g. start from recipes/quickstart.yaml")
-    from lowvram.plan.preference import PREFERENCE_OBJECTIVES
+    from lowvram.plan.memory.preference import PREFERENCE_OBJECTIVES
 
     objective = [i.partition("=")[2].strip() for i in overrides if i.partition("=")[0].strip() == "training.objective"]
     # the placeholder data's format follows the objective (the schema pairs the two); never read
@@ -210,7 +210,7 @@ def recipe_from_sets(model: str | None, overrides: list[str] | tuple) -> Recipe:
 
 def recipe_model(recipe: Recipe):
     """The recipe's model as a ModelSpec (a local folder resolves against the recipe file)."""
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
 
     return resolve_model(recipe_model_ref(recipe))
 

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from lowvram.plan.preference import OBJECTIVES, PREFERENCE_OBJECTIVES, RL_OBJECTIVES
+from lowvram.plan.memory.preference import OBJECTIVES, PREFERENCE_OBJECTIVES, RL_OBJECTIVES
 from lowvram.plan.setup import activation_offload_conflict, quantization_conflict
 from lowvram.recipe.formats import unknown_field
 from lowvram.recipe.grpo import GrpoSection, grpo_problem, rl_format_problem
@@ -53,7 +53,7 @@ DataFormat = Literal["auto", "alpaca", "chat", "sharegpt", "image_chat", "comple
 # The roles a chat template renders (OpenAI's message roles).
 CHAT_ROLES = ("user", "assistant", "system", "tool")
 # training.objective: sft trains on responses (the Trainer); the others align on preference data
-# through TRL (lowvram.train.preference), the planner's list (lowvram.plan.preference).
+# through TRL (lowvram.train.build.preference), the planner's list (lowvram.plan.memory.preference).
 Objective = Literal[OBJECTIVES]
 # the data formats of the preference objectives (kto also reads pairs: TRL unpairs them)
 PREFERENCE_FORMATS = ("preference", "unpaired")
@@ -252,7 +252,7 @@ class LoraSection(_Section):
     @field_validator("init")
     @classmethod
     def _known_init(cls, v: str) -> str:
-        from lowvram.plan.lora_init import init_name_problem
+        from lowvram.plan.memory.lora_init import init_name_problem
 
         if problem := init_name_problem(v):
             raise ValueError(problem)
@@ -439,7 +439,7 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _grpo_batch(self) -> Recipe:
-        problem = grpo_problem(self.grpo, self.training, "grpo" in self.model_fields_set)
+        problem = grpo_problem(self.grpo, self.training, "grpo" in self.model_fields_set, self.data.validation)
         if problem:
             raise ValueError(problem)
         return self

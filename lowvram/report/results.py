@@ -78,10 +78,12 @@ def show_runs(runs, folder, as_json: bool = False) -> None:
         style = _STATUS_STYLE.get(r.status, "")
         objective = (r.recipe.get("training") or {}).get("objective", "sft")
         margin = r.metrics.get("rewards_margins") if r.metrics is not None else None
+        reward = r.metrics.get("reward") if r.metrics is not None else None  # grpo/rloo
         t.add_row(_relative(r.path, folder), r.recipe_name, Path(r.model).name or r.model,
                   ("" if objective == "sft" else f"{objective}, ") + techniques_label(r.techniques),
                   f"{mem(r.predicted_peak_bytes)} / {mem(r.measured_peak_bytes)}",
-                  number_cell(r.final_loss, 3) + (f" (margin {margin:+.3f})" if margin is not None else ""),
+                  number_cell(r.final_loss, 3) + (f" (margin {margin:+.3f})" if margin is not None else "")
+                  + (f" (reward {reward:+.3f})" if reward is not None else ""),
                   f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
                   f"[{style}]{r.status}[/{style}]" if style else r.status)
     c.print(t)
@@ -92,6 +94,15 @@ def _relative(path: str, folder) -> str:
         return str(Path(path).relative_to(folder)) if Path(path) != Path(folder) else str(path)
     except ValueError:
         return str(path)
+
+
+def warn_damaged(runs) -> None:
+    """One `warning:` line on stderr per damaged file of the listed runs, naming the run (`lowvram
+    runs` exits 0 with them: the other runs are listed; `lowvram show RUN` says how to repair)."""
+    lines = [f"warning: run {r.name}: {line}; `lowvram show {r.path}` says how to repair it\n"
+             for r in runs for line in r.damaged]
+    sys.stderr.write("".join(lines))
+    sys.stderr.flush()
 
 
 def show_run(r, as_json: bool = False) -> None:
@@ -137,15 +148,20 @@ def show_run(r, as_json: bool = False) -> None:
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
     # preference objectives: TRL's reward metrics and each objective's own terms (kto's KL, orpo's
-    # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.preference)
+    # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.build.preference)
     rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m.get(key), 3))
              for key in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies")
              if m is not None and m.get(key) is not None]
     rows += [(f"{key} (last)", number_cell(m.get(key), 3)) for key in OBJECTIVE_METRIC_KEYS
              if m is not None and m.get(key) is not None]
+    rows += _rl_rows(m)
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
     c.print(t)
+    history = (m.reward_history if m is not None else None) or []
+    if history:
+        c.print(f"reward {sparkline([v for _, v in history])}  (steps {history[0][0]}-{history[-1][0]}: "
+                f"{history[0][1]:+.3f} -> {history[-1][1]:+.3f})", markup=False)
     margins = (m.get("rewards_margins_history") if m is not None else None) or []
     if margins:
         c.print(f"reward margin {sparkline([v for _, v in margins])}  (steps {margins[0][0]}-{margins[-1][0]}: "
@@ -165,3 +181,20 @@ def show_run(r, as_json: bool = False) -> None:
         c.print(f"resume with: {resume_command(r.recipe_path or 'RECIPE', [here])}", markup=False)
     if r.files:
         c.print(f"files: {', '.join(r.files)}", markup=False)
+
+
+def _rl_rows(m) -> list[tuple[str, str | None]]:
+    """grpo/rloo: the reward (last logged mean +- std), each reward function's, the completion
+    length, the truncated completions and the clip ratio (metrics.json, lowvram.train.build.grpo)."""
+    if m is None or m.reward is None:
+        return []
+    rows = [("reward (last, mean ± std)", f"{m.reward:+.3f} ± {m.reward_std or 0:.3f}")]
+    rows += [(f"reward {name} (last)", f"{f.get('mean', 0):+.3f} ± {f.get('std', 0):.3f}")
+             for name, f in (m.reward_functions or {}).items()]
+    if m.completion_length is not None:
+        rows.append(("completion length (last, tokens)", number_cell(m.completion_length, 1)))
+    if m.truncated_completions is not None:
+        rows.append(("completions cut at max_completion_length", f"{m.truncated_completions:.0%}"))
+    if m.clip_ratio is not None:
+        rows.append(("clip ratio (last)", number_cell(m.clip_ratio, 3)))
+    return rows

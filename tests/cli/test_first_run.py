@@ -75,7 +75,7 @@ def test_training_writes_no_library_noise_to_stderr(tmp_path, tiny_model_dir):
 
 
 def test_one_gguf_conversion_serves_every_copy_of_the_file(tmp_path):
-    from lowvram.train.gguf import _gguf_key
+    from lowvram.train.build.gguf import _gguf_key
 
     data = os.urandom(9 << 20)  # larger than both 4 MiB edges
     for folder in ("a", "b/c"):

@@ -12,23 +12,35 @@ from dataclasses import replace
 
 import pytest
 
-from lowvram.plan import backward, floor, tiled
-from lowvram.plan import limits as limits_module
-from lowvram.plan import memory as memory_module
-from lowvram.plan import techniques as tq
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import choose_plan
-from lowvram.plan.floor import peak_floor_bytes
-from lowvram.plan.limits import (
+from lowvram.plan.choose import limits as limits_module
+from lowvram.plan.choose import techniques as tq
+from lowvram.plan.choose.choose import choose_plan
+from lowvram.plan.choose.limits import (
     _limit_setups,
     limits_over_plans,
     max_fitting_micro_batch,
     max_fitting_seq_len,
 )
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.pool import CandidatePool, Estimates
-from lowvram.plan.request import Budget, PlanRequest, missing_extras, optimizer_given_up, plan_level
-from lowvram.plan.search import candidate, candidate_setups, rank, sized_estimate, sized_loss_chunk
+from lowvram.plan.choose.pool import CandidatePool, Estimates
+from lowvram.plan.choose.request import (
+    Budget,
+    PlanRequest,
+    missing_extras,
+    optimizer_given_up,
+    plan_level,
+)
+from lowvram.plan.choose.search import (
+    candidate,
+    candidate_setups,
+    rank,
+    sized_estimate,
+    sized_loss_chunk,
+)
+from lowvram.plan.memory import backward, floor, tiled
+from lowvram.plan.memory import memory as memory_module
+from lowvram.plan.memory.floor import peak_floor_bytes
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.model.catalog import resolve_model
 
 GB = 10**9
 

@@ -12,7 +12,7 @@ from lowvram.recipe import parse_recipe
 from lowvram.train.data.build import build_datasets
 from lowvram.train.data.collate import make_collator
 from lowvram.train.data.format import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, format_example
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -9,7 +9,7 @@ import pytest
 
 from lowvram.errors import LowvramError
 from lowvram.plan.types import Plan
-from lowvram.train.launch import (
+from lowvram.train.run.launch import (
     LaunchSpec,
     accelerate_config,
     launch_command,
@@ -97,7 +97,7 @@ def test_launch_command_cpu_and_rendezvous(tmp_path):
     assert "--multi_gpu" in cmd  # MULTI_CPU alone would start one process
     assert cmd[cmd.index("--rdzv_conf") + 1] == "timeout=7"
     assert cmd[cmd.index("--plan") + 1] == str(tmp_path / "p.json")
-    assert cmd.index("--rdzv_conf") < cmd.index("lowvram.train.worker")  # launcher flags first
+    assert cmd.index("--rdzv_conf") < cmd.index("lowvram.train.run.worker")  # launcher flags first
     fsdp = launch_command(tmp_path / "c.yaml", tmp_path / "r.yaml", spec=spec,
                           plan=dataclasses.replace(BASE, offload="fsdp"))
     assert "--multi_gpu" not in fsdp  # it would turn FSDP off
@@ -115,7 +115,7 @@ def test_one_node_picks_a_free_port():
 def test_missing_deepspeed_says_what_to_install(monkeypatch):
     import importlib.util
 
-    from lowvram.train import launch
+    from lowvram.train.run import launch
 
     real = importlib.util.find_spec
     monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None if name == "deepspeed" else real(name))
@@ -126,7 +126,7 @@ def test_missing_deepspeed_says_what_to_install(monkeypatch):
 
 
 def test_plan_round_trips_through_json(tmp_path):
-    from lowvram.train.launch import read_plan, write_plan
+    from lowvram.train.run.launch import read_plan, write_plan
 
     plan = dataclasses.replace(BASE, reasons={"offload": "why"}, breakdown={"weights": 1}, host_ram_bytes=5)
     assert read_plan(write_plan(plan, tmp_path)) == plan
@@ -134,10 +134,10 @@ def test_plan_round_trips_through_json(tmp_path):
 
 def test_request_round_trips_through_json(tmp_path):
     """A launched rank rebuilds the parent's Replanner from launch-request.json (no recipe model)."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.replan import Replanner
-    from lowvram.plan.request import PlanRequest
-    from lowvram.train.launch import read_replanner, write_request
+    from lowvram.plan.choose.replan import Replanner
+    from lowvram.plan.choose.request import PlanRequest
+    from lowvram.plan.model.catalog import resolve_model
+    from lowvram.train.run.launch import read_replanner, write_request
 
     request = PlanRequest(model=resolve_model("qwen2.5-7b"), seq_len=2048, lora=True, lora_targets=("q_proj", "v_proj"),
                           sources={"lora": "the recipe"})
@@ -154,9 +154,9 @@ def test_request_round_trips_through_json(tmp_path):
 
 
 def _choose(model: str, gpus: int, vram: str = "24GB", **fields):
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.units import parse_size
 
     budget = Budget(parse_size(vram), "cuda")
@@ -262,7 +262,7 @@ def test_an_offload_that_runs_cpu_adam_is_refused_before_the_launch_without_a_co
         offload, tmp_path, monkeypatch, tiny_model_dir):
     pytest.importorskip("deepspeed")
     from lowvram.recipe import parse_recipe
-    from lowvram.train import launch
+    from lowvram.train.run import launch
     from lowvram.train.types import TrainOptions
 
     (tmp_path / "bin").mkdir()
@@ -283,9 +283,9 @@ def test_an_offload_that_runs_cpu_adam_is_refused_before_the_launch_without_a_co
 
 
 def test_plans_say_when_cpu_adam_cannot_be_built(monkeypatch, tmp_path):
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.planning.budget import missing_extras
 
     pytest.importorskip("deepspeed")

@@ -1,4 +1,4 @@
-"""lowvram.train.model: what loading the model leaves on the user's terminal."""
+"""lowvram.train.build.model: what loading the model leaves on the user's terminal."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_int8_on_cuda_does_not_log_at_every_linear_call(caplog):
     import torch
     from bitsandbytes.autograd._functions import MatMul8bitLt, MatmulLtState
 
-    from lowvram.train.model import quiet_libraries
+    from lowvram.train.build.model import quiet_libraries
 
     quiet_libraries()
     a = torch.randn(4, 16, dtype=torch.bfloat16)

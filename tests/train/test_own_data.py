@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lowvram.cli import app
+from lowvram.train.build.loss import IGNORE_INDEX
 from lowvram.train.data.build import build_datasets
-from lowvram.train.loss import IGNORE_INDEX
 from tests.train.test_data import recipe, write_jsonl
 
 SHAREGPT = [

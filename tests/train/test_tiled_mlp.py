@@ -1,6 +1,6 @@
 """Tiled MLP (issue 26, item 1): DeepSpeed's TiledMLP wired to transformers / peft MLP modules
-(lowvram.train.tiled_mlp) trains the same as the plain MLP, and the planner counts it per shard
-(lowvram.plan.tiled) as named moments; auto takes it only where it is the cheapest way to fit."""
+(lowvram.train.build.tiled_mlp) trains the same as the plain MLP, and the planner counts it per shard
+(lowvram.plan.memory.tiled) as named moments; auto takes it only where it is the cheapest way to fit."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan import tiled
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import choose_plan
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.moments import MOMENTS
-from lowvram.plan.request import Budget, PlanRequest
+from lowvram.plan.choose.choose import choose_plan
+from lowvram.plan.choose.request import Budget, PlanRequest
+from lowvram.plan.memory import tiled
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.moments import MOMENTS
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.types import Plan
 from lowvram.planning.from_recipe import tiled_mlp_fields
@@ -34,7 +34,7 @@ def _loss_and_grads(model_dir, plan, ids):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowvram.train.model import load_kwargs, prepare_model
+    from lowvram.train.build.model import load_kwargs, prepare_model
 
     model = prepare_model(AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(plan)), plan, seed=0)
     model.train()
@@ -105,7 +105,7 @@ def test_tiled_recompute_draws_the_forwards_dropout_masks(tiny_model_dir, checkp
 def test_mlp_modules_are_the_dense_mlps(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from lowvram.train.tiled_mlp import enable_tiled_mlp
+    from lowvram.train.build.tiled_mlp import enable_tiled_mlp
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert enable_tiled_mlp(model) == model.config.num_hidden_layers
@@ -228,7 +228,7 @@ def test_plan_flag_fixes_tiling():
 
 
 def test_expandable_segments_unless_the_user_set_the_allocator():
-    from lowvram.train.allocator import ALLOC_CONF, set_expandable_segments
+    from lowvram.train.build.allocator import ALLOC_CONF, set_expandable_segments
 
     env: dict[str, str] = {}
     assert set_expandable_segments(env) and env == {ALLOC_CONF: "expandable_segments:True"}
@@ -238,7 +238,7 @@ def test_expandable_segments_unless_the_user_set_the_allocator():
 
 def test_lowvram_train_sets_it_in_the_launchers_environment(tmp_path, tiny_model_dir, monkeypatch):
     """`lowvram train` sets it before planning (before anything initialises CUDA); accelerate's
-    ranks get os.environ (lowvram.train.launch.run_launch)."""
+    ranks get os.environ (lowvram.train.run.launch.run_launch)."""
     import os
 
     from typer.testing import CliRunner
@@ -254,3 +254,60 @@ def test_lowvram_train_sets_it_in_the_launchers_environment(tmp_path, tiny_model
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
     assert CliRunner().invoke(app, ["train", str(path), "--dry-run"]).exit_code == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_under_ddp_each_mlp_parameter_takes_its_gradient_once_per_backward(tiny_model_dir, monkeypatch, lora):
+    """DDP's reducer marks a parameter ready at its AccumulateGrad hook and raises the second time
+    ("Expected to mark a variable ready only once", issue 41 item 3; tests/train/test_multi_gpu.py
+    runs it over gloo): TiledMLP runs one backward per shard, so under DDP every shard but the last
+    differentiates aliases of the parameters (lowvram.train.build.tiled_mlp). Each MLP parameter's
+    AccumulateGrad fires once, with the plain MLP's gradient; the other parameters are untouched."""
+    import collections
+
+    import torch
+
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch gives each DDP worker
+    torch.manual_seed(0)
+    ids = torch.randint(4, 500, (2, 12))
+    plan = _plan(lora=lora, gradient_checkpointing=True)
+    loss, grads = _loss_and_grads(tiny_model_dir, plan, ids)
+
+    import lowvram.train.build.model as model_module
+
+    fired: collections.Counter = collections.Counter()
+    prepare = model_module.prepare_model
+
+    def counting(model, plan, seed=None):
+        model = prepare(model, plan, seed)
+        for name, p in model.named_parameters():
+            if p.requires_grad and ".mlp." in name:
+                p.register_post_accumulate_grad_hook(lambda _p, name=name: fired.update([name]))
+        return model
+
+    monkeypatch.setattr(model_module, "prepare_model", counting)
+    tiled_plan = replace(plan, tiled_mlp=True, tiled_mlp_shards=4)
+    tiled_loss, tiled_grads = _loss_and_grads(tiny_model_dir, tiled_plan, ids)
+    mlp = [n for n in grads if ".mlp." in n]
+    assert mlp and fired == dict.fromkeys(mlp, 1)  # before: 4 each, one per shard
+    assert tiled_loss == pytest.approx(loss, rel=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(tiled_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_two_rows_with_fewer_positions_than_shards_by_row(tiny_model_dir):
+    """TiledMLP's forward chunks the positions, its backward the flattened rows: 9 positions in 4
+    chunks are 3 (of 3), 2 x 9 rows are 4 (of 5). lowvram hands it the flattened rows, so both
+    passes cut the same shards and the recompute replays each shard's own random state (before:
+    IndexError in that replay, and with two rows the wrong dropout masks)."""
+    import torch
+
+    pytest.importorskip("deepspeed")
+    ids = torch.randint(4, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    plan = _plan()
+    loss, grads = _loss_and_grads(tiny_model_dir, plan, ids)
+    tiled_loss, tiled_grads = _loss_and_grads(tiny_model_dir, replace(plan, tiled_mlp=True, tiled_mlp_shards=4), ids)
+    assert tiled_loss == pytest.approx(loss, rel=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(tiled_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lowvram.errors import DataError
+from lowvram.plan.memory.preference import RL_OBJECTIVES
 from lowvram.recipe import Recipe
 from lowvram.train.data.collate import columns, hold_out, pack, to_dataset
 from lowvram.train.data.images import tokenize_image_rows
 from lowvram.train.data.read import concrete_spec, load_rows
 from lowvram.train.data.tokenize import Counts, tokenize_rows
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -58,6 +59,8 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: I
     objective: the checked prompt/chosen/rejected pairs, which TRL tokenizes (data/preference.py).
     ``images``: the model's processor and image token, for format image_chat (data/images.py);
     every sample then carries its image paths (none for a text dataset beside it)."""
+    if recipe.training.objective in RL_OBJECTIVES:
+        return _prompt_bundle(recipe)
     if recipe.training.objective != "sft":
         return _preference_bundle(recipe)
     data = recipe.data
@@ -120,3 +123,13 @@ def _preference_bundle(recipe: Recipe) -> DataBundle:
                       skipped_bad_rows=pairs.skipped_bad_rows, truncated=0, train_tokens=0,
                       response_tokens=0, packed=False, train_samples=pairs.pairs)
     return DataBundle(train=pairs.train, eval=pairs.eval, stats=stats)
+
+
+def _prompt_bundle(recipe: Recipe) -> DataBundle:
+    """grpo, rloo: the checked prompts, which TRL tokenizes at each generation (data/prompts.py)."""
+    from lowvram.train.data.prompts import build_prompt_dataset
+
+    prompts = build_prompt_dataset(recipe)
+    stats = DataStats(train_rows=prompts.prompts, eval_rows=0, skipped_bad_rows=prompts.skipped_bad_rows,
+                      truncated=0, train_tokens=0, response_tokens=0, packed=False, train_samples=prompts.prompts)
+    return DataBundle(train=prompts.train, eval=None, stats=stats)

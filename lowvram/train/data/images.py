@@ -7,7 +7,7 @@ ShareGPT (an ``<image>`` placeholder inside text content counts as an image part
 are relative to the data file. Each image part becomes the processor's placeholder in the chat
 template's text; the processor (transformers Gemma3Processor / LlavaProcessor
 ``replace_image_token``) expands it into the image's tokens, tokens_per_image of them
-(lowvram.plan.vision). Labels are on assistant turns only (ChatRenderer's segments) and never on
+(lowvram.plan.model.vision). Labels are on assistant turns only (ChatRenderer's segments) and never on
 an image token. The dataset keeps the token ids and the image paths: pixel values are made per
 batch by :class:`ImageCollator` (the processor's image processor), not stored.
 
@@ -34,7 +34,7 @@ from lowvram.train.data.format import (
 )
 from lowvram.train.data.read import BadRow, Row
 from lowvram.train.data.tokenize import trains_all
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 # The largest image accepted, in pixels (width x height): 4096 x 4096. The processors resize every
 # image to the tower's side (896 px for Gemma-3, 336 for Llava-1.5), so a larger file only costs

@@ -13,7 +13,7 @@ from lowvram.errors import DataError
 from lowvram.recipe import DatasetSpec, Recipe
 from lowvram.train.data.format import CHAT_FORMATS, ChatRenderer, Segments, check_fields, segments
 from lowvram.train.data.read import BadRow, Row
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
