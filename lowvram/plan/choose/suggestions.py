@@ -9,6 +9,7 @@ from lowvram.errors import LowvramError
 from lowvram.plan.cards import card_words
 from lowvram.plan.choose.explain import Estimator
 from lowvram.plan.choose.limits import CARD_SIZES_GB, max_fitting_seq_len
+from lowvram.plan.choose.pool import CandidatePool
 from lowvram.plan.choose.request import (
     Budget,
     Candidate,
@@ -16,7 +17,6 @@ from lowvram.plan.choose.request import (
     fits_budget,
     vram_needed_bytes,
 )
-from lowvram.plan.choose.search import candidate, candidate_setups, rank
 from lowvram.plan.constants import CARD_REPORTED_FRACTION
 from lowvram.plan.memory.optimizers import optimizer_problems
 from lowvram.plan.model import moe
@@ -41,9 +41,8 @@ def suggest_changes(req: PlanRequest, budget: Budget, lowest: Candidate, estimat
         freed = replace(req, **{name: None})
         if name == "lora":
             freed = replace(freed, quantization=None if req.quantization in (None, "none") else req.quantization)
-        fit = [c for c in (candidate(s, freed, budget, estimate) for s in candidate_setups(freed, budget)) if c.fits]
-        if fit:
-            best = min(fit, key=rank)
+        best = _best_fit(freed, budget, estimate)
+        if best:
             source = req.sources.get(name, flag)
             value = _describe(name, best.setup)
             out.append(f"drop {source} and let the planner choose {name}: {value} fits "
@@ -77,8 +76,8 @@ _RELEASABLE = {
 
 
 def _best_fit(req: PlanRequest, budget: Budget, estimate: Estimator) -> Candidate | None:
-    fit = [c for c in (candidate(s, req, budget, estimate) for s in candidate_setups(req, budget)) if c.fits]
-    return min(fit, key=rank) if fit else None
+    """min(fitting, key=search.rank) over the plans ``req`` allows, estimated lazily (plan/choose/pool.py)."""
+    return CandidatePool(req, budget, estimate).best_fitting(shown=True)
 
 
 def _any_optimizer_fits(req: PlanRequest, budget: Budget, estimate: Estimator) -> str | None:
