@@ -246,8 +246,12 @@ def plan(
 
         data["simulated"] = simulate_plan(result.chosen.setup, model_ref, data["peak_bytes"])
     show_plan(data, as_json=json_)
-    if check and not result.fits:
-        raise typer.Exit(1)
+    if not result.fits:
+        from lowvram.report.plans import show_not_fitting
+
+        show_not_fitting(data)  # the verdict on stderr, where a script and a reader both see it
+        if check:
+            raise typer.Exit(1)
 
 
 def _fetch_hub_config(model_ref: str, explicit: bool) -> None:

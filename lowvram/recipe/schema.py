@@ -25,6 +25,7 @@ from lowvram.plan.setup import activation_offload_conflict, quantization_conflic
 from lowvram.recipe.formats import unknown_field
 from lowvram.recipe.grpo import GrpoSection, grpo_problem, rl_format_problem
 from lowvram.vocab import (
+    ANY_OPTIMIZER,
     ATTENTIONS,
     DTYPES,
     LOSSES,
@@ -44,7 +45,7 @@ from lowvram.vocab import (
 OnOffAuto = Literal[SWITCH]
 MixedPrecision = Literal[(*SWITCH, *PRECISIONS)]
 Quantization = Literal[(*SWITCH, *(q for q in QUANTIZATIONS if q != "none"))]
-Optimizer = Literal[(*SWITCH, *OPTIMIZERS)]
+Optimizer = Literal[(*SWITCH, ANY_OPTIMIZER, *OPTIMIZERS)]
 Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
 Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
@@ -350,7 +351,10 @@ class TechniquesSection(_Section):
         "auto", description="Frozen base in 4-bit (nf4, nf4-dq, fp4) or 8-bit (int8); on = nf4-dq. Needs lora."
     )
     optimizer: Optimizer = Field(
-        "auto", description="adamw (on: adamw_8bit), paged_*, adafactor, sgd, or galore_adamw (GaLore: full "
+        "auto", description="auto: the AdamW family only (AdamW, 8-bit, torchao 4-bit, paged, offloaded, stepped in "
+        "the backward), never an optimizer that changes the training algorithm; any-that-fits: auto, and the search "
+        "may also pick GaLore, APOLLO or LOMO/AdaLomo when nothing else fits; or one of: "
+        "adamw (on: adamw_8bit), paged_*, adafactor, sgd, or galore_adamw (GaLore: full "
         "fine-tuning with projected AdamW state, pip install 'lowvram[galore]'), galore_adamw_8bit (8-bit "
         "state), galore_adamw_layerwise / galore_adamw_8bit_layerwise (each weight stepped in the "
         "backward: no full set of gradients; no accumulation, no clipping, one GPU), lomo / adalomo (LOMO's SGD "

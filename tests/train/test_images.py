@@ -246,13 +246,12 @@ def test_plan_terms_of_images_exact():
     assert masked_layers(s) == 4
 
 
-def test_an_image_recipe_plan_names_the_images(tmp_path):
+def test_an_image_recipe_plan_names_the_images(tmp_path, tiny_model_dir):
     with pytest.raises(LowvramError, match="needs a model with a vision tower"):
         from lowvram.planning.entry import plan_for_recipe
         from lowvram.recipe import load_recipe
-        from lowvram.testing import save_tiny_model
 
-        model = save_tiny_model(tmp_path / "m")
+        model = tiny_model_dir  # the session's (read only here)
         data = write_image_chat(tmp_path / "vqa.jsonl", rows=1)
         (tmp_path / "r.yaml").write_text(f"model: {{name_or_path: {model}}}\n"
                                          f"data: {{datasets: [{{path: {data}, format: image_chat}}]}}\n")

@@ -129,6 +129,9 @@ class PlanRequest:
     lora: bool | None = None
     quantization: str | None = None
     optimizer: str | None = None
+    # optimizer any-that-fits (vocab.ANY_OPTIMIZER): with optimizer None, the search also tries the
+    # optimizers that change the algorithm (GaLore, APOLLO, LOMO); plain auto keeps to AdamW's
+    optimizer_any: bool = False
     offload: str | None = None
     activation_offload: bool | None = None
     # techniques.tiled_mlp (lowvram.plan.memory.tiled): None = auto; its shards, 0 = ceil(seq_len / hidden)
@@ -177,6 +180,7 @@ class Rung:
     slowdown: float
     fits: bool
     fixed: bool = False  # the user fixed this technique otherwise; the rung is skipped
+    host_ram_bytes: int = 0  # what the rung needs of host RAM: "fits: no (host RAM)" when only that is short
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 from lowvram.errors import DataError, LowvramError, ModelError
 from lowvram.hub import HUB_ID
+from lowvram.plan.memory.lora_init import is_svd_init
 from lowvram.train.build.custom_code import custom_code_refused, is_custom_code_refusal
 
 _NOISE = (
@@ -332,6 +333,12 @@ def load_kwargs(plan, vision: bool = False) -> dict:
     if q is not None:
         kwargs["quantization_config"] = q
         kwargs["device_map"] = _device_map(plan)
+    elif plan.lora and is_svd_init(plan.lora_init) and plan.device == "cuda":
+        # lora.init pissa: peft's pissa_init runs its SVD on the weight's device; loaded without
+        # a device_map the base would sit on the CPU until the Trainer moves it, so every SVD
+        # would run there (hours for a 7-8B model), not on the GPU the lora_init moment is planned
+        # on. PiSSA runs on one process with offload none (plan/lora_init.init_conflicts).
+        kwargs["device_map"] = _device_map(plan)
     return kwargs
 
 
@@ -357,6 +364,18 @@ def prequantized_kwargs(plan, source: str) -> dict:
             f"{source} is stored in MXFP4 (gpt-oss): lowvram trains it dequantized to bf16, and "
             f"bitsandbytes quantization ({plan.quantization}) on top of that is not supported",
             "set techniques.quantization: none (LoRA trains on the bf16 weights)")
+    return mxfp4_dequantized(source)
+
+
+def mxfp4_dequantized(source: str) -> dict:
+    """``quantization_config=Mxfp4Config(dequantize=True)`` for an MXFP4 checkpoint (gpt-oss), {}
+    for any other. Every load of a trained run's base goes through it (train, generate, merge):
+    without it transformers keeps the experts packed (Mxfp4GptOssExperts, ``*_blocks``/``*_scales``)
+    wherever its Triton kernels run (quantizer_mxfp4.validate_environment dequantizes only on a
+    CPU or without triton/kernels), so the adapters trained on the bf16 experts would not fit and
+    a merge would save packed tensors without their quantization config."""
+    if checkpoint_quant_method(source) != "mxfp4":
+        return {}
     from transformers import Mxfp4Config
 
     return {"quantization_config": Mxfp4Config(dequantize=True)}
@@ -504,8 +523,6 @@ def _with_adapters(model, config, plan):
     the SVD's moment at model build (lowvram.plan.memory.lora_init) is part of the run's measured peak
     (``INIT_PEAK_ATTRIBUTE`` on the returned model; train.run reads it)."""
     from peft import get_peft_model
-
-    from lowvram.plan.memory.lora_init import is_svd_init
 
     if not is_svd_init(plan.lora_init):
         return get_peft_model(model, config)
