@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -148,6 +149,11 @@ def show_run(r, as_json: bool = False) -> None:
         ("trainable / total params", f"{m.trainable_params:,} / {m.total_params:,}"
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
+    if m is not None and m.worst_batch_peak_bytes is not None:  # training.worst_batch_first
+        rows.append((f"worst batch first ({m.worst_batch_tokens} tokens, forward and backward)",
+                     mem(m.worst_batch_peak_bytes)))
+    if m is not None and m.nonfinite_steps:  # training.on_nonfinite skip
+        rows.append(("non-finite steps skipped", ", ".join(str(s) for s in m.nonfinite_steps)))
     # preference objectives: TRL's reward metrics and each objective's own terms (kto's KL, orpo's
     # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.build.preference)
     rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m.get(key), 3))
@@ -168,9 +174,13 @@ def show_run(r, as_json: bool = False) -> None:
         c.print(f"reward margin {sparkline([v for _, v in margins])}  (steps {margins[0][0]}-{margins[-1][0]}: "
                 f"{margins[0][1]:.3f} -> {margins[-1][1]:.3f})", markup=False)
     if r.loss_history:
-        lo, hi = min(v for _, v in r.loss_history), max(v for _, v in r.loss_history)
+        finite = [v for _, v in r.loss_history if math.isfinite(v)] or [math.nan]
         c.print(f"loss {sparkline([v for _, v in r.loss_history])}  (steps {r.loss_history[0][0]}-"
-                f"{r.loss_history[-1][0]}, {hi:.3f} max, {lo:.3f} min)", markup=False)
+                f"{r.loss_history[-1][0]}, {max(finite):.3f} max, {min(finite):.3f} min)", markup=False)
+        from lowvram.report.training import warn_climb
+
+        if (m.get("reward") if m is not None else None) is None:  # grpo/rloo: the loss measures no divergence
+            warn_climb(r.loss_history)
     if r.eval_history:
         c.print("eval loss: " + ", ".join(f"step {s} {v:.3f}" for s, v in r.eval_history), markup=False)
     c.print(f"checkpoints: {', '.join(r.checkpoints) or 'none'}", markup=False)
