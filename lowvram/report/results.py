@@ -86,7 +86,8 @@ def show_runs(runs, folder, as_json: bool = False) -> None:
                   number_cell(r.final_loss, 3) + (f" (margin {margin:+.3f})" if margin is not None else "")
                   + (f" (reward {reward:+.3f})" if reward is not None else ""),
                   f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
-                  f"[{style}]{r.status}[/{style}]" if style else r.status)
+                  (f"[{style}]{r.status}[/{style}]" if style else r.status)
+                  + (f", {len(r.exports)} export(s)" if r.exports else ""))
     c.print(t)
 
 
@@ -191,6 +192,10 @@ def show_run(r, as_json: bool = False) -> None:
         c.print(f"resume with: {resume_command(r.recipe_path or 'RECIPE', [here])}", markup=False)
     if r.files:
         c.print(f"files: {', '.join(r.files)}", markup=False)
+    from lowvram.report.exports import export_rows
+
+    for row in export_rows(list(r.exports)):
+        c.print(f"export: {row}", markup=False)
 
 
 def _rl_rows(m) -> list[tuple[str, str | None]]:
