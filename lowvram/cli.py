@@ -321,6 +321,28 @@ def merge(
 
 @app.command()
 @handle_errors
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder (an adapter run is merged on the fly, a full run read as it is) or a checkpoint.", show_default=False, metavar="RUN_DIR")],
+    gguf: Annotated[bool, typer.Option("--gguf", help="Write one GGUF file (llama.cpp, Ollama, LM Studio) and an Ollama Modelfile beside it.")] = False,
+    quantization: Annotated[str, _opt("--quantization", "f16 (default) | bf16 | q8_0. K-quants (q4_k_m...) need llama.cpp's llama-quantize on the f16 file.", "Q")] = "f16",
+    out: Annotated[Path | None, _opt("--out", "The .gguf file to write (default: RUN_DIR/gguf-Q/NAME-Q.gguf; the Modelfile goes beside it).", "PATH")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Export a run's model to GGUF, read it back and check it against the model, write an Ollama Modelfile."""
+    from lowvram.errors import UsageError
+    from lowvram.report.exports import show_export_plan, show_export_result
+    from lowvram.train.after.export import export_run, plan_export
+
+    if not gguf:
+        raise UsageError("pass --gguf (the one export format so far)", "e.g. lowvram export runs/quickstart --gguf --quantization q8_0")
+    ep = plan_export(run_dir, quantization.lower(), out)
+    if not json_:
+        show_export_plan(ep)
+    show_export_result(export_run(ep), as_json=json_)
+
+
+@app.command()
+@handle_errors
 def generate(
     run_dir: Annotated[Path, typer.Argument(help="A run folder, a checkpoint or a merged folder.", show_default=False, metavar="RUN_DIR")],
     prompt: Annotated[str | None, _opt("--prompt", "Text to answer.", "TEXT")] = None,

@@ -199,7 +199,16 @@ class TrainingSection(_Section):
     logging_steps: int = Field(10, gt=0, description="Log loss every N steps.")
     eval_steps: int | None = Field(None, gt=0, description="Evaluate every N steps (default: at the end).")
     save_steps: int = Field(200, gt=0, description="Write a checkpoint every N steps.")
-    save_total_limit: int = Field(2, gt=0, description="Keep at most this many checkpoints.")
+    save_total_limit: int = Field(2, gt=0, description="Keep at most this many checkpoints (a checkpoint counts "
+                                  "once the step after it is finite: the last finite one is never rotated away).")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A step whose loss or gradient norm is NaN/inf: stop there with error/hint (no "
+        "final model; the last finite checkpoint kept), or skip its update (up to nonfinite_skips steps, then stop).")
+    nonfinite_skips: int = Field(3, ge=0, description="on_nonfinite skip: how many non-finite steps are skipped "
+                                 "(no weight update) before the run stops.")
+    worst_batch_first: OnOffAuto = Field(
+        "auto", description="One forward+backward on the batch with the most tokens before the run, so a peak the "
+        "plan missed shows at step 0 (costs one step; weights, optimizer and data order untouched); auto: on a GPU.")
     output_dir: str = Field("runs/run", description="Where the adapter/model, metrics and checkpoints go.")
     objective: Objective = Field(
         "sft",
