@@ -86,7 +86,7 @@ def test_trl_reenabling_keeps_transformers_offload(tiny_model_dir):
     from trl import DPOConfig
     from trl.models.utils import disable_gradient_checkpointing
 
-    from lowvram.train.build.model import checkpointing_kwargs, enable_checkpointing
+    from lowvram.train.build.checkpointing import checkpointing_kwargs, enable_checkpointing
 
     plan = type("P", (), {"activation_offload": True})()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -294,8 +294,8 @@ def test_trainer_arguments_carry_the_plan():
     """Checkpointing kwargs and Liger's switch as the Trainer receives them."""
     from types import SimpleNamespace
 
+    from lowvram.train.build.checkpointing import checkpointing_kwargs
     from lowvram.train.build.loss import LIGER_KERNEL_CONFIG, fused_loss_arguments
-    from lowvram.train.build.model import checkpointing_kwargs
 
     assert checkpointing_kwargs(SimpleNamespace(activation_offload=False)) == {"use_reentrant": False}
     assert checkpointing_kwargs(SimpleNamespace(activation_offload=True)) == {"use_reentrant": False, "offload": True}

@@ -92,7 +92,7 @@ def test_training_builds_no_kv_cache_on_a_multimodal_model(family):
     """Issue 29: the language model reads its text config's use_cache, which the top-level flag
     does not set; left on, a DynamicCache copied every layer's keys and values in the forward
     (held-out vision seed 110, Llava QLoRA packed, was +3.41% over its plan; +0.33% without)."""
-    from lowvram.difftest import _config
+    from lowvram.difftest.files import _config
     from lowvram.train.build.model import has_vision, model_class, no_kv_cache
 
     case = _case(family, "lora", vision_layers=1)

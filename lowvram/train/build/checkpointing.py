@@ -1,4 +1,5 @@
-"""activation_offload that holds when a library switches checkpointing off and on again.
+"""The Plan's gradient checkpointing on the model (:func:`enable_checkpointing`), and
+activation_offload that holds when a library switches checkpointing off and on again.
 
 transformers 5.25 keeps two entry points: ``activation_checkpointing_enable(kwargs, every_n_layers,
 offload)``, which the Trainer calls after popping ``every_n_layers`` and ``offload`` out of
@@ -43,3 +44,24 @@ def hold_offload(model) -> None:
         ref()._activation_checkpointing_enable(kwargs or None, every_n_layers, offload)
 
     base.gradient_checkpointing_enable = gradient_checkpointing_enable
+
+
+def checkpointing_kwargs(plan) -> dict:
+    """The Plan's gradient checkpointing as transformers takes it: ``activation_checkpointing_kwargs``
+    of TrainingArguments (the Trainer enables it again in ``train()``) and, with ``offload`` split
+    off, of ``activation_checkpointing_enable``. Non-reentrant; with ``plan.activation_offload``,
+    transformers' own offload (``offload=True``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
+    around each layer's checkpoint, so only the checkpointed layer inputs go to pinned host RAM;
+    lowvram.plan.memory.activations.offloaded_layer_input_bytes). The planner sets it on GPU plans only."""
+    kwargs: dict = {"use_reentrant": False}
+    if plan.activation_offload:
+        kwargs["offload"] = True
+    return kwargs
+
+
+def enable_checkpointing(model, plan) -> None:
+    kwargs = checkpointing_kwargs(plan)
+    offload = kwargs.pop("offload", False)
+    if offload:  # TRL re-enables checkpointing with the kwargs dict whole (hold_offload above)
+        hold_offload(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)

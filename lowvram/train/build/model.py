@@ -18,6 +18,7 @@ from typing import Any
 from lowvram.errors import DataError, LowvramError, ModelError
 from lowvram.hub import HUB_ID
 from lowvram.plan.memory.lora_init import is_svd_init
+from lowvram.train.build.checkpointing import enable_checkpointing
 from lowvram.train.build.custom_code import custom_code_refused, is_custom_code_refusal
 from lowvram.train.build.quiet import quiet_libraries
 from lowvram.train.build.vision import (
@@ -331,29 +332,6 @@ def prepare_model(model, plan, seed: int | None = None):
         ddp = plan.offload == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1
         enable_tiled_mlp(model, plan.tiled_mlp_shards, one_grad_hook=ddp)
     return model
-
-
-def checkpointing_kwargs(plan) -> dict:
-    """The Plan's gradient checkpointing as transformers takes it: ``activation_checkpointing_kwargs``
-    of TrainingArguments (the Trainer enables it again in ``train()``) and, with ``offload`` split
-    off, of ``activation_checkpointing_enable``. Non-reentrant; with ``plan.activation_offload``,
-    transformers' own offload (``offload=True``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
-    around each layer's checkpoint, so only the checkpointed layer inputs go to pinned host RAM;
-    lowvram.plan.memory.activations.offloaded_layer_input_bytes). The planner sets it on GPU plans only."""
-    kwargs: dict = {"use_reentrant": False}
-    if plan.activation_offload:
-        kwargs["offload"] = True
-    return kwargs
-
-
-def enable_checkpointing(model, plan) -> None:
-    kwargs = checkpointing_kwargs(plan)
-    offload = kwargs.pop("offload", False)
-    if offload:  # TRL re-enables checkpointing with the kwargs dict whole (train/build/checkpointing.py)
-        from lowvram.train.build.checkpointing import hold_offload
-
-        hold_offload(model)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
 
 
 def prepare_kbit_model(model, gradient_checkpointing: bool, plan=None):

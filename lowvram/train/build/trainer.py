@@ -138,8 +138,8 @@ def build_training_args(recipe, plan, has_eval: bool = False):
 
 def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
     """The TrainingArguments keywords of the Plan (each technique one setting)."""
+    from lowvram.train.build.checkpointing import checkpointing_kwargs
     from lowvram.train.build.loss import fused_loss_arguments
-    from lowvram.train.build.model import checkpointing_kwargs
 
     # FSDP/DeepSpeed come from the accelerate config `lowvram train` launches with (the Trainer's
     # Accelerator reads ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED); in-process they cannot.
