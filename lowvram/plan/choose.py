@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lowvram.plan.explain import Estimator, technique_reasons
+from lowvram.plan.grpo import generation_fields
 from lowvram.plan.ladder import build_ladder
 from lowvram.plan.limits import limits_over_plans, max_fitting_micro_batch, max_fitting_seq_len
 from lowvram.plan.memory import estimate_memory
@@ -65,9 +66,13 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     lowest = min(cands, key=lambda c: (c.peak_bytes, c.slowdown))
     chosen = min(fitting, key=lambda c: rank(c, budget)) if fitting else lowest
     fits = bool(fitting)
-    max_seq = max_fitting_seq_len(chosen.setup, budget, estimate)
-    max_micro = max_fitting_micro_batch(chosen.setup, budget, estimate)
-    longest, largest = limits_over_plans(req, budget, estimate)
+    if req.grpo is None:
+        max_seq = max_fitting_seq_len(chosen.setup, budget, estimate)
+        max_micro = max_fitting_micro_batch(chosen.setup, budget, estimate)
+        longest, largest = limits_over_plans(req, budget, estimate)
+    else:  # grpo/rloo: the generation table answers how far the budget goes (plan/grpo_table.py)
+        max_seq, max_micro = (req.seq_len, chosen.setup.micro_batch_size) if fits else (0, 0)
+        longest, largest = (0, None), (0, None)
     suggestions: tuple[str, ...] = ()
     if not fits:
         suggestions = suggest_changes(req, budget, lowest, estimate)
@@ -110,6 +115,7 @@ def _extras_notes(chosen: Candidate, cands: list[Candidate], budget: Budget) -> 
 def _to_plan(c: Candidate, req: PlanRequest, budget: Budget, reasons: dict[str, str]) -> Plan:
     return plan_for_setup(c.setup, budget.device, req.lora_alpha, req.lora_use_rslora,
                           req.galore_update_proj_gap, req.galore_scale, reasons=reasons,
+                          **generation_fields(c.setup, c.estimate, budget, req.grpo),
                           predicted_peak_bytes=c.peak_bytes, budget_bytes=budget.usable_bytes,
                           breakdown=dict(c.estimate.breakdown), host_ram_bytes=c.estimate.cpu_ram_bytes)
 

@@ -475,6 +475,16 @@ SIMPO_LOGIT_BYTES = FittedConstant(
     "-1.4% to -0.2%")
 
 
+# grpo/rloo (plan/grpo.py): the loss's per-token tensors over the completion
+GRPO_LOSS_TOKEN_BYTES = FittedConstant(
+    "GRPO_LOSS_TOKEN_BYTES", 48, "48 B / completion token",
+    "GRPO's and RLOO's loss beside the fused head at the start of the backward: fp32 per-token "
+    "tensors over the completion (log ratio, its exp and clamp, the two surrogate terms, their "
+    "minimum and the masked sums; TRL 1.16 GRPOTrainer._compute_loss L3020-3200)",
+    "grpo.loss_token_bytes", "counted in TRL's _compute_loss: 12 fp32 tensors of b x C",
+    "measured with the in-sample GRPO runs (docs/accuracy.md, GRPO)",
+    "held-out GRPO runs (docs/accuracy.md)")
+
 CONSTANTS: tuple[FittedConstant, ...] = tuple(
     v for v in dict(globals()).values() if isinstance(v, FittedConstant))
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan import dora, images, lora_init, moe, optimizers, preference, tiled
+from lowvram.plan import dora, grpo, images, lora_init, moe, optimizers, preference, tiled
 from lowvram.plan.activations import (
     activation_offload_host_bytes,
     activation_offloaded,
@@ -101,8 +101,12 @@ def _check(setup: RunSetup) -> None:
         problems.append("tiled_mlp_shards must be >= 1 (0: ceil(seq_len / hidden_size))")
     if setup.objective not in preference.OBJECTIVES:
         problems.append(f"objective {setup.objective!r} (known: {', '.join(preference.OBJECTIVES)})")
-    elif preference.is_preference(setup) and setup.loss != "standard":
+    elif (preference.is_preference(setup) or setup.objective in grpo.GRPO_OBJECTIVES) and setup.loss != "standard":
         problems.append(f"loss {setup.loss} does not apply to objective {setup.objective}: TRL computes its own")
+    if (setup.objective in grpo.GRPO_OBJECTIVES) != (setup.grpo is not None):
+        problems.append(f"objective {setup.objective} with{'out' if setup.grpo is None else ''} the grpo settings")
+    elif setup.grpo is not None:
+        problems += grpo.grpo_problems(setup)
     if min(setup.micro_batch_size, setup.seq_len, setup.grad_accum, setup.gpus, setup.lora_r) < 1:
         problems.append("micro_batch_size, seq_len, grad_accum, gpus and lora_r must be >= 1")
     if problems:
@@ -349,20 +353,39 @@ def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> 
     return out
 
 
-def estimate_memory(setup: RunSetup) -> MemoryEstimate:
-    """Peak bytes of a steady-state step (optimizer state already allocated)."""
+def _generation_peak(setup: RunSetup, grads: int) -> tuple[Moment, int]:
+    """grpo/rloo: the highest moment of the generation phase (generate's prefill and last token,
+    the no-grad scoring forward), with the gradients alive when a round starts inside an
+    accumulation (grpo.grads_at_generation), and its bytes beside the weights and optimizer state."""
+    moments = grpo.generation_moments(setup)
+    scoring = grpo.scoring_moment(setup)
+    if scoring is not None:
+        moments.append(scoring)
+    kept = grads if grpo.grads_at_generation(setup) else 0
+    top = max(moments, key=lambda m: m.bytes)
+    top = replace(top, gradients=kept)
+    return top, top.bytes
+
+
+def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate:
+    """Peak bytes of a steady-state step (optimizer state already allocated). ``phase``
+    (grpo/rloo): "generation" or "training" for that phase's peak alone (phase_estimates)."""
     _check(setup)
     weights, grads, optim, host = shard(
         setup, weight_bytes(setup), gradient_bytes(setup), optimizer_bytes(setup))
     gathered, layer_grads, buckets = sharding_overhead_bytes(setup)
     pref = preference.is_preference(setup)
-    core = preference.policy_setup(setup) if pref else setup  # chosen + rejected: 2b rows
+    rl = setup.grpo is not None  # grpo/rloo: the training forward of b completions (plan/grpo.py)
+    core = preference.policy_setup(setup) if pref else grpo.policy_setup(setup) if rl else setup  # chosen + rejected: 2b rows
     acts = tiled.activation_bytes(core)
     if not setup.gradient_checkpointing:  # DoRA's saved tensors in every layer (plan/dora.py)
         acts += setup.model.num_layers * dora.saved_layer_bytes(core)
-    logits = preference.objective_logits_bytes(setup) if pref else logits_bytes(setup)
+    logits = (preference.objective_logits_bytes(setup) if pref else grpo.logprob_bytes(setup) if rl
+              else logits_bytes(setup))
     if pref:  # DPO full fine-tuning: the frozen reference copy (none with LoRA or precompute)
         weights += shard(setup, preference.reference_weight_bytes(setup), 0, 0)[0]
+    if rl:  # beta > 0 under full fine-tuning: the frozen reference copy; vLLM's share, held all run
+        weights += shard(setup, grpo.reference_weight_bytes(setup), 0, 0)[0] + grpo.engine_share(setup)
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
     kept_grads += buckets
     live_weights = weights + gathered  # FSDP: shards plus the units gathered for compute
@@ -389,7 +412,13 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     # activation (plan/lora_init.py)
     # (its working tensors net of the adapters not yet made or still 16-bit: lora_init.init_bytes)
     init = Moment("lora_init", lora_init.init_bytes(setup)) if lora_init.is_svd_init(setup.lora_init) else None
-    if setup.lora and init is not None and weights + init.bytes > max(fb, step):
+    gen, generation = _generation_peak(setup, grads) if rl and phase != "training" else (None, 0)
+    if gen is not None and (phase == "generation" or weights + optim + generation > max(fb, step)):
+        phase, peak_moment = "generation", gen.name
+        # the generation round's cache and working tensors beside the model states (plan/grpo.py)
+        parts = dict(weights=weights, gradients=gen.gradients, optimizer=optim, activations=gen.activations,
+                     logits=gen.logits)
+    elif setup.lora and init is not None and weights + init.bytes > max(fb, step):
         phase = peak_moment = init.name
         # the SVD's fp32 factors, product and residual: working copies of one weight
         parts = dict(weights=weights + init.bytes, gradients=0, optimizer=0, activations=0, logits=0)
@@ -441,6 +470,13 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     )
 
 
+def phase_estimates(setup: RunSetup) -> dict[str, MemoryEstimate]:
+    """grpo/rloo: each phase's own peak (its binding moment, its breakdown); {} otherwise."""
+    if setup.grpo is None:
+        return {}
+    return {p: estimate_memory(setup, p) for p in ("generation", "training")}
+
+
 __all__ = [
-    "estimate_memory", "validate_setup",
+    "estimate_memory", "phase_estimates", "validate_setup",
 ]

@@ -89,6 +89,8 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         "lora_targets": ("lora_targets", "--lora-targets"), "packing": ("packing", "--packing"),
         "tiled_mlp": ("tiled_mlp", "--tiled-mlp"),
         "objective": ("objective", "--objective"),
+        # grpo/rloo: the grpo section's keys (build_request gathers them into PlanRequest.grpo)
+        **{k: ("grpo." + k, "--" + k.replace("_", "-")) for k in GRPO_FLAGS},
     }
     out: dict = {}
     sources: dict = {}
@@ -123,6 +125,12 @@ def _shown(value) -> str:
     return ",".join(value) if isinstance(value, tuple) else str(value)
 
 
+def _grpo_objectives():
+    from lowvram.plan.grpo import GRPO_OBJECTIVES
+
+    return GRPO_OBJECTIVES
+
+
 def build_request(model, recipe: Recipe | None = None, flags: dict | None = None,
                   flag_sources: dict | None = None):
     """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
@@ -149,10 +157,39 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     for key, value in (flags or {}).items():
         fields[key] = value
     sources.update(flag_sources or {})
+    grpo = {k.removeprefix("grpo."): fields.pop(k) for k in list(fields) if k.startswith("grpo.")}
+    if fields.get("objective") in _grpo_objectives():  # seq_len: the training forward's prompt + completion
+        fields["grpo"] = grpo_request(recipe, fields["objective"], grpo)
+        fields["seq_len"] = fields["grpo"].prompt_len + fields["grpo"].completion_len
+    elif grpo:
+        raise LowvramError(f"--{next(iter(grpo)).replace('_', '-')} applies to objective grpo or rloo only",
+                           "add --objective grpo (or rloo), or drop it")
     # A flag fixing accumulation releases a micro-batch fixed by the recipe (and vice versa).
     if flags and "grad_accum" in flags and "micro_batch_size" not in flags:
         fields.pop("micro_batch_size", None)
     return PlanRequest(model=model, sources=sources, **fields)
+
+
+# the grpo section's keys `lowvram plan` takes as flags (--num-generations, ...), as the recipe names them
+GRPO_FLAGS = ("num_generations", "max_prompt_length", "max_completion_length", "generation_batch_size",
+              "steps_per_generation", "beta", "num_iterations", "generation", "vllm_gpu_memory_utilization")
+
+
+def grpo_request(recipe: Recipe | None, objective: str, flags: dict):
+    """The recipe's grpo section (its defaults without one), then the flags, as a GrpoRequest."""
+    from lowvram.plan.grpo import GrpoRequest
+
+    section = getattr(recipe, "grpo", None) if recipe is not None else None
+    values = {k: getattr(section, k) for k in GRPO_FLAGS if section is not None and hasattr(section, k)}
+    values.update(flags)
+    for key in ("generation_batch_size", "steps_per_generation", "vllm_gpu_memory_utilization"):
+        if values.get(key) == "auto":
+            values[key] = None
+    renamed = {"max_prompt_length": "prompt_len", "max_completion_length": "completion_len", "generation": "engine"}
+    fields = {renamed.get(k, k): v for k, v in values.items()}
+    if objective == "rloo" and "beta" not in fields:
+        fields["beta"] = 0.05  # RLOOConfig's default (trl/trainer/rloo_config.py)
+    return GrpoRequest(rloo=objective == "rloo", **fields)
 
 
 def lora_fields(recipe: Recipe) -> dict:
