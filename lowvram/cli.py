@@ -184,7 +184,7 @@ def plan(
                       beta=beta, generation=generation)
     if generation_table:
         from lowvram.errors import UsageError
-        from lowvram.report.plans import show_generation_table
+        from lowvram.report.grpo import show_generation_table
 
         if vram or simulate or check or context_table:
             given = "--vram" if vram else ("--simulate" if simulate else "--check" if check else "--context-table")
