@@ -176,6 +176,10 @@ def plan(
         from lowvram.recipe import load_recipe
 
         r = load_recipe(recipe, set_ or [])
+    elif set_:  # no recipe: the schema's defaults + the sets (never silently ignored)
+        from lowvram.planning.from_recipe import recipe_from_sets
+
+        r = recipe_from_sets(model, set_)
     model_ref = model or (recipe_model_ref(r) if r else None)
     if model_ref:
         _fetch_hub_config(model_ref, explicit=model is not None)

@@ -310,6 +310,10 @@ def make_batch(setup, seed: int = 0, device: str = "cpu") -> dict:
         # lowvram.train.data.collate.pack makes them), so transformers builds the packed mask
         positions = torch.arange(setup.seq_len) % max(1, setup.seq_len // 4)
         batch["position_ids"] = positions.expand(setup.micro_batch_size, -1).to(device)
+        if setup.attention == "flash_attention_2":  # the collator's varlen kwargs (collate.py)
+            from lowvram.train.data.collate import flash_varlen_kwargs
+
+            batch.update(flash_varlen_kwargs(batch["position_ids"]))
     return batch
 
 

@@ -422,7 +422,7 @@ def _per_row_masks(setup: RunSetup) -> bool:
 def masked_layers(setup: RunSetup) -> int:
     """How many decoder layers call SDPA with an attention mask (0 without SDPA: eager attention
     adds its mask to the scores and saves none of it; flash-attention reads packed samples from
-    position_ids, varlen, no mask).
+    the varlen kwargs the collator sends, no mask: collate.flash_varlen_kwargs).
 
     With data.packing, each seq_len window holds several samples and their position_ids restart
     at 0 (lowvram.train.data.collate.pack): transformers builds a block-diagonal b x 1 x s x s mask

@@ -340,6 +340,9 @@ def generation_fields(setup: RunSetup, est, budget, req: GrpoRequest | None) -> 
            "generation_batch_size": generation_rows(setup) * setup.gpus}
     if g.engine == "paged":
         out["paged_num_blocks"] = paged_num_blocks(setup)
+        # the prefill's tokens per forward: the whole generation batch's prompts at once, as the
+        # generation_prefill moment counts them (transformers' default 8192 is the cap)
+        out["paged_max_batch_tokens"] = min(8192, generation_rows(setup) * g.prompt_len)
         out["generation_cache_bytes"] = paged_cache_bytes(setup)
     elif g.engine == "generate":
         out["generation_cache_bytes"] = kv_cache_bytes(setup, generation_rows(setup), g.prompt_len + g.completion_len)

@@ -60,7 +60,10 @@ PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
 # The objectives scored by TRL's fused head and compared with a reference model (DPO, KTO); ORPO
 # and SimPO keep the full logits and need no reference.
 REFERENCE_OBJECTIVES = ("dpo", "kto")
-OBJECTIVES = ("sft", *PREFERENCE_OBJECTIVES, "grpo", "rloo")  # grpo, rloo: lowvram.plan.grpo
+# Online RL with generation through TRL (GRPOTrainer, RLOOTrainer): the recipe's grpo section,
+# lowvram.train.grpo; their memory is planned in lowvram.plan's GRPO terms.
+RL_OBJECTIVES = ("grpo", "rloo")
+OBJECTIVES = ("sft", *PREFERENCE_OBJECTIVES, *RL_OBJECTIVES)  # grpo, rloo: lowvram.plan.grpo
 
 # trl/kernels/chunked_logprob.py: TOKEN_CHUNK_SIZE (positions per tile) and the chunk_size the
 # fused head passes (trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE); mm_buf is always
@@ -204,6 +207,6 @@ def objective_logits_bytes(setup: RunSetup) -> int:
 __all__ = [
     "CPU_FORWARD_TILES", "dpo_logprob_bytes", "dpo_saved_bytes", "full_logits_bytes", "fused_head_bytes",
     "fused_saved_bytes", "tile_bytes", "is_preference", "objective_logits_bytes",
-    "min_micro_batch_size", "OBJECTIVES", "policy_setup", "PREFERENCE_OBJECTIVES", "REFERENCE_OBJECTIVES", "reference_forward_bytes",
+    "min_micro_batch_size", "OBJECTIVES", "RL_OBJECTIVES", "policy_setup", "PREFERENCE_OBJECTIVES", "REFERENCE_OBJECTIVES", "reference_forward_bytes",
     "reference_weight_bytes", "rows_per_example",
 ]

@@ -164,7 +164,7 @@ def _grpo(choice: Choice) -> dict:
         "old_logprobs": old_logprobs_computed(s),
         "reference": ("none (beta 0)" if g.beta <= 0 else "the policy with its adapter disabled" if s.lora
                       else "a frozen copy of the weights"),
-        "phases": phases, "binds": binds, "headroom_other_phase_bytes": phases[binds]["peak_bytes"] - phases[other]["peak_bytes"],
+        "phases": phases, "binds": binds, "other_phase_below_bytes": phases[binds]["peak_bytes"] - phases[other]["peak_bytes"],
         "engine_share": share,
         "knobs": {"generation_batch_size": "speed only: the search lowers it before anything that gives up more "
                                            "(more generation rounds per step, the same algorithm)",

@@ -88,6 +88,7 @@ class Plan:
     steps_per_generation: int = 0
     generation_batch_size: int = 0
     paged_num_blocks: int | None = None
+    paged_max_batch_tokens: int | None = None
     generation_cache_bytes: int | None = None
     vllm_gpu_memory_utilization: float | None = None
     reasons: dict[str, str] = field(default_factory=dict)

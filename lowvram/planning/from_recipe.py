@@ -3,6 +3,8 @@ top (flags win), and the recipe's model as a ModelSpec."""
 
 from __future__ import annotations
 
+import json
+
 from lowvram.errors import LowvramError
 from lowvram.plan.types import precisions_for_dtype
 from lowvram.recipe import Recipe, TrainingSection
@@ -178,17 +180,16 @@ GRPO_FLAGS = ("num_generations", "max_prompt_length", "max_completion_length", "
 def grpo_request(recipe: Recipe | None, objective: str, flags: dict):
     """The recipe's grpo section (its defaults without one), then the flags, as a GrpoRequest."""
     from lowvram.plan.grpo import GrpoRequest
+    from lowvram.recipe.grpo import GrpoSection
 
-    section = getattr(recipe, "grpo", None) if recipe is not None else None
-    values = {k: getattr(section, k) for k in GRPO_FLAGS if section is not None and hasattr(section, k)}
+    section = recipe.grpo if recipe is not None else GrpoSection()  # no recipe: the schema's defaults
+    values = {k: getattr(section, k) for k in GRPO_FLAGS}
     values.update(flags)
     for key in ("generation_batch_size", "steps_per_generation", "vllm_gpu_memory_utilization"):
         if values.get(key) == "auto":
             values[key] = None
     renamed = {"max_prompt_length": "prompt_len", "max_completion_length": "completion_len", "generation": "engine"}
     fields = {renamed.get(k, k): v for k, v in values.items()}
-    if objective == "rloo" and "beta" not in fields:
-        fields["beta"] = 0.05  # RLOOConfig's default (trl/trainer/rloo_config.py)
     return GrpoRequest(rloo=objective == "rloo", **fields)
 
 
@@ -204,6 +205,40 @@ def galore_fields(recipe: Recipe) -> dict:
     """The recipe's galore section as PlanRequest / Plan fields."""
     g = recipe.galore
     return {"galore_rank": g.rank, "galore_update_proj_gap": g.update_proj_gap, "galore_scale": g.scale}
+
+
+# what `lowvram plan --model M --set KEY=VALUE` may set without a recipe: every key the request
+# reads except the model and the data files themselves (--model names the model; a plan reads no data)
+_SETTABLE_WITHOUT_RECIPE = ("training.", "lora.", "galore.", "preference.", "grpo.", "techniques.", "model.dtype",
+                            "data.packing", "data.images_per_row")
+
+
+def recipe_from_sets(model: str | None, overrides: list[str] | tuple) -> Recipe:
+    """`lowvram plan --model M --set KEY=VALUE` (no recipe): the schema's defaults with the sets
+    applied, validated like a recipe file, so each set reaches the request as it would from a
+    recipe (a default recipe asks exactly what no recipe asks). The model is --model's; a key that
+    has no meaning without a recipe (model.name_or_path, data.datasets) is refused."""
+    from lowvram.recipe import parse_recipe
+
+    if model is None:
+        raise LowvramError("--set without a recipe needs --model: there is no model to plan",
+                           "e.g. lowvram plan --model llama-2-7b --vram 24GB --set lora.use_dora=true, "
+                           "or lowvram plan recipes/quickstart.yaml --set ...")
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if not key.startswith(_SETTABLE_WITHOUT_RECIPE):
+            raise LowvramError(f"--set {item}: {key} cannot be set without a recipe",
+                               "name the model with --model; write data and model keys in a recipe "
+                               "(lowvram plan RECIPE --set ...), e.g. start from recipes/quickstart.yaml")
+    from lowvram.plan.preference import PREFERENCE_OBJECTIVES
+
+    objective = [i.partition("=")[2].strip() for i in overrides if i.partition("=")[0].strip() == "training.objective"]
+    # the placeholder data's format follows the objective (the schema pairs the two); never read
+    fmt = ("preference" if objective and objective[-1] in PREFERENCE_OBJECTIVES
+           else "prompt" if objective and objective[-1] in ("grpo", "rloo") else "text")
+    text = json.dumps({"model": {"name_or_path": model},
+                       "data": {"datasets": [{"path": "none.jsonl", "format": fmt}]}})  # JSON is YAML
+    return parse_recipe(text, "--set", overrides)
 
 
 def recipe_model(recipe: Recipe):

@@ -12,8 +12,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lowvram.plan.preference import OBJECTIVES, PREFERENCE_OBJECTIVES
+from lowvram.plan.preference import OBJECTIVES, PREFERENCE_OBJECTIVES, RL_OBJECTIVES
 from lowvram.plan.setup import activation_offload_conflict, quantization_conflict
+from lowvram.recipe.grpo import GrpoSection, grpo_problem, rl_format_problem
 from lowvram.vocab import (
     ATTENTIONS,
     DTYPES,
@@ -38,7 +39,7 @@ Optimizer = Literal[(*SWITCH, *OPTIMIZERS)]
 Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
 Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
-DataFormat = Literal["alpaca", "chat", "image_chat", "completion", "text", "preference", "unpaired"]
+DataFormat = Literal["alpaca", "chat", "image_chat", "completion", "text", "preference", "unpaired", "prompt"]
 # training.objective: sft trains on responses (the Trainer); the others align on preference data
 # through TRL (lowvram.train.preference), the planner's list (lowvram.plan.preference).
 Objective = Literal[OBJECTIVES]
@@ -92,7 +93,9 @@ class DatasetSpec(_Section):
         "rendered by the model's processor; a model with a vision tower), completion (prompt/completion), text (raw text), preference "
         "(prompt/chosen/rejected: text or messages; no prompt field: the shared start of chosen and "
         "rejected; for training.objective dpo, orpo, simpo, kto), unpaired (prompt/completion/label: "
-        "true for a desirable completion, false for an undesirable one; for training.objective kto).",
+        "true for a desirable completion, false for an undesirable one; for training.objective kto), prompt "
+        "(a prompt column, text or messages, that the model completes; every other column is handed to the "
+        "rewards by name; for training.objective grpo and rloo, which also take chat and alpaca rows' prompts).",
     )
     fields: dict[str, str] = Field(
         default_factory=dict,
@@ -157,7 +160,10 @@ class TrainingSection(_Section):
         description="sft (train on responses), or align on preference pairs through TRL: dpo (against a "
         "frozen reference: LoRA turns the adapter off, full fine-tuning keeps a second copy), orpo or "
         "simpo (no reference), kto (unpaired desirable/undesirable completions, against a reference as dpo; "
-        "a micro-batch of at least 2).",
+        "a micro-batch of at least 2), or learn online from rewards through TRL: grpo (each prompt completed "
+        "grpo.num_generations times, scored by grpo.rewards, each completion against its group's mean) or rloo "
+        "(the same generation, each completion against the mean of the others); training.batch_size then "
+        "counts completions per optimizer step.",
     )
     report_to: Literal["none", "tensorboard", "wandb"] = Field(
         "tensorboard",
@@ -363,6 +369,7 @@ class Recipe(_Section):
     lora: LoraSection = Field(default_factory=LoraSection)
     galore: GaloreSection = Field(default_factory=GaloreSection)
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
+    grpo: GrpoSection = Field(default_factory=GrpoSection)
     techniques: TechniquesSection = Field(default_factory=TechniquesSection)
 
     @model_validator(mode="after")
@@ -379,6 +386,13 @@ class Recipe(_Section):
     def _objective_matches_data(self) -> Recipe:
         problem = objective_problem(self.training.objective, [d.format for d in self.data.datasets],
                                     self.data.packing)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_batch(self) -> Recipe:
+        problem = grpo_problem(self.grpo, self.training, "grpo" in self.model_fields_set)
         if problem:
             raise ValueError(problem)
         return self
@@ -411,6 +425,8 @@ class Recipe(_Section):
 
 def objective_problem(objective: str, formats: list[str], packing: bool) -> str | None:
     """Why training.objective cannot train on data of these formats (None when it can)."""
+    if objective in RL_OBJECTIVES or "prompt" in formats:
+        return rl_format_problem(objective, formats, packing)
     preference = objective in PREFERENCE_OBJECTIVES
     allowed = PREFERENCE_FORMATS if objective == "kto" else ("preference",)
     wrong = sorted({f for f in formats if ((f not in allowed) if preference else (f in PREFERENCE_FORMATS))})
@@ -442,6 +458,10 @@ def _type_name(ann: Any) -> str:
         )
     if origin is list:
         return f"list[{_type_name(args[0])}]"
+    if args and origin is None:  # a union written with |
+        return ", ".join(_type_name(a) for a in args if a is not type(None))
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return "mapping"
     if origin is dict:
         return "mapping"
     if type(None) in (args or ()):
@@ -463,7 +483,8 @@ def describe_schema() -> list[tuple[str, str, str, str]]:
             if inner and not f.description:
                 walk(inner[0], key + ".")
                 continue
-            if getattr(ann, "__origin__", None) is list and issubclass(ann.__args__[0], BaseModel):
+            item = ann.__args__[0] if getattr(ann, "__origin__", None) is list else None
+            if isinstance(item, type) and issubclass(item, BaseModel):
                 rows.append((key, "list", "(required)", f.description or ""))
                 walk(ann.__args__[0], key + "[].")
                 continue

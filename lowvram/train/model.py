@@ -424,6 +424,10 @@ def checkpointing_kwargs(plan) -> dict:
 def enable_checkpointing(model, plan) -> None:
     kwargs = checkpointing_kwargs(plan)
     offload = kwargs.pop("offload", False)
+    if offload:  # TRL re-enables checkpointing with the kwargs dict whole (train/checkpointing.py)
+        from lowvram.train.checkpointing import hold_offload
+
+        hold_offload(model)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
 
 

@@ -289,7 +289,10 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
 
     images = load_image_inputs(recipe, loaded.source, loaded.model)  # format image_chat
     bundle = build_datasets(recipe, loaded.tokenizer, images)
-    collator = make_collator(loaded.tokenizer)
+    from transformers.utils.generic import is_flash_attention_requested
+
+    # flash-attention reads packed samples only from varlen kwargs in a batch of 2+ rows (collate.py)
+    collator = make_collator(loaded.tokenizer, flash_varlen=is_flash_attention_requested(loaded.model.config))
     if images is not None:  # pixel values per batch (data/images.py)
         collator = make_image_collator(images.processor, images.image_token_id, collator)
     if len(bundle.train) == 0:

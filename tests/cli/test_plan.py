@@ -227,3 +227,43 @@ def test_flash_attention_in_fp32_does_not_fit_it_is_refused():
     assert r.exit_code == 1 and "fits" not in r.output
     assert "error: attention flash_attention_2 (set by --attention flash_attention_2) cannot run here: precision fp32" in r.output
     assert "hint: use a 16-bit precision (--mixed-precision bf16, bf16-mixed or fp16-mixed) with it, or --attention sdpa" in r.output
+
+
+# issue 41: `lowvram plan --model M --set KEY=VALUE` without a recipe was accepted and ignored
+# (exit 0, the plan unchanged). Now the sets apply to the schema's defaults, as in a recipe.
+GALORE = ("--model", "llama-2-7b", "--vram", "80GB", "--set", "techniques.optimizer=galore_adamw",
+          "--set", "techniques.lora=off", "--set", "techniques.quantization=off")
+
+
+def test_set_without_a_recipe_changes_the_plan():
+    plain = plan_json(*GALORE)
+    assert plain["techniques"]["optimizer"] == "galore_adamw"  # the sets themselves reached the plan
+    wide = plan_json(*GALORE, "--set", "galore.rank=1024")
+    assert wide["peak_bytes"] > plain["peak_bytes"]  # rank 1024's projected state over the default 128
+    lora = ("--model", "llama-2-7b", "--vram", "24GB", "--method", "lora", "--mixed-precision", "bf16")
+    # DoRA's saved tensors and magnitudes (plan/dora.py) on top of the same LoRA plan
+    assert plan_json(*lora, "--set", "lora.use_dora=true")["peak_bytes"] > plan_json(*lora)["peak_bytes"]
+
+
+def test_set_without_a_recipe_is_the_same_as_in_a_default_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: llama-2-7b}\ndata: {datasets: [{path: x.jsonl, format: text}]}\n")
+    sets = ("--set", "lora.use_dora=true", "--set", "techniques.lora=on", "--set", "training.seq_len=4096")
+    via_model = plan_json("--model", "llama-2-7b", "--vram", "24GB", *sets)
+    via_recipe = plan_json(str(recipe), "--vram", "24GB", *sets)
+    assert via_model["peak_bytes"] == via_recipe["peak_bytes"]
+    assert via_model["techniques"] == via_recipe["techniques"] and via_model["seq_len"] == 4096
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "lora.use_dora=true"], "--set without a recipe needs --model"),
+    (["--model", "llama-2-7b", "--set", "data.datasets=x.jsonl"], "cannot be set without a recipe"),
+    (["--model", "llama-2-7b", "--set", "lora.use_dora=maybe"], "use_dora"),
+    (["--model", "llama-2-7b", "--set", "galore.rnak=3"], "rnak"),
+])
+def test_set_without_a_recipe_that_cannot_apply_is_refused(args, words):
+    r = plan(*args, "--vram", "24GB")
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("error:") and words in r.stderr, r.stderr
+    assert lines[-1].startswith("hint:") and "Traceback" not in r.output

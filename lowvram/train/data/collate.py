@@ -33,11 +33,16 @@ class PadCollator:
     own run of positions so it forms a separate block. That detection is skipped when the model
     builds a KV cache, so train packed data with ``model.config.use_cache = False``
     (transformers 5.24, ``masking_utils._preprocess_mask_arguments``).
+
+    ``flash_varlen`` (the model runs flash-attention): packed batches also carry the varlen
+    kwargs (``flash_varlen_kwargs``), since flash-attention finds samples from position_ids only
+    in a one-row batch.
     """
 
     pad_id: int
     pad_to_multiple_of: int | None = None
     padding_mask: bool = False
+    flash_varlen: bool = False
 
     def __call__(self, features: list[dict]) -> dict:
         import torch
@@ -61,11 +66,36 @@ class PadCollator:
             elif self.padding_mask:
                 mask = list(f["attention_mask"]) if "attention_mask" in f else [1] * len(ids)
                 batch["attention_mask"].append(mask + [0] * n)
-        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        if packed and self.flash_varlen:
+            out.update(flash_varlen_kwargs(out["position_ids"]))
+        return out
 
 
-def make_collator(tokenizer: PreTrainedTokenizerBase, pad_to_multiple_of: int | None = None, padding_mask: bool = False) -> PadCollator:
-    """Dynamic per-batch padding with the tokenizer's pad id (its eos id if it has no pad)."""
+def flash_varlen_kwargs(position_ids) -> dict:
+    """The sample boundaries of a packed (b x s) batch as flash-attention's varlen kwargs
+    (``cu_seq_lens_q/k``, ``max_length_q/k``), from transformers' own
+    ``prepare_fa_kwargs_from_position_ids`` over the flattened rows (every row starts a sample at
+    position 0, and a padding tail its own run).
+
+    Why: transformers 5.25 ``_flash_attention_forward`` finds packed samples from position_ids
+    only when the batch has one row (``_is_packed_sequence``: ``batch_size != 1`` -> False); with
+    two or more rows and no mask it runs plain causal flash-attention over the whole window, so
+    packed samples attend to each other. Given these kwargs it takes its varlen branch for any
+    batch size (q, k and v flattened to b*s tokens, one causal block per sample): the same kernel
+    and memory the planner counts for flash-attention (activations.masked_layers: no mask)."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(position_ids)
+    # flash_attn_varlen_func takes the longest sample as a Python int (DataCollatorWithFlattening
+    # sends ints too); the Trainer moves only the tensors to the device.
+    return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": int(max_q), "max_length_k": int(max_k)}
+
+
+def make_collator(tokenizer: PreTrainedTokenizerBase, pad_to_multiple_of: int | None = None, padding_mask: bool = False,
+                  flash_varlen: bool = False) -> PadCollator:
+    """Dynamic per-batch padding with the tokenizer's pad id (its eos id if it has no pad).
+    ``flash_varlen``: the model runs flash-attention (PadCollator)."""
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
@@ -74,7 +104,8 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, pad_to_multiple_of: int | 
             "the tokenizer has neither a pad token nor an eos token",
             "use the tokenizer of a causal language model (it defines eos_token)",
         )
-    return PadCollator(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, padding_mask=padding_mask)
+    return PadCollator(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, padding_mask=padding_mask,
+                       flash_varlen=flash_varlen)
 
 
 def hold_out(samples: list, fraction: float, seed: int) -> tuple[list, list]:
