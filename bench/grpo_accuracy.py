@@ -26,7 +26,11 @@ WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "memory
 SHAPES = (dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2),
           dict(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2),
           dict(hidden=128, intermediate=352, layers=3, heads=8, kv_heads=2),
-          dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=4))
+          dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=4),
+          # wide keys and values, four layers: the generation batch's cache outgrows the training
+          # forward's fused-head tile (the generation phase binds under LoRA)
+          dict(hidden=512, intermediate=1024, layers=4, heads=8, kv_heads=8))
+FAMILIES = ("llama", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -43,18 +47,25 @@ class Case:
     prompt_len: int
     completion_len: int
     shape: int
+    family: str = "llama"
 
     def label(self) -> str:
         return (f"#{self.seed} {self.objective} {'lora' if self.lora else 'full'}"
                 f"{' ckpt' if self.checkpointing else ''} beta {self.beta:g} b{self.micro}x{self.accumulation}"
                 f" spg{self.steps_per_generation} G{self.num_generations} P{self.prompt_len} C{self.completion_len}"
-                f" shape{self.shape}")
+                f" {self.family} shape{self.shape}")
 
 
 def random_case(seed: int) -> Case:
     """A case drawn from ``seed``: objective, method, checkpointing, beta, the batch and its
     generation batch (whole groups of num_generations), the prompt and completion lengths."""
     rng = random.Random(f"grpo-{seed}")
+    if rng.random() < 0.3:  # a generation-bound case: LoRA, one completion per micro-step, a wide cache
+        ng = rng.choice([8, 16])
+        return Case(seed=seed, objective=rng.choice(["grpo", "rloo"]), lora=True, checkpointing=rng.random() < 0.5,
+                    beta=rng.choice([0.0, 0.04]), micro=1, accumulation=ng, steps_per_generation=ng,
+                    num_generations=ng, prompt_len=rng.choice([32, 64]), completion_len=rng.choice([32, 64, 96]),
+                    shape=4, family=rng.choice(FAMILIES))
     ng = rng.choice([2, 4, 4, 8])
     micro = rng.choice([1, 2, 4])
     groups = rng.choice([1, 2])
@@ -67,8 +78,8 @@ def random_case(seed: int) -> Case:
     return Case(seed=seed, objective=rng.choice(["grpo", "grpo", "rloo"]), lora=rng.random() < 0.7,
                 checkpointing=rng.random() < 0.5, beta=rng.choice([0.0, 0.0, 0.04]), micro=micro,
                 accumulation=accumulation, steps_per_generation=rng.choice(ks), num_generations=ng,
-                prompt_len=rng.choice([16, 32, 64]), completion_len=rng.choice([16, 32, 64, 96]),
-                shape=rng.randrange(len(SHAPES)))
+                prompt_len=rng.choice([16, 32, 64]), completion_len=rng.choice([16, 32, 64]),
+                shape=rng.randrange(len(SHAPES) - 1), family=rng.choice(FAMILIES))
 
 
 def plan_setup(case: Case, model_dir: Path):
@@ -85,6 +96,28 @@ def plan_setup(case: Case, model_dir: Path):
                     objective=case.objective, grpo=g)
 
 
+def save_model(out: Path, case: Case) -> Path:
+    """A random-init tiny model of the case's family and shape, with lowvram.testing's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from lowvram.testing import build_tokenizer, save_tiny_model
+
+    if case.family == "llama":
+        return save_tiny_model(out, seed=case.seed, max_positions=1024, **SHAPES[case.shape])
+    shape = SHAPES[case.shape]
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"], max_position_embeddings=1024,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(case.seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def reward_length(prompts, completions, **kwargs):
     return [float(len(c)) / 100 for c in completions]
 
@@ -96,9 +129,9 @@ def measure(case: Case, root: Path) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowvram.livebytes import LiveBytes
-    from lowvram.testing import save_tiny_model, texts_of_exact_length
+    from lowvram.testing import texts_of_exact_length
 
-    model_dir = save_tiny_model(root / "model", seed=case.seed, max_positions=1024, **SHAPES[case.shape])
+    model_dir = save_model(root / "model", case)
     tok = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(case.seed)
     rows = 4 * case.micro * case.accumulation // case.num_generations + 8
