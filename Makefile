@@ -56,7 +56,7 @@ demo: $(STAMP)
 golden: $(STAMP)
 	$(BIN)/python -m tests.golden.snapshot --refresh
 
-# Generated docs: the README's key reference and docs/constants.md (lowvram/plan/constants.py);
+# Generated docs: the README's key reference and docs/constants.md (lowvram/plan/constants/);
 # tests fail when either drifts from the code.
 docs: $(STAMP)
 	$(BIN)/python -m lowvram.docs

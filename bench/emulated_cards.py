@@ -5,7 +5,7 @@ Cards of 6, 8, 12, 16 and 24 GiB and three model sizes, scaled down by SCALE = 1
 whole grid trains on a 2-core CPU in minutes:
 
 - **Cards**: 6-24 MiB. ``LOWVRAM_EMULATE_VRAM`` caps the CPU live-bytes tracker
-  (lowvram.livebytes.LiveBytes ``cap_bytes``; lowvram.train.oom.emulated_vram_bytes): any
+  (lowvram.livebytes.LiveBytes ``cap_bytes``; lowvram.train.run.oom.emulated_vram_bytes): any
   operation that leaves more tensor bytes alive than the card raises torch.OutOfMemoryError, as
   the card would.
 - **Models**: random-init Llamas with 1/1024 of the parameters of Llama-3.2-1B (1.24B),
@@ -19,13 +19,13 @@ whole grid trains on a 2-core CPU in minutes:
   point is not to reproduce a real card's plan but to check the planner's promise on every
   plan it picks: a plan that says "fits" fits, and does not waste the card.
 - **Budget**: what `lowvram train --vram SIZE` plans for on a machine without a GPU (a CPU run:
-  no CUDA context or allocator slack in the plan, lowvram.plan.memory.estimate_memory) minus
-  the safety margin, 5% of the card with a floor of 256 MiB (lowvram.plan.request.Budget) that is
+  no CUDA context or allocator slack in the plan, lowvram.plan.memory.memory.estimate_memory) minus
+  the safety margin, 5% of the card with a floor of 256 MiB (lowvram.plan.choose.request.Budget) that is
   scaled by SCALE too (the floor never binds on a real card of 6 GB or more: 5% of 6 GB is
   300 MB). The "% budget" column is measured peak / that budget.
 
 Every cell: plan with the chooser (every technique auto; lowvram.planning.build_request and
-choose_plan on the budget above, as `lowvram train` does), then lowvram.train.run.run_training
+choose_plan on the budget above, as `lowvram train` does), then lowvram.train.run.run.run_training
 for 5 steps under the emulated card (no OOM recovery: an OOM is a failure here). The measured
 peak is the run's exact live tensor bytes.
 
@@ -79,7 +79,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "emulated_cards.txt"
 class Cell:
     card_gib: int
     model: str
-    plan: str  # lowvram.plan.search.describe_setup, or why there is none
+    plan: str  # lowvram.plan.choose.search.describe_setup, or why there is none
     fits: bool
     predicted_bytes: int | None = None
     budget_bytes: int | None = None
@@ -195,8 +195,8 @@ techniques:
 
 def plan_cell(recipe_path: Path, card_bytes: int, scale: float, device: str = "cpu"):
     """The chooser's answer for the recipe on a card of ``card_bytes`` (every technique auto)."""
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import MIN_MARGIN_BYTES, Budget
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import MIN_MARGIN_BYTES, Budget
     from lowvram.planning.from_recipe import build_request, recipe_model
     from lowvram.recipe import load_recipe
 
@@ -208,10 +208,10 @@ def plan_cell(recipe_path: Path, card_bytes: int, scale: float, device: str = "c
 
 def run_cell(recipe_path: Path, card_gib: int, model: str, scale: float = SCALE, train: bool = True) -> Cell:
     """Plan, then train STEPS steps under the emulated card (CPU: the live-bytes cap)."""
-    from lowvram.plan.search import describe_setup
+    from lowvram.plan.choose.search import describe_setup
     from lowvram.planning.budget import check_runnable
     from lowvram.planning.entry import replanner_for
-    from lowvram.train.oom import EMULATE_ENV, TrainingOOM
+    from lowvram.train.run.oom import EMULATE_ENV, TrainingOOM
 
     card = int(card_gib * 2**30 * scale)
     recipe, choice = plan_cell(recipe_path, card, scale)
@@ -222,7 +222,7 @@ def run_cell(recipe_path: Path, card_gib: int, model: str, scale: float = SCALE,
     if not choice.fits or not train:
         return cell
     from lowvram.hardware import Hardware
-    from lowvram.train.run import run_training
+    from lowvram.train.run.run import run_training
     from lowvram.train.types import TrainOptions
 
     check_runnable(plan, Hardware("cpu"))
@@ -312,7 +312,7 @@ def _cuda_recipe(work: Path, real: str) -> Path:  # pragma: no cover - needs a G
     from transformers import AutoModelForCausalLM
 
     from lowvram.check.builders import hf_config
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.testing import build_tokenizer
 
     folder = work / real
@@ -333,9 +333,9 @@ def _cuda_cell(recipe_path: Path, card: int, model: str) -> Cell:  # pragma: no 
     import torch
 
     from lowvram import gpumemory
-    from lowvram.plan.search import describe_setup
-    from lowvram.train.oom import TrainingOOM
-    from lowvram.train.run import run_training
+    from lowvram.plan.choose.search import describe_setup
+    from lowvram.train.run.oom import TrainingOOM
+    from lowvram.train.run.run import run_training
     from lowvram.train.types import TrainOptions
 
     recipe, choice = plan_cell(recipe_path, card * 2**30, 1.0, "cuda")

@@ -2,7 +2,7 @@
 plan `lowvram plan --model llama-3.1-8b --method full --vram 24GiB --seq-len 2048 --batch-size 1
 --offload none` makes (layerwise 8-bit GaLore, checkpointing, the chunked loss), its techniques
 fixed in a recipe for the 8B/1024 Llama of bench/emulated_cards.py, trained through
-lowvram.train.run on a card emulated by the live-bytes cap.
+lowvram.train.run.run on a card emulated by the live-bytes cap.
 
 - **Model**: bench/emulated_cards.py's 8B/1024 (hidden 256, 8 layers, intermediate 896, 8 heads,
   2 kv heads, vocabulary 2048; 7.9M parameters, 1/1024 of Llama-3.1-8B's), with positions for
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS), help="results file ('' for none)")
     args = ap.parse_args()
-    from lowvram.plan.search import describe_setup
+    from lowvram.plan.choose.search import describe_setup
 
     ec = _emulated_cards()
     real = real_plan(args.model, args.card_gib)

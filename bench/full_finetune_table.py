@@ -41,8 +41,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(RESULTS / "full_finetune_table.txt"), help="results file ('' for none)")
     args = ap.parse_args()
-    from lowvram.plan.catalog import catalog_names, resolve_model
-    from lowvram.plan.models import model_numel
+    from lowvram.plan.model.catalog import catalog_names, resolve_model
+    from lowvram.plan.model.models import model_numel
 
     models = sorted(((n, model_numel(resolve_model(n))) for n in catalog_names()),
                     key=lambda m: -m[1])

@@ -32,8 +32,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's lowvram
 # the allocator as `lowvram train` runs it: expandable segments unless PYTORCH_CUDA_ALLOC_CONF is
-# set, before torch is imported (lowvram.train.allocator); the plans read the same variable
-from lowvram.train.allocator import set_expandable_segments  # noqa: E402
+# set, before torch is imported (lowvram.train.build.allocator); the plans read the same variable
+from lowvram.train.build.allocator import set_expandable_segments  # noqa: E402
 
 set_expandable_segments()
 
@@ -130,7 +130,7 @@ def run_technique(probe, spec, kw, seq_lens, saved_dir):
     Yields each row as soon as it is measured, so the caller can write it before the next one."""
     from lowvram.check.builders import build_model
     from lowvram.check.step import measure_trainer_step
-    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.memory.memory import estimate_memory
     from lowvram.plan.setup import RunSetup, expandable_segments_set
 
     expandable = expandable_segments_set(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = 0 if args.dry_run else other_processes_bytes()
     import torch
 
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
 
     if args.dry_run:
         from lowvram.check.cases import tiny_llama_spec

@@ -15,7 +15,7 @@
 # when no case was measured, 124 when killed at 450 s (the rows so far are in the JSON).
 # Arguments go to bench/gpu_check.py: `bash bench/gpu_check.sh --dry-run` runs the same on a CPU
 # (bench/results/gpu_check_dry_run-*.txt: the dry run in a venv that reproduces the machine).
-# Then commit the GPU output under bench/results/ and calibrate lowvram.plan.memory.cuda_overheads().
+# Then commit the GPU output under bench/results/ and calibrate lowvram.plan.memory.memory.cuda_overheads().
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -83,7 +83,7 @@ def random_case(seed: int) -> Case:
 
 
 def plan_setup(case: Case, model_dir: Path):
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.plan.setup import GrpoSetup, RunSetup
 
     spec = resolve_model(str(model_dir))
@@ -167,7 +167,7 @@ def measure(case: Case, root: Path) -> int:
 
 
 def run(case: Case) -> dict:
-    from lowvram.plan.memory import estimate_memory, phase_estimates
+    from lowvram.plan.memory.memory import estimate_memory, phase_estimates
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

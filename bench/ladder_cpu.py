@@ -22,8 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from lowvram.check.builders import autocast_dtype, build_model, build_optimizer, make_batch  # noqa: E402
 from lowvram.check.cases import tiny_llama_spec  # noqa: E402
 from lowvram.check.step import measure_trainer_step, one_step  # noqa: E402
-from lowvram.plan.catalog import resolve_model  # noqa: E402
-from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.memory.memory import estimate_memory  # noqa: E402
+from lowvram.plan.model.catalog import resolve_model  # noqa: E402
 from lowvram.plan.setup import RunSetup  # noqa: E402
 
 SPEC = tiny_llama_spec(hidden_size=512, num_layers=8, vocab_size=32000)

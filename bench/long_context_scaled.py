@@ -3,7 +3,7 @@ item 6): for each card, the plan `lowvram plan --model llama-3.1-8b --method qlo
 --offload none --context-table` chooses at its longest seq_len (4-bit QLoRA, checkpointing,
 activation offload, the tiled MLP, torchao's 4-bit AdamW, the chunked loss), its techniques fixed
 in a recipe for the 8B/1024 Llama of bench/emulated_cards.py, trained through
-lowvram.train.run on a card emulated by the live-bytes cap, and measured against its own plan.
+lowvram.train.run.run on a card emulated by the live-bytes cap, and measured against its own plan.
 
 - **Model**: bench/emulated_cards.py's 8B/1024 (hidden 256, 8 layers, intermediate 896, 8 heads,
   2 kv heads, vocabulary 2048): 1/16 of Llama-3.1-8B's width, 1/4 of its layers.
@@ -90,12 +90,12 @@ def run_cuda_row(row, steps: int, work: Path) -> dict:  # pragma: no cover - nee
 
     from lowvram import gpumemory
     from lowvram.check.builders import hf_config
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.search import describe_setup
+    from lowvram.plan.choose.search import describe_setup
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.planning.entry import make_plan
     from lowvram.testing import build_tokenizer
-    from lowvram.train.oom import TrainingOOM
-    from lowvram.train.run import run_training
+    from lowvram.train.run.oom import TrainingOOM
+    from lowvram.train.run.run import run_training
     from lowvram.train.types import TrainOptions
 
     ec = _emulated_cards()

@@ -1,10 +1,10 @@
 """Step time of each full fine-tuning optimizer against AdamW on this CPU: a cross-check of the
-step-time factors in lowvram.plan.techniques.OPTIMIZER_SLOWDOWN, which come from published GPU
+step-time factors in lowvram.plan.choose.techniques.OPTIMIZER_SLOWDOWN, which come from published GPU
 measurements (the sources are beside each factor). A CPU ratio is not a GPU number: the CPU's
 matmuls are slow next to its memory-bound optimizer arithmetic, so the optimizer's share of a step
 differs; what carries over is the order and the per-step host work (Python loops, hooks).
 
-Each optimizer runs through the Trainer `lowvram train` builds (lowvram.train.trainer:
+Each optimizer runs through the Trainer `lowvram train` builds (lowvram.train.build.trainer:
 build_training_args + build_trainer, the Plan's optimizer arguments, clipping where the plan keeps
 it), same model (seed 0), same batch, same tokens. A callback times every step: the forward and
 backward until the optimizer step (in-backward forms step inside it), then the optimizer step and
@@ -34,14 +34,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from lowvram.check.builders import build_model, setup_plan  # noqa: E402
 from lowvram.check.cases import tiny_llama_spec  # noqa: E402
+from lowvram.plan.choose.techniques import OPTIMIZER_SLOWDOWN  # noqa: E402
 from lowvram.plan.setup import RunSetup  # noqa: E402
-from lowvram.plan.techniques import OPTIMIZER_SLOWDOWN  # noqa: E402
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_in_backward", "galore_adamw", "galore_adamw_8bit",
               "galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "apollo_adamw",
               "apollo_adamw_layerwise", "lomo")
 # adalomo is not here: lomo_optim's AdaLomo makes its state with .cuda() (it needs CUDA,
-# lowvram.plan.optimizers), so this CPU cannot cross-check it
+# lowvram.plan.memory.optimizers), so this CPU cannot cross-check it
 WARMUP = 2
 
 
@@ -65,7 +65,7 @@ def time_steps(setup: RunSetup, steps: int) -> list[tuple[float, float]]:
     import torch
     from transformers import TrainerCallback, default_data_collator
 
-    from lowvram.train.trainer import build_trainer, build_training_args
+    from lowvram.train.build.trainer import build_trainer, build_training_args
 
     g = torch.Generator().manual_seed(0)
     rows = []

@@ -3,7 +3,7 @@
 Each case of lowvram.check.cases.ACCURACY_MATRIX builds a small random-init Llama (transformers,
 peft, bitsandbytes), runs one warm-up step and one measured step the way the Trainer does, and
 compares the exact live tensor bytes (lowvram.livebytes.LiveBytes) with
-lowvram.plan.memory.estimate_memory(device="cpu").
+lowvram.plan.memory.memory.estimate_memory(device="cpu").
 
     HF_HUB_OFFLINE=1 python bench/plan_accuracy.py [> bench/results/plan_accuracy_cpu.txt]
 """
@@ -23,7 +23,7 @@ def main() -> int:
 
     from lowvram.check.cases import ACCURACY_MATRIX, SMALL_LOGITS_MATRIX, tiny_llama_spec
     from lowvram.check.step import measure_setup
-    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.memory.memory import estimate_memory
     from lowvram.plan.setup import RunSetup
 
     spec = tiny_llama_spec()

@@ -2,8 +2,8 @@
 
 Each row of bench/gpu_truth is a fine-tuning run someone measured on a GPU and published, with its
 settings and what was measured (bench/gpu_truth/README.md has the format). For every row this
-builds the plan the way `lowvram plan` does (lowvram.plan.catalog.resolve_model, a RunSetup with
-the row's settings, lowvram.plan.memory.estimate_memory) and compares like with like:
+builds the plan the way `lowvram plan` does (lowvram.plan.model.catalog.resolve_model, a RunSetup with
+the row's settings, lowvram.plan.memory.memory.estimate_memory) and compares like with like:
 
     allocated (torch.cuda.max_memory_allocated, "active")   vs the plan's tensor bytes
     reserved  (torch.cuda.max_memory_reserved)               vs tensors + the allocator slack
@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lowvram.plan.catalog import resolve_model  # noqa: E402
-from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.memory.memory import estimate_memory  # noqa: E402
+from lowvram.plan.model.catalog import resolve_model  # noqa: E402
 from lowvram.plan.setup import CudaOverheads, RunSetup, cuda_overheads  # noqa: E402
 
 DATA = REPO / "bench" / "gpu_truth"

@@ -1,4 +1,4 @@
-"""Analytic peak (lowvram.plan.memory) vs the simulated real step (lowvram.check.simulate) at full size.
+"""Analytic peak (lowvram.plan.memory.memory) vs the simulated real step (lowvram.check.simulate) at full size.
 
 Catalog shapes of Llama-2-7B, Llama-3-8B and Qwen2.5-7B, batch 1, seq 512 and 2048, the main
 technique combinations, tensors only (device "cpu": no CUDA context or allocator slack, which
@@ -26,9 +26,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lowvram.plan.catalog import resolve_model  # noqa: E402
-from lowvram.plan.memory import estimate_memory  # noqa: E402
-from lowvram.plan.moe import default_attention  # noqa: E402
+from lowvram.plan.memory.memory import estimate_memory  # noqa: E402
+from lowvram.plan.model.catalog import resolve_model  # noqa: E402
+from lowvram.plan.model.moe import default_attention  # noqa: E402
 from lowvram.plan.setup import RunSetup  # noqa: E402
 
 MODELS = ["llama-2-7b", "llama-3-8b", "qwen2.5-7b"]

@@ -61,13 +61,34 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.report.info import show_validated
 
     r = load_recipe(recipe, set_ or [])
-    from lowvram.train.preflight import check_inputs
+    from lowvram.train.run.preflight import check_inputs
 
     check_inputs(r)
-    from lowvram.train.preflight import check_shape
+    from lowvram.train.run.preflight import check_shape
 
     check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
-    show_validated(r, recipe, as_json=json_)
+    from lowvram.train.run.preflight import check_recipe_data
+
+    show_validated(r, recipe, check_recipe_data(r), as_json=json_)  # every row, as training reads it
+
+
+@app.command()
+@handle_errors
+def data(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    samples: Annotated[int, typer.Option("--samples", "-n", min=0, help="Rendered samples to print.")] = 3,
+    json_: JsonOpt = False,
+) -> None:
+    """Show the data as the model will see it: rendered samples with the trained tokens marked,
+    token lengths, what seq_len cuts; every row checked against its format (no model loaded)."""
+    from lowvram.recipe import load_recipe
+    from lowvram.report.data import show_data
+    from lowvram.train.run.preflight import check_inputs, check_recipe_data
+
+    r = load_recipe(recipe, set_ or [])
+    check_inputs(r)
+    show_data(check_recipe_data(r, samples=samples), as_json=json_)
 
 
 @app.command()
@@ -231,7 +252,7 @@ def plan(
         tiled_mlp=None if tiled_mlp == "auto" else tiled_mlp,
         objective=objective, host_ram=host_ram, **grpo_flags,
     )
-    from lowvram.plan.request import Choice
+    from lowvram.plan.choose.request import Choice
     from lowvram.plan.serialize import choice_to_dict
 
     if not isinstance(result, Choice):
@@ -304,8 +325,8 @@ def merge(
 ) -> None:
     """Merge a run's LoRA adapter into its base model and save a plain transformers folder."""
     from lowvram.report.results import show_merge_plan, show_merge_result
-    from lowvram.train.lock import run_lock
-    from lowvram.train.merge import merge_run, plan_merge
+    from lowvram.train.after.merge import merge_run, plan_merge
+    from lowvram.train.run.lock import run_lock
 
     with run_lock(out, "lowvram merge --out"):
         mp = plan_merge(run_dir, out, dtype=dtype)
@@ -329,7 +350,12 @@ def generate(
     """Load a trained model and stream its answer to a prompt (or chat with --interactive)."""
     from lowvram.errors import UsageError
     from lowvram.report.results import show_generator, stream_text, write_stream
-    from lowvram.train.generate import GenerationSettings, chat_loop, load_generator, stream_reply
+    from lowvram.train.after.generate import (
+        GenerationSettings,
+        chat_loop,
+        load_generator,
+        stream_reply,
+    )
 
     if (prompt is None) == (not interactive):
         raise UsageError("pass --prompt TEXT or --interactive (one of them)", 'e.g. lowvram generate runs/quickstart --prompt "Hello"')
@@ -358,10 +384,9 @@ def runs(
     folder = folder or Path("runs")
     found = list_runs(folder)
     show_runs(found, folder, as_json=json_)
-    from lowvram.past_runs import damaged_error
+    from lowvram.report.results import warn_damaged
 
-    if (err := damaged_error(found)) is not None:  # after the list: the other runs are shown
-        raise err
+    warn_damaged(found)  # on stderr, exit 0: a script listing runs goes on past one damaged run
 
 
 @app.command()

@@ -126,7 +126,7 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     from lowvram.planning.entry import plan_for_recipe
     from lowvram.recipe import load_recipe
     from lowvram.report.console import console
-    from lowvram.train.model import load_model, quiet_libraries
+    from lowvram.train.build.model import load_model, quiet_libraries
 
     c = console()
     quiet_libraries()
@@ -151,7 +151,7 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
 
     from peft import PeftModel
 
-    from lowvram.train.trainer import output_dir
+    from lowvram.train.build.trainer import output_dir
 
     out = output_dir(recipe)
     metrics = json.loads((out / METRICS).read_text())

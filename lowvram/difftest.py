@@ -19,7 +19,7 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from lowvram.plan.preference import REFERENCE_OBJECTIVES
+from lowvram.plan.memory.preference import REFERENCE_OBJECTIVES
 
 # Targets of the differential test: measured / predicted - 1.
 OVER_LIMIT = 0.03  # the run may use at most 3% more than its plan said
@@ -35,7 +35,7 @@ FIRST_FAMILIES = ("llama", "qwen2", "gemma", "phi3", "mistral", "qwen3_moe", "mi
 TEN_FAMILIES = FIRST_FAMILIES + ("gemma3_text", "olmo2", "smollm3")
 FAMILIES = TEN_FAMILIES + ("gpt_oss",)
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
-# multimodal checkpoints (a vision tower loaded with the language model, lowvram.plan.vision):
+# multimodal checkpoints (a vision tower loaded with the language model, lowvram.plan.model.vision):
 # Gemma-3 (SigLIP, Gemma-3 text), Llava (CLIP, Llama), Mistral-3 (Pixtral, Mistral) and Qwen2.5-VL (its
 # window-attention ViT and patch merger, Qwen2 with M-RoPE); text-only recipes (bench/plan_fuzz.py
 # --families vision). Llama-3.2-Vision (mllama: its local + gated global ViT, Llama with
@@ -86,7 +86,7 @@ class Case:
     validation: float | None = None
     experts: int = 0
     experts_per_tok: int = 0
-    tiled_mlp: bool = False  # techniques.tiled_mlp (lowvram.plan.tiled)
+    tiled_mlp: bool = False  # techniques.tiled_mlp (lowvram.plan.memory.tiled)
     tiled_mlp_shards: int = 0  # 0: on, ceil(seq_len / hidden_size) shards
     # loss chunked: the chunk the plan sizes to a budget made for it (run_case passes --vram;
     # search.sized_loss_chunk); 1024: the default, no --vram
@@ -275,7 +275,7 @@ def _with_vision(case: Case, rng: random.Random) -> Case:
 
 
 def image_tokens(case: Case) -> int:
-    """Tokens per image of a case's tower (as _multimodal sizes it, lowvram.plan.vision)."""
+    """Tokens per image of a case's tower (as _multimodal sizes it, lowvram.plan.model.vision)."""
     patches = (case.vision_image // case.vision_patch) ** 2
     return max(1, patches // 4) if case.family in ("gemma3", "qwen2_5_vl", "qwen3_vl") else patches
 
@@ -306,7 +306,7 @@ def _extend(case: Case, rng: random.Random) -> Case:
 
 
 def made_pissa(case: Case) -> Case | None:
-    """An adapter recipe made a lora.init PiSSA run (plan/lora_init.py), full or fast SVD drawn from
+    """An adapter recipe made a lora.init PiSSA run (plan/memory/lora_init.py), full or fast SVD drawn from
     a stream of its own: QLoRA made LoRA (PiSSA needs a float base), no DoRA; None for full
     fine-tuning, fused MoE experts and an r above the narrowest adapted Linear (refused)."""
     if case.method == "full" or (case.family in MOE_FAMILIES and case.lora_targets == "all-linear"):
@@ -325,7 +325,7 @@ def made_galore(case: Case, layerwise: bool = False, eight_bit: bool = False) ->
     stream. None for an MoE family (GaLore is refused there: its experts are no nn.Linear).
     ``eight_bit`` (--galore 8bit): galore_adamw_8bit or galore_adamw_8bit_layerwise, the form
     drawn from the seed's stream too (``layerwise`` ignored); its step runs on the CPU through
-    lowvram.train.galore_cpu."""
+    lowvram.train.build.galore_cpu."""
     if case.family in MOE_FAMILIES:
         return None
     rng = random.Random(f"galore-{case.seed}")
@@ -351,7 +351,7 @@ def made_apollo(case: Case, layerwise: bool = False) -> Case | None:
 
 def made_in_backward(case: Case) -> Case:
     """The case as a full fine-tuning run with AdamW stepped in the backward (bench/plan_fuzz.py
-    --in-backward): optimizer adamw_in_backward at gradient accumulation 1 (lowvram.train.in_backward)."""
+    --in-backward): optimizer adamw_in_backward at gradient accumulation 1 (lowvram.train.build.in_backward)."""
     return replace(case, method="full", use_dora=False, lora_dropout=0.0, optimizer="adamw_in_backward", grad_accum=1)
 
 
@@ -441,7 +441,7 @@ def _multimodal(case: Case, text, image_token_ids: dict | None = None):
     token inside the vocabulary (text-only data never holds it; an image case's: the tokenizer's
     image tokens, lowvram.testing.image_token_config)."""
     from lowvram.check.builders import multimodal_config
-    from lowvram.plan.vision import VisionSpec
+    from lowvram.plan.model.vision import VisionSpec
 
     if case.family == "mllama":
         return multimodal_config(text, _mllama_tower(case, text), False,
@@ -479,7 +479,7 @@ def mllama_cross_layers(case: Case) -> tuple[int, ...]:
 def _mllama_tower(case: Case, text):
     """A mllama case's VisionSpec: the case's local layers, one gated global layer, four tiles in
     the processor's eight layouts, the projector reading the last and one intermediate layer."""
-    from lowvram.plan.vision import VisionSpec
+    from lowvram.plan.model.vision import VisionSpec
 
     return VisionSpec(tower="mllama", projector="mllama", num_layers=case.vision_layers,
                       hidden_size=case.vision_hidden, intermediate_size=2 * case.vision_hidden, num_heads=2,
@@ -499,7 +499,7 @@ def write_model(case: Case, folder: Path) -> Path:
         build_vision_tokenizer,
         image_token_config,
     )
-    from lowvram.train.model import has_vision, model_class
+    from lowvram.train.build.model import has_vision, model_class
 
     tok = build_vision_tokenizer(case.family) if case.images else build_tokenizer()
     image_ids = image_token_config(case.family, tok) if case.images else None

@@ -1,6 +1,6 @@
 """A run's measured memory against its plan, like with like (issue 13, item 5).
 
-The plan's peak (:func:`lowvram.plan.memory.estimate_memory`) is the sum of parts that different
+The plan's peak (:func:`lowvram.plan.memory.memory.estimate_memory`) is the sum of parts that different
 counters see, so each part is compared with the counter that sees exactly it:
 
 =============================  ===============================================================

@@ -2,7 +2,7 @@
 
 ``lowvram plan --model org/name`` for a model that is neither in the catalog nor in the hub cache
 downloads that file only (``hf_hub_download(repo_id, "config.json")``: a few KB, no weights) into
-the hub cache, where ``lowvram.plan.models`` finds it from then on (offline too). Kept out of
+the hub cache, where ``lowvram.plan.model.models`` finds it from then on (offline too). Kept out of
 ``plan/``, which stays pure: the CLI calls this before it plans. huggingface_hub reads HF_TOKEN
 (gated and private repos) and HF_HUB_CACHE / HF_HOME itself; HF_HUB_OFFLINE is checked here first
 so that an offline machine gets one clear error instead of a connection attempt.
@@ -35,10 +35,58 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
+_REACHABLE: dict[str, bool] = {}  # one network check per process
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """The hub (HF_ENDPOINT, else huggingface.co) answers a TCP connection within ``timeout_s``:
+    checked once per process, so a machine with no network is told so in seconds instead of after
+    huggingface_hub's retries (about 80 s of back-off, a dozen log lines)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    key = f"{url.hostname}:{url.port or 443}"
+    if key not in _REACHABLE:
+        try:
+            socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
+            _REACHABLE[key] = True
+        except OSError:
+            _REACHABLE[key] = False
+    return _REACHABLE[key]
+
+
+def hub_model_cached(repo_id: str) -> bool:
+    """The hub cache holds the model's config and weights (a single file or the index of shards)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    found = [try_to_load_from_cache(repo_id, f) for f in ("config.json", "model.safetensors",
+                                                          "model.safetensors.index.json", "pytorch_model.bin")]
+    return isinstance(found[0], str) and any(isinstance(f, str) for f in found[1:])
+
+
+def download_problem(repo_id: str) -> str | None:
+    """Why a hub model that is not in the cache cannot be downloaded now (offline, no network),
+    or None (it is cached, or the hub answers)."""
+    if hub_model_cached(repo_id):
+        return None
+    if hub_offline():
+        return (f"model {repo_id} is not in the hub cache and HF_HUB_OFFLINE is set (download it first: "
+                f"`hf download {repo_id}`, or set model.name_or_path to a local folder)")
+    if not hub_reachable():
+        host = os.environ.get("HF_ENDPOINT") or "huggingface.co"
+        return (f"no network: {host} cannot be reached, and model {repo_id} is not in the hub cache "
+                f"(download it on a machine with network: `hf download {repo_id}`, then copy the "
+                "folder and set model.name_or_path to it)")
+    return None
+
+
 def ensure_config(model_ref: str, download=None) -> Path | None:
     """For a hub id that neither the catalog nor the hub cache knows, fetch its config.json (the
     path); None when nothing needed fetching (catalog name, local path, cached hub id)."""
-    from lowvram.plan.catalog import hub_cache_config, is_catalog_name
+    from lowvram.plan.model.catalog import hub_cache_config, is_catalog_name
 
     ref = model_ref.strip()
     if not looks_like_hub_id(ref) or is_catalog_name(ref) or hub_cache_config(ref) is not None:
@@ -57,6 +105,11 @@ def fetch_config(repo_id: str, download=None) -> Path:
             "unset HF_HUB_OFFLINE to fetch that one file (a few KB), or pass a local folder with "
             "config.json; catalog models: `lowvram plan --list-models`")
     if download is None:
+        if not hub_reachable():
+            raise ModelError(f"no network: the Hugging Face Hub cannot be reached to fetch the config.json of "
+                             f"'{repo_id}'",
+                             "connect to the network, or pass a local folder with config.json (or "
+                             "set HF_HUB_OFFLINE=1 to use the hub cache only)")
         from huggingface_hub import hf_hub_download as download
     try:
         return Path(download(repo_id=repo_id, filename="config.json"))
@@ -89,4 +142,4 @@ def _hub_error(repo_id: str, err: Exception) -> LowvramError:
                       "config.json)")
 
 
-__all__ = ["ensure_config", "fetch_config", "hub_offline", "looks_like_hub_id"]
+__all__ = ["download_problem", "ensure_config", "fetch_config", "hub_offline", "hub_reachable", "looks_like_hub_id"]

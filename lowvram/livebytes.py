@@ -21,7 +21,7 @@ An optional ``cap_bytes`` turns it into an emulated card: crossing the cap raise
 
 A torch utility: imports nothing of lowvram; torch and transformers are imported inside
 functions (importing lowvram stays instant). Users: lowvram.check.step (the measured step),
-lowvram.train.run (the peak of a run on CPU), benches.
+lowvram.train.run.run (the peak of a run on CPU), benches.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class RunMetrics:
     train_runtime_s: float | None = None  # the Trainer's train_runtime
     tokens_seen: int | None = None
     tokens_per_s: float | None = None
-    # The measured peak (train/run.py _peak_memory: live tensor bytes on CPU, CUDA counters on a GPU)
+    # The measured peak (train/run/run.py _peak_memory: live tensor bytes on CPU, CUDA counters on a GPU)
     peak_memory_bytes: int | None = None
     peak_memory_kind: str | None = None  # what measured it: "live tensor bytes (exact, CPU)", ...
     peak_rss_bytes: int | None = None  # CPU with live-byte tracking only
@@ -69,7 +69,7 @@ class RunMetrics:
     resumed_from: str | None = None
     loss_history: Pairs = field(default_factory=list)
     eval_history: Pairs = field(default_factory=list)
-    # A preference objective (dpo/orpo/simpo, train/preference.py): TRL's reward metrics, the last
+    # A preference objective (dpo/orpo/simpo, train/build/preference.py): TRL's reward metrics, the last
     # value and the history ([[step, value], ...]); absent for SFT
     rewards_chosen: float | None = None
     rewards_rejected: float | None = None
@@ -79,7 +79,7 @@ class RunMetrics:
     rewards_rejected_history: Pairs | None = None
     rewards_margins_history: Pairs | None = None
     rewards_accuracies_history: Pairs | None = None
-    # each objective's own terms (train/preference.py OBJECTIVE_METRICS): kto's KL estimate,
+    # each objective's own terms (train/build/preference.py OBJECTIVE_METRICS): kto's KL estimate,
     # orpo's log odds ratio and chosen log odds, orpo's and simpo's NLL on the chosen rows
     kl: float | None = None
     log_odds_ratio: float | None = None
@@ -89,7 +89,7 @@ class RunMetrics:
     log_odds_ratio_history: Pairs | None = None
     log_odds_chosen_history: Pairs | None = None
     nll_loss_history: Pairs | None = None
-    # Out-of-memory retries (train/recover.py): absent when the run was not trained through it
+    # Out-of-memory retries (train/run/recover.py): absent when the run was not trained through it
     oom_retries: list[dict] | None = None
     final_plan: dict | None = None  # after a retry: the techniques the run ended with
     status: str | None = None  # read only: a status an older writer recorded
@@ -125,7 +125,7 @@ class RunMetrics:
         return self.to_dict()[key]
 
 
-# A preference objective's own terms as metrics.json keys (TRL's log names; train/preference.py)
+# A preference objective's own terms as metrics.json keys (TRL's log names; train/build/preference.py)
 OBJECTIVE_METRIC_KEYS = ("kl", "log_odds_ratio", "log_odds_chosen", "nll_loss")
 
 # Keys written only where the run measured them (as metrics.json has always done).
@@ -191,7 +191,9 @@ def metrics_problem(data) -> str | None:
 
 def read_metrics(path: Path) -> RunMetrics | None:
     """The metrics.json at ``path``; None when it is missing, does not parse or does not match the
-    schema (runs.py names such a file as damaged)."""
+    schema (runs.py names such a file as damaged), or is not an ordinary file (a FIFO would block)."""
+    if not Path(path).is_file():
+        return None
     try:
         return RunMetrics.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
     except (OSError, ValueError):

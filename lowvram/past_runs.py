@@ -15,7 +15,7 @@ import yaml
 
 from lowvram.errors import LowvramError
 from lowvram.metrics import RunMetrics, metrics_problem, read_metrics
-from lowvram.runfiles import CHECKPOINT_GLOB, METRICS, PLAN, RECIPE, checkpoint_number
+from lowvram.runfiles import CHECKPOINT_GLOB, METRICS, PLAN, RECIPE, checkpoint_number, lock_holder
 from lowvram.units import shell_line
 from lowvram.vocab import PLAN_KEYS
 
@@ -28,7 +28,7 @@ class RunInfo:
     path: str
     name: str
     model: str
-    status: str  # finished | interrupted (checkpoints, no metrics.json) | failed (neither)
+    status: str  # running (its lock is held) | finished | interrupted (checkpoints, no metrics.json) | failed (neither)
     recipe_path: str | None = None
     techniques: dict = field(default_factory=dict)
     predicted_peak_bytes: int | None = None
@@ -64,6 +64,8 @@ class RunInfo:
 
 
 def read_json(path: Path) -> dict:
+    if not path.is_file():  # missing, or a FIFO that would block the reader (_damaged_files names it)
+        return {}
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -73,6 +75,8 @@ def read_json(path: Path) -> dict:
 
 def read_json_value(path: Path):
     """A JSON file's value, of any type; None when missing or unreadable."""
+    if not path.is_file():
+        return None
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -81,6 +85,8 @@ def read_json_value(path: Path):
 
 def read_yaml_dict(path: Path) -> dict:
     """A YAML mapping file (a run's recipe.yaml) as a dict; {} when missing or unreadable."""
+    if not path.is_file():
+        return {}
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
@@ -137,7 +143,8 @@ def read_run(path: str | Path) -> RunInfo:
     return RunInfo(
         path=str(p), name=p.name, recipe_path=recipe_path,
         model=str((recipe.get("model") or {}).get("name_or_path", "?")),
-        status="damaged" if damaged else _status(metrics, ckpts),
+        # a process trains in it now (its lock): half-written files are not damage
+        status="running" if lock_holder(p) else "damaged" if damaged else _status(metrics, ckpts),
         techniques=techniques,
         predicted_peak_bytes=m.predicted_peak_bytes if m.predicted_peak_bytes is not None else plan.get("predicted_peak_bytes"),
         measured_peak_bytes=m.peak_memory_bytes,
@@ -157,9 +164,16 @@ def _damaged_files(p: Path) -> tuple[str, ...]:
     """The run's own files that exist and do not parse (read as empty above, they would make a
     finished run look failed or interrupted): metrics.json (also: one that parses but does not
     match its schema, lowvram.metrics), plan.json, recipe.yaml."""
+    from lowvram.inputfiles import not_ordinary
     from lowvram.runfiles import file_problem
 
     out = []
+    for n in (METRICS, PLAN, RECIPE):  # a FIFO or a device in their place: never opened
+        why = not_ordinary(p / n)
+        if why:
+            out.append(f"{p / n} is damaged: it is {why}, not an ordinary file")
+    if out:
+        return tuple(out)
     for n in (METRICS, PLAN):
         why = file_problem(p / n) if (p / n).is_file() else None
         if why is None and n == METRICS and (p / n).is_file():
@@ -208,8 +222,17 @@ def list_runs(root: str | Path) -> list[RunInfo]:
                 found.append(child)
             else:
                 found += [g for g in sorted(child.iterdir()) if g.is_dir() and is_run_dir(g)]
-    found.sort(key=lambda d: max((f.stat().st_mtime for f in d.iterdir()), default=0), reverse=True)
-    return [read_run(d) for d in found]
+    found.sort(key=lambda d: max((f.lstat().st_mtime for f in d.iterdir()), default=0), reverse=True)
+    return [_read_listed_run(d) for d in found]
+
+
+def _read_listed_run(d: Path) -> RunInfo:
+    """read_run, or a damaged RunInfo naming why the folder cannot be read (`lowvram runs` goes on)."""
+    try:
+        return read_run(d)
+    except OSError as e:
+        return RunInfo(path=str(d), name=d.name, model="?", status="damaged",
+                       damaged=(f"{d} cannot be read: {e.strerror or e}",))
 
 
 def resume_command(recipe_path: str | Path, overrides: Sequence[str] = (), vram: str | None = None) -> str:

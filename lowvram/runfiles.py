@@ -34,10 +34,54 @@ LAUNCH_FILES = (CONFIG, LAUNCH_PLAN, LAUNCH_REQUEST, LAUNCH_LOG)
 OOM_REPORT = "oom-rank{rank}.json"  # a launched worker's out-of-memory, for the launcher (oom.py)
 
 
+LOCK_SUFFIX = ".lowvram-lock"  # beside a run folder while a process trains in it (train/run/lock.py)
+
+
+def lock_path(folder: Path) -> Path:
+    """The lock file of a run folder: ``.<name>.lowvram-lock`` beside it (train/run/lock.py says why)."""
+    folder = Path(folder).resolve()
+    return folder.parent / f".{folder.name}{LOCK_SUFFIX}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it runs
+        return True
+    return True
+
+
+def read_lock(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def lock_holder(folder: Path) -> dict | None:
+    """Who trains in ``folder`` now: its lock's record while its process runs (on another host:
+    taken as running, it cannot be checked from here), else None (no lock, or a stale one)."""
+    import socket
+
+    holder = read_lock(lock_path(folder))
+    if holder is None:
+        return None
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
+        return None
+    return holder
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write via a temp file in the same folder + rename: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as e:  # read-only storage, no permission: name the file meant, not the temp file
+        raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -51,6 +95,41 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def require_writable(folder: Path, what: str, hint: str) -> None:
+    """LowvramError naming ``folder`` (or, not made yet, the nearest folder above it that exists)
+    when nothing can be written there: read-only storage (EROFS, which root meets too), no
+    permission. Checked by creating and removing a temporary file: true for every filesystem,
+    its permissions, ACLs and mount flags alike, and for root. Nothing stays written."""
+    from lowvram.errors import LowvramError
+
+    here = Path(folder).absolute()
+    while not here.is_dir() and here != here.parent:
+        here = here.parent
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".lowvram-write-check.", dir=here)
+    except OSError as e:
+        where = f"{what} {folder}" if here == Path(folder).absolute() else f"{here}, the folder that would hold {what} {folder},"
+        raise LowvramError(f"{where} cannot be written: {e.strerror or e}", hint) from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def is_read_only(exc: BaseException) -> bool:
+    """A write refused by read-only storage: an OSError with EROFS in ``exc`` or what it wraps, or
+    the OS's words in the text of a writer that keeps no errno (the Rust writers: "(os error 30)")."""
+    import errno
+
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.EROFS:
+            return True
+        if isinstance(e, Exception) and ("Read-only file system" in str(e) or "(os error 30)" in str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _umask() -> int:
@@ -162,15 +241,21 @@ def _gguf_problem(path: Path) -> str | None:
 
 
 def folder_problem(folder: Path, only: tuple[str, ...] | None = None) -> tuple[Path, str] | None:
-    """The first damaged file directly in ``folder`` (file_problem), with why; None if none is.
+    """The first damaged file directly in ``folder`` (file_problem), or one that is not an
+    ordinary file (a FIFO, a device: inputfiles.not_ordinary), with why; None if none is.
     ``only``: the names to check (a GGUF model folder: its gguf_file, not the other GGUFs)."""
+    from lowvram.inputfiles import not_ordinary
+
     if not folder.is_dir():
         return None
     for p in sorted(folder.iterdir()):
-        if p.is_file() and not p.name.startswith(".") and (only is None or p.name in only):
-            why = file_problem(p)
-            if why:
-                return p, why
+        if p.name.startswith(".") or (only is not None and p.name not in only):
+            continue
+        kind = not_ordinary(p)  # a FIFO would block the library that opens it, /dev/zero never end
+        if kind and kind != "a folder":
+            return p, f"it is {kind}, not an ordinary file"
+        if p.is_file() and (why := file_problem(p)):
+            return p, why
     return None
 
 

@@ -2,8 +2,8 @@
 returns a :class:`TrainOutcome`; the CLI parses the flags into the one and renders the other.
 
 The recipe is loaded, the hardware read and the run planned **once**; then the run either trains
-in this process (train/recover.py: the lock, the out-of-memory retries, resume) or is launched
-through accelerate (train/launch.py: several processes, the CPU's gloo, or a plan that offloads
+in this process (train/run/recover.py: the lock, the out-of-memory retries, resume) or is launched
+through accelerate (train/run/launch.py: several processes, the CPU's gloo, or a plan that offloads
 through FSDP/DeepSpeed on one GPU), with the plan and its request in the run folder for the
 workers. It sits above train/ and planning/, which never import each other; it prints nothing
 (``started`` is the caller's: the plan is shown before the model loads).
@@ -14,13 +14,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.hardware import Hardware
 from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
-from lowvram.train.launch import Launch
+from lowvram.train.run.launch import Launch
 from lowvram.train.types import LaunchSpec, RunResult, TrainOptions
+
+if TYPE_CHECKING:
+    from lowvram.train.data.check import DataReport
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class TrainOutcome:
     print_only: bool = False
     result: RunResult | None = None
     exit_code: int = 0
+    data: DataReport | None = None  # the data check (--dry-run: token counts and a rendered sample)
 
 
 Started = Callable[[PlannedRun], None]
@@ -56,17 +61,28 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
     from lowvram.planning.entry import plan_for_recipe
     from lowvram.planning.from_recipe import recipe_model_ref
     from lowvram.recipe import load_recipe
-    from lowvram.train.allocator import set_expandable_segments
+    from lowvram.train.build.allocator import set_expandable_segments
 
     set_expandable_segments()  # before anything initialises CUDA (the probe, the model); launched ranks inherit it
     if options.recipe_path is None:
         raise ValueError("lowvram train needs a recipe file (TrainOptions.recipe_path)")
     recipe = load_recipe(options.recipe_path, list(options.overrides))
+    from lowvram.train.run.preflight import check_ordinary_inputs
+
+    check_ordinary_inputs(recipe)  # a FIFO or a device among the inputs: said at once, never opened
     if not options.dry_run:  # before planning and loading; the rows are counted once built (run.py)
-        from lowvram.train.preflight import check_seq_len
+        from lowvram.train.run.preflight import check_seq_len
 
         check_seq_len(recipe)
+    from lowvram.train.run.preflight import check_recipe_data
+
+    # every row against its format before the plan and the model (seconds, not a model load later)
+    data = check_recipe_data(recipe, samples=1, tokens=options.dry_run)
     _fetch_config(recipe_model_ref(recipe))  # plan a hub model before downloading it
+    if not options.dry_run and not options.print_launch:
+        from lowvram.train.run.preflight import check_model_download
+
+        check_model_download(recipe)  # a hub model not cached, with no network: said now, not after retries
     asked = options.processes.several or options.print_launch  # the flags ask for accelerate
     spec, hardware = _processes(options, asked)
     plan = plan_for_recipe(recipe, vram=options.vram, hardware=hardware, gpus=spec.world_size)
@@ -76,10 +92,10 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
     planned = PlannedRun(recipe, plan, spec if launched else None)
     if options.dry_run:
         if not launched:
-            from lowvram.train.preflight import check_inputs
+            from lowvram.train.run.preflight import check_inputs
 
             check_inputs(recipe)
-        return TrainOutcome(planned, dry_run=True)
+        return TrainOutcome(planned, dry_run=True, data=data)
     if not options.print_launch:
         from lowvram.planning.entry import require_fit
 
@@ -89,7 +105,7 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
         return _launch(recipe, plan, options, started or _quiet)
     (started or _quiet)(planned)
     from lowvram.planning.entry import replanner_for
-    from lowvram.train.recover import train_with_recovery
+    from lowvram.train.run.recover import train_with_recovery
 
     result = train_with_recovery(recipe, plan, options, replanner=replanner_for(recipe))
     return TrainOutcome(planned, result=result)
@@ -115,7 +131,7 @@ def _processes(options: TrainOptions, asked: bool) -> tuple[LaunchSpec, Hardware
     the cards this node's processes use are read (--cpu: none), in a child process: a launcher
     must hold no CUDA context while its workers train (hardware.py)."""
     from lowvram.hardware import detect_hardware
-    from lowvram.train import launch
+    from lowvram.train.run import launch
 
     spec = options.processes
     hardware = detect_hardware(options.vram, gpus=0 if spec.cpu else spec.gpus)
@@ -133,7 +149,7 @@ def _processes(options: TrainOptions, asked: bool) -> tuple[LaunchSpec, Hardware
 def _one_launched_process(spec: LaunchSpec, hardware: Hardware) -> LaunchSpec:
     """One process whose plan offloads (FSDP/DeepSpeed): through accelerate as well, on the CPU
     where there is no GPU (where the launch then refuses DeepSpeed with its error/hint)."""
-    from lowvram.train import launch
+    from lowvram.train.run import launch
 
     spec = dataclasses.replace(spec, cpu=hardware.kind == "cpu")
     launch.check_devices(spec, hardware)
@@ -142,7 +158,7 @@ def _one_launched_process(spec: LaunchSpec, hardware: Hardware) -> LaunchSpec:
 
 def _launch(recipe: Recipe, plan: Plan, options: TrainOptions, started: Started) -> TrainOutcome:
     """`accelerate launch` the worker on each process, with the plan made here."""
-    from lowvram.train import launch
+    from lowvram.train.run import launch
 
     if options.print_launch:
         prepared = launch.prepare_launch(recipe, plan, options)
@@ -150,9 +166,9 @@ def _launch(recipe: Recipe, plan: Plan, options: TrainOptions, started: Started)
     from lowvram.metrics import read_metrics
     from lowvram.planning.entry import replanner_for
     from lowvram.runfiles import METRICS
-    from lowvram.train.lock import run_lock
-    from lowvram.train.recover import launch_with_recovery
-    from lowvram.train.trainer import output_dir
+    from lowvram.train.build.trainer import output_dir
+    from lowvram.train.run.lock import run_lock
+    from lowvram.train.run.recover import launch_with_recovery
 
     replanner = replanner_for(recipe)
     with run_lock(output_dir(recipe), "lowvram train --gpus"):

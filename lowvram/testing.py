@@ -221,3 +221,31 @@ def write_image_chat(path: str | Path, rows: int = 8, side: int = 48, seed: int 
                              {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
                 "images": [f"images/{img.name}"]}) + "\n")
     return path
+
+
+_CUSTOM_MARKER = "import pathlib\npathlib.Path({marker!r}).write_text('custom code ran')\n"
+
+
+def save_custom_code_model(out_dir: str | Path, tiny_model: str | Path, marker: str | Path) -> Path:
+    """A copy of ``tiny_model`` (save_tiny_model's folder) that needs its own Python code: its
+    config.json names an unknown model_type and an ``auto_map`` to configuration_marker.py and
+    modeling_marker.py beside it (a Llama under other names), and each of them writes ``marker``
+    when it is imported. Only ``trust_remote_code=True`` may make that file appear."""
+    import json
+    import shutil
+
+    out = Path(out_dir)
+    shutil.copytree(tiny_model, out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(model_type="lowvram_marker", architectures=["MarkerForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_marker.MarkerConfig",
+                            "AutoModelForCausalLM": "modeling_marker.MarkerForCausalLM"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    head = _CUSTOM_MARKER.format(marker=str(Path(marker).resolve()))
+    (out / "configuration_marker.py").write_text(
+        head + "from transformers import LlamaConfig\n\n\nclass MarkerConfig(LlamaConfig):\n"
+        "    model_type = 'lowvram_marker'\n")
+    (out / "modeling_marker.py").write_text(
+        head + "from transformers import LlamaForCausalLM\n\nfrom .configuration_marker import MarkerConfig\n\n\n"
+        "class MarkerForCausalLM(LlamaForCausalLM):\n    config_class = MarkerConfig\n")
+    return out

@@ -41,10 +41,10 @@ TRAINER_OPTIMIZERS = {
     "adafactor": "adafactor",
     "sgd": "sgd",
     # GaLore (Zhao et al. 2024; galore-torch, the `galore` extra): AdamW on each decoder Linear's
-    # gradient projected to `galore.rank` (lowvram.plan.optimizers); full fine-tuning, one GPU
+    # gradient projected to `galore.rank` (lowvram.plan.memory.optimizers); full fine-tuning, one GPU
     "galore_adamw": "galore_adamw",
     # its 8-bit state (galore_torch AdamW8bit, a bitsandbytes Optimizer2State: blockwise uint8
-    # moments; on the CPU through lowvram.train.galore_cpu) and its layerwise forms (one
+    # moments; on the CPU through lowvram.train.build.galore_cpu) and its layerwise forms (one
     # optimizer per parameter stepped in a post-accumulate-grad hook: transformers
     # trainer_optimizer._setup_low_rank_optimizer), the Trainer's own optim names
     "galore_adamw_8bit": "galore_adamw_8bit",
@@ -52,7 +52,7 @@ TRAINER_OPTIMIZERS = {
     "galore_adamw_8bit_layerwise": "galore_adamw_8bit_layerwise",
     # LOMO (Lv et al. 2024) and AdaLomo (Lv et al. 2024; lomo-optim, the `lomo` extra): SGD, or
     # AdaLomo's factored second moment, fused into the backward by each parameter's gradient hook
-    # (lomo_optim.Lomo / AdaLomo; the Trainer calls fused_backward: lowvram.plan.optimizers)
+    # (lomo_optim.Lomo / AdaLomo; the Trainer calls fused_backward: lowvram.plan.memory.optimizers)
     "lomo": "lomo",
     "adalomo": "adalomo",
     # torchao's low-bit AdamW (torchao.optim AdamW4bit / AdamW8bit, the `torchao` extra): block-wise
@@ -65,7 +65,7 @@ TRAINER_OPTIMIZERS = {
     "apollo_adamw": "apollo_adamw",
     "apollo_adamw_layerwise": "apollo_adamw_layerwise",
     # AdamW stepped in the backward, one parameter at a time (PyTorch's optimizer-in-backward
-    # pattern, lowvram.train.in_backward): the Trainer's fused AdamW per parameter
+    # pattern, lowvram.train.build.in_backward): the Trainer's fused AdamW per parameter
     "adamw_in_backward": "adamw_torch_fused",
 }
 OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
@@ -73,7 +73,7 @@ OPTIMIZERS = tuple(TRAINER_OPTIMIZERS)
 # them that keep 8-bit state.
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 OPTIMIZERS_8BIT = ("adamw_8bit", "paged_adamw_8bit")
-# APOLLO's forms: GaLore's Trainer wiring, a random projection (lowvram.plan.optimizers).
+# APOLLO's forms: GaLore's Trainer wiring, a random projection (lowvram.plan.memory.optimizers).
 APOLLO_OPTIMIZERS = ("apollo_adamw", "apollo_adamw_layerwise")
 # Optimizers that project the gradients of the decoder Linears (GaLore, APOLLO): full fine-tuning only.
 PROJECTED_OPTIMIZERS = ("galore_adamw", "galore_adamw_8bit", "galore_adamw_layerwise",
@@ -81,16 +81,16 @@ PROJECTED_OPTIMIZERS = ("galore_adamw", "galore_adamw_8bit", "galore_adamw_layer
 # GaLore with bitsandbytes-style 8-bit moments (galore_torch AdamW8bit).
 GALORE_8BIT_OPTIMIZERS = ("galore_adamw_8bit", "galore_adamw_8bit_layerwise")
 # Where they step: where bitsandbytes 0.50 registers optimizer_update_8bit_blockwise, CUDA and the
-# CPU (backends/cpu/ops.py; galore_torch's torch.cuda.synchronize() there: lowvram.train.galore_cpu).
+# CPU (backends/cpu/ops.py; galore_torch's torch.cuda.synchronize() there: lowvram.train.build.galore_cpu).
 EIGHT_BIT_DEVICES = ("cuda", "cpu")
 # Stepped one parameter at a time inside the backward (transformers LayerWiseDummyOptimizer):
 # gradient accumulation 1, no gradient clipping, one process.
 LAYERWISE_OPTIMIZERS = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "apollo_adamw_layerwise")
 # LOMO's forms: each parameter stepped by its own gradient hook (lomo_optim), full fine-tuning only.
 LOMO_OPTIMIZERS = ("lomo", "adalomo")
-# torchao's low-bit AdamW (lowvram.plan.optimizers): one torch.compile'd step per parameter.
+# torchao's low-bit AdamW (lowvram.plan.memory.optimizers): one torch.compile'd step per parameter.
 TORCHAO_OPTIMIZERS = ("adamw_torch_4bit", "adamw_torch_8bit")
-# A plain optimizer stepped per parameter in its post-accumulate-grad hook (lowvram.train.in_backward).
+# A plain optimizer stepped per parameter in its post-accumulate-grad hook (lowvram.train.build.in_backward).
 FUSED_BACKWARD_OPTIMIZERS = ("adamw_in_backward",)
 # Every optimizer that steps inside the backward: gradient accumulation 1, no clipping, one process.
 IN_BACKWARD_OPTIMIZERS = LAYERWISE_OPTIMIZERS + LOMO_OPTIMIZERS + FUSED_BACKWARD_OPTIMIZERS
@@ -105,7 +105,7 @@ OPTIMIZER_EXTRAS = {o: ("galore", "galore_torch") for o in PROJECTED_OPTIMIZERS}
 OFFLOADS = ("none", "optimizer", "full", "zero2", "zero2-offload", "zero3", "zero3-offload",
             "fsdp", "fsdp-offload")
 ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
-# standard: transformers' loss over the full logits; chunked: lowvram.train.loss (any device);
+# standard: transformers' loss over the full logits; chunked: lowvram.train.build.loss (any device);
 # fused: Liger Kernel's fused linear cross-entropy (CUDA, with the `liger` extra installed).
 LOSSES = ("standard", "chunked", "fused")
 

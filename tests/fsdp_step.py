@@ -42,7 +42,7 @@ training: {{max_steps: {max_steps}, batch_size: 2, seq_len: 32, output_dir: out,
 
 def main(model_dir: str, workdir: str, plan_json: str, max_steps: int = 1) -> dict:
     from lowvram.plan.types import Plan
-    from lowvram.train.launch import LaunchSpec, accelerate_config
+    from lowvram.train.run.launch import LaunchSpec, accelerate_config
     from tests.library_configs import launch_environment
 
     work = Path(workdir)
@@ -54,10 +54,10 @@ def main(model_dir: str, workdir: str, plan_json: str, max_steps: int = 1) -> di
                MASTER_PORT=str(_free_port()), CUDA_VISIBLE_DEVICES="")
     os.environ.update(env)
 
+    from lowvram.train.build.model import load_model
+    from lowvram.train.build.trainer import build_trainer, build_training_args
     from lowvram.train.data.build import build_datasets
     from lowvram.train.data.collate import make_collator
-    from lowvram.train.model import load_model
-    from lowvram.train.trainer import build_trainer, build_training_args
 
     recipe = _recipe(model_dir, work, max_steps)
     loaded = load_model(recipe, plan)

@@ -42,7 +42,7 @@ def launch_environment(cfg: dict, out_dir: Path) -> dict[str, str]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    from lowvram.train.launch import write_config
+    from lowvram.train.run.launch import write_config
 
     path = write_config(cfg, out_dir)
     args = launch_command_parser().parse_args(["--config_file", str(path), "worker.py"])
@@ -86,7 +86,7 @@ def training_arguments(recipe, plan):
     Ampere card (TrainingArguments' only device probe, faked); every other check is real."""
     import transformers.training_args as ta
 
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     with mock.patch.object(ta, "is_torch_bf16_gpu_available", lambda: True):
         return build_training_args(recipe, plan)
@@ -98,7 +98,7 @@ def meta_model(model_config):
     transformers would build it inside deepspeed.zero.Init)."""
     import torch
 
-    from lowvram.train.model import has_vision, model_class
+    from lowvram.train.build.model import has_vision, model_class
 
     with torch.device("meta"):
         return model_class(has_vision(model_config)).from_config(model_config)
@@ -138,8 +138,8 @@ def searched_plan(name: str, method: str | None, card_gb: int, gpus: int):
     fused loss only where liger_kernel is installed, as make_budget says. None: nothing fits."""
     from dataclasses import replace
 
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.planning.budget import make_budget, missing_extras
     from lowvram.planning.from_recipe import build_request, flag_choices
 
@@ -163,7 +163,7 @@ def _small_config(name: str, attention: str):
     from dataclasses import replace
 
     from lowvram.check.builders import hf_config
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
 
     return hf_config(replace(resolve_model(name), num_layers=2), attention)
 
@@ -173,14 +173,14 @@ def validate_plan(name: str, plan, work: Path) -> list[str]:
     each library's own validation on it; a rejection raises. Returns what was validated."""
     import torch
 
-    from lowvram.train.launch import LaunchSpec, accelerate_config
-    from lowvram.train.model import (
+    from lowvram.train.build.model import (
         has_vision,
         load_kwargs,
         model_class,
         prepare_model,
         quantization_config,
     )
+    from lowvram.train.run.launch import LaunchSpec, accelerate_config
 
     done = []
     # from_pretrained arguments: dtype and attention implementation through transformers' own
@@ -197,7 +197,7 @@ def validate_plan(name: str, plan, work: Path) -> list[str]:
         model = model_class(vision).from_config(cfg, dtype=kwargs["dtype"], attn_implementation=kwargs["attn_implementation"])
     done.append("from_pretrained dtype/attn_implementation")
     # LoRA (peft's LoraConfig and get_peft_model matching its targets) and checkpointing, as
-    # lowvram.train.model.prepare_model applies them
+    # lowvram.train.build.model.prepare_model applies them
     model = prepare_model(model, plan, seed=0)
     if plan.lora:
         done.append("LoraConfig")

@@ -33,7 +33,7 @@ def test_the_bounds_in_pyproject_are_the_bounds_lowvram_checks():
     for name, (low, why) in MIN_VERSIONS.items():
         assert f">={low}" in deps[name].split(","), (name, deps[name])
         assert why  # each bound says which API sets it
-    # 5.17-5.22 have no TrainingArguments.activation_checkpointing (lowvram.train.trainer)
+    # 5.17-5.22 have no TrainingArguments.activation_checkpointing (lowvram.train.build.trainer)
     assert MIN_VERSIONS["transformers"][0] == "5.23" and "<6" in deps["transformers"]
 
 

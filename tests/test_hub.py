@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from lowvram import hub
 from lowvram.cli import app
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.models import count_parameters
+from lowvram.plan.model.catalog import resolve_model
+from lowvram.plan.model.models import count_parameters
 
 runner = CliRunner()
 CONFIG = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -41,6 +41,7 @@ def online_cache(tmp_path, monkeypatch):
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(hub, "_REACHABLE", {"huggingface.co:443": True})  # the stand-in is the network
     return calls
 
 

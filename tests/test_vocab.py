@@ -8,10 +8,10 @@ import typing
 import pytest
 
 from lowvram import vocab
-from lowvram.plan import techniques as tq
+from lowvram.plan.choose import techniques as tq
 from lowvram.plan.types import Plan
 from lowvram.recipe import TechniquesSection
-from lowvram.train.launch import BACKENDS
+from lowvram.train.run.launch import BACKENDS
 
 
 def _literal(section, name: str) -> set:
@@ -65,12 +65,12 @@ def test_names_handed_to_libraries_exist():
 
 
 def test_training_computes_in_the_vocabulary_dtypes():
-    """train/model.py's compute dtype (its own rule) agrees with vocab's precision -> dtype table
+    """train/build/model.py's compute dtype (its own rule) agrees with vocab's precision -> dtype table
     (the weight dtype is read from vocab.WEIGHT_DTYPE itself: nothing to compare)."""
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from lowvram.train.model import compute_dtype
+    from lowvram.train.build.model import compute_dtype
 
     for precision in vocab.PRECISIONS:
         plan = SimpleNamespace(mixed_precision=precision)

@@ -1,5 +1,5 @@
 """The model, optimizer and batch of a RunSetup, built with ``lowvram train``'s own builders
-(lowvram.train.model, the Trainer's create_optimizer) for the measured step (step.py), the
+(lowvram.train.build.model, the Trainer's create_optimizer) for the measured step (step.py), the
 simulator (simulate.py), tests and benches.
 
 torch and friends are imported inside functions (importing lowvram stays instant).
@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lowvram.plan.models import ModelSpec
-from lowvram.plan.vision import VisionSpec
+from lowvram.plan.model.models import ModelSpec
+from lowvram.plan.model.vision import VisionSpec
 
 
 def hf_config(spec: ModelSpec, attention: str = "sdpa"):
@@ -51,7 +51,7 @@ def hf_config(spec: ModelSpec, attention: str = "sdpa"):
 
 def multimodal_config(text, v: VisionSpec, tie: bool, cross_attention_layers: tuple[int, ...] = (), **extra):
     """The Gemma3Config / Mistral3Config / LlavaConfig / MllamaConfig around the text config
-    ``text``, the tower from ``v`` (lowvram.plan.vision); ``extra``: more top-level keys (e.g.
+    ``text``, the tower from ``v`` (lowvram.plan.model.vision); ``extra``: more top-level keys (e.g.
     image_token_index); ``cross_attention_layers``: Mllama's (ModelSpec.cross_attention_layers)."""
     from transformers import AutoConfig
 
@@ -199,7 +199,7 @@ def qwen2_5_vl_text(text) -> dict:
 
 
 def _moe_config_kwargs(spec: ModelSpec) -> dict:
-    """The MoE fields of a spec under its config class's names (see lowvram.plan.readers._MOE_ARCH)."""
+    """The MoE fields of a spec under its config class's names (see lowvram.plan.model.readers._MOE_ARCH)."""
     if not spec.is_moe:
         return {}
     if spec.model_type in ("mixtral", "olmoe", "gpt_oss"):
@@ -216,7 +216,7 @@ def _moe_config_kwargs(spec: ModelSpec) -> dict:
 
 def setup_plan(setup, device: str = "cpu"):
     """The Plan ``lowvram train`` runs a RunSetup with: what train's builders read (alpha 2r)."""
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
 
     return plan_for_setup(setup, device, 2 * setup.lora_r)
 
@@ -224,7 +224,7 @@ def setup_plan(setup, device: str = "cpu"):
 def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = "cpu",
                 saved_dir: str | None = None):
     """The model a RunSetup trains, random init, on ``device``, loaded and prepared by the
-    functions ``lowvram train`` uses (lowvram.train.model: ``load_kwargs`` for dtype, attention
+    functions ``lowvram train`` uses (lowvram.train.build.model: ``load_kwargs`` for dtype, attention
     and bitsandbytes, ``prepare_model`` for k-bit preparation, adapters and checkpointing).
 
     Unquantized models are built from their config on ``device`` directly (what
@@ -237,7 +237,7 @@ def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = 
 
     import torch
 
-    from lowvram.train.model import load_kwargs, model_class, prepare_model
+    from lowvram.train.build.model import load_kwargs, model_class, prepare_model
 
     torch.manual_seed(seed)
     plan = setup_plan(setup, device)
@@ -293,7 +293,7 @@ def build_optimizer(model, name: str, lr: float = 1e-4):
     args = TrainingArguments(output_dir=tempfile.gettempdir(), optim=TRAINER_OPTIMIZERS[name], learning_rate=lr,
                              report_to=[], use_cpu=device == "cpu")
     if name in FUSED_BACKWARD_OPTIMIZERS:  # the per-parameter optimizers and their hooks (train.in_backward)
-        from lowvram.train.in_backward import install_optimizer_in_backward
+        from lowvram.train.build.in_backward import install_optimizer_in_backward
 
         return install_optimizer_in_backward(_OptimizerOf(model, args), model)
     return Trainer.create_optimizer(_OptimizerOf(model, args))
@@ -319,7 +319,7 @@ def make_batch(setup, seed: int = 0, device: str = "cpu") -> dict:
 
 def autocast_dtype(setup):
     """The dtype the Trainer's autocast uses for a setup's precision (None for fp32; the rule is
-    train/model.py's)."""
-    from lowvram.train.model import autocast_dtype as for_precision
+    train/build/model.py's)."""
+    from lowvram.train.build.model import autocast_dtype as for_precision
 
     return for_precision(setup.precision)

@@ -3,7 +3,7 @@ tests/plan/test_accuracy.py and bench/plan_accuracy.py measure (step.py) against
 
 from __future__ import annotations
 
-from lowvram.plan.models import ModelSpec
+from lowvram.plan.model.models import ModelSpec
 
 
 def tiny_llama_spec(hidden_size: int = 256, num_layers: int = 4, vocab_size: int = 4096) -> ModelSpec:

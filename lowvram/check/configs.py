@@ -7,7 +7,7 @@ transformers is imported inside the functions."""
 from __future__ import annotations
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import local_config
+from lowvram.plan.model.catalog import local_config
 
 
 def spec_from_transformers(cfg: dict, name: str):
@@ -18,8 +18,8 @@ def spec_from_transformers(cfg: dict, name: str):
 
     from transformers import AutoConfig
 
-    from lowvram.plan.models import ModelSpec
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.model.models import ModelSpec
+    from lowvram.plan.model.readers import spec_from_config
 
     if "model_type" not in cfg:
         raise LowvramError(f"{name}: config.json has no model_type",
@@ -65,7 +65,7 @@ def register_for_simulation(model_ref: str) -> None:
     from pathlib import Path
 
     from lowvram.errors import ModelError
-    from lowvram.plan.catalog import register_spec, resolve_model
+    from lowvram.plan.model.catalog import register_spec, resolve_model
 
     try:
         resolve_model(model_ref)

@@ -2,7 +2,7 @@
 
 ``simulate_memory`` builds the transformers (+ peft, + bitsandbytes) model of a setup with fake
 tensors (shapes and dtypes, no data: a 7B model in ~0.4 GB of RAM) with ``lowvram train``'s own
-builders (lowvram.train.model.load_kwargs / prepare_model, the Trainer's create_optimizer),
+builders (lowvram.train.build.model.load_kwargs / prepare_model, the Trainer's create_optimizer),
 runs the Trainer's step as :func:`lowvram.check.step.measure_training_step` spells it out (a
 Trainer cannot be built on fake tensors: a warm-up step, then a tracked one: forward with labels
 under autocast, backward, clip, optimizer.step, zero_grad) and reads the peak off the live-bytes
@@ -22,8 +22,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from lowvram.errors import LowvramError
-from lowvram.plan.memory import validate_setup
-from lowvram.plan.models import model_numel
+from lowvram.plan.memory.memory import validate_setup
+from lowvram.plan.model.models import model_numel
 from lowvram.plan.setup import (
     BREAKDOWN_KEYS,
     PROCESS_HOST_BYTES,
@@ -123,7 +123,7 @@ def _quantize_4bit(model, setup: RunSetup, weight_dtype, compute_dtype) -> None:
 
     dq = setup.quantization == "nf4-dq"
     qtype = "fp4" if setup.quantization == "fp4" else "nf4"
-    from lowvram.train.model import VISION_MODULES, has_vision
+    from lowvram.train.build.model import VISION_MODULES, has_vision
 
     head = model.get_output_embeddings()
     # lowvram's BitsAndBytesConfig skips the vision tower and projector (train.model.quantization_config)
@@ -190,7 +190,7 @@ def _build_model(setup: RunSetup, config, mode):
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     from lowvram.check.builders import setup_plan
-    from lowvram.train.model import (
+    from lowvram.train.build.model import (
         has_vision,
         load_kwargs,
         model_class,
@@ -267,7 +267,7 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
 
     ``config``: a transformers config (or config.json dict) to build instead of the catalog shape
     of ``setup.model`` (any causal LM transformers can build). Breakdown keys as in
-    :func:`lowvram.plan.memory.estimate_memory`; CUDA context and allocator slack added for
+    :func:`lowvram.plan.memory.memory.estimate_memory`; CUDA context and allocator slack added for
     ``device="cuda"``.
     """
     validate_setup(setup)
@@ -282,7 +282,7 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
 
     from lowvram.check.builders import autocast_dtype, build_optimizer, make_batch
     from lowvram.check.step import measure_training_step
-    from lowvram.train.model import quiet_libraries
+    from lowvram.train.build.model import quiet_libraries
 
     quiet_libraries()
     # From the second micro-step on, every micro-step holds the same tensors (the gradients of
@@ -383,7 +383,7 @@ def simulable(setup: RunSetup) -> tuple[RunSetup, tuple[str, ...]]:
     if setup.images_per_row:
         changes["images_per_row"] = 0
         notes.append("simulated on text rows of seq_len: the images' pixels, the vision tower's forward "
-                     "and Gemma-3's image masks are modelled analytically (plan/images.py)")
+                     "and Gemma-3's image masks are modelled analytically (plan/memory/images.py)")
     if setup.gpus > 1 or setup.offload != "none":
         changes.update(gpus=1, offload="none")
         notes.append(f"simulated as one process with nothing offloaded: offload {setup.offload!r} "
@@ -399,11 +399,11 @@ def simulate_plan(setup: RunSetup, model_ref: str | None, analytic_peak_bytes: i
     import time
 
     t0 = time.perf_counter()
-    from lowvram.plan.catalog import local_config
+    from lowvram.plan.model.catalog import local_config
 
     simulated, notes = simulable(setup)
     if notes:
-        from lowvram.plan.memory import estimate_memory
+        from lowvram.plan.memory.memory import estimate_memory
 
         analytic_peak_bytes = estimate_memory(simulated).peak_bytes
     sim = simulate_memory(simulated, local_config(model_ref))

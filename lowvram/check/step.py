@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from lowvram.check.builders import build_model, setup_plan
 from lowvram.livebytes import LiveBytes
-from lowvram.plan.backward import CHUNK_TOKENS
+from lowvram.plan.memory.backward import CHUNK_TOKENS
 
 
 @dataclass
@@ -43,8 +43,8 @@ def one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum,
         # accelerate (Trainer) wraps forward in autocast and converts outputs to fp32
         ctx = torch.autocast(batch["input_ids"].device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
         with ctx:
-            if chunked_loss:  # lowvram.train.loss, as the Trainer runs it for loss: chunked
-                from lowvram.train.loss import causal_lm_chunked_loss
+            if chunked_loss:  # lowvram.train.build.loss, as the Trainer runs it for loss: chunked
+                from lowvram.train.build.loss import causal_lm_chunked_loss
 
                 loss, out = causal_lm_chunked_loss(model, batch, chunk_tokens=chunk_tokens)
             else:
@@ -193,7 +193,7 @@ def _step_recipe(setup, output_dir: str):
 
 def measure_trainer_step(model, setup, probe=None, device: str = "cpu", seed: int = 0):
     """Two optimizer steps of ``setup`` through the Trainer ``lowvram train`` builds
-    (lowvram.train.trainer: build_training_args + build_trainer, its optimizer, autocast,
+    (lowvram.train.build.trainer: build_training_args + build_trainer, its optimizer, autocast,
     checkpointing, chunked loss, clipping): the first makes the optimizer state, the second is
     measured with ``probe`` (TrackerProbe on a CPU; bench/gpu_check.py's CUDA probe), from its
     start to its end, with the forward/backward and the optimizer step as phases."""
@@ -203,7 +203,7 @@ def measure_trainer_step(model, setup, probe=None, device: str = "cpu", seed: in
     import torch
     from transformers import TrainerCallback, default_data_collator
 
-    from lowvram.train.trainer import build_trainer, build_training_args
+    from lowvram.train.build.trainer import build_trainer, build_training_args
 
     probe = probe or TrackerProbe()
     g = torch.Generator().manual_seed(seed)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from lowvram.plan.calibration import term_checks
-from lowvram.plan.grpo import PAGE_SIZE, generation_rounds, generation_rows, old_logprobs_computed
-from lowvram.plan.memory import phase_estimates
-from lowvram.plan.models import cross_attention_numel, vision_numel
-from lowvram.plan.preference import REFERENCE_OBJECTIVES
-from lowvram.plan.request import Choice
-from lowvram.plan.search import describe_setup, technique_words
+from lowvram.plan.choose.request import Choice
+from lowvram.plan.choose.search import describe_setup, technique_words
+from lowvram.plan.memory.calibration import term_checks
+from lowvram.plan.memory.grpo import (
+    PAGE_SIZE,
+    generation_rounds,
+    generation_rows,
+    old_logprobs_computed,
+)
+from lowvram.plan.memory.memory import phase_estimates
+from lowvram.plan.memory.preference import REFERENCE_OBJECTIVES
+from lowvram.plan.memory.states import cross_attention_weight_bytes, vision_weight_bytes
+from lowvram.plan.model.models import cross_attention_numel, vision_numel
 from lowvram.plan.setup import MemoryEstimate, RunSetup, cuda_overheads
-from lowvram.plan.states import cross_attention_weight_bytes, vision_weight_bytes
 
 # --------------------------------------------------------------------------------------------
 # Plain data for `lowvram plan --json` and the report (bytes; report.py formats)
@@ -43,13 +48,13 @@ def choice_to_dict(choice: Choice) -> dict:
         "peak_bytes": est.peak_bytes,
         "headroom_bytes": b.usable_bytes - est.peak_bytes,
         "peak_phase": est.peak_phase,
-        "peak_moment": est.peak_moment,  # lowvram.plan.moments.MOMENTS, or "optimizer_step"
+        "peak_moment": est.peak_moment,  # lowvram.plan.memory.moments.MOMENTS, or "optimizer_step"
         "breakdown": dict(est.breakdown),
         "checked": term_checks(c.setup),  # what each part was checked against (plan.calibration)
         "techniques": _setup_techniques(c.setup),
         "seq_len": req.seq_len,
         "packing": req.packing,
-        # format image_chat: the images per row the plan counts (lowvram.plan.images); absent for text
+        # format image_chat: the images per row the plan counts (lowvram.plan.memory.images); absent for text
         **({"images_per_row": req.images_per_row} if req.images_per_row else {}),
         "batch_size": req.batch_size,
         "micro_batch_size": c.setup.micro_batch_size,
@@ -90,13 +95,13 @@ def choice_to_dict(choice: Choice) -> dict:
             for r in choice.ladder
         ],
         "notes": list(choice.notes),
-        # a multimodal checkpoint's vision tower (lowvram.plan.vision); absent for a text model
+        # a multimodal checkpoint's vision tower (lowvram.plan.model.vision); absent for a text model
         **({"vision": _vision(c.setup)} if req.model.vision is not None else {}),
         # the allocator term's named parts (setup.CudaOverheads); absent off CUDA
         **({"allocator": _allocator(c.setup, est)} if est.allocator_parts else {}),
-        # training.objective dpo/orpo/simpo (lowvram.plan.preference); absent for SFT
+        # training.objective dpo/orpo/simpo (lowvram.plan.memory.preference); absent for SFT
         **({"objective": req.objective, "reference_model": _reference(c.setup)} if req.objective != "sft" else {}),
-        # training.objective grpo/rloo: both phases, the engine and its share (lowvram.plan.grpo)
+        # training.objective grpo/rloo: both phases, the engine and its share (lowvram.plan.memory.grpo)
         **({"grpo": _grpo(choice)} if c.setup.grpo is not None else {}),
     }
 
@@ -174,7 +179,7 @@ def _grpo(choice: Choice) -> dict:
 
 
 def _reference(s: RunSetup) -> str:
-    """How DPO's or KTO's reference model is held (lowvram.plan.preference.reference_weight_bytes)."""
+    """How DPO's or KTO's reference model is held (lowvram.plan.memory.preference.reference_weight_bytes)."""
     if s.objective not in REFERENCE_OBJECTIVES:
         return "none"
     if s.precompute_ref:

@@ -4,10 +4,13 @@ memory model: the modules of the terms (states, activations, backward, sharding)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from functools import lru_cache, wraps
+from operator import attrgetter
 
 from lowvram.plan import constants as fitted
-from lowvram.plan.models import ModelSpec
+from lowvram.plan.model.models import ModelSpec
 from lowvram.vocab import BNB_OPTIMIZERS
 
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "logits", "cuda_context",
@@ -61,7 +64,7 @@ def activation_offload_conflict(activation_offload: bool, gradient_checkpointing
 
 def tiled_mlp_conflict(tiled_mlp: bool, is_moe: bool) -> str | None:
     """Why the tiled MLP cannot run (None when it can): lowvram tiles a dense MLP module (one
-    function of the hidden states, lowvram.train.tiled_mlp); a mixture of experts routes each
+    function of the hidden states, lowvram.train.build.tiled_mlp); a mixture of experts routes each
     token to its own experts, which lowvram does not tile."""
     if tiled_mlp and is_moe:
         return "tiled_mlp needs a dense MLP: this model's MLP is a mixture of experts"
@@ -83,7 +86,7 @@ def offload_conflict_hint(optimizer: str, offload: str, spell=lambda key, value:
 @dataclass(frozen=True)
 class GrpoSetup:
     """What a grpo/rloo step's memory depends on beyond an SFT setup (RunSetup.grpo; the terms:
-    lowvram.plan.grpo). micro_batch_size counts completions (TRL's per_device_train_batch_size)."""
+    lowvram.plan.memory.grpo). micro_batch_size counts completions (TRL's per_device_train_batch_size)."""
 
     num_generations: int = 8
     prompt_len: int = 512  # grpo.max_prompt_length
@@ -106,10 +109,10 @@ class RunSetup:
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.0  # lora.dropout: > 0 saves a dropped input and a mask per adapter
-    lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitudes and weight-norm temporaries (plan/dora.py)
-    lora_init: str = "default"  # lora.init: pissa's SVD at model build (plan/lora_init.py)
+    lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitudes and weight-norm temporaries (plan/memory/dora.py)
+    lora_init: str = "default"  # lora.init: pissa's SVD at model build (plan/memory/lora_init.py)
     optimizer: str = "adamw"
-    galore_rank: int = 128  # galore.rank: optimizer galore_adamw's projection rank (plan/optimizers.py)
+    galore_rank: int = 128  # galore.rank: optimizer galore_adamw's projection rank (plan/memory/optimizers.py)
     gradient_checkpointing: bool = False
     attention: str = "sdpa"  # sdpa | eager | flash_attention_2
     loss: str = "standard"  # standard | chunked
@@ -128,13 +131,13 @@ class RunSetup:
     # layer (activations.masked_layers)
     packing: bool = False
     # the rows are right-padded to the batch's longest and carry an attention_mask (TRL's
-    # preference collators, lowvram.plan.preference.policy_setup): SDPA gets a b x 1 x s x s
+    # preference collators, lowvram.plan.memory.preference.policy_setup): SDPA gets a b x 1 x s x s
     # mask in every layer (activations.masked_layers)
     padded: bool = False
-    # data.images_per_row with image_chat data (0: text): lowvram.plan.images
+    # data.images_per_row with image_chat data (0: text): lowvram.plan.memory.images
     images_per_row: int = 0
     # techniques.tiled_mlp: each decoder layer's MLP computed over the sequence in shards and
-    # recomputed shard by shard in the backward (DeepSpeed's TiledMLP, lowvram.plan.tiled);
+    # recomputed shard by shard in the backward (DeepSpeed's TiledMLP, lowvram.plan.memory.tiled);
     # tiled_mlp_shards 0 = DeepSpeed's rule, ceil(seq_len / hidden_size) (tiled.tiled_mlp_shards)
     tiled_mlp: bool = False
     tiled_mlp_shards: int = 0
@@ -143,15 +146,61 @@ class RunSetup:
     # slack's churn share is smaller with it (CudaOverheads)
     expandable_segments: bool = True
     # True: peft prepare_model_for_kbit_training (non-quantized params -> fp32). lowvram trains
-    # QLoRA without that upcast (lowvram.train.model.prepare_kbit_model), so False is the default.
+    # QLoRA without that upcast (lowvram.train.build.model.prepare_kbit_model), so False is the default.
     kbit_prepare: bool = False
-    # training.objective (lowvram.plan.preference): dpo/orpo/simpo run chosen + rejected in one
+    # training.objective (lowvram.plan.memory.preference): dpo/orpo/simpo run chosen + rejected in one
     # forward of 2 x micro_batch_size rows; precompute_ref: DPO's reference log-probs computed
     # before training (preference.precompute_ref_log_probs), no reference copy or forward per step
     objective: str = "sft"
     precompute_ref: bool = False
-    # training.objective grpo/rloo: the generation and scoring phases (lowvram.plan.grpo); None otherwise
+    # training.objective grpo/rloo: the generation and scoring phases (lowvram.plan.memory.grpo); None otherwise
     grpo: GrpoSetup | None = None
+
+
+# Terms computed once per the fields they read. The search asks the same terms of hundreds of
+# setups that differ in fields a term does not read: the activation and backward terms
+# (activations, tiled, backward's layer terms, dora) read no optimizer, offload, sharding,
+# accumulation or loss (ACTIVATION_FIELDS); the model states (states, sharding, the optimizers'
+# state, a preference objective's reference copy) read STATE_FIELDS. tests/plan/test_floor.py
+# checks that each cached term ignores the fields left out of its key.
+_NOT_ACTIVATION_FIELDS = ("optimizer", "galore_rank", "offload", "gpus", "grad_accum", "loss",
+                          "loss_chunk_tokens", "expandable_segments")
+ACTIVATION_FIELDS = tuple(f.name for f in fields(RunSetup) if f.name not in _NOT_ACTIVATION_FIELDS)
+STATE_FIELDS = ("model", "precision", "quantization", "kbit_prepare", "lora", "lora_r", "lora_targets",
+                "lora_use_dora", "optimizer", "galore_rank", "offload", "gpus", "device", "objective",
+                "precompute_ref", "grpo")
+_TERM_CACHE_SIZE = 8192  # entries per cached term; emptied when full (one process plans many models)
+
+
+def cached_on(names: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    """A decorator: ``term(setup, *args, **kwargs)`` computed once per (the setup's ``names``
+    fields, its other arguments), for a term that reads no other field of the setup.
+    ``term.uncached`` is the term itself, ``term.key_fields`` the names."""
+    key_of = attrgetter(*names)
+
+    def decorator(term: Callable) -> Callable:
+        cache: dict = {}
+        missing = object()
+
+        @wraps(term)
+        def cached(setup: RunSetup, *args, **kwargs):
+            key = (key_of(setup), args, tuple(kwargs.items()))
+            value = cache.get(key, missing)
+            if value is missing:
+                if len(cache) >= _TERM_CACHE_SIZE:
+                    cache.clear()
+                value = cache[key] = term(setup, *args, **kwargs)
+            return value
+
+        cached.uncached = term
+        cached.key_fields = names
+        return cached
+
+    return decorator
+
+
+per_activations = cached_on(ACTIVATION_FIELDS)
+per_states = cached_on(STATE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -163,7 +212,7 @@ class MemoryEstimate:
     peak_phase: str  # "forward_backward" or "optimizer_step"
     cpu_ram_bytes: int
     persistent_bytes: int
-    # the moment that binds (a key of lowvram.plan.moments.MOMENTS, or "optimizer_step")
+    # the moment that binds (a key of lowvram.plan.memory.moments.MOMENTS, or "optimizer_step")
     peak_moment: str = ""
     # the allocator term's named parts (CudaOverheads.allocator_parts; empty off CUDA), summing
     # to breakdown["allocator"]
@@ -189,7 +238,7 @@ class CudaOverheads:
     as they were made; one on what churns (activations, logits, gradients, temporaries: freed and
     allocated again every step, leaving blocks the next step's sizes do not fill), smaller with
     PyTorch's expandable_segments, which ``lowvram train`` sets unless the user set
-    PYTORCH_CUDA_ALLOC_CONF (lowvram.train.allocator)."""
+    PYTORCH_CUDA_ALLOC_CONF (lowvram.train.build.allocator)."""
 
     context_bytes: int
     once_fraction: float  # slack on bytes allocated once (weights, optimizer state)
@@ -203,6 +252,7 @@ class CudaOverheads:
         return {"loaded_once": int(self.once_fraction * once_bytes), "churn": int(churn * churn_bytes)}
 
 
+@lru_cache(maxsize=1)  # constants: one object, asked for by every estimate
 def cuda_overheads() -> CudaOverheads:
     """Fitted on published GPU measurements (bench/published_accuracy.py over bench/gpu_truth; not
     yet measured by this project's bench/gpu_check.py, hence calibrated=False):
@@ -221,7 +271,7 @@ def cuda_overheads() -> CudaOverheads:
 
 def expandable_segments_set(alloc_conf: str | None) -> bool:
     """Whether a CUDA run has PyTorch's expandable segments, from its PYTORCH_CUDA_ALLOC_CONF
-    (None: unset, so ``lowvram train`` sets ``expandable_segments:True``; lowvram.train.allocator).
+    (None: unset, so ``lowvram train`` sets ``expandable_segments:True``; lowvram.train.build.allocator).
     The caller reads the environment (lowvram.planning.budget); plan/ reads none."""
     if alloc_conf is None:
         return True
@@ -231,7 +281,7 @@ def expandable_segments_set(alloc_conf: str | None) -> bool:
 
 
 __all__ = [
-    "PROCESS_HOST_BYTES",
+    "ACTIVATION_FIELDS", "cached_on", "per_activations", "per_states", "PROCESS_HOST_BYTES", "STATE_FIELDS",
     "BREAKDOWN_KEYS", "cuda_overheads", "CudaOverheads", "DEEPSPEED_CPU_OPTIMIZER", "expandable_segments_set",
     "FSDP_OFFLOADS",
     "GrpoSetup", "MemoryEstimate", "offload_conflict", "offload_conflict_hint", "RunSetup", "tiled_mlp_conflict",

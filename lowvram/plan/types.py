@@ -62,7 +62,7 @@ class Plan:
     expandable_segments: bool = True
     # Checkpointed layer inputs kept in pinned host RAM (transformers' offload=True); GPU only.
     activation_offload: bool = False
-    # Each layer's MLP over the sequence in shards (lowvram.plan.tiled; 0 shards: ceil(seq_len / hidden)).
+    # Each layer's MLP over the sequence in shards (lowvram.plan.memory.tiled; 0 shards: ceil(seq_len / hidden)).
     tiled_mlp: bool = False
     tiled_mlp_shards: int = 0
     # loss chunked: tokens per logits chunk (1024 unless the budget needed fewer)
@@ -74,14 +74,14 @@ class Plan:
     lora_dropout: float = 0.0
     lora_use_dora: bool = False
     lora_use_rslora: bool = False
-    lora_init: str = "default"  # lora.init (lowvram.plan.lora_init)
+    lora_init: str = "default"  # lora.init (lowvram.plan.memory.lora_init)
     lora_targets: tuple[str, ...] = ("all-linear",)
     # optimizer galore_adamw: its rank, renewal gap, scale and the Linears it projects (by name)
     galore_rank: int = 128
     galore_update_proj_gap: int = 200
     galore_scale: float = 0.25
     optimizer_target_modules: tuple[str, ...] = ()
-    # training.objective grpo/rloo (lowvram.plan.grpo): the engine ("" otherwise), micro-steps per
+    # training.objective grpo/rloo (lowvram.plan.memory.grpo): the engine ("" otherwise), micro-steps per
     # generation round and the global generation batch (TRL's names), the engine's share: the paged
     # cache's blocks and bytes, or vLLM's fraction of the card
     generation: str = ""

@@ -6,37 +6,69 @@ No torch here unless the hardware has to be detected (no ``--vram`` / ``LOWVRAM_
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.plan.cards import read_vram
 from lowvram.plan.setup import expandable_segments_set
 from lowvram.plan.types import Plan
-from lowvram.recipe import Recipe
 from lowvram.units import gib
 from lowvram.vocab import BNB_OPTIMIZERS, GALORE_8BIT_OPTIMIZERS, ON_VALUES
 
+if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
+    from lowvram.hardware import Hardware
+    from lowvram.recipe import Recipe
 
-def make_budget(vram: str | None = None, hardware=None, gpus: int = 1, host_ram: str | None = None):
-    """The memory the plan must fit in (``_budget``), with the optional extras not installed here
-    (plans that need one rank after those that need nothing more). ``gpus``: processes on this
-    node; the budget is the smallest free card among those they use. ``host_ram`` (or
+
+@dataclass(frozen=True)
+class Machine:
+    """What a command's plans read of this machine, read once (read_machine) and handed down:
+    every budget of the command (the context table's seven cards too) comes from it."""
+
+    hardware: Hardware | None  # None: the card is given (--vram / LOWVRAM_VRAM) and not read
+    host_ram: dict  # Budget's host_ram_bytes and host_ram_source (host_ram_budget)
+    missing_extras: tuple[str, ...]  # optional extras not installed here
+    expandable_segments: bool  # the run's allocator setting (PYTORCH_CUDA_ALLOC_CONF)
+
+
+def read_machine(vram: str | None = None, gpus: int = 1, host_ram: str | None = None, hardware=None,
+                 cards: bool | None = None) -> Machine:
+    """This machine as planning needs it, read once per command. The cards are read (the one
+    detect_hardware of a command: torch, in a child process) unless ``hardware`` is given or a
+    --vram / LOWVRAM_VRAM budget makes them unneeded; ``cards`` True: read them anyway (`lowvram
+    train` checks what the card can run), False: never (the context table's card sizes).
+    ``gpus``: the processes on this node (only their cards are read); ``host_ram`` (or
     LOWVRAM_HOST_RAM): the host RAM the plan may use, else this machine's available memory."""
-    from dataclasses import replace
-
-    override = vram or os.environ.get("LOWVRAM_VRAM")
-    if hardware is None and not override:
+    if cards is None:
+        cards = not (vram or os.environ.get("LOWVRAM_VRAM"))
+    if hardware is None and cards:
         from lowvram.hardware import detect_hardware
 
-        hardware = detect_hardware(gpus=gpus)
+        hardware = detect_hardware(vram, gpus=gpus)
+    # `lowvram train` sets expandable segments unless PYTORCH_CUDA_ALLOC_CONF is set
+    # (lowvram.train.build.allocator); a value the user set is planned as it is
+    expandable = expandable_segments_set(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    return Machine(hardware, host_ram_budget(host_ram, hardware), missing_extras(), expandable)
+
+
+def make_budget(vram: str | None = None, hardware=None, gpus: int = 1, host_ram: str | None = None,
+                machine: Machine | None = None):
+    """The memory the plan must fit in (``_budget``), with the optional extras not installed here
+    (plans that need one rank after those that need nothing more). ``gpus``: processes on this
+    node; the budget is the smallest free card among those they use. ``machine``: this machine
+    as the command read it (read_machine); else read here from ``hardware`` and ``host_ram``."""
+    from dataclasses import replace
+
+    machine = machine or read_machine(vram, gpus, host_ram, hardware)
+    hardware = machine.hardware
+    override = vram or os.environ.get("LOWVRAM_VRAM")
     budget = _budget(vram, hardware)
     if hardware is not None and hardware.kind == "cuda" and hardware.devices and not override:
         budget = replace(budget, **detected_cuda_budget(hardware, gpus))
     if budget.device != "cpu":  # a CPU run's host RAM is its budget already
-        budget = replace(budget, **host_ram_budget(host_ram, hardware))
-    # `lowvram train` sets expandable segments unless PYTORCH_CUDA_ALLOC_CONF is set
-    # (lowvram.train.allocator); a value the user set is planned as it is
-    expandable = expandable_segments_set(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    return replace(budget, missing_extras=missing_extras(), expandable_segments=expandable)
+        budget = replace(budget, **machine.host_ram)
+    return replace(budget, missing_extras=machine.missing_extras, expandable_segments=machine.expandable_segments)
 
 
 def host_ram_budget(host_ram: str | None, hardware=None) -> dict:
@@ -85,13 +117,19 @@ def detected_cuda_budget(hardware, gpus: int = 1) -> dict:
 
 
 def missing_extras() -> tuple[str, ...]:
-    """Optional extras (pyproject.toml) a plan may need that are not importable here."""
+    """Optional extras (pyproject.toml) a plan may need that are not importable here, and
+    "cpu_adam" where DeepSpeed's CPU Adam cannot be built (lowvram.deps.cpu_adam_build_problems)."""
     import importlib.util
 
     extras = (("deepspeed", "deepspeed"), ("liger", "liger_kernel"), ("galore", "galore_torch"),
               ("lomo", "lomo_optim"), ("torchao", "torchao"),
               ("apollo", "apollo_torch"))
-    return tuple(e for e, module in extras if importlib.util.find_spec(module) is None)
+    missing = tuple(e for e, module in extras if importlib.util.find_spec(module) is None)
+    from lowvram.deps import cpu_adam_build_problems
+
+    # DeepSpeed's CPU Adam is built at first use (issue 41 item 12): where it cannot be, plans that
+    # offload the optimizer rank after those that need nothing more, and say so
+    return missing + (("cpu_adam",) if cpu_adam_build_problems() else ())
 
 
 def _budget(vram: str | None, hardware):
@@ -102,7 +140,7 @@ def _budget(vram: str | None, hardware):
     - Otherwise the hardware is detected: the first GPU's free memory; on a CPU-only machine the
       plan is for a CPU run against the available host RAM, and a note says so.
     """
-    from lowvram.plan.request import Budget
+    from lowvram.plan.choose.request import Budget
 
     override = vram or os.environ.get("LOWVRAM_VRAM") or None
     flag = "--vram" if vram else "LOWVRAM_VRAM"
@@ -110,11 +148,7 @@ def _budget(vram: str | None, hardware):
     given = f"{flag} {override}" + (f": {reading.how}" if reading and reading.how else "")
     if override and hardware is None:
         return Budget(reading.bytes, "cuda", bf16=True, bf16_known=False, source=given)
-    if hardware is None:
-        from lowvram.hardware import detect_hardware
-
-        hardware = detect_hardware(override)
-    hw = hardware
+    hw = hardware  # read_machine read it: no budget without a card or a size
     if hw.kind == "cpu":
         if override:
             return Budget(reading.bytes, "cpu", bf16=False, bf16_known=True,
@@ -163,7 +197,7 @@ def check_card(recipe: Recipe, hardware, vram: str | None = None) -> None:
     quant = recipe.techniques.quantization
     _check_bnb(ON_VALUES["quantization"] if quant == "on" else quant, recipe.techniques.optimizer, hardware)
     # techniques.attention: flash_attention_2 where it cannot run: the planner refuses it
-    # (lowvram.plan.request.check_attention), whether the memory is predicted or not
+    # (lowvram.plan.choose.request.check_attention), whether the memory is predicted or not
 
 
 def check_runnable(plan: Plan, hardware) -> Plan:

@@ -2,40 +2,42 @@
 (+ flags, + detected hardware) -> request (request.py) -> :mod:`lowvram.plan` -> Plan or Choice.
 
 When the model's architecture can be read (catalog name, a folder with config.json, a cached hub
-id) the memory-driven chooser (:mod:`lowvram.plan.choose`) picks every ``auto`` technique. When it
+id) the memory-driven chooser (:mod:`lowvram.plan.choose.choose`) picks every ``auto`` technique. When it
 cannot, the same request is planned with nothing left on auto (fixed.py,
-:mod:`lowvram.plan.unpredicted`) and the plan says that its memory was not predicted."""
+:mod:`lowvram.plan.choose.unpredicted`) and the plan says that its memory was not predicted."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lowvram.errors import LowvramError
-from lowvram.plan.preference import OBJECTIVES
-from lowvram.plan.replan import Replanner
+from lowvram.plan.choose.replan import Replanner
+from lowvram.plan.memory.preference import OBJECTIVES
 from lowvram.plan.types import Plan
-from lowvram.planning.budget import check_card, check_runnable, make_budget
+from lowvram.planning.budget import check_card, check_runnable, make_budget, read_machine
 from lowvram.planning.fixed import fixed_with_note
 from lowvram.planning.from_recipe import METHODS, build_request, flag_choices, recipe_model
-from lowvram.recipe import Recipe
 from lowvram.units import gib
 from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
+
+if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
+    from lowvram.recipe import Recipe
 
 
 def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus: int = 1) -> Plan:
     """The plan `lowvram train` runs with (and `lowvram plan RECIPE` shows).
 
     ``gpus``: data-parallel processes in all (``--gpus`` x ``--nodes``); memory is per GPU."""
-    if hardware is None:
-        from lowvram.hardware import detect_hardware
-
-        hardware = detect_hardware(vram, gpus=gpus)  # only the cards the run uses
-    check_card(recipe, hardware, vram)
-    budget = make_budget(vram, hardware, gpus)
+    machine = read_machine(vram, gpus, hardware=hardware, cards=True)  # only the cards the run uses
+    check_card(recipe, machine.hardware, vram)
+    budget = make_budget(vram, gpus=gpus, machine=machine)
+    hardware = machine.hardware
     flags, sources = ({"gpus": gpus}, {"gpus": f"--gpus {gpus}"}) if gpus > 1 else ({}, {})
     try:
         spec = recipe_model(recipe)
     except LowvramError as err:
         return check_runnable(fixed_with_note(recipe, budget, err, flags, sources), hardware)
-    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.choose.choose import choose_plan
 
     return check_runnable(choose_plan(build_request(spec, recipe, flags, sources), budget).plan, hardware)
 
@@ -104,8 +106,8 @@ def _checked_flags(recipe: Recipe | None, model: str | None, method: str | None,
 def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,
               method: str | None = None, hardware=None, host_ram: str | None = None, **flags):
     """The plan `lowvram plan` shows: a Choice, or a fixed Plan if the model cannot be read."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.choose import choose_plan
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.model.catalog import resolve_model
 
     fields, sources = _checked_flags(recipe, model, method, flags)
     if model is not None:
@@ -114,9 +116,10 @@ def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str 
         try:
             spec = recipe_model(recipe)
         except LowvramError as err:  # the same request and budget, planned without a memory model
-            return fixed_with_note(recipe, make_budget(vram, hardware, fields.get("gpus") or 1, host_ram),
-                                   err, fields, sources)
+            spec = err
     budget = make_budget(vram, hardware, fields.get("gpus") or 1, host_ram)
+    if isinstance(spec, LowvramError):
+        return fixed_with_note(recipe, budget, spec, fields, sources)
     return choose_plan(build_request(spec, recipe, fields, sources), budget)
 
 
@@ -124,31 +127,32 @@ def context_table(recipe: Recipe | None = None, model: str | None = None, method
                   cards: tuple[int, ...] | None = None, host_ram: str | None = None, **flags):
     """`lowvram plan --context-table`: the longest seq_len over every plan on each card size
     (8 to 80 GB, read as cards are sold: lowvram.plan.cards), for the request the flags make."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.limits import CARD_SIZES_GB
-    from lowvram.plan.limits import context_table as table
-    from lowvram.plan.memory import estimate_memory
-    from lowvram.plan.request import validate_request
+    from lowvram.plan.choose.limits import CARD_SIZES_GB
+    from lowvram.plan.choose.limits import context_table as table
+    from lowvram.plan.choose.request import validate_request
+    from lowvram.plan.memory.memory import estimate_memory
+    from lowvram.plan.model.catalog import resolve_model
 
     fields, sources = _checked_flags(recipe, model, method, flags)
     spec = resolve_model(model) if model is not None else recipe_model(recipe)
     req = build_request(spec, recipe, fields, sources)
     validate_request(req)
     gpus = fields.get("gpus") or 1
-    budgets = [(f"{n} GB", make_budget(f"{n}GB", None, gpus, host_ram)) for n in (cards or CARD_SIZES_GB)]
+    machine = read_machine(None, gpus, host_ram, cards=False)  # once for every card; no card read
+    budgets = [(f"{n} GB", make_budget(f"{n}GB", gpus=gpus, machine=machine)) for n in (cards or CARD_SIZES_GB)]
     return req, table(req, budgets, estimate_memory), budgets[0][1]
 
 
 def generation_table(recipe: Recipe | None = None, model: str | None = None, method: str | None = None,
                      cards: tuple[int, ...] | None = None, **flags) -> dict:
     """`lowvram plan --generation-table`: per card (8 to 80 GB), the largest num_generations x
-    max_completion_length over every plan (lowvram.plan.grpo_table), as plain data."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.grpo_table import generation_table as table
-    from lowvram.plan.grpo_table import generation_table_to_dict
-    from lowvram.plan.limits import CARD_SIZES_GB
-    from lowvram.plan.memory import estimate_memory
-    from lowvram.plan.request import validate_request
+    max_completion_length over every plan (lowvram.plan.choose.grpo_table), as plain data."""
+    from lowvram.plan.choose.grpo_table import generation_table as table
+    from lowvram.plan.choose.grpo_table import generation_table_to_dict
+    from lowvram.plan.choose.limits import CARD_SIZES_GB
+    from lowvram.plan.choose.request import validate_request
+    from lowvram.plan.memory.memory import estimate_memory
+    from lowvram.plan.model.catalog import resolve_model
 
     flags = {k: v for k, v in flags.items() if v is not None}
     flags.setdefault("objective", (recipe.training.objective if recipe else None) or "grpo")
@@ -167,8 +171,8 @@ def generation_table(recipe: Recipe | None = None, model: str | None = None, met
 
 
 def list_models() -> list[tuple[str, str, int]]:
-    from lowvram.plan.catalog import catalog_names, resolve_model
-    from lowvram.plan.models import model_numel
+    from lowvram.plan.model.catalog import catalog_names, resolve_model
+    from lowvram.plan.model.models import model_numel
 
     rows = []
     for name in catalog_names():

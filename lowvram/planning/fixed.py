@@ -1,17 +1,21 @@
 """`lowvram train` and `lowvram plan RECIPE` for a model whose architecture cannot be read (a
 GGUF-only folder, a hub id not cached here): the recipe and flags as a request without a model,
-planned by :func:`lowvram.plan.unpredicted.unpredicted_plan` (the search with nothing left on auto),
+planned by :func:`lowvram.plan.choose.unpredicted.unpredicted_plan` (the search with nothing left on auto),
 and the plan says that its memory was not predicted."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lowvram.errors import LowvramError
-from lowvram.plan.request import Budget
+from lowvram.plan.choose.request import Budget
+from lowvram.plan.choose.unpredicted import unpredicted_plan
 from lowvram.plan.types import Plan
-from lowvram.plan.unpredicted import unpredicted_plan
 from lowvram.planning.budget import missing_extras
 from lowvram.planning.from_recipe import build_request
-from lowvram.recipe import Recipe
+
+if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
+    from lowvram.recipe import Recipe
 
 
 def fixed_with_note(recipe: Recipe, budget: Budget, err: LowvramError, flags: dict | None = None,

@@ -4,11 +4,14 @@ top (flags win), and the recipe's model as a ModelSpec."""
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.plan.types import precisions_for_dtype
-from lowvram.recipe import Recipe, TrainingSection
 from lowvram.vocab import OFF_VALUES, ON_VALUES, WEIGHT_DTYPE, on_off
+
+if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
+    from lowvram.recipe import Recipe
 
 # `--method` is a shorthand for the lora and quantization techniques.
 METHODS = {"full": (False, "none"), "lora": (True, "none"), "qlora": (True, ON_VALUES["quantization"])}
@@ -128,7 +131,7 @@ def _shown(value) -> str:
 
 
 def _grpo_objectives():
-    from lowvram.plan.grpo import GRPO_OBJECTIVES
+    from lowvram.plan.memory.grpo import GRPO_OBJECTIVES
 
     return GRPO_OBJECTIVES
 
@@ -136,20 +139,21 @@ def _grpo_objectives():
 def build_request(model, recipe: Recipe | None = None, flags: dict | None = None,
                   flag_sources: dict | None = None):
     """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
-    from lowvram.plan.request import PlanRequest
+    from lowvram.plan.choose.request import PlanRequest
 
-    training = recipe.training if recipe else TrainingSection()
-    fields: dict = {"seq_len": training.seq_len, "batch_size": training.batch_size}
+    # without a recipe the request's own defaults, the schema's (tests/planning pins them equal)
+    fields: dict = {}
     sources: dict = {}
     if recipe is not None:
+        fields.update(seq_len=recipe.training.seq_len, batch_size=recipe.training.batch_size)
         fields.update(lora_fields(recipe))
         fields.update(galore_fields(recipe))
         # a max_grad_norm the recipe writes is asked for; the default (1.0) a layerwise optimizer
-        # drops, and its plan says so (plan/optimizers.py given_up)
+        # drops, and its plan says so (plan/memory/optimizers.py given_up)
         t = recipe.training
         fields["gradient_clipping"] = "max_grad_norm" in t.model_fields_set and t.max_grad_norm > 0
         fields["packing"] = recipe.data.packing
-        if any(d.format == "image_chat" for d in recipe.data.datasets):  # lowvram.plan.images
+        if any(d.format == "image_chat" for d in recipe.data.datasets):  # lowvram.plan.memory.images
             fields["images_per_row"] = recipe.data.images_per_row
         fields["objective"] = recipe.training.objective
         fields["precompute_ref"] = recipe.preference.precompute_ref_log_probs
@@ -179,7 +183,7 @@ GRPO_FLAGS = ("num_generations", "max_prompt_length", "max_completion_length", "
 
 def grpo_request(recipe: Recipe | None, objective: str, flags: dict):
     """The recipe's grpo section (its defaults without one), then the flags, as a GrpoRequest."""
-    from lowvram.plan.grpo import GrpoRequest
+    from lowvram.plan.memory.grpo import GrpoRequest
     from lowvram.recipe.grpo import GrpoSection
 
     section = recipe.grpo if recipe is not None else GrpoSection()  # no recipe: the schema's defaults
@@ -230,7 +234,7 @@ def recipe_from_sets(model: str | None, overrides: list[str] | tuple) -> Recipe:
             raise LowvramError(f"--set {item}: {key} cannot be set without a recipe",
                                "name the model with --model; write data and model keys in a recipe "
                                "(lowvram plan RECIPE --set ...), e.g. start from recipes/quickstart.yaml")
-    from lowvram.plan.preference import PREFERENCE_OBJECTIVES
+    from lowvram.plan.memory.preference import PREFERENCE_OBJECTIVES
 
     objective = [i.partition("=")[2].strip() for i in overrides if i.partition("=")[0].strip() == "training.objective"]
     # the placeholder data's format follows the objective (the schema pairs the two); never read
@@ -243,7 +247,7 @@ def recipe_from_sets(model: str | None, overrides: list[str] | tuple) -> Recipe:
 
 def recipe_model(recipe: Recipe):
     """The recipe's model as a ModelSpec (a local folder resolves against the recipe file)."""
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
 
     return resolve_model(recipe_model_ref(recipe))
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lowvram.plan.preference import RL_OBJECTIVES
+from lowvram.plan.memory.preference import RL_OBJECTIVES
 
 # The rewards lowvram ships (lowvram.train.rewards): exact_match (the completion's answer equals
 # the row's answer or solution column), format (a regular expression), length (a target length).

@@ -211,6 +211,7 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | tupl
     for item in overrides:
         key = _apply_override(data, item)
         override_keys[key] = item
+    notes = _recognise_formats(data, source.parent if source else Path.cwd())
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
@@ -220,7 +221,33 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | tupl
     except RecursionError:
         raise LowvramError(f"{where}: the recipe nests too deeply", "a recipe has a few levels of keys") from None
     recipe._source = source
+    recipe.notes.extend(notes)
     return recipe
+
+
+def _recognise_formats(data: dict, base: Path) -> list[str]:
+    """Fill in the format of each local dataset that leaves ``format:`` out (or says auto), from
+    its first row's columns (recipe/formats.py), before validation: the rest of the program, and
+    the schema's own checks, see a concrete format. Returns what was chosen, to print."""
+    from lowvram.recipe.formats import first_row, recognise
+
+    datasets = data.get("data", {}).get("datasets") if isinstance(data.get("data"), dict) else None
+    notes = []
+    for spec in datasets if isinstance(datasets, list) else ():
+        if not isinstance(spec, dict) or spec.get("format", "auto") != "auto" or not isinstance(spec.get("path"), str):
+            continue
+        path = Path(spec["path"]).expanduser()
+        found = recognise(first_row(path if path.is_absolute() else base / path))
+        if found is None:
+            continue  # the data check names the columns (train/data/check.py)
+        spec["format"] = found.format
+        if found.fields:
+            fields = spec.get("fields")
+            spec["fields"] = {**found.fields, **(fields if isinstance(fields, dict) else {})}
+        mapped = ", ".join(f"{k}: {v}" for k, v in found.fields.items() if k != v)
+        notes.append(f"{spec['path']}: format {found.format} ({found.reason}"
+                     + (f"; fields: {{{mapped}}}" if mapped else "") + ")")
+    return notes
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:
@@ -230,7 +257,11 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:
         raise LowvramError(f"recipe file not found: {p}", "pass the path to a .yaml recipe, e.g. recipes/quickstart.yaml")
     if p.is_dir():
         raise LowvramError(f"{p} is a folder, not a recipe file", "pass the path to a .yaml recipe inside it")
-    raw = p.read_bytes()
+    from lowvram.inputfiles import RECIPE_LIMIT_BYTES, read_bounded, require_ordinary
+
+    hint = "pass the path to a .yaml recipe file, e.g. recipes/quickstart.yaml"
+    require_ordinary(p, "the recipe", hint)  # a FIFO or /dev/zero would block or never end
+    raw = read_bounded(p, RECIPE_LIMIT_BYTES, "the recipe", "a recipe is a small YAML file; pass the recipe, not a data file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -10,10 +10,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from lowvram.plan.preference import OBJECTIVES, PREFERENCE_OBJECTIVES, RL_OBJECTIVES
+from lowvram.plan.memory.preference import OBJECTIVES, PREFERENCE_OBJECTIVES, RL_OBJECTIVES
 from lowvram.plan.setup import activation_offload_conflict, quantization_conflict
+from lowvram.recipe.formats import unknown_field
 from lowvram.recipe.grpo import GrpoSection, grpo_problem, rl_format_problem
 from lowvram.vocab import (
     ATTENTIONS,
@@ -39,9 +48,12 @@ Optimizer = Literal[(*SWITCH, *OPTIMIZERS)]
 Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
 Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
-DataFormat = Literal["alpaca", "chat", "image_chat", "completion", "text", "preference", "unpaired", "prompt"]
+DataFormat = Literal["auto", "alpaca", "chat", "sharegpt", "image_chat", "completion", "text", "preference",
+                     "unpaired", "prompt"]
+# The roles a chat template renders (OpenAI's message roles).
+CHAT_ROLES = ("user", "assistant", "system", "tool")
 # training.objective: sft trains on responses (the Trainer); the others align on preference data
-# through TRL (lowvram.train.preference), the planner's list (lowvram.plan.preference).
+# through TRL (lowvram.train.build.preference), the planner's list (lowvram.plan.memory.preference).
 Objective = Literal[OBJECTIVES]
 # the data formats of the preference objectives (kto also reads pairs: TRL unpairs them)
 PREFERENCE_FORMATS = ("preference", "unpaired")
@@ -86,9 +98,13 @@ class DatasetSpec(_Section):
         description="Local .json/.jsonl/.csv/.parquet/.txt file (relative to the recipe) or a hub id."
     )
     format: DataFormat = Field(
-        "alpaca",
-        description="alpaca (instruction/input/output), chat (messages with roles, rendered by the "
-        "tokenizer's chat template), image_chat (messages whose content holds {type: image} parts, "
+        "auto",
+        description="auto (recognised from the file's columns: messages, conversations, instruction/output, "
+        "prompt/response, prompt/completion, question/answer, input/output, text, chosen/rejected; the choice is "
+        "printed), alpaca (instruction/input/output), chat (messages with roles, rendered by the "
+        "tokenizer's chat template; OpenAI tool calls kept as the template renders them), sharegpt "
+        "(conversations of {from, value}: human/gpt/system/observation/function_call), image_chat "
+        "(messages whose content holds {type: image} parts, "
         "plus images: image files relative to the data file, or a hub dataset's image column; "
         "rendered by the model's processor; a model with a vision tower), completion (prompt/completion), text (raw text), preference "
         "(prompt/chosen/rejected: text or messages; no prompt field: the shared start of chosen and "
@@ -99,11 +115,34 @@ class DatasetSpec(_Section):
     )
     fields: dict[str, str] = Field(
         default_factory=dict,
-        description="Map the format's field names to your column names, e.g. {output: response}.",
+        description="Map the format's field names to your column names, e.g. {output: response}; chat and "
+        "sharegpt also map the keys inside a message, e.g. {messages: conversations, role: from, content: value}.",
+    )
+    roles: dict[str, str] = Field(
+        default_factory=dict,
+        description="chat, sharegpt: map your data's role names to user, assistant, system or tool, e.g. "
+        "{human: user, gpt: assistant} (sharegpt maps ShareGPT's tags by default).",
     )
     split: str = Field("train", description="Split to read (hub datasets; local files have 'train').")
     name: str | None = Field(None, description="Hub dataset configuration name.")
     max_samples: int | None = Field(None, gt=0, description="Use at most this many rows.")
+
+    @model_validator(mode="after")
+    def _known_fields(self) -> DatasetSpec:
+        if self.format == "auto":
+            return self
+        if wrong := unknown_field(self.format, self.fields):
+            key, tip, known = wrong
+            raise ValueError(f"fields: '{key}' is not a field of format {self.format} ({tip}format "
+                             f"{self.format} has {', '.join(known)}; fields maps them to your column names)")
+        if self.roles and self.format not in ("chat", "sharegpt", "image_chat"):
+            raise ValueError(f"roles: maps the speakers of a conversation; format {self.format} has none "
+                             "(use format: chat or sharegpt)")
+        wrong = sorted({v for v in self.roles.values() if v not in CHAT_ROLES})
+        if wrong:
+            raise ValueError(f"roles: {', '.join(wrong)} is not a chat role (map each to one of "
+                             f"{', '.join(CHAT_ROLES)})")
+        return self
 
 
 class DataSection(_Section):
@@ -113,7 +152,13 @@ class DataSection(_Section):
         description="A fraction (0-0.5) of the training rows held out, or a split name to evaluate on.",
     )
     train_on_inputs: bool = Field(
-        False, description="Also train on prompt tokens (default: loss on response tokens only)."
+        False, description="Also train on prompt tokens (default: loss on response tokens only); true is "
+        "train_on: all.",
+    )
+    train_on: Literal["assistant", "last", "all"] = Field(
+        "assistant", description="Which tokens carry the loss: assistant (every response: each assistant turn "
+        "of a conversation), last (only a conversation's last assistant turn; other formats: the response), "
+        "all (every token, prompts and user turns too).",
     )
     packing: bool = Field(False, description="Pack several samples into each seq_len window.")
     images_per_row: int = Field(
@@ -207,7 +252,7 @@ class LoraSection(_Section):
     @field_validator("init")
     @classmethod
     def _known_init(cls, v: str) -> str:
-        from lowvram.plan.lora_init import init_name_problem
+        from lowvram.plan.memory.lora_init import init_name_problem
 
         if problem := init_name_problem(v):
             raise ValueError(problem)
@@ -281,8 +326,10 @@ class TechniquesSection(_Section):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _yaml_booleans(cls, v: object) -> object:
+    def _yaml_booleans(cls, v: object, info: ValidationInfo) -> object:
         # true/false, and the YAML 1.1 words yes/no/y/n, mean on/off here.
+        if v == "none" and info.field_name in ("offload", "quantization"):
+            return "off"  # the flags' spelling (--offload none, --quantization none) is accepted too
         if isinstance(v, bool):
             return "on" if v else "off"
         if isinstance(v, str) and v.lower() in ON_OFF_WORDS:
@@ -406,6 +453,12 @@ class Recipe(_Section):
 
     # Where the recipe came from; relative data paths resolve against it. Not a YAML key.
     _source: Path | None = None
+    # What load_recipe decided for the user (a data format recognised from the columns), to print.
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        return self._notes
 
     @property
     def source(self) -> Path | None:
@@ -425,6 +478,7 @@ class Recipe(_Section):
 
 def objective_problem(objective: str, formats: list[str], packing: bool) -> str | None:
     """Why training.objective cannot train on data of these formats (None when it can)."""
+    formats = [f for f in formats if f != "auto"]  # recognised from the rows when they are read
     if objective in RL_OBJECTIVES or "prompt" in formats:
         return rl_format_problem(objective, formats, packing)
     preference = objective in PREFERENCE_OBJECTIVES

@@ -1,9 +1,9 @@
 """`lowvram plan` for grpo/rloo: the two phases, the binding moment, the engine's share; the
-generation table (`--generation-table`). Printing only: the numbers come from lowvram.plan.grpo."""
+generation table (`--generation-table`). Printing only: the numbers come from lowvram.plan.memory.grpo."""
 
 from __future__ import annotations
 
-from lowvram.plan.moments import MOMENTS
+from lowvram.plan.memory.moments import MOMENTS
 from lowvram.report.console import console, print_json
 from lowvram.units import gib
 

@@ -10,14 +10,25 @@ from lowvram.report.console import console, print_json
 from lowvram.units import gib
 
 
-def show_validated(recipe, path: Path, as_json: bool = False) -> None:
+def show_validated(recipe, path: Path, data=None, as_json: bool = False) -> None:
+    """``data``: the data check's report (lowvram.train.data.check.DataReport), printed below."""
     if as_json:
-        print_json({"valid": True, "recipe": recipe.model_dump(mode="json")})
+        out = {"valid": True, "recipe": recipe.model_dump(mode="json")}
+        if data is not None:
+            from lowvram.report.data import data_json
+
+            out["data"] = data_json(data)
+        print_json(out)
         return
     c = console()
     ds = ", ".join(f"{d.path} ({d.format})" for d in recipe.data.datasets)
     c.print(f"[green]ok[/green] {path}: model {recipe.model.name_or_path}; data {ds}; "
             f"seq_len {recipe.training.seq_len}, batch {recipe.training.batch_size}")
+    if data is not None:
+        from lowvram.report.data import data_lines
+
+        for line in data_lines(data):
+            c.print(f"  {line}", markup=False)
 
 
 def keys_markdown(rows) -> str:

@@ -1,9 +1,9 @@
-"""Printing a plan: `lowvram plan` (the dict from lowvram.plan.choose.choice_to_dict, bytes
+"""Printing a plan: `lowvram plan` (the dict from lowvram.plan.choose.choose.choice_to_dict, bytes
 inside), the plan table before `lowvram train`, --dry-run, --print-launch, --list-models."""
 
 from __future__ import annotations
 
-from lowvram.plan.moments import MOMENTS
+from lowvram.plan.memory.moments import MOMENTS
 from lowvram.report.console import console, print_json, setting_cell, techniques_label
 from lowvram.units import gib, percent, shell_line
 
@@ -33,14 +33,21 @@ def _warn_remote_code(c, recipe) -> None:
                 "on this machine (turn it off unless you trust the model's source)", markup=False)
 
 
-def show_dry_run(recipe, plan, as_json: bool = False) -> None:
+def show_dry_run(recipe, plan, as_json: bool = False, data=None) -> None:
+    """``data``: the data check's report (a rendered sample, token counts), printed after the plan."""
+    from lowvram.report.data import data_json, show_data
+
     if as_json:
-        print_json({"recipe": recipe.model_dump(mode="json"), "plan": plan.to_dict()})
+        print_json({"recipe": recipe.model_dump(mode="json"), "plan": plan.to_dict(),
+                    **({"data": data_json(data)} if data is not None else {})})
         return
     c = console()
     c.print("# resolved recipe (defaults filled in)", markup=False)
     c.print(recipe.to_yaml(), markup=False)
     c.print(_plan_table(plan))
+    if data is not None:
+        c.print("# the data as the model sees it (`lowvram data RECIPE` shows more)", markup=False)
+        show_data(data)
     _warn_remote_code(c, recipe)
     c.print("dry run: nothing was trained.")
 
@@ -50,6 +57,8 @@ def show_plan_brief(recipe, plan) -> None:
     c = console()
     c.print(_plan_table(plan))
     _warn_remote_code(c, recipe)
+    for note in recipe.notes:  # a data format recognised from the columns
+        c.print(f"note: {note}", markup=False)
     tokens = plan.effective_batch * recipe.training.seq_len
     objective = recipe.training.objective
     if objective != "sft":  # preference pairs: chosen and rejected, two rows of seq_len each
@@ -105,16 +114,16 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     if data["device"] != "cpu" and data.get("host_ram_source"):
         other = "; --host-ram SIZE plans for another machine" if "--host-ram" not in data["host_ram_source"] else ""
         c.print(f"host RAM: {gib(data['host_ram_bytes'])} ({data['host_ram_source']}{other})", markup=False)
-    if data.get("grpo"):  # grpo/rloo: generation, then training on the completions (lowvram.plan.grpo)
+    if data.get("grpo"):  # grpo/rloo: generation, then training on the completions (lowvram.plan.memory.grpo)
         from lowvram.report.grpo import show_grpo_phases
 
         show_grpo_phases(c, data)
-    elif data.get("objective"):  # dpo/orpo/simpo: chosen + rejected in one forward (lowvram.plan.preference)
+    elif data.get("objective"):  # dpo/orpo/simpo: chosen + rejected in one forward (lowvram.plan.memory.preference)
         rows = ("each example is 1 row of seq_len (an unpaired completion)" if data["objective"] == "kto"
                 else "each pair is 2 rows of seq_len (chosen + rejected)")
         c.print(f"objective: {data['objective']}: {rows}; reference model: {data['reference_model']}", markup=False)
     vision = data.get("vision")
-    if vision:  # a multimodal checkpoint (lowvram.plan.vision)
+    if vision:  # a multimodal checkpoint (lowvram.plan.model.vision)
         c.print(f"vision tower: {vision['tower']} ({vision['layers']} layers) + {vision['projector']} "
                 f"projector, {vision['parameters'] / 1e6:.1f}M params, loaded with the language model, "
                 f"frozen and not quantized: {gib(vision['weight_bytes'])} of the weights; "
@@ -124,7 +133,7 @@ def show_plan(data: dict, as_json: bool = False) -> None:
                    "seq_len, their pixels and the tower's forward counted" if data.get("images_per_row") else ""),
                 markup=False)
         cross = vision.get("cross_attention")
-        if cross:  # Llama-3.2-Vision (lowvram.plan.models.ModelSpec.cross_attention_layers)
+        if cross:  # Llama-3.2-Vision (lowvram.plan.model.models.ModelSpec.cross_attention_layers)
             c.print(f"cross-attention layers: {cross['layers']} of the language model, "
                     f"{cross['parameters'] / 1e6:.1f}M params, loaded ({'quantized, ' if cross['quantized'] else ''}"
                     f"frozen, no adapters): {gib(cross['weight_bytes'])} of the weights; skipped without images, "
@@ -185,7 +194,7 @@ def show_plan(data: dict, as_json: bool = False) -> None:
             c.print(f"{n} GPUs: {gib(peak)} per GPU, host RAM {gib(data['cpu_ram_bytes'])} per GPU process "
                     f"({gib(n * data['cpu_ram_bytes'])} for {n} processes on one node); "
                     f"train with: lowvram train RECIPE --gpus {n}", markup=False)
-    elif head >= 0:  # the card holds it; host RAM does not (lowvram.plan.request.fits_budget)
+    elif head >= 0:  # the card holds it; host RAM does not (lowvram.plan.choose.request.fits_budget)
         c.print(f"[red]does not fit[/red]: the lowest-memory plan peaks at {gib(peak)} on the card, but needs "
                 f"{gib(data['cpu_ram_bytes'])} of host RAM, more than the {gib(data['host_ram_bytes'])} "
                 f"{data['host_ram_source']}: it would swap (--host-ram SIZE plans for a machine with more)",
@@ -244,7 +253,7 @@ def _checked(checked: dict, name: str) -> list[str]:
     """The breakdown table's last cell: what the part was checked against (plan.calibration)."""
     if not checked:
         return []
-    from lowvram.plan.calibration import CHECKED
+    from lowvram.plan.memory.calibration import CHECKED
 
     return [CHECKED.get(checked.get(name, ""), "-")]
 

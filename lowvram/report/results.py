@@ -94,6 +94,15 @@ def _relative(path: str, folder) -> str:
         return str(path)
 
 
+def warn_damaged(runs) -> None:
+    """One `warning:` line on stderr per damaged file of the listed runs, naming the run (`lowvram
+    runs` exits 0 with them: the other runs are listed; `lowvram show RUN` says how to repair)."""
+    lines = [f"warning: run {r.name}: {line}; `lowvram show {r.path}` says how to repair it\n"
+             for r in runs for line in r.damaged]
+    sys.stderr.write("".join(lines))
+    sys.stderr.flush()
+
+
 def show_run(r, as_json: bool = False) -> None:
     if as_json:
         print_json(r.to_dict())
@@ -137,7 +146,7 @@ def show_run(r, as_json: bool = False) -> None:
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
     # preference objectives: TRL's reward metrics and each objective's own terms (kto's KL, orpo's
-    # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.preference)
+    # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.build.preference)
     rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m.get(key), 3))
              for key in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies")
              if m is not None and m.get(key) is not None]

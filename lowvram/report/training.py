@@ -30,7 +30,7 @@ def show_train_outcome(outcome, as_json: bool = False) -> None:
 
     p = outcome.planned
     if outcome.dry_run:
-        show_dry_run(p.recipe, p.plan, as_json=as_json)
+        show_dry_run(p.recipe, p.plan, as_json=as_json, data=outcome.data)
     elif outcome.print_only:
         show_launch(p.recipe, p.plan, p.processes, p.launch, print_only=True)
     elif outcome.result is not None:

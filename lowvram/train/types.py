@@ -1,6 +1,7 @@
 """Light types of a training run, no torch here: what `lowvram train` is asked
 (:class:`TrainOptions`, the one object the train chain passes down) and what it returns
-(:class:`RunResult`; lowvram.report.training renders it)."""
+(:class:`RunResult`; lowvram.report.training renders it), and the label id both sides of a batch
+agree on (:data:`IGNORE_INDEX`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from pathlib import Path
 
 from lowvram.metrics import RunMetrics
 from lowvram.past_runs import resume_command
+
+# The label of a token the loss skips: torch's cross_entropy ignore_index default and transformers'
+# ForCausalLMLoss (-100). data/ writes it on untrained tokens and padding; build/loss.py skips it.
+IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class TrainOptions:
     print_launch: bool = False  # write the accelerate config, print the command, do not train
     processes: LaunchSpec = field(default_factory=LaunchSpec)
     # --no-track-memory turns it off; None: read LOWVRAM_TRACK_MEMORY (a launched worker, whose
-    # launcher sets it from the flag: lowvram.train.launch.run_launch)
+    # launcher sets it from the flag: lowvram.train.run.launch.run_launch)
     track_memory: bool | None = True
     recover: bool = True  # out of memory: re-plan cheaper and retry (--no-recover: stop)
     max_retries: int = 3

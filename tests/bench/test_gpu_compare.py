@@ -14,7 +14,7 @@ import transformers.trainer_callback  # noqa: F401 - imported before torch.cuda 
 
 from lowvram import gpumemory
 from lowvram.metrics import RunMetrics
-from lowvram.plan.request import safety_margin_bytes
+from lowvram.plan.choose.request import safety_margin_bytes
 from lowvram.plan.setup import cuda_overheads
 from lowvram.plan.types import Plan
 from lowvram.report import training as report
@@ -159,7 +159,7 @@ def _measured_run(cuda) -> dict:
     peak), the rest at less; at the end the allocator reserves 1.1 GiB and the driver shows
     400 MiB more in use than that (context and kernels)."""
     from lowvram.livebytes import memory_history_callback
-    from lowvram.train.run import _peak_memory
+    from lowvram.train.run.run import _peak_memory
 
     history = memory_history_callback("cuda")
     cuda.allocated_peak, cuda.reserved_peak = int(1.05 * GiB), int(1.25 * GiB)

@@ -4,7 +4,7 @@ bench/published_accuracy.py plans every published row and writes
 bench/results/published_accuracy.txt; these tests re-run its scoring on the committed data (pure
 Python, no torch, about a second) and check that the held-out and in-sample errors are still what
 the results file says, that every row names its source, and that the CUDA overheads shipped in
-lowvram.plan.memory are the ones the fitting set gives.
+lowvram.plan.memory.memory are the ones the fitting set gives.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 from lowvram.plan.types import Plan
 from lowvram.recipe import parse_recipe
 from lowvram.testing import tiny_llama_config
-from lowvram.train.launch import LaunchSpec, accelerate_config
+from lowvram.train.run.launch import LaunchSpec, accelerate_config
 from tests.library_configs import (
     finalize_deepspeed,
     launch_environment,
@@ -111,7 +111,7 @@ def _sampled_requests(per_model: int) -> list[tuple]:
     grid, deterministic."""
     import itertools
 
-    from lowvram.plan.catalog import catalog_names
+    from lowvram.plan.model.catalog import catalog_names
     from tests.library_configs import CARDS_GB, GPU_COUNTS, METHOD_NAMES
 
     grid = list(itertools.product(METHOD_NAMES, CARDS_GB, GPU_COUNTS))
@@ -133,7 +133,7 @@ def test_sampled_plans_pass_every_librarys_validation(tmp_path):
 def test_every_plan_passes_every_librarys_validation(tmp_path):
     import itertools
 
-    from lowvram.plan.catalog import catalog_names
+    from lowvram.plan.model.catalog import catalog_names
     from tests.library_configs import CARDS_GB, GPU_COUNTS, METHOD_NAMES
 
     _sweep(list(itertools.product(catalog_names(), METHOD_NAMES, CARDS_GB, GPU_COUNTS)), tmp_path)

@@ -24,7 +24,7 @@ from lowvram.check.simulate import simulate_memory  # noqa: E402
 from lowvram.check.step import measure_setup  # noqa: E402
 from lowvram.cli import app  # noqa: E402
 from lowvram.errors import LowvramError  # noqa: E402
-from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.memory.memory import estimate_memory  # noqa: E402
 from lowvram.plan.setup import BREAKDOWN_KEYS, RunSetup  # noqa: E402
 from tests.conftest import published_cuda_context_bytes  # noqa: E402
 
@@ -143,7 +143,7 @@ FAMILIES = [
 
 @pytest.mark.parametrize("name, seq_len, kw", FAMILIES)
 def test_analytic_model_matches_the_simulation_beyond_llama(name, seq_len, kw):
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
 
     setup = RunSetup(resolve_model(name), device="cpu", seq_len=seq_len, **kw)
     sim = simulate_memory(setup)

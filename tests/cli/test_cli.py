@@ -81,9 +81,15 @@ def test_set_override_on_cli(tmp_path):
     assert "--set training.seq_len=-3: training.seq_len: Input should be greater than 0" in r.stderr
 
 
-def test_train_dry_run_prints_resolved_recipe_and_plan(quickstart_model):
+def test_train_dry_run_prints_resolved_recipe_and_plan(quickstart_model, monkeypatch):
+    """... and reads the cards once (issue 43 item 3: the real detect_hardware, counted)."""
+    import lowvram.hardware
+
+    calls, real = [], lowvram.hardware.detect_hardware
+    monkeypatch.setattr(lowvram.hardware, "detect_hardware", lambda *a, **k: calls.append(a) or real(*a, **k))
     r = run("train", str(REPO / "recipes/quickstart.yaml"), "--dry-run", "--set", "training.learning_rate=5e-4")
     assert r.exit_code == 0, r.output
+    assert len(calls) == 1
     assert "learning_rate: 0.0005" in r.stdout
     assert "warmup_ratio:" in r.stdout  # defaults filled in
     assert "dry run: nothing was trained." in r.stdout

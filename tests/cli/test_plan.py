@@ -90,8 +90,8 @@ def test_flags_fix_choices():
 
 def test_packing_is_a_plan_input():
     """--packing (data.packing in a recipe): every layer's SDPA keeps a b x s x s mask."""
-    from lowvram.plan.activations import masked_attention_bytes
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.memory.activations import masked_attention_bytes
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.plan.setup import RunSetup
 
     fixed = ("--model", "llama-7b", "--vram", "80GB", "--method", "lora", "--mixed-precision", "bf16",
@@ -241,7 +241,7 @@ def test_set_without_a_recipe_changes_the_plan():
     wide = plan_json(*GALORE, "--set", "galore.rank=1024")
     assert wide["peak_bytes"] > plain["peak_bytes"]  # rank 1024's projected state over the default 128
     lora = ("--model", "llama-2-7b", "--vram", "24GB", "--method", "lora", "--mixed-precision", "bf16")
-    # DoRA's saved tensors and magnitudes (plan/dora.py) on top of the same LoRA plan
+    # DoRA's saved tensors and magnitudes (plan/memory/dora.py) on top of the same LoRA plan
     assert plan_json(*lora, "--set", "lora.use_dora=true")["peak_bytes"] > plan_json(*lora)["peak_bytes"]
 
 

@@ -37,7 +37,7 @@ VARIANTS = {
 def plan_cases() -> list[tuple[str, dict]]:
     """(key, make_plan kwargs): every model x method x card x shape on auto, and every model x
     method x shape x VARIANTS on 24 GiB (41 models: 1,476 plans)."""
-    from lowvram.plan.catalog import catalog_names
+    from lowvram.plan.model.catalog import catalog_names
 
     cases = []
     for model, method, (seq, batch) in itertools.product(catalog_names(), METHODS, SHAPES):
@@ -52,7 +52,7 @@ def plan_cases() -> list[tuple[str, dict]]:
 def estimate_cases() -> list[tuple[str, object]]:
     """(key, RunSetup): every model x precision/quantization/LoRA x checkpointing x attention x
     two shapes x FSDP x packing (the grid compared by hand before the named moments)."""
-    from lowvram.plan.catalog import catalog_names, resolve_model
+    from lowvram.plan.model.catalog import catalog_names, resolve_model
     from lowvram.plan.setup import RunSetup
 
     methods = {"bf16-full": dict(precision="bf16"), "fp32-full": dict(precision="fp32"),
@@ -89,7 +89,7 @@ def plan_json(kwargs: dict) -> dict:
 
 def estimate_json(setup) -> dict:
     from lowvram.errors import LowvramError
-    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.memory.memory import estimate_memory
 
     try:
         return asdict(estimate_memory(setup))

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from lowvram.check.cases import ACCURACY_MATRIX, tiny_llama_spec  # noqa: E402
 from lowvram.check.step import measure_setup  # noqa: E402
-from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.memory.memory import estimate_memory  # noqa: E402
 from lowvram.plan.setup import RunSetup  # noqa: E402
 
 # A fast subset on a smaller model at a quarter of the sequence length, covering every

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lowvram.cli import app
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup, cuda_overheads, expandable_segments_set
 from lowvram.planning.budget import make_budget
 
@@ -55,7 +55,7 @@ def test_weights_loaded_once_take_the_small_share():
 
 
 @pytest.mark.parametrize("conf, expandable", [
-    (None, True),  # unset: lowvram train sets expandable_segments:True (lowvram.train.allocator)
+    (None, True),  # unset: lowvram train sets expandable_segments:True (lowvram.train.build.allocator)
     ("expandable_segments:True", True),
     ("max_split_size_mb:128, expandable_segments:true", True),
     ("expandable_segments:False", False),

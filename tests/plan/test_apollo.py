@@ -1,5 +1,5 @@
 """optimizers apollo_adamw and apollo_adamw_layerwise (APOLLO, apollo-torch): the state and one
-step's working set counted by the planner (lowvram.plan.optimizers) against the real optimizer the
+step's working set counted by the planner (lowvram.plan.memory.optimizers) against the real optimizer the
 Trainer builds, the constraints, the search's use of them, the Trainer mapping, and runs through
 `lowvram train` (issue 27)."""
 
@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.states import optimizer_bytes, optimizer_step_temp_bytes
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
-from lowvram.plan.states import optimizer_bytes, optimizer_step_temp_bytes
 from tests.plan.stepping import measure_steps
 from tests.plan.test_galore import TINY, _state_bytes_after_one_step
 
@@ -59,7 +59,7 @@ def test_one_apollo_step_makes_what_the_plan_counts(shape, dtype):
     import torch
     from apollo_torch import APOLLOAdamW
 
-    from lowvram.plan.optimizers import _step_temps
+    from lowvram.plan.memory.optimizers import _step_temps
 
     dt = getattr(torch, dtype)
     p = torch.nn.Parameter(torch.randn(*shape, dtype=dt))
@@ -92,8 +92,8 @@ def test_apollo_constraints_are_refused_by_the_memory_model(changes, why):
     (dict(optimizer="apollo_adamw", lora=True), "without LoRA", "--method full"),
 ])
 def test_fixed_apollo_forms_that_cannot_run_are_refused_with_a_hint(fixed, why, hint):
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
 
     with pytest.raises(LowvramError) as e:
         choose_plan(PlanRequest(**{"model": LLAMA, "batch_size": 1, "lora": False, **fixed}), Budget(24 * GIB))
@@ -108,8 +108,8 @@ def test_fixed_apollo_forms_that_cannot_run_are_refused_with_a_hint(fixed, why, 
     (dict(lora=None), {}, set()),
 ])
 def test_apollo_forms_are_searched_only_where_they_run(request_changes, budget_changes, expected):
-    from lowvram.plan.request import Budget, PlanRequest
-    from lowvram.plan.search import candidate_setups
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.choose.search import candidate_setups
 
     req = PlanRequest(**{"model": LLAMA, "batch_size": 1, "lora": False, **request_changes})
     setups = candidate_setups(req, Budget(24 * GIB, **budget_changes))
@@ -117,7 +117,7 @@ def test_apollo_forms_are_searched_only_where_they_run(request_changes, budget_c
 
 
 def test_apollo_ranks_with_galore():
-    from lowvram.plan.request import optimizer_given_up
+    from lowvram.plan.choose.request import optimizer_given_up
 
     s = RunSetup(LLAMA)
     assert optimizer_given_up(replace(s, optimizer="apollo_adamw")) == optimizer_given_up(
@@ -127,9 +127,9 @@ def test_apollo_ranks_with_galore():
 
 def test_apollo_plans_map_to_the_trainers_apollo(tmp_path):
     pytest.importorskip("apollo_torch")
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},
                                     "training": {"output_dir": str(tmp_path), "report_to": "none"}})

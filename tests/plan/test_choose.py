@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan import techniques as tq
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import choose_plan
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.request import Budget, PlanRequest, safety_margin_bytes, vram_needed_bytes
+from lowvram.plan.choose import techniques as tq
+from lowvram.plan.choose.choose import choose_plan
+from lowvram.plan.choose.request import Budget, PlanRequest, safety_margin_bytes, vram_needed_bytes
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.serialize import choice_to_dict
 from lowvram.plan.setup import BREAKDOWN_KEYS, MemoryEstimate
 from lowvram.vocab import CANONICAL

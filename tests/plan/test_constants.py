@@ -10,11 +10,15 @@ from fractions import Fraction
 import pytest
 
 from lowvram.plan import constants as k
-from lowvram.plan.activations import _attention_dropout_bytes
-from lowvram.plan.backward import CHUNK_TOKENS, logits_bytes
-from lowvram.plan.catalog import resolve_model
+from lowvram.plan.memory.activations import _attention_dropout_bytes
+from lowvram.plan.memory.backward import CHUNK_TOKENS, logits_bytes
+from lowvram.plan.memory.sharding import (
+    layer_weight_bytes,
+    root_weight_bytes,
+    sharding_overhead_bytes,
+)
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup, cuda_overheads
-from lowvram.plan.sharding import layer_weight_bytes, root_weight_bytes, sharding_overhead_bytes
 from tests.conftest import REPO
 
 
@@ -87,7 +91,7 @@ def test_every_new_optimizer_has_a_sourced_step_time():
     """GaLore, APOLLO, LOMO, AdaLomo, torchao's AdamW and AdamW in the backward: one entry each, with
     its setup, its arithmetic and its source, and the search's speed key reads that entry."""
     from lowvram import vocab
-    from lowvram.plan import techniques as tq
+    from lowvram.plan.choose import techniques as tq
 
     names = [f.optimizer for f in k.OPTIMIZER_STEP_TIMES]
     assert len(names) == len(set(names))

@@ -1,4 +1,4 @@
-"""DoRA (lora.use_dora) and rsLoRA (lora.use_rslora): the planner's terms (lowvram.plan.dora)
+"""DoRA (lora.use_dora) and rsLoRA (lora.use_rslora): the planner's terms (lowvram.plan.memory.dora)
 against peft's own layers, its constraints, and DoRA runs through `lowvram train` at the
 differential test's target (issue 27)."""
 
@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan import dora
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
+from lowvram.plan.memory import dora
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.states import lora_parameters, magnitude_shapes
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
-from lowvram.plan.states import lora_parameters, magnitude_shapes
 
 LLAMA7 = resolve_model("llama-2-7b")
 
@@ -127,8 +127,8 @@ def test_the_plan_carries_dora_and_rslora_to_peft(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lowvram.check.builders import hf_config
-    from lowvram.plan.search import plan_for_setup
-    from lowvram.train.model import count_params, prepare_model
+    from lowvram.plan.choose.search import plan_for_setup
+    from lowvram.train.build.model import count_params, prepare_model
 
     spec = replace(resolve_model("llama-3.2-1b"), num_layers=2, hidden_size=64, intermediate_size=128,
                    num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256)

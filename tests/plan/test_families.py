@@ -1,4 +1,4 @@
-"""Gemma-3 (gemma3_text), OLMo-2 and SmolLM3 in the analytic planner (lowvram.plan.models, memory).
+"""Gemma-3 (gemma3_text), OLMo-2 and SmolLM3 in the analytic planner (lowvram.plan.model.models, memory).
 
 Parameter counts are exact against the transformers 5 model built from the same config.json on
 the meta device. Peak memory is checked against the real training step on fake tensors
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from lowvram.plan.activations import activation_bytes, masked_attention_bytes, masked_layers
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.models import count_parameters
-from lowvram.plan.readers import spec_from_config
+from lowvram.plan.memory.activations import activation_bytes, masked_attention_bytes, masked_layers
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.model.catalog import resolve_model
+from lowvram.plan.model.models import count_parameters
+from lowvram.plan.model.readers import spec_from_config
 from lowvram.plan.setup import RunSetup
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -81,7 +81,7 @@ def test_a_recompute_holds_a_mask_only_in_a_sliding_layer():
     mask every layer."""
     from dataclasses import replace
 
-    from lowvram.plan.activations import recomputed_mask_bytes
+    from lowvram.plan.memory.activations import recomputed_mask_bytes
 
     cfg = dict(CONFIGS["gemma3_text"], layer_types=["sliding_attention", "full_attention"])
     spec = spec_from_config(cfg, "g")
@@ -105,8 +105,8 @@ def test_layer_zero_of_olmo2_under_lora_keeps_no_probabilities_copy_with_v_froze
     its whole block (without its MLP it is no standard block, and layer 0 was counted whole)."""
     from dataclasses import replace
 
-    from lowvram.plan import tiled
-    from lowvram.plan.activations import layer_activation_bytes
+    from lowvram.plan.memory import tiled
+    from lowvram.plan.memory.activations import layer_activation_bytes
 
     spec = spec_from_config(CONFIGS["olmo2"], "o")
     setup = RunSetup(spec, seq_len=512, micro_batch_size=1, device="cpu", precision="bf16-mixed", lora=True,

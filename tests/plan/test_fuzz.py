@@ -194,7 +194,7 @@ def test_preference_recipes_stay_within_their_plan(seed, tmp_path):
 # Image + text recipes (issue 29 item 3: difftest.made_images, bench/plan_fuzz.py --families images
 # --images): bench/results/plan_fuzz_images_*.txt.
 IMAGES = {0: "Llava LoRA bf16-mixed, checkpointing, chunked, b2 s512, eval: +4.17% before the pixels of "
-             "accelerate's prefetched batch and peft's embedding leaf were planned (plan/images.py)"}
+             "accelerate's prefetched batch and peft's embedding leaf were planned (plan/memory/images.py)"}
 
 
 @pytest.mark.parametrize("seed", list(IMAGES))

@@ -1,5 +1,5 @@
 """optimizer galore_adamw and its 8-bit and layerwise forms (GaLore, galore-torch): their state
-counted by the planner (lowvram.plan.optimizers) against the real optimizer the Trainer builds
+counted by the planner (lowvram.plan.memory.optimizers) against the real optimizer the Trainer builds
 from lowvram's TrainingArguments, their constraints, the search's use of them, and runs through
 `lowvram train` (issue 27)."""
 
@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.models import block_linears
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.states import optimizer_bytes
+from lowvram.plan.model.catalog import resolve_model
+from lowvram.plan.model.models import block_linears
 from lowvram.plan.setup import RunSetup
-from lowvram.plan.states import optimizer_bytes
 from tests.plan.stepping import measure_steps
 
 LLAMA = resolve_model("llama-3.2-1b")
@@ -37,10 +37,10 @@ def _state_bytes_after_one_step(precision: str, rank: int, tmp_path, optimizer: 
     from transformers import AutoModelForCausalLM, Trainer
 
     from lowvram.check.builders import hf_config
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.model import prepare_model
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.model import prepare_model
+    from lowvram.train.build.trainer import build_training_args
 
     if "8bit" in optimizer:
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -111,7 +111,7 @@ def test_galore_forms_state_is_the_real_optimizers(optimizer, precision, tmp_pat
 @pytest.mark.parametrize("rank", [8, 48])
 def test_one_8bit_galore_step_makes_what_the_plan_counts(shape, dtype, rank):
     """The real GaLoreAdamW8bit's second step of one target (its state made by the first) under the
-    live-bytes tracker, beside its weight, gradient and state, on the CPU (lowvram.train.galore_cpu):
+    live-bytes tracker, beside its weight, gradient and state, on the CPU (lowvram.train.build.galore_cpu):
     a steady step (update_proj_gap 200) makes the projected gradient, the weight's ``saved_data``
     clone and the projected gradient's clone as the new ``p.data``; a renewal (update_proj_gap 1)
     the SVD and the projector made from it, beside the old one. The larger is the plan's, to the
@@ -120,8 +120,8 @@ def test_one_8bit_galore_step_makes_what_the_plan_counts(shape, dtype, rank):
     import torch
     from galore_torch import GaLoreAdamW8bit
 
-    from lowvram.plan.optimizers import _projected_shape, _step_temps
-    from lowvram.train.galore_cpu import allow_cpu_step
+    from lowvram.plan.memory.optimizers import _projected_shape, _step_temps
+    from lowvram.train.build.galore_cpu import allow_cpu_step
 
     allow_cpu_step()
     dt, w = getattr(torch, dtype), 4 if dtype == "float32" else 2
@@ -185,8 +185,8 @@ GIB = 2**30
      "galore_adamw_layerwise"),
 ])
 def test_fixed_galore_forms_that_cannot_run_are_refused_with_a_hint(fixed, budget, why, hint):
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
 
     with pytest.raises(LowvramError, match=why) as err:
         choose_plan(PlanRequest(LLAMA, lora=False, offload="none", **fixed), Budget(80 * GIB, **budget))
@@ -194,8 +194,8 @@ def test_fixed_galore_forms_that_cannot_run_are_refused_with_a_hint(fixed, budge
 
 
 def test_the_search_never_accumulates_with_a_layerwise_optimizer():
-    from lowvram.plan.request import Budget, PlanRequest
-    from lowvram.plan.search import candidate_setups
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.choose.search import candidate_setups
 
     for optimizer in (None, "galore_adamw_layerwise"):
         setups = candidate_setups(PlanRequest(LLAMA, batch_size=8, lora=False, optimizer=optimizer), Budget(24 * GIB))
@@ -216,8 +216,8 @@ def test_the_search_never_accumulates_with_a_layerwise_optimizer():
     (dict(model=resolve_model("qwen3-30b-a3b")), {}, set()),  # MoE: refused
 ])
 def test_galore_forms_are_searched_only_where_they_run(request_changes, budget_changes, expected):
-    from lowvram.plan.request import Budget, PlanRequest
-    from lowvram.plan.search import candidate_setups
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.choose.search import candidate_setups
 
     req = PlanRequest(**{"model": LLAMA, "batch_size": 1, "lora": False, **request_changes})
     setups = candidate_setups(req, Budget(24 * GIB, **budget_changes))
@@ -229,8 +229,8 @@ def test_galore_ranks_after_adamw_and_layerwise_last():
     stepped in the backward (no clipping, no accumulation), then GaLore (plain or 8-bit, speed
     between them) and APOLLO at its rank (its step-time placeholder below GaLore's: no SVD), then
     the layerwise forms."""
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
 
     req = PlanRequest(resolve_model("llama-3.2-3b"), seq_len=2048, batch_size=1, lora=False, offload="none")
     picks = [choose_plan(req, Budget(gb * GIB)).plan.optimizer for gb in (40, 28, 23, 17, 16, 11)]
@@ -243,8 +243,8 @@ def test_llama_8b_full_fine_tuning_plans_on_24_gib_with_layerwise_8bit_galore():
     card: only layerwise 8-bit GaLore fits (GaLore's paper trains 7B so on an RTX 4090); its peak
     is at the start of the backward (the weights, 8-bit state, checkpoints and the chunked
     loss's logits: no gradient set alive)."""
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
 
     spec = resolve_model("llama-3.1-8b")
     req = PlanRequest(spec, seq_len=2048, batch_size=1, lora=False, offload="none")
@@ -278,7 +278,7 @@ def test_galore_and_dora_plans_pass_the_libraries_validation(name, tmp_path):
     (tests/library_configs.py): TrainingArguments with optim galore_adamw and its target modules;
     peft's LoraConfig with use_dora on the model's Linears (prepare_model on a 2-layer meta copy)."""
     pytest.importorskip("galore_torch")
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from tests.library_configs import validate_plan
 
     spec = resolve_model(name)
@@ -302,7 +302,7 @@ GALORE_SEEDS = {
 
 # Seeds of random_case(seed, TEN_FAMILIES) made GaLore runs (difftest.made_galore, bench/plan_fuzz.py
 # --galore layerwise / 8bit), through `lowvram train`: layerwise (measured 2026-12-03), and the 8-bit
-# forms, drawn per seed, on the CPU through lowvram.train.galore_cpu (measured 2026-12-04)
+# forms, drawn per seed, on the CPU through lowvram.train.build.galore_cpu (measured 2026-12-04)
 MADE_GALORE_SEEDS = {
     (2, "layerwise"): "Llama full fp32, checkpointing, chunked, rank 4, b2x1 s256: -0.10%",
     (1, "8bit"): "Gemma full bf16, checkpointing, galore_adamw_8bit r8, eager, packed, b1x2 s128: +0.18%",
@@ -335,9 +335,9 @@ def test_made_galore_runs_stay_within_their_plan(seed, form, tmp_path):
 
 
 def test_layerwise_plans_train_without_clipping(tmp_path):
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.trainer import training_arguments
+    from lowvram.train.build.trainer import training_arguments
 
     recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},
                                     "training": {"output_dir": str(tmp_path), "report_to": "none"}})

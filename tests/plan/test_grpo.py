@@ -1,4 +1,4 @@
-"""The planner's grpo/rloo terms (lowvram.plan.grpo): exact cache bytes, the two phases, the
+"""The planner's grpo/rloo terms (lowvram.plan.memory.grpo): exact cache bytes, the two phases, the
 search's generation batch, the engine's share, the request's checks, `lowvram plan`'s answer."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typer.testing import CliRunner
 
 from lowvram.cli import app
 from lowvram.errors import LowvramError
-from lowvram.plan import grpo
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import choose_plan
-from lowvram.plan.grpo import GrpoRequest
-from lowvram.plan.memory import estimate_memory, phase_estimates
-from lowvram.plan.request import Budget, PlanRequest
+from lowvram.plan.choose.choose import choose_plan
+from lowvram.plan.choose.request import Budget, PlanRequest
+from lowvram.plan.memory import grpo
+from lowvram.plan.memory.grpo import GrpoRequest
+from lowvram.plan.memory.memory import estimate_memory, phase_estimates
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import GrpoSetup, RunSetup
 
 QWEN = resolve_model("qwen2.5-1.5b")  # 28 layers, 2 kv heads of 128, vocab 151,936
@@ -81,7 +81,7 @@ def test_reference_is_a_copy_only_under_full_fine_tuning():
 
 
 def test_fused_head_tile_is_full_width_whatever_the_vocabulary():
-    from lowvram.plan import preference
+    from lowvram.plan.memory import preference
 
     small = replace(QWEN, vocab_size=1000)
     s = _setup(model=small, device="cpu", precision="fp32", quantization="none")
@@ -154,7 +154,7 @@ def test_grpo_flags_need_a_grpo_objective():
 
 
 def test_generation_table_rows_grow_with_the_card():
-    from lowvram.plan.grpo_table import generation_table
+    from lowvram.plan.choose.grpo_table import generation_table
     from lowvram.planning.budget import make_budget
 
     req = _request(model=resolve_model("smollm2-135m"), batch_size=8)

@@ -1,4 +1,4 @@
-"""The frozen vision tower's forward (plan/images.py tower_forward_bytes, the moment
+"""The frozen vision tower's forward (plan/memory/images.py tower_forward_bytes, the moment
 vision_encoder_forward) against the live-bytes tracker on tiny Gemma-3 (SigLIP) and Llava (CLIP)
 towers: exact, attention- and MLP-bound, 1-4 layers, fp32 and bf16, SDPA and eager."""
 
@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 
 from lowvram.check.builders import tiny_vision_config  # noqa: E402
 from lowvram.livebytes import LiveBytes  # noqa: E402
-from lowvram.plan.images import tower_forward_bytes  # noqa: E402
-from lowvram.plan.readers import spec_from_config  # noqa: E402
+from lowvram.plan.memory.images import tower_forward_bytes  # noqa: E402
+from lowvram.plan.model.readers import spec_from_config  # noqa: E402
 from lowvram.plan.setup import RunSetup  # noqa: E402
 from lowvram.testing import build_vision_tokenizer  # noqa: E402
 
@@ -64,4 +64,4 @@ def test_simulate_runs_image_plans_on_text_rows_with_a_note():
     simulated, notes = simulable(setup)
     assert simulated == replace(setup, images_per_row=0)
     assert notes == ("simulated on text rows of seq_len: the images' pixels, the vision tower's forward and "
-                     "Gemma-3's image masks are modelled analytically (plan/images.py)",)
+                     "Gemma-3's image masks are modelled analytically (plan/memory/images.py)",)

@@ -1,4 +1,4 @@
-"""optimizer adamw_in_backward (AdamW stepped in the backward, lowvram.train.in_backward): the
+"""optimizer adamw_in_backward (AdamW stepped in the backward, lowvram.train.build.in_backward): the
 hooks step every parameter and free its gradient inside the backward with AdamW's own update, the
 planner holds one gradient at a time, the constraints, the search's use of it, and runs through
 `lowvram train` (issue 27)."""
@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.states import optimizer_bytes
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
-from lowvram.plan.states import optimizer_bytes
 from tests.plan.test_galore import TINY
 
 LLAMA = resolve_model("llama-3.2-1b")
@@ -28,10 +28,10 @@ def test_the_trainer_steps_each_parameter_in_its_hook_as_adamw_would(tmp_path):
     from transformers import AutoModelForCausalLM, Trainer
 
     from lowvram.check.builders import hf_config
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.in_backward import in_backward_trainer_class
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.in_backward import in_backward_trainer_class
+    from lowvram.train.build.trainer import build_training_args
 
     recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},
                                     "training": {"output_dir": str(tmp_path), "report_to": "none", "max_steps": 1,
@@ -93,8 +93,8 @@ def test_in_backward_constraints_are_refused_by_the_memory_model(changes, why):
     (dict(lora=True), "without LoRA", "--method full"),
 ])
 def test_a_fixed_in_backward_step_that_cannot_run_is_refused_with_a_hint(fixed, why, hint):
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
 
     with pytest.raises(LowvramError) as e:
         choose_plan(PlanRequest(**{"model": LLAMA, "batch_size": 1, "lora": False, "optimizer": "adamw_in_backward",
@@ -108,8 +108,8 @@ def test_a_fixed_in_backward_step_that_cannot_run_is_refused_with_a_hint(fixed, 
     (dict(lora=None), set()),
 ])
 def test_in_backward_is_searched_for_full_fine_tuning_without_clipping(request_changes, expected):
-    from lowvram.plan.request import Budget, PlanRequest
-    from lowvram.plan.search import candidate_setups
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.choose.search import candidate_setups
 
     req = PlanRequest(**{"model": LLAMA, "batch_size": 4, "lora": False, **request_changes})
     setups = [s for s in candidate_setups(req, Budget(24 * GIB)) if s.optimizer == "adamw_in_backward"]

@@ -1,4 +1,4 @@
-"""The per-layer description (lowvram.plan.layer): each family's quirks decided once from its
+"""The per-layer description (lowvram.plan.model.layer): each family's quirks decided once from its
 ModelSpec, exact for the catalog's families; the activation and backward terms read its fields
 and never ask for a model_type."""
 
@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.layer import LayerSpec, describe_layer
+from lowvram.plan.model.catalog import resolve_model
+from lowvram.plan.model.layer import LayerSpec, describe_layer
 from tests.conftest import REPO
 
 LLAMA = LayerSpec(
@@ -50,7 +50,7 @@ def test_layer_of_each_family(name):
 
 def test_shared_expert_and_dense_view():
     """Qwen2-MoE's always-on gated expert is part of the layer; its dense view is a plain block."""
-    from lowvram.plan.models import dense_view
+    from lowvram.plan.model.models import dense_view
 
     spec = replace(resolve_model("qwen3-30b-a3b"), shared_expert_intermediate_size=512)
     assert describe_layer(spec).shared_expert and describe_layer(spec).experts == "routed"

@@ -1,5 +1,5 @@
 """optimizers lomo and adalomo (LOMO and AdaLomo, lomo-optim): AdaLomo's state and both step
-working sets counted by the planner (lowvram.plan.optimizers) against the real classes the
+working sets counted by the planner (lowvram.plan.memory.optimizers) against the real classes the
 Trainer builds, their constraints with error/hint, the search's use of them, and a LOMO run
 through `lowvram train` (issue 27)."""
 
@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.optimizers import lomo_experts_steps, lomo_state_bytes, lomo_working_bytes
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.optimizers import lomo_experts_steps, lomo_state_bytes, lomo_working_bytes
+from lowvram.plan.memory.states import optimizer_bytes, trainable_tensors
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
-from lowvram.plan.states import optimizer_bytes, trainable_tensors
 
 GIB = 2**30
 LLAMA = resolve_model("llama-3.2-1b")
@@ -40,9 +40,9 @@ def test_adalomo_state_is_the_real_optimizers(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, Trainer
 
     from lowvram.check.builders import hf_config
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     setup = RunSetup(TINY, precision="fp32", optimizer="adalomo", device="cuda")
@@ -110,8 +110,8 @@ def test_lomo_constraints_are_refused_by_the_memory_model(changes, why):
     (dict(optimizer="adalomo", lora=True), {}, "without LoRA", "--method full"),
 ])
 def test_fixed_lomo_forms_that_cannot_run_are_refused_with_a_hint(fixed, budget, why, hint):
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
 
     with pytest.raises(LowvramError) as e:
         choose_plan(PlanRequest(**{"model": LLAMA, "batch_size": 1, "lora": False, **fixed}),
@@ -128,8 +128,8 @@ def test_fixed_lomo_forms_that_cannot_run_are_refused_with_a_hint(fixed, budget,
     (dict(model=resolve_model("qwen3-30b-a3b")), {}, {"lomo"}),  # MoE: AdaLomo refused
 ])
 def test_lomo_forms_are_searched_only_where_they_run(request_changes, budget_changes, expected):
-    from lowvram.plan.request import Budget, PlanRequest
-    from lowvram.plan.search import candidate_setups
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.choose.search import candidate_setups
 
     req = PlanRequest(**{"model": LLAMA, "batch_size": 4, "lora": False, **request_changes})
     setups = candidate_setups(req, Budget(24 * GIB, **budget_changes))
@@ -141,8 +141,8 @@ def test_lomo_forms_are_searched_only_where_they_run(request_changes, budget_cha
 def test_lomo_ranks_after_layerwise_galore_and_is_what_fits_last():
     """What each gives up (request.optimizer_given_up): AdaLomo after layerwise GaLore, LOMO
     last; Llama-3.2-1B full fine-tuned on an 8 GiB CPU budget, where no GaLore form fits, takes LOMO."""
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest, optimizer_given_up
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest, optimizer_given_up
 
     s = RunSetup(LLAMA)
     order = [optimizer_given_up(replace(s, optimizer=o)) for o in
@@ -169,9 +169,9 @@ def test_lomo_on_a_16bit_8b_model_binds_at_lm_heads_fp32_copies():
 
 def test_lomo_plans_map_to_the_trainers_lomo_without_clipping(tmp_path):
     pytest.importorskip("lomo_optim")
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.trainer import training_arguments
+    from lowvram.train.build.trainer import training_arguments
 
     plan = plan_for_setup(RunSetup(TINY, precision="fp32", optimizer="lomo", device="cpu"), "cpu", 16)
     recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},

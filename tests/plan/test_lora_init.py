@@ -1,4 +1,4 @@
-"""lora.init (lowvram.plan.lora_init): PiSSA's SVD at model build, its moment against the live
+"""lora.init (lowvram.plan.memory.lora_init): PiSSA's SVD at model build, its moment against the live
 bytes peft's initialisation really makes, the refusals, and the run through `lowvram train`."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan import lora_init
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
+from lowvram.plan.memory import lora_init
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.states import weight_bytes
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
-from lowvram.plan.states import weight_bytes
 
 TINY = replace(resolve_model("llama-3.2-1b"), num_layers=2, hidden_size=128, intermediate_size=352,
                num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=500)
@@ -41,8 +41,8 @@ def _measured_init_peak(setup: RunSetup, targets=("all-linear",)) -> tuple[int, 
     from transformers import AutoModelForCausalLM
 
     from lowvram.check.builders import hf_config
-    from lowvram.plan.search import plan_for_setup
-    from lowvram.train.model import INIT_PEAK_ATTRIBUTE, prepare_model
+    from lowvram.plan.choose.search import plan_for_setup
+    from lowvram.train.build.model import INIT_PEAK_ATTRIBUTE, prepare_model
 
     setup = replace(setup, lora_targets=targets)
     plan = plan_for_setup(setup, "cpu", 16)
@@ -76,8 +76,8 @@ def test_the_adapters_are_pissa_and_the_output_is_the_original_models():
     from transformers import AutoModelForCausalLM
 
     from lowvram.check.builders import hf_config
-    from lowvram.plan.search import plan_for_setup
-    from lowvram.train.model import prepare_model
+    from lowvram.plan.choose.search import plan_for_setup
+    from lowvram.train.build.model import prepare_model
 
     setup = _svd_setup(precision="fp32")
     torch.manual_seed(0)
@@ -125,8 +125,8 @@ def test_what_pissa_cannot_run_is_refused(change, message):
 
 
 def test_the_search_leaves_qlora_out_and_a_fixed_quantization_is_refused_with_a_hint():
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
 
     spec = resolve_model("llama-3.1-8b")
     budget = Budget(24 * 2**30)

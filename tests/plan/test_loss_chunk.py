@@ -1,15 +1,15 @@
 """The chunked loss's chunk sized to what is left of the budget (issue 26 item 2,
-lowvram.plan.search.sized_loss_chunk): 1024 tokens when that fits, halved down to 128 where that
+lowvram.plan.choose.search.sized_loss_chunk): 1024 tokens when that fits, halved down to 128 where that
 is what fits, the same rule in the search, the limits and the ladder."""
 
 from dataclasses import replace
 
-from lowvram.plan.backward import CHUNK_TOKENS, MIN_CHUNK_TOKENS, logits_bytes
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import choose_plan
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.request import Budget, PlanRequest, fits_budget
-from lowvram.plan.search import sized_loss_chunk
+from lowvram.plan.choose.choose import choose_plan
+from lowvram.plan.choose.request import Budget, PlanRequest, fits_budget
+from lowvram.plan.choose.search import sized_loss_chunk
+from lowvram.plan.memory.backward import CHUNK_TOKENS, MIN_CHUNK_TOKENS, logits_bytes
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
 
 GIB = 2**30

@@ -5,12 +5,17 @@ from __future__ import annotations
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.models import count_parameters
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.sharding import layer_weight_bytes, root_weight_bytes
+from lowvram.plan.memory.states import (
+    lora_parameters,
+    optimizer_bytes,
+    quantized_bytes,
+    weight_bytes,
+)
+from lowvram.plan.model.catalog import resolve_model
+from lowvram.plan.model.models import count_parameters
 from lowvram.plan.setup import BREAKDOWN_KEYS, RunSetup, cuda_overheads
-from lowvram.plan.sharding import layer_weight_bytes, root_weight_bytes
-from lowvram.plan.states import lora_parameters, optimizer_bytes, quantized_bytes, weight_bytes
 from tests.conftest import published_cuda_context_bytes
 
 LLAMA7 = resolve_model("llama-2-7b")
@@ -140,8 +145,8 @@ def test_offloads_that_run_deepspeeds_cpu_adam_refuse_other_optimizers():
 
 
 def test_eager_attention_costs_the_s_squared_scores():
-    from lowvram.plan.activations import layer_activation_bytes
-    from lowvram.plan.backward import eager_softmax_backward_bytes, logits_bytes
+    from lowvram.plan.memory.activations import layer_activation_bytes
+    from lowvram.plan.memory.backward import eager_softmax_backward_bytes, logits_bytes
 
     eager = RunSetup(LLAMA7, lora=True, seq_len=2048, attention="eager", device="cpu")
     sdpa = RunSetup(LLAMA7, lora=True, seq_len=2048, device="cpu")
@@ -170,8 +175,8 @@ def test_invalid_setup_names_every_problem():
 
 
 def test_every_catalog_model_estimates():
-    from lowvram.plan.catalog import catalog_names
-    from lowvram.plan.moe import default_attention
+    from lowvram.plan.model.catalog import catalog_names
+    from lowvram.plan.model.moe import default_attention
 
     for name in catalog_names():
         spec = resolve_model(name)
@@ -206,7 +211,7 @@ def test_zero2_shards_fp32_master_and_adam_and_holds_its_reduce_bucket():
 
 
 def test_auto_zero_settings_follow_accelerate():
-    from lowvram.plan.sharding import auto_zero_settings, zero_settings
+    from lowvram.plan.memory.sharding import auto_zero_settings, zero_settings
 
     s = RunSetup(LLAMA7, offload="zero3", gpus=2)
     auto = auto_zero_settings(s)
@@ -217,8 +222,8 @@ def test_auto_zero_settings_follow_accelerate():
 
 
 def test_zero_offloads_match_the_launch_config():
-    from lowvram.plan.sharding import ZERO_OFFLOADS
-    from lowvram.train.launch import BACKENDS
+    from lowvram.plan.memory.sharding import ZERO_OFFLOADS
+    from lowvram.train.run.launch import BACKENDS
 
     deepspeed = {k: v[1:] for k, v in BACKENDS.items() if v[0] == "deepspeed"}
     assert deepspeed == ZERO_OFFLOADS

@@ -9,13 +9,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from lowvram.plan.models import (  # noqa: E402
+from lowvram.plan.model.models import (  # noqa: E402
     count_parameters,
     cross_attention_numel,
     model_numel,
     vision_numel,
 )
-from lowvram.plan.readers import spec_from_config  # noqa: E402
+from lowvram.plan.model.readers import spec_from_config  # noqa: E402
 
 _TINY = dict(
     model_type="mllama",
@@ -75,7 +75,7 @@ def test_the_text_forward_skips_the_cross_attention_layers():
     """What the plan's no-activations rests on (modeling_mllama.py MllamaTextModel.forward: no
     cross_attention_states and no cache -> ``continue``): without images, under training's
     use_cache False, no cross-attention layer runs; every self-attention layer does."""
-    from lowvram.train.model import no_kv_cache
+    from lowvram.train.build.model import no_kv_cache
 
     config = transformers.AutoConfig.for_model(**_TINY)
     model = transformers.AutoModelForImageTextToText.from_config(config)
@@ -98,7 +98,7 @@ _ADVERTISED = {"llama-3.2-11b-vision": (10.6, 10_670_220_835), "llama-3.2-90b-vi
 @pytest.mark.parametrize("name", sorted(_ADVERTISED))
 def test_catalog_entries_count_what_transformers_builds(name):
     from lowvram.check.builders import hf_config
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
 
     spec = resolve_model(name)
     with torch.device("meta"):
@@ -117,7 +117,7 @@ def test_11b_qlora_on_a_12gb_card_counts_tower_and_cross_attention_layers():
     from typer.testing import CliRunner
 
     from lowvram.cli import app
-    from lowvram.plan.states import quantized_bytes
+    from lowvram.plan.memory.states import quantized_bytes
 
     args = ["plan", "--model", "meta-llama/Llama-3.2-11B-Vision-Instruct", "--method", "qlora", "--vram", "12GB"]
     r = CliRunner().invoke(app, [*args, "--json"])
@@ -142,10 +142,10 @@ def test_11b_qlora_on_a_12gb_card_counts_tower_and_cross_attention_layers():
 
 
 def test_trainable_parameters_leave_the_cross_attention_layers_out():
-    """LoRA adapts the self-attention layers only (lowvram.train.model.frozen_modules); full
+    """LoRA adapts the self-attention layers only (lowvram.train.build.model.frozen_modules); full
     fine-tuning trains count_parameters: the cross-attention layers are loaded, not trained."""
+    from lowvram.plan.memory.states import gradient_bytes, lora_parameters, weight_bytes
     from lowvram.plan.setup import RunSetup
-    from lowvram.plan.states import gradient_bytes, lora_parameters, weight_bytes
 
     spec = spec_from_config(_TINY, "tiny-mllama")
     lora = RunSetup(spec, lora=True, lora_r=4, device="cpu", precision="fp32")
@@ -174,8 +174,8 @@ def test_images_refused():
     """Its images reach the language model through the cross-attention layers, not as image
     tokens in the sequence: format image_chat is refused, with the hint to train on text."""
     from lowvram.errors import LowvramError
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.request import PlanRequest, validate_request
+    from lowvram.plan.choose.request import PlanRequest, validate_request
+    from lowvram.plan.model.catalog import resolve_model
 
     with pytest.raises(LowvramError, match="Llama-3.2-Vision is not modelled: its images reach") as e:
         validate_request(PlanRequest(model=resolve_model("llama-3.2-11b-vision"), images_per_row=1))

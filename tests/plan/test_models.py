@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan import models as models_module
-from lowvram.plan.catalog import catalog_names, resolve_model
-from lowvram.plan.models import count_parameters
+from lowvram.plan.model import models as models_module
+from lowvram.plan.model.catalog import catalog_names, resolve_model
+from lowvram.plan.model.models import count_parameters
 
 # Published parameter counts (model cards / papers; tied embeddings counted once).
 PUBLISHED = {
@@ -209,7 +209,7 @@ def test_broken_gguf_is_a_model_error(tmp_path):
 
 
 def test_dropout_is_read_from_the_config():
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.model.readers import spec_from_config
 
     base = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
     gpt2 = spec_from_config({**base, "model_type": "gpt2"}, "g")  # GPT2Config defaults: 0.1 each

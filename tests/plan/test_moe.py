@@ -1,4 +1,4 @@
-"""Mixture-of-experts and refusals in the analytic planner (lowvram.plan.models / plan.moe).
+"""Mixture-of-experts and refusals in the analytic planner (lowvram.plan.model.models / plan.moe).
 
 Parameter counts are exact against the transformers 5 model built from the same config.json on
 the meta device; LoRA trainable counts exact against peft's own adapters on that model.
@@ -11,12 +11,12 @@ import json
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.models import count_parameters
-from lowvram.plan.readers import spec_from_config
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.states import lora_parameters
+from lowvram.plan.model.catalog import resolve_model
+from lowvram.plan.model.models import count_parameters
+from lowvram.plan.model.readers import spec_from_config
 from lowvram.plan.setup import RunSetup
-from lowvram.plan.states import lora_parameters
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128)
@@ -96,7 +96,7 @@ REFUSED = [
     (dict(BASE, model_type="llama4", text_config=dict(BASE), vision_config={}),
      "vision tower of model_type 'llama4'"),  # Llama-3.2-Vision (mllama) is modelled
     (dict(BASE, model_type="qwen3_vl_moe", text_config=dict(BASE), vision_config={}),
-     "Qwen3-VL-MoE (model_type 'qwen3_vl_moe')"),  # Qwen2.5-VL and Qwen3-VL are modelled (plan/vision.py)
+     "Qwen3-VL-MoE (model_type 'qwen3_vl_moe')"),  # Qwen2.5-VL and Qwen3-VL are modelled (plan/model/vision.py)
     (dict(BASE, model_type="dbrx"), "model_type 'dbrx'"),
     (dict(BASE, model_type="phimoe", num_local_experts=16, num_experts_per_tok=2),
      "mixture-of-experts layout of model_type 'phimoe'"),
@@ -253,7 +253,7 @@ def test_gpt_oss_mxfp4_checkpoint_trains_dequantized(tmp_path):
     from types import SimpleNamespace
 
     from lowvram.difftest import random_case, write_model
-    from lowvram.train.model import checkpoint_quant_method, load_base_model
+    from lowvram.train.build.model import checkpoint_quant_method, load_base_model
 
     model_dir = write_model(random_case(8, families=("gpt_oss",)), tmp_path / "m")
     config = json.loads((model_dir / "config.json").read_text())

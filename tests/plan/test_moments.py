@@ -1,4 +1,4 @@
-"""The peak names the moment that binds (lowvram.plan.moments), and every moment has a name."""
+"""The peak names the moment that binds (lowvram.plan.memory.moments), and every moment has a name."""
 
 import json
 import re
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.moments import MOMENTS
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.moments import MOMENTS
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
 
 PLAN = Path(__file__).resolve().parents[2] / "lowvram" / "plan"
@@ -53,7 +53,7 @@ def test_the_estimate_names_the_moment_that_binds(setup, moment):
 
 
 def test_every_catalog_estimate_names_a_known_moment():
-    from lowvram.plan.catalog import catalog_names
+    from lowvram.plan.model.catalog import catalog_names
 
     seen = set()
     for name in catalog_names():
@@ -92,8 +92,8 @@ def test_the_norm_before_a_tiled_mlp_runs_its_backward_once_x_is_freed():
     this plan; +3.94% against the plan without it)."""
     from dataclasses import replace
 
-    from lowvram.plan import tiled
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.memory import tiled
+    from lowvram.plan.model.readers import spec_from_config
 
     cfg = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 128,
            "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1,

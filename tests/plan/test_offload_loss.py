@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan import activations, backward
-from lowvram.plan import techniques as tq
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import choose_plan
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.request import Budget, PlanRequest
+from lowvram.plan.choose import techniques as tq
+from lowvram.plan.choose.choose import choose_plan
+from lowvram.plan.choose.request import Budget, PlanRequest
+from lowvram.plan.memory import activations, backward
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.serialize import choice_to_dict
 from lowvram.plan.setup import RunSetup
 
@@ -101,7 +101,7 @@ def test_long_context_on_a_12gb_card(llama8b):
     (7,312 without activation offload; torchao's 4-bit AdamW on the adapters). The binding term at 16k is one decoder layer's backward
     (its recomputed activations, 3.32 GiB, and its working memory, 2.06 GiB), not the loss:
     Liger's fused loss reaches the same length. With ZeRO-3 offloading the weights too: 22,071.
-    With the tiled MLP (lowvram.plan.tiled) on auto: 23,484 without offloading any weight (torchao's
+    With the tiled MLP (lowvram.plan.memory.tiled) on auto: 23,484 without offloading any weight (torchao's
     4-bit AdamW on the adapters)."""
     budget = Budget(12 * GB, missing_extras=NO_EXTRAS)
     tiled = PlanRequest(llama8b, seq_len=2048, batch_size=1, lora=True, quantization="nf4-dq", offload="none")

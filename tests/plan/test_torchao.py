@@ -1,5 +1,5 @@
 """optimizers adamw_torch_8bit and adamw_torch_4bit (torchao's low-bit AdamW): their state and the
-compiled step's buffers counted by the planner (lowvram.plan.optimizers) against the real classes
+compiled step's buffers counted by the planner (lowvram.plan.memory.optimizers) against the real classes
 the Trainer builds, the live-bytes tracker on compiled code against torch.profiler, their
 constraints, the search's use of them, and runs through `lowvram train` (issue 27)."""
 
@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.optimizers import torchao_state_bytes, torchao_step_temp_bytes
+from lowvram.plan.memory.optimizers import torchao_state_bytes, torchao_step_temp_bytes
+from lowvram.plan.memory.states import optimizer_bytes, optimizer_step_temp_bytes, trainable_tensors
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
-from lowvram.plan.states import optimizer_bytes, optimizer_step_temp_bytes, trainable_tensors
 
 LLAMA = resolve_model("llama-3.2-1b")
 TINY = replace(LLAMA, num_layers=2, hidden_size=64, intermediate_size=160, num_heads=4, num_kv_heads=2,
@@ -50,9 +50,9 @@ def test_torchao_state_is_the_real_optimizers(optimizer, lora, tmp_path, monkeyp
 
     from lowvram.check.builders import hf_config
     from lowvram.livebytes import iter_tensors
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
     setup = RunSetup(TINY, precision="fp32", optimizer=optimizer, device="cpu", lora=lora, lora_r=8)
@@ -128,7 +128,7 @@ def test_the_compiled_step_makes_what_the_plan_counts(optimizer):
     (dict(offload="fsdp"), "not planned"),
 ])
 def test_torchao_under_offload_is_refused_by_the_memory_model(changes, why):
-    from lowvram.plan.optimizers import optimizer_problems
+    from lowvram.plan.memory.optimizers import optimizer_problems
 
     setup = replace(RunSetup(LLAMA, precision="bf16", optimizer="adamw_torch_4bit", device="cuda"), **changes)
     problems = optimizer_problems(setup)
@@ -137,8 +137,8 @@ def test_torchao_under_offload_is_refused_by_the_memory_model(changes, why):
 
 
 def test_a_fixed_torchao_optimizer_with_an_offload_is_refused_with_a_hint():
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
 
     with pytest.raises(LowvramError) as e:
         choose_plan(PlanRequest(model=LLAMA, batch_size=1, optimizer="adamw_torch_8bit", offload="zero2",
@@ -151,8 +151,8 @@ def test_a_fixed_torchao_optimizer_with_an_offload_is_refused_with_a_hint():
     (dict(missing_extras=("torchao",)), set()),  # torchao not installed: never searched
 ])
 def test_torchao_forms_are_searched_only_where_installed(budget_changes, expected):
-    from lowvram.plan.request import Budget, PlanRequest
-    from lowvram.plan.search import candidate_setups
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.choose.search import candidate_setups
 
     setups = candidate_setups(PlanRequest(model=LLAMA, batch_size=1), Budget(24 * 2**30, **budget_changes))
     ao = [s for s in setups if s.optimizer.startswith("adamw_torch")]
@@ -162,7 +162,7 @@ def test_torchao_forms_are_searched_only_where_installed(budget_changes, expecte
 
 
 def test_torchao_ranks_with_8bit_adamw_and_4bit_before_galore():
-    from lowvram.plan.request import optimizer_given_up
+    from lowvram.plan.choose.request import optimizer_given_up
 
     rank = {o: optimizer_given_up(RunSetup(LLAMA, optimizer=o)) for o in
             ("adamw", "adamw_8bit", "adamw_torch_8bit", "adamw_torch_4bit", "adamw_in_backward", "galore_adamw",
@@ -182,9 +182,9 @@ def test_torchao_8bit_is_leaner_than_bitsandbytes_by_the_embedding():
 
 def test_torchao_plans_map_to_the_trainers_optim_names(tmp_path):
     pytest.importorskip("torchao")
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     recipe = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},
                                     "training": {"output_dir": str(tmp_path), "report_to": "none"}})
@@ -198,8 +198,8 @@ def test_a_cpu_without_a_compiler_is_refused_with_a_hint(monkeypatch):
     pytest.importorskip("torchao")
     import shutil
 
-    from lowvram.plan.search import plan_for_setup
-    from lowvram.train.trainer import projected_optimizer_arguments
+    from lowvram.plan.choose.search import plan_for_setup
+    from lowvram.train.build.trainer import projected_optimizer_arguments
 
     monkeypatch.setattr(shutil, "which", lambda _: None)
     plan = plan_for_setup(RunSetup(TINY, precision="fp32", optimizer="adamw_torch_4bit", device="cpu"), "cpu", 16)

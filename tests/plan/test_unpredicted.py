@@ -188,7 +188,7 @@ def test_unpredicted_plan_follows_the_search_where_it_used_to_differ(monkeypatch
     ("activation_offload: 'on'", "", {"gradient_checkpointing": False}),
 ])
 def test_unpredicted_and_predicted_plans_refuse_alike(techniques, training, flags):
-    """One statement of the rules (lowvram.plan.request.validate_request): a recipe whose model
+    """One statement of the rules (lowvram.plan.choose.request.validate_request): a recipe whose model
     cannot be read is refused with the words a catalog model gets."""
     known = recipe(techniques, training).model_copy(
         update={"model": recipe().model.model_copy(update={"name_or_path": "smollm2-135m"})})

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from lowvram.plan.vision import projector_numel, tower_numel, vision_spec_from_config  # noqa: E402
+from lowvram.plan.model.vision import projector_numel, tower_numel, vision_spec_from_config  # noqa: E402
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)
@@ -74,8 +74,8 @@ def test_unmodelled_family_refused():
 @pytest.mark.parametrize("family", ["gemma3", "llava"])
 def test_whole_model_count_exact(family):
     """language model (text_config spec) + tower + projector == the whole model's parameters."""
-    from lowvram.plan.models import count_parameters, model_numel
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.model.models import count_parameters, model_numel
+    from lowvram.plan.model.readers import spec_from_config
 
     tower_kind = "siglip_vision_model" if family == "gemma3" else "clip_vision_model"
     cfg = dict(model_type=family,
@@ -107,8 +107,8 @@ def test_catalog_multimodal_entries_count_what_transformers_builds(name):
     """The catalog's Gemma-3 and Llava entries: the model transformers builds from them (meta)
     has exactly the planner's parameters, and the card's figure to its precision."""
     from lowvram.check.builders import hf_config
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.models import model_numel
+    from lowvram.plan.model.catalog import resolve_model
+    from lowvram.plan.model.models import model_numel
 
     spec = resolve_model(name)
     with torch.device("meta"):
@@ -189,9 +189,9 @@ _QWEN_VL = dict(model_type="qwen2_5_vl", hidden_size=64, intermediate_size=96, n
 def test_qwen2_5_vl_tower_merger_buffers_and_whole_model_exact(tie):
     """model.visual (patch embed, blocks, rotary buffers) without its merger is the tower, the
     merger the projector; the language model is Qwen2's block from the flat config."""
-    from lowvram.plan.models import count_parameters, model_numel
-    from lowvram.plan.readers import spec_from_config
-    from lowvram.plan.vision import tower_buffer_bytes
+    from lowvram.plan.model.models import count_parameters, model_numel
+    from lowvram.plan.model.readers import spec_from_config
+    from lowvram.plan.model.vision import tower_buffer_bytes
 
     cfg = {**_QWEN_VL, "tie_word_embeddings": tie}
     with torch.device("meta"):
@@ -210,7 +210,7 @@ def test_qwen2_5_vl_tower_merger_buffers_and_whole_model_exact(tie):
 
 def test_qwen2_5_vl_saved_by_transformers_reads_the_same():
     """transformers 5 saves the text_config nested (model_type qwen2_5_vl_text): the same spec."""
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.model.readers import spec_from_config
 
     saved = transformers.AutoConfig.for_model(**_QWEN_VL).to_dict()
     assert "text_config" in saved
@@ -237,8 +237,8 @@ def test_catalog_qwen_vl_entries_count_what_transformers_builds(name):
     """The catalog's Qwen2.5-VL and Qwen3-VL entries: the model check.builders' config builds
     (meta) has the planner's parameters exactly, and the model card's figure to its precision."""
     from lowvram.check.builders import hf_config
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.models import model_numel
+    from lowvram.plan.model.catalog import resolve_model
+    from lowvram.plan.model.models import model_numel
 
     advertised, digits, split, cls = _QWEN_VL_ADVERTISED[name]
     spec = resolve_model(name)
@@ -255,8 +255,8 @@ def test_catalog_qwen_vl_entries_count_what_transformers_builds(name):
 def test_qwen2_5_vl_packing_refused_with_a_hint():
     """Packed windows: Qwen2_5_VLTextModel reads no sample boundaries from 1-row position_ids."""
     from lowvram.errors import LowvramError
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.request import PlanRequest, validate_request
+    from lowvram.plan.choose.request import PlanRequest, validate_request
+    from lowvram.plan.model.catalog import resolve_model
 
     req = PlanRequest(model=resolve_model("qwen2.5-vl-3b"), packing=True)
     with pytest.raises(LowvramError, match="data.packing with Qwen2.5-VL") as e:
@@ -267,10 +267,10 @@ def test_qwen2_5_vl_packing_refused_with_a_hint():
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl_moe"])
 def test_other_qwen_vl_generations_refused_with_the_modelled_families(model_type):
     """Qwen2-VL's tower differs from Qwen2.5-VL's (LayerNorms, a plain fc1/fc2 MLP); Qwen3-VL-MoE
-    (Qwen3VLMoeTextSparseMoeBlock under the Qwen3-VL tower) is not read into lowvram.plan.moe's
+    (Qwen3VLMoeTextSparseMoeBlock under the Qwen3-VL tower) is not read into lowvram.plan.model.moe's
     layout nor measured: refused, not guessed."""
     from lowvram.errors import ModelError
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.model.readers import spec_from_config
 
     with pytest.raises(ModelError, match=f"'{model_type}'.*qwen") as e:  # the modelled Qwen-VL named
         spec_from_config({**_QWEN_VL, "model_type": model_type}, "x")
@@ -322,9 +322,9 @@ def test_qwen3_vl_tower_mergers_buffers_and_whole_model_exact(tie):
     """model.visual without its mergers is the tower (patch embed, learned positions, blocks,
     rotary buffers), the merger and the deepstack mergers the projector; the language model is
     Qwen3's block from the nested text_config, tied by the top-level key."""
-    from lowvram.plan.models import count_parameters, model_numel
-    from lowvram.plan.readers import spec_from_config
-    from lowvram.plan.vision import tower_buffer_bytes
+    from lowvram.plan.model.models import count_parameters, model_numel
+    from lowvram.plan.model.readers import spec_from_config
+    from lowvram.plan.model.vision import tower_buffer_bytes
 
     cfg = {**_QWEN3_VL, "tie_word_embeddings": tie}
     with torch.device("meta"):
@@ -346,7 +346,7 @@ def test_qwen3_vl_saved_by_transformers_reads_the_same_and_ties_by_the_top_level
     """transformers 5's saved config (rope_parameters, text model_type qwen3_vl_text) gives the
     same spec; without a top-level tie_word_embeddings Qwen3VLConfig's default (False) holds,
     whatever the text_config says (PreTrainedModel ties by the top-level config)."""
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.model.readers import spec_from_config
 
     saved = transformers.AutoConfig.for_model(**_QWEN3_VL).to_dict()
     a, b = spec_from_config(saved, "tiny"), spec_from_config(_QWEN3_VL, "tiny")
@@ -365,8 +365,8 @@ def test_qwen3_vl_packs_its_samples_apart():
     four rows and builds its mask from the first (the text row), so masking_utils finds the
     packed samples and the mask is block-diagonal, as for Qwen3 (Qwen2.5-VL expands to three rows
     and finds none: refused)."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.request import PlanRequest, validate_request
+    from lowvram.plan.choose.request import PlanRequest, validate_request
+    from lowvram.plan.model.catalog import resolve_model
 
     validate_request(PlanRequest(model=resolve_model("qwen3-vl-2b"), packing=True))
     masks = {}

@@ -27,7 +27,7 @@ def test_minimal_recipe_gets_defaults():
     assert r.training.learning_rate == 2e-4
     assert r.techniques.mixed_precision == "auto"
     assert r.lora.target_modules == "all-linear"
-    assert r.data.datasets[0].format == "alpaca"
+    assert r.data.datasets[0].format == "auto"  # recognised from the file's columns when it is read
     assert r.data.train_on_inputs is False
 
 

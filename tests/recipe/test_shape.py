@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lowvram.cli import app
-from lowvram.train.preflight import _rope_scaled
+from lowvram.train.run.preflight import _rope_scaled
 from tests.train.test_e2e import write_alpaca, write_recipe
 
 NO_TENSORBOARD = ("--set", "training.report_to=none")
@@ -121,7 +121,7 @@ def test_rope_scaled_reads_both_spellings_and_per_layer_types():
 
 
 def test_divisors_descending_are_every_micro_batch_a_batch_allows():
-    from lowvram.plan.explain import divisors_descending
+    from lowvram.plan.choose.explain import divisors_descending
 
     assert divisors_descending(12) == [12, 6, 4, 3, 2, 1] and divisors_descending(1) == [1]
     assert divisors_descending(49) == [49, 7, 1]

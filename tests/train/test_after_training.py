@@ -64,7 +64,7 @@ def test_run_writes_plot_tensorboard_and_sparkline(run_dir):
 
 
 def test_plot_with_memory_panel(tmp_path):
-    from lowvram.train.plots import save_loss_plot
+    from lowvram.train.run.plots import save_loss_plot
 
     metrics = {"loss_history": [[1, 3.0], [2, 2.0], [3, 1.5]], "eval_history": [[3, 1.8]],
                "memory_history": [[1, 2**30], [2, 2**31], [3, 2**31]], "predicted_peak_bytes": 3 * 2**30}
@@ -119,9 +119,9 @@ def test_merge_refuses_when_host_ram_is_too_small(run_dir, tmp_path, monkeypatch
 
 
 def test_merge_json_and_plan_numbers(run_dir, tmp_path):
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.models import count_parameters
-    from lowvram.train.merge import plan_merge
+    from lowvram.plan.model.catalog import resolve_model
+    from lowvram.plan.model.models import count_parameters
+    from lowvram.train.after.merge import plan_merge
 
     mp = plan_merge(run_dir, tmp_path / "m")
     n = count_parameters(resolve_model(mp.base.source))
@@ -145,8 +145,8 @@ def test_generate_streams_tokens(run_dir, tmp_path):
     # The same tokens as transformers' greedy generate on base + adapter with the Alpaca prompt.
     import torch
 
+    from lowvram.train.after.generate import load_generator
     from lowvram.train.data.format import ALPACA_PROMPT_NO_INPUT
-    from lowvram.train.generate import load_generator
 
     gen = load_generator(run_dir)
     inputs = gen.tokenizer(ALPACA_PROMPT_NO_INPUT.format(instruction="Add 2 and 3."), return_tensors="pt")

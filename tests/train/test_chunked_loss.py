@@ -1,4 +1,4 @@
-"""Chunked cross-entropy (lowvram.train.loss): the same loss and gradients as transformers'
+"""Chunked cross-entropy (lowvram.train.build.loss): the same loss and gradients as transformers'
 standard causal-LM loss, less memory, and the planner's prediction of it."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ torch = pytest.importorskip("torch")
 
 from lowvram.check.cases import tiny_llama_spec  # noqa: E402
 from lowvram.check.step import measure_setup  # noqa: E402
-from lowvram.plan.backward import logits_bytes  # noqa: E402
-from lowvram.plan.memory import estimate_memory  # noqa: E402
+from lowvram.plan.memory.backward import logits_bytes  # noqa: E402
+from lowvram.plan.memory.memory import estimate_memory  # noqa: E402
 from lowvram.plan.setup import RunSetup  # noqa: E402
-from lowvram.train.loss import causal_lm_chunked_loss  # noqa: E402
+from lowvram.train.build.loss import causal_lm_chunked_loss  # noqa: E402
 
 
 def _model_and_batch(seed: int = 0):
@@ -81,7 +81,7 @@ def test_peak_drops_and_matches_the_plan():
 
 
 def test_trainer_uses_chunked_loss_when_planned():
-    from lowvram.train.loss import chunked_loss_trainer_class
+    from lowvram.train.build.loss import chunked_loss_trainer_class
 
     cls = chunked_loss_trainer_class()
     from transformers import Trainer

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from lowvram.errors import DataError
+from lowvram.errors import DataError, RecipeError
 from lowvram.recipe import parse_recipe
 from lowvram.train.data.build import build_datasets
 from lowvram.train.data.collate import make_collator
 from lowvram.train.data.format import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, format_example
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -216,10 +216,10 @@ def test_fields_map_user_columns(tmp_path, tiny_tokenizer):
 
 
 def test_misspelled_field_name_is_reported(tmp_path, tiny_tokenizer):
-    with pytest.raises(DataError) as e:
-        build(tmp_path, tiny_tokenizer, [ALPACA_ROW], spec={"fields": {"ouptut": "response"}})
-    assert "'ouptut' is not a field of format alpaca" in e.value.message
-    assert "did you mean 'output'?" in e.value.hint
+    # refused with the recipe (validate), before any row or model is read
+    with pytest.raises(RecipeError) as e:
+        build(tmp_path, tiny_tokenizer, [ALPACA_ROW], spec={"format": "alpaca", "fields": {"ouptut": "response"}})
+    assert "'ouptut' is not a field of format alpaca (did you mean 'output'?" in e.value.message
 
 
 def test_several_datasets_concatenate_with_max_samples(tmp_path, tiny_tokenizer):
@@ -377,10 +377,17 @@ def test_csv_reads_every_column_as_text(tmp_path, tiny_tokenizer):
     assert answers == ["4<|im_end|>", "NA<|im_end|>"]
 
 
-def test_csv_bad_row_is_named_by_row(tmp_path, tiny_tokenizer):
-    (tmp_path / "d.csv").write_text("instruction,output\na,b\nc,\n")
-    with pytest.raises(DataError, match=r"^d.csv: row 2: field 'output': expected non-empty text"):
+def test_csv_bad_row_is_named_by_its_line(tmp_path, tiny_tokenizer):
+    # FILE:LINE as for JSON Lines (the header is line 1; a quoted field may span lines)
+    (tmp_path / "d.csv").write_text('instruction,output\na,"b\nb"\n\nc,\n')
+    with pytest.raises(DataError, match=r"^d.csv:5: field 'output': expected non-empty text"):
         build_datasets(recipe(tmp_path, [{"path": "d.csv"}]), tiny_tokenizer)
+
+
+def test_a_json_array_with_one_element_per_line_is_named_by_line(tmp_path, tiny_tokenizer):
+    (tmp_path / "d.json").write_text(json.dumps([ALPACA_ROW, {"instruction": "x"}], indent=2))
+    with pytest.raises(DataError, match=r"^d.json:7: missing field 'output'"):
+        build_datasets(recipe(tmp_path, [{"path": "d.json"}]), tiny_tokenizer)
 
 
 def test_parquet_loading_and_type_errors(tmp_path, tiny_tokenizer):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from lowvram.train import recover, signals
-from lowvram.train.checkpoints import complete_checkpoints
+from lowvram.train.run import recover, signals
+from lowvram.train.run.checkpoints import complete_checkpoints
 from tests.train.test_e2e import metrics, train, write_recipe
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -116,7 +116,7 @@ def _interrupt_after(step: int):
 def test_resume_continues_from_last_checkpoint(tmp_path, tiny_model_dir):
     from lowvram.planning.fixed import resolve_fixed
     from lowvram.recipe import load_recipe
-    from lowvram.train.run import run_training
+    from lowvram.train.run.run import run_training
 
     # The uninterrupted reference run.
     ref_dir = tmp_path / "ref"
@@ -196,7 +196,7 @@ def _fake_state(step: int, max_steps: int = 10, tokens: int = 0):
 def test_progress_plain_lines_and_history():
     import io
 
-    from lowvram.train.progress import ProgressCallback
+    from lowvram.train.run.progress import ProgressCallback
 
     stream = io.StringIO()
     cb = ProgressCallback(tty=False, stream=stream)
@@ -213,7 +213,7 @@ def test_progress_plain_lines_and_history():
 
 
 def test_progress_bar_on_a_terminal():
-    from lowvram.train.progress import ProgressCallback
+    from lowvram.train.run.progress import ProgressCallback
 
     cb = ProgressCallback(tty=True)
     cb.on_train_begin(None, _fake_state(3), None)  # resumed at step 3

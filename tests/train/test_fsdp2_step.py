@@ -55,9 +55,9 @@ def test_fsdp2_bf16_full_finetuning_keeps_the_dtype_the_plan_counts(tmp_path, ti
     planner counts for them (plan.states.dtype_bytes), here after a real optimizer step."""
     import torch
 
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.memory.states import dtype_bytes
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.plan.setup import RunSetup
-    from lowvram.plan.states import dtype_bytes
 
     out = fsdp_step(tmp_path, tiny_model_dir, mixed_precision="bf16")
     assert "error" not in out, out

@@ -1,4 +1,4 @@
-"""lowvram.train.galore_cpu: galore_torch's AdamW8bit (optimizer galore_adamw_8bit and its
+"""lowvram.train.build.galore_cpu: galore_torch's AdamW8bit (optimizer galore_adamw_8bit and its
 layerwise form) stepping on a machine without CUDA, against the real optimizer and bitsandbytes'
 own 8-bit AdamW."""
 
@@ -42,8 +42,8 @@ def test_with_it_a_tensor_it_does_not_project_steps_as_bitsandbytes_adamw8bit(mo
     import bitsandbytes as bnb
     from galore_torch import GaLoreAdamW8bit
 
-    from lowvram.train.galore_cpu import allow_cpu_step
-    from lowvram.train.trainer import _forget_bitsandbytes_overrides
+    from lowvram.train.build.galore_cpu import allow_cpu_step
+    from lowvram.train.build.trainer import _forget_bitsandbytes_overrides
 
     _restore_step(monkeypatch)
     _forget_bitsandbytes_overrides()  # an earlier test's Trainer may have left (0, 0) at 32 bit
@@ -66,7 +66,7 @@ def test_with_it_a_tensor_it_does_not_project_steps_as_bitsandbytes_adamw8bit(mo
 def test_with_it_a_projected_weight_steps_and_synchronize_is_untouched_outside(monkeypatch):
     from galore_torch import GaLoreAdamW8bit
 
-    from lowvram.train.galore_cpu import allow_cpu_step
+    from lowvram.train.build.galore_cpu import allow_cpu_step
 
     _restore_step(monkeypatch)
     synchronize = torch.cuda.synchronize
@@ -92,11 +92,11 @@ def test_the_trainer_builds_and_steps_the_layerwise_form_on_the_cpu(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lowvram.check.builders import hf_config
-    from lowvram.plan.search import plan_for_setup
+    from lowvram.plan.choose.search import plan_for_setup
     from lowvram.plan.setup import RunSetup
     from lowvram.recipe.schema import Recipe
-    from lowvram.train.model import prepare_model
-    from lowvram.train.trainer import build_trainer, build_training_args
+    from lowvram.train.build.model import prepare_model
+    from lowvram.train.build.trainer import build_trainer, build_training_args
     from tests.plan.test_galore import TINY
 
     plan = plan_for_setup(RunSetup(TINY, optimizer="galore_adamw_8bit_layerwise", galore_rank=8, device="cpu"), "cpu", 16)
@@ -121,7 +121,7 @@ def test_a_new_trainer_forgets_the_last_ones_32_bit_override_by_position():
     (the layerwise forms: all of them). build_trainer clears it first, as a new process starts."""
     import bitsandbytes as bnb
 
-    from lowvram.train.trainer import _forget_bitsandbytes_overrides
+    from lowvram.train.build.trainer import _forget_bitsandbytes_overrides
 
     def first_state_dtype():
         p = torch.nn.Parameter(torch.randn(128, 64))  # 8192 elements: 8-bit (min_8bit_size 4096)

@@ -1,7 +1,7 @@
 """`lowvram generate` on a QLoRA run (issue 24 item 5): the base loads as it trained (4-bit, the
-run's BitsAndBytesConfig, through train/model.py's builder; bitsandbytes 0.50 runs 4-bit on the
+run's BitsAndBytesConfig, through train/build/model.py's builder; bitsandbytes 0.50 runs 4-bit on the
 CPU), and the weights are checked against the free memory before anything is loaded (merge's
-check, shared through train/artifacts.py)."""
+check, shared through train/after/artifacts.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import json
 import pytest
 
 from lowvram.hardware import Device, Hardware
-from lowvram.train.artifacts import BaseModel, dense_size, trained_size
-from lowvram.train.generate import check_fits
+from lowvram.train.after.artifacts import BaseModel, dense_size, trained_size
+from lowvram.train.after.generate import check_fits
 from tests.train.test_after_training import assert_user_error, cli
 from tests.train.test_e2e import write_recipe
 
@@ -54,7 +54,7 @@ def _stored_bytes(model) -> int:
 def test_generate_loads_a_qlora_base_in_4bit_as_trained(qlora_run):
     import torch
 
-    from lowvram.train.generate import load_generator
+    from lowvram.train.after.generate import load_generator
 
     gen = load_generator(qlora_run)
     linears4 = [m for m in gen.model.modules() if type(m).__name__ == "Linear4bit"]
@@ -107,8 +107,8 @@ def test_a_13b_qlora_run_fits_a_16gb_card_in_4bit_not_dequantized(tmp_path):
 def test_generate_checks_a_full_model_folder_too(tiny_model_dir, monkeypatch):
     """A merged folder or a full fine-tune: its parameters x config.json's dtype."""
     import lowvram.hardware
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.models import count_parameters
+    from lowvram.plan.model.catalog import resolve_model
+    from lowvram.plan.model.models import count_parameters
 
     n = count_parameters(resolve_model(str(tiny_model_dir)))
     monkeypatch.setattr(lowvram.hardware, "host_memory", lambda: (2**30, 100 * 2**10))

@@ -17,7 +17,7 @@ from lowvram.testing import build_processor, build_vision_tokenizer, write_image
 from lowvram.train.data.build import ImageInputs, build_datasets  # noqa: E402
 from lowvram.train.data.collate import make_collator  # noqa: E402
 from lowvram.train.data.images import make_image_collator  # noqa: E402
-from lowvram.train.loss import IGNORE_INDEX  # noqa: E402
+from lowvram.train.types import IGNORE_INDEX  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["gemma3", "llava"])
@@ -151,7 +151,7 @@ def test_a_model_without_a_vision_tower_is_refused(tmp_path, tiny_model_dir):
 
     from transformers import AutoConfig
 
-    from lowvram.train.model import load_image_inputs
+    from lowvram.train.build.model import load_image_inputs
 
     r = _recipe(write_image_chat(tmp_path / "vqa.jsonl", rows=1))
     model = SimpleNamespace(config=AutoConfig.from_pretrained(tiny_model_dir))
@@ -195,8 +195,8 @@ def test_image_recipe_trains_end_to_end_at_its_plan(tmp_path, family, method):
 
 
 def test_the_planner_refuses_what_it_cannot_count():
-    from lowvram.plan.images import image_problems
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.memory.images import image_problems
+    from lowvram.plan.model.readers import spec_from_config
 
     llama = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1, vocab_size=512)
@@ -227,9 +227,9 @@ def test_plan_terms_of_images_exact():
     Gemma-3's image masks in every layer."""
     from dataclasses import replace
 
-    from lowvram.plan.activations import masked_layers
-    from lowvram.plan.images import pixel_bytes
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.memory.activations import masked_layers
+    from lowvram.plan.memory.images import pixel_bytes
+    from lowvram.plan.model.readers import spec_from_config
     from lowvram.plan.setup import RunSetup
 
     gemma = spec_from_config(dict(
@@ -303,7 +303,7 @@ def test_the_frozen_tower_stays_out_of_autograd_under_lora_and_checkpointing():
     would hook the tower's patch embedding too; lowvram's hooks the language model's only."""
     from transformers import AutoModelForImageTextToText
 
-    from lowvram.train.model import freeze_vision, text_input_grads_only
+    from lowvram.train.build.model import freeze_vision, text_input_grads_only
 
     tok = build_vision_tokenizer("gemma3")
     model = AutoModelForImageTextToText.from_config(tiny_vision_config("gemma3", tok))

@@ -75,10 +75,10 @@ def test_unpaired_labels_read_as_bools():
 
 
 def test_kto_plans_one_row_per_example_and_the_reference():
-    from lowvram.plan import preference
-    from lowvram.plan.activations import activation_bytes
-    from lowvram.plan.memory import estimate_memory
-    from lowvram.plan.states import weight_bytes
+    from lowvram.plan.memory import preference
+    from lowvram.plan.memory.activations import activation_bytes
+    from lowvram.plan.memory.memory import estimate_memory
+    from lowvram.plan.memory.states import weight_bytes
 
     kto, dpo, sft = _setup(objective="kto"), _setup(objective="dpo"), _setup()
     assert preference.policy_setup(kto).micro_batch_size == 2  # b rows, not 2b

@@ -9,7 +9,7 @@ import pytest
 
 from lowvram.errors import LowvramError
 from lowvram.plan.types import Plan
-from lowvram.train.launch import (
+from lowvram.train.run.launch import (
     LaunchSpec,
     accelerate_config,
     launch_command,
@@ -97,7 +97,7 @@ def test_launch_command_cpu_and_rendezvous(tmp_path):
     assert "--multi_gpu" in cmd  # MULTI_CPU alone would start one process
     assert cmd[cmd.index("--rdzv_conf") + 1] == "timeout=7"
     assert cmd[cmd.index("--plan") + 1] == str(tmp_path / "p.json")
-    assert cmd.index("--rdzv_conf") < cmd.index("lowvram.train.worker")  # launcher flags first
+    assert cmd.index("--rdzv_conf") < cmd.index("lowvram.train.run.worker")  # launcher flags first
     fsdp = launch_command(tmp_path / "c.yaml", tmp_path / "r.yaml", spec=spec,
                           plan=dataclasses.replace(BASE, offload="fsdp"))
     assert "--multi_gpu" not in fsdp  # it would turn FSDP off
@@ -115,7 +115,7 @@ def test_one_node_picks_a_free_port():
 def test_missing_deepspeed_says_what_to_install(monkeypatch):
     import importlib.util
 
-    from lowvram.train import launch
+    from lowvram.train.run import launch
 
     real = importlib.util.find_spec
     monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None if name == "deepspeed" else real(name))
@@ -126,7 +126,7 @@ def test_missing_deepspeed_says_what_to_install(monkeypatch):
 
 
 def test_plan_round_trips_through_json(tmp_path):
-    from lowvram.train.launch import read_plan, write_plan
+    from lowvram.train.run.launch import read_plan, write_plan
 
     plan = dataclasses.replace(BASE, reasons={"offload": "why"}, breakdown={"weights": 1}, host_ram_bytes=5)
     assert read_plan(write_plan(plan, tmp_path)) == plan
@@ -134,10 +134,10 @@ def test_plan_round_trips_through_json(tmp_path):
 
 def test_request_round_trips_through_json(tmp_path):
     """A launched rank rebuilds the parent's Replanner from launch-request.json (no recipe model)."""
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.replan import Replanner
-    from lowvram.plan.request import PlanRequest
-    from lowvram.train.launch import read_replanner, write_request
+    from lowvram.plan.choose.replan import Replanner
+    from lowvram.plan.choose.request import PlanRequest
+    from lowvram.plan.model.catalog import resolve_model
+    from lowvram.train.run.launch import read_replanner, write_request
 
     request = PlanRequest(model=resolve_model("qwen2.5-7b"), seq_len=2048, lora=True, lora_targets=("q_proj", "v_proj"),
                           sources={"lora": "the recipe"})
@@ -154,9 +154,9 @@ def test_request_round_trips_through_json(tmp_path):
 
 
 def _choose(model: str, gpus: int, vram: str = "24GB", **fields):
-    from lowvram.plan.catalog import resolve_model
-    from lowvram.plan.choose import choose_plan
-    from lowvram.plan.request import Budget, PlanRequest
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.units import parse_size
 
     budget = Budget(parse_size(vram), "cuda")
@@ -225,3 +225,78 @@ def test_a_fixed_bitsandbytes_optimizer_with_fsdp_is_refused(optimizer):
     # a fixed 8-bit optimizer alone: the search shards without FSDP (DDP, or DeepSpeed ZeRO)
     c = _choose("llama-2-7b", 2, vram="32GB", lora=False, optimizer=optimizer)
     assert not c.plan.offload.startswith("fsdp")
+
+
+# issue 41 item 12: DeepSpeed's CPU Adam (every offload that moves the optimizer to the CPU) is
+# JIT-built by deepspeed at optimizer creation; a machine without a compiler, ninja or Python.h
+# failed inside a worker after the model load. Checked before the launch now, and planned around.
+def test_cpu_adam_build_problems_read_the_real_deepspeed_and_path(tmp_path):
+    pytest.importorskip("deepspeed")
+    from deepspeed.git_version_info import installed_ops
+
+    from lowvram.deps import cpu_adam_build_problems
+
+    assert installed_ops["cpu_adam"] is False  # the wheel ships no built op: the JIT path runs
+    assert cpu_adam_build_problems({"PATH": "/usr/bin:/bin"}) == []  # this machine has g++ and ninja
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    problems = cpu_adam_build_problems({"PATH": str(empty)})
+    assert problems == ["no C++ compiler (c++) on PATH", "no ninja on PATH"]
+    assert cpu_adam_build_problems({"PATH": "/usr/bin:/bin", "CXX": "no-such-cxx"}) == [
+        "no C++ compiler (no-such-cxx, $CXX) on PATH"]
+
+
+def test_a_prebuilt_cpu_adam_needs_no_compiler(tmp_path):
+    from lowvram.deps import _cpu_adam_prebuilt
+
+    built = tmp_path / "git_version_info_installed.py"
+    built.write_text("version='0.19.8'\ninstalled_ops={'cpu_adam': True, 'fused_adam': False}\n")
+    assert _cpu_adam_prebuilt(str(built))
+    built.write_text("installed_ops={'cpu_adam': False}\n")
+    assert not _cpu_adam_prebuilt(str(built))
+    assert not _cpu_adam_prebuilt(str(tmp_path / "missing.py"))
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "full", "zero2-offload", "zero3-offload"])
+def test_an_offload_that_runs_cpu_adam_is_refused_before_the_launch_without_a_compiler(
+        offload, tmp_path, monkeypatch, tiny_model_dir):
+    pytest.importorskip("deepspeed")
+    from lowvram.recipe import parse_recipe
+    from lowvram.train.run import launch
+    from lowvram.train.types import TrainOptions
+
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{name_or_path: {tiny_model_dir}}}\ndata: {{datasets: [{{path: d.jsonl, format: text}}]}}\n"
+                      "training: {output_dir: out}\n")
+    plan = dataclasses.replace(BASE, offload=offload, gpus=1, lora=False)
+    options = TrainOptions(recipe_path=str(recipe), processes=LaunchSpec(gpus=1))
+    with pytest.raises(LowvramError) as err:
+        launch.prepare_launch(parse_recipe(recipe.read_text(), source=recipe), plan, options)
+    assert f"offload {offload} runs DeepSpeed's CPU Adam" in err.value.message
+    assert "no C++ compiler (c++) on PATH; no ninja on PATH" in err.value.message
+    assert "apt-get install g++" in err.value.hint and "techniques.offload: none" in err.value.hint
+    assert not (tmp_path / "out").exists()  # refused before the run folder (and the model load)
+    launch.check_cpu_adam_buildable(dataclasses.replace(plan, offload="zero3"))  # ZeRO-3 on GPU: Adam there
+
+
+def test_plans_say_when_cpu_adam_cannot_be_built(monkeypatch, tmp_path):
+    from lowvram.plan.choose.choose import choose_plan
+    from lowvram.plan.choose.request import Budget, PlanRequest
+    from lowvram.plan.model.catalog import resolve_model
+    from lowvram.planning.budget import missing_extras
+
+    pytest.importorskip("deepspeed")
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert "cpu_adam" in missing_extras()
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert "cpu_adam" not in missing_extras()
+    req = PlanRequest(resolve_model("llama-2-7b"), seq_len=2048, batch_size=1)
+    c = choose_plan(req, Budget(5 * 10**9, missing_extras=("cpu_adam",)))
+    assert c.plan.offload == "full"  # nothing else fits 5 GB: kept, with the note, refused at launch
+    note = next(n for n in c.notes if "CPU Adam" in n)
+    assert "cannot be built here" in note and "lowvram[" not in note  # no pip extra to install
+    assert choose_plan(req, Budget(5 * 10**9)).notes == ()

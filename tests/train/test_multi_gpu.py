@@ -1,5 +1,5 @@
 """`lowvram train --gpus 2` on the CPU: two processes over gloo through the real launch path
-(accelerate launch -> torchrun -> lowvram.train.worker), compared with one process.
+(accelerate launch -> torchrun -> lowvram.train.run.worker), compared with one process.
 
 Tolerance: the 2-process losses must equal the 1-process losses (same effective batch 4:
 micro-batch 2 x 2 accumulation steps vs micro-batch 2 x 2 processes) within 1e-5 relative. Both
@@ -89,7 +89,7 @@ def test_launch_output_and_per_rank_peaks(runs):
     out = tmp / "two"
     assert "DDP" in two.stdout and "predicted memory per process" in two.stdout
     assert "host RAM per node" in two.stdout and "peak memory per rank" in two.stdout
-    assert "accelerate.commands.launch" in two.stdout and "lowvram.train.worker" in two.stdout
+    assert "accelerate.commands.launch" in two.stdout and "lowvram.train.run.worker" in two.stdout
     m = json.loads((out / "metrics.json").read_text())
     assert m["processes"] == 2
     per_rank = m["peak_memory_bytes_per_rank"]
@@ -171,7 +171,7 @@ def test_worker_error_is_shown_once_without_traceback(tmp_path, tiny_model_dir):
 def test_more_gpus_than_visible_is_refused():
     from lowvram.errors import LowvramError
     from lowvram.hardware import Device, Hardware
-    from lowvram.train.launch import LaunchSpec, check_devices
+    from lowvram.train.run.launch import LaunchSpec, check_devices
 
     one = Hardware(kind="cuda", devices=(Device(index=0, name="A", total_bytes=24 * 10**9, free_bytes=24 * 10**9),))
     with pytest.raises(LowvramError, match="--gpus 4 but this machine has 1 visible CUDA GPU"):
@@ -249,7 +249,7 @@ print(a.state.distributed_type, getattr(a.state, "fsdp_plugin", None) is not Non
 
 
 def test_accelerate_still_keeps_fsdp_off_the_cpu(tmp_path):
-    """Why lowvram.train.trainer.configure_cpu_fsdp_state exists, checked on the installed
+    """Why lowvram.train.build.trainer.configure_cpu_fsdp_state exists, checked on the installed
     accelerate: a launched process (LOCAL_RANK set) with use_cpu and the Trainer's own FSDP plugin
     stays MULTI_CPU and loses the plugin. If this fails, accelerate now runs FSDP on the CPU
     itself: drop configure_cpu_fsdp_state (test_fsdp_two_processes_match_one keeps the proof)."""
@@ -265,7 +265,7 @@ def test_accelerate_still_keeps_fsdp_off_the_cpu(tmp_path):
 def test_deepspeed_and_fsdp_offload_are_refused_on_the_cpu():
     from lowvram.errors import LowvramError
     from lowvram.plan.types import Plan
-    from lowvram.train.launch import LaunchSpec, check_plan_for_launch
+    from lowvram.train.run.launch import LaunchSpec, check_plan_for_launch
 
     def plan(offload):
         return Plan(device="cpu", mixed_precision="fp32", gradient_checkpointing=False, micro_batch_size=1,
@@ -286,7 +286,7 @@ def test_deepspeed_and_fsdp_offload_are_refused_on_the_cpu():
                            "it compiles ops, so the default test run does not install it)")
 def test_deepspeed_backend_is_found():
     from lowvram.plan.types import Plan
-    from lowvram.train.launch import check_backend_installed
+    from lowvram.train.run.launch import check_backend_installed
 
     plan = Plan(device="cuda", mixed_precision="bf16", gradient_checkpointing=True, micro_batch_size=1,
                 grad_accum=1, lora=True, quantization="none", optimizer="adamw", offload="zero3",
@@ -343,8 +343,8 @@ def test_launched_retry_resumes_from_a_checkpoint_that_carries_over(tmp_path, ti
     from lowvram.hardware import detect_hardware
     from lowvram.planning.entry import plan_for_recipe, replanner_for
     from lowvram.recipe import load_recipe
-    from lowvram.train import launch, oom, recover
-    from lowvram.train.checkpoints import mark_complete
+    from lowvram.train.run import launch, oom, recover
+    from lowvram.train.run.checkpoints import mark_complete
     from lowvram.train.types import TrainOptions
 
     monkeypatch.chdir(tmp_path)
@@ -394,7 +394,7 @@ def test_a_rank_stopped_after_anothers_oom_stays_quiet(tmp_path, tiny_model_dir,
 
     from lowvram.planning.entry import plan_for_recipe
     from lowvram.recipe import load_recipe
-    from lowvram.train import launch, oom, run, signals, worker
+    from lowvram.train.run import launch, oom, run, signals, worker
 
     monkeypatch.chdir(tmp_path)
     recipe = write_recipe(tmp_path, tiny_model_dir)

@@ -24,9 +24,9 @@ def _offloaded_layers_per_step(tmp_path, model_dir, objective: str, extra: str =
 
     from lowvram.planning.fixed import resolve_fixed
     from lowvram.recipe import load_recipe
+    from lowvram.train.build.model import load_model
+    from lowvram.train.build.trainer import build_trainer, build_training_args
     from lowvram.train.data.build import build_datasets
-    from lowvram.train.model import load_model
-    from lowvram.train.trainer import build_trainer, build_training_args
     from tests.train.test_kto import kto_recipe, write_unpaired
     from tests.train.test_preference import recipe_text, write_pairs
 
@@ -86,7 +86,7 @@ def test_trl_reenabling_keeps_transformers_offload(tiny_model_dir):
     from trl import DPOConfig
     from trl.models.utils import disable_gradient_checkpointing
 
-    from lowvram.train.model import checkpointing_kwargs, enable_checkpointing
+    from lowvram.train.build.model import checkpointing_kwargs, enable_checkpointing
 
     plan = type("P", (), {"activation_offload": True})()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -153,7 +153,7 @@ def test_trl_config_carries_the_plan(tmp_path, tiny_model_dir):
     from trl import DPOConfig
 
     from lowvram.planning.fixed import resolve_fixed
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     write_pairs(tmp_path / "pairs.jsonl")
     (tmp_path / "r.yaml").write_text(recipe_text(tiny_model_dir, extra="preference: {beta: 0.3, loss_type: hinge}"))
@@ -225,7 +225,7 @@ def test_longest_tokenized_row_truncates_as_trl():
     completion (its KL rows mismatch them); each cut at max_length as TRL's collators cut."""
     from datasets import Dataset
 
-    from lowvram.train.preference import longest_tokenized_row
+    from lowvram.train.build.preference import longest_tokenized_row
 
     dpo = Dataset.from_dict({"prompt_ids": [[1] * 5, [1] * 9], "chosen_ids": [[2] * 7, [2] * 3],
                              "rejected_ids": [[3] * 2, [3] * 6]})
@@ -242,7 +242,7 @@ def test_longest_tokenized_row_truncates_as_trl():
 
 
 def _setup(**kw):
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.plan.setup import RunSetup
 
     base = dict(model=resolve_model("llama-3.1-8b"), gradient_checkpointing=True, seq_len=1024, micro_batch_size=2)
@@ -250,10 +250,10 @@ def _setup(**kw):
 
 
 def test_dpo_counts_both_rows_and_the_reference():
-    from lowvram.plan import preference
-    from lowvram.plan.activations import activation_bytes
-    from lowvram.plan.memory import estimate_memory
-    from lowvram.plan.states import weight_bytes
+    from lowvram.plan.memory import preference
+    from lowvram.plan.memory.activations import activation_bytes
+    from lowvram.plan.memory.memory import estimate_memory
+    from lowvram.plan.memory.states import weight_bytes
 
     sft = _setup()
     dpo = _setup(objective="dpo")
@@ -282,8 +282,8 @@ def test_padded_rows_mask_every_layer(objective):
     s x s mask for the batch)."""
     from dataclasses import replace
 
-    from lowvram.plan import activations, preference
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.memory import activations, preference
+    from lowvram.plan.model.catalog import resolve_model
 
     gemma = _setup(model=resolve_model("gemma-3-1b"), objective=objective, lora=True, seq_len=512,
                    micro_batch_size=2)
@@ -309,8 +309,8 @@ def test_trl_disables_dropout_so_the_plan_counts_none(objective):
     13, 17 of the preference draw were 12-26% below their plans with the masks counted)."""
     from dataclasses import replace
 
-    from lowvram.plan import preference
-    from lowvram.plan.memory import estimate_memory
+    from lowvram.plan.memory import preference
+    from lowvram.plan.memory.memory import estimate_memory
 
     plain = _setup(objective=objective, lora=True, lora_r=16, micro_batch_size=2, gradient_checkpointing=False)
     dropped = replace(plain, lora_dropout=0.1)
@@ -325,7 +325,7 @@ def test_trl_disables_dropout_so_the_plan_counts_none(objective):
 
 def test_dpo_log_probs_are_tiles_not_logits():
     """TRL's fused head: mm_buf is min(N, 4096) x 32768 in the compute dtype, never N x V."""
-    from lowvram.plan import preference
+    from lowvram.plan.memory import preference
 
     s = _setup(objective="dpo", lora=True, quantization="nf4-dq", device="cuda")
     n = 2 * 2 * 1023
@@ -361,7 +361,7 @@ def test_plan_objective_dpo_cli():
 
 
 def test_recipe_objective_reaches_the_request(tmp_path):
-    from lowvram.plan.catalog import resolve_model
+    from lowvram.plan.model.catalog import resolve_model
     from lowvram.planning.from_recipe import build_request
 
     r = _parse(recipe_text("m", extra="preference: {precompute_ref_log_probs: true}"))
@@ -385,7 +385,7 @@ def test_dpo_oom_replans_and_resumes_as_sft(tmp_path, tiny_model_dir, monkeypatc
     same recover loop, tests/train/test_recover.py): an OOM at step 1 on an emulated card retries
     with micro-batch 2 x 2 from the start; an OOM in step 3 resumes from checkpoint-2; both end at
     the uninterrupted run's loss (the same effective batch, TRL's same pairs)."""
-    from lowvram.train import oom
+    from lowvram.train.run import oom
     from tests.train.test_recover import raise_oom_in_step_3
 
     for name in ("ref", "card", "step3"):
@@ -422,3 +422,39 @@ def test_dpo_resume_continues_from_the_last_checkpoint(tmp_path, tiny_model_dir)
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4
     assert m["train_loss"] == pytest.approx(full["train_loss"], abs=1e-6)
+
+
+# issue 41 item 11: over a 4/8-bit base TRL's DPOTrainer and KTOTrainer cast the LoRA adapters to
+# bf16 in __init__ (dpo_trainer.py L726-729, kto_trainer.py L777-780), while SFT of the same recipe
+# trains fp32 adapters and the plan counts fp32 adapters and fp32 AdamW state (plan/memory/states.py)
+@pytest.mark.parametrize("objective, quantization", [("dpo", "nf4"), ("kto", "nf4"), ("dpo", "int8")])
+def test_trl_keeps_the_adapters_fp32_over_a_quantized_base(tmp_path, tiny_model_dir, monkeypatch,
+                                                              objective, quantization):
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.build.model import load_model
+    from lowvram.train.build.trainer import build_trainer, build_training_args
+    from lowvram.train.data.build import build_datasets
+
+    monkeypatch.chdir(tmp_path)
+    write_pairs(tmp_path / "pairs.jsonl")
+    text = recipe_text(tiny_model_dir, objective=objective,
+                       techniques=f"lora: on, quantization: {quantization}, mixed_precision: bf16-mixed")
+    if objective == "kto":  # KTO estimates its KL term from the batch: 2 rows or more
+        text = text.replace("batch_size: 2", "batch_size: 2\n  micro_batch_size: 2")
+    (tmp_path / "r.yaml").write_text(text)
+    recipe = load_recipe(tmp_path / "r.yaml")
+    plan = resolve_fixed(recipe)
+    assert plan.quantization == quantization and plan.lora
+    loaded = load_model(recipe, plan)
+    assert getattr(loaded.model, f"is_loaded_in_{quantization[-1]}bit")  # what TRL tests before its cast
+    before = {n: p.dtype for n, p in loaded.model.named_parameters() if p.requires_grad}
+    assert set(before.values()) == {torch.float32}  # as lowvram.train.build.model makes them (SFT trains these)
+    trainer = build_trainer(loaded, build_datasets(recipe, loaded.tokenizer), build_training_args(recipe, plan),
+                            None)
+    assert type(trainer).__name__ == {"dpo": "DPOTrainer", "kto": "KTOTrainer"}[objective]
+    after = {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert after == before

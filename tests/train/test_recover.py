@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import choose_plan, next_cheaper
-from lowvram.plan.request import Budget, PlanRequest
-from lowvram.train import oom, recover, signals
+from lowvram.plan.choose.choose import choose_plan, next_cheaper
+from lowvram.plan.choose.request import Budget, PlanRequest
+from lowvram.plan.model.catalog import resolve_model
+from lowvram.train.run import oom, recover, signals
 from tests.train.test_e2e import metrics, train, write_recipe
 
 # Live tensor bytes of the tiny LoRA run (seq_len 64, batch 4), measured on CPU: micro-batch 4 peaks
@@ -211,7 +211,7 @@ def test_retry_loads_its_model_after_the_failed_attempt_is_collected(tmp_path, t
     import torch
     from transformers import TrainerCallback
 
-    from lowvram.train import model as model_mod
+    from lowvram.train.build import model as model_mod
 
     raised: list[bool] = []
 

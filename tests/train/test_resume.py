@@ -19,10 +19,10 @@ import pytest
 
 from lowvram.errors import LowvramError
 from lowvram.runfiles import MARKER, write_atomic
-from lowvram.train.checkpoints import complete_checkpoints as checkpoints
-from lowvram.train.checkpoints import mark_complete
-from lowvram.train.folder import prepare_output_dir
-from lowvram.train.oom import EMULATE_ENV
+from lowvram.train.run.checkpoints import complete_checkpoints as checkpoints
+from lowvram.train.run.checkpoints import mark_complete
+from lowvram.train.run.folder import prepare_output_dir
+from lowvram.train.run.oom import EMULATE_ENV
 from tests.train.test_e2e import metrics, train, write_recipe
 
 SECRETS = {"HF_TOKEN": "secret-hf-xyz", "WANDB_API_KEY": "secret-wandb-xyz", "MY_SERVICE_SECRET": "secret-svc-xyz"}

@@ -20,8 +20,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lowvram.cli import app
-from lowvram.train import lock, manifest
-from lowvram.train.checkpoints import complete_checkpoints as checkpoints
+from lowvram.train.run import lock, manifest
+from lowvram.train.run.checkpoints import complete_checkpoints as checkpoints
 from tests.train.test_e2e import metrics, train, write_recipe
 from tests.train.test_resume import _env, _start, _wait_for, _weights
 
@@ -170,7 +170,7 @@ def test_the_lock_is_taken_by_one_of_two_and_merge_out_is_locked(tmp_path):
     out = tmp_path / "merged"
     held = lock.acquire(out, "test")
     try:
-        other = subprocess.run([sys.executable, "-c", f"from lowvram.train.lock import acquire; acquire({str(out)!r}, 'x')"],
+        other = subprocess.run([sys.executable, "-c", f"from lowvram.train.run.lock import acquire; acquire({str(out)!r}, 'x')"],
                                env=_env(), capture_output=True, text=True, timeout=60)
         assert other.returncode != 0 and f"is in use by pid {os.getpid()}" in other.stderr
         result = CliRunner().invoke(app, ["merge", str(tmp_path / "run"), "--out", str(out)])
@@ -251,7 +251,7 @@ def test_disk_full_on_any_write_is_an_error_and_hint_with_the_partial_checkpoint
 
 
 def test_torch_serializer_errors_count_as_disk_full():
-    from lowvram.train.recover import is_disk_full
+    from lowvram.train.run.recover import is_disk_full
 
     assert is_disk_full(TORCH_FULL) and is_disk_full(TORCH_WRITER) and is_disk_full(ENOSPC)
     wrapped = RuntimeError("saving failed")
@@ -362,7 +362,7 @@ def test_show_gives_the_resume_command_of_an_interrupted_run(tmp_path):
 
 
 def test_a_run_from_before_manifests_is_overwritten_by_its_known_files_only(tmp_path):
-    from lowvram.train.folder import prepare_output_dir
+    from lowvram.train.run.folder import prepare_output_dir
 
     out = tmp_path / "out"
     (out / "checkpoint-2").mkdir(parents=True)

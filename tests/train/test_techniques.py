@@ -29,7 +29,7 @@ def _capture():
 
 
 def _run(tmp_path, tiny_model_dir, techniques: str, steps: int = 3, **kw):
-    from lowvram.train.run import run_training
+    from lowvram.train.run.run import run_training
 
     path = write_recipe(tmp_path, tiny_model_dir, steps=steps, techniques=techniques, **kw)
     recipe = load_recipe(path)
@@ -87,7 +87,7 @@ def test_chat_format_dataset(tmp_path, tiny_model_dir):
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = write_recipe(tmp_path, tiny_model_dir, steps=4, data="chat.jsonl")
     path.write_text(path.read_text().replace("format: alpaca", "format: chat"))
-    from lowvram.train.run import run_training
+    from lowvram.train.run.run import run_training
 
     recipe = load_recipe(path)
     m = run_training(recipe, resolve_fixed(recipe)).metrics
@@ -110,7 +110,7 @@ training: {batch_size: 16, micro_batch_size: 2, warmup_ratio: 0.1, max_steps: 50
      ("paged_adamw_32bit", "paged_adamw_32bit"), ("adafactor", "adafactor"), ("sgd", "sgd")],
 )
 def test_optimizer_names(name, expected):
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     recipe = parse_recipe(RECIPE)
     args = build_training_args(recipe, replace(resolve_fixed(recipe), optimizer=name))
@@ -118,7 +118,7 @@ def test_optimizer_names(name, expected):
 
 
 def test_training_args_follow_the_plan(tmp_path):
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     recipe = parse_recipe(RECIPE, source=tmp_path / "r.yaml")
     plan = replace(resolve_fixed(recipe), gradient_checkpointing=True, mixed_precision="bf16")
@@ -136,7 +136,7 @@ def test_training_args_follow_the_plan(tmp_path):
 def test_quantization_configs():
     import torch
 
-    from lowvram.train.model import quantization_config, weight_dtype
+    from lowvram.train.build.model import quantization_config, weight_dtype
 
     recipe = parse_recipe(RECIPE)
     base = resolve_fixed(recipe)
@@ -161,7 +161,7 @@ def test_count_params_of_a_4bit_base_for_any_quant_storage(tiny_model_dir, offlo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowvram.train.model import count_params, load_kwargs
+    from lowvram.train.build.model import count_params, load_kwargs
 
     plan = replace(resolve_fixed(parse_recipe(RECIPE)), quantization="nf4", mixed_precision="bf16",
                    offload=offload)
@@ -177,7 +177,7 @@ def test_count_params_of_a_4bit_base_for_any_quant_storage(tiny_model_dir, offlo
 
 def test_offload_is_not_a_single_process_run():
     from lowvram.errors import LowvramError
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     recipe = parse_recipe(RECIPE)
     with pytest.raises(LowvramError, match="offload"):
@@ -186,7 +186,7 @@ def test_offload_is_not_a_single_process_run():
 
 def test_pure_fp16_full_finetune_is_refused():
     from lowvram.errors import LowvramError
-    from lowvram.train.trainer import build_training_args
+    from lowvram.train.build.trainer import build_training_args
 
     recipe = parse_recipe(RECIPE)
     with pytest.raises(LowvramError, match="fp16"):
@@ -200,7 +200,7 @@ def test_gguf_conversion_is_cached(tmp_path, tiny_model_dir, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowvram.train.model import load_model
+    from lowvram.train.build.model import load_model
 
     calls = []
     real_model, real_tok = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
@@ -276,7 +276,7 @@ def test_trainer_wraps_each_checkpoint_with_transformers_offload(tmp_path, tiny_
             super().__init__(pack, lambda t: t)
 
     monkeypatch.setattr(mu, "save_on_cpu", Spy)
-    from lowvram.train.run import run_training
+    from lowvram.train.run.run import run_training
 
     path = write_recipe(tmp_path, tiny_model_dir, steps=2, techniques="lora: on, gradient_checkpointing: on")
     recipe = load_recipe(path)
@@ -294,8 +294,8 @@ def test_trainer_arguments_carry_the_plan():
     """Checkpointing kwargs and Liger's switch as the Trainer receives them."""
     from types import SimpleNamespace
 
-    from lowvram.train.loss import LIGER_KERNEL_CONFIG, fused_loss_arguments
-    from lowvram.train.model import checkpointing_kwargs
+    from lowvram.train.build.loss import LIGER_KERNEL_CONFIG, fused_loss_arguments
+    from lowvram.train.build.model import checkpointing_kwargs
 
     assert checkpointing_kwargs(SimpleNamespace(activation_offload=False)) == {"use_reentrant": False}
     assert checkpointing_kwargs(SimpleNamespace(activation_offload=True)) == {"use_reentrant": False, "offload": True}
@@ -317,7 +317,7 @@ def test_fused_loss_reaches_liger_through_the_trainer(monkeypatch, tiny_model_di
     from transformers import AutoModelForCausalLM
 
     from lowvram.errors import LowvramError
-    from lowvram.train.loss import LIGER_KERNEL_CONFIG, fused_loss_arguments
+    from lowvram.train.build.loss import LIGER_KERNEL_CONFIG, fused_loss_arguments
 
     with pytest.raises(LowvramError, match="needs CUDA and the liger extra"):
         fused_loss_arguments(SimpleNamespace(loss="fused", device="cpu"))

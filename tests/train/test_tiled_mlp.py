@@ -1,6 +1,6 @@
 """Tiled MLP (issue 26, item 1): DeepSpeed's TiledMLP wired to transformers / peft MLP modules
-(lowvram.train.tiled_mlp) trains the same as the plain MLP, and the planner counts it per shard
-(lowvram.plan.tiled) as named moments; auto takes it only where it is the cheapest way to fit."""
+(lowvram.train.build.tiled_mlp) trains the same as the plain MLP, and the planner counts it per shard
+(lowvram.plan.memory.tiled) as named moments; auto takes it only where it is the cheapest way to fit."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from lowvram.errors import LowvramError
-from lowvram.plan import tiled
-from lowvram.plan.catalog import resolve_model
-from lowvram.plan.choose import choose_plan
-from lowvram.plan.memory import estimate_memory
-from lowvram.plan.moments import MOMENTS
-from lowvram.plan.request import Budget, PlanRequest
+from lowvram.plan.choose.choose import choose_plan
+from lowvram.plan.choose.request import Budget, PlanRequest
+from lowvram.plan.memory import tiled
+from lowvram.plan.memory.memory import estimate_memory
+from lowvram.plan.memory.moments import MOMENTS
+from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
 from lowvram.plan.types import Plan
 from lowvram.planning.from_recipe import tiled_mlp_fields
@@ -34,7 +34,7 @@ def _loss_and_grads(model_dir, plan, ids):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowvram.train.model import load_kwargs, prepare_model
+    from lowvram.train.build.model import load_kwargs, prepare_model
 
     model = prepare_model(AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(plan)), plan, seed=0)
     model.train()
@@ -105,7 +105,7 @@ def test_tiled_recompute_draws_the_forwards_dropout_masks(tiny_model_dir, checkp
 def test_mlp_modules_are_the_dense_mlps(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from lowvram.train.tiled_mlp import enable_tiled_mlp
+    from lowvram.train.build.tiled_mlp import enable_tiled_mlp
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert enable_tiled_mlp(model) == model.config.num_hidden_layers
@@ -228,7 +228,7 @@ def test_plan_flag_fixes_tiling():
 
 
 def test_expandable_segments_unless_the_user_set_the_allocator():
-    from lowvram.train.allocator import ALLOC_CONF, set_expandable_segments
+    from lowvram.train.build.allocator import ALLOC_CONF, set_expandable_segments
 
     env: dict[str, str] = {}
     assert set_expandable_segments(env) and env == {ALLOC_CONF: "expandable_segments:True"}
@@ -238,7 +238,7 @@ def test_expandable_segments_unless_the_user_set_the_allocator():
 
 def test_lowvram_train_sets_it_in_the_launchers_environment(tmp_path, tiny_model_dir, monkeypatch):
     """`lowvram train` sets it before planning (before anything initialises CUDA); accelerate's
-    ranks get os.environ (lowvram.train.launch.run_launch)."""
+    ranks get os.environ (lowvram.train.run.launch.run_launch)."""
     import os
 
     from typer.testing import CliRunner

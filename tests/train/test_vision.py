@@ -24,7 +24,7 @@ def _assert_only_the_text_model_trained(run, base, method: str, tower_markers: t
     as it was in ``base``; LoRA and QLoRA saved no adapter on one. Returns the adapter's keys
     (empty under full fine-tuning)."""
     def tower(folder):
-        from lowvram.train.model import model_class
+        from lowvram.train.build.model import model_class
 
         m = model_class(True).from_pretrained(folder)
         if class_name:
@@ -62,7 +62,7 @@ def test_qlora_keeps_the_tower_out_of_bitsandbytes():
     import bitsandbytes as bnb
 
     from lowvram.check.builders import build_model
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.model.readers import spec_from_config
     from lowvram.plan.setup import RunSetup
 
     cfg = dict(model_type="llava",
@@ -74,7 +74,7 @@ def test_qlora_keeps_the_tower_out_of_bitsandbytes():
     spec = spec_from_config(cfg, "tiny-llava")
     model = build_model(RunSetup(spec, quantization="nf4-dq", lora=True, lora_r=4, device="cpu",
                                  precision="fp32"))
-    from lowvram.plan.states import vision_weight_bytes
+    from lowvram.plan.memory.states import vision_weight_bytes
 
     setup = RunSetup(spec, quantization="nf4-dq", lora=True, lora_r=4, device="cpu", precision="fp32")
     held = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
@@ -93,7 +93,7 @@ def test_training_builds_no_kv_cache_on_a_multimodal_model(family):
     does not set; left on, a DynamicCache copied every layer's keys and values in the forward
     (held-out vision seed 110, Llava QLoRA packed, was +3.41% over its plan; +0.33% without)."""
     from lowvram.difftest import _config
-    from lowvram.train.model import has_vision, model_class, no_kv_cache
+    from lowvram.train.build.model import has_vision, model_class, no_kv_cache
 
     case = _case(family, "lora", vision_layers=1)
     model = model_class(True).from_config(_config(case, 512, 0, 1))
@@ -150,9 +150,9 @@ def test_qwen_vl_qlora_keeps_model_visual_out_of_bitsandbytes(family):
     import bitsandbytes as bnb
 
     from lowvram.check.builders import build_model
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.memory.states import vision_weight_bytes
+    from lowvram.plan.model.readers import spec_from_config
     from lowvram.plan.setup import RunSetup
-    from lowvram.plan.states import vision_weight_bytes
 
     spec = spec_from_config(_TINY_QWEN_VL[family], f"tiny-{family}")
     setup = RunSetup(spec, quantization="nf4-dq", lora=True, lora_r=4, device="cpu", precision="fp32")
@@ -183,7 +183,7 @@ def test_mllama_text_recipe_trains_at_its_plan_with_tower_and_cross_attention_fr
     cross = [f"language_model.layers.{i}." for i in mllama_cross_layers(case)]
     frozen = ["vision_model", "multi_modal_projector", *cross]
     if method == "full":
-        from lowvram.train.model import model_class
+        from lowvram.train.build.model import model_class
 
         def held(folder):
             m = model_class(True).from_pretrained(folder)
@@ -212,9 +212,9 @@ def test_mllama_qlora_quantizes_the_cross_attention_layers_without_adapters():
 
     from lowvram.check.builders import build_model
     from lowvram.livebytes import iter_tensors
-    from lowvram.plan.readers import spec_from_config
+    from lowvram.plan.memory.states import cross_attention_weight_bytes, vision_weight_bytes
+    from lowvram.plan.model.readers import spec_from_config
     from lowvram.plan.setup import RunSetup
-    from lowvram.plan.states import cross_attention_weight_bytes, vision_weight_bytes
 
     cfg = dict(model_type="mllama",
                text_config=dict(model_type="mllama_text_model", hidden_size=64, intermediate_size=128,

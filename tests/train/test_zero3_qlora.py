@@ -13,7 +13,7 @@ import yaml
 
 from lowvram.planning.fixed import resolve_fixed
 from lowvram.recipe import parse_recipe
-from lowvram.train import launch
+from lowvram.train.run import launch
 
 
 def _recipe(tmp_path, model_dir):
@@ -44,7 +44,7 @@ def _launched_env(plan, tmp_path) -> dict[str, str]:
 def test_a_sharded_4bit_base_is_stored_in_the_compute_dtype(tmp_path, tiny_model_dir, offload):
     import torch
 
-    from lowvram.train.model import quantization_config
+    from lowvram.train.build.model import quantization_config
 
     plan = replace(resolve_fixed(_recipe(tmp_path, tiny_model_dir)), lora=True, quantization="nf4-dq",
                    mixed_precision="bf16", offload=offload, device="cuda")
@@ -60,7 +60,7 @@ def test_zero3_qlora_loads_with_zero3_enabled(tmp_path, tiny_model_dir, monkeypa
     from transformers import AutoModelForCausalLM
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from lowvram.train import run
+    from lowvram.train.run import run
 
     recipe = _recipe(tmp_path, tiny_model_dir)
     # fp32: TrainingArguments refuses bf16 on a machine without a bf16 GPU unless use_cpu.

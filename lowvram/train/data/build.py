@@ -13,9 +13,9 @@ from lowvram.errors import DataError
 from lowvram.recipe import Recipe
 from lowvram.train.data.collate import columns, hold_out, pack, to_dataset
 from lowvram.train.data.images import tokenize_image_rows
-from lowvram.train.data.read import load_rows
+from lowvram.train.data.read import concrete_spec, load_rows
 from lowvram.train.data.tokenize import Counts, tokenize_rows
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -78,6 +78,7 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: I
 
     for spec in data.datasets:
         rows = load_rows(recipe, spec, spec.split, spec.max_samples)
+        spec = concrete_spec(spec, rows)
         train_samples += samples(rows, spec)
         if split_eval:
             eval_rows = load_rows(recipe, spec, data.validation, None)

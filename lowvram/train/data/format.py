@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from lowvram.errors import DataError
 from lowvram.recipe import DatasetSpec
+from lowvram.recipe.formats import SHAREGPT_ROLES, column_of, recognise, unknown_field
 from lowvram.train.data.read import BadRow
 
 if TYPE_CHECKING:
@@ -24,19 +25,9 @@ ALPACA_PROMPT_NO_INPUT = (
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
 
-# Field names of each format: (required, optional).
-FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "alpaca": (("instruction", "output"), ("input",)),
-    "chat": (("messages",), ()),
-    "image_chat": (("messages",), ("images",)),  # lowvram.train.data.images
-    "completion": (("prompt", "completion"), ()),
-    "text": (("text",), ()),
-    "preference": (("chosen", "rejected"), ("prompt",)),  # lowvram.train.data.preference
-    "unpaired": (("prompt", "completion", "label"), ()),  # training.objective kto (data/preference.py)
-}
-
-
 Segments = list[tuple[str, bool]]  # (text, trained)
+# The formats rendered by the tokenizer's chat template (image_chat: by the processor's).
+CHAT_FORMATS = ("chat", "sharegpt")
 
 
 def format_example(row: dict, spec: DatasetSpec) -> tuple[str, str]:
@@ -45,6 +36,7 @@ def format_example(row: dict, spec: DatasetSpec) -> tuple[str, str]:
     Raises ``ValueError`` for a chat spec (chat needs the tokenizer: see ``_chat_segments``) and
     ``BadRow`` (a ``ValueError`` too) naming the field for a malformed row.
     """
+    spec = row_spec(row, spec)
     if spec.format == "alpaca":
         instruction = _text_field(row, spec, "instruction")
         output = _text_field(row, spec, "output")
@@ -61,8 +53,19 @@ def format_example(row: dict, spec: DatasetSpec) -> tuple[str, str]:
     raise ValueError("chat rows are rendered by the tokenizer's chat template, not format_example")
 
 
+def row_spec(row: dict, spec: DatasetSpec) -> DatasetSpec:
+    """``spec``, or with format auto the format this row's columns name (recipe/formats.py)."""
+    if spec.format != "auto":
+        return spec
+    found = recognise(row)
+    if found is None:
+        raise BadRow(f"cannot tell the data format from the columns ({', '.join(map(str, row)) or 'none'}); "
+                     "set format: and map your columns with fields: {...}")
+    return spec.model_copy(update={"format": found.format, "fields": {**found.fields, **spec.fields}})
+
+
 def _text_field(row: dict, spec: DatasetSpec, field: str, required: bool = True) -> str:
-    column = spec.fields.get(field, field)
+    column = column_of(spec.format, spec.fields, field)
     shown = f"'{field}'" if column == field else f"'{field}' (column '{column}')"
     if column not in row or row[column] is None:
         if not required:
@@ -83,18 +86,13 @@ def short_repr(value: Any) -> str:
 
 
 def check_fields(spec: DatasetSpec) -> None:
-    import difflib
-
-    required, optional = FORMAT_FIELDS[spec.format]
-    known = required + optional
-    for key in spec.fields:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            tip = f"did you mean '{close[0]}'? " if close else ""
-            raise DataError(
-                f"{spec.path}: fields: '{key}' is not a field of format {spec.format}",
-                f"{tip}fields maps {spec.format}'s fields ({', '.join(known)}) to your column names",
-            )
+    """The schema checks fields: of a recipe's format; this checks a format recognised from rows."""
+    if wrong := unknown_field(spec.format, spec.fields):
+        key, tip, known = wrong
+        raise DataError(
+            f"{spec.path}: fields: '{key}' is not a field of format {spec.format}",
+            f"{tip}fields maps {spec.format}'s fields ({', '.join(known)}) to your column names",
+        )
 
 
 def segments(row: Any, spec: DatasetSpec, chat: ChatRenderer | None) -> Segments:
@@ -117,7 +115,8 @@ class ChatRenderer:
     Mistral, Gemma and Qwen templates; a row where it fails is reported, not silently mis-masked.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: DatasetSpec, eos: str | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: DatasetSpec, eos: str | None = None,
+                 last_only: bool = False) -> None:
         """``tokenizer``: what renders the template (a tokenizer, or a multimodal processor, whose
         apply_chat_template takes the same arguments); ``eos``: its end token when it is no
         tokenizer."""
@@ -129,6 +128,7 @@ class ChatRenderer:
             )
         self.tokenizer = tokenizer
         self.eos = (tokenizer.eos_token if eos is None else eos) or ""
+        self.last_only = last_only  # data.train_on: last (only the final assistant turn is trained)
 
     def _render(self, messages: list, generation_prompt: bool) -> str:
         if not messages:
@@ -147,9 +147,8 @@ class ChatRenderer:
         full = self._render(messages, False)
         out: Segments = []
         pos = 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for i in turns[-1:] if self.last_only else turns:
             before = self._render(messages[:i], True)
             upto = self._render(messages[: i + 1], False)
             if not (upto.startswith(before) and full.startswith(upto) and len(before) >= pos):
@@ -167,32 +166,54 @@ class ChatRenderer:
 
 
 MESSAGES_EXPECTED = "expected a list of {role, content} objects"
+# OpenAI message keys a chat template renders besides role and content (tool calls and results).
+_TOOL_KEYS = ("tool_calls", "name", "tool_call_id")
 
 
 def message_list(row: dict, spec: DatasetSpec) -> tuple[str, list[dict]]:
-    """The row's messages column and its list, each message a dict with a role (BadRow if not);
-    the content is the caller's to check (text here, text or parts for image_chat)."""
-    column = spec.fields.get("messages", "messages")
+    """The row's messages column and its list in OpenAI's layout: each message a dict whose
+    ``role`` is mapped through data's ``roles`` (sharegpt: ShareGPT's tags) and whose text is under
+    ``content`` (BadRow when a message has no role). The content is the caller's to check (text
+    here, text or parts for image_chat)."""
+    column = column_of(spec.format, spec.fields, "messages")
+    role_key = column_of(spec.format, spec.fields, "role")
+    content_key = column_of(spec.format, spec.fields, "content")
+    expected = MESSAGES_EXPECTED if role_key == "role" and content_key == "content" else \
+        f"expected a list of {{{role_key}, {content_key}}} objects"
     if column not in row or row[column] is None:
         present = ", ".join(map(str, row)) or "none"
-        raise BadRow(f"missing field '{column}'; expected a list of {{role, content}} (columns present: {present})")
+        raise BadRow(f"missing field '{column}'; {expected} (columns present: {present})")
     messages = row[column]
     if not isinstance(messages, list) or not messages:
-        raise BadRow(f"field '{column}': {MESSAGES_EXPECTED}, got {type(messages).__name__} {short_repr(messages)}")
+        raise BadRow(f"field '{column}': {expected}, got {type(messages).__name__} {short_repr(messages)}")
+    roles = {**(SHAREGPT_ROLES if spec.format == "sharegpt" else {}), **spec.roles}
+    out = []
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise BadRow(f"field '{column}', message {j}: {MESSAGES_EXPECTED}, got {short_repr(m)}")
-    return column, messages
+        if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or not m[role_key]:
+            raise BadRow(f"field '{column}', message {j}: {expected}, got {short_repr(m)}")
+        role = roles.get(m[role_key], m[role_key])
+        if spec.format == "sharegpt" and role not in SHAREGPT_ROLES.values():
+            raise BadRow(f"field '{column}', message {j}: unknown speaker '{m[role_key]}' (map it with "
+                         f"roles: {{{m[role_key]}: assistant}}, or user, system, tool; known: {', '.join(SHAREGPT_ROLES)})")
+        msg = {k: v for k, v in m.items() if k in _TOOL_KEYS and v is not None}
+        msg["role"] = role
+        if content_key in m:
+            msg["content"] = m[content_key]
+        out.append(msg)
+    return column, out
 
 
 def _messages(row: dict, spec: DatasetSpec) -> list[dict]:
     column, messages = message_list(row, spec)
-    expected = MESSAGES_EXPECTED
+    content_key = column_of(spec.format, spec.fields, "content")
     for j, m in enumerate(messages):
+        if m.get("content") is None and m.get("tool_calls"):
+            m["content"] = ""  # an assistant turn that only calls tools
         if not isinstance(m.get("content"), str):
             got = type(m.get("content")).__name__ if "content" in m else "no content"
-            raise BadRow(f"field '{column}', message {j}: 'content' must be text, got {got}")
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        raise BadRow(f"field '{column}': {expected} with at least one non-empty assistant message")
-    # Keep only role/content: extra keys (name, weight, ...) may be None after Arrow loading.
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+            raise BadRow(f"field '{column}', message {j}: '{content_key}' must be text, got {got}")
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
+        roles = sorted({m["role"] for m in messages})
+        tip = "" if "assistant" in roles else f" (roles present: {', '.join(roles)}; map yours with roles: {{...}})"
+        raise BadRow(f"field '{column}': {MESSAGES_EXPECTED} with at least one non-empty assistant message{tip}")
+    return messages

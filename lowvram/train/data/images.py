@@ -7,7 +7,7 @@ ShareGPT (an ``<image>`` placeholder inside text content counts as an image part
 are relative to the data file. Each image part becomes the processor's placeholder in the chat
 template's text; the processor (transformers Gemma3Processor / LlavaProcessor
 ``replace_image_token``) expands it into the image's tokens, tokens_per_image of them
-(lowvram.plan.vision). Labels are on assistant turns only (ChatRenderer's segments) and never on
+(lowvram.plan.model.vision). Labels are on assistant turns only (ChatRenderer's segments) and never on
 an image token. The dataset keeps the token ids and the image paths: pixel values are made per
 batch by :class:`ImageCollator` (the processor's image processor), not stored.
 
@@ -33,7 +33,8 @@ from lowvram.train.data.format import (
     short_repr,
 )
 from lowvram.train.data.read import BadRow, Row
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.data.tokenize import trains_all
+from lowvram.train.types import IGNORE_INDEX
 
 # The largest image accepted, in pixels (width x height): 4096 x 4096. The processors resize every
 # image to the tower's side (896 px for Gemma-3, 336 for Llava-1.5), so a larger file only costs
@@ -96,7 +97,7 @@ def image_messages(row: dict, spec: DatasetSpec) -> list[dict]:
         elif not isinstance(content, str):
             got = type(content).__name__ if "content" in m else "no content"
             raise BadRow(f"field '{column}', message {j}: 'content' must be text or a list of parts, got {got}")
-        out.append({"role": m["role"], "content": content})
+        out.append({**m, "content": content})
     if not any(m["role"] == "assistant" and _text_of(m["content"]).strip() for m in out):
         raise BadRow(f"field '{column}': {expected} with at least one non-empty assistant message")
     return out
@@ -160,11 +161,13 @@ class ImageChatTokenizer:
     image_token_id: int
     base: Path
     max_images: int
-    train_all: bool = False  # data.train_on_inputs
+    train_all: bool = False  # data.train_on: all
+    last_only: bool = False  # data.train_on: last
     cache: Path | None = None  # where a hub dataset's images are written (a temporary folder)
 
     def __post_init__(self) -> None:
-        self.chat = ChatRenderer(self.processor, self.spec, eos=self.processor.tokenizer.eos_token)
+        self.chat = ChatRenderer(self.processor, self.spec, eos=self.processor.tokenizer.eos_token,
+                                 last_only=self.last_only)
         self.placeholder = self.processor.image_token
 
     def _path(self, entry: Any) -> str:
@@ -227,7 +230,7 @@ def tokenize_image_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, proc
     check_fields(spec)
     base = recipe.resolve_path(spec.path).parent
     tok = ImageChatTokenizer(processor, spec, image_token_id, base, recipe.data.images_per_row,
-                             train_all=recipe.data.train_on_inputs)
+                             train_all=trains_all(recipe), last_only=recipe.data.train_on == "last")
     seq_len = recipe.training.seq_len
     out: list[ImageSample] = []
     for row in rows:

@@ -18,7 +18,7 @@ from typing import Any
 from lowvram.errors import DataError, LowvramError
 from lowvram.recipe import DatasetSpec, Recipe
 from lowvram.train.data.format import check_fields, short_repr
-from lowvram.train.data.read import BadRow, Row, load_rows
+from lowvram.train.data.read import BadRow, Row, concrete_spec, load_rows
 from lowvram.train.data.tokenize import Counts
 
 TRL_HINT = "pip install 'lowvram[preference]' (TRL 1.16)"
@@ -136,6 +136,7 @@ def unpaired_row(row: Any, spec: DatasetSpec) -> dict:
 
 
 def preference_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, counts: Counts) -> list[dict]:
+    spec = concrete_spec(spec, rows)
     check_fields(spec)
     read = unpaired_row if spec.format == "unpaired" else preference_pair
     out = []

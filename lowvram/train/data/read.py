@@ -20,6 +20,14 @@ from typing import Any
 
 from lowvram.errors import DataError
 from lowvram.hub import HUB_ID
+from lowvram.inputfiles import (
+    LineTooLong,
+    bounded_lines,
+    line_limit_bytes,
+    open_ordinary,
+    require_ordinary,
+    too_long_error,
+)
 from lowvram.recipe import DatasetSpec, Recipe
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".ndjson", ".csv", ".parquet", ".txt")
@@ -35,7 +43,7 @@ class Row:
     """One raw row and where it came from, for error messages."""
 
     data: Any
-    where: str  # "file.jsonl:12" or "file.csv: row 3"
+    where: str  # "file.jsonl:12" (a line of a text file: JSON Lines, JSON, CSV, .txt) or "file.parquet: row 3"
 
 
 class BadRow(ValueError):
@@ -50,19 +58,24 @@ def is_local(path: Path, shown: str) -> bool:
 
 def load_rows(recipe: Recipe, spec: DatasetSpec, split: str, max_samples: int | None) -> list[Row]:
     path = recipe.resolve_path(spec.path)
+    limit = line_limit_bytes(recipe.training.seq_len)
     if is_local(path, spec.path):
         if split != "train":
             raise DataError(
                 f"{spec.path}: a local file has only the 'train' split, not '{split}'",
                 "set data.validation to a fraction (e.g. 0.1) or list the eval file as its own dataset",
             )
-        rows = _load_local(path, spec.path)
+        rows = _load_local(path, spec.path, recipe.training.seq_len)
     else:
         rows = _load_hub(spec, split, max_samples)
-    return rows[:max_samples] if max_samples else rows
+    rows = rows[:max_samples] if max_samples else rows
+    for row in rows:  # a .json list, a CSV or Parquet row, a hub row: the same bound as a line
+        if _text_chars(row.data) > limit:
+            raise too_long_error(row.where, recipe.training.seq_len, "row")
+    return rows
 
 
-def _load_local(path: Path, shown: str) -> list[Row]:
+def _load_local(path: Path, shown: str, seq_len: int) -> list[Row]:
     if not path.exists():
         raise DataError(
             f"data file not found: {path}",
@@ -70,6 +83,7 @@ def _load_local(path: Path, shown: str) -> list[Row]:
         )
     if path.is_dir():
         raise DataError(f"{path} is a folder, not a data file", "point path at a .jsonl, .json, .csv, .parquet or .txt file")
+    require_ordinary(path, "data file", DATA_HINT)  # a FIFO would block, /dev/zero never end
     suffix = path.suffix.lower()
     if suffix not in LOCAL_SUFFIXES:
         raise DataError(
@@ -79,23 +93,22 @@ def _load_local(path: Path, shown: str) -> list[Row]:
     name = path.name
     if suffix == ".parquet":
         rows = _load_parquet(path, name)
+    elif suffix in (".jsonl", ".ndjson", ".txt"):
+        rows = _line_rows(path, name, seq_len, as_text=suffix == ".txt")
     else:
         text = _read_text(path)
-        if suffix in (".jsonl", ".ndjson"):
-            rows = list(jsonl_rows(text, name))
-        elif suffix == ".json":
-            rows = _json_rows(text, name)
-        elif suffix == ".txt":
-            rows = [Row({"text": line}, f"{name}:{i}") for i, line in enumerate(text.splitlines(), 1) if line.strip()]
-        else:
-            rows = _load_csv(path, text, name)
+        rows = _json_rows(text, name) if suffix == ".json" else _load_csv(path, text, name)
     if not rows:
         raise DataError(f"{path}: the data file has no rows", "add examples to the file or remove it from data.datasets")
     return rows
 
 
+DATA_HINT = "point data.datasets[].path at a regular .jsonl, .json, .csv, .parquet or .txt file"
+
+
 def _read_text(path: Path) -> str:
-    raw = path.read_bytes()
+    with open_ordinary(path, "data file", DATA_HINT) as f:
+        raw = f.read()
     if not raw.strip():
         raise DataError(f"{path}: the data file is empty", "add examples to the file or remove it from data.datasets")
     try:
@@ -108,10 +121,50 @@ def _read_text(path: Path) -> str:
         ) from None
 
 
-def jsonl_rows(text: str, name: str) -> Iterator[Row]:
+def _line_rows(path: Path, name: str, seq_len: int, as_text: bool) -> list[Row]:
+    """JSON Lines (or .txt) read line by line, each line at most line_limit_bytes(seq_len): one
+    enormous line is an error naming it before it is decoded, parsed or tokenized."""
+    rows, blank = [], True
+    with open_ordinary(path, "data file", DATA_HINT) as f:
+        try:
+            for number, offset, raw in bounded_lines(f, line_limit_bytes(seq_len)):
+                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # utf-8-sig's byte-order mark
+                    raw, offset = raw[3:], offset + 3
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{path}: not UTF-8 text (byte {offset + e.start}, line {number})",
+                        "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+                    ) from None
+                blank = blank and not line.strip()
+                if as_text:  # one sample per non-blank line, as str.splitlines() cuts it
+                    rows += [Row({"text": t}, f"{name}:{number}") for t in line.splitlines() if t.strip()]
+                else:
+                    rows += jsonl_rows(line.rstrip("\n"), name, first=number)
+        except LineTooLong as e:
+            raise too_long_error(f"{path}:{e.line}", seq_len) from None
+    if blank:
+        raise DataError(f"{path}: the data file is empty", "add examples to the file or remove it from data.datasets")
+    return rows
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of text in a row (its strings, nested in lists and dicts)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
+def jsonl_rows(text: str, name: str, first: int = 1) -> Iterator[Row]:
     # Only "\n" ends a row: str.splitlines() also splits at U+2028, U+0085, \x1c..., which JSON
-    # strings may hold raw (a trailing "\r" is JSON whitespace).
-    for i, line in enumerate(text.split("\n"), 1):
+    # strings may hold raw (a trailing "\r" is JSON whitespace). ``first``: the number of text's
+    # first line in its file.
+    for i, line in enumerate(text.split("\n"), first):
         if not line.strip():
             continue
         try:
@@ -135,13 +188,45 @@ def _json_rows(text: str, name: str) -> list[Row]:
     if not isinstance(data, list):
         raise DataError(f"{name}: expected a list of objects, got a {type(data).__name__}",
                         "a .json data file holds a list of objects, e.g. [{\"instruction\": ...}]")
-    return [Row(r, f"{name}: row {i}") for i, r in enumerate(data, 1)]
+    lines = _element_lines(text, len(data))
+    if None in lines or len(set(lines)) != len(lines):  # elements share lines: name them by number
+        return [Row(r, f"{name}: row {i}") for i, r in enumerate(data, 1)]
+    return [Row(r, f"{name}:{line}") for r, line in zip(data, lines, strict=True)]
+
+
+def _element_lines(text: str, count: int) -> list[int | None]:
+    """The line each element of the file's array starts on (``FILE:LINE``, as for JSON Lines), or
+    Nones when the array cannot be walked (e.g. a {"data": [...]} wrapper with odd keys)."""
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0 or (text.lstrip().startswith("{") and text.find(":") > start):
+        return [None] * count
+    pos, out = start + 1, []
+    ws = " \t\r\n,"
+    for _ in range(count):
+        while pos < len(text) and text[pos] in ws:
+            pos += 1
+        out.append(text.count("\n", 0, pos) + 1)
+        try:
+            _, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return [None] * count
+    return out
+
+
+def _datasets():
+    """``datasets`` with its progress bars off (they would print "Generating train split" on the
+    user's terminal for every file)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets
 
 
 def _load_csv(path: Path, text: str, name: str) -> list[Row]:
     import csv
 
-    import datasets
+    datasets = _datasets()
 
     header = next(csv.reader(text.splitlines()), [])
     if not header:
@@ -155,11 +240,32 @@ def _load_csv(path: Path, text: str, name: str) -> list[Row]:
     except Exception as e:  # noqa: BLE001 - pandas/arrow raise many kinds
         raise DataError(f"{path}: cannot read as CSV: {_root_cause(e)}",
                         "check the quoting and that every line has the header's columns") from None
-    return [Row(r, f"{name}: row {i}") for i, r in enumerate(ds, 1)]
+    lines = _record_lines(text)
+    if len(lines) != len(ds):  # pandas and the csv module disagree on this file: rows, not lines
+        return [Row(r, f"{name}: row {i}") for i, r in enumerate(ds, 1)]
+    return [Row(r, f"{name}:{line}") for r, line in zip(ds, lines, strict=True)]
+
+
+def _record_lines(text: str) -> list[int]:
+    """The line each data record of a CSV text starts on (the header is line 1; a quoted field
+    may span lines; blank lines hold no record, as pandas reads them)."""
+    import csv
+    import io
+
+    reader = csv.reader(io.StringIO(text))
+    starts, end = [], 0
+    try:
+        for record in reader:
+            if record:
+                starts.append(end + 1)
+            end = reader.line_num
+    except csv.Error:
+        return []
+    return starts[1:]
 
 
 def _load_parquet(path: Path, name: str) -> list[Row]:
-    import datasets
+    datasets = _datasets()
 
     if path.stat().st_size == 0:
         raise DataError(f"{path}: the data file is empty", "write the parquet file again")
@@ -172,7 +278,7 @@ def _load_parquet(path: Path, name: str) -> list[Row]:
 
 
 def _load_hub(spec: DatasetSpec, split: str, max_samples: int | None) -> list[Row]:
-    import datasets
+    datasets = _datasets()
 
     # A slice lets the hub loader stop early on large datasets.
     sliced = f"{split}[:{max_samples}]" if max_samples else split
@@ -187,6 +293,25 @@ def _load_hub(spec: DatasetSpec, split: str, max_samples: int | None) -> list[Ro
             "blocks downloads)",
         ) from None
     return [Row(r, f"{spec.path}[{split}]: row {i}") for i, r in enumerate(ds, 1)]
+
+
+def concrete_spec(spec: DatasetSpec, rows: list[Row]) -> DatasetSpec:
+    """The spec with a concrete format: as written, or (format auto: a hub dataset, or a file
+    load_recipe could not peek into) recognised from the first row's columns."""
+    from lowvram.recipe.formats import recognise
+
+    if spec.format != "auto":
+        return spec
+    first = next((r.data for r in rows if isinstance(r.data, dict)), None)
+    found = recognise(first)
+    if found is None:
+        columns = ", ".join(map(str, first)) if isinstance(first, dict) else "none"
+        raise DataError(
+            f"{spec.path}: cannot tell the data format from the columns ({columns})",
+            "set its format: (alpaca, chat, sharegpt, completion, text, preference, ...) and map your "
+            "column names with fields: {...}; `lowvram keys` lists them",
+        )
+    return spec.model_copy(update={"format": found.format, "fields": {**found.fields, **spec.fields}})
 
 
 def _root_cause(e: BaseException) -> str:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 from lowvram.errors import DataError
 from lowvram.recipe import DatasetSpec, Recipe
-from lowvram.train.data.format import ChatRenderer, Segments, check_fields, segments
+from lowvram.train.data.format import CHAT_FORMATS, ChatRenderer, Segments, check_fields, segments
 from lowvram.train.data.read import BadRow, Row
-from lowvram.train.loss import IGNORE_INDEX
+from lowvram.train.types import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,9 +37,12 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer: PreTrainedTokenizerBase,
-                   counts: Counts) -> list[tuple[list[int], list[int]]]:
+                   counts: Counts, lengths: list[int] | None = None) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of each row, cut to seq_len; ``lengths`` collects each sample's tokens
+    before the cut (the data check's statistics)."""
     check_fields(spec)
-    chat = ChatRenderer(tokenizer, spec) if spec.format == "chat" else None
+    chat = (ChatRenderer(tokenizer, spec, last_only=recipe.data.train_on == "last")
+            if spec.format in CHAT_FORMATS else None)
     all_segments: list[Segments] = []
     for row in rows:
         try:
@@ -63,7 +66,7 @@ def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer:
         raise DataError("the tokenizer has no eos token", "use the tokenizer of a causal language model")
     ids_of = _batch_tokenize(tokenizer, (t for segs in all_segments for t, _ in segs))
     seq_len = recipe.training.seq_len
-    train_all = recipe.data.train_on_inputs
+    train_all = trains_all(recipe)
     out = []
     for segs in all_segments:
         ids, labels = list(prefix), [IGNORE_INDEX] * len(prefix)
@@ -73,6 +76,8 @@ def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer:
                 piece = piece + eos
             ids += piece
             labels += piece if (trained or train_all) else [IGNORE_INDEX] * len(piece)
+        if lengths is not None:
+            lengths.append(len(ids))
         if len(ids) > seq_len:
             counts.truncated += 1
             ids, labels = ids[:seq_len], labels[:seq_len]
@@ -81,6 +86,11 @@ def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer:
                 continue
         out.append((ids, labels))
     return out
+
+
+def trains_all(recipe: Recipe) -> bool:
+    """Every token carries the loss (data.train_on: all, or its older spelling train_on_inputs)."""
+    return recipe.data.train_on == "all" or recipe.data.train_on_inputs
 
 
 def _batch_tokenize(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) -> dict[str, list[int]]:

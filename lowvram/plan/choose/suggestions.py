@@ -1,0 +1,111 @@
+"""What to change when nothing fits: the setting that frees the most (a shorter sequence, a fixed
+technique released) and a smaller model of the catalog that would fit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lowvram.errors import LowvramError
+from lowvram.plan.choose.explain import Estimator
+from lowvram.plan.choose.limits import max_fitting_seq_len
+from lowvram.plan.choose.request import (
+    Budget,
+    Candidate,
+    PlanRequest,
+    fits_budget,
+    vram_needed_bytes,
+)
+from lowvram.plan.choose.search import candidate, candidate_setups, rank
+from lowvram.plan.memory.optimizers import optimizer_problems
+from lowvram.plan.model import moe
+from lowvram.plan.model.catalog import catalog_names, resolve_model
+from lowvram.plan.model.models import model_numel
+from lowvram.plan.model.vision import vision_problems
+from lowvram.plan.setup import RunSetup
+from lowvram.units import gib
+
+# --------------------------------------------------------------------------------------------
+# Nothing fits: what would help
+
+
+def suggest_changes(req: PlanRequest, budget: Budget, lowest: Candidate, estimate: Estimator) -> tuple[str, ...]:
+    """Single changes that make it fit, the one that keeps the most of the request first."""
+    out = []
+    # 1. Release a choice the user fixed (the planner could then pick a cheaper setting).
+    for name, flag in _RELEASABLE.items():
+        if not req.fixed(name):
+            continue
+        freed = replace(req, **{name: None})
+        if name == "lora":
+            freed = replace(freed, quantization=None if req.quantization in (None, "none") else req.quantization)
+        fit = [c for c in (candidate(s, freed, budget, estimate) for s in candidate_setups(freed, budget)) if c.fits]
+        if fit:
+            best = min(fit, key=rank)
+            source = req.sources.get(name, flag)
+            value = _describe(name, best.setup)
+            out.append(f"drop {source} and let the planner choose {name}: {value} fits "
+                       f"(peak {gib(best.peak_bytes)})")
+    # 2. A shorter sequence under the lowest-peak plan.
+    max_seq = max_fitting_seq_len(lowest.setup, budget, estimate)
+    if max_seq >= 1:
+        out.append(f"shorter sequences: --seq-len {_round_down(max_seq)} fits "
+                   f"(asked {req.seq_len}) with the lowest-memory plan")
+    # 3. A smaller model of the catalog.
+    smaller = _smaller_model(req, budget, lowest, estimate)
+    if smaller:
+        out.append(smaller)
+    out.append(f"a card with at least {gib(vram_needed_bytes(lowest.peak_bytes))} free")
+    return tuple(out)
+
+
+_RELEASABLE = {
+    "lora": "--method", "quantization": "--quantization", "offload": "--offload", "optimizer": "--optimizer",
+    "gradient_checkpointing": "--no-gradient-checkpointing", "mixed_precision": "--mixed-precision",
+    "loss": "--loss", "attention": "--attention", "micro_batch_size": "micro_batch_size",
+    "grad_accum": "--gradient-accumulation", "activation_offload": "--activation-offload",
+}
+
+
+def _describe(name: str, s: RunSetup) -> str:
+    value = {
+        "lora": "LoRA" if s.lora else "full fine-tuning", "quantization": s.quantization,
+        "offload": s.offload, "optimizer": s.optimizer, "mixed_precision": s.precision,
+        "gradient_checkpointing": "on" if s.gradient_checkpointing else "off", "loss": s.loss,
+        "attention": s.attention, "micro_batch_size": s.micro_batch_size, "grad_accum": s.grad_accum,
+        "activation_offload": "on" if s.activation_offload else "off",
+    }[name]
+    return str(value)
+
+
+def _round_down(n: int) -> int:
+    return n if n < 64 else n - n % 64
+
+
+def _smaller_model(req: PlanRequest, budget: Budget, lowest: Candidate, estimate: Estimator) -> str | None:
+    size = model_numel(req.model)
+    best: tuple[int, str] | None = None
+    for name in catalog_names():
+        try:
+            spec = resolve_model(name)
+        except LowvramError:
+            continue
+        n = model_numel(spec)
+        if n >= size or (best and n <= best[0]):
+            continue
+        if moe.attention_problems(spec, lowest.setup.attention):
+            continue  # gpt-oss cannot run this setup's attention
+        other = replace(lowest.setup, model=spec, tiled_mlp=lowest.setup.tiled_mlp and not spec.is_moe)
+        if optimizer_problems(other) or vision_problems(spec.vision, other.offload, other.objective,
+                                                        other.optimizer, other.tiled_mlp):
+            continue  # a GaLore setup on an MoE or GPT-2 model (plan/memory/optimizers.py), an offload
+            # or a tiled MLP with a vision tower (plan/model/vision.py)
+        if fits_budget(estimate(other), budget):
+            best = (n, name)
+    if best is None:
+        return None
+    return f"a smaller model: --model {best[1]} ({best[0] / 1e9:.1f}B parameters) fits"
+
+
+__all__ = [
+    "suggest_changes",
+]

@@ -1,0 +1,163 @@
+"""Image + text data (format image_chat) in the plan: the images' pixel values in the batch, the
+vision encoder's forward as a moment of its own, the image tokens in the language model's
+sequence, and Gemma-3's bidirectional mask over them. No torch.
+
+``RunSetup.images_per_row`` is the recipe's data.images_per_row (the most images a row holds;
+lowvram.train.data.images refuses a row with more), 0 for text data. The image tokens are part of
+the language model's seq_len tokens (a row is cut at seq_len, never inside an image: the same
+module refuses that), so the language model's terms are the text plan's at seq_len.
+
+Sources (transformers 5.25):
+- pixel values: the processor's image processor resizes every image to the tower's image_size
+  (Gemma3ImageProcessor size, CLIPImageProcessor crop_size) and returns float32
+  ``(images, 3, image_size, image_size)`` (image_processing_utils BatchFeature); lowvram's
+  ImageCollator puts all the micro-batch's images in one tensor, alive through the step (the
+  Trainer's inputs dict).
+- the frozen tower's forward (modeling_siglip.py, modeling_clip.py): no parameter or input needs a
+  gradient, so autograd saves nothing and each layer's temporaries are freed as it goes; the
+  embeddings cast the pixels to the patch embedding's dtype (``pixel_values.to(dtype=target_dtype)``).
+  Llava's tower returns every layer's hidden state (LlavaModel.get_image_features reads
+  ``hidden_states[vision_feature_layer]``), alive beside its projector; Gemma-3's only the last
+  one. The projector's output (image features) is scattered into the text
+  embeddings (``inputs_embeds.masked_scatter``), which were made before the tower ran, and is
+  freed there: the frozen path keeps nothing for the backward.
+- Gemma-3 (modeling_gemma3.py Gemma3Model.forward): with token_type_ids (its processor returns them,
+  lowvram's ImageCollator passes them) it builds create_masks_for_vision_model's full-attention and
+  sliding-window masks, b x 1 x s x s each, so SDPA gets an explicit mask in every layer, as
+  packed data does (activations.masked_layers, _checkpointed_mask_bytes).
+- Mistral-3's image tokens depend on each image's size (PixtralProcessor resizes to fit
+  image_size with the aspect ratio kept, then side x (side + 1) tokens), which the plan does not
+  know from the recipe: image data is refused for it with a hint. So are Qwen2.5-VL's and
+  Qwen3-VL's (dynamic resolution: Qwen2VLImageProcessor resizes each image to a multiple of
+  patch * merge within min/max_pixels, so its tokens follow its size; Qwen3-VL also adds its
+  deepstack features to the first language layers, only with images).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lowvram.plan.model.models import ModelSpec
+    from lowvram.plan.setup import RunSetup
+
+# What a frozen ViT encoder layer's forward holds beside the hidden states kept before it, in
+# tensors of n x P x h (n images, P tokens each, h the tower's width), per tower: on the attention
+# side the layer norm's output, q, k, v, SDPA's output and its contiguous reshape, the output
+# projection (SigLIP 6 alive at once, CLIP 7); on the MLP side the attention block's output (the
+# residual) and the norm's output (2) beside the activation's n x P x I tensors (SigLIP's
+# gelu_pytorch_tanh: fc1's output and the activation's, 2; CLIP's quick_gelu, x * sigmoid(1.702 x):
+# 3). Read off modeling_siglip.py / modeling_clip.py (no tensor is saved without a gradient; each is
+# freed when its Python name is) and measured exactly with the live-bytes tracker on 1-3 layer
+# towers, fp32 and bf16, SDPA and eager (tests/plan/test_images.py).
+ATTENTION_SIDE_TENSORS = {"siglip": 6, "clip": 7}
+MLP_SIDE_TENSORS = 2
+ACTIVATION_TENSORS = {"siglip": 2, "clip": 3}
+
+
+def image_problems(spec: ModelSpec, images_per_row: int, seq_len: int) -> list[str]:
+    """Why image data cannot be planned for this model (each named)."""
+    if not images_per_row:
+        return []
+    v = spec.vision
+    if v is None:
+        return ["format image_chat needs a model with a vision tower (this model has none)"]
+    if v.projector in ("mistral3", "qwen2_5_vl", "qwen3_vl"):
+        name = {"mistral3": "Mistral-3 (Pixtral)", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}[v.projector]
+        return [f"format image_chat with {name} is not modelled: its image tokens depend on "
+                "each image's size, which the plan does not know"]
+    if v.projector == "mllama":
+        # MllamaModel.forward: the tiles' features go to the cross-attention layers as
+        # cross_attention_states (and a cross_attention_mask per token and tile), not into the
+        # sequence as image tokens; those layers' forward and backward are not modelled
+        return ["format image_chat with Llama-3.2-Vision is not modelled: its images reach the language "
+                "model through its cross-attention layers, not as image tokens in the sequence"]
+    if images_per_row * v.tokens_per_image >= seq_len:
+        return [f"data.images_per_row {images_per_row} x {v.tokens_per_image} tokens per image leave no "
+                f"room for text in training.seq_len {seq_len}"]
+    return []
+
+
+IMAGE_HINT = ("use a Gemma-3 (4B+) or Llava checkpoint for images (or train this one on text: format chat, "
+              "completion or text), raise training.seq_len, or lower data.images_per_row")
+
+
+def bidirectional_image_masks(setup: RunSetup) -> bool:
+    """Gemma-3 with images: an explicit b x 1 x s x s mask per attention type, every layer."""
+    v = setup.model.vision
+    return bool(setup.images_per_row) and v is not None and v.projector == "gemma3"
+
+
+def images_per_micro_batch(setup: RunSetup) -> int:
+    return setup.micro_batch_size * setup.images_per_row
+
+
+# Batches alive at once: the one trained on and the next, which accelerate's DataLoaderShard
+# fetches before yielding the current one (accelerate data_loader.py DataLoaderShard.__iter__,
+# to know the last batch); measured: seed 0 of the image draw, full bf16-mixed, two micro-batches'
+# pixels beside the plan's one (bench/results/plan_fuzz_images*.txt).
+BATCHES_ALIVE = 2
+
+
+def pixel_bytes(setup: RunSetup) -> int:
+    """The pixel values of the micro-batch and of the next one (BATCHES_ALIVE), float32, alive
+    through the step."""
+    v = setup.model.vision
+    if not setup.images_per_row or v is None:
+        return 0
+    return BATCHES_ALIVE * 4 * images_per_micro_batch(setup) * v.num_channels * v.image_size ** 2
+
+
+def scattered_embedding_bytes(setup: RunSetup, text_bytes: int) -> int:
+    """LoRA with checkpointing: peft's enable_input_require_grads makes the embedding output a leaf
+    that requires grad, and its AccumulateGrad node keeps it alive beside the copy the image
+    features are scattered into (``inputs_embeds.masked_scatter``), the first layer's input: one
+    more b x s x h. (Full fine-tuning: the embedding's output has a grad_fn, nothing keeps it;
+    LoRA without checkpointing: nothing needs its gradient.) Measured: seed 0 of the image draw,
+    LoRA fp32 and bf16-mixed with checkpointing."""
+    if not setup.images_per_row or not setup.lora or not setup.gradient_checkpointing:
+        return 0
+    return setup.micro_batch_size * setup.seq_len * setup.model.hidden_size * text_bytes
+
+
+def tower_forward_bytes(setup: RunSetup, res_bytes: int, lin_bytes: int) -> int:
+    """The largest working set of the frozen vision tower's and projector's forward beyond the
+    weights and the pixels: the pixels' cast copy (a 16-bit tower), the last encoder layer's
+    temporaries beside the hidden states kept before it (the larger of the attention and MLP
+    sides; eager attention: the n x heads x P x P scores); then the projector beside what the
+    tower returned, with its two largest outputs (n x T x h_text). ``res_bytes``: bytes per
+    element of the tower's residual stream and layer norms (its weights' dtype: autocast runs
+    layer_norm in fp32); ``lin_bytes``: of its Linear outputs (16-bit under autocast)."""
+    v = setup.model.vision
+    n = images_per_micro_batch(setup)
+    if not n or v is None:
+        return 0
+    tokens = v.patches + (1 if v.tower == "clip" else 0)  # CLIP: + the class token
+    state = n * tokens * v.hidden_size  # elements of one hidden state of the tower
+    unit = state * res_bytes
+    # the patch embedding: the pixels cast to the convolution's dtype beside its output
+    embedding = (n * v.num_channels * v.image_size ** 2 * lin_bytes if lin_bytes != 4 else 0) + 2 * unit
+    attention = unit + (ATTENTION_SIDE_TENSORS[v.tower] - 1) * state * lin_bytes  # the norm's, then Linears'
+    mlp = MLP_SIDE_TENSORS * unit + ACTIVATION_TENSORS[v.tower] * n * tokens * v.intermediate_size * lin_bytes
+    side = max(attention, mlp)
+    if setup.attention == "eager":  # the scores, softmaxed in place of the product
+        side += n * v.num_heads * tokens * tokens * res_bytes
+    llava = v.projector == "llava"
+    # kept before the last layer: the encoder's input (its caller's name) and the layer's input
+    before = min(v.num_layers, 2)
+    returned = (v.num_layers + 1) if llava else 1  # Llava asks for every hidden state
+    features = n * v.tokens_per_image * v.text_hidden_size * lin_bytes
+    return max(embedding, before * unit + side, returned * unit + 2 * features)
+
+
+def encoder_forward_bytes(setup: RunSetup, res_bytes: int, lin_bytes: int, text_bytes: int) -> int:
+    """The vision moment's working set: the text embeddings (made before the tower runs) beside
+    the tower's forward (tower_forward_bytes), or beside the image features and the new
+    embeddings the scatter makes. ``text_bytes``: the language model's residual stream's."""
+    v = setup.model.vision
+    n = images_per_micro_batch(setup)
+    if not n or v is None:
+        return 0
+    embeds = setup.micro_batch_size * setup.seq_len * setup.model.hidden_size * text_bytes
+    features = n * v.tokens_per_image * v.text_hidden_size * lin_bytes
+    return embeds + max(tower_forward_bytes(setup, res_bytes, lin_bytes), features + embeds)
