@@ -107,6 +107,12 @@ class Case:
     # preference pairs shorter than seq_len (made_short_pairs): the chosen's tokens (0: longer than
     # seq_len, cut there); the run is compared with the plan at the longest tokenized pair
     pair_tokens: int = 0
+    # training.objective grpo/rloo (grpo_case): the grpo section; num_generations 0 for the others
+    num_generations: int = 0
+    prompt_len: int = 0
+    completion_len: int = 0
+    steps_per_generation: int = 0
+    beta: float = 0.0
 
     def label(self) -> str:
         bits = [f"#{self.seed}", self.family, self.method]
@@ -114,7 +120,10 @@ class Case:
             bits.insert(2, f"vit{self.vision_layers}x{self.vision_hidden} {self.vision_image}px/{self.vision_patch}"
                         + (f" {self.images}img" if self.images else "")
                         + (f" xattn{self.cross_layers}" if self.cross_layers else ""))
-        if self.objective != "sft":
+        if self.num_generations:
+            bits.insert(2, f"{self.objective} G{self.num_generations} P{self.prompt_len} C{self.completion_len} "
+                        f"spg{self.steps_per_generation}" + (f" beta{self.beta:g}" if self.beta else ""))
+        elif self.objective != "sft":
             bits.insert(2, self.objective + (f" {self.loss_type}" if self.objective == "dpo" else "")
                         + (" precompute" if self.precompute_ref else "")
                         + (f" pairs{self.pair_tokens}t" if self.pair_tokens else ""))
@@ -388,6 +397,34 @@ def preference_case(seed: int, families: tuple[str, ...] = FAMILIES, kto: bool =
                    precompute_ref=objective in REFERENCE_OBJECTIVES and rng.random() < 0.3)
 
 
+# the families grpo_case draws: dense, text (the generation terms count a dense MLP's no-grad
+# forward; mixtures of experts and vision towers are not drawn)
+GRPO_FAMILIES = ("llama", "qwen2", "gemma", "phi3", "mistral", "gemma3_text", "olmo2", "smollm3")
+
+
+def grpo_case(seed: int, families: tuple[str, ...] = GRPO_FAMILIES) -> Case:
+    """A random grpo/rloo recipe: random_case's model and techniques (the same seed draws the same
+    ones; no tiled MLP, DoRA, packing or hold-out), then from a stream of its own the objective,
+    num_generations, a batch of whole groups, its micro-batch and a generation batch that divides
+    it (steps_per_generation), the prompt and completion lengths and beta. Prompts are exactly
+    max_prompt_length tokens (write_data); the built-in length reward."""
+    base = random_case(seed, families)
+    rng = random.Random(f"grpo-{seed}")
+    ng = rng.choice([2, 4, 4, 8])
+    batch = ng * rng.choice([1, 2])
+    micro = min(base.micro_batch_size, batch)
+    while batch % micro:
+        micro //= 2
+    accumulation = batch // micro
+    ks = [k for k in range(1, accumulation + 1) if accumulation % k == 0 and (micro * k) % ng == 0]
+    prompt, completion = rng.choice([16, 32, 64]), rng.choice([16, 32, 64])
+    return replace(base, objective=rng.choice(["grpo", "grpo", "rloo"]), loss="standard", packing=False,
+                   validation=None, use_dora=False, tiled_mlp=False, micro_batch_size=micro,
+                   grad_accum=accumulation, num_generations=ng, steps_per_generation=rng.choice(ks),
+                   prompt_len=prompt, completion_len=completion, seq_len=prompt + completion,
+                   beta=rng.choice([0.0, 0.0, 0.04]))
+
+
 def made_short_pairs(case: Case) -> Case:
     """The preference case on pairs shorter than seq_len (bench/plan_fuzz.py --short-pairs): every
     prompt 8 tokens, every chosen 30-70% of seq_len tokens (drawn from the seed's own stream), every
@@ -522,6 +559,13 @@ def write_data(case: Case, path: Path, rows: int = 24) -> Path:
     rng = random.Random(case.seed)
     if case.images:
         return _write_image_data(case, path, rng, rows)
+    if case.num_generations:  # format prompt: prompts of exactly max_prompt_length tokens
+        from lowvram.testing import texts_of_exact_length
+
+        with open(path, "w") as f:
+            for text in texts_of_exact_length(case.prompt_len, rows, rng, tuple(WORDS)):
+                f.write(json.dumps({"prompt": text}) + "\n")
+        return path
     if case.objective != "sft":
         # pairs as a user's are: a chosen longer than seq_len (TRL cuts it there: every batch
         # reaches seq_len) and a shorter rejected, so the batch's rows are padded and carry their
@@ -608,7 +652,14 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
         t["data"]["images_per_row"] = case.images
     if case.tiled_mlp:
         t["techniques"]["tiled_mlp"] = case.tiled_mlp_shards or "on"
-    if case.objective != "sft":
+    if case.num_generations:
+        t["data"]["datasets"][0]["format"] = "prompt"
+        t["training"]["objective"] = case.objective
+        t["training"]["seq_len"] = case.prompt_len + case.completion_len
+        t["grpo"] = {"num_generations": case.num_generations, "max_prompt_length": case.prompt_len,
+                     "max_completion_length": case.completion_len, "beta": case.beta,
+                     "steps_per_generation": case.steps_per_generation, "rewards": ["length"]}
+    elif case.objective != "sft":
         t["data"]["datasets"][0]["format"] = "preference"
         t["training"]["objective"] = case.objective
         t["preference"] = {"precompute_ref_log_probs": case.precompute_ref}
@@ -703,7 +754,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_FAMILIES", "MLLAMA_FAMILIES",
            "MULTIMODAL_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
            "made_apollo", "made_chunked", "made_galore", "made_images", "made_in_backward", "made_lomo",
-           "made_pissa", "made_short_pairs", "made_tiled", "made_torchao",
+           "made_pissa", "made_short_pairs", "made_tiled", "made_torchao", "grpo_case", "GRPO_FAMILIES",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -21,8 +21,8 @@ def show_grpo_phases(c, data: dict) -> None:
         p = g["phases"][name]
         mark = "  <- binds" if name == g["binds"] else ""
         what = MOMENTS.get(p["moment"], ("",))[0]
-        c.print(f"  {name} phase: peak {gib(p['peak_bytes'])} at {p['moment']}{mark}" + (f" ({what})" if what else ""),
-                markup=False)
+        c.print(f"  {name} phase: peak {gib(p['peak_bytes'])} at {p['moment']}{mark}"
+                + (f" ({what})" if what and mark else ""), markup=False)
     share = g["engine_share"]
     value = (f"paged_num_blocks {share['paged_num_blocks']}" if "paged_num_blocks" in share else
              f"vllm_gpu_memory_utilization {share['vllm_gpu_memory_utilization']}"
