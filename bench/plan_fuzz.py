@@ -56,6 +56,7 @@ from lowvram.difftest import (  # noqa: E402
     grpo_case,
     made_apollo,
     made_galore,
+    made_generation_bound,
     made_images,
     made_in_backward,
     made_lomo,
@@ -131,6 +132,8 @@ def main() -> int:
     ap.add_argument("--grpo", action="store_true",
                     help="draw grpo/rloo recipes (lowvram.difftest.grpo_case: the generate engine, prompts "
                          "of max_prompt_length tokens, dense text families)")
+    ap.add_argument("--grpo-generation", action="store_true",
+                    help="with --grpo: cases whose generation phase binds (difftest.made_generation_bound)")
     ap.add_argument("--kto", action="store_true",
                     help="with --preference: every case is training.objective kto (preference_case(kto=True))")
     ap.add_argument("--short-pairs", action="store_true",
@@ -151,6 +154,7 @@ def main() -> int:
     families += f" --chunk {args.chunk:g}" if args.chunk else ""
     families += " --preference" if args.preference else ""
     families += " --grpo" if args.grpo else ""
+    families += " --grpo-generation" if args.grpo_generation else ""
     families += " --kto" if args.kto else ""
     families += " --short-pairs" if args.short_pairs else ""
     families += f" --galore {args.galore}" if args.galore else ""
@@ -163,6 +167,8 @@ def main() -> int:
     for seed in seeds:
         if args.grpo:
             case = grpo_case(seed)
+            if args.grpo_generation:
+                case = made_generation_bound(case)
         elif args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
             if args.short_pairs:

@@ -425,6 +425,21 @@ def grpo_case(seed: int, families: tuple[str, ...] = GRPO_FAMILIES) -> Case:
                    beta=rng.choice([0.0, 0.0, 0.04]))
 
 
+def made_generation_bound(case: Case) -> Case:
+    """The grpo case made one whose generation phase binds (bench/plan_fuzz.py --grpo-generation):
+    LoRA, one completion per micro-step, a generation batch of the whole step (16 rows), four
+    layers of wide keys and values (8 kv heads of 64), so the cache of 16 x (prompt + completion)
+    tokens outgrows the training forward's fused-head tile (4,096 x 32,768 entries at most, a
+    tiny model's largest tensor). Family, precision, optimizer, checkpointing and beta as drawn."""
+    rng = random.Random(f"grpo-generation-{case.seed}")
+    prompt, completion = rng.choice([32, 64]), rng.choice([32, 64, 96])
+    method = case.method if case.method != "full" else "lora"
+    return replace(case, method=method, hidden=512, heads=8, kv_heads=8, layers=4, intermediate=1024,
+                   micro_batch_size=1, grad_accum=16, num_generations=16, steps_per_generation=16,
+                   prompt_len=prompt, completion_len=completion, seq_len=prompt + completion,
+                   lora_targets="all-linear")
+
+
 def made_short_pairs(case: Case) -> Case:
     """The preference case on pairs shorter than seq_len (bench/plan_fuzz.py --short-pairs): every
     prompt 8 tokens, every chosen 30-70% of seq_len tokens (drawn from the seed's own stream), every
@@ -755,6 +770,7 @@ __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_FAMILIES", 
            "MULTIMODAL_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
            "made_apollo", "made_chunked", "made_galore", "made_images", "made_in_backward", "made_lomo",
            "made_pissa", "made_short_pairs", "made_tiled", "made_torchao", "grpo_case", "GRPO_FAMILIES",
+           "made_generation_bound",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]
