@@ -245,12 +245,21 @@ def _nograd_layer_bytes(setup: RunSetup, rows: int, tokens: int, cached: int) ->
     m = setup.model
     w = dtype_bytes(setup)[0]
     t = rows * tokens
+    width = m.intermediate_size or 4 * m.hidden_size
     residual = 2 * w * t * m.hidden_size
-    attention = w * (t * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2
-                     + 2 * rows * m.num_heads * cached * m.head_dim) + rows * tokens * cached
+    # repeat_kv copies keys and values only where heads share them (modeling_llama.repeat_kv:
+    # n_rep == 1 returns its input)
+    repeated = 2 * rows * m.num_heads * cached * m.head_dim if m.num_kv_heads < m.num_heads else 0
+    attention = w * (t * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2 + repeated) + rows * tokens * cached
     if setup.attention == "eager":  # the scores and their fp32 softmax
         attention += rows * m.num_heads * tokens * cached * (w + 4)
-    mlp = w * t * 3 * (m.intermediate_size or 4 * m.hidden_size)
+    mlp = w * t * 3 * width
+    if setup.lora:
+        # peft's fp32 adapters (autocast_adapter_dtype) in an adapted MLP Linear: lora_B's fp32
+        # output beside the base output, and with 16-bit weights the fp32 sum they are promoted to
+        # (tuners/lora/layer.py Linear.forward: result + lora_B(lora_A(x)) * scaling); measured:
+        # in-sample grpo seeds 150-153 (generation-bound LoRA runs 1-10% over without it)
+        mlp += t * width * (8 if w < 4 else 4)
     return residual + max(attention, mlp)
 
 
