@@ -10,8 +10,9 @@
 # PYTHONPATH, prints the versions it found (and stops, exit 1, if one is below lowvram's bounds),
 # then prints predicted vs torch.cuda.max_memory_allocated/reserved (and the memory outside the
 # allocator), rewriting $OUT/gpu_check.json after every row and teeing the table to
-# $OUT/gpu_check.txt. Under 8 minutes: the wheels install in seconds, the measuring stops starting
-# cases after --budget-s 390 and is killed at 450 s. Exit status: the measuring's (pipefail): 1
+# $OUT/gpu_check.txt. Under 8 minutes: the wheels install in seconds, the measuring starts no case
+# whose estimate would end past 390 s (gpu_check.BUDGET_S; its plan: `--plan`; no checkpoint or
+# model file is written, a disk reserve is kept) and is killed at 450 s. Exit status: the measuring's (pipefail): 1
 # when no case was measured, 124 when killed at 450 s (the rows so far are in the JSON).
 # Arguments go to bench/gpu_check.py: `bash bench/gpu_check.sh --dry-run` runs the same on a CPU
 # (bench/results/gpu_check_dry_run-*.txt: the dry run in a venv that reproduces the machine).
@@ -34,4 +35,4 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_O
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv 2>/dev/null \
   || echo "nvidia-smi: not available"
 out=${OUT:-/tmp}
-timeout 450 "$PYTHON" bench/gpu_check.py --budget-s 390 "$@" 2>&1 | tee "$out/gpu_check.txt"
+timeout 450 "$PYTHON" bench/gpu_check.py "$@" 2>&1 | tee "$out/gpu_check.txt"

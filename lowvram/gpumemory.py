@@ -17,6 +17,10 @@ tensors + ``allocator``        ``torch.cuda.max_memory_reserved``: the caching a
                                (not lowvram's launcher: it reads the cards in a child process and
                                holds no context, lowvram.hardware)
 the whole peak                 the reserved peak plus that
+optimizer (a paged optimizer)  the bytes of bitsandbytes' paged state (``paged_state_bytes``):
+                               CUDA unified memory (cudaMallocManaged) under CPU-typed tensors,
+                               which neither allocator counter sees; its resident pages are taken
+                               out of the context row, so that row is the context alone
 =============================  ===============================================================
 
 Comparing the whole peak with ``max_memory_allocated`` (what the run summary did before) calls
@@ -39,6 +43,8 @@ TENSORS = "tensors"
 RESERVED = "tensors + slack"  # + the allocator term
 CONTEXT = "CUDA context"
 DEVICE = "whole card"
+PAGED = "paged optimizer state"
+OPTIMIZER_KEY = "optimizer"
 
 
 @dataclass(frozen=True)
@@ -50,12 +56,21 @@ class CudaMemoryReading:
     reserved_bytes: int  # torch.cuda.memory_reserved, at the moment mem_get_info was read
     free_bytes: int  # torch.cuda.mem_get_info()[0]
     total_bytes: int  # torch.cuda.mem_get_info()[1]
+    # bitsandbytes' paged optimizer state (hardware.paged_state_bytes): unified memory outside the
+    # caching allocator, resident on the card while the optimizer steps
+    paged_bytes: int = 0
 
     @property
     def beyond_reserved_bytes(self) -> int:
         """Device memory in use that the caching allocator does not hold: the CUDA context,
-        kernels and library handles, and other processes on the card."""
+        kernels and library handles, other processes on the card, and resident paged state."""
         return max(0, self.total_bytes - self.free_bytes - self.reserved_bytes)
+
+    @property
+    def context_bytes(self) -> int:
+        """What is beyond the reservation without the paged state (taken as resident: the upper
+        bound of its pages on the card; evicted pages make this row read low, never high)."""
+        return max(0, self.beyond_reserved_bytes - self.paged_bytes)
 
 
 @dataclass(frozen=True)
@@ -92,13 +107,22 @@ def compare_cuda(breakdown: dict[str, int], reading: CudaMemoryReading) -> tuple
     context = int(breakdown.get(CONTEXT_KEY, 0))
     overheads = cuda_overheads().calibrated
     beyond = reading.beyond_reserved_bytes
-    return (
-        MemoryComparison(TENSORS, tensors, reading.allocated_peak_bytes, "max_memory_allocated", False),
-        MemoryComparison(RESERVED, tensors + slack, reading.reserved_peak_bytes, "max_memory_reserved", overheads),
-        MemoryComparison(CONTEXT, context, beyond, "total - free - reserved", overheads),
+    # a paged optimizer's state is planned as GPU tensors (its pages are on the card while it steps)
+    # but lives outside the allocator: compared on its own row, out of the tensors and context rows
+    paged = int(breakdown.get(OPTIMIZER_KEY, 0)) if reading.paged_bytes else 0
+    rows = (
+        MemoryComparison(TENSORS, tensors - paged, reading.allocated_peak_bytes, "max_memory_allocated", False),
+        MemoryComparison(RESERVED, tensors - paged + slack, reading.reserved_peak_bytes, "max_memory_reserved",
+                         overheads),
+        MemoryComparison(CONTEXT, context, reading.context_bytes,
+                         "total - free - reserved" + (" - paged" if paged else ""), overheads),
         MemoryComparison(DEVICE, tensors + slack + context, reading.reserved_peak_bytes + beyond,
                          "reserved peak + beyond", overheads),
     )
+    if paged:
+        rows += (MemoryComparison(PAGED, paged, reading.paged_bytes, "bitsandbytes paged tensors (unified memory)",
+                                  False),)
+    return rows
 
 
 def compare_tensors(breakdown: dict[str, int], measured_bytes: int, measured_by: str) -> tuple[MemoryComparison, ...]:
@@ -113,6 +137,6 @@ def tensor_comparison(rows: list[dict]) -> dict | None:
 
 
 __all__ = [
-    "CONTEXT", "DEVICE", "RESERVED", "TENSORS", "CudaMemoryReading", "MemoryComparison", "compare_cuda",
+    "CONTEXT", "DEVICE", "PAGED", "RESERVED", "TENSORS", "CudaMemoryReading", "MemoryComparison", "compare_cuda",
     "compare_tensors", "tensor_bytes", "tensor_comparison",
 ]

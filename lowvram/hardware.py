@@ -14,9 +14,12 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from lowvram.gpumemory import CudaMemoryReading
 from lowvram.plan.cards import read_vram
+
+if TYPE_CHECKING:  # imported where a run's memory is read: a plan needs only the host's
+    from lowvram.gpumemory import CudaMemoryReading
 
 
 @dataclass(frozen=True)
@@ -190,14 +193,31 @@ def read_cuda_memory(device: int | None = None) -> CudaMemoryReading:
     context, the loaded kernels and any other process on the card."""
     import torch
 
+    from lowvram.gpumemory import CudaMemoryReading
+
     index = torch.cuda.current_device() if device is None else device
     free, total = torch.cuda.mem_get_info(index)
     return CudaMemoryReading(
         allocated_peak_bytes=int(torch.cuda.max_memory_allocated(index)),
         reserved_peak_bytes=int(torch.cuda.max_memory_reserved(index)),
         reserved_bytes=int(torch.cuda.memory_reserved(index)),
-        free_bytes=int(free), total_bytes=int(total),
+        free_bytes=int(free), total_bytes=int(total), paged_bytes=paged_state_bytes(),
     )
+
+
+def paged_state_bytes() -> int:
+    """Bytes of bitsandbytes' paged optimizer state in this process (paged_adamw_8bit/32bit):
+    every buffer a paged optimizer makes is CUDA unified memory (functional.get_paged:
+    cudaMallocManaged under a CPU-typed torch.frombuffer tensor) and is appended to the
+    process-wide GlobalPageManager.paged_tensors (optim/optimizer.py get_state_buffer), which
+    nothing in bitsandbytes ever frees. torch's counters do not see it. 0 when bitsandbytes was
+    never imported (it is not imported for this)."""
+    import sys
+
+    bnb = sys.modules.get("bitsandbytes.functional")
+    if bnb is None:
+        return 0
+    return sum(t.nbytes for t in bnb.GlobalPageManager.get_instance().paged_tensors)
 
 
 def collect_env() -> dict:

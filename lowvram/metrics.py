@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -89,9 +90,29 @@ class RunMetrics:
     log_odds_ratio_history: Pairs | None = None
     log_odds_chosen_history: Pairs | None = None
     nll_loss_history: Pairs | None = None
+    # grpo/rloo (train/build/grpo.py rl_metrics): TRL's summed reward (mean and std over the logged
+    # steps' completions, last and history), each reward function's (name -> {mean, std, history}),
+    # the mean completion length in tokens, the share of completions cut at max_completion_length,
+    # and the share of tokens whose probability ratio was clipped (GRPO's clip_ratio/region_mean)
+    reward: float | None = None
+    reward_std: float | None = None
+    reward_history: Pairs | None = None
+    reward_functions: dict | None = None
+    completion_length: float | None = None
+    completion_length_history: Pairs | None = None
+    truncated_completions: float | None = None
+    clip_ratio: float | None = None
+    clip_ratio_history: Pairs | None = None
     # Out-of-memory retries (train/run/recover.py): absent when the run was not trained through it
     oom_retries: list[dict] | None = None
     final_plan: dict | None = None  # after a retry: the techniques the run ended with
+    # training.on_nonfinite skip (train/run/guard.py): the steps whose loss or gradient norm was not
+    # finite and whose update was skipped; absent when none was
+    nonfinite_steps: list[int] | None = None
+    # training.worst_batch_first (train/run/worst_batch.py): the longest batch's length and its
+    # forward-and-backward peak, measured before the run; absent when it did not run
+    worst_batch_tokens: int | None = None
+    worst_batch_peak_bytes: int | None = None
     status: str | None = None  # read only: a status an older writer recorded
     other: dict = field(default_factory=dict)  # keys this schema does not know, kept as they were
 
@@ -128,12 +149,19 @@ class RunMetrics:
 # A preference objective's own terms as metrics.json keys (TRL's log names; train/build/preference.py)
 OBJECTIVE_METRIC_KEYS = ("kl", "log_odds_ratio", "log_odds_chosen", "nll_loss")
 
+# grpo/rloo's keys (train/build/grpo.py rl_metrics)
+RL_METRIC_KEYS = ("reward", "reward_std", "reward_history", "reward_functions", "completion_length",
+                  "completion_length_history", "truncated_completions", "clip_ratio", "clip_ratio_history")
+
 # Keys written only where the run measured them (as metrics.json has always done).
 _SITUATIONAL = ("peak_rss_bytes", "peak_reserved_bytes", "beyond_reserved_bytes", "memory_comparison",
                 "data_longest_tokens", "predicted_peak_bytes_at_data", "data_windows_one_sample",
-                "oom_retries", "final_plan", "status",
+                "oom_retries", "final_plan", "status", "nonfinite_steps",
+                "worst_batch_tokens", "worst_batch_peak_bytes",
                 *(f"rewards_{m}{h}" for m in ("chosen", "rejected", "margins", "accuracies") for h in ("", "_history")),
-                *(f"{m}{h}" for m in OBJECTIVE_METRIC_KEYS for h in ("", "_history")))
+                *(f"{m}{h}" for m in OBJECTIVE_METRIC_KEYS for h in ("", "_history")),
+                *RL_METRIC_KEYS)
+
 
 _HINTS = typing.get_type_hints(RunMetrics)
 _TYPES = {f.name: _HINTS[f.name] for f in dataclasses.fields(RunMetrics) if f.name != "other"}
@@ -182,6 +210,38 @@ def _describe(hint) -> str:
              dict: "an object"}
     kinds, optional = _members(hint)
     return " or ".join(names.get(k, str(k)) for k in kinds) + (" or null" if optional else "")
+
+
+# A loss "several times its first value over a window" (issue 42): each of the last
+# CLIMB_WINDOW logged losses at least CLIMB_FACTOR times the first. A policy threshold, not a
+# fitted constant: a falling or noisy run stays far below it (a tiny model's first loss is ~ln
+# of its vocabulary, the floor of a random guess), a run at learning_rate 0.99 crossed it within
+# four steps (0.31 -> 75.7 in the fault trials).
+CLIMB_FACTOR = 3.0
+CLIMB_WINDOW = 3
+
+
+def loss_climb(history) -> float | None:
+    """How many times its first value the loss stands at, when each of the last CLIMB_WINDOW
+    values of ``history`` ([[step, loss], ...]) is at least CLIMB_FACTOR times the first (the
+    run is diverging); None otherwise, or when the first loss is not a positive number."""
+    values = [float(v) for _, v in history or ()]
+    if len(values) <= CLIMB_WINDOW or not math.isfinite(values[0]) or values[0] <= 0:
+        return None
+    last = values[-CLIMB_WINDOW:]
+    if all(not math.isfinite(v) or v >= CLIMB_FACTOR * values[0] for v in last) and math.isfinite(last[-1]):
+        return last[-1] / values[0]
+    return None
+
+
+def climb_warning(history) -> str | None:
+    """The warning line for a diverging loss (progress, the run summary, `lowvram show`), or None."""
+    factor = loss_climb(history)
+    if factor is None:
+        return None
+    first, last = float(history[0][1]), float(history[-1][1])
+    return (f"the loss climbed from {first:.4g} to {last:.4g} ({factor:.1f}x its first value over the last "
+            f"{CLIMB_WINDOW} logged steps): the run is diverging; lower training.learning_rate")
 
 
 def metrics_problem(data) -> str | None:

@@ -222,7 +222,7 @@ def setup_plan(setup, device: str = "cpu"):
 
 
 def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = "cpu",
-                saved_dir: str | None = None):
+                saved_dir: str | None = None, in_memory: bool = False):
     """The model a RunSetup trains, random init, on ``device``, loaded and prepared by the
     functions ``lowvram train`` uses (lowvram.train.build.model: ``load_kwargs`` for dtype, attention
     and bitsandbytes, ``prepare_model`` for k-bit preparation, adapters and checkpointing).
@@ -231,7 +231,9 @@ def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = 
     ``from_pretrained`` of a random checkpoint gives, without writing one: a 7B model on a GPU
     in seconds). Quantized ones go through ``from_pretrained`` (bitsandbytes quantizes while
     loading) from a random-init checkpoint: saved to ``saved_dir`` once and reused when it
-    already holds one, else to a temporary folder.
+    already holds one, else to a temporary folder; or, ``in_memory``, from the random model's
+    state dict on ``device`` (from_pretrained's ``state_dict=``, the same quantizing load with no
+    file written: bench/gpu_check.py, whose machine has 64 GiB of disk).
     """
     import tempfile
 
@@ -256,12 +258,24 @@ def build_model(setup, workdir: str | None = None, seed: int = 0, device: str = 
                 cls.from_config(cfg, dtype=kwargs["dtype"]).save_pretrained(d)
         return cls.from_pretrained(d, **kwargs)
 
-    if saved_dir is not None:
+    if in_memory:
+        with torch.device(device):
+            state = cls.from_config(cfg, dtype=kwargs["dtype"]).state_dict()
+        model = _load_state(cls, cfg, state, kwargs)
+        del state
+    elif saved_dir is not None:
         model = load(saved_dir)
     else:
         with tempfile.TemporaryDirectory(dir=workdir) as d:
             model = load(d)
     return prepare_model(model, plan, seed)
+
+
+def _load_state(cls, cfg, state: dict, kwargs: dict):
+    """from_pretrained of an in-memory state dict (transformers 5: no folder, ``state_dict=``);
+    the auto classes want a name, so the config's own model class loads it."""
+    model_cls = cls._model_mapping[type(cfg)] if hasattr(cls, "_model_mapping") else cls
+    return model_cls.from_pretrained(None, config=cfg, state_dict=state, **kwargs)
 
 
 class _OptimizerOf:

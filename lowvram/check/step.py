@@ -191,17 +191,25 @@ def _step_recipe(setup, output_dir: str):
     return parse_recipe(text)
 
 
-def measure_trainer_step(model, setup, probe=None, device: str = "cpu", seed: int = 0):
+def measure_trainer_step(model, setup, probe=None, device: str = "cpu", seed: int = 0,
+                         output_dir: str | None = None):
     """Two optimizer steps of ``setup`` through the Trainer ``lowvram train`` builds
     (lowvram.train.build.trainer: build_training_args + build_trainer, its optimizer, autocast,
     checkpointing, chunked loss, clipping): the first makes the optimizer state, the second is
     measured with ``probe`` (TrackerProbe on a CPU; bench/gpu_check.py's CUDA probe), from its
-    start to its end, with the forward/backward and the optimizer step as phases."""
+    start to its end, with the forward/backward and the optimizer step as phases.
+
+    Nothing is saved: transformers' DefaultFlowCallback saves at the last step whenever the save
+    strategy is "steps" (trainer_callback.py on_step_end), which wrote weights, optimizer state,
+    scheduler and RNG after every measured case (7B full fine-tuning: more than the GPU check's
+    64 GiB disk); the measured Trainer runs with save_strategy "no". ``output_dir``: the Trainer's
+    folder (default a temporary one, removed after)."""
     import tempfile
     from types import SimpleNamespace
 
     import torch
     from transformers import TrainerCallback, default_data_collator
+    from transformers.trainer_utils import SaveStrategy
 
     from lowvram.train.build.trainer import build_trainer, build_training_args
 
@@ -230,9 +238,11 @@ def measure_trainer_step(model, setup, probe=None, device: str = "cpu", seed: in
                 self.measuring = False
                 result["step"] = probe.stop("optimizer_step")
 
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = output_dir or tmp
         recipe = _step_recipe(setup, out)
         args = build_training_args(recipe, setup_plan(setup, device))
+        args.save_strategy = SaveStrategy.NO  # a measured step writes no checkpoint
         trainer = build_trainer(SimpleNamespace(model=model, tokenizer=None), SimpleNamespace(train=rows, eval=None),
                                 args, default_data_collator, callbacks=[Measure()], loss=setup.loss,
                                 loss_chunk_tokens=setup.loss_chunk_tokens, optimizer=setup.optimizer)

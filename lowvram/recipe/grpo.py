@@ -1,7 +1,7 @@
 """The recipe's grpo section (training.objective grpo and rloo, through TRL's GRPOTrainer and
 RLOOTrainer): TRL's knobs under the recipe's names, their rules checked when the recipe loads, and
 the shape of a reward reference (``path/file.py:function``, ``module:function`` or a built-in).
-Importing and calling the rewards is lowvram.train.rewards' (validate runs it before any model).
+Importing and calling the rewards is lowvram.train.build.rewards' (validate runs it before any model).
 
 No torch here: ``lowvram validate`` must be instant.
 """
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from lowvram.plan.memory.preference import RL_OBJECTIVES
 
-# The rewards lowvram ships (lowvram.train.rewards): exact_match (the completion's answer equals
+# The rewards lowvram ships (lowvram.train.build.rewards): exact_match (the completion's answer equals
 # the row's answer or solution column), format (a regular expression), length (a target length).
 BUILTIN_REWARDS = ("exact_match", "format", "length")
 # the data formats of grpo and rloo: the prompt the model completes (format prompt; chat: the
@@ -94,7 +94,7 @@ class GrpoSection(_Section):
                             "accumulation). Set this or generation_batch_size, not both.")
     beta: float = Field(0.0, ge=0, description="KL penalty toward the starting model (0: no reference model, "
                         "TRL's default; > 0 keeps a reference: LoRA turns the adapter off, full fine-tuning "
-                        "loads a second copy).")
+                        "loads a second copy). The same default for rloo (TRL's RLOOConfig says 0.05).")
     loss_type: Literal[GRPO_LOSS_TYPES] = Field(
         "dapo", description="grpo only: TRL's loss aggregation (dapo: over the active tokens of the whole "
                             "accumulated batch; grpo: per sequence; dr_grpo: by a constant; bnpo, cispo, sapo). "
@@ -163,16 +163,19 @@ def multiples(n: int, of: int) -> str:
     return f"{low} or {high}" if low else str(high)
 
 
-def grpo_problem(g: GrpoSection, t, written: bool) -> str | None:
+def grpo_problem(g: GrpoSection, t, written: bool, validation: object = None) -> str | None:
     """Why a grpo/rloo recipe's batch cannot hold whole groups of completions (None when it can):
     with generation_batch_size and steps_per_generation auto, TRL's generation batch is the
     effective batch (training.batch_size), which must then be a multiple of num_generations
     (GRPOConfig.__post_init__, TRL 1.16); its rewards must be named. ``t``: the training section;
-    ``written``: the recipe has a grpo section."""
+    ``written``: the recipe has a grpo section; ``validation``: data.validation."""
     if t.objective not in RL_OBJECTIVES:
         if written:
             return f"the grpo section applies to training.objective grpo or rloo (training.objective is {t.objective})"
         return None
+    if validation is not None:
+        return (f"data.validation does not apply to training.objective {t.objective}: lowvram reports the rewards "
+                "of the training completions (TRL's evaluation would generate again); remove data.validation")
     if not g.rewards:
         return (f"training.objective {t.objective} needs grpo.rewards: the functions that score the completions "
                 "(e.g. rewards: [rewards/my_task.py:my_reward] or a built-in: exact_match, format, length)")

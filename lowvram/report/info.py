@@ -22,8 +22,14 @@ def show_validated(recipe, path: Path, data=None, as_json: bool = False) -> None
         return
     c = console()
     ds = ", ".join(f"{d.path} ({d.format})" for d in recipe.data.datasets)
-    c.print(f"[green]ok[/green] {path}: model {recipe.model.name_or_path}; data {ds}; "
-            f"seq_len {recipe.training.seq_len}, batch {recipe.training.batch_size}")
+    t, g = recipe.training, recipe.grpo
+    if t.objective in ("grpo", "rloo"):  # rows are prompt + completion; the rewards were called on a sample
+        names = ", ".join(r if isinstance(r, str) else r.function for r in g.rewards)
+        shape = (f"{t.objective}: {t.batch_size} completions per step, {g.num_generations} per prompt, up to "
+                 f"{g.max_prompt_length} + {g.max_completion_length} tokens; rewards {names} (each scored a sample row)")
+    else:
+        shape = f"seq_len {t.seq_len}, batch {t.batch_size}"
+    c.print(f"[green]ok[/green] {path}: model {recipe.model.name_or_path}; data {ds}; {shape}", markup=True)
     if data is not None:
         from lowvram.report.data import data_lines
 

@@ -264,7 +264,7 @@ def test_gpt_oss_mxfp4_checkpoint_trains_dequantized(tmp_path):
     recipe = SimpleNamespace(model=SimpleNamespace(trust_remote_code=False, revision=None,
                                                    name_or_path=str(model_dir)))
     plan = SimpleNamespace(precision="bf16", mixed_precision="bf16", dtype="auto", attention="eager",
-                           quantization="none", device="cpu", offload="none", lora=True)
+                           quantization="none", device="cpu", offload="none", lora=True, lora_init="default")
     try:
         model = load_base_model(recipe, plan, str(model_dir))
     except AttributeError as e:  # a Plan field the stand-in lacks: name it
@@ -273,3 +273,43 @@ def test_gpt_oss_mxfp4_checkpoint_trains_dequantized(tmp_path):
     assert experts.gate_up_proj.dtype.is_floating_point and experts.gate_up_proj.element_size() == 2
     with pytest.raises(LowvramError, match="MXFP4"):
         load_base_model(recipe, SimpleNamespace(**{**vars(plan), "quantization": "nf4"}), str(model_dir))
+
+
+def test_gpt_oss_generate_and_merge_load_the_mxfp4_base_as_train_does(tmp_path, monkeypatch):
+    """issue 41 item 9: train loads an MXFP4 checkpoint with Mxfp4Config(dequantize=True);
+    generate and merge (train/after/artifacts.py) loaded it with no quantization_config, which on a CUDA
+    card with Triton keeps the experts packed (quantizer_mxfp4.validate_environment dequantizes
+    only without them): the trained expert adapters do not fit and merge saves packed tensors
+    without their config. The real from_pretrained runs; its keyword arguments are read."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from lowvram.difftest import random_case, write_model
+    from lowvram.plan.types import Plan
+    from lowvram.train.after.artifacts import BaseModel, load_base, load_trained_base
+
+    model_dir = write_model(random_case(8, families=("gpt_oss",)), tmp_path / "m")
+    plain = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)  # before the mark
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    seen = []
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def recording(cls, *args, **kwargs):
+        seen.append(kwargs.get("quantization_config"))
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recording))
+    base = BaseModel(str(model_dir), "test")
+    plan = Plan(device="cpu", mixed_precision="bf16", gradient_checkpointing=False, micro_batch_size=1,
+                grad_accum=1, lora=True, quantization="none", optimizer="adamw", offload="none",
+                attention="eager", loss="standard")
+    loaded = [load_base(base, "bfloat16", "cpu"), load_trained_base(base, plan, "cpu")]
+    assert len(seen) == 2
+    for q, model in zip(seen, loaded, strict=True):
+        assert isinstance(q, Mxfp4Config) and q.dequantize is True
+        names = {n for n, _ in model.named_parameters()}
+        assert not any(n.endswith(("_blocks", "_scales")) for n in names)  # bf16 experts, as trained
+        assert names == {n for n, _ in plain.named_parameters()}

@@ -251,3 +251,34 @@ def test_retry_loads_its_model_after_the_failed_attempt_is_collected(tmp_path, t
     assert len(models) == 2
     assert alive_after_free == [False], "the first attempt's model outlived _free_memory (empty_cache frees nothing)"
     assert alive_at_load == [False, False], "the first attempt's model was alive when the retry loaded its own"
+
+
+def test_a_paged_optimizers_state_is_not_retried_beside_in_the_same_process():
+    """issue 41 item 7: bitsandbytes never frees a paged optimizer's unified memory (no free in its
+    library; GlobalPageManager keeps every buffer): an in-process retry would train beside the
+    failed attempt's whole state. The retry is refused with the command that resumes in a new
+    process; nothing is refused while no paged state is held, nor for other optimizers."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    import dataclasses as dc
+
+    import torch
+
+    from lowvram.plan.types import Plan
+    from lowvram.train.run.recover import paged_state_kept
+
+    plan = Plan(device="cuda", mixed_precision="bf16", gradient_checkpointing=True, micro_batch_size=1,
+                grad_accum=1, lora=False, quantization="none", optimizer="paged_adamw_32bit", offload="none",
+                attention="sdpa", loss="standard")
+    pages = bnb_functional.GlobalPageManager.get_instance().paged_tensors
+    kept = list(pages)
+    try:
+        pages.clear()
+        assert paged_state_kept(plan) is None
+        pages.append(torch.empty(3 * 2**20 // 4, dtype=torch.float32))
+        why = paged_state_kept(plan)
+        assert why.startswith("the failed attempt's paged_adamw_32bit state (3.0 MiB of CUDA unified memory)")
+        assert why.endswith("resume in a new process")
+        assert paged_state_kept(dc.replace(plan, optimizer="adamw_8bit")) is None
+        assert paged_state_kept(dc.replace(plan, device="cpu")) is None
+    finally:
+        pages[:] = kept

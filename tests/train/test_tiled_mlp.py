@@ -254,3 +254,60 @@ def test_lowvram_train_sets_it_in_the_launchers_environment(tmp_path, tiny_model
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
     assert CliRunner().invoke(app, ["train", str(path), "--dry-run"]).exit_code == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_under_ddp_each_mlp_parameter_takes_its_gradient_once_per_backward(tiny_model_dir, monkeypatch, lora):
+    """DDP's reducer marks a parameter ready at its AccumulateGrad hook and raises the second time
+    ("Expected to mark a variable ready only once", issue 41 item 3; tests/train/test_multi_gpu.py
+    runs it over gloo): TiledMLP runs one backward per shard, so under DDP every shard but the last
+    differentiates aliases of the parameters (lowvram.train.build.tiled_mlp). Each MLP parameter's
+    AccumulateGrad fires once, with the plain MLP's gradient; the other parameters are untouched."""
+    import collections
+
+    import torch
+
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch gives each DDP worker
+    torch.manual_seed(0)
+    ids = torch.randint(4, 500, (2, 12))
+    plan = _plan(lora=lora, gradient_checkpointing=True)
+    loss, grads = _loss_and_grads(tiny_model_dir, plan, ids)
+
+    import lowvram.train.build.model as model_module
+
+    fired: collections.Counter = collections.Counter()
+    prepare = model_module.prepare_model
+
+    def counting(model, plan, seed=None):
+        model = prepare(model, plan, seed)
+        for name, p in model.named_parameters():
+            if p.requires_grad and ".mlp." in name:
+                p.register_post_accumulate_grad_hook(lambda _p, name=name: fired.update([name]))
+        return model
+
+    monkeypatch.setattr(model_module, "prepare_model", counting)
+    tiled_plan = replace(plan, tiled_mlp=True, tiled_mlp_shards=4)
+    tiled_loss, tiled_grads = _loss_and_grads(tiny_model_dir, tiled_plan, ids)
+    mlp = [n for n in grads if ".mlp." in n]
+    assert mlp and fired == dict.fromkeys(mlp, 1)  # before: 4 each, one per shard
+    assert tiled_loss == pytest.approx(loss, rel=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(tiled_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_two_rows_with_fewer_positions_than_shards_by_row(tiny_model_dir):
+    """TiledMLP's forward chunks the positions, its backward the flattened rows: 9 positions in 4
+    chunks are 3 (of 3), 2 x 9 rows are 4 (of 5). lowvram hands it the flattened rows, so both
+    passes cut the same shards and the recompute replays each shard's own random state (before:
+    IndexError in that replay, and with two rows the wrong dropout masks)."""
+    import torch
+
+    pytest.importorskip("deepspeed")
+    ids = torch.randint(4, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    plan = _plan()
+    loss, grads = _loss_and_grads(tiny_model_dir, plan, ids)
+    tiled_loss, tiled_grads = _loss_and_grads(tiny_model_dir, replace(plan, tiled_mlp=True, tiled_mlp_shards=4), ids)
+    assert tiled_loss == pytest.approx(loss, rel=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(tiled_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)

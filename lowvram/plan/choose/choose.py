@@ -64,8 +64,9 @@ from lowvram.units import gib, mem
 def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate_memory) -> Choice:
     """The cheapest plan that fits ``budget``; if none does, the closest one and what would help."""
     validate_request(req)
-    check_attention(req, budget, req.mixed_precision or auto_precision(budget, req.weight_dtype))
-    check_optimizer(req, budget)
+    precision = req.mixed_precision or auto_precision(budget, req.weight_dtype)
+    check_attention(req, budget, precision)
+    check_optimizer(req, budget, precision)
     estimate = Estimates.of(estimate)  # each setup estimated once in this choice
     cands = CandidatePool(req, budget, estimate)
     best = cands.best_fitting()

@@ -61,7 +61,7 @@ PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
 # and SimPO keep the full logits and need no reference.
 REFERENCE_OBJECTIVES = ("dpo", "kto")
 # Online RL with generation through TRL (GRPOTrainer, RLOOTrainer): the recipe's grpo section,
-# lowvram.train.grpo; their memory is planned in lowvram.plan's GRPO terms.
+# lowvram.train.build.grpo; their memory is planned in lowvram.plan's GRPO terms.
 RL_OBJECTIVES = ("grpo", "rloo")
 OBJECTIVES = ("sft", *PREFERENCE_OBJECTIVES, *RL_OBJECTIVES)  # grpo, rloo: lowvram.plan.memory.grpo
 

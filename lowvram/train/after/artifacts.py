@@ -280,9 +280,11 @@ def _from_pretrained(base: BaseModel, **kwargs):
     from lowvram.plan.model.catalog import local_config
     from lowvram.runfiles import require_intact
     from lowvram.train.build.custom_code import custom_code_error, is_custom_code_refusal
-    from lowvram.train.build.model import _first_line, has_vision, model_class
+    from lowvram.train.build.model import _first_line, has_vision, model_class, mxfp4_dequantized
 
     require_intact(Path(base.source))  # a hub id: no such folder, nothing to check
+    if kwargs.get("quantization_config") is None:  # gpt-oss: dequantized, as train loads it
+        kwargs.update(mxfp4_dequantized(base.source))
     try:
         # quantization_config=None is not enough for a pre-quantized checkpoint; plain folders
         # (hub bases, the GGUF cache) carry none, and that is what a lowvram run trains on.

@@ -144,7 +144,11 @@ def fused_loss_arguments(plan: Plan) -> dict:
     """TrainingArguments for ``plan.loss``: Liger's fused loss for ``fused`` (the planner picks it
     only on CUDA with liger_kernel importable, lowvram.plan.choose.techniques.fused_loss_unavailable);
     nothing for the other losses. A plan made elsewhere (a launched worker without the extra) is
-    refused rather than silently run with the full logits."""
+    refused rather than silently run with the full logits. Evaluation fuses too: Liger's forward
+    fuses where ``skip_logits`` is true (by default in training mode only), and the Trainer's eval
+    loop passes ``skip_logits=True`` for a loss-only evaluation with ``use_liger_kernel``
+    (transformers 5.23-5.25 ``prediction_step``; lowvram sets no compute_metrics, so
+    ``Trainer.evaluate`` is loss-only): tests/train/test_fused_loss_eval.py."""
     if plan.loss != "fused":
         return {}
     import importlib.util

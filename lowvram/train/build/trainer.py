@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.plan.memory.backward import CHUNK_TOKENS
+from lowvram.plan.memory.preference import RL_OBJECTIVES
 from lowvram.plan.setup import FSDP_OFFLOADS
 from lowvram.vocab import (
     APOLLO_OPTIMIZERS,
@@ -59,7 +60,7 @@ def projected_optimizer_arguments(plan) -> dict:
                            f"pip install 'lowvram[{extra}]', or set techniques.optimizer: adamw_8bit")
     if plan.optimizer in LOMO_OPTIMIZERS:  # the Trainer hands lomo_optim the model itself: no arguments
         return {}
-    if plan.optimizer in TORCHAO_OPTIMIZERS:  # block_size 256, the Trainer's default (plan/memory/optimizers.py)
+    if plan.optimizer in TORCHAO_OPTIMIZERS:  # block_size 256, the Trainer's default (plan/memory/optimizers/)
         _check_compiler(plan)
         return {}
     if not plan.optimizer_target_modules:
@@ -122,6 +123,10 @@ def build_training_args(recipe, plan, has_eval: bool = False):
     """TrainingArguments of the Plan; a preference objective: TRL's config of the same settings
     plus its own (lowvram.train.build.preference)."""
     arguments = training_arguments(recipe, plan, has_eval)
+    if recipe.training.objective in RL_OBJECTIVES:
+        from lowvram.train.build.grpo import grpo_config
+
+        return grpo_config(recipe, plan, arguments)
     if recipe.training.objective != "sft":
         from lowvram.train.build.preference import preference_config
 
@@ -150,6 +155,14 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
             "mixed_precision fp16 (16-bit weights) cannot train all weights",
             "use techniques.mixed_precision: fp16-mixed (fp32 master weights), or lora: on",
         )
+    if plan.mixed_precision.startswith("fp16") and plan.optimizer in IN_BACKWARD_OPTIMIZERS:
+        # the planner never makes this plan (plan.optimizers.scaled_gradient_problem); one made
+        # elsewhere stops here, before the model loads
+        from lowvram.plan.memory.optimizers import FP16_IN_BACKWARD_WHY, in_backward_alternative
+
+        raise LowvramError(f"optimizer {plan.optimizer} cannot train in {plan.mixed_precision}: {FP16_IN_BACKWARD_WHY}",
+                           f"set techniques.optimizer: {in_backward_alternative(plan.optimizer)}, or "
+                           "techniques.mixed_precision: bf16 (or fp32)")
     configured = {}
     if fsdp_on_cpu(plan):
         configure_cpu_fsdp_state()
@@ -186,7 +199,12 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
         logging_first_step=True,
         save_strategy="steps",
         save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
+        # Rotation is train/run/guard.py's: a checkpoint counts against training.save_total_limit only
+        # once the step after it is finite (the Trainer's own would rotate the last finite one away).
+        save_total_limit=None,
+        # A non-finite step is read as it is (train/run/guard.py stops or skips it): the filter would log it
+        # as the window's average, 0.0 right after a log (transformers Trainer._run_epoch).
+        logging_nan_inf_filter=False,
         seed=t.seed,
         data_seed=t.seed,
         report_to=[] if t.report_to == "none" else [t.report_to],
@@ -219,18 +237,22 @@ def _forget_bitsandbytes_overrides() -> None:
 
 
 def build_trainer(loaded, bundle, args, collator, callbacks=(), loss: str = "standard",
-                  loss_chunk_tokens: int = CHUNK_TOKENS, optimizer: str = "adamw"):
+                  loss_chunk_tokens: int = CHUNK_TOKENS, optimizer: str = "adamw", recipe=None):
     """The Hugging Face Trainer over a DataBundle (lowvram.train.data); ``loss`` is plan.loss
     ("chunked": lowvram.train.build.loss computes the training loss in chunks of plan.loss_chunk_tokens
     tokens; "fused": the plain Trainer, whose ``use_liger_kernel`` argument patches the model's loss).
     ``optimizer``: plan.optimizer (adamw_in_backward: lowvram.train.build.in_backward steps each parameter in
     its gradient hook; galore_adamw_8bit and its layerwise form: lowvram.train.build.galore_cpu lets its
-    step run without CUDA)."""
+    step run without CUDA). ``recipe``: grpo/rloo's rewards (lowvram.train.build.grpo)."""
     from transformers import PrinterCallback, Trainer
 
     from lowvram.train.build.preference import build_preference_trainer, is_preference_config
 
     _forget_bitsandbytes_overrides()
+    from lowvram.train.build.grpo import build_rl_trainer, is_rl_config
+
+    if is_rl_config(args):  # training.objective grpo/rloo: TRL's trainer generates and scores
+        return build_rl_trainer(loaded, bundle, args, recipe, callbacks)
     if is_preference_config(args):  # training.objective dpo/orpo/simpo: TRL's trainer, its collator
         return build_preference_trainer(loaded, bundle, args, callbacks)
     if loss == "chunked":

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.recipe import DatasetSpec, Recipe
-from lowvram.recipe.formats import column_of
-from lowvram.train.data.format import CHAT_FORMATS, _messages, format_example, short_repr
+from lowvram.train.data.format import CHAT_FORMATS, _messages, format_example
 from lowvram.train.data.read import BadRow, Row, concrete_spec, is_local, jsonl_rows, load_rows
 
 if TYPE_CHECKING:
@@ -156,10 +155,9 @@ def row_problem(row: object, spec: DatasetSpec) -> str | None:
         elif spec.format == "unpaired":
             unpaired_row(row, spec)
         elif spec.format == "prompt":  # grpo / rloo: a prompt, text or messages; other columns go to the rewards
-            value = row.get(column_of("prompt", spec.fields, "prompt"))
-            if not (isinstance(value, str) and value.strip()) and not (isinstance(value, list) and value):
-                return (f"field 'prompt': expected text or a list of messages, got {short_repr(value)} "
-                        f"(columns present: {', '.join(map(str, row)) or 'none'})")
+            from lowvram.train.data.prompts import prompt_row
+
+            prompt_row(row, spec)
         else:
             format_example(row, spec)
     except BadRow as e:

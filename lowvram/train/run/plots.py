@@ -19,7 +19,8 @@ def save_loss_plot(metrics: RunMetrics | dict, out_dir: str | Path, name: str = 
     Reads ``loss_history`` and ``eval_history`` (``[[step, loss], ...]``) and, if present,
     ``memory_history`` (``[[step, bytes], ...]``) for a second panel. ``metrics``: a RunMetrics,
     or a metrics.json object (read through the schema); a preference run's
-    ``rewards_margins_history`` on a second axis of the loss panel.
+    ``rewards_margins_history`` on a second axis of the loss panel; a grpo/rloo run's rewards
+    (``reward_history``, ``reward_functions``) in a panel of their own.
     """
     m = metrics if isinstance(metrics, RunMetrics) else RunMetrics.from_dict(metrics)
     train = m.loss_history
@@ -35,7 +36,8 @@ def save_loss_plot(metrics: RunMetrics | dict, out_dir: str | Path, name: str = 
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    panels = 2 if memory else 1
+    rewards = m.reward_functions or {}
+    panels = 1 + bool(memory) + bool(rewards or m.reward_history)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels + 0.6), squeeze=False, dpi=100)
     ax = axes[0][0]
     if train:
@@ -56,8 +58,10 @@ def save_loss_plot(metrics: RunMetrics | dict, out_dir: str | Path, name: str = 
         rx.legend(loc="upper center")
     ax.legend()
     ax.set_title(_title(m, Path(out_dir).name))
+    if rewards or m.reward_history:  # grpo/rloo: the summed reward and each function's mean
+        _reward_panel(axes[1][0], m)
     if memory:
-        mx = axes[1][0]
+        mx = axes[-1][0]
         mx.plot([s for s, _ in memory], [b / 2**30 for _, b in memory], color="tab:green", label="memory")
         predicted = m.predicted_peak_bytes
         if predicted:
@@ -81,6 +85,25 @@ def save_loss_plot(metrics: RunMetrics | dict, out_dir: str | Path, name: str = 
         plt.close(fig)
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _reward_panel(ax, m: RunMetrics) -> None:
+    """grpo/rloo: the reward (TRL's weighted sum, mean over each log's completions) and each reward
+    function's mean over the steps."""
+    from matplotlib.ticker import MaxNLocator
+
+    total = m.reward_history or []
+    if total:
+        ax.plot([s for s, _ in total], [v for _, v in total], color="black", linewidth=2, label="reward (weighted sum)")
+    for name, f in (m.reward_functions or {}).items():
+        history = f.get("history") or []
+        if history and (len(m.reward_functions) > 1 or not total):
+            ax.plot([s for s, _ in history], [v for _, v in history], linestyle="--", label=name)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("mean reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def _title(m: RunMetrics, run: str) -> str:

@@ -196,7 +196,10 @@ def _train_loop(recipe: Recipe, plan: Plan, out: Path, options: TrainOptions, re
         first = False
         _free_memory()  # err holds no frame now: the failed attempt's model, optimizer and Trainer go
 
-        def through_accelerate(new: Plan) -> str | None:
+        def through_accelerate(new: Plan, failed: Plan = plan) -> str | None:
+            paged = paged_state_kept(failed)
+            if paged:
+                return paged + f": {resume_cmd or 'lowvram train RECIPE --resume'}"
             if new.offload == "none":
                 return None
             return (f"the next cheaper plan offloads (offload {new.offload}), which runs through "
@@ -206,6 +209,25 @@ def _train_loop(recipe: Recipe, plan: Plan, out: Path, options: TrainOptions, re
         _record_retry(err, plan, new, ckpts, retries, options.max_retries, notify)
         del err
         plan, options = new, dataclasses.replace(options, resume=True, overwrite=False)
+
+
+def paged_state_kept(plan: Plan) -> str | None:
+    """Why an in-process retry after ``plan`` failed cannot start (None: it can). A paged
+    bitsandbytes optimizer on CUDA leaves its whole state in CUDA unified memory that bitsandbytes
+    never frees (hardware.paged_state_bytes; no free function in its library, the buffers stay in
+    the process-wide GlobalPageManager): a retry in this process would train beside the failed
+    attempt's state. A new process starts without it."""
+    from lowvram.hardware import paged_state_bytes
+
+    if plan.device != "cuda" or not plan.optimizer.startswith("paged_"):
+        return None
+    held = paged_state_bytes()
+    if not held:
+        return None
+    from lowvram.units import mem
+
+    return (f"the failed attempt's {plan.optimizer} state ({mem(held)} of CUDA unified memory) cannot be freed "
+            "inside this process (bitsandbytes never frees paged buffers): resume in a new process")
 
 
 def _retry_log(retries: list[Retry], plan: Plan) -> RetryLog:

@@ -1,0 +1,280 @@
+"""Online RL through TRL 1.16: training.objective grpo (trl.GRPOTrainer) or rloo (trl.RLOOTrainer).
+
+The same Plan -> configuration mapping as SFT and preference tuning: every TrainingArguments
+setting comes from lowvram.train.build.trainer.training_arguments (precision, checkpointing, optimizer,
+micro-batch, accumulation, FSDP/DeepSpeed through the launch) and the model arrives prepared by
+lowvram.train.build.model (LoRA/QLoRA adapters, checkpointing) exactly as for SFT. What TRL adds is
+named in its config below; the recipe's grpo section says what (lowvram.recipe.grpo).
+
+- The micro-batch counts completions: TRL's per_device_train_batch_size; the generation batch is
+  TRL's (``steps_per_generation`` micro-batches of completions, whole groups of num_generations),
+  the plan's when it resolved one.
+- The engine: ``generate`` (transformers' generate over a left-padded batch) or ``paged``
+  (transformers' continuous batching, ``use_transformers_continuous_batching``, with the cache the
+  plan sized); ``vllm`` is refused (:func:`engine_problem`).
+- Prompts longer than grpo.max_prompt_length lose their start (:func:`_truncating`): TRL 1.16
+  keeps whole prompts, TRL before 1.0 cut ``prompt_ids[:, -max_prompt_length:]``.
+- The reference model (beta > 0): with LoRA TRL disables the adapter for the reference forward,
+  full fine-tuning loads a second copy (GRPOTrainer.__init__); beta 0 loads none.
+"""
+
+from __future__ import annotations
+
+from lowvram.errors import LowvramError
+
+# Each objective's TRL trainer, as (module, trainer class, config class).
+TRAINERS = {"grpo": ("trl", "GRPOTrainer", "GRPOConfig"), "rloo": ("trl", "RLOOTrainer", "RLOOConfig")}
+# TRL's own guard on vLLM (trl/import_utils.py is_vllm_available, TRL 1.16): the releases it takes
+VLLM_RANGE = ("0.22.0", "0.31.0")
+# transformers releases those vLLM versions accept (issue 44: vLLM 0.22-0.31 pin transformers < 5.18)
+VLLM_TRANSFORMERS_BELOW = "5.18"
+ENGINE_HINT = "set grpo.generation: generate (or paged, or auto: the plan picks one of the two)"
+
+
+def engine_problem(generation: str) -> str | None:
+    """Why the generation engine cannot run here (None when it can): vLLM, which TRL 1.16 takes
+    only in versions 0.22-0.31, and those need a transformers older than lowvram's."""
+    if generation != "vllm":
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:  # pragma: no cover - lowvram depends on it
+        installed = "not installed"
+    try:
+        vllm = f"vLLM {version('vllm')} is installed"
+    except PackageNotFoundError:
+        vllm = "vLLM is not installed"
+    return (f"grpo.generation vllm: TRL 1.16 accepts vLLM {VLLM_RANGE[0]}-{VLLM_RANGE[1]} only "
+            f"(trl/import_utils.py is_vllm_available), and those vLLM releases require transformers < "
+            f"{VLLM_TRANSFORMERS_BELOW}; this environment has transformers {installed} ({vllm}), so TRL's vLLM "
+            "engine cannot run beside it")
+
+
+def check_grpo(recipe) -> list:
+    """``lowvram validate`` and the start of ``lowvram train`` for grpo/rloo, before any model: the
+    engine can run, and every reward imports, takes TRL's arguments and scores a sample row."""
+    from lowvram.train.build.rewards import check_rewards
+
+    problem = engine_problem(recipe.grpo.generation)
+    if problem:
+        raise LowvramError(problem, ENGINE_HINT)
+    return check_rewards(recipe)
+
+
+def _classes(objective: str):
+    import importlib
+
+    from lowvram.train.data.preference import require_trl
+
+    require_trl()
+    module, trainer, config = TRAINERS[objective]
+    mod = importlib.import_module(module)
+    return getattr(mod, trainer), getattr(mod, config)
+
+
+def generation_settings(recipe, plan) -> dict:
+    """TRL's generation keys: the batch (the plan's resolved steps_per_generation when it has one,
+    else the recipe's, else TRL's default) and the engine (the plan's for auto)."""
+    g = recipe.grpo
+    out: dict = {}
+    planned_steps = getattr(plan, "steps_per_generation", 0) or 0
+    if planned_steps:
+        out["steps_per_generation"] = planned_steps
+    elif isinstance(g.generation_batch_size, int):
+        out["generation_batch_size"] = g.generation_batch_size
+    elif isinstance(g.steps_per_generation, int):
+        out["steps_per_generation"] = g.steps_per_generation
+    engine = getattr(plan, "generation", "") or g.generation
+    cast = paged_cast_problem(plan)
+    if engine == "auto" or (engine == "paged" and g.generation == "auto" and cast):
+        engine = "generate"  # auto: the plan's paged only where TRL's cast changes nothing
+    if engine == "paged" and cast:
+        raise LowvramError(cast, "set grpo.generation: generate (or auto)")
+    problem = engine_problem(engine)
+    if problem:
+        raise LowvramError(problem, ENGINE_HINT)
+    if engine == "paged":
+        cache = {k: v for k, v in (("num_blocks", getattr(plan, "paged_num_blocks", None)),
+                                   ("max_batch_tokens", getattr(plan, "paged_max_batch_tokens", None))) if v}
+        out["use_transformers_continuous_batching"] = True
+        if cache:
+            out["transformers_continuous_batching_config"] = cache
+    return out
+
+
+def paged_cast_problem(plan) -> str | None:
+    """Why the paged engine would change the run (None when it would not): TRL 1.16's continuous-
+    batching path casts the whole model to the run's 16-bit dtype before each generation
+    (grpo_trainer.py _generate_single_turn: ``unwrapped_model.to(torch.bfloat16)`` when bf16, fp16
+    likewise), which turns fp32 trainable weights (LoRA's adapters, *-mixed master weights) into
+    16-bit ones for the rest of the run."""
+    mp = plan.mixed_precision
+    if not (mp.startswith("bf16") or mp.startswith("fp16")) or (mp in ("bf16", "fp16") and not plan.lora):
+        return None
+    what = "LoRA's fp32 adapters" if plan.lora else f"the fp32 master weights of {mp}"
+    return (f"grpo.generation paged with mixed_precision {mp}: TRL 1.16 casts the whole model to "
+            f"{mp[:4]} before each generation (grpo_trainer.py _generate_single_turn), which would turn {what} "
+            "into 16-bit weights for the rest of the run")
+
+
+def objective_settings(recipe, plan) -> dict:
+    """TRL's own config keys for the recipe's grpo section."""
+    g, objective = recipe.grpo, recipe.training.objective
+    from lowvram.train.build.rewards import load_rewards
+
+    weights = [r.weight for r in load_rewards(recipe)]
+    out = {
+        "num_generations": g.num_generations, "max_completion_length": g.max_completion_length,
+        "temperature": g.temperature, "beta": g.beta, "num_iterations": g.num_iterations,
+        "mask_truncated_completions": g.mask_truncated_completions, "reward_weights": weights,
+        "use_vllm": False, "log_completions": False,
+        **generation_settings(recipe, plan),
+    }
+    if objective == "grpo":
+        out["loss_type"] = g.loss_type
+    return out
+
+
+def grpo_config(recipe, plan, arguments: dict):
+    """The TRL config (a TrainingArguments subclass) of ``arguments`` (the SFT TrainingArguments
+    keywords, lowvram.train.build.trainer.training_arguments) plus the grpo section's settings. TRL's
+    configs default gradient checkpointing and bf16 on (trl/trainer/base_config.py): both are
+    passed explicitly from the Plan, as every other setting."""
+    import warnings
+
+    objective = recipe.training.objective
+    if plan.loss != "standard":
+        raise LowvramError(f"loss {plan.loss} does not apply to training.objective {objective}",
+                           "TRL computes the policy loss itself; set techniques.loss: standard or auto")
+    _, config_class = _classes(objective)
+    kwargs = {**arguments, "gradient_checkpointing": arguments.get("activation_checkpointing", False)}
+    kwargs.setdefault("bf16", False)
+    kwargs.setdefault("fp16", False)
+    # TRL counts no input tokens of its own batches (prompt_ids/completion_ids, no input_ids)
+    kwargs["include_num_input_tokens_seen"] = "no"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's notes on its defaults; the run's settings are the plan's
+        try:
+            config = config_class(**kwargs, **objective_settings(recipe, plan))
+        except ValueError as e:  # TRL's batch rules the plan's micro-batch broke (a fixed micro-batch)
+            raise LowvramError(f"TRL refuses the {objective} batch: {e}",
+                               "make grpo.generation_batch_size (or training.batch_size) a multiple of "
+                               "num_generations and of the micro-batch x GPUs") from None
+    if config.use_transformers_continuous_batching and not config.transformers_continuous_batching_config:
+        config.transformers_continuous_batching_config = paged_cache(
+            config.generation_batch_size // max(1, config.world_size), recipe.grpo)
+    return config
+
+
+# transformers' ContinuousBatchingConfig defaults: tokens per page of the paged cache, and the most
+# tokens of one forward (generation/continuous_batching/cache.py _default_max_batch_tokens)
+PAGE_TOKENS = 256
+DEFAULT_MAX_BATCH_TOKENS = 8192
+
+
+def paged_cache(completions: int, g) -> dict:
+    """The paged engine's cache for one process's generation batch when the plan sized none: every
+    completion's prompt and completion in whole pages, and no more (transformers' own default takes
+    a share of the free memory: 0.5 under TRL, grpo_trainer.py L800-806, all of a CPU's RAM's share
+    here), the forward's tokens at transformers' default or the whole batch if smaller."""
+    row = g.max_prompt_length + g.max_completion_length
+    pages = -(-row // PAGE_TOKENS)
+    return {"num_blocks": completions * pages, "max_batch_tokens": min(DEFAULT_MAX_BATCH_TOKENS, completions * row)}
+
+
+def is_rl_config(args) -> bool:
+    return type(args).__name__ in {v[2] for v in TRAINERS.values()}
+
+
+def _truncating(trainer_class, max_prompt_length: int):
+    """``trainer_class`` whose prompts keep their last max_prompt_length tokens (TRL before 1.0:
+    ``prompt_ids[:, -max_prompt_length:]``, the left side cut, the generation prompt kept)."""
+
+    class Trainer(trainer_class):
+        def _tokenize_prompts(self, prompts: list):
+            prompt_ids, images, multimodal = super()._tokenize_prompts(prompts)
+            return [list(ids)[-max_prompt_length:] for ids in prompt_ids], images, multimodal
+
+    Trainer.__name__ = Trainer.__qualname__ = trainer_class.__name__
+    return Trainer
+
+
+def resume_hint(recipe) -> str:
+    return (f"fix the reward; the checkpoints in {recipe.training.output_dir} are whole: "
+            "`lowvram train RECIPE --resume` goes on from the last one")
+
+
+def build_rl_trainer(loaded, bundle, args, recipe, callbacks=()):
+    """TRL's GRPOTrainer or RLOOTrainer for ``args`` (from grpo_config) over the prompts in
+    ``bundle`` (lowvram.train.data.prompts), the model as loaded, the recipe's rewards guarded
+    (lowvram.train.build.rewards.guarded: a failing reward names itself and the step)."""
+    from transformers import PrinterCallback
+
+    from lowvram.train.build.rewards import guarded, load_rewards
+
+    trainer_class, _ = _classes(recipe.training.objective)
+    rewards = [guarded(r, resume_hint(recipe)) for r in load_rewards(recipe)]
+    trainer = _truncating(trainer_class, recipe.grpo.max_prompt_length)(
+        model=loaded.model,
+        reward_funcs=rewards,
+        args=args,
+        train_dataset=bundle.train,
+        processing_class=loaded.tokenizer,
+        callbacks=list(callbacks),
+    )
+    trainer.remove_callback(PrinterCallback)  # progress.py reports, as for SFT
+    return trainer
+
+
+# TRL 1.16's log keys (GRPOTrainer/RLOOTrainer.log: the means over the completions since the last
+# log) -> metrics.json's (lowvram.metrics.RunMetrics); clip_ratio/region_mean is GRPO's only.
+_RL_LOG_KEYS = {"reward": "reward", "reward_std": "reward_std", "completions/mean_length": "completion_length",
+                "completions/clipped_ratio": "truncated_completions", "clip_ratio/region_mean": "clip_ratio"}
+_HISTORIES = ("reward", "completion_length", "clip_ratio")
+
+
+def rl_metrics(log_history: list[dict]) -> dict:
+    """metrics.json's grpo/rloo part from the Trainer's log history: each logged value's last
+    value (and history, for the reward, the completion length and the clip ratio), and each reward
+    function's mean, std and history (TRL's rewards/<name>/mean, /std); {} for other runs."""
+    logs = [e for e in log_history if "step" in e and "reward" in e]
+    if not logs:
+        return {}
+    out: dict = {}
+    for key, name in _RL_LOG_KEYS.items():
+        points = [[e["step"], float(e[key])] for e in logs if key in e]
+        if points:
+            out[name] = points[-1][1]
+            if name in _HISTORIES:
+                out[f"{name}_history"] = points
+    functions: dict = {}
+    for e in logs:
+        for key, value in e.items():
+            if key.startswith("rewards/") and key.endswith("/mean"):
+                name = key[len("rewards/"):-len("/mean")]
+                f = functions.setdefault(name, {"history": []})
+                f["history"].append([e["step"], float(value)])
+                f["mean"], f["std"] = float(value), float(e.get(f"rewards/{name}/std", 0.0))
+    if functions:
+        out["reward_functions"] = functions
+    return out
+
+
+def rl_progress(logs: dict) -> str:
+    """The progress line's grpo/rloo part of one log: the summed reward (mean +- std), each
+    function's mean, the completion length, the KL (beta > 0) and the clip ratio; "" otherwise."""
+    if "reward" not in logs:
+        return ""
+    parts = [f"reward {logs['reward']:+.3f}" + (f" ±{logs['reward_std']:.3f}" if "reward_std" in logs else "")]
+    functions = [k[len("rewards/"):-len("/mean")] for k in logs if k.startswith("rewards/") and k.endswith("/mean")]
+    if len(functions) > 1:
+        parts.append("(" + ", ".join(f"{n} {logs[f'rewards/{n}/mean']:+.2f}" for n in functions) + ")")
+    if "completions/mean_length" in logs:
+        parts.append(f"len {logs['completions/mean_length']:.0f}")
+    if "kl" in logs:
+        parts.append(f"kl {logs['kl']:.4f}")
+    if "clip_ratio/region_mean" in logs:
+        parts.append(f"clip {logs['clip_ratio/region_mean']:.3f}")
+    return "  ".join(parts)

@@ -1,0 +1,360 @@
+"""Online RL (training.objective grpo, rloo) through TRL 1.16's own GRPOTrainer and RLOOTrainer: the
+prompt data and its bad rows by file and line, the rewards checked by `lowvram validate` before any
+model (missing file, syntax error, signature, return, a raise), the built-ins, TRL's config from the
+plan, the engines (generate, paged; vllm refused), and runs of the tiny Llama on the CPU: what the
+user sees, a reward that raises mid-run, and --resume to the same weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lowvram.cli import app
+from lowvram.errors import LowvramError
+
+pytest.importorskip("trl")
+
+REWARD_FILE = '''\
+def short(prompts, completions, **kwargs):
+    return [-len(c) / 10 for c in completions]
+
+
+def says_answer(prompts, completions, answer, **kwargs):
+    return [float(a in c) for c, a in zip(completions, answer)]
+'''
+
+
+def write_prompts(path: Path, n: int = 16, chat: bool = False) -> Path:
+    rows = []
+    for i in range(n):
+        prompt = f"Add {i} and {i + 1}."
+        rows.append({"prompt": [{"role": "user", "content": prompt}] if chat else prompt, "answer": str(2 * i + 1)})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def recipe_text(model, rewards="[rewards.py:short, exact_match]", objective="grpo", grpo="", steps=2,
+                extra="", data="p.jsonl", fmt="prompt", save_steps=100) -> str:
+    return f"""\
+model: {{name_or_path: {model}}}
+data: {{datasets: [{{path: {data}, format: {fmt}}}]}}
+training: {{objective: {objective}, max_steps: {steps}, batch_size: 4, micro_batch_size: 2, logging_steps: 1,
+  save_steps: {save_steps}, output_dir: out, report_to: none, learning_rate: 1.0e-3, lr_scheduler: constant,
+  warmup_ratio: 0.0, seed: 7}}
+grpo: {{num_generations: 2, max_completion_length: 6, max_prompt_length: 8, rewards: {rewards}{grpo}}}
+lora: {{r: 8, alpha: 16}}
+techniques: {{lora: on}}
+{extra}"""
+
+
+def setup_run(tmp_path: Path, model, reward_code: str = REWARD_FILE, chat=False, **kw) -> Path:
+    write_prompts(tmp_path / "p.jsonl", chat=chat)
+    (tmp_path / "rewards.py").write_text(reward_code)
+    (tmp_path / "r.yaml").write_text(recipe_text(model, **kw))
+    return tmp_path / "r.yaml"
+
+
+def validate(path: Path):
+    return CliRunner().invoke(app, ["validate", str(path)])
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def _bundle(tmp_path: Path, rows: list, fmt="prompt", fields=""):
+    from lowvram.recipe import load_recipe
+    from lowvram.train.data.build import build_datasets
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "r.yaml").write_text(recipe_text("m", rewards="[exact_match]", fmt=fmt + fields))
+    return build_datasets(load_recipe(tmp_path / "r.yaml"), None)
+
+
+GOOD = {"prompt": "2+2?", "answer": "4"}
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"answer": "4"}, "missing field 'prompt'"),
+    ({"prompt": " ", "answer": "4"}, "field 'prompt': expected non-empty text"),
+    ({"prompt": 3, "answer": "4"}, "expected text or a list of {role, content} messages"),
+    ({"prompt": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "answer": "4"},
+     "the messages end with an assistant turn"),
+    ({"prompt": "Q", "answer": "4", "trainer_state": 1}, "column 'trainer_state' has a name TRL gives"),
+])
+def test_bad_prompt_rows_are_named_by_file_and_line(tmp_path, bad, words):
+    with pytest.raises(LowvramError) as e:
+        _bundle(tmp_path, [GOOD, GOOD, bad])
+    assert str(e.value).startswith("p.jsonl:3: ") and words in str(e.value), str(e.value)
+    assert "skip_bad_rows" in e.value.hint
+
+
+def test_prompt_rows_keep_every_other_column(tmp_path):
+    b = _bundle(tmp_path, [{"prompt": "2+2?", "answer": "4", "level": 1}, {"prompt": "3+3?", "answer": "6", "level": 2}])
+    assert b.train.column_names == ["prompt", "answer", "level"] and b.train["level"] == [1, 2]
+    assert b.stats.train_rows == 2
+
+
+def test_chat_and_alpaca_give_their_prompt_side(tmp_path):
+    chat = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "4"}]}]
+    b = _bundle(tmp_path, chat, fmt="chat")
+    assert b.train[0]["prompt"] == chat[0]["messages"][:2] and b.train[0]["answer"] == "4"
+    b = _bundle(tmp_path, [{"instruction": "Add 2 and 2.", "output": "4"}], fmt="alpaca")
+    assert b.train[0]["prompt"].endswith("### Instruction:\nAdd 2 and 2.\n\n### Response:\n")
+    assert b.train[0]["answer"] == "4"
+
+
+def test_mixed_prompt_kinds_are_refused(tmp_path):
+    with pytest.raises(LowvramError, match="mix text and messages"):
+        _bundle(tmp_path, [GOOD, {"prompt": [{"role": "user", "content": "Q"}], "answer": "1"}])
+
+
+# ---------------------------------------------------------------------------------- rewards
+
+
+def test_builtins():
+    from lowvram.train.build.rewards import exact_match, format_reward, length_reward
+
+    assert exact_match(None, ["the answer is 4.", "#### 5", r"so \boxed{4}", "4"], answer=["4", "5", "4", "3"]) == [
+        1.0, 1.0, 1.0, 0.0]
+    chat = [[{"role": "assistant", "content": "<answer>4</answer>"}]]
+    assert exact_match(None, chat, solution=["4"]) == [1.0]
+    assert format_reward(r"<b>.*</b>")(None, ["<b>x\ny</b>", "x<b>y</b>"]) == [1.0, 0.0]
+    assert length_reward(10)(None, ["x" * 10, "x" * 5, "x" * 30, ""]) == [1.0, 0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("code, rewards, words", [
+    (REWARD_FILE, "[missing.py:short]", "reward missing.py:short: file not found"),
+    ("def short(prompts, completions, **kwargs)\n    return [0.0]\n", "[rewards.py:short]",
+     "syntax error in rewards.py line 1"),
+    (REWARD_FILE, "[rewards.py:shrt]", "has no function 'shrt'"),
+    ("import not_a_module_xyz\n", "[rewards.py:short]", "importing rewards.py raised ModuleNotFoundError"),
+    ("def short(prompts, completions):\n    return [0.0] * len(prompts)\n", "[rewards.py:short]",
+     "does not take 'completion_ids'"),
+    ("def short(prompts, completions, level, **kwargs):\n    return [0.0] * len(prompts)\n", "[rewards.py:short]",
+     "needs 'level', which the data has no column of (its columns: answer)"),
+    ("def short(prompts, completions, **kwargs):\n    return [0.0]\n", "[rewards.py:short]",
+     "returned 1 values for 2 completions"),
+    ("def short(prompts, completions, **kwargs):\n    return ['good'] * len(prompts)\n", "[rewards.py:short]",
+     "returned str 'good', not a number"),
+    ("def short(prompts, completions, **kwargs):\n    return 1.0\n", "[rewards.py:short]",
+     "returned float, not a list of numbers"),
+    ("def short(prompts, completions, **kwargs):\n    raise KeyError('x')\n", "[rewards.py:short]",
+     "reward rewards.py:short raised KeyError on a sample row"),
+    ("async def short(prompts, completions, **kwargs):\n    return [0.0]\n", "[rewards.py:short]", "is async"),
+    (REWARD_FILE, "[no_such_pkg_xyz:f]", "no module named 'no_such_pkg_xyz'"),
+    (REWARD_FILE, "[{function: rewards.py:short, target: 3}]", "pattern and target are the built-ins'"),
+    (REWARD_FILE, "[rewards.py:short, {function: rewards.py:short, weight: 2}]", "two rewards are named 'short'"),
+    (REWARD_FILE, "[{function: format, pattern: '(unclosed'}]", "is not a regular expression"),
+])
+def test_validate_names_the_bad_reward_before_any_model(tmp_path, tiny_model_dir, code, rewards, words):
+    """`lowvram validate` imports and calls each reward on a sample row: one error/hint naming the
+    function, and no model loaded (validate reads no weights)."""
+    result = validate(setup_run(tmp_path, tiny_model_dir, reward_code=code, rewards=rewards))
+    assert result.exit_code == 1, result.output
+    assert words in result.output and "Traceback" not in result.output, result.output
+    assert "hint:" in result.output
+
+
+def test_validate_accepts_good_rewards(tmp_path, tiny_model_dir):
+    result = validate(setup_run(tmp_path, tiny_model_dir,
+                                rewards="[rewards.py:short, rewards.py:says_answer, exact_match, "
+                                        "{function: format, weight: 0.5}, {function: length, target: 12}]"))
+    assert result.exit_code == 0, result.output
+
+
+def test_vllm_is_refused_with_the_versions(tmp_path, tiny_model_dir):
+    import transformers
+
+    result = validate(setup_run(tmp_path, tiny_model_dir, grpo=", generation: vllm"))
+    assert result.exit_code == 1
+    assert "TRL 1.16 accepts vLLM 0.22.0-0.31.0 only" in result.output
+    assert f"require transformers < 5.18; this environment has transformers {transformers.__version__}" in result.output
+    assert "grpo.generation: generate" in result.output
+
+
+# ---------------------------------------------------------------------------------- TRL config
+
+
+def _config(tmp_path, model, **kw):
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.build.trainer import build_training_args
+
+    recipe = load_recipe(setup_run(tmp_path, model, **kw))
+    plan = resolve_fixed(recipe)
+    return recipe, plan, build_training_args(recipe, plan)
+
+
+def test_trl_config_carries_the_plan(tmp_path, tiny_model_dir):
+    from trl import GRPOConfig, RLOOConfig
+
+    recipe, plan, args = _config(tmp_path, tiny_model_dir, grpo=", beta: 0.04, loss_type: dr_grpo, temperature: 0.7")
+    assert type(args) is GRPOConfig
+    assert args.gradient_checkpointing is plan.gradient_checkpointing is False
+    assert (args.bf16, args.use_cpu, args.per_device_train_batch_size) == (False, True, plan.micro_batch_size)
+    assert (args.num_generations, args.max_completion_length, args.beta, args.loss_type) == (2, 6, 0.04, "dr_grpo")
+    assert (args.temperature, args.reward_weights, args.use_vllm) == (0.7, [1.0, 1.0], False)
+    # TRL's rule: one generation per optimizer step, the effective batch of completions
+    assert args.steps_per_generation == plan.grad_accum and args.generation_batch_size == 4
+    assert not args.use_transformers_continuous_batching
+    _, _, args = _config(tmp_path, tiny_model_dir, objective="rloo", grpo=", generation: paged")
+    assert type(args) is RLOOConfig and args.use_transformers_continuous_batching
+    # the paged cache holds one generation batch's rows, no share of the free memory
+    assert args.transformers_continuous_batching_config == {"num_blocks": 4, "max_batch_tokens": 56}
+
+
+@pytest.mark.parametrize("precision, lora, refused", [
+    ("bf16", True, True), ("bf16-mixed", False, True), ("fp16-mixed", True, True), ("bf16", False, False),
+    ("fp32", True, False)])
+def test_paged_is_refused_where_trl_casts_trained_weights(tmp_path, tiny_model_dir, precision, lora, refused):
+    """TRL 1.16's continuous batching casts the model to bf16/fp16 before generating: fp32 adapters
+    or master weights would silently become 16-bit. paged asked: refused; auto: generate."""
+    from dataclasses import replace
+
+    from lowvram.train.build.grpo import generation_settings, paged_cast_problem
+
+    recipe, plan, _ = _config(tmp_path, tiny_model_dir, grpo=", generation: paged")
+    plan = replace(plan, mixed_precision=precision, lora=lora)
+    assert (paged_cast_problem(plan) is not None) is refused
+    if refused:
+        with pytest.raises(LowvramError, match="casts the whole model"):
+            generation_settings(recipe, plan)
+        recipe.grpo.generation = "auto"
+        # the plan's engine (Plan.generation, the planner's field) paged for an auto recipe
+        from dataclasses import fields
+        from types import SimpleNamespace
+
+        planned = SimpleNamespace(**{**{f.name: getattr(plan, f.name) for f in fields(plan)}, "generation": "paged"})
+        assert "use_transformers_continuous_batching" not in generation_settings(recipe, planned)
+    else:
+        assert generation_settings(recipe, plan)["use_transformers_continuous_batching"] is True
+
+
+# ---------------------------------------------------------------------------------- runs
+
+
+def _train(recipe: Path, *flags):
+    """The recipe trained through lowvram's own run (train/run/run.py) on the fixed plan: TRL's trainer,
+    lowvram's model builder, the run folder (the planner's GRPO terms are grpoplan's, issue 44)."""
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.run.run import run_training
+    from lowvram.train.types import TrainOptions
+
+    r = load_recipe(recipe)
+    return run_training(r, resolve_fixed(r), TrainOptions(resume="--resume" in flags, overwrite="--overwrite" in flags))
+
+
+def test_grpo_run_shows_the_rewards(tmp_path, tiny_model_dir, capsys):
+    result = _train(setup_run(tmp_path, tiny_model_dir, grpo=", beta: 0.04"))
+    printed = capsys.readouterr().out
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["steps"] == 2 and len(m["reward_history"]) == 2
+    assert set(m["reward_functions"]) == {"short", "exact_match"}
+    assert m["reward_functions"]["short"]["mean"] < 0 and m["completion_length"] <= 6
+    assert "kl_history" in m and "clip_ratio" in m  # beta > 0: TRL logs the KL
+    assert "reward " in printed and "(short " in printed and " kl " in printed and " clip " in printed
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file() and result.metrics.steps == 2
+    shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
+    assert shown.exit_code == 0 and "reward short (last)" in shown.output and "completion length" in shown.output
+    listed = CliRunner().invoke(app, ["runs", str(tmp_path)], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and f"(reward {m['reward']:+.3f})" in listed.output
+
+
+def test_rloo_paged_run_on_chat_prompts(tmp_path, tiny_model_dir):
+    _train(setup_run(tmp_path, tiny_model_dir, chat=True, objective="rloo", grpo=", generation: paged",
+                     rewards="[rewards.py:short]"))
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["steps"] == 2 and m["reward"] <= 0 and m["peak_memory_bytes"] < 64 * 2**20  # no memory-share cache
+
+
+RAISES_AT_STEP_3 = REWARD_FILE + '''
+
+def fragile(prompts, completions, trainer_state, **kwargs):
+    if trainer_state.global_step == 2:
+        raise ZeroDivisionError("no")
+    return [0.0] * len(prompts)
+'''
+
+
+def test_a_reward_that_raises_names_itself_and_the_step_and_resume_goes_on(tmp_path, tiny_model_dir):
+    from lowvram.train.run.checkpoints import complete_checkpoints
+
+    recipe = setup_run(tmp_path, tiny_model_dir, reward_code=RAISES_AT_STEP_3, steps=4, save_steps=2,
+                       rewards="[rewards.py:short, rewards.py:fragile]")
+    with pytest.raises(LowvramError) as e:
+        _train(recipe)
+    assert str(e.value) == "reward rewards.py:fragile raised ZeroDivisionError at step 3: no"
+    assert "--resume" in e.value.hint
+    assert [c.name for c in complete_checkpoints(tmp_path / "out")] == ["checkpoint-2"]
+    (tmp_path / "rewards.py").write_text(RAISES_AT_STEP_3.replace("== 2", "== -1"))  # fixed
+    result = _train(recipe, "--resume")
+    assert result.metrics.steps == 4 and result.resumed_from.endswith("checkpoint-2")
+
+
+@pytest.mark.slow  # ~100 s on 2 shared cores: `make test-all`
+def test_resume_reaches_the_same_weights(tmp_path, tiny_model_dir):
+    """A checkpoint mid-run and --resume give the weights of the uninterrupted run (fixed seed:
+    the Trainer restores the RNG, so the resumed run samples the same completions)."""
+    from safetensors.torch import load_file
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for d in (whole, cut):
+        d.mkdir()
+    _train(setup_run(whole, tiny_model_dir, steps=4, save_steps=2))
+    _train(setup_run(cut, tiny_model_dir, steps=2, save_steps=2))
+    (cut / "r.yaml").write_text(recipe_text(tiny_model_dir, steps=4, save_steps=2))
+    _train(cut / "r.yaml", "--resume")
+    a, b = load_file(str(whole / "out" / "adapter_model.safetensors")), load_file(str(cut / "out" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() < 1e-6, k
+    ra = json.loads((whole / "out" / "metrics.json").read_text())["reward_history"]
+    rb = json.loads((cut / "out" / "metrics.json").read_text())["reward_history"]
+    assert ra[2:] == rb[-2:]
+
+
+# ---------------------------------------------------------------------------------- the shipped recipe
+
+GRPO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-grpo.yaml"
+
+
+def test_shipped_recipe_validates_with_its_rewards(quickstart_model):
+    """validate imports recipes/rewards/addition.py and scores the first prompt (no model loaded)."""
+    result = validate(GRPO_RECIPE)
+    assert result.exit_code == 0, result.output
+    from lowvram.recipe import load_recipe
+    from lowvram.train.build.rewards import load_rewards
+
+    rewards = {r.name: r.function for r in load_rewards(load_recipe(GRPO_RECIPE))}
+    done = [[{"role": "assistant", "content": t}] for t in ("15", "It is 15.", "16", "The sum of 4 and 11 is 15.")]
+    assert rewards["correct"](None, done, answer=["15"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert rewards["brief"](None, done) == [1.0, 1 - 2 / 15, 1.0, 1 - 7 / 15]
+
+
+def test_shipped_prompts_are_what_the_generator_writes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_addition", GRPO_RECIPE.parent / "data" / "make_addition_prompts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = (GRPO_RECIPE.parent / "data" / "addition_prompts.jsonl").read_text()
+    assert written == "".join(json.dumps(r) + "\n" for r in module.rows())
+
+
+@pytest.mark.slow
+def test_shipped_recipe_trains_two_steps(tmp_path, quickstart_model):
+    """The real SmolLM2-135M through TRL's GRPOTrainer, two steps (the learning run is
+    bench/grpo_demo.py's, minutes long)."""
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.run.run import run_training
+    from lowvram.train.types import TrainOptions
+
+    r = load_recipe(GRPO_RECIPE, ["training.max_steps=2", f"training.output_dir={tmp_path / 'out'}"])
+    m = run_training(r, resolve_fixed(r), TrainOptions(overwrite=True)).metrics
+    assert m.steps == 2 and set(m.reward_functions) == {"correct", "brief"}
