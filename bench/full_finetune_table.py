@@ -29,7 +29,7 @@ def largest(models: list[tuple[str, int]], card: int, method: str):
     for name, params in models:
         try:
             c = make_plan(model=name, method=method, vram=f"{card}GB", host_ram="1TiB", seq_len=2048,
-                          batch_size=1, offload="none")
+                          batch_size=1, offload="none", optimizer="any-that-fits")  # the whole table: every optimizer
         except LowvramError:
             continue  # a request this model refuses (e.g. GaLore on an MoE): the next one
         if getattr(c, "fits", False):

@@ -246,8 +246,12 @@ def plan(
 
         data["simulated"] = simulate_plan(result.chosen.setup, model_ref, data["peak_bytes"])
     show_plan(data, as_json=json_)
-    if check and not result.fits:
-        raise typer.Exit(1)
+    if not result.fits:
+        from lowvram.report.plans import show_not_fitting
+
+        show_not_fitting(data)  # the verdict on stderr, where a script and a reader both see it
+        if check:
+            raise typer.Exit(1)
 
 
 def _fetch_hub_config(model_ref: str, explicit: bool) -> None:
@@ -313,6 +317,28 @@ def merge(
         if not json_:
             show_merge_plan(mp)
         show_merge_result(merge_run(mp), as_json=json_)
+
+
+@app.command()
+@handle_errors
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder (an adapter run is merged on the fly, a full run read as it is) or a checkpoint.", show_default=False, metavar="RUN_DIR")],
+    gguf: Annotated[bool, typer.Option("--gguf", help="Write one GGUF file (llama.cpp, Ollama, LM Studio) and an Ollama Modelfile beside it.")] = False,
+    quantization: Annotated[str, _opt("--quantization", "f16 (default) | bf16 | q8_0. K-quants (q4_k_m...) need llama.cpp's llama-quantize on the f16 file.", "Q")] = "f16",
+    out: Annotated[Path | None, _opt("--out", "The .gguf file to write (default: RUN_DIR/gguf-Q/NAME-Q.gguf; the Modelfile goes beside it).", "PATH")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Export a run's model to GGUF, read it back and check it against the model, write an Ollama Modelfile."""
+    from lowvram.errors import UsageError
+    from lowvram.report.exports import show_export_plan, show_export_result
+    from lowvram.train.after.export import export_run, plan_export
+
+    if not gguf:
+        raise UsageError("pass --gguf (the one export format so far)", "e.g. lowvram export runs/quickstart --gguf --quantization q8_0")
+    ep = plan_export(run_dir, quantization.lower(), out)
+    if not json_:
+        show_export_plan(ep)
+    show_export_result(export_run(ep), as_json=json_)
 
 
 @app.command()

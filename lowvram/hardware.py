@@ -14,9 +14,12 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from lowvram.gpumemory import CudaMemoryReading
 from lowvram.plan.cards import read_vram
+
+if TYPE_CHECKING:  # imported where a run's memory is read: a plan needs only the host's
+    from lowvram.gpumemory import CudaMemoryReading
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,8 @@ def read_cuda_memory(device: int | None = None) -> CudaMemoryReading:
     free and total memory (mem_get_info), whose difference beyond the reservation is the CUDA
     context, the loaded kernels and any other process on the card."""
     import torch
+
+    from lowvram.gpumemory import CudaMemoryReading
 
     index = torch.cuda.current_device() if device is None else device
     free, total = torch.cuda.mem_get_info(index)

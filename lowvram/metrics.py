@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -105,6 +106,13 @@ class RunMetrics:
     # Out-of-memory retries (train/run/recover.py): absent when the run was not trained through it
     oom_retries: list[dict] | None = None
     final_plan: dict | None = None  # after a retry: the techniques the run ended with
+    # training.on_nonfinite skip (train/run/guard.py): the steps whose loss or gradient norm was not
+    # finite and whose update was skipped; absent when none was
+    nonfinite_steps: list[int] | None = None
+    # training.worst_batch_first (train/run/worst_batch.py): the longest batch's length and its
+    # forward-and-backward peak, measured before the run; absent when it did not run
+    worst_batch_tokens: int | None = None
+    worst_batch_peak_bytes: int | None = None
     status: str | None = None  # read only: a status an older writer recorded
     other: dict = field(default_factory=dict)  # keys this schema does not know, kept as they were
 
@@ -148,7 +156,8 @@ RL_METRIC_KEYS = ("reward", "reward_std", "reward_history", "reward_functions", 
 # Keys written only where the run measured them (as metrics.json has always done).
 _SITUATIONAL = ("peak_rss_bytes", "peak_reserved_bytes", "beyond_reserved_bytes", "memory_comparison",
                 "data_longest_tokens", "predicted_peak_bytes_at_data", "data_windows_one_sample",
-                "oom_retries", "final_plan", "status",
+                "oom_retries", "final_plan", "status", "nonfinite_steps",
+                "worst_batch_tokens", "worst_batch_peak_bytes",
                 *(f"rewards_{m}{h}" for m in ("chosen", "rejected", "margins", "accuracies") for h in ("", "_history")),
                 *(f"{m}{h}" for m in OBJECTIVE_METRIC_KEYS for h in ("", "_history")),
                 *RL_METRIC_KEYS)
@@ -201,6 +210,38 @@ def _describe(hint) -> str:
              dict: "an object"}
     kinds, optional = _members(hint)
     return " or ".join(names.get(k, str(k)) for k in kinds) + (" or null" if optional else "")
+
+
+# A loss "several times its first value over a window" (issue 42): each of the last
+# CLIMB_WINDOW logged losses at least CLIMB_FACTOR times the first. A policy threshold, not a
+# fitted constant: a falling or noisy run stays far below it (a tiny model's first loss is ~ln
+# of its vocabulary, the floor of a random guess), a run at learning_rate 0.99 crossed it within
+# four steps (0.31 -> 75.7 in the fault trials).
+CLIMB_FACTOR = 3.0
+CLIMB_WINDOW = 3
+
+
+def loss_climb(history) -> float | None:
+    """How many times its first value the loss stands at, when each of the last CLIMB_WINDOW
+    values of ``history`` ([[step, loss], ...]) is at least CLIMB_FACTOR times the first (the
+    run is diverging); None otherwise, or when the first loss is not a positive number."""
+    values = [float(v) for _, v in history or ()]
+    if len(values) <= CLIMB_WINDOW or not math.isfinite(values[0]) or values[0] <= 0:
+        return None
+    last = values[-CLIMB_WINDOW:]
+    if all(not math.isfinite(v) or v >= CLIMB_FACTOR * values[0] for v in last) and math.isfinite(last[-1]):
+        return last[-1] / values[0]
+    return None
+
+
+def climb_warning(history) -> str | None:
+    """The warning line for a diverging loss (progress, the run summary, `lowvram show`), or None."""
+    factor = loss_climb(history)
+    if factor is None:
+        return None
+    first, last = float(history[0][1]), float(history[-1][1])
+    return (f"the loss climbed from {first:.4g} to {last:.4g} ({factor:.1f}x its first value over the last "
+            f"{CLIMB_WINDOW} logged steps): the run is diverging; lower training.learning_rate")
 
 
 def metrics_problem(data) -> str | None:

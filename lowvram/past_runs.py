@@ -15,7 +15,15 @@ import yaml
 
 from lowvram.errors import LowvramError
 from lowvram.metrics import RunMetrics, metrics_problem, read_metrics
-from lowvram.runfiles import CHECKPOINT_GLOB, METRICS, PLAN, RECIPE, checkpoint_number, lock_holder
+from lowvram.runfiles import (
+    CHECKPOINT_GLOB,
+    EXPORTS,
+    METRICS,
+    PLAN,
+    RECIPE,
+    checkpoint_number,
+    lock_holder,
+)
 from lowvram.units import shell_line
 from lowvram.vocab import PLAN_KEYS
 
@@ -47,6 +55,7 @@ class RunInfo:
     damaged: tuple[str, ...] = ()  # "PATH is damaged: why" for each run file that does not parse
     recipe: dict = field(default_factory=dict)
     metrics: RunMetrics | None = None  # None: no readable metrics.json (not finished, or damaged)
+    exports: tuple[dict, ...] = ()  # exports.json: the GGUF files `lowvram export` wrote from it
 
     @property
     def recipe_name(self) -> str:
@@ -156,8 +165,13 @@ def read_run(path: str | Path) -> RunInfo:
         reasons=dict(plan.get("reasons") or {}),
         files=tuple(n for n in ("loss.png", "runs", "adapter_model.safetensors", "model.safetensors",
                                 "model.safetensors.index.json") if (p / n).exists()),
-        recipe=recipe, metrics=metrics, damaged=damaged,
+        recipe=recipe, metrics=metrics, damaged=damaged, exports=_exports(p),
     )
+
+
+def _exports(p: Path) -> tuple[dict, ...]:
+    rows = read_json_value(p / EXPORTS)
+    return tuple(r for r in rows if isinstance(r, dict)) if isinstance(rows, list) else ()
 
 
 def _damaged_files(p: Path) -> tuple[str, ...]:

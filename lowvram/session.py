@@ -74,6 +74,8 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
         from lowvram.train.run.preflight import check_seq_len
 
         check_seq_len(recipe)
+        if not options.print_launch:
+            _refuse_output_dir_early(recipe, options)
     from lowvram.train.run.preflight import check_recipe_data
 
     # every row against its format before the plan and the model (seconds, not a model load later)
@@ -113,6 +115,19 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
 
 def _quiet(planned: PlannedRun) -> None:
     pass
+
+
+def _refuse_output_dir_early(recipe: Recipe, options: TrainOptions) -> None:
+    """A usage error or a run folder that refuses this run (train/run/folder.py refuse_early), said
+    before the plan is made; checked again under the lock when the run starts. A folder another
+    process holds is left to the lock's own error, which names the holder."""
+    from lowvram.train.build.trainer import output_dir
+    from lowvram.train.run.folder import refuse_early
+    from lowvram.train.run.lock import held_by_another
+
+    out = output_dir(recipe)
+    if options.resume and options.overwrite or not held_by_another(out):
+        refuse_early(out, options.resume, options.overwrite, recipe)
 
 
 def _fetch_config(model_ref: str) -> None:

@@ -68,20 +68,27 @@ def percent(slowdown: float) -> str:
 
 
 BLOCKS = "▁▂▃▄▅▆▇█"
+NONFINITE = "×"  # a NaN or infinite value in a sparkline
 
 
 def sparkline(values: list[float], width: int = 40) -> str:
-    """Unicode blocks, one per value (evenly resampled to ``width``); min -> ▁, max -> █."""
+    """Unicode blocks, one per value (evenly resampled to ``width``); min -> ▁, max -> █; a
+    non-finite value (a diverged step) is ``NONFINITE``, never a low block."""
     vals = [float(v) for v in values if v is not None]
     if not vals:
         return ""
     if len(vals) > width:  # keep the first and last value, sample evenly between them
         vals = [vals[round(i * (len(vals) - 1) / (width - 1))] for i in range(width)]
-    lo, hi = min(vals), max(vals)
-    if hi == lo:
-        return BLOCKS[len(BLOCKS) // 2] * len(vals)
+    finite = [v for v in vals if math.isfinite(v)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
     top = len(BLOCKS) - 1
-    return "".join(BLOCKS[round(top * (v - lo) / (hi - lo))] for v in vals)
+
+    def block(v: float) -> str:
+        if not math.isfinite(v):
+            return NONFINITE
+        return BLOCKS[len(BLOCKS) // 2] if hi == lo else BLOCKS[round(top * (v - lo) / (hi - lo))]
+
+    return "".join(block(v) for v in vals)
 
 
 def shell_line(argv: list[str]) -> str:

@@ -95,6 +95,10 @@ FUSED_BACKWARD_OPTIMIZERS = ("adamw_in_backward",)
 # Every optimizer that steps inside the backward: gradient accumulation 1, no clipping, one process.
 IN_BACKWARD_OPTIMIZERS = LAYERWISE_OPTIMIZERS + LOMO_OPTIMIZERS + FUSED_BACKWARD_OPTIMIZERS
 # Optimizers that train full weights only (no LoRA, no DeepSpeed/FSDP).
+# optimizer any-that-fits: auto, and the search may also pick the optimizers that change the
+# training algorithm (GaLore/APOLLO's projected moments, LOMO/AdaLomo's SGD); plain auto keeps to
+# the AdamW family (AdamW, 8-bit, 4-bit, paged, offloaded, stepped in the backward).
+ANY_OPTIMIZER = "any-that-fits"
 FULL_ONLY_OPTIMIZERS = PROJECTED_OPTIMIZERS + LOMO_OPTIMIZERS + FUSED_BACKWARD_OPTIMIZERS
 # Optimizer -> (the pyproject extra it needs, the module that extra installs).
 OPTIMIZER_EXTRAS = {o: ("galore", "galore_torch") for o in PROJECTED_OPTIMIZERS} | {

@@ -31,4 +31,12 @@ def read_vram(text: str) -> VramReading:
     shown = f"{sold:g}"
     n = CARD_REPORTED_FRACTION.of(int(sold * 2**30))
     share = float(CARD_REPORTED_FRACTION.value)
-    return VramReading(n, f"a {shown} GB card, {share:.1%} of {shown} GiB as CUDA reports its total")
+    return VramReading(n, f"{card_words(shown)}, {share:.1%} of {shown} GiB as CUDA reports its total")
+
+
+def card_words(gb: float | str) -> str:
+    """"a 12 GB card", "an 8 GB card", "an 11 GB card" (the article as the number is spoken)."""
+    shown = f"{gb:g}" if isinstance(gb, (int, float)) else gb
+    whole = shown.split(".")[0]
+    spoken_vowel = whole.startswith("8") or whole in ("11", "18") or (len(whole) in (5, 6) and whole[:2] in ("11", "18"))
+    return f"{'an' if spoken_vowel else 'a'} {shown} GB card"

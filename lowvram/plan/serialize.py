@@ -83,7 +83,7 @@ def choice_to_dict(choice: Choice) -> dict:
             {
                 "technique": r.technique, "value": r.value, "peak_bytes": r.peak_bytes,
                 "saved_bytes": r.saved_bytes, "slowdown": round(r.slowdown, 3), "fits": r.fits,
-                "fixed": r.fixed,
+                "fixed": r.fixed, "host_ram_bytes": r.host_ram_bytes,
             }
             for r in choice.ladder
         ],

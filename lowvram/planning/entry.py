@@ -18,7 +18,15 @@ from lowvram.planning.budget import check_card, check_runnable, make_budget, rea
 from lowvram.planning.fixed import fixed_with_note
 from lowvram.planning.from_recipe import METHODS, build_request, flag_choices, recipe_model
 from lowvram.units import gib
-from lowvram.vocab import ATTENTIONS, LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZATIONS
+from lowvram.vocab import (
+    ANY_OPTIMIZER,
+    ATTENTIONS,
+    LOSSES,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANTIZATIONS,
+)
 
 if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
     from lowvram.recipe import Recipe
@@ -69,7 +77,7 @@ _CHOICES = {
     "method": tuple(METHODS),
     "mixed_precision": PRECISIONS,
     "quantization": QUANTIZATIONS,
-    "optimizer": OPTIMIZERS,
+    "optimizer": (ANY_OPTIMIZER, *OPTIMIZERS),
     "loss": LOSSES,
     "attention": ATTENTIONS,
     "offload": OFFLOADS,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
 from lowvram.plan.types import precisions_for_dtype
-from lowvram.vocab import OFF_VALUES, ON_VALUES, WEIGHT_DTYPE, on_off
+from lowvram.vocab import ANY_OPTIMIZER, OFF_VALUES, ON_VALUES, WEIGHT_DTYPE, on_off
 
 if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recipe is read
     from lowvram.recipe import Recipe
@@ -53,7 +53,9 @@ def recipe_choices(recipe: Recipe) -> dict:
         out["lora"] = t.lora == "on"
     if t.quantization != "auto":
         out["quantization"] = on_off(t.quantization, ON_VALUES["quantization"], OFF_VALUES["quantization"])
-    if t.optimizer != "auto":
+    if t.optimizer == ANY_OPTIMIZER:
+        out["optimizer_any"] = True
+    elif t.optimizer != "auto":
         out["optimizer"] = on_off(t.optimizer, ON_VALUES["optimizer"], OFF_VALUES["optimizer"])
     if t.offload != "auto":
         out["offload"] = on_off(t.offload, ON_VALUES["offload"], OFF_VALUES["offload"])
@@ -118,6 +120,8 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
             value = tuple(x.strip() for x in value.split(",") if x.strip())
         if key in ("gradient_checkpointing", "activation_offload", "packing"):
             flag = flag if value else flag.replace("--", "--no-", 1)
+        if key == "optimizer" and value == ANY_OPTIMIZER:
+            field, value = "optimizer_any", True
         out[field] = value
         switch = key in ("lora_targets", "gradient_checkpointing", "activation_offload", "packing")
         sources[field] = flag if switch else f"{flag} {_shown(value)}"
@@ -141,7 +145,7 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
         fields.update(lora_fields(recipe))
         fields.update(galore_fields(recipe))
         # a max_grad_norm the recipe writes is asked for; the default (1.0) a layerwise optimizer
-        # drops, and its plan says so (plan/memory/optimizers.py given_up)
+        # drops, and its plan says so (plan/memory/optimizers/ given_up)
         t = recipe.training
         fields["gradient_clipping"] = "max_grad_norm" in t.model_fields_set and t.max_grad_norm > 0
         fields["packing"] = recipe.data.packing

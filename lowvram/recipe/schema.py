@@ -25,6 +25,7 @@ from lowvram.plan.setup import activation_offload_conflict, quantization_conflic
 from lowvram.recipe.formats import unknown_field
 from lowvram.recipe.grpo import GrpoSection, grpo_problem, rl_format_problem
 from lowvram.vocab import (
+    ANY_OPTIMIZER,
     ATTENTIONS,
     DTYPES,
     LOSSES,
@@ -44,7 +45,7 @@ from lowvram.vocab import (
 OnOffAuto = Literal[SWITCH]
 MixedPrecision = Literal[(*SWITCH, *PRECISIONS)]
 Quantization = Literal[(*SWITCH, *(q for q in QUANTIZATIONS if q != "none"))]
-Optimizer = Literal[(*SWITCH, *OPTIMIZERS)]
+Optimizer = Literal[(*SWITCH, ANY_OPTIMIZER, *OPTIMIZERS)]
 Offload = Literal[(*SWITCH, *(o for o in OFFLOADS if o != "none"))]
 Attention = Literal[("auto", *ATTENTIONS)]
 Loss = Literal[("auto", *LOSSES)]
@@ -198,7 +199,16 @@ class TrainingSection(_Section):
     logging_steps: int = Field(10, gt=0, description="Log loss every N steps.")
     eval_steps: int | None = Field(None, gt=0, description="Evaluate every N steps (default: at the end).")
     save_steps: int = Field(200, gt=0, description="Write a checkpoint every N steps.")
-    save_total_limit: int = Field(2, gt=0, description="Keep at most this many checkpoints.")
+    save_total_limit: int = Field(2, gt=0, description="Keep at most this many checkpoints (a checkpoint counts "
+                                  "once the step after it is finite: the last finite one is never rotated away).")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A step whose loss or gradient norm is NaN/inf: stop there with error/hint (no "
+        "final model; the last finite checkpoint kept), or skip its update (up to nonfinite_skips steps, then stop).")
+    nonfinite_skips: int = Field(3, ge=0, description="on_nonfinite skip: how many non-finite steps are skipped "
+                                 "(no weight update) before the run stops.")
+    worst_batch_first: OnOffAuto = Field(
+        "auto", description="One forward+backward on the batch with the most tokens before the run, so a peak the "
+        "plan missed shows at step 0 (costs one step; weights, optimizer and data order untouched); auto: on a GPU.")
     output_dir: str = Field("runs/run", description="Where the adapter/model, metrics and checkpoints go.")
     objective: Objective = Field(
         "sft",
@@ -350,7 +360,10 @@ class TechniquesSection(_Section):
         "auto", description="Frozen base in 4-bit (nf4, nf4-dq, fp4) or 8-bit (int8); on = nf4-dq. Needs lora."
     )
     optimizer: Optimizer = Field(
-        "auto", description="adamw (on: adamw_8bit), paged_*, adafactor, sgd, or galore_adamw (GaLore: full "
+        "auto", description="auto: the AdamW family only (AdamW, 8-bit, torchao 4-bit, paged, offloaded, stepped in "
+        "the backward), never an optimizer that changes the training algorithm; any-that-fits: auto, and the search "
+        "may also pick GaLore, APOLLO or LOMO/AdaLomo when nothing else fits; or one of: "
+        "adamw (on: adamw_8bit), paged_*, adafactor, sgd, or galore_adamw (GaLore: full "
         "fine-tuning with projected AdamW state, pip install 'lowvram[galore]'), galore_adamw_8bit (8-bit "
         "state), galore_adamw_layerwise / galore_adamw_8bit_layerwise (each weight stepped in the "
         "backward: no full set of gradients; no accumulation, no clipping, one GPU), lomo / adalomo (LOMO's SGD "

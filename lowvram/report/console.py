@@ -53,4 +53,8 @@ def techniques_label(t: dict) -> str:
         parts.append(f"offload {t['offload']}")
     if t.get("loss", "standard") != "standard":
         parts.append(f"{t['loss']} loss")
+    if t.get("tiled_mlp"):
+        parts.append("tiled MLP")
+    if t.get("attention", "sdpa") != "sdpa":
+        parts.append(str(t["attention"]))
     return ", ".join(parts)

@@ -3,7 +3,7 @@ inside), the plan table before `lowvram train`, --dry-run, --print-launch, --lis
 
 from __future__ import annotations
 
-from lowvram.plan.memory.moments import MOMENTS
+from lowvram.plan.memory.moments import describe_moment
 from lowvram.report.console import console, print_json, setting_cell, techniques_label
 from lowvram.units import gib, percent, shell_line
 
@@ -98,6 +98,29 @@ def _bar(part: int, whole: int) -> str:
     return "█" * max(1, round(_BAR_WIDTH * part / whole))
 
 
+def show_not_fitting(data: dict) -> None:
+    """The verdict of a plan that does not fit as an `error:` line on stderr (it would be lost in
+    the middle of the plan on stdout), with the changes that would fit, ranked."""
+    from lowvram.errors import LowvramError
+    from lowvram.report.console import print_error
+
+    peak, head = data["peak_bytes"], data["headroom_bytes"]
+    if head >= 0:
+        verdict = (f"does not fit: the lowest-memory plan peaks at {gib(peak)} on the card but needs "
+                   f"{gib(data['cpu_ram_bytes'])} of host RAM, more than the {gib(data['host_ram_bytes'])} "
+                   f"{data['host_ram_source']}")
+    else:
+        verdict = (f"does not fit: the lowest-memory plan peaks at {gib(peak)}, {gib(-head)} over the "
+                   f"{gib(data['budget_bytes'])} budget")
+    changes = list(data.get("suggestions") or [])
+    if head >= 0:
+        changes.insert(0, "--host-ram SIZE plans for a machine with more host RAM")
+    if changes:
+        verdict += "; changes that would fit, the smallest first:\n" + "\n".join(f"  {c}" for c in changes)
+    print_error(LowvramError(verdict, "apply one of the changes above (as a flag, or the recipe key it names) "
+                                      "and run `lowvram plan` again"))
+
+
 def show_plan(data: dict, as_json: bool = False) -> None:
     """The chosen setup with reasons, the breakdown, headroom, ladder and limits."""
     if as_json:
@@ -171,9 +194,9 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     extra = [f"[bold]{gib(sim['peak_bytes'])}[/bold]"] if sim else []
     b.add_row("[bold]peak[/bold]", f"[bold]{gib(peak)}[/bold]", *extra, "", *([""] if checked else []))
     c.print(b)
-    moment = MOMENTS.get(data.get("peak_moment", ""))
+    moment = describe_moment(data.get("peak_moment", ""), data.get("techniques") or {})
     if moment:
-        c.print(f"peak at {data['peak_moment']}: {moment[0]}", markup=False)
+        c.print(f"peak at {data['peak_moment']}: {moment}", markup=False)
     for note in (sim or {}).get("notes", ()):
         c.print(f"note: {note}", markup=False)
     if sim:
@@ -210,15 +233,18 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     ladder.add_column("peak", justify="right")
     ladder.add_column("saves", justify="right")
     ladder.add_column("speed")
-    ladder.add_column("fits")
+    ladder.add_column("fits", no_wrap=True)
+    usable = data["budget_bytes"]
     for r in data["ladder"]:
+        # "no (host RAM)": the card holds the peak, this machine's RAM not what the rung offloads
+        fits = "[green]yes[/green]" if r["fits"] else "no (host RAM)" if r["peak_bytes"] <= usable else "no"
         if r["fixed"]:
-            ladder.add_row(r["technique"], "fixed by you", gib(r["peak_bytes"]), "-", "-", "yes" if r["fits"] else "no")
+            ladder.add_row(r["technique"], "fixed by you", gib(r["peak_bytes"]), "-", "-", fits)
             continue
         speed = "-" if r["technique"] == "baseline" else percent(r["slowdown"])
-        saves = "-" if r["technique"] == "baseline" else gib(r["saved_bytes"])
-        ladder.add_row(r["technique"], r["value"], gib(r["peak_bytes"]), saves, speed,
-                       "[green]yes[/green]" if r["fits"] else "no")
+        saves = ("-" if r["technique"] == "baseline" else gib(r["saved_bytes"]) if r["saved_bytes"] >= 0
+                 else f"adds {gib(-r['saved_bytes'])}")  # a rung can cost memory (a chunk sized to the budget)
+        ladder.add_row(r["technique"], r["value"], gib(r["peak_bytes"]), saves, speed, fits)
     c.print(ladder)
 
     if data["alternatives"]:

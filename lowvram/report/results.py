@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def show_runs(runs, folder, as_json: bool = False) -> None:
                   number_cell(r.final_loss, 3) + (f" (margin {margin:+.3f})" if margin is not None else "")
                   + (f" (reward {reward:+.3f})" if reward is not None else ""),
                   f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
-                  f"[{style}]{r.status}[/{style}]" if style else r.status)
+                  (f"[{style}]{r.status}[/{style}]" if style else r.status)
+                  + (f", {len(r.exports)} export(s)" if r.exports else ""))
     c.print(t)
 
 
@@ -147,6 +149,11 @@ def show_run(r, as_json: bool = False) -> None:
         ("trainable / total params", f"{m.trainable_params:,} / {m.total_params:,}"
          if m is not None and m.trainable_params is not None and m.total_params is not None else None),
     ]
+    if m is not None and m.worst_batch_peak_bytes is not None:  # training.worst_batch_first
+        rows.append((f"worst batch first ({m.worst_batch_tokens} tokens, forward and backward)",
+                     mem(m.worst_batch_peak_bytes)))
+    if m is not None and m.nonfinite_steps:  # training.on_nonfinite skip
+        rows.append(("non-finite steps skipped", ", ".join(str(s) for s in m.nonfinite_steps)))
     # preference objectives: TRL's reward metrics and each objective's own terms (kto's KL, orpo's
     # log odds, orpo's and simpo's NLL), last logged values (lowvram.train.build.preference)
     rows += [(f"{key.replace('_', '/', 1)} (last)", number_cell(m.get(key), 3))
@@ -167,9 +174,13 @@ def show_run(r, as_json: bool = False) -> None:
         c.print(f"reward margin {sparkline([v for _, v in margins])}  (steps {margins[0][0]}-{margins[-1][0]}: "
                 f"{margins[0][1]:.3f} -> {margins[-1][1]:.3f})", markup=False)
     if r.loss_history:
-        lo, hi = min(v for _, v in r.loss_history), max(v for _, v in r.loss_history)
+        finite = [v for _, v in r.loss_history if math.isfinite(v)] or [math.nan]
         c.print(f"loss {sparkline([v for _, v in r.loss_history])}  (steps {r.loss_history[0][0]}-"
-                f"{r.loss_history[-1][0]}, {hi:.3f} max, {lo:.3f} min)", markup=False)
+                f"{r.loss_history[-1][0]}, {max(finite):.3f} max, {min(finite):.3f} min)", markup=False)
+        from lowvram.report.training import warn_climb
+
+        if (m.get("reward") if m is not None else None) is None:  # grpo/rloo: the loss measures no divergence
+            warn_climb(r.loss_history)
     if r.eval_history:
         c.print("eval loss: " + ", ".join(f"step {s} {v:.3f}" for s, v in r.eval_history), markup=False)
     c.print(f"checkpoints: {', '.join(r.checkpoints) or 'none'}", markup=False)
@@ -181,6 +192,10 @@ def show_run(r, as_json: bool = False) -> None:
         c.print(f"resume with: {resume_command(r.recipe_path or 'RECIPE', [here])}", markup=False)
     if r.files:
         c.print(f"files: {', '.join(r.files)}", markup=False)
+    from lowvram.report.exports import export_rows
+
+    for row in export_rows(list(r.exports)):
+        c.print(f"export: {row}", markup=False)
 
 
 def _rl_rows(m) -> list[tuple[str, str | None]]:

@@ -72,14 +72,31 @@ def show_train_result(result, as_json: bool = False) -> None:
         rows.append(("model load", f"{m.load_s:.1f} s{cache}"))
     if m.loss_history:
         rows.append(("loss curve", sparkline([v for _, v in m.loss_history])))
+    if m.worst_batch_peak_bytes is not None:  # training.worst_batch_first
+        rows.append((f"worst batch first ({m.worst_batch_tokens} tokens, forward and backward)",
+                     mem(m.worst_batch_peak_bytes)))
+    if m.nonfinite_steps:  # training.on_nonfinite skip
+        rows.append(("non-finite steps skipped", ", ".join(str(s) for s in m.nonfinite_steps)))
     for k, v in rows:
         t.add_row(k, "-" if v is None else str(v))
     console().print(t)
     if len(m.memory_comparison or ()) > 1:  # a CUDA run; the CPU's one pair is above
         console().print(_comparison_table(m.memory_comparison))
     _warn_prediction(m)
+    if m.get("reward") is None:  # grpo/rloo: the loss is no measure of divergence
+        warn_climb(m.loss_history)
     if (Path(result.output_dir) / "loss.png").is_file():
         console().print(f"loss plot: {Path(result.output_dir) / 'loss.png'}", markup=False)
+
+
+def warn_climb(history) -> None:
+    """A loss that climbed far above its first value (lowvram.metrics.loss_climb): a warning on
+    stderr under the run summary and `lowvram show`."""
+    from lowvram.metrics import climb_warning
+
+    text = climb_warning(history)
+    if text:
+        console(stderr=True).print(f"warning: {text}", markup=False)
 
 
 PREDICTION_TOLERANCE = 0.10  # beyond this, the planner is wrong for this run: ask for a report

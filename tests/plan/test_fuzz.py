@@ -135,8 +135,13 @@ def test_run_stays_within_its_plan(seed, tmp_path):
     _check(random_case(seed, families=FIRST_FAMILIES), tmp_path, SEEDS[seed])  # the recipes these seeds were kept for
 
 
-# seed 100 (~15 s) runs in make test-all only; every other fixed miss runs in make test
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s == 100 else s
+# seed 100 (~15 s) runs in make test-all only; so does 349 (Mixtral QLoRA, the slowest run of the
+# file: its fix, the layer share without the routed experts, is 350's, Qwen3-MoE, in make test);
+# every other fixed miss runs in make test
+SLOW_FAMILY_SEEDS = {100, 349}
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_FAMILY_SEEDS else s
                                   for s in ALL_FAMILY_SEEDS])
 def test_ten_family_regressions_stay_within_their_plan(seed, tmp_path):
     _check(random_case(seed, families=TEN_FAMILIES), tmp_path, ALL_FAMILY_SEEDS[seed])

@@ -183,8 +183,10 @@ def test_unknown_hub_id_offline(tmp_path):
     recipe = write_recipe(tmp_path, "nobody-here/no-such-model-xyz")
     result = train(str(recipe))
     assert result.exit_code == 1
-    assert "error: model not found: nobody-here/no-such-model-xyz" in result.output
-    assert "hint: check model.name_or_path" in result.output
+    # said before planning and loading (hub.download_problem), not after huggingface_hub's retries
+    assert ("error: model nobody-here/no-such-model-xyz is not in the hub cache and HF_HUB_OFFLINE is set"
+            in result.output)
+    assert "hint: download the model where there is network" in result.output
 
 
 def _fake_state(step: int, max_steps: int = 10, tokens: int = 0):

@@ -246,13 +246,12 @@ def test_plan_terms_of_images_exact():
     assert masked_layers(s) == 4
 
 
-def test_an_image_recipe_plan_names_the_images(tmp_path):
+def test_an_image_recipe_plan_names_the_images(tmp_path, tiny_model_dir):
     with pytest.raises(LowvramError, match="needs a model with a vision tower"):
         from lowvram.planning.entry import plan_for_recipe
         from lowvram.recipe import load_recipe
-        from lowvram.testing import save_tiny_model
 
-        model = save_tiny_model(tmp_path / "m")
+        model = tiny_model_dir  # the session's (read only here)
         data = write_image_chat(tmp_path / "vqa.jsonl", rows=1)
         (tmp_path / "r.yaml").write_text(f"model: {{name_or_path: {model}}}\n"
                                          f"data: {{datasets: [{{path: {data}, format: image_chat}}]}}\n")
@@ -356,7 +355,7 @@ def test_the_shipped_image_recipe_data_builds_with_a_gemma3_processor():
 
 def test_a_wide_tower_under_lora_and_checkpointing_stays_at_its_plan(tmp_path):
     """A 256-wide SigLIP tower, two images a row, LoRA with checkpointing: 64% above its plan while
-    transformers' enable_input_require_grads hooked the tower (train.model.text_input_grads_only)."""
+    transformers' enable_input_require_grads hooked the tower (train.build.vision.text_input_grads_only)."""
     case = Case(seed=901, family="gemma3", hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=512,
                 tie=True, method="lora", precision="fp32", seq_len=256, micro_batch_size=4, vision_layers=2,
                 vision_hidden=256, vision_image=64, vision_patch=4, images=2, gradient_checkpointing=True)

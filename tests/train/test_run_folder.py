@@ -120,16 +120,58 @@ def test_sigkill_in_the_final_save_then_resume_equals_an_uninterrupted_run(tmp_p
     assert list(out.glob(".final-*")) and not (out / "metrics.json").exists()
     assert ref.wait(300) == 0, ref.stderr.read()
 
-    for _ in range(2):  # the interrupted run, then the finished one: both finish without a step
-        resumed = train(str(recipe), "--resume")
-        assert resumed.exit_code == 0, resumed.output
-        assert "checkpoint-4 is at the last step (4): finishing without training" in resumed.output
-        assert "step 5/" not in resumed.output and not list(out.glob(".final-*"))
-        m, r = metrics(out), metrics(ref_dir / "out")
-        assert m["steps"] == 4 and m["resumed_from"].endswith("checkpoint-4")
-        assert m["train_loss"] == r["train_loss"] and m["loss_history"] == r["loss_history"]
-        a, b = _weights(out), _weights(ref_dir / "out")
-        assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+    resumed = train(str(recipe), "--resume")  # the interrupted run finishes without a step
+    assert resumed.exit_code == 0, resumed.output
+    assert "checkpoint-4 is at the last step (4): finishing without training" in resumed.output
+    assert "step 5/" not in resumed.output and not list(out.glob(".final-*"))
+    m, r = metrics(out), metrics(ref_dir / "out")
+    assert m["steps"] == 4 and m["resumed_from"].endswith("checkpoint-4")
+    assert m["train_loss"] == r["train_loss"] and m["loss_history"] == r["loss_history"]
+    a, b = _weights(out), _weights(ref_dir / "out")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+    again = train(str(recipe), "--resume")  # now finished: refused, nothing rewritten (issue 42)
+    assert again.exit_code == 1 and "holds a finished run (4 steps)" in again.output
+    assert metrics(out) == m
+
+
+def _hashes(folder) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_on_a_finished_run_changes_no_file_and_says_how_to_train_more(tmp_path, tiny_model_dir):
+    """Issue 42 item 5: `--resume` after a finished run rewrote its metrics.json (the runtime, the
+    peak) and warned of a prediction error that was not there. Now it is refused before planning,
+    every file as it was; raising training.max_steps continues from the final checkpoint."""
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=2)
+    assert train(str(recipe)).exit_code == 0
+    out = tmp_path / "out"
+    before = _hashes(out)
+    resumed = train(str(recipe), "--resume")
+    assert resumed.exit_code == 1, resumed.output
+    assert f"error: {out} holds a finished run (2 steps): --resume continues an unfinished run, so nothing " \
+        "was trained and no file was changed" in resumed.output
+    assert "hint: to train more, raise training.max_steps: `--resume --set training.max_steps=4` continues " \
+        "from its final checkpoint; or start a new run with --set training.output_dir=runs/new" in resumed.output
+    assert "predicted peak" not in resumed.output and "please report" not in resumed.output  # before planning
+    assert _hashes(out) == before
+    more = train(str(recipe), "--resume", "--set", "training.max_steps=4")
+    assert more.exit_code == 0, more.output
+    m = metrics(out)
+    assert m["steps"] == 4 and m["resumed_from"].endswith("checkpoint-2") and "step 3/4" in more.output
+
+
+def test_usage_errors_and_folder_refusals_come_before_the_plan(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=1)
+    both = train(str(recipe), "--resume", "--overwrite")
+    assert both.exit_code == 2 and "error: --resume and --overwrite contradict each other" in both.output
+    assert "predicted peak" not in both.output
+    assert train(str(recipe)).exit_code == 0
+    again = train(str(recipe))
+    assert again.exit_code == 1 and "already holds a finished run" in again.output
+    assert "predicted peak" not in again.output
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +310,8 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_rewritten(tm
     recipe = write_recipe(tmp_path, tiny_model_dir, steps=2, save_steps=2)
     assert train(str(recipe)).exit_code == 0
     out = tmp_path / "out"
-    before = {n: (out / n).read_bytes() for n in ("recipe.yaml", "plan.json", "metrics.json", manifest.MANIFEST)}
+    (out / "metrics.json").unlink()  # as if stopped before its final save (a finished run is refused first)
+    before = {n: (out / n).read_bytes() for n in ("recipe.yaml", "plan.json", manifest.MANIFEST)}
     for change, line in [("training.learning_rate=5e-4", "training.learning_rate: 0.003 -> 0.0005"),
                          ("training.seq_len=32", "training.seq_len: 64 -> 32"),
                          ("lora.r=4", "lora.r: 8 -> 4"),
@@ -312,6 +355,7 @@ def test_a_checkpoint_corrupted_in_place_is_skipped_for_the_previous_one(tmp_pat
             f.write(b"\xff" * 8)  # same size: the marker's sizes still match
 
     corrupt(4)
+    (out / "metrics.json").unlink()  # as if stopped before its final save (a finished run is refused first)
     result = train(str(recipe), "--resume")
     assert result.exit_code == 0, result.output
     assert "note: skipped checkpoint-4 (adapter_model.safetensors changed after it was written" in result.output
@@ -320,6 +364,7 @@ def test_a_checkpoint_corrupted_in_place_is_skipped_for_the_previous_one(tmp_pat
 
     corrupt(2)
     corrupt(4)  # written again by the resumed run
+    (out / "metrics.json").unlink()
     result = train(str(recipe), "--resume")
     assert result.exit_code == 1
     assert f"error: no checkpoint to resume from in {out} (checkpoint folders: checkpoint-2, checkpoint-4); " \

@@ -141,10 +141,16 @@ def technique_reasons(c, req, budget, estimate: Estimator, largest_micro: int) -
     else:
         bigger = min(d for d in divisors_descending(largest) if d > s.micro_batch_size)
         other = estimate(replace(s, micro_batch_size=bigger, grad_accum=largest // bigger))
+        if other.peak_bytes > limit:
+            why = f"micro-batch {bigger} would peak at {gib(other.peak_bytes)} > budget {gib(limit)}"
+        elif not fits_budget(other, budget):  # the card holds it, host RAM does not
+            why = (f"micro-batch {bigger} would peak at {gib(other.peak_bytes)} <= budget {gib(limit)}, but needs "
+                   f"{gib(other.cpu_ram_bytes)} of host RAM > {gib(budget.host_ram_bytes)} available")
+        else:  # nothing fits: the plan shown is the lowest-peak one
+            why = (f"micro-batch {bigger} would peak higher ({gib(other.peak_bytes)}); no plan fits, so the "
+                   "lowest-memory one is shown")
         r["gradient_accumulation"] = (
-            f"{batch}: micro-batch {bigger} would peak at {gib(other.peak_bytes)} "
-            f"{'>' if other.peak_bytes > limit else '<='} budget {gib(limit)}; "
-            f"{percent(tq.micro_batch_slowdown(s.micro_batch_size, s.seq_len, largest))}")
+            f"{batch}: {why}; {percent(tq.micro_batch_slowdown(s.micro_batch_size, s.seq_len, largest))}")
 
     # gradient checkpointing
     if req.fixed("gradient_checkpointing"):

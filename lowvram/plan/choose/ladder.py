@@ -48,7 +48,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
     )
     s = sized_loss_chunk(s, budget, estimate)
     est = estimate(s)
-    rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, fits_budget(est, budget))]
+    rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, fits_budget(est, budget),
+                  host_ram_bytes=est.cpu_ram_bytes)]
     for t in tq.LADDER:
         fixed_name = {"mixed_precision": "mixed_precision", "gradient_accumulation": "micro_batch_size"}.get(t.name, t.name)
         fixed = req.fixed(fixed_name) or (t.name == "gradient_accumulation" and req.fixed("grad_accum"))
@@ -61,7 +62,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         if req.model.vision is not None and (t is tq.TILED_MLP or t.name == "offload"):
             continue  # not modelled with a vision tower (vision.vision_problems)
         if fixed:
-            rungs.append(Rung(t.name, str(t.value), est.peak_bytes, 0, 1.0, fits_budget(est, budget), fixed=True))
+            rungs.append(Rung(t.name, str(t.value), est.peak_bytes, 0, 1.0, fits_budget(est, budget), fixed=True,
+                              host_ram_bytes=est.cpu_ram_bytes))
             continue
         before = s
         if t is tq.MIXED_PRECISION:
@@ -88,7 +90,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             f"micro-batch {s.micro_batch_size} x {s.grad_accum}" if t is tq.MICRO_BATCH else
             {True: "on", False: "off"}.get(t.value, str(t.value)))
         rungs.append(Rung(t.name, value, new.peak_bytes, est.peak_bytes - new.peak_bytes, slowdown,
-                          fits_budget(new, budget)))
+                          fits_budget(new, budget), host_ram_bytes=new.cpu_ram_bytes))
         est = new
     return tuple(rungs)
 

@@ -92,9 +92,11 @@ def technique_options(req: PlanRequest, budget: Budget) -> dict[str, list]:
         "tiled_mlp": (pick("tiled_mlp", [False, True]) if (req.model is None or not req.model.is_moe)
                       and not req.lora_use_dora and req.objective == "sft" and not _vision(req)
                       else [False]),
+        # auto keeps to the AdamW family; the optimizers that change the algorithm (GaLore, APOLLO,
+        # LOMO) only where the recipe opts in (optimizer: any-that-fits, request.optimizer_any)
         "optimizer": pick("optimizer", ["adamw", "adamw_8bit"] + torchao_options(budget)
-                          + in_backward_options(req) + galore_options(req, budget)
-                          + apollo_options(req, budget) + lomo_options(req, budget)),
+                          + in_backward_options(req) + (galore_options(req, budget) + apollo_options(req, budget)
+                                                        + lomo_options(req, budget) if req.optimizer_any else [])),
         "lora": pick("lora", [False, True]),
         "quantization": pick("quantization", ["none", "nf4-dq"]),
         "offload": pick("offload", _auto_offloads(req, on_gpu)),
@@ -201,7 +203,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
         if (activation_offload_conflict(act_off, gc) or quantization_conflict(quant, lora)
                 or offload_conflict(optim, offload)):
             continue
-        # GaLore projects the full weights' gradients, unsharded and unflattened (plan/memory/optimizers.py)
+        # GaLore projects the full weights' gradients, unsharded and unflattened (plan/memory/optimizers/)
         if optim in FULL_ONLY_OPTIMIZERS and (lora or offload != "none"):
             continue
         # PiSSA's SVD needs a float base weight, in one process (plan/memory/lora_init.py)

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lowvram.errors import LowvramError
+from lowvram.plan.cards import card_words
 from lowvram.plan.choose.explain import Estimator
-from lowvram.plan.choose.limits import max_fitting_seq_len
+from lowvram.plan.choose.limits import CARD_SIZES_GB, max_fitting_seq_len
+from lowvram.plan.choose.pool import CandidatePool
 from lowvram.plan.choose.request import (
     Budget,
     Candidate,
@@ -15,7 +17,7 @@ from lowvram.plan.choose.request import (
     fits_budget,
     vram_needed_bytes,
 )
-from lowvram.plan.choose.search import candidate, candidate_setups, rank
+from lowvram.plan.constants import CARD_REPORTED_FRACTION
 from lowvram.plan.memory.optimizers import optimizer_problems
 from lowvram.plan.model import moe
 from lowvram.plan.model.catalog import catalog_names, resolve_model
@@ -23,6 +25,7 @@ from lowvram.plan.model.models import model_numel
 from lowvram.plan.model.vision import vision_problems
 from lowvram.plan.setup import RunSetup
 from lowvram.units import gib
+from lowvram.vocab import ANY_OPTIMIZER
 
 # --------------------------------------------------------------------------------------------
 # Nothing fits: what would help
@@ -38,13 +41,19 @@ def suggest_changes(req: PlanRequest, budget: Budget, lowest: Candidate, estimat
         freed = replace(req, **{name: None})
         if name == "lora":
             freed = replace(freed, quantization=None if req.quantization in (None, "none") else req.quantization)
-        fit = [c for c in (candidate(s, freed, budget, estimate) for s in candidate_setups(freed, budget)) if c.fits]
-        if fit:
-            best = min(fit, key=rank)
+        best = _best_fit(freed, budget, estimate)
+        if best:
             source = req.sources.get(name, flag)
             value = _describe(name, best.setup)
             out.append(f"drop {source} and let the planner choose {name}: {value} fits "
                        f"(peak {gib(best.peak_bytes)})")
+    # 1b. The optimizers that change the algorithm, which auto never picks unasked.
+    if opt_in := _any_optimizer_fits(req, budget, estimate):
+        out.append(opt_in)
+    # 1c. The method released, on the smallest card of the usual sizes where it fits.
+    if req.fixed("lora") and not any(s.startswith(f"drop {req.sources.get('lora', '--method')}") for s in out):
+        if bigger := _larger_card_fits(replace(req, lora=None, quantization=None), budget, estimate):
+            out.append(f"drop {req.sources.get('lora', '--method')}: {bigger}")
     # 2. A shorter sequence under the lowest-peak plan.
     max_seq = max_fitting_seq_len(lowest.setup, budget, estimate)
     if max_seq >= 1:
@@ -64,6 +73,42 @@ _RELEASABLE = {
     "loss": "--loss", "attention": "--attention", "micro_batch_size": "micro_batch_size",
     "grad_accum": "--gradient-accumulation", "activation_offload": "--activation-offload",
 }
+
+
+def _best_fit(req: PlanRequest, budget: Budget, estimate: Estimator) -> Candidate | None:
+    """min(fitting, key=search.rank) over the plans ``req`` allows, estimated lazily (plan/choose/pool.py)."""
+    return CandidatePool(req, budget, estimate).best_fitting(shown=True)
+
+
+def _any_optimizer_fits(req: PlanRequest, budget: Budget, estimate: Estimator) -> str | None:
+    """optimizer any-that-fits, when the plan would then fit: the optimizer it would take and what
+    it changes (auto keeps to AdamW's family: vocab.ANY_OPTIMIZER)."""
+    if req.optimizer is not None or req.optimizer_any:
+        return None
+    best = _best_fit(replace(req, optimizer_any=True), budget, estimate)
+    if best is None:
+        return None
+    o = best.setup.optimizer
+    what = ("SGD without momentum, no gradient clipping or accumulation" if o == "lomo" else
+            "a factored second moment, no gradient clipping or accumulation" if o == "adalomo" else
+            "AdamW on gradients projected to galore.rank" if "galore" in o else
+            "AdamW moments from a random projection (APOLLO)")
+    return (f"techniques.optimizer: {ANY_OPTIMIZER} (--optimizer {ANY_OPTIMIZER}): {o} fits (peak "
+            f"{gib(best.peak_bytes)}), but it changes the training algorithm: {what}")
+
+
+def _larger_card_fits(req: PlanRequest, budget: Budget, estimate: Estimator) -> str | None:
+    """The smallest card of the usual sizes, larger than this budget, on which ``req`` fits."""
+    for gb in CARD_SIZES_GB:
+        card = replace(budget, vram_bytes=CARD_REPORTED_FRACTION.of(gb * 2**30), source=card_words(gb))
+        if card.vram_bytes <= budget.vram_bytes:
+            continue
+        best = _best_fit(req, card, estimate)
+        if best is not None:
+            method = ("full fine-tuning" if not best.setup.lora else
+                      "LoRA" if best.setup.quantization == "none" else f"QLoRA ({best.setup.quantization})")
+            return f"{method} fits {card_words(gb)} (peak {gib(best.peak_bytes)})"
+    return None
 
 
 def _describe(name: str, s: RunSetup) -> str:
@@ -97,7 +142,7 @@ def _smaller_model(req: PlanRequest, budget: Budget, lowest: Candidate, estimate
         other = replace(lowest.setup, model=spec, tiled_mlp=lowest.setup.tiled_mlp and not spec.is_moe)
         if optimizer_problems(other) or vision_problems(spec.vision, other.offload, other.objective,
                                                         other.optimizer, other.tiled_mlp):
-            continue  # a GaLore setup on an MoE or GPT-2 model (plan/memory/optimizers.py), an offload
+            continue  # a GaLore setup on an MoE or GPT-2 model (plan/memory/optimizers/), an offload
             # or a tiled MLP with a vision tower (plan/model/vision.py)
         if fits_budget(estimate(other), budget):
             best = (n, name)

@@ -153,3 +153,20 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "plan.preference.reference_forward_bytes; TRL 1.16 DPOTrainer._compute_loss, "
         "trl/kernels/chunked_logprob.py"),
 }
+
+
+def describe_moment(name: str, techniques: dict) -> str | None:
+    """What is alive at moment ``name`` in words that fit the plan's own techniques (the MOMENTS
+    text names every case; the peak line of a plan names its case only)."""
+    entry = MOMENTS.get(name)
+    if entry is None:
+        return None
+    if name != "backward_start":
+        return entry[0]
+    kept = "every layer's checkpoint" if techniques.get("gradient_checkpointing") else "every saved activation"
+    loss = techniques.get("loss", "standard")
+    logits = {"chunked": "one chunk's logits and their gradient", "fused": "the fused loss's chunk"}.get(
+        loss, "the full logits and their gradient")
+    head = ("; lm_head's new weight gradient beside the accumulated one" if loss == "chunked"
+            and techniques.get("lora") is False else "")
+    return f"{kept} and {logits}, at the loss{head}"

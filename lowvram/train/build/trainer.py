@@ -199,7 +199,12 @@ def training_arguments(recipe, plan, has_eval: bool = False) -> dict:
         logging_first_step=True,
         save_strategy="steps",
         save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
+        # Rotation is train/run/guard.py's: a checkpoint counts against training.save_total_limit only
+        # once the step after it is finite (the Trainer's own would rotate the last finite one away).
+        save_total_limit=None,
+        # A non-finite step is read as it is (train/run/guard.py stops or skips it): the filter would log it
+        # as the window's average, 0.0 right after a log (transformers Trainer._run_epoch).
+        logging_nan_inf_filter=False,
         seed=t.seed,
         data_seed=t.seed,
         report_to=[] if t.report_to == "none" else [t.report_to],

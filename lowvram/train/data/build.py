@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from lowvram.errors import DataError
 from lowvram.plan.memory.preference import RL_OBJECTIVES
 from lowvram.recipe import Recipe
-from lowvram.train.data.collate import columns, hold_out, pack, to_dataset
+from lowvram.train.data.collate import ROW_COLUMN, columns, hold_out, pack, to_dataset
 from lowvram.train.data.images import tokenize_image_rows
 from lowvram.train.data.read import concrete_spec, load_rows
 from lowvram.train.data.tokenize import Counts, tokenize_rows
@@ -45,6 +45,9 @@ class DataStats:
     packed: bool
     dropped_no_response: int = 0  # of `truncated`: dropped, no trained token left after the cut
     train_samples: int = 0  # samples in the train set before packing
+    # tokens the loss trains on: labels != -100 after the causal shift (a row's first label is
+    # never predicted); None for preference pairs (TRL tokenizes them)
+    trained_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: I
     else:
         train_cols = columns(train_samples)
     train = to_dataset(train_cols)
+    train = train.add_column(ROW_COLUMN, list(range(len(train))))  # the step's rows, by index (train/run/guard.py)
     eval_ds = to_dataset(columns(eval_samples)) if data.validation is not None else None
     stats = DataStats(
         train_rows=len(train),
@@ -111,6 +115,7 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: I
         packed=data.packing,
         dropped_no_response=counts.dropped,
         train_samples=n_samples,
+        trained_tokens=sum(sum(lab != IGNORE_INDEX for lab in labs[1:]) for labs in train_cols["labels"]),
     )
     return DataBundle(train=train, eval=eval_ds, stats=stats)
 

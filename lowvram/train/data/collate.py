@@ -17,6 +17,12 @@ if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
 
+# Each training row's index in the train Dataset, passed through the run's collator (rows=True)
+# as a batch key so that a step names the rows it trained on (train/run/guard.py takes it out of the
+# batch before the model sees it).
+ROW_COLUMN = "lowvram_row"
+
+
 @dataclass(frozen=True)
 class PadCollator:
     """Right-pads a batch to its longest row (rounded up to ``pad_to_multiple_of``).
@@ -43,6 +49,7 @@ class PadCollator:
     pad_to_multiple_of: int | None = None
     padding_mask: bool = False
     flash_varlen: bool = False
+    rows: bool = False  # pass each row's index (ROW_COLUMN) on: the run's collator, train/run/guard.py takes it out
 
     def __call__(self, features: list[dict]) -> dict:
         import torch
@@ -66,6 +73,8 @@ class PadCollator:
             elif self.padding_mask:
                 mask = list(f["attention_mask"]) if "attention_mask" in f else [1] * len(ids)
                 batch["attention_mask"].append(mask + [0] * n)
+        if self.rows and ROW_COLUMN in features[0]:
+            batch[ROW_COLUMN] = [int(f[ROW_COLUMN]) for f in features]
         out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
         if packed and self.flash_varlen:
             out.update(flash_varlen_kwargs(out["position_ids"]))
@@ -93,9 +102,10 @@ def flash_varlen_kwargs(position_ids) -> dict:
 
 
 def make_collator(tokenizer: PreTrainedTokenizerBase, pad_to_multiple_of: int | None = None, padding_mask: bool = False,
-                  flash_varlen: bool = False) -> PadCollator:
+                  flash_varlen: bool = False, rows: bool = False) -> PadCollator:
     """Dynamic per-batch padding with the tokenizer's pad id (its eos id if it has no pad).
-    ``flash_varlen``: the model runs flash-attention (PadCollator)."""
+    ``flash_varlen``: the model runs flash-attention (PadCollator). ``rows``: each batch names its
+    training rows (ROW_COLUMN), for a Trainer whose training_step takes them out (train/run/guard.py)."""
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
@@ -105,7 +115,7 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, pad_to_multiple_of: int | 
             "use the tokenizer of a causal language model (it defines eos_token)",
         )
     return PadCollator(pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, padding_mask=padding_mask,
-                       flash_varlen=flash_varlen)
+                       flash_varlen=flash_varlen, rows=rows)
 
 
 def hold_out(samples: list, fraction: float, seed: int) -> tuple[list, list]:

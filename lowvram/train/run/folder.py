@@ -26,10 +26,7 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe: Recipe 
 
     Called with the folder locked (lock.py). With ``recipe``: a resume is checked against the
     run's recipe (resume_check.py), and a new run records its data hashes in its manifest."""
-    if resume and overwrite:
-        raise UsageError("--resume and --overwrite contradict each other", "pass one of them")
-    if out.exists() and not out.is_dir():
-        raise LowvramError(f"training.output_dir {out} is a file", "set training.output_dir to a folder")
+    refuse_early(out, resume, overwrite, recipe)
     if resume:
         from lowvram.train.run.checkpoints import resume_checkpoint
 
@@ -42,7 +39,6 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe: Recipe 
             shutil.rmtree(tmp, ignore_errors=True)
         _unmark_newer(out, checkpoint)
         return checkpoint
-    manifest.check_output_dir_is_safe(out, recipe.source if recipe is not None else None, overwrite)
     hashes = manifest.data_hashes(recipe) if recipe is not None else {}
     model = manifest.model_hashes(recipe) if recipe is not None else {}
     if not _has_content(out):
@@ -50,18 +46,38 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe: Recipe 
         created = old["created_folder"] if old else not out.is_dir() or not any(out.iterdir())
         manifest.start(out, bool(created), hashes, model)
         return None
+    # A run's folder with content: refuse_early let it through for --overwrite only.
+    created = bool((manifest.read(out) or {}).get("created_folder"))
+    left = manifest.remove_run(out)
+    if left:
+        (notify or _note)(f"note: --overwrite kept what the run did not write in {out}: {', '.join(left[:6])}")
+    manifest.start(out, created, hashes, model)
+    return None
+
+
+def refuse_early(out: Path, resume: bool, overwrite: bool, recipe: Recipe | None = None) -> None:
+    """The refusals of :func:`prepare_output_dir` that need nothing but the folder, so `lowvram
+    train` says them before it plans (seconds to minutes for a large model) and again under the
+    lock: the flags contradict, the folder is a file, the home folder, not a run, a finished run
+    without --overwrite (or --resume on it with nothing more to train), an unfinished one without
+    --resume. Nothing is written or read beyond names and metrics.json."""
+    if resume and overwrite:
+        raise UsageError("--resume and --overwrite contradict each other", "pass one of them")
+    if out.exists() and not out.is_dir():
+        raise LowvramError(f"training.output_dir {out} is a file", "set training.output_dir to a folder")
+    if resume:
+        _refuse_finished(out, recipe)
+        return
+    manifest.check_output_dir_is_safe(out, recipe.source if recipe is not None else None, overwrite)
+    if not _has_content(out):
+        return
     if not manifest.is_run(out):
         raise LowvramError(
             f"training.output_dir {out} is not empty and holds no lowvram run",
             "choose an empty or new folder for training.output_dir (nothing was deleted)",
         )
     if overwrite:
-        created = bool((manifest.read(out) or {}).get("created_folder"))
-        left = manifest.remove_run(out)
-        if left:
-            (notify or _note)(f"note: --overwrite kept what the run did not write in {out}: {', '.join(left[:6])}")
-        manifest.start(out, created, hashes, model)
-        return None
+        return
     if (out / METRICS).is_file():
         raise LowvramError(
             f"{out} already holds a finished run",
@@ -71,6 +87,35 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe: Recipe 
         f"{out} holds an unfinished run",
         "pass --resume to continue from its last checkpoint, or --overwrite to start over",
     )
+
+
+def _refuse_finished(out: Path, recipe: Recipe | None) -> None:
+    """--resume on a finished run (its metrics.json written) trains nothing and must change no
+    file of it; it continues only where training.max_steps asks for more steps than it took
+    (from its final checkpoint: the Trainer saves at the last step)."""
+    from lowvram.metrics import read_metrics
+
+    if not (out / METRICS).is_file():
+        return
+    metrics = read_metrics(out / METRICS)
+    if metrics is None or metrics.steps is None:
+        return  # damaged: the resume's own checks name it, or finish the run again
+    t = recipe.training if recipe is not None else None
+    if t is not None and t.max_steps is not None and t.max_steps > metrics.steps:
+        return
+    more = metrics.steps * 2
+    if t is not None and t.lr_scheduler == "constant" and not t.warmup_ratio:
+        how = (f"to train more, raise training.max_steps: `--resume --set training.max_steps={more}` "
+               "continues from its final checkpoint; or start a new run with "
+               "--set training.output_dir=runs/new")
+    else:
+        sched = t.lr_scheduler if t is not None else "the run's"
+        how = ("to train more, start a new run with --set training.output_dir=runs/new (raising "
+               f"training.max_steps would change the {sched} learning-rate schedule of the steps already "
+               "taken; with lr_scheduler constant and no warmup, `--resume --set "
+               f"training.max_steps={more}` continues from its final checkpoint)")
+    raise LowvramError(f"{out} holds a finished run ({metrics.steps} steps): --resume continues an unfinished "
+                       "run, so nothing was trained and no file was changed", how)
 
 
 def _has_content(out: Path) -> bool:

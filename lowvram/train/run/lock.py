@@ -118,6 +118,17 @@ def acquire(folder: Path, what: str, notify: Callable[[str], None] | None = None
     raise LowvramError(f"could not lock {folder}", f"remove {path} if no lowvram process uses the folder")
 
 
+def held_by_another(folder: Path) -> bool:
+    """Whether another process may hold the lock on ``folder`` now (its refusal names it)."""
+    path = lock_path(folder)
+    if not path.exists():
+        return False
+    holder = _read(path)
+    if holder is not None and holder.get("pid") == os.getpid():
+        return False
+    return _stale_reason(path, holder) is None
+
+
 def release(folder: Path, record: dict) -> None:
     """Remove the lock if it is still ours (never another process's)."""
     path = lock_path(folder)

@@ -35,6 +35,7 @@ class ProgressCallback(TrainerCallback):
         self._t0 = 0.0
         self._progress = None
         self._task = None
+        self._warned_climb = False
         self._rl = ""  # grpo/rloo: the last log's rewards (train/build/grpo.py rl_progress)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -96,12 +97,28 @@ class ProgressCallback(TrainerCallback):
         self._update_bar(state)
         return control
 
-    def _update_bar(self, state: TrainerState) -> None:
+    def _update_bar(self, state: TrainerState, climb: float | None = None) -> None:
         if self._progress is not None:
             loss = f"loss {self.losses[-1][1]:.4f}  " if self.losses else ""
             tps = self.tokens_per_s()
             info = loss + (f"{tps:,.0f} tok/s" if tps else "") + (f"  {self._rl}" if self._rl else "")
+            info += f"  diverging: {climb:.1f}x" if climb else ""
             self._progress.update(self._task, completed=state.global_step, info=info)
+
+    def _climb(self, state: TrainerState) -> tuple[float | None, str | None]:
+        """(the loss's factor over its first logged value while it climbs, lowvram.metrics
+        loss_climb over the whole history, a resumed run's too; the warning in full, said once)."""
+        from lowvram.metrics import climb_warning, loss_climb
+
+        logged = getattr(state, "log_history", None) or ()
+        if any("reward" in e for e in logged):  # grpo/rloo: the loss is no measure of divergence
+            return None, None
+        history = [[e["step"], e["loss"]] for e in logged if "loss" in e and "step" in e]
+        climb = loss_climb(history)
+        if climb is None or self._warned_climb:
+            return climb, None
+        self._warned_climb = True
+        return climb, climb_warning(history)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: object):
@@ -112,14 +129,18 @@ class ProgressCallback(TrainerCallback):
         self._rl = rl_progress(logs) or self._rl
         if "loss" in logs:
             self.losses.append((step, float(logs["loss"])))
-            self._update_bar(state)  # the step's own loss (on_step_end ran before this log)
+            climb, warning = self._climb(state)
+            self._update_bar(state, climb)  # the step's own loss (on_step_end ran before this log)
             if self._progress is None:
                 tps = self.tokens_per_s()
                 self._line(
                     f"step {step}/{state.max_steps}  loss {logs['loss']:.4f}  lr {logs.get('learning_rate', 0):.2e}"
                     + (f"  {tps:,.0f} tok/s" if tps else "") + f"  eta {self._eta(step, state.max_steps)}"
                     + (f"  {self._rl}" if "reward" in logs else "")
+                    + (f"  warning: diverging, loss {climb:.1f}x its first" if climb else "")
                 )
+            if warning:
+                self._line(f"warning: {warning}")
         if "eval_loss" in logs:
             self.eval_losses.append((step, float(logs["eval_loss"])))
             self._line(f"step {step}/{state.max_steps}  eval loss {logs['eval_loss']:.4f}")
@@ -134,5 +155,10 @@ class ProgressCallback(TrainerCallback):
         self.tokens_seen = int(state.num_input_tokens_seen or 0) or self.tokens_seen
         if self._progress is not None:
             self._progress.update(self._task, completed=state.global_step)
+        self.close()
+
+    def close(self) -> None:
+        """End the bar (the run ended, or stopped with an error)."""
+        if self._progress is not None:
             self._progress.stop()
             self._progress = None

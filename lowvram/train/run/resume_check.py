@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 SAFE_KEYS = (
     "training.logging_steps", "training.save_steps", "training.save_total_limit", "training.eval_steps",
     "training.output_dir", "training.report_to", "training.micro_batch_size",
+    "training.on_nonfinite", "training.nonfinite_skips", "training.worst_batch_first",
     "model.trust_remote_code",
     "techniques.gradient_checkpointing", "techniques.gradient_accumulation", "techniques.attention",
     "techniques.loss",

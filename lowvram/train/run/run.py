@@ -300,28 +300,37 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     from transformers.utils.generic import is_flash_attention_requested
 
     # flash-attention reads packed samples only from varlen kwargs in a batch of 2+ rows (collate.py)
-    collator = make_collator(loaded.tokenizer, flash_varlen=is_flash_attention_requested(loaded.model.config))
+    collator = make_collator(loaded.tokenizer, flash_varlen=is_flash_attention_requested(loaded.model.config),
+                             rows=True)  # each step's rows, for its error (train/run/guard.py)
     if images is not None:  # pixel values per batch (data/images.py)
         collator = make_image_collator(images.processor, images.image_token_id, collator)
     if len(bundle.train) == 0:
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
     check_shape(recipe, train_rows=len(bundle.train))  # the rows (windows) as built: hub data, packing
+    from lowvram.train.run.guard import guard_for, require_finite_weights, require_trained_tokens
 
+    require_trained_tokens(bundle.stats)
     from lowvram.train.build.trainer import build_trainer
     from lowvram.train.run import oom, signals
     from lowvram.train.run.progress import ProgressCallback
 
     progress = ProgressCallback()
     stop = signals.SignalStop()  # SIGINT/SIGTERM: checkpoint at the step's end, then stop
+    guard = guard_for(recipe, plan)  # a non-finite step stops (or is skipped); checkpoint rotation
     trainer = build_trainer(
         loaded, bundle, args, collator,
-        callbacks=[progress, *signals.make_callbacks(stop), *callbacks],
+        # signals' MarkComplete before the guard: the guard rotates complete checkpoints only
+        callbacks=[*signals.make_callbacks(stop), guard, progress, *callbacks],
         loss=plan.loss, loss_chunk_tokens=plan.loss_chunk_tokens, optimizer=plan.optimizer, recipe=recipe,
     )
+    guard.attach(trainer)
 
     at_data, compared_with = _prediction_at_data_length(recipe, plan, bundle, replanner,
                                                         _longest_row(recipe, bundle, trainer))
     plan = _with_data_length_reason(plan, recipe, at_data)
+    from lowvram.train.run.worst_batch import worst_batch_first
+
+    worst = None if at_end else worst_batch_first(recipe, plan, trainer, bundle.train, at_data)  # OOM: re-plan
     main = trainer.is_world_process_zero()
     out.mkdir(parents=True, exist_ok=True)
     if main:  # several processes: rank 0 writes the run files
@@ -357,6 +366,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
             if bundle.eval is not None and stop.signum is None:
                 eval_loss = float(trainer.evaluate()["eval_loss"])
     except Exception as e:
+        progress.close()  # a bar on a terminal ends before the error is said
         if not oom.is_oom(e):
             raise
         raise oom.oom_error(e, trainer.state.global_step, plan, tracker) from None
@@ -369,6 +379,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
                         getattr(loaded.model, INIT_PEAK_ATTRIBUTE, 0))
     per_rank = _gather_peaks(trainer, out, {**peak, "memory_history": mem_history.history})
 
+    require_finite_weights(trainer.model)
     _save_final(trainer, loaded.tokenizer, out)
     from lowvram.train.build.grpo import rl_metrics
     from lowvram.train.build.preference import preference_metrics
@@ -408,6 +419,9 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
         **preference_metrics(trainer.state.log_history),  # dpo/orpo/simpo: rewards/* (train/build/preference.py)
         **rl_metrics(trainer.state.log_history),  # grpo/rloo: the rewards per function (train/build/grpo.py)
         **(retries.to_dict() if retries is not None else {}),
+        nonfinite_steps=guard.skipped or None,  # training.on_nonfinite skip: the steps whose update was skipped
+        worst_batch_tokens=worst.tokens if worst else None,
+        worst_batch_peak_bytes=worst.peak_bytes if worst else None,
     )
     if per_rank:  # the largest rank: what must fit one card
         metrics = dataclasses.replace(metrics, peak_memory_bytes=max(per_rank))

@@ -1,0 +1,254 @@
+"""`lowvram export RUN --gguf`: the run's model (an adapter merged on the fly, or a full fine-tune)
+as one GGUF file for llama.cpp / Ollama / LM Studio, read back and checked, with an Ollama Modelfile.
+
+Planned before anything is loaded (``plan_export``): the host RAM and the disk it needs, refused
+with the figures when they do not fit. Everything runs on the CPU (the writer needs the weights in
+host memory anyway). Host RAM, the larger of the two phases, + the adapter:
+  writing   the merged model in its dtype + the packed file (GGUFWriter holds every tensor until it
+            writes them: gguf_writer.py add_tensor / write_tensors_to_file)
+  checking  the merged model cast to float32 + the file read back dequantized to float32
+            (transformers' GGUF loader), i.e. 8 bytes per parameter.
+Disk: the file (tensor bytes per GGML type, gguf.GGML_QUANT_SIZES, + the vocabulary: at most the
+size of tokenizer.json) written as ``NAME.partial`` beside it and renamed, + the Modelfile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from lowvram.errors import LowvramError
+from lowvram.runfiles import EXPORTS
+from lowvram.train.after.gguf_file import (
+    K_QUANTS,
+    QUANTIZATIONS,
+    family_of,
+    planned_tensors,
+    tensor_bytes,
+)
+from lowvram.vocab import DTYPE_BYTES
+
+_HEADER_BYTES = 64 * 1024  # GGUF header and the scalar metadata keys
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    run_dir: str
+    kind: str  # adapter (merged on the fly) | full
+    model_source: str  # the base (adapter) or the run folder (full)
+    tokenizer_source: str
+    trust_remote_code: bool
+    dtype: str
+    quantization: str
+    out_file: str
+    modelfile: str
+    parameters: int
+    file_bytes: int
+    ram_needed_bytes: int
+    ram_available_bytes: int
+    disk_needed_bytes: int
+    disk_free_bytes: int
+    prompt_format: str | None
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out_file: str
+    modelfile: str
+    file_bytes: int
+    seconds: float
+    agreement: dict
+    ollama_command: str
+    modelfile_note: str | None
+    plan: ExportPlan
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _refuse_quantization(quantization: str) -> None:
+    if quantization in QUANTIZATIONS:
+        return
+    if quantization.lower() in K_QUANTS:
+        found = shutil.which("llama-quantize")
+        how = (f"llama.cpp's llama-quantize is on your PATH ({found}): export f16 here, then run "
+               f"`llama-quantize MODEL-f16.gguf MODEL-{quantization.lower()}.gguf {quantization.upper()}`"
+               if found else "export f16 here and quantize it with llama.cpp's llama-quantize "
+               f"(`llama-quantize MODEL-f16.gguf MODEL-{quantization.lower()}.gguf {quantization.upper()}`)")
+        raise LowvramError(f"--quantization {quantization}: lowvram writes f16, bf16 and q8_0 only "
+                           "(K-quants and Q4/Q5 need llama.cpp's compiled tools; lowvram downloads and "
+                           "compiles nothing, and checks every file it writes)", how)
+    raise LowvramError(f"unknown --quantization {quantization!r}", "use f16, bf16 or q8_0")
+
+
+def _source(p: Path) -> tuple[str, str, str, str, bool, str, dict, tuple[str, ...]]:
+    """(kind, model source, tokenizer source, dtype, trust, run name, config, notes) of a run folder."""
+    from lowvram.plan.model.catalog import local_config
+    from lowvram.train.after.artifacts import (
+        find_base_model,
+        merge_dtype,
+        read_adapter_run,
+        run_trusts_code,
+    )
+
+    notes: list[str] = []
+    if not (p / "adapter_config.json").is_file() and (p / "config.json").is_file():
+        from lowvram.past_runs import read_run
+
+        info = read_run(p)
+        config = json.loads((p / "config.json").read_text())
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+        dtype = dtype if dtype in DTYPE_BYTES else "float32"
+        return "full", str(p), str(p), dtype, run_trusts_code(info.recipe), p.name, config, ()
+    p, adapter, recipe, plan = read_adapter_run(p)
+    base = find_base_model(p, adapter, recipe)
+    config = local_config(base.source)
+    if config is None:
+        raise LowvramError(f"cannot read the base model's config.json ({base.source})",
+                           "export needs the base model in a local folder (the one the run trained on)")
+    dtype = merge_dtype(recipe, plan)
+    if plan.get("quantization", "none") != "none":
+        notes.append(f"the run trained on a {plan['quantization']} base: it is merged into the base loaded "
+                     f"dequantized in {dtype}")
+    tok = str(p) if (p / "tokenizer_config.json").is_file() else base.source
+    name = p.parent.name if p.name.startswith("checkpoint-") else p.name
+    return "adapter", base.source, tok, dtype, base.trust_remote_code, name, config, tuple(notes)
+
+
+def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path | None = None) -> ExportPlan:
+    """Check the request and size it (RAM, disk) before anything is loaded; LowvramError if it cannot work."""
+    from lowvram.hardware import host_memory
+    from lowvram.train.after.artifacts import (
+        adapter_bytes,
+        count_base_parameters,
+        run_prompt_format,
+    )
+    from lowvram.units import mem
+
+    _refuse_quantization(quantization)
+    p = Path(run_dir)
+    kind, source, tok, dtype, trust, name, config, notes = _source(p)
+    family_of(config)  # refuses a family or rope scaling the writer cannot write
+    if not (Path(tok) / "tokenizer.json").is_file():
+        raise LowvramError(f"no tokenizer.json in {tok}: the GGUF writer reads the fast tokenizer's file",
+                           "save the tokenizer there with AutoTokenizer.from_pretrained(...).save_pretrained(...)")
+    out_file = Path(out) if out is not None else p / f"gguf-{quantization}" / f"{name}-{quantization}.gguf"
+    if out_file.suffix != ".gguf":
+        raise LowvramError(f"--out {out_file} does not end in .gguf", "name the file, e.g. --out exports/model-q8_0.gguf")
+    modelfile = out_file.parent / "Modelfile"
+    for f in (out_file, modelfile):
+        if f.exists():
+            raise LowvramError(f"{f} exists", "choose another --out (nothing was overwritten)")
+    n = count_base_parameters(source)
+    if n is None:
+        raise LowvramError(f"cannot count the parameters of {source}", "export needs a config.json lowvram can read")
+    tensors = sum(tensor_bytes(t.shape, t.kind) for t in planned_tensors(config, quantization))
+    file_bytes = tensors + (Path(tok) / "tokenizer.json").stat().st_size + _HEADER_BYTES
+    extra = adapter_bytes(p) if kind == "adapter" else 0
+    ram = max(n * DTYPE_BYTES[dtype] + file_bytes, n * 8) + extra
+    available = host_memory()[1]
+    if ram > available:
+        raise LowvramError(f"export needs {mem(ram)} of host RAM ({n:,} parameters: the model in {dtype} + the "
+                           f"{mem(file_bytes)} file while writing, 8 bytes per parameter while checking), "
+                           f"{mem(available)} available", "close other programs, or export on a machine with more RAM")
+    folder = next((a for a in (out_file.parent, *out_file.parent.parents) if a.exists()), Path("/"))
+    disk_free = shutil.disk_usage(folder).free
+    disk = file_bytes + 4096
+    if disk > disk_free:
+        raise LowvramError(f"export needs {mem(disk)} of disk in {folder} (the {quantization} file), "
+                           f"{mem(disk_free)} free", "free space there, or write elsewhere with --out PATH.gguf")
+    return ExportPlan(str(p), kind, source, tok, trust, dtype, quantization, str(out_file), str(modelfile), n,
+                      file_bytes, ram, available, disk, disk_free, run_prompt_format(p), notes)
+
+
+# --------------------------------------------------------------------------------------------
+# Exporting
+
+
+def _load(plan: ExportPlan):
+    from lowvram.train.after.artifacts import (
+        BaseModel,
+        load_adapter,
+        load_base,
+        load_pretrained,
+        load_run_tokenizer,
+    )
+    from lowvram.train.build.model import quiet_libraries
+
+    quiet_libraries()
+    if plan.kind == "adapter":
+        base = BaseModel(plan.model_source, "export", trust_remote_code=plan.trust_remote_code)
+        model = load_adapter(load_base(base, plan.dtype, "cpu"), Path(plan.run_dir)).merge_and_unload()
+    else:
+        import torch
+
+        model = load_pretrained(plan.model_source, plan.trust_remote_code, dtype=getattr(torch, plan.dtype),
+                                device_map={"": "cpu"})
+    return model.eval(), load_run_tokenizer(plan.tokenizer_source, plan.trust_remote_code)
+
+
+def export_run(plan: ExportPlan) -> ExportResult:
+    """Merge (or load), write the GGUF, read it back and compare, write the Modelfile and the record.
+    LowvramError (and no file left) when the file read back disagrees beyond the bounds."""
+    from lowvram.train.after.gguf_check import compare
+    from lowvram.train.after.gguf_file import write_gguf
+    from lowvram.train.after.modelfile import modelfile_text
+
+    t0 = time.perf_counter()
+    model, tokenizer = _load(plan)
+    out = Path(plan.out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    try:
+        write_gguf(model, tokenizer, Path(plan.tokenizer_source), partial, plan.quantization, out.stem)
+        os.replace(partial, out)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        from lowvram.train.diskfull import is_disk_full
+
+        if is_disk_full(e):
+            raise LowvramError(f"disk full while writing {out} (nothing of it was kept)",
+                               "free space on that disk, or write elsewhere with --out PATH.gguf") from None
+        raise
+    agreement = compare(model, tokenizer, out, plan.quantization)
+    if not agreement.ok:
+        out.unlink()
+        raise LowvramError(
+            f"the GGUF read back does not match the model (tokenization same: {agreement.same_tokenization}; "
+            f"largest logit difference {agreement.relative_diff:.2%} of the logit scale, bound "
+            f"{agreement.tolerance:.2%}; top-1 agreement {agreement.top1_agreement:.1%}, bound "
+            f"{agreement.top1_at_least:.0%}): the file was removed",
+            "try --quantization f16; if it persists, report it with the run's config.json")
+    text, note = modelfile_text(out.name, tokenizer.chat_template, plan.prompt_format)
+    Path(plan.modelfile).write_text(text)
+    model_name = out.stem.lower().replace("_", "-")
+    command = f"ollama create {model_name} -f {plan.modelfile}"
+    result = ExportResult(str(out), plan.modelfile, out.stat().st_size, round(time.perf_counter() - t0, 3),
+                          agreement.to_dict(), command, note, plan)
+    _record(Path(plan.run_dir), result)
+    return result
+
+
+def _record(run_dir: Path, result: ExportResult) -> None:
+    """Append the export to the run's exports.json (a read-only run folder: not recorded)."""
+    path = run_dir / EXPORTS
+    try:
+        rows = json.loads(path.read_text()) if path.is_file() else []
+    except (OSError, ValueError):
+        rows = []
+    rows.append({"file": result.out_file, "quantization": result.plan.quantization, "bytes": result.file_bytes,
+                 "modelfile": result.modelfile, "agreement": result.agreement,
+                 "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    try:
+        path.write_text(json.dumps(rows, indent=2) + "\n")
+    except OSError:
+        pass
+

@@ -1,0 +1,89 @@
+"""Read an exported GGUF back with transformers' own GGUF loader and compare it with the model it
+was written from, on fixed prompts: the same token ids from both tokenizers, the largest logit
+difference relative to the largest logit (its scale), and how often the top token agrees.
+
+Bounds (measured, docs/runs.md "Export to GGUF"): F16 and BF16 round each weight once (F16: 11
+significant bits, BF16: 8), Q8_0 stores blocks of 32 weights as int8 with one F16 scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Largest |logit difference| / largest |logit| of the reference, per quantization; and the least
+# share of positions whose top token must agree. Measured on the tiny test Llama and SmolLM2-135M
+# (docs/runs.md "Export to GGUF" has the figures); set about 3x above the worst seen.
+RELATIVE_TOLERANCE = {"f16": 0.005, "bf16": 0.03, "q8_0": 0.15}
+TOP1_AT_LEAST = {"f16": 0.99, "bf16": 0.95, "q8_0": 0.90}
+
+PROMPTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Gradient checkpointing recomputes activations during the backward pass to save memory.",
+)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    prompts: int
+    tokens: int
+    same_tokenization: bool
+    max_abs_diff: float
+    logit_scale: float  # largest |logit| of the reference
+    relative_diff: float
+    tolerance: float
+    top1_agreement: float
+    top1_at_least: float
+
+    @property
+    def ok(self) -> bool:
+        return (self.same_tokenization and self.relative_diff <= self.tolerance
+                and self.top1_agreement >= self.top1_at_least)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def fixed_prompts(tokenizer) -> list[str]:
+    """The plain prompts, and one through the tokenizer's chat template (its special tokens)."""
+    prompts = list(PROMPTS)
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            prompts.append(tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Explain LoRA in one sentence."}], tokenize=False,
+                add_generation_prompt=True))
+        except Exception:  # a template that needs other fields: the plain prompts still check  # noqa: BLE001
+            pass
+    return prompts
+
+
+def compare(reference, tokenizer, gguf_path: Path, quantization: str) -> Agreement:
+    """``reference``: the model the file was written from (cast to float32 here, in place)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reference = reference.float().eval()
+    folder, name = str(gguf_path.parent), gguf_path.name
+    # transformers' GGUF reader draws a plain tqdm bar ("Converting and de-quantizing GGUF
+    # tensors...", modeling_gguf_pytorch_utils.py) that its progress-bar switch does not reach.
+    with contextlib.redirect_stderr(io.StringIO()):
+        loaded_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    same, worst, scale, agree, total = True, 0.0, 0.0, 0, 0
+    for text in fixed_prompts(tokenizer):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        same = same and ids == loaded_tok(text, add_special_tokens=False)["input_ids"]
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            a, b = reference(input_ids=x).logits[0], loaded(input_ids=x).logits[0]
+        worst = max(worst, float((a - b).abs().max()))
+        scale = max(scale, float(a.abs().max()))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(ids)
+    del loaded
+    return Agreement(len(fixed_prompts(tokenizer)), total, same, round(worst, 6), round(scale, 6),
+                     round(worst / scale, 6) if scale else 0.0, RELATIVE_TOLERANCE[quantization],
+                     round(agree / total, 6) if total else 1.0, TOP1_AT_LEAST[quantization])

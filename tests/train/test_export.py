@@ -1,0 +1,181 @@
+"""`lowvram export RUN --gguf` through the real CLI on tiny models: the file is read back with
+transformers' own GGUF loader and agrees with the merged model; the Modelfile; the refusals
+(K-quants, a family the writer does not handle, a disk too small: a real 64 KiB tmpfs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.train.test_after_training import assert_user_error, cli
+from tests.train.test_e2e import write_recipe
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """A finished 4-step LoRA run (alpaca format) on the tiny Llama."""
+    tmp = tmp_path_factory.mktemp("export")
+    result = cli("train", str(write_recipe(tmp, tiny_model_dir, steps=4)))
+    assert result.exit_code == 0, result.output
+    return tmp / "out"
+
+
+def full_run(folder: Path, model_type: str = "llama") -> Path:
+    """A full fine-tune's run folder: a tiny model of ``model_type`` saved there with the ChatML
+    tokenizer, and the recipe.yaml a run keeps (chat format)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lowvram.testing import build_tokenizer
+
+    tok = build_tokenizer()
+    config = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, tie_word_embeddings=model_type == "qwen3",
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (folder / "recipe.yaml").write_text("model: {name_or_path: x}\ndata:\n  datasets: [{path: d.jsonl, format: chat}]\n")
+    return folder
+
+
+def logits_of(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("quantization", ["f16", "q8_0"])
+def test_export_adapter_run_reads_back_and_agrees(run_dir, tmp_path, quantization):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / f"model-{quantization}.gguf"
+    result = cli("export", str(run_dir), "--gguf", "--quantization", quantization, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "same tokenization" in result.output and "top-1 agreement" in result.output
+    assert "Converting" not in result.output  # no library progress bar
+    assert f"ollama create model-{quantization.replace('_', '-')} -f {tmp_path / 'Modelfile'}" in result.output
+    # The run trained on alpaca prompts: no chat template is claimed for it.
+    modelfile = (tmp_path / "Modelfile").read_text()
+    assert f"FROM ./model-{quantization}.gguf" in modelfile and 'TEMPLATE """' not in modelfile
+    assert "alpaca" in modelfile
+
+    # Read back independently of lowvram and compared with the merged model.
+    merged = tmp_path / "merged"
+    assert cli("merge", str(run_dir), "--out", str(merged)).exit_code == 0
+    ref = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    ref_tok = AutoTokenizer.from_pretrained(merged)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, dtype=torch.float32)
+    back_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
+    text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    ids = ref_tok(text)["input_ids"]
+    assert back_tok(text)["input_ids"] == ids
+    a, b = logits_of(ref, ids), logits_of(back, ids)
+    diff = float((a - b).abs().max())
+    assert diff / float(a.abs().max()) < {"f16": 0.005, "q8_0": 0.15}[quantization]
+    # The top token agrees wherever the reference's lead over the runner-up exceeds twice the
+    # largest difference (a random tiny model has near-ties elsewhere).
+    top2 = a.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * diff
+    assert decided.any() and bool((a.argmax(-1) == b.argmax(-1))[decided].all())
+
+    record = json.loads((run_dir / "exports.json").read_text())
+    assert any(r["file"] == str(out) and r["agreement"]["ok"] for r in record)
+    shown = cli("show", str(run_dir))
+    assert f"export: {out} ({quantization}" in shown.output, shown.output
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_export_full_run_of_each_family_with_chatml_modelfile(tmp_path, model_type):
+    run = full_run(tmp_path / "run", model_type)
+    result = cli("export", str(run), "--gguf", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.output)
+    assert r["agreement"]["ok"] and r["agreement"]["same_tokenization"] and r["plan"]["kind"] == "full"
+    assert r["agreement"]["top1_agreement"] == 1.0
+    gguf = run / "gguf-f16" / "run-f16.gguf"
+    assert r["out_file"] == str(gguf) and gguf.is_file()
+    modelfile = (run / "gguf-f16" / "Modelfile").read_text()
+    assert '{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>' in modelfile
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile
+
+    import gguf as gg
+
+    reader = gg.GGUFReader(gguf)
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == {"mistral": "llama"}.get(model_type, model_type)
+    assert "tokenizer.chat_template" in reader.fields and "tokenizer.ggml.merges" in reader.fields
+
+
+def test_k_quant_refused_naming_what_can(run_dir, tmp_path):
+    result = cli("export", str(run_dir), "--gguf", "--quantization", "q4_k_m", "--out", str(tmp_path / "m.gguf"))
+    assert_user_error(result, "f16, bf16 and q8_0", "llama-quantize")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_unsupported_family_refused(tmp_path):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lowvram.testing import build_tokenizer
+
+    run = tmp_path / "run"
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2)).save_pretrained(run)
+    tok.save_pretrained(run)
+    (run / "recipe.yaml").write_text("model: {name_or_path: x}\n")
+    result = cli("export", str(run), "--gguf")
+    assert_user_error(result, "'gpt2'", "llama, mistral, qwen2, qwen3", "convert_hf_to_gguf.py")
+
+
+def test_needs_gguf_flag(run_dir):
+    result = cli("export", str(run_dir))
+    assert result.exit_code == 2 and "--gguf" in result.output
+
+
+def test_modelfile_templates():
+    from lowvram.testing import CHAT_TEMPLATE
+    from lowvram.train.after.modelfile import modelfile_text
+
+    llama3 = "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
+    text, note = modelfile_text("m.gguf", llama3, "chat")
+    assert note is None and 'PARAMETER stop "<|eot_id|>"' in text
+    assert "<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>" in text
+    text, note = modelfile_text("m.gguf", "{{ '[INST] ' + m['content'] + ' [/INST]' }}", "chat")
+    assert 'TEMPLATE """' not in text and "neither ChatML nor Llama-3" in note and note in text
+    text, _ = modelfile_text("m.gguf", CHAT_TEMPLATE, None, system="Be brief.")
+    assert text.splitlines()[1] == "FROM ./m.gguf" and text.endswith('SYSTEM """Be brief."""\n')
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A real 64 KiB tmpfs (root only)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_disk_too_small_refused_before_loading(run_dir, small_disk):
+    result = cli("export", str(run_dir), "--gguf", "--out", str(small_disk / "m.gguf"))
+    assert_user_error(result, "export needs", "of disk in", "free", "--out")
+    assert list(small_disk.iterdir()) == []
+
+
+def test_host_ram_too_small_refused(run_dir, tmp_path, monkeypatch):
+    import lowvram.hardware
+
+    monkeypatch.setattr(lowvram.hardware, "host_memory", lambda: (2**30, 100 * 2**10))
+    result = cli("export", str(run_dir), "--gguf", "--out", str(tmp_path / "m.gguf"))
+    assert_user_error(result, "export needs", "host RAM", "0.1 MiB available")
