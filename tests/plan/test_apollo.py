@@ -59,7 +59,7 @@ def test_one_apollo_step_makes_what_the_plan_counts(shape, dtype):
     import torch
     from apollo_torch import APOLLOAdamW
 
-    from lowvram.plan.memory.optimizers import _step_temps
+    from lowvram.plan.memory.optimizers.galore_apollo import _step_temps
 
     dt = getattr(torch, dtype)
     p = torch.nn.Parameter(torch.randn(*shape, dtype=dt))

@@ -120,7 +120,7 @@ def test_one_8bit_galore_step_makes_what_the_plan_counts(shape, dtype, rank):
     import torch
     from galore_torch import GaLoreAdamW8bit
 
-    from lowvram.plan.memory.optimizers import _projected_shape, _step_temps
+    from lowvram.plan.memory.optimizers.galore_apollo import _projected_shape, _step_temps
     from lowvram.train.build.galore_cpu import allow_cpu_step
 
     allow_cpu_step()
