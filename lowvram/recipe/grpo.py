@@ -94,7 +94,7 @@ class GrpoSection(_Section):
                             "accumulation). Set this or generation_batch_size, not both.")
     beta: float = Field(0.0, ge=0, description="KL penalty toward the starting model (0: no reference model, "
                         "TRL's default; > 0 keeps a reference: LoRA turns the adapter off, full fine-tuning "
-                        "loads a second copy).")
+                        "loads a second copy). The same default for rloo (TRL's RLOOConfig says 0.05).")
     loss_type: Literal[GRPO_LOSS_TYPES] = Field(
         "dapo", description="grpo only: TRL's loss aggregation (dapo: over the active tokens of the whole "
                             "accumulated batch; grpo: per sequence; dr_grpo: by a constant; bnpo, cispo, sapo). "

@@ -207,6 +207,33 @@ def test_trl_config_carries_the_plan(tmp_path, tiny_model_dir):
     assert args.transformers_continuous_batching_config == {"num_blocks": 4, "max_batch_tokens": 56}
 
 
+@pytest.mark.parametrize("precision, lora, refused", [
+    ("bf16", True, True), ("bf16-mixed", False, True), ("fp16-mixed", True, True), ("bf16", False, False),
+    ("fp32", True, False)])
+def test_paged_is_refused_where_trl_casts_trained_weights(tmp_path, tiny_model_dir, precision, lora, refused):
+    """TRL 1.16's continuous batching casts the model to bf16/fp16 before generating: fp32 adapters
+    or master weights would silently become 16-bit. paged asked: refused; auto: generate."""
+    from dataclasses import replace
+
+    from lowvram.train.build.grpo import generation_settings, paged_cast_problem
+
+    recipe, plan, _ = _config(tmp_path, tiny_model_dir, grpo=", generation: paged")
+    plan = replace(plan, mixed_precision=precision, lora=lora)
+    assert (paged_cast_problem(plan) is not None) is refused
+    if refused:
+        with pytest.raises(LowvramError, match="casts the whole model"):
+            generation_settings(recipe, plan)
+        recipe.grpo.generation = "auto"
+        # the plan's engine (Plan.generation, the planner's field) paged for an auto recipe
+        from dataclasses import fields
+        from types import SimpleNamespace
+
+        planned = SimpleNamespace(**{**{f.name: getattr(plan, f.name) for f in fields(plan)}, "generation": "paged"})
+        assert "use_transformers_continuous_batching" not in generation_settings(recipe, planned)
+    else:
+        assert generation_settings(recipe, plan)["use_transformers_continuous_batching"] is True
+
+
 # ---------------------------------------------------------------------------------- runs
 
 

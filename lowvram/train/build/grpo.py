@@ -87,8 +87,11 @@ def generation_settings(recipe, plan) -> dict:
     elif isinstance(g.steps_per_generation, int):
         out["steps_per_generation"] = g.steps_per_generation
     engine = getattr(plan, "generation", "") or g.generation
-    if engine == "auto":
-        engine = "generate"
+    cast = paged_cast_problem(plan)
+    if engine == "auto" or (engine == "paged" and g.generation == "auto" and cast):
+        engine = "generate"  # auto: the plan's paged only where TRL's cast changes nothing
+    if engine == "paged" and cast:
+        raise LowvramError(cast, "set grpo.generation: generate (or auto)")
     problem = engine_problem(engine)
     if problem:
         raise LowvramError(problem, ENGINE_HINT)
@@ -99,6 +102,21 @@ def generation_settings(recipe, plan) -> dict:
         if cache:
             out["transformers_continuous_batching_config"] = cache
     return out
+
+
+def paged_cast_problem(plan) -> str | None:
+    """Why the paged engine would change the run (None when it would not): TRL 1.16's continuous-
+    batching path casts the whole model to the run's 16-bit dtype before each generation
+    (grpo_trainer.py _generate_single_turn: ``unwrapped_model.to(torch.bfloat16)`` when bf16, fp16
+    likewise), which turns fp32 trainable weights (LoRA's adapters, *-mixed master weights) into
+    16-bit ones for the rest of the run."""
+    mp = plan.mixed_precision
+    if not (mp.startswith("bf16") or mp.startswith("fp16")) or (mp in ("bf16", "fp16") and not plan.lora):
+        return None
+    what = "LoRA's fp32 adapters" if plan.lora else f"the fp32 master weights of {mp}"
+    return (f"grpo.generation paged with mixed_precision {mp}: TRL 1.16 casts the whole model to "
+            f"{mp[:4]} before each generation (grpo_trainer.py _generate_single_turn), which would turn {what} "
+            "into 16-bit weights for the rest of the run")
 
 
 def objective_settings(recipe, plan) -> dict:
