@@ -97,7 +97,7 @@ class RunSetup:
     lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitudes and weight-norm temporaries (plan/memory/dora.py)
     lora_init: str = "default"  # lora.init: pissa's SVD at model build (plan/memory/lora_init.py)
     optimizer: str = "adamw"
-    galore_rank: int = 128  # galore.rank: optimizer galore_adamw's projection rank (plan/memory/optimizers.py)
+    galore_rank: int = 128  # galore.rank: optimizer galore_adamw's projection rank (plan/memory/optimizers/)
     gradient_checkpointing: bool = False
     attention: str = "sdpa"  # sdpa | eager | flash_attention_2
     loss: str = "standard"  # standard | chunked

@@ -145,7 +145,7 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
         fields.update(lora_fields(recipe))
         fields.update(galore_fields(recipe))
         # a max_grad_norm the recipe writes is asked for; the default (1.0) a layerwise optimizer
-        # drops, and its plan says so (plan/memory/optimizers.py given_up)
+        # drops, and its plan says so (plan/memory/optimizers/ given_up)
         t = recipe.training
         fields["gradient_clipping"] = "max_grad_norm" in t.model_fields_set and t.max_grad_norm > 0
         fields["packing"] = recipe.data.packing

@@ -33,7 +33,7 @@ def test_tower_forward_is_exact(family, layers, hidden, intermediate, attention,
     mixed = dtype == "bf16-mixed"
     model = AutoModelForImageTextToText.from_config(cfg, attn_implementation=attention)
     model = model.to(torch.float32 if mixed else getattr(torch, dtype))
-    model.requires_grad_(False)  # frozen, as lowvram trains it (train.model.freeze_vision)
+    model.requires_grad_(False)  # frozen, as lowvram trains it (train.build.vision.freeze_vision)
     images = 4
     pixels = torch.randn(images, 3, 64, 64)  # float32, as the image processor makes them
     with LiveBytes() as t:

@@ -142,7 +142,7 @@ def test_11b_qlora_on_a_12gb_card_counts_tower_and_cross_attention_layers():
 
 
 def test_trainable_parameters_leave_the_cross_attention_layers_out():
-    """LoRA adapts the self-attention layers only (lowvram.train.build.model.frozen_modules); full
+    """LoRA adapts the self-attention layers only (lowvram.train.build.vision.frozen_modules); full
     fine-tuning trains count_parameters: the cross-attention layers are loaded, not trained."""
     from lowvram.plan.memory.states import gradient_bytes, lora_parameters, weight_bytes
     from lowvram.plan.setup import RunSetup

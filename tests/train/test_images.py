@@ -355,7 +355,7 @@ def test_the_shipped_image_recipe_data_builds_with_a_gemma3_processor():
 
 def test_a_wide_tower_under_lora_and_checkpointing_stays_at_its_plan(tmp_path):
     """A 256-wide SigLIP tower, two images a row, LoRA with checkpointing: 64% above its plan while
-    transformers' enable_input_require_grads hooked the tower (train.model.text_input_grads_only)."""
+    transformers' enable_input_require_grads hooked the tower (train.build.vision.text_input_grads_only)."""
     case = Case(seed=901, family="gemma3", hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=512,
                 tie=True, method="lora", precision="fp32", seq_len=256, micro_batch_size=4, vision_layers=2,
                 vision_hidden=256, vision_image=64, vision_patch=4, images=2, gradient_checkpointing=True)

@@ -115,11 +115,11 @@ class PlanRequest:
     lora_use_dora: bool = False  # lora.use_dora: DoRA's magnitude and per-forward weight norm (plan/memory/dora.py)
     lora_use_rslora: bool = False  # no memory effect; carried into the Plan for training
     lora_init: str = "default"  # lora.init: pissa's SVD at model build (plan/memory/lora_init.py)
-    galore_rank: int = 128  # galore.*: optimizer galore_adamw (plan/memory/optimizers.py)
+    galore_rank: int = 128  # galore.*: optimizer galore_adamw (plan/memory/optimizers/)
     galore_update_proj_gap: int = 200  # no memory effect; carried into the Plan for training
     galore_scale: float = 0.25  # no memory effect; carried into the Plan for training
     # training.max_grad_norm written in the recipe (> 0): the user asks for gradient clipping, which
-    # a layerwise optimizer cannot do (plan/memory/optimizers.py): refused when fixed, never searched
+    # a layerwise optimizer cannot do (plan/memory/optimizers/): refused when fixed, never searched
     gradient_clipping: bool = False
     weight_dtype: str | None = None  # model.dtype fixed in the recipe: auto precision follows it
     mixed_precision: str | None = None
@@ -327,7 +327,7 @@ def validate_request(req: PlanRequest) -> None:
 def check_optimizer(req: PlanRequest, budget: Budget, precision: str | None = None) -> None:
     """A fixed GaLore form that cannot run as asked -> LowvramError (the search never picks one:
     lowvram.plan.choose.search.candidate_setups). 8-bit: CUDA or the CPU; layerwise: gradient accumulation 1,
-    one process, no gradient clipping (plan/memory/optimizers.py, transformers _setup_low_rank_optimizer).
+    one process, no gradient clipping (plan/memory/optimizers/, transformers _setup_low_rank_optimizer).
     ``precision``: the run's (fixed, or the card's auto choice); any optimizer stepped in the backward
     is refused under fp16 loss scaling (optimizers.scaled_gradient_problem)."""
     o = req.optimizer
@@ -388,7 +388,7 @@ def optimizer_given_up(setup: RunSetup) -> int:
     key): 0 AdamW and its 8-bit forms, bitsandbytes' and torchao's (the same results: Dettmers et
     al. 2022); 1 torchao's 4-bit AdamW (every update full-rank and adaptive, its moments rounded to
     4 bits: Li et al. 2023); 2 AdamW in the backward (AdamW's update; gives up clipping,
-    accumulation and several processes: plan/memory/optimizers.py); 3 GaLore, plain or 8-bit (all weights
+    accumulation and several processes: plan/memory/optimizers/); 3 GaLore, plain or 8-bit (all weights
     trained, but each decoder Linear's update is low-rank, Zhao et al. 2024; its 8-bit moments give
     up nothing more, so speed decides between the two; APOLLO with them); 4 layerwise GaLore and
     APOLLO (also no gradient clipping, no gradient accumulation, one process); 5 AdaLomo (those, and

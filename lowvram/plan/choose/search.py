@@ -203,7 +203,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
         if (activation_offload_conflict(act_off, gc) or quantization_conflict(quant, lora)
                 or offload_conflict(optim, offload)):
             continue
-        # GaLore projects the full weights' gradients, unsharded and unflattened (plan/memory/optimizers.py)
+        # GaLore projects the full weights' gradients, unsharded and unflattened (plan/memory/optimizers/)
         if optim in FULL_ONLY_OPTIMIZERS and (lora or offload != "none"):
             continue
         # PiSSA's SVD needs a float base weight, in one process (plan/memory/lora_init.py)

@@ -1,7 +1,8 @@
 """What the forward saves for the backward: one decoder layer's activations (dropout, eager
 attention, q/k norms, experts), the head's, the sliding-window masks, all layers' with or without
 checkpointing, and activation offloading to host RAM. Fitted terms, each with its measurement;
-symbols as in :mod:`lowvram.plan.memory.memory`."""
+symbols as in :mod:`lowvram.plan.memory.memory`. The attention masks a layer saves are in masks.py,
+offloading in activation_offload.py, the dtypes in states.py (all read through here too)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,19 @@ from dataclasses import replace
 from functools import lru_cache
 
 from lowvram.plan import constants as fitted
-from lowvram.plan.memory.images import bidirectional_image_masks
-from lowvram.plan.memory.states import dtype_bytes, target_linears
+from lowvram.plan.memory.activation_offload import (
+    activation_offload_host_bytes,
+    activation_offloaded,
+    offloaded_layer_input_bytes,
+)
+from lowvram.plan.memory.masks import (
+    _checkpointed_mask_bytes,
+    eager_mask_bytes,
+    masked_attention_bytes,
+    masked_layers,
+    recomputed_mask_bytes,
+)
+from lowvram.plan.memory.states import dtype_bytes, dtypes, target_linears
 from lowvram.plan.model import moe
 from lowvram.plan.model.layer import describe_layer
 from lowvram.plan.model.models import ModelSpec, block_linears, dense_view
@@ -18,20 +30,6 @@ from lowvram.plan.setup import RunSetup
 
 # --------------------------------------------------------------------------------------------
 # Activations
-
-
-def dtypes(setup: RunSetup) -> tuple[int, int, bool]:
-    """(r, c, autocast): bytes of the residual stream, of 16/32-bit compute, and whether the
-    forward runs under autocast (the Trainer/accelerate wraps forward in autocast whenever
-    bf16/fp16 is on, also for 16-bit weights). A quantized base after
-    prepare_model_for_kbit_training has fp32 embeddings and norms, so its residual stream is fp32.
-    """
-    w, c = dtype_bytes(setup)
-    autocast = setup.precision != "fp32"
-    r = w
-    if setup.quantization != "none" and setup.kbit_prepare:
-        r = 4
-    return r, c, autocast
 
 
 @lru_cache(maxsize=256)  # per model, as models.block_linears
@@ -415,108 +413,6 @@ def head_activation_bytes(setup: RunSetup) -> int:
     return t * per_tok + fixed
 
 
-def _per_row_masks(setup: RunSetup) -> bool:
-    """SDPA gets a b x 1 x s x s mask in every layer: packed samples, padded rows with their
-    attention_mask, or Gemma-3's image masks (plan/memory/images.py)."""
-    return setup.packing or setup.padded or bidirectional_image_masks(setup)
-
-
-def masked_layers(setup: RunSetup) -> int:
-    """How many decoder layers call SDPA with an attention mask (0 without SDPA: eager attention
-    adds its mask to the scores and saves none of it; flash-attention reads packed samples from
-    the varlen kwargs the collator sends, no mask: collate.flash_varlen_kwargs).
-
-    With data.packing, each seq_len window holds several samples and their position_ids restart
-    at 0 (lowvram.train.data.collate.pack): transformers builds a block-diagonal b x 1 x s x s mask
-    (masking_utils find_packed_sequence_indices) for every layer. Padded rows with their
-    attention_mask (``setup.padded``: TRL's preference collators pad chosen and rejected to the
-    batch's longest row) get one in every layer too: sdpa_mask ANDs the padding mask into the
-    causal one (padding_mask_function) and skips the mask only when no position is padded
-    (_ignore_causal_mask_sdpa: ``padding_mask is None or fast_all(padding_mask)``), which the
-    planner does not take (a chosen and a rejected of one length each, over a whole batch, is rare;
-    a batch without padding is below the plan). Without packing or padding lowvram's collator
-    sends no attention_mask (PadCollator), so only Gemma-3's sliding-window layers get one, from
-    seq_len >= sliding_window on (masking_utils _ignore_causal_mask_sdpa skips it below the
-    window). The planner takes packed windows to hold more than one sample (what packing is for);
-    a window of one sample gets no mask, which is below the plan."""
-    if setup.attention != "sdpa":
-        return 0
-    spec = setup.model
-    if _per_row_masks(setup):
-        return spec.num_layers
-    if spec.sliding_layers and setup.seq_len >= spec.sliding_window:
-        return spec.sliding_layers
-    return 0
-
-
-def masked_attention_bytes(setup: RunSetup) -> int:
-    """What one decoder layer whose SDPA gets a mask (masked_layers) saves beyond one without:
-    with a mask sdpa_attention_forward expands k and v to all heads (use_gqa_in_sdpa: only
-    without a mask), and SDPA saves the additive mask it makes from the bool one
-    (convert_boolean_attn_mask: b x 1 x s x s in the query's dtype). Measured with
-    saved_tensors_hooks on a 2-layer Gemma-3 (q, expanded k and v, out, mask), and with the
-    live-bytes tracker in lowvram train on packed data: a 2-layer SmolLM3 LoRA fp32 run, b4 s512,
-    held two (4, 1, 500, 500) fp32 masks at its peak, 21.5% above its plan before packing was a
-    plan input."""
-    if not masked_layers(setup):
-        return 0
-    spec = setup.model
-    _, c, autocast = dtypes(setup)
-    cc = 2 if autocast else c
-    t = setup.micro_batch_size * setup.seq_len
-    # one kv head: repeat_kv's expand + reshape stays a view (no copy; measured at Gemma-3-1B size)
-    expanded = 2 * (spec.q_dim - spec.kv_dim) if spec.num_kv_heads > 1 else 0
-    return cc * (t * expanded + setup.micro_batch_size * setup.seq_len**2)
-
-
-def recomputed_mask_bytes(setup: RunSetup, last: bool) -> int:
-    """masked_attention_bytes in the layer a checkpointed backward recomputes: the last decoder
-    layer (``last``) or layer 0. Packed or padded rows mask every layer; otherwise only the
-    sliding-window layers get a mask (masked_layers), and a full-attention layer's SDPA runs
-    causal without one (ModelSpec.first_layer_sliding / last_layer_sliding). Measured with the
-    live-bytes tracker: held-out tiled seed 50 (a 2-layer Gemma-3, layer 0 sliding, layer 1
-    full; LoRA bf16-mixed, checkpointing, b2 s1024) held its (2, 1, 1024, 1024) bf16 mask in
-    layer 0's recompute only: 22.41 MiB at layer 1's peak, 25.21 MiB at layer 0's."""
-    if not masked_layers(setup):
-        return 0
-    spec = setup.model
-    if not _per_row_masks(setup) and not (spec.last_layer_sliding if last else spec.first_layer_sliding):
-        return 0
-    return masked_attention_bytes(setup)
-
-
-def _checkpointed_mask_bytes(setup: RunSetup) -> int:
-    """With checkpointing, the bool masks SDPA's masks are made from are inputs the checkpoints
-    keep for the recompute, one per attention type. Without padding or packing the sliding-window
-    mask depends on no row, so it is built once for the batch (measured: (1, 1, 512, 512) bool
-    in lowvram train on a 2-layer Gemma-3, b4 s512, whose plan was 2.9% low without it). Packed
-    samples, or padded rows with their attention_mask (``setup.padded``: the mask function ANDs
-    each row's padding in, masking_utils padding_mask_function), make it b x 1 x s x s, one per
-    attention type (measured: a (4, 1, 512, 512) bool at the peak of preference seed 12, a
-    3-layer Gemma-3 ORPO LoRA run, b2 s512 of pairs = 4 rows, 3.4% above a plan that counted one
-    (1, 1, 512, 512)); so do Gemma-3's image masks (plan/memory/images.py)."""
-    if not masked_layers(setup):
-        return 0
-    spec = setup.model
-    s = setup.seq_len
-    if not _per_row_masks(setup):
-        return s * s
-    return describe_layer(spec).attention_types * setup.micro_batch_size * s * s
-
-
-def eager_mask_bytes(setup: RunSetup) -> int:
-    """With eager attention and checkpointing, the additive float masks transformers builds
-    (masking_utils eager_mask: b x 1 x s x s in the embeddings' dtype; one more for sliding-window
-    layers, Gemma-3 and gpt-oss) are inputs every checkpoint keeps for its recompute, alive through
-    forward and backward (measured with the live-bytes tracker in lowvram train: a 2-layer Qwen2
-    LoRA bf16, b2 s512, held a (2, 1, 512, 512) bf16 mask at its peak; a Gemma LoRA fp32 run the
-    same in fp32). Without checkpointing nothing saves them: freed when the forward ends."""
-    if setup.attention != "eager" or not setup.gradient_checkpointing:
-        return 0
-    r, _, _ = dtypes(setup)
-    return describe_layer(setup.model).attention_types * r * setup.micro_batch_size * setup.seq_len**2
-
-
 def activation_bytes(setup: RunSetup) -> int:
     """All layers' saved activations at the start of backward.
 
@@ -541,49 +437,6 @@ def activation_bytes(setup: RunSetup) -> int:
     return (layer_activation_bytes(setup, first=True)
             + (spec.num_layers - 1) * layer_activation_bytes(setup) + head
             + masks * masked_attention_bytes(setup))
-
-
-# --------------------------------------------------------------------------------------------
-# Activation offloading (techniques.activation_offload)
-
-
-def activation_offloaded(setup: RunSetup) -> bool:
-    """Whether the checkpointed layer inputs leave the device: activation_offload with gradient
-    checkpointing, on a GPU. On a CPU host RAM is the device memory: transformers' offload path
-    (``save_on_cpu`` around the checkpoint) has nowhere to move them (``tensor.cpu()`` of a CPU
-    tensor is itself; its pinned variant needs a GPU), so nothing is saved and nothing is
-    claimed: the live-bytes tracker would see the same tensors."""
-    return setup.activation_offload and setup.gradient_checkpointing and setup.device == "cuda"
-
-
-def offloaded_layer_input_bytes(setup: RunSetup) -> int:
-    """One checkpointed decoder layer's input (r*t*h), the only tensor its checkpoint saves.
-
-    transformers' ``activation_checkpointing_enable(offload=True)`` (modeling_utils
-    ``_activation_checkpointing_enable``: ``save_on_cpu(pin_memory=True)`` *around*
-    ``torch.utils.checkpoint.checkpoint``): the non-reentrant checkpoint saves the positional
-    inputs through ``_NoopSaveInputs`` outside its own saved-tensor hooks, so the outer
-    ``save_on_cpu`` packs exactly those into pinned host RAM; everything the layer's forward saves
-    goes to the checkpoint's own (inner) hooks and is dropped, as without offload. The layer's
-    keyword arguments (rotary cos/sin, masks, position ids) ride in a ``functools.partial``
-    (GradientCheckpointingLayer), not through the checkpoint, so they stay on the GPU, counted
-    as without offload. In the backward ``unpack_from_cpu`` copies the input back for that
-    layer's recompute: one layer's input on the GPU at a time."""
-    r, _, _ = dtypes(setup)
-    return r * setup.micro_batch_size * setup.seq_len * setup.model.hidden_size
-
-
-def activation_offload_host_bytes(setup: RunSetup) -> int:
-    """Pinned host RAM of the offloaded layer inputs: every decoder layer's, from its forward to
-    its backward (``save_on_cpu`` allocates one pinned tensor per packed input). PyTorch's
-    pinned-memory allocator rounds each block up to a power of two and caches it
-    (ATen/core/CachingHostAllocator.h ``allocate``: ``PowerOf2Ceil(size)`` below
-    ``pinned_max_round_threshold``, unlimited by default), so a 10,429-token Llama-3.1-8B input
-    of 81.5 MiB holds 128 MiB."""
-    if not activation_offloaded(setup):
-        return 0
-    size = offloaded_layer_input_bytes(setup)
-    return setup.model.num_layers * (1 << (size - 1).bit_length())
 
 
 __all__ = [

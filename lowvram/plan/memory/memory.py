@@ -269,7 +269,7 @@ def _with_images(setup: RunSetup, moment: Moment) -> Moment:
 
 
 def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> list[Moment]:
-    """Layerwise GaLore (plan/memory/optimizers.py): each parameter is stepped and its gradient dropped
+    """Layerwise GaLore (plan/memory/optimizers/): each parameter is stepped and its gradient dropped
     in its post-accumulate-grad hook (transformers _setup_low_rank_optimizer ``optimizer_hook``),
     so no moment holds the gradients made so far. The backward's own moments keep only, with a
     tied embedding, lm_head's share of its gradient (held in AccumulateGrad's input buffer until
@@ -369,7 +369,7 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     fb = live_weights + optim + kept_grads + acts + logits
     # layerwise GaLore: optimizer.step() is LayerWiseDummyOptimizer's no-op (LOMO's: accelerate's
     # AcceleratedOptimizer.step returns for it), every gradient was applied and dropped in the
-    # backward (plan/memory/optimizers.py)
+    # backward (plan/memory/optimizers/)
     step_grads = 0 if optimizers.in_backward(setup) else grads
     step = weights + optim + step_grads + buckets + st.step_temp
     # lora.init pissa: an SVD per adapted Linear at model build, before any optimizer state or

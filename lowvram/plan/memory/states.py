@@ -36,6 +36,20 @@ def dtype_bytes(setup: RunSetup) -> tuple[int, int]:
     return 4, 4
 
 
+def dtypes(setup: RunSetup) -> tuple[int, int, bool]:
+    """(r, c, autocast): bytes of the residual stream, of 16/32-bit compute, and whether the
+    forward runs under autocast (the Trainer/accelerate wraps forward in autocast whenever
+    bf16/fp16 is on, also for 16-bit weights). A quantized base after
+    prepare_model_for_kbit_training has fp32 embeddings and norms, so its residual stream is fp32.
+    """
+    w, c = dtype_bytes(setup)
+    autocast = setup.precision != "fp32"
+    r = w
+    if setup.quantization != "none" and setup.kbit_prepare:
+        r = 4
+    return r, c, autocast
+
+
 def quantized_bytes(numel: int, quantization: str, d_out: int) -> int:
     """Bytes of one bitsandbytes-quantized weight matrix.
 
@@ -116,7 +130,7 @@ def _quantized_blocks(setup: RunSetup, layers: int) -> tuple[int, int]:
 
 def cross_attention_weight_bytes(setup: RunSetup) -> int:
     """Mllama's cross-attention layers (models.cross_attention_numel), loaded and frozen: lowvram
-    keeps them out of LoRA and out of the optimizer (lowvram.train.build.model.frozen_modules; on text
+    keeps them out of LoRA and out of the optimizer (lowvram.train.build.vision.frozen_modules; on text
     data the forward skips them, so they would get no gradient anyway), and bitsandbytes quantizes
     their Linears like every other language-model Linear; their norms and gates stay in the load
     dtype (fp32 under peft's k-bit upcast)."""
@@ -133,7 +147,7 @@ def cross_attention_weight_bytes(setup: RunSetup) -> int:
 
 def vision_weight_bytes(setup: RunSetup) -> int:
     """A multimodal checkpoint's vision tower and projector, frozen, in the load dtype: lowvram
-    keeps them out of bitsandbytes' quantization (lowvram.train.build.model.VISION_MODULES in
+    keeps them out of bitsandbytes' quantization (lowvram.train.build.vision.VISION_MODULES in
     llm_int8_skip_modules, as Unsloth's dynamic 4-bit checkpoints leave the vision encoder in
     16 bits), so under QLoRA too they stay 16-bit (fp32 under peft's k-bit upcast); and the
     tower's buffers (vision.tower_buffer_bytes)."""
@@ -203,7 +217,7 @@ def optimizer_bytes(setup: RunSetup) -> int:
     elements (min_8bit_size) keep two fp32 states; plus two shared 256-entry fp32 maps.
     Paged variants: same bytes, in CUDA unified memory. Adafactor (Shazeer & Stern 2018,
     transformers.optimization.Adafactor, no momentum): fp32 row + column factors per matrix, a full
-    fp32 second moment per vector. SGD without momentum: 0. LOMO / AdaLomo: plan/memory/optimizers.py.
+    fp32 second moment per vector. SGD without momentum: 0. LOMO / AdaLomo: plan/memory/optimizers/.
     """
     w = 4 if setup.lora else dtype_bytes(setup)[0]
     shapes = trainable_tensors(setup)
@@ -247,7 +261,7 @@ def optimizer_step_temp_bytes(setup: RunSetup) -> int:
     bench/plan_accuracy.py)."""
     if optimizers.projected(setup):
         return optimizers.galore_step_temp_bytes(setup, dtype_bytes(setup)[0], trainable_tensors(setup))
-    if optimizers.torchao(setup):  # the compiled step's buffers (plan/memory/optimizers.py)
+    if optimizers.torchao(setup):  # the compiled step's buffers (plan/memory/optimizers/)
         return optimizers.torchao_step_temp_bytes(setup, trainable_tensors(setup))
     if setup.optimizer != "adafactor":
         return 0

@@ -2,16 +2,15 @@
 quantization; LoRA adapters (peft). Training never decides techniques: everything comes from
 the Plan (what) and the recipe (model location, LoRA shape).
 
-A GGUF file is converted once to a cached safetensors folder (gguf.py).
+A GGUF file is converted once to a cached safetensors folder (gguf.py); a multimodal checkpoint's
+tower and projector are found and frozen by vision.py; library noise is dropped by quiet.py.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,50 +19,15 @@ from lowvram.errors import DataError, LowvramError, ModelError
 from lowvram.hub import HUB_ID
 from lowvram.plan.memory.lora_init import is_svd_init
 from lowvram.train.build.custom_code import custom_code_refused, is_custom_code_refusal
-
-_NOISE = (
-    # bitsandbytes on CPU tries to fetch an optional kernel from the hub, then falls back (harmless).
-    "Failed to load CPU gemm_4bit_forward from kernels-community",
-    # The Trainer sorting checkpoints written within the same second (it then sorts by number).
-    "mtime may not be reliable on this filesystem",
-    # torchao (imported by peft when installed) without its optional CUDA kernels, e.g. on a CPU.
-    "/torchao/_C",
-    # torchao 0.18 registering its enums with torch 2.13's pytree (a deprecation, not the user's).
-    "is an Enum subclass and is now natively supported by torch.compile",
-    # kernels (bitsandbytes' hub kernels) offline: the kernel is cached or not used; nothing to do.
-    "Skipping publisher trust check for 'kernels-community/",
-    # DeepSpeed's import on a machine without a GPU (lowvram chose the device already).
-    "Setting accelerator to CPU",
-    # int8 on CUDA: bitsandbytes 0.50's MatMul8bitLt.forward logs this at every call with bf16/fp32
-    # inputs (autograd/_functions.py L128-129), one line per int8 Linear per forward and recompute;
-    # the cast is the path int8 always takes on CUDA (docs/planner.md, int8 on CUDA)
-    "MatMul8bitLt: inputs will be cast from",
+from lowvram.train.build.quiet import quiet_libraries
+from lowvram.train.build.vision import (
+    VISION_MODULES,
+    freeze_vision,
+    has_vision,
+    model_class,
+    text_input_grads_only,
+    vision_pattern,
 )
-# a filter acts only on the logger a record is made on, not on its parents': each is named
-_NOISY_LOGGERS = ("bitsandbytes", "bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions",
-                  "transformers.trainer_utils", "torchao", "torch.utils._pytree", "kernels._internals.hf_hub",
-                  "DeepSpeed")
-
-
-class _DropNoise(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not any(n in msg for n in _NOISE)
-
-
-def quiet_libraries() -> None:
-    """Drop known-harmless log lines and per-load progress bars; real warnings still show."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for name in _NOISY_LOGGERS:
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _DropNoise) for f in log.filters):
-            log.addFilter(_DropNoise())
-    # peft 0.21 reads a model attribute transformers 5 renamed; nothing for the user to change.
-    warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Loading weights" bars on every from_pretrained
 
 
 @dataclass
@@ -137,82 +101,6 @@ def compute_dtype(plan):
 def autocast_dtype(precision: str):
     """The dtype the Trainer's autocast uses for ``precision`` (None for fp32: no autocast)."""
     return None if precision == "fp32" else precision_compute_dtype(precision)
-
-
-# A multimodal checkpoint's vision tower and projector, as transformers 5 names them
-# (Gemma3Model, LlavaModel: model.vision_tower, model.multi_modal_projector). They are frozen and
-# kept out of bitsandbytes' quantization (lowvram.plan.memory.states.vision_weight_bytes).
-VISION_MODULES = ("model.vision_tower", "model.multi_modal_projector",
-                  "model.visual",  # Qwen2_5_VLModel: the tower with its merger (the projector)
-                  "model.vision_model")  # MllamaModel's tower
-
-
-def cross_attention_modules(config) -> tuple[str, ...]:
-    """Llama-3.2-Vision's cross-attention decoder layers (MllamaTextModel.layers at
-    text_config.cross_attention_layers). Without images the forward skips them (modeling_mllama.py:
-    ``continue`` when there are no cross_attention_states and no cache), so on text data they would
-    get no gradient: lowvram freezes them and gives them no LoRA adapters (dead adapters, and
-    trainable parameters DDP would wait for), and leaves them in bitsandbytes' 4-bit like the
-    other language-model Linears (lowvram.plan.memory.states.cross_attention_weight_bytes)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else None
-    layers = getattr(text, "cross_attention_layers", None) if getattr(config, "model_type", "") == "mllama" else None
-    return tuple(f"model.language_model.layers.{i}" for i in layers or ())
-
-
-def frozen_modules(config) -> tuple[str, ...]:
-    """What training never updates in a multimodal checkpoint: the vision tower and projector,
-    and Mllama's cross-attention layers."""
-    return VISION_MODULES + cross_attention_modules(config)
-
-
-def has_vision(config) -> bool:
-    """A config (dict or transformers config) with a vision tower: Gemma-3 4B+, Llava."""
-    if isinstance(config, dict):
-        return "vision_config" in config
-    return getattr(config, "vision_config", None) is not None
-
-
-def model_class(vision: bool):
-    """What loads the checkpoint: AutoModelForImageTextToText for a model with a vision tower
-    (Llava has no causal-LM class; Gemma-3's is the same Gemma3ForConditionalGeneration)."""
-    if vision:
-        from transformers import AutoModelForImageTextToText
-
-        return AutoModelForImageTextToText
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM
-
-
-def freeze_vision(model) -> None:
-    """No gradient for the vision tower and projector (full fine-tuning trains the language
-    model; text data never reaches the tower)."""
-    for name in frozen_modules(model.config):
-        try:
-            model.get_submodule(name).requires_grad_(False)
-        except AttributeError:
-            continue
-
-
-def text_input_grads_only(model) -> None:
-    """transformers' enable_input_require_grads (peft calls it when it wraps a model, and
-    checkpointing calls it again for a peft model, in the Trainer's train() too) hooks every
-    sub-model's input embeddings, so the vision tower's patch embedding output would require a
-    gradient: the frozen tower's whole forward recorded (and checkpointed, and its backward run)
-    for no gradient at all (measured: +64% on a Gemma-3 LoRA image run with checkpointing). This
-    model's own enable_input_require_grads hooks the language model's embeddings only."""
-
-    def make_inputs_require_grads(module, args, output):
-        output.requires_grad_(True)
-
-    def enable_input_require_grads() -> None:
-        for hook in getattr(model, "_require_grads_hooks", None) or []:
-            hook.remove()
-        hook = model.get_input_embeddings().register_forward_hook(make_inputs_require_grads)
-        model._require_grads_hooks = [hook]
-        model._require_grads_hook = hook
-
-    model.enable_input_require_grads = enable_input_require_grads
 
 
 def quantization_config(plan, vision: bool = False):
@@ -507,7 +395,7 @@ def apply_lora(model, plan):
         init_lora_weights=peft_init_lora_weights(plan.lora_init),  # lowvram.plan.memory.lora_init
         target_modules=targets[0] if targets == ("all-linear",) else list(targets),
         # the language model's Linears only: the tower's q_proj/fc1 share their names
-        exclude_modules=_vision_pattern(model.config) if has_vision(model.config) else None,
+        exclude_modules=vision_pattern(model.config) if has_vision(model.config) else None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -570,14 +458,6 @@ def _keep_initial_adapter(model) -> None:
     state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
     save_file(state, str(path / "adapter_model.safetensors"))
     setattr(model, INITIAL_ADAPTER_ATTRIBUTE, str(path))
-
-
-def _vision_pattern(config) -> str:
-    """peft's exclude_modules (a regex matched in full against each module name) for
-    frozen_modules and everything under them."""
-    import re
-
-    return "|".join(r"(.*\.)?" + re.escape(name) + r"(\..*)?" for name in frozen_modules(config))
 
 
 def _weights_in(p) -> int:
