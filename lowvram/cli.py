@@ -61,12 +61,11 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.report.info import show_validated
 
     r = load_recipe(recipe, set_ or [])
-    from lowvram.train.run.preflight import check_inputs
+    from lowvram.train.run.preflight import check_inputs, check_seq_len, check_shape
 
-    check_inputs(r)
-    from lowvram.train.run.preflight import check_shape
-
-    check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
+    check_seq_len(r)  # seq_len past the model's positions (the catalog knows them with nothing downloaded)
+    check_inputs(r)  # files, the model folder, or a hub model that cannot be downloaded now
+    check_shape(r)  # a batch the local rows cannot fill
     if r.training.objective in ("grpo", "rloo"):  # the rewards import and score a sample row (no model)
         from lowvram.train.build.grpo import check_grpo
 

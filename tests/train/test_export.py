@@ -179,3 +179,23 @@ def test_host_ram_too_small_refused(run_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(lowvram.hardware, "host_memory", lambda: (2**30, 100 * 2**10))
     result = cli("export", str(run_dir), "--gguf", "--out", str(tmp_path / "m.gguf"))
     assert_user_error(result, "export needs", "host RAM", "0.1 MiB available")
+
+
+@pytest.mark.slow
+def test_export_demo_smollm2(quickstart_model, tmp_path):
+    """The demo's SmolLM2-135M-Instruct (its GGUF converted as training does) as a full run, to
+    q8_0: read back and within bounds; the ChatML Modelfile."""
+    from lowvram.demo import GGUF_NAME
+    from lowvram.train.build.gguf import gguf_folder
+
+    folder, _ = gguf_folder(str(quickstart_model), GGUF_NAME)
+    run = tmp_path / "smollm2"
+    run.mkdir()
+    for p in folder.iterdir():
+        (run / p.name).symlink_to(p)
+    (run / "recipe.yaml").write_text("model: {name_or_path: x}\ndata:\n  datasets: [{path: d.jsonl, format: chat}]\n")
+    result = cli("export", str(run), "--gguf", "--quantization", "q8_0", "--json")
+    assert result.exit_code == 0, result.output
+    a = json.loads(result.output)["agreement"]
+    assert a["ok"] and a["same_tokenization"] and a["relative_diff"] < 0.06 and a["top1_agreement"] > 0.93, a
+    assert 'PARAMETER stop "<|im_end|>"' in (run / "gguf-q8_0" / "Modelfile").read_text()
