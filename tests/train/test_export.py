@@ -199,3 +199,16 @@ def test_export_demo_smollm2(quickstart_model, tmp_path):
     a = json.loads(result.output)["agreement"]
     assert a["ok"] and a["same_tokenization"] and a["relative_diff"] < 0.06 and a["top1_agreement"] > 0.93, a
     assert 'PARAMETER stop "<|im_end|>"' in (run / "gguf-q8_0" / "Modelfile").read_text()
+
+
+def test_out_of_bounds_fails_and_removes_the_file(run_dir, tmp_path, monkeypatch):
+    """A bound no F16 file can meet (0): the export fails with the figures and keeps no file."""
+    import lowvram.train.after.gguf_check as check
+
+    monkeypatch.setitem(check.RELATIVE_TOLERANCE, "f16", 0.0)
+    out = tmp_path / "m.gguf"
+    result = cli("export", str(run_dir), "--gguf", "--out", str(out))
+    assert_user_error(result, "does not match the model", "bound 0.00%", "the file was removed")
+    assert not out.exists() and not (tmp_path / "Modelfile").exists()
+    record = run_dir / "exports.json"
+    assert not record.exists() or not any(r["file"] == str(out) for r in json.loads(record.read_text()))
