@@ -60,12 +60,14 @@ TECHNIQUES = [
                               gradient_checkpointing=True)),
     ("qlora nf4-dq + ckpt", QLORA),
     ("qlora nf4-dq + ckpt + chunked b4", dict(QLORA, loss="chunked", micro_batch_size=4)),
-    ("int8 lora + ckpt", dict(precision="bf16", lora=True, quantization="int8", gradient_checkpointing=True)),
 ]
 # Rows that mean something on a GPU only: transformers' activation offload (save_on_cpu around each
-# checkpoint) puts the layer inputs in pinned host RAM; paged optimizers page CUDA unified memory.
+# checkpoint) puts the layer inputs in pinned host RAM; paged optimizers page CUDA unified memory;
+# int8 runs bitsandbytes' MatMul8bitLt on CUDA, MatMul8bitFp on a CPU (docs/planner.md, int8 on CUDA):
+# its CPU dry run would measure another autograd path (-4.5% on the tiny Llama, 2026-12-06).
 CUDA_TECHNIQUES = [
     ("qlora nf4-dq + ckpt + act offload", dict(QLORA, activation_offload=True)),
+    ("int8 lora + ckpt", dict(precision="bf16", lora=True, quantization="int8", gradient_checkpointing=True)),
     ("full bf16 paged_adamw_8bit", dict(precision="bf16", optimizer="paged_adamw_8bit")),
 ]
 BUDGET_S = 390.0  # of one device call's 8 minutes: the wheels install and imports take the rest (gpu_check.sh)

@@ -18,6 +18,7 @@ on the CPU with the exact live-bytes tracker, measured peak against the plan's p
     python bench/plan_fuzz.py --galore 8bit --families ten  # dense cases made 8-bit GaLore runs (plain or layerwise)
     python bench/plan_fuzz.py --lomo --families ten  # every case made a LOMO full fine-tuning run
     python bench/plan_fuzz.py --preference --short-pairs --families ten  # pairs shorter than seq_len
+    python bench/plan_fuzz.py --grpo --seeds 100:112                # grpo/rloo, the generate engine
     python bench/plan_fuzz.py --torchao --families ten  # every case with torchao's 8/4-bit AdamW
     python bench/plan_fuzz.py --apollo plain --families ten  # every dense case an APOLLO full run
 
@@ -52,8 +53,10 @@ from lowvram.difftest import (  # noqa: E402
     OVER_LIMIT,
     TEN_FAMILIES,
     VISION_FAMILIES,
+    grpo_case,
     made_apollo,
     made_galore,
+    made_generation_bound,
     made_images,
     made_in_backward,
     made_lomo,
@@ -126,6 +129,11 @@ def main() -> int:
     ap.add_argument("--preference", action="store_true",
                     help="draw preference recipes (lowvram.difftest.preference_case: dpo/orpo/simpo "
                          "through TRL) with the same models and techniques")
+    ap.add_argument("--grpo", action="store_true",
+                    help="draw grpo/rloo recipes (lowvram.difftest.grpo_case: the generate engine, prompts "
+                         "of max_prompt_length tokens, dense text families)")
+    ap.add_argument("--grpo-generation", action="store_true",
+                    help="with --grpo: cases whose generation phase binds (difftest.made_generation_bound)")
     ap.add_argument("--kto", action="store_true",
                     help="with --preference: every case is training.objective kto (preference_case(kto=True))")
     ap.add_argument("--short-pairs", action="store_true",
@@ -145,6 +153,8 @@ def main() -> int:
     families += f" --tiled {args.tiled:g}" if args.tiled else ""
     families += f" --chunk {args.chunk:g}" if args.chunk else ""
     families += " --preference" if args.preference else ""
+    families += " --grpo" if args.grpo else ""
+    families += " --grpo-generation" if args.grpo_generation else ""
     families += " --kto" if args.kto else ""
     families += " --short-pairs" if args.short_pairs else ""
     families += f" --galore {args.galore}" if args.galore else ""
@@ -155,7 +165,11 @@ def main() -> int:
     families += " --images" if args.images else ""
     families += " --pissa" if args.pissa else ""
     for seed in seeds:
-        if args.preference:
+        if args.grpo:
+            case = grpo_case(seed)
+            if args.grpo_generation:
+                case = made_generation_bound(case)
+        elif args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)
             if args.short_pairs:
                 case = made_short_pairs(case)

@@ -61,12 +61,11 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> 
     from lowvram.report.info import show_validated
 
     r = load_recipe(recipe, set_ or [])
-    from lowvram.train.run.preflight import check_inputs
+    from lowvram.train.run.preflight import check_inputs, check_seq_len, check_shape
 
-    check_inputs(r)
-    from lowvram.train.run.preflight import check_shape
-
-    check_shape(r)  # a batch the local rows cannot fill, seq_len past the model's positions
+    check_seq_len(r)  # seq_len past the model's positions (the catalog knows them with nothing downloaded)
+    check_inputs(r)  # files, the model folder, or a hub model that cannot be downloaded now
+    check_shape(r)  # a batch the local rows cannot fill
     if r.training.objective in ("grpo", "rloo"):  # the rewards import and score a sample row (no model)
         from lowvram.train.build.grpo import check_grpo
 
@@ -167,7 +166,14 @@ def plan(
     packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="Plan for data.packing: several samples per seq_len window (SDPA then keeps a b x s x s mask per layer).", show_default=False)] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
     offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,
-    objective: Annotated[str | None, _opt("--objective", "sft | dpo | orpo | simpo | kto (training.objective; preference: 2 rows per pair, kto 1 row, DPO and KTO a reference).", "OBJ")] = None,
+    objective: Annotated[str | None, _opt("--objective", "sft | dpo | orpo | simpo | kto | grpo | rloo (training.objective; preference: 2 rows per pair, kto 1 row, DPO and KTO a reference; grpo/rloo: generation, then training on the completions).", "OBJ")] = None,
+    num_generations: Annotated[int | None, _opt("--num-generations", "grpo/rloo: completions per prompt (grpo.num_generations, default 8; the search never lowers it).", "N")] = None,
+    max_completion_length: Annotated[int | None, _opt("--max-completion-length", "grpo/rloo: tokens generated per completion (default 256).", "N")] = None,
+    max_prompt_length: Annotated[int | None, _opt("--max-prompt-length", "grpo/rloo: prompt tokens (default 512).", "N")] = None,
+    generation_batch_size: Annotated[int | None, _opt("--generation-batch-size", "grpo/rloo: completions per generation round, all GPUs (default: auto, the batch size or less).", "N")] = None,
+    beta: Annotated[float | None, _opt("--beta", "grpo/rloo: KL weight; > 0 adds reference log-probs (a frozen copy under full fine-tuning).", "F")] = None,
+    generation: Annotated[str | None, _opt("--generation", "grpo/rloo: auto | generate | paged | vllm (the engine).", "E")] = None,
+    generation_table: Annotated[bool, typer.Option("--generation-table", help="grpo/rloo: the largest num_generations x max_completion_length on 8-80 GB cards, the plan that reaches it and what binds.")] = False,
     vram: Annotated[str | None, _opt("--vram", "GPU memory to plan for: 24GB is a card sold as 24 GB (97.5% of 24 GiB, as CUDA reports it); 24GiB, 22000MB are exact (default: LOWVRAM_VRAM, else detected).", "SIZE")] = None,
     host_ram: Annotated[str | None, _opt("--host-ram", "Host RAM the plan may use (offloaded activations and optimizer state, pinned), e.g. 64GiB (default: LOWVRAM_HOST_RAM, else what this machine has available).", "SIZE")] = None,
     set_: SetOpt = None,
@@ -201,6 +207,23 @@ def plan(
     model_ref = model or (recipe_model_ref(r) if r else None)
     if model_ref:
         _fetch_hub_config(model_ref, explicit=model is not None)
+    grpo_flags = dict(num_generations=num_generations, max_completion_length=max_completion_length,
+                      max_prompt_length=max_prompt_length, generation_batch_size=generation_batch_size,
+                      beta=beta, generation=generation)
+    if generation_table:
+        from lowvram.errors import UsageError
+        from lowvram.report.grpo import show_generation_table
+
+        if vram or simulate or check or context_table:
+            given = "--vram" if vram else ("--simulate" if simulate else "--check" if check else "--context-table")
+            raise UsageError(f"--generation-table plans every card size itself: {given} does not apply",
+                             "drop it, or run `lowvram plan` without --generation-table for one card")
+        show_generation_table(entry.generation_table(
+            r, model=model, method=method, lora_r=lora_r, lora_targets=lora_targets,
+            mixed_precision=mixed_precision, quantization=quantization, optimizer=optimizer,
+            attention=attention, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
+            gpus=gpus, objective=objective, **grpo_flags), as_json=json_)
+        return
     if context_table:
         from lowvram.errors import UsageError
         from lowvram.plan.serialize import context_table_to_dict
@@ -230,7 +253,7 @@ def plan(
         gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,
         activation_offload=activation_offload, packing=packing, gpus=gpus, offload=offload,
         tiled_mlp=None if tiled_mlp == "auto" else tiled_mlp,
-        objective=objective, host_ram=host_ram,
+        objective=objective, host_ram=host_ram, **grpo_flags,
     )
     from lowvram.plan.choose.request import Choice
     from lowvram.plan.serialize import choice_to_dict

@@ -72,6 +72,11 @@ def download_problem(repo_id: str) -> str | None:
     or None (it is cached, or the hub answers)."""
     if hub_model_cached(repo_id):
         return None
+    from lowvram.plan.model.catalog import catalog_hub_id
+
+    if "/" not in repo_id and (hub := catalog_hub_id(repo_id)):  # a catalog short name: plans, never loads
+        return (f"model {repo_id} is a name of lowvram's catalog, which plans but does not load: set "
+                f"model.name_or_path to its hub id {hub} or to a local folder")
     if hub_offline():
         return (f"model {repo_id} is not in the hub cache and HF_HUB_OFFLINE is set (download it first: "
                 f"`hf download {repo_id}`, or set model.name_or_path to a local folder)")

@@ -97,6 +97,12 @@ class Case:
     # preference pairs shorter than seq_len (made_short_pairs): the chosen's tokens (0: longer than
     # seq_len, cut there); the run is compared with the plan at the longest tokenized pair
     pair_tokens: int = 0
+    # training.objective grpo/rloo (grpo_case): the grpo section; num_generations 0 for the others
+    num_generations: int = 0
+    prompt_len: int = 0
+    completion_len: int = 0
+    steps_per_generation: int = 0
+    beta: float = 0.0
 
     def label(self) -> str:
         bits = [f"#{self.seed}", self.family, self.method]
@@ -104,7 +110,10 @@ class Case:
             bits.insert(2, f"vit{self.vision_layers}x{self.vision_hidden} {self.vision_image}px/{self.vision_patch}"
                         + (f" {self.images}img" if self.images else "")
                         + (f" xattn{self.cross_layers}" if self.cross_layers else ""))
-        if self.objective != "sft":
+        if self.num_generations:
+            bits.insert(2, f"{self.objective} G{self.num_generations} P{self.prompt_len} C{self.completion_len} "
+                        f"spg{self.steps_per_generation}" + (f" beta{self.beta:g}" if self.beta else ""))
+        elif self.objective != "sft":
             bits.insert(2, self.objective + (f" {self.loss_type}" if self.objective == "dpo" else "")
                         + (" precompute" if self.precompute_ref else "")
                         + (f" pairs{self.pair_tokens}t" if self.pair_tokens else ""))
@@ -376,6 +385,49 @@ def preference_case(seed: int, families: tuple[str, ...] = FAMILIES, kto: bool =
     return replace(base, objective=objective, loss="standard", packing=False, validation=None,
                    loss_type=rng.choice(["sigmoid", "sigmoid", "ipo", "hinge"]) if objective == "dpo" else "sigmoid",
                    precompute_ref=objective in REFERENCE_OBJECTIVES and rng.random() < 0.3)
+
+
+# the families grpo_case draws: dense, text (the generation terms count a dense MLP's no-grad
+# forward; mixtures of experts and vision towers are not drawn)
+GRPO_FAMILIES = ("llama", "qwen2", "gemma", "phi3", "mistral", "gemma3_text", "olmo2", "smollm3")
+
+
+def grpo_case(seed: int, families: tuple[str, ...] = GRPO_FAMILIES) -> Case:
+    """A random grpo/rloo recipe: random_case's model and techniques (the same seed draws the same
+    ones; no tiled MLP, DoRA, packing or hold-out), then from a stream of its own the objective,
+    num_generations, a batch of whole groups, its micro-batch and a generation batch that divides
+    it (steps_per_generation), the prompt and completion lengths and beta. Prompts are exactly
+    max_prompt_length tokens (write_data); the built-in length reward."""
+    base = random_case(seed, families)
+    rng = random.Random(f"grpo-{seed}")
+    ng = rng.choice([2, 4, 4, 8])
+    batch = ng * rng.choice([1, 2])
+    micro = min(base.micro_batch_size, batch)
+    while batch % micro:
+        micro //= 2
+    accumulation = batch // micro
+    ks = [k for k in range(1, accumulation + 1) if accumulation % k == 0 and (micro * k) % ng == 0]
+    prompt, completion = rng.choice([16, 32, 64]), rng.choice([16, 32, 64])
+    return replace(base, objective=rng.choice(["grpo", "grpo", "rloo"]), loss="standard", packing=False,
+                   validation=None, use_dora=False, tiled_mlp=False, micro_batch_size=micro,
+                   grad_accum=accumulation, num_generations=ng, steps_per_generation=rng.choice(ks),
+                   prompt_len=prompt, completion_len=completion, seq_len=prompt + completion,
+                   beta=rng.choice([0.0, 0.0, 0.04]))
+
+
+def made_generation_bound(case: Case) -> Case:
+    """The grpo case made one whose generation phase binds (bench/plan_fuzz.py --grpo-generation):
+    LoRA, one completion per micro-step, a generation batch of the whole step (16 rows), four
+    layers of wide keys and values (8 kv heads of 64), so the cache of 16 x (prompt + completion)
+    tokens outgrows the training forward's fused-head tile (4,096 x 32,768 entries at most, a
+    tiny model's largest tensor). Family, precision, optimizer, checkpointing and beta as drawn."""
+    rng = random.Random(f"grpo-generation-{case.seed}")
+    prompt, completion = rng.choice([32, 64]), rng.choice([32, 64, 96])
+    method = case.method if case.method != "full" else "lora"
+    return replace(case, method=method, hidden=512, heads=8, kv_heads=8, layers=4, intermediate=1024,
+                   micro_batch_size=1, grad_accum=16, num_generations=16, steps_per_generation=16,
+                   prompt_len=prompt, completion_len=completion, seq_len=prompt + completion,
+                   lora_targets="all-linear")
 
 
 def made_short_pairs(case: Case) -> Case:

@@ -133,6 +133,13 @@ def write_data(case: Case, path: Path, rows: int = 24) -> Path:
     rng = random.Random(case.seed)
     if case.images:
         return _write_image_data(case, path, rng, rows)
+    if case.num_generations:  # format prompt: prompts of exactly max_prompt_length tokens
+        from lowvram.testing import texts_of_exact_length
+
+        with open(path, "w") as f:
+            for text in texts_of_exact_length(case.prompt_len, rows, rng, tuple(WORDS)):
+                f.write(json.dumps({"prompt": text}) + "\n")
+        return path
     if case.objective != "sft":
         # pairs as a user's are: a chosen longer than seq_len (TRL cuts it there: every batch
         # reaches seq_len) and a shorter rejected, so the batch's rows are padded and carry their
@@ -219,7 +226,14 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
         t["data"]["images_per_row"] = case.images
     if case.tiled_mlp:
         t["techniques"]["tiled_mlp"] = case.tiled_mlp_shards or "on"
-    if case.objective != "sft":
+    if case.num_generations:
+        t["data"]["datasets"][0]["format"] = "prompt"
+        t["training"]["objective"] = case.objective
+        t["training"]["seq_len"] = case.prompt_len + case.completion_len
+        t["grpo"] = {"num_generations": case.num_generations, "max_prompt_length": case.prompt_len,
+                     "max_completion_length": case.completion_len, "beta": case.beta,
+                     "steps_per_generation": case.steps_per_generation, "rewards": ["length"]}
+    elif case.objective != "sft":
         t["data"]["datasets"][0]["format"] = "preference"
         t["training"]["objective"] = case.objective
         t["preference"] = {"precompute_ref_log_probs": case.precompute_ref}

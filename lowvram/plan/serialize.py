@@ -5,6 +5,13 @@ from __future__ import annotations
 from lowvram.plan.choose.request import Choice
 from lowvram.plan.choose.search import describe_setup, technique_words
 from lowvram.plan.memory.calibration import term_checks
+from lowvram.plan.memory.grpo import (
+    PAGE_SIZE,
+    generation_rounds,
+    generation_rows,
+    old_logprobs_computed,
+)
+from lowvram.plan.memory.memory import phase_estimates
 from lowvram.plan.memory.preference import REFERENCE_OBJECTIVES
 from lowvram.plan.memory.states import cross_attention_weight_bytes, vision_weight_bytes
 from lowvram.plan.model.models import cross_attention_numel, vision_numel
@@ -94,6 +101,8 @@ def choice_to_dict(choice: Choice) -> dict:
         **({"allocator": _allocator(c.setup, est)} if est.allocator_parts else {}),
         # training.objective dpo/orpo/simpo (lowvram.plan.memory.preference); absent for SFT
         **({"objective": req.objective, "reference_model": _reference(c.setup)} if req.objective != "sft" else {}),
+        # training.objective grpo/rloo: both phases, the engine and its share (lowvram.plan.memory.grpo)
+        **({"grpo": _grpo(choice)} if c.setup.grpo is not None else {}),
     }
 
 
@@ -126,6 +135,46 @@ def _allocator(s: RunSetup, est: MemoryEstimate) -> dict:
         "source": ("published pairs of reserved and allocated bytes (bench/gpu_truth/allocator_pairs.yaml, "
                    "fms_acceleration.yaml; constants ALLOCATOR_ONCE_FRACTION, ALLOCATOR_CHURN_FRACTION"
                    + ("_EXPANDABLE" if s.expandable_segments else "") + ")"),
+    }
+
+
+def _grpo(choice: Choice) -> dict:
+    """A grpo/rloo plan's generation side: the settings, each phase's peak and binding moment, the
+    engine's share and why, and which knob the search may lower (speed) or never does (the algorithm)."""
+    s, plan = choice.chosen.setup, choice.plan
+    g = s.grpo
+    phases = {name: {"peak_bytes": e.peak_bytes, "moment": e.peak_moment, "breakdown": dict(e.breakdown)}
+              for name, e in phase_estimates(s).items()}
+    binds = max(phases, key=lambda p: phases[p]["peak_bytes"])
+    other = min(phases, key=lambda p: phases[p]["peak_bytes"])
+    rows = generation_rows(s)
+    share = {"engine": g.engine, "bytes": plan.generation_cache_bytes}
+    if g.engine == "generate":
+        share["reason"] = (f"transformers' DynamicCache grows to {rows} rows x {g.prompt_len + g.completion_len} "
+                           "tokens during each round and is freed after it; nothing is reserved")
+    elif g.engine == "paged":
+        share["paged_num_blocks"] = plan.paged_num_blocks
+        share["reason"] = (f"{plan.paged_num_blocks} blocks of {PAGE_SIZE} tokens: every row of the generation batch "
+                           "its whole prompt + completion at once (transformers would otherwise size the cache "
+                           "from 80-90% of the free memory)")
+    else:
+        share["vllm_gpu_memory_utilization"] = plan.vllm_gpu_memory_utilization
+        share["reason"] = ("vLLM's copy of the weights and the generation batch's KV cache, plus what the "
+                           "budget leaves beside the training peak, as a fraction of the card")
+    return {
+        "num_generations": g.num_generations, "max_prompt_length": g.prompt_len,
+        "max_completion_length": g.completion_len, "generation_batch_size": rows * s.gpus,
+        "steps_per_generation": g.steps_per_generation, "generation_rounds_per_step": generation_rounds(s),
+        "num_iterations": g.num_iterations, "beta": g.beta, "generation": g.engine,
+        "old_logprobs": old_logprobs_computed(s),
+        "reference": ("none (beta 0)" if g.beta <= 0 else "the policy with its adapter disabled" if s.lora
+                      else "a frozen copy of the weights"),
+        "phases": phases, "binds": binds, "other_phase_below_bytes": phases[binds]["peak_bytes"] - phases[other]["peak_bytes"],
+        "engine_share": share,
+        "knobs": {"generation_batch_size": "speed only: the search lowers it before anything that gives up more "
+                                           "(more generation rounds per step, the same algorithm)",
+                  "num_generations": "the algorithm: the group each advantage is relative to; never lowered by "
+                                     "the search (lower it yourself if nothing fits)"},
     }
 
 

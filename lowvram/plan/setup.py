@@ -84,6 +84,21 @@ def offload_conflict_hint(optimizer: str, offload: str, spell=lambda key, value:
 
 
 @dataclass(frozen=True)
+class GrpoSetup:
+    """What a grpo/rloo step's memory depends on beyond an SFT setup (RunSetup.grpo; the terms:
+    lowvram.plan.memory.grpo). micro_batch_size counts completions (TRL's per_device_train_batch_size)."""
+
+    num_generations: int = 8
+    prompt_len: int = 512  # grpo.max_prompt_length
+    completion_len: int = 256  # grpo.max_completion_length
+    steps_per_generation: int = 1  # micro-steps per generation round (resolved)
+    num_iterations: int = 1
+    beta: float = 0.0  # > 0: reference log-probs (a frozen copy under full fine-tuning)
+    engine: str = "generate"  # generate | paged | vllm (grpo.ENGINES)
+    rloo: bool = False  # RLOOTrainer: old log-probs always computed
+
+
+@dataclass(frozen=True)
 class RunSetup:
     """One training run, as the memory model sees it."""
 
@@ -138,6 +153,8 @@ class RunSetup:
     # before training (preference.precompute_ref_log_probs), no reference copy or forward per step
     objective: str = "sft"
     precompute_ref: bool = False
+    # training.objective grpo/rloo: the generation and scoring phases (lowvram.plan.memory.grpo); None otherwise
+    grpo: GrpoSetup | None = None
 
 
 # Terms computed once per the fields they read. The search asks the same terms of hundreds of
@@ -151,7 +168,7 @@ _NOT_ACTIVATION_FIELDS = ("optimizer", "galore_rank", "offload", "gpus", "grad_a
 ACTIVATION_FIELDS = tuple(f.name for f in fields(RunSetup) if f.name not in _NOT_ACTIVATION_FIELDS)
 STATE_FIELDS = ("model", "precision", "quantization", "kbit_prepare", "lora", "lora_r", "lora_targets",
                 "lora_use_dora", "optimizer", "galore_rank", "offload", "gpus", "device", "objective",
-                "precompute_ref")
+                "precompute_ref", "grpo")
 _TERM_CACHE_SIZE = 8192  # entries per cached term; emptied when full (one process plans many models)
 
 
@@ -267,5 +284,5 @@ __all__ = [
     "ACTIVATION_FIELDS", "cached_on", "per_activations", "per_states", "PROCESS_HOST_BYTES", "STATE_FIELDS",
     "BREAKDOWN_KEYS", "cuda_overheads", "CudaOverheads", "DEEPSPEED_CPU_OPTIMIZER", "expandable_segments_set",
     "FSDP_OFFLOADS",
-    "MemoryEstimate", "offload_conflict", "offload_conflict_hint", "RunSetup", "tiled_mlp_conflict",
+    "GrpoSetup", "MemoryEstimate", "offload_conflict", "offload_conflict_hint", "RunSetup", "tiled_mlp_conflict",
 ]

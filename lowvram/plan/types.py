@@ -81,6 +81,16 @@ class Plan:
     galore_update_proj_gap: int = 200
     galore_scale: float = 0.25
     optimizer_target_modules: tuple[str, ...] = ()
+    # training.objective grpo/rloo (lowvram.plan.memory.grpo): the engine ("" otherwise), micro-steps per
+    # generation round and the global generation batch (TRL's names), the engine's share: the paged
+    # cache's blocks and bytes, or vLLM's fraction of the card
+    generation: str = ""
+    steps_per_generation: int = 0
+    generation_batch_size: int = 0
+    paged_num_blocks: int | None = None
+    paged_max_batch_tokens: int | None = None
+    generation_cache_bytes: int | None = None
+    vllm_gpu_memory_utilization: float | None = None
     reasons: dict[str, str] = field(default_factory=dict)
     predicted_peak_bytes: int | None = None
     budget_bytes: int | None = None

@@ -151,6 +151,33 @@ def context_table(recipe: Recipe | None = None, model: str | None = None, method
     return req, table(req, budgets, estimate_memory), budgets[0][1]
 
 
+def generation_table(recipe: Recipe | None = None, model: str | None = None, method: str | None = None,
+                     cards: tuple[int, ...] | None = None, **flags) -> dict:
+    """`lowvram plan --generation-table`: per card (8 to 80 GB), the largest num_generations x
+    max_completion_length over every plan (lowvram.plan.choose.grpo_table), as plain data."""
+    from lowvram.plan.choose.grpo_table import generation_table as table
+    from lowvram.plan.choose.grpo_table import generation_table_to_dict
+    from lowvram.plan.choose.limits import CARD_SIZES_GB
+    from lowvram.plan.choose.request import validate_request
+    from lowvram.plan.memory.memory import estimate_memory
+    from lowvram.plan.model.catalog import resolve_model
+
+    flags = {k: v for k, v in flags.items() if v is not None}
+    flags.setdefault("objective", (recipe.training.objective if recipe else None) or "grpo")
+    if flags["objective"] not in ("grpo", "rloo"):
+        from lowvram.errors import UsageError
+
+        raise UsageError(f"--generation-table plans grpo or rloo, not {flags['objective']}",
+                         "add --objective grpo (or rloo)")
+    fields, sources = _checked_flags(recipe, model, method, flags)
+    spec = resolve_model(model) if model is not None else recipe_model(recipe)
+    req = build_request(spec, recipe, fields, sources)
+    validate_request(req)
+    gpus = fields.get("gpus") or 1
+    budgets = [(f"{n} GB", make_budget(f"{n}GB", None, gpus, None)) for n in (cards or CARD_SIZES_GB)]
+    return generation_table_to_dict(req, table(req, budgets, estimate_memory))
+
+
 def list_models() -> list[tuple[str, str, int]]:
     from lowvram.plan.model.catalog import catalog_names, resolve_model
     from lowvram.plan.model.models import model_numel

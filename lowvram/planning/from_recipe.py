@@ -96,6 +96,8 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         "lora_targets": ("lora_targets", "--lora-targets"), "packing": ("packing", "--packing"),
         "tiled_mlp": ("tiled_mlp", "--tiled-mlp"),
         "objective": ("objective", "--objective"),
+        # grpo/rloo: the grpo section's keys (build_request gathers them into PlanRequest.grpo)
+        **{k: ("grpo." + k, "--" + k.replace("_", "-")) for k in GRPO_FLAGS},
     }
     out: dict = {}
     sources: dict = {}
@@ -132,6 +134,12 @@ def _shown(value) -> str:
     return ",".join(value) if isinstance(value, tuple) else str(value)
 
 
+def _grpo_objectives():
+    from lowvram.plan.memory.grpo import GRPO_OBJECTIVES
+
+    return GRPO_OBJECTIVES
+
+
 def build_request(model, recipe: Recipe | None = None, flags: dict | None = None,
                   flag_sources: dict | None = None):
     """PlanRequest: schema defaults, then the recipe, then the flags (flags win)."""
@@ -159,10 +167,38 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     for key, value in (flags or {}).items():
         fields[key] = value
     sources.update(flag_sources or {})
+    grpo = {k.removeprefix("grpo."): fields.pop(k) for k in list(fields) if k.startswith("grpo.")}
+    if fields.get("objective") in _grpo_objectives():  # seq_len: the training forward's prompt + completion
+        fields["grpo"] = grpo_request(recipe, fields["objective"], grpo)
+        fields["seq_len"] = fields["grpo"].prompt_len + fields["grpo"].completion_len
+    elif grpo:
+        raise LowvramError(f"--{next(iter(grpo)).replace('_', '-')} applies to objective grpo or rloo only",
+                           "add --objective grpo (or rloo), or drop it")
     # A flag fixing accumulation releases a micro-batch fixed by the recipe (and vice versa).
     if flags and "grad_accum" in flags and "micro_batch_size" not in flags:
         fields.pop("micro_batch_size", None)
     return PlanRequest(model=model, sources=sources, **fields)
+
+
+# the grpo section's keys `lowvram plan` takes as flags (--num-generations, ...), as the recipe names them
+GRPO_FLAGS = ("num_generations", "max_prompt_length", "max_completion_length", "generation_batch_size",
+              "steps_per_generation", "beta", "num_iterations", "generation", "vllm_gpu_memory_utilization")
+
+
+def grpo_request(recipe: Recipe | None, objective: str, flags: dict):
+    """The recipe's grpo section (its defaults without one), then the flags, as a GrpoRequest."""
+    from lowvram.plan.memory.grpo import GrpoRequest
+    from lowvram.recipe.grpo import GrpoSection
+
+    section = recipe.grpo if recipe is not None else GrpoSection()  # no recipe: the schema's defaults
+    values = {k: getattr(section, k) for k in GRPO_FLAGS}
+    values.update(flags)
+    for key in ("generation_batch_size", "steps_per_generation", "vllm_gpu_memory_utilization"):
+        if values.get(key) == "auto":
+            values[key] = None
+    renamed = {"max_prompt_length": "prompt_len", "max_completion_length": "completion_len", "generation": "engine"}
+    fields = {renamed.get(k, k): v for k, v in values.items()}
+    return GrpoRequest(rloo=objective == "rloo", **fields)
 
 
 def lora_fields(recipe: Recipe) -> dict:
@@ -181,7 +217,7 @@ def galore_fields(recipe: Recipe) -> dict:
 
 # what `lowvram plan --model M --set KEY=VALUE` may set without a recipe: every key the request
 # reads except the model and the data files themselves (--model names the model; a plan reads no data)
-_SETTABLE_WITHOUT_RECIPE = ("training.", "lora.", "galore.", "preference.", "techniques.", "model.dtype",
+_SETTABLE_WITHOUT_RECIPE = ("training.", "lora.", "galore.", "preference.", "grpo.", "techniques.", "model.dtype",
                             "data.packing", "data.images_per_row")
 
 
@@ -206,7 +242,8 @@ def recipe_from_sets(model: str | None, overrides: list[str] | tuple) -> Recipe:
 
     objective = [i.partition("=")[2].strip() for i in overrides if i.partition("=")[0].strip() == "training.objective"]
     # the placeholder data's format follows the objective (the schema pairs the two); never read
-    fmt = "preference" if objective and objective[-1] in PREFERENCE_OBJECTIVES else "text"
+    fmt = ("preference" if objective and objective[-1] in PREFERENCE_OBJECTIVES
+           else "prompt" if objective and objective[-1] in ("grpo", "rloo") else "text")
     text = json.dumps({"model": {"name_or_path": model},
                        "data": {"datasets": [{"path": "none.jsonl", "format": fmt}]}})  # JSON is YAML
     return parse_recipe(text, "--set", overrides)

@@ -481,9 +481,12 @@ class Recipe(_Section):
         return self._source.parent if self._source else Path.cwd()
 
     def resolve_path(self, p: str) -> Path:
-        """A path from the recipe, relative to the recipe file."""
+        """A path from the recipe, relative to the recipe file, with ``..`` and ``.`` folded away
+        (the recipe's folder is already resolved, so folding cannot cross a link of it)."""
+        import os
+
         path = Path(p).expanduser()
-        return path if path.is_absolute() else self.base_dir() / path
+        return Path(os.path.normpath(path if path.is_absolute() else self.base_dir() / path))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

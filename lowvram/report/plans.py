@@ -137,7 +137,11 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     if data["device"] != "cpu" and data.get("host_ram_source"):
         other = "; --host-ram SIZE plans for another machine" if "--host-ram" not in data["host_ram_source"] else ""
         c.print(f"host RAM: {gib(data['host_ram_bytes'])} ({data['host_ram_source']}{other})", markup=False)
-    if data.get("objective"):  # dpo/orpo/simpo: chosen + rejected in one forward (lowvram.plan.memory.preference)
+    if data.get("grpo"):  # grpo/rloo: generation, then training on the completions (lowvram.plan.memory.grpo)
+        from lowvram.report.grpo import show_grpo_phases
+
+        show_grpo_phases(c, data)
+    elif data.get("objective"):  # dpo/orpo/simpo: chosen + rejected in one forward (lowvram.plan.memory.preference)
         rows = ("each example is 1 row of seq_len (an unpaired completion)" if data["objective"] == "kto"
                 else "each pair is 2 rows of seq_len (chosen + rejected)")
         c.print(f"objective: {data['objective']}: {rows}; reference model: {data['reference_model']}", markup=False)
@@ -258,6 +262,9 @@ def show_plan(data: dict, as_json: bool = False) -> None:
                       f"{alt['relative_speed']:.2f}x")
         c.print(a)
 
+    if data.get("grpo"):
+        c.print("how far the budget goes: lowvram plan --objective grpo ... --generation-table", markup=False)
+        return
     c.print(f"under this plan: longest seq_len that fits {data['max_seq_len']:,}; largest micro-batch "
             f"at seq_len {data['seq_len']}: {data['max_micro_batch_size']}")
     if data.get("longest_seq_len_plan"):

@@ -104,3 +104,11 @@ def test_offload_none_in_a_recipe_is_the_flags_spelling_of_off(tmp_path, tiny_mo
     result = CliRunner().invoke(app, ["validate", recipe, "--set", "techniques.offload=none",
                                       "--set", "techniques.quantization=none"])
     assert result.exit_code == 0, result.output
+
+
+def test_paths_in_messages_are_normalised(tmp_path, tiny_model_dir):
+    (tmp_path / "sub").mkdir()
+    recipe = write_recipe(tmp_path, str(tiny_model_dir), data="sub/../missing.jsonl")
+    result = CliRunner().invoke(app, ["validate", recipe])
+    assert result.exit_code == 1
+    assert f"data file not found: {tmp_path / 'missing.jsonl'}" in result.stderr and "/../" not in result.stderr

@@ -198,7 +198,8 @@ def test_the_search_never_accumulates_with_a_layerwise_optimizer():
     from lowvram.plan.choose.search import candidate_setups
 
     for optimizer in (None, "galore_adamw_layerwise"):
-        setups = candidate_setups(PlanRequest(LLAMA, batch_size=8, lora=False, optimizer=optimizer), Budget(24 * GIB))
+        setups = candidate_setups(PlanRequest(LLAMA, batch_size=8, lora=False, optimizer=optimizer,
+                                              optimizer_any=True), Budget(24 * GIB))
         layerwise = [s for s in setups if s.optimizer.endswith("layerwise")]
         assert layerwise and {s.grad_accum for s in layerwise} == {1}
         assert {s.micro_batch_size for s in layerwise} == {8}
@@ -219,9 +220,12 @@ def test_galore_forms_are_searched_only_where_they_run(request_changes, budget_c
     from lowvram.plan.choose.request import Budget, PlanRequest
     from lowvram.plan.choose.search import candidate_setups
 
-    req = PlanRequest(**{"model": LLAMA, "batch_size": 1, "lora": False, **request_changes})
+    req = PlanRequest(**{"model": LLAMA, "batch_size": 1, "lora": False, "optimizer_any": True, **request_changes})
     setups = candidate_setups(req, Budget(24 * GIB, **budget_changes))
     assert {s.optimizer for s in setups if s.optimizer.startswith("galore")} == expected
+    # plain auto keeps to AdamW's family: GaLore only with optimizer any-that-fits (vocab.ANY_OPTIMIZER)
+    plain = candidate_setups(replace(req, optimizer_any=False), Budget(24 * GIB, **budget_changes))
+    assert not any(s.optimizer.startswith("galore") for s in plain)
 
 
 def test_galore_ranks_after_adamw_and_layerwise_last():
@@ -232,7 +236,8 @@ def test_galore_ranks_after_adamw_and_layerwise_last():
     from lowvram.plan.choose.choose import choose_plan
     from lowvram.plan.choose.request import Budget, PlanRequest
 
-    req = PlanRequest(resolve_model("llama-3.2-3b"), seq_len=2048, batch_size=1, lora=False, offload="none")
+    req = PlanRequest(resolve_model("llama-3.2-3b"), seq_len=2048, batch_size=1, lora=False, offload="none",
+                      optimizer_any=True)
     picks = [choose_plan(req, Budget(gb * GIB)).plan.optimizer for gb in (40, 28, 23, 17, 16, 11)]
     assert picks == ["adamw", "adamw_8bit", "adamw_in_backward", "galore_adamw_8bit", "apollo_adamw_layerwise",
                      "galore_adamw_8bit_layerwise"], picks
@@ -247,9 +252,10 @@ def test_llama_8b_full_fine_tuning_plans_on_24_gib_with_layerwise_8bit_galore():
     from lowvram.plan.choose.request import Budget, PlanRequest
 
     spec = resolve_model("llama-3.1-8b")
-    req = PlanRequest(spec, seq_len=2048, batch_size=1, lora=False, offload="none")
+    req = PlanRequest(spec, seq_len=2048, batch_size=1, lora=False, offload="none", optimizer_any=True)
     c = choose_plan(req, Budget(24 * GIB))
     assert c.fits and c.plan.optimizer == "galore_adamw_8bit_layerwise"
+    assert not choose_plan(replace(req, optimizer_any=False), Budget(24 * GIB)).fits  # AdamW's family does not fit
     # the standard loss: with the allocator's 1.5% on the weights and state it fits without chunks
     assert (c.plan.grad_accum, c.plan.gradient_checkpointing, c.plan.loss) == (1, True, "standard")
     assert c.chosen.estimate.peak_moment == "backward_start"

@@ -131,7 +131,7 @@ def test_lomo_forms_are_searched_only_where_they_run(request_changes, budget_cha
     from lowvram.plan.choose.request import Budget, PlanRequest
     from lowvram.plan.choose.search import candidate_setups
 
-    req = PlanRequest(**{"model": LLAMA, "batch_size": 4, "lora": False, **request_changes})
+    req = PlanRequest(**{"model": LLAMA, "batch_size": 4, "lora": False, "optimizer_any": True, **request_changes})
     setups = candidate_setups(req, Budget(24 * GIB, **budget_changes))
     lomo = [s for s in setups if s.optimizer in ("lomo", "adalomo")]
     assert {s.optimizer for s in lomo} == expected
@@ -148,7 +148,7 @@ def test_lomo_ranks_after_layerwise_galore_and_is_what_fits_last():
     order = [optimizer_given_up(replace(s, optimizer=o)) for o in
              ("adamw", "galore_adamw", "galore_adamw_layerwise", "adalomo", "lomo")]
     assert order == sorted(order) and len(set(order)) == 5
-    c = choose_plan(PlanRequest(LLAMA, seq_len=512, batch_size=1, lora=False, offload="none"),
+    c = choose_plan(PlanRequest(LLAMA, seq_len=512, batch_size=1, lora=False, offload="none", optimizer_any=True),
                     Budget(8 * GIB, device="cpu"))
     assert c.plan.optimizer == "lomo" and c.plan.grad_accum == 1
     assert "plain SGD" in c.plan.reasons["optimizer"]

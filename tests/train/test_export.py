@@ -179,3 +179,36 @@ def test_host_ram_too_small_refused(run_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(lowvram.hardware, "host_memory", lambda: (2**30, 100 * 2**10))
     result = cli("export", str(run_dir), "--gguf", "--out", str(tmp_path / "m.gguf"))
     assert_user_error(result, "export needs", "host RAM", "0.1 MiB available")
+
+
+@pytest.mark.slow
+def test_export_demo_smollm2(quickstart_model, tmp_path):
+    """The demo's SmolLM2-135M-Instruct (its GGUF converted as training does) as a full run, to
+    q8_0: read back and within bounds; the ChatML Modelfile."""
+    from lowvram.demo import GGUF_NAME
+    from lowvram.train.build.gguf import gguf_folder
+
+    folder, _ = gguf_folder(str(quickstart_model), GGUF_NAME)
+    run = tmp_path / "smollm2"
+    run.mkdir()
+    for p in folder.iterdir():
+        (run / p.name).symlink_to(p)
+    (run / "recipe.yaml").write_text("model: {name_or_path: x}\ndata:\n  datasets: [{path: d.jsonl, format: chat}]\n")
+    result = cli("export", str(run), "--gguf", "--quantization", "q8_0", "--json")
+    assert result.exit_code == 0, result.output
+    a = json.loads(result.output)["agreement"]
+    assert a["ok"] and a["same_tokenization"] and a["relative_diff"] < 0.06 and a["top1_agreement"] > 0.93, a
+    assert 'PARAMETER stop "<|im_end|>"' in (run / "gguf-q8_0" / "Modelfile").read_text()
+
+
+def test_out_of_bounds_fails_and_removes_the_file(run_dir, tmp_path, monkeypatch):
+    """A bound no F16 file can meet (0): the export fails with the figures and keeps no file."""
+    import lowvram.train.after.gguf_check as check
+
+    monkeypatch.setitem(check.RELATIVE_TOLERANCE, "f16", 0.0)
+    out = tmp_path / "m.gguf"
+    result = cli("export", str(run_dir), "--gguf", "--out", str(out))
+    assert_user_error(result, "does not match the model", "bound 0.00%", "the file was removed")
+    assert not out.exists() and not (tmp_path / "Modelfile").exists()
+    record = run_dir / "exports.json"
+    assert not record.exists() or not any(r["file"] == str(out) for r in json.loads(record.read_text()))

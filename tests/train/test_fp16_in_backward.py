@@ -70,7 +70,7 @@ def test_the_search_never_steps_in_the_backward_under_fp16_and_says_why():
     from lowvram.plan.choose.choose import choose_plan
     from lowvram.plan.choose.search import candidate_setups
 
-    req = PlanRequest(model=LLAMA, batch_size=1, lora=False)
+    req = PlanRequest(model=LLAMA, batch_size=1, lora=False, optimizer_any=True)  # the layerwise forms searched
     fp16 = Budget(8 * GIB, bf16=False)
     setups = candidate_setups(req, fp16)
     assert setups and all(s.precision == "fp16-mixed" for s in setups)

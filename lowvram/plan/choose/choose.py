@@ -52,6 +52,7 @@ from lowvram.plan.choose.search import (
     plan_for_setup,
 )
 from lowvram.plan.choose.suggestions import suggest_changes
+from lowvram.plan.memory.grpo import generation_fields
 from lowvram.plan.memory.memory import estimate_memory
 from lowvram.plan.types import Plan
 from lowvram.units import gib, mem
@@ -72,9 +73,13 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     lowest = cands.lowest()
     chosen = best or lowest
     fits = best is not None
-    max_seq = max_fitting_seq_len(chosen.setup, budget, estimate)
-    max_micro = max_fitting_micro_batch(chosen.setup, budget, estimate)
-    longest, largest = limits_over_plans(req, budget, estimate)
+    if req.grpo is None:
+        max_seq = max_fitting_seq_len(chosen.setup, budget, estimate)
+        max_micro = max_fitting_micro_batch(chosen.setup, budget, estimate)
+        longest, largest = limits_over_plans(req, budget, estimate)
+    else:  # grpo/rloo: the generation table answers how far the budget goes (plan/choose/grpo_table.py)
+        max_seq, max_micro = (req.seq_len, chosen.setup.micro_batch_size) if fits else (0, 0)
+        longest, largest = (0, None), (0, None)
     suggestions: tuple[str, ...] = ()
     if not fits:
         suggestions = suggest_changes(req, budget, lowest, estimate)
@@ -122,6 +127,7 @@ def _extras_notes(chosen: Candidate, cands: CandidatePool, budget: Budget) -> li
 def _to_plan(c: Candidate, req: PlanRequest, budget: Budget, reasons: dict[str, str]) -> Plan:
     return plan_for_setup(c.setup, budget.device, req.lora_alpha, req.lora_use_rslora,
                           req.galore_update_proj_gap, req.galore_scale, reasons=reasons,
+                          **generation_fields(c.setup, c.estimate, budget, req.grpo),
                           predicted_peak_bytes=c.peak_bytes, budget_bytes=budget.usable_bytes,
                           breakdown=dict(c.estimate.breakdown), host_ram_bytes=c.estimate.cpu_ram_bytes)
 

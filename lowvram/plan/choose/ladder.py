@@ -18,6 +18,7 @@ from lowvram.plan.choose.search import (
     loss_options,
     sized_loss_chunk,
 )
+from lowvram.plan.memory.grpo import grpo_setup, steps_per_generation_options
 from lowvram.plan.memory.memory import estimate_memory
 from lowvram.plan.model import moe
 from lowvram.plan.setup import RunSetup, offload_conflict
@@ -46,6 +47,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         tiled_mlp_shards=req.tiled_mlp_shards,
         objective=req.objective, precompute_ref=req.precompute_ref,
     )
+    s = _with_generation(s, req)
     s = sized_loss_chunk(s, budget, estimate)
     est = estimate(s)
     rungs = [Rung("baseline", "as asked", est.peak_bytes, 0, 1.0, fits_budget(est, budget),
@@ -59,6 +61,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
             fixed = True  # it needs checkpointing, which the user turned off
         if t is tq.TILED_MLP and req.model.is_moe:
             continue  # a dense MLP only (setup.tiled_mlp_conflict)
+        if req.grpo is not None and (t is tq.TILED_MLP or t.name == "offload"):
+            continue  # not modelled for grpo/rloo (plan/memory/grpo.py)
         if req.model.vision is not None and (t is tq.TILED_MLP or t.name == "offload"):
             continue  # not modelled with a vision tower (vision.vision_problems)
         if fixed:
@@ -71,7 +75,8 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         elif t is tq.MICRO_BATCH:
             # the smallest micro-batch the objective allows (kto: 2, preference.min_micro_batch_size)
             sizes = allowed_micro_batches(req, divisors_descending(largest_micro_batch_size(req))) or [1]
-            s = replace(s, micro_batch_size=sizes[-1], grad_accum=largest_micro_batch_size(req) // sizes[-1])
+            s = _with_generation(replace(s, micro_batch_size=sizes[-1],
+                                         grad_accum=largest_micro_batch_size(req) // sizes[-1]), req)
         else:
             settings = dict(t.settings)
             if moe.attention_problems(s.model, settings.get("attention", s.attention)):
@@ -93,6 +98,14 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
                           fits_budget(new, budget), host_ram_bytes=new.cpu_ram_bytes))
         est = new
     return tuple(rungs)
+
+
+def _with_generation(s: RunSetup, req: PlanRequest) -> RunSetup:
+    """grpo/rloo: the largest generation batch the request allows at the setup's micro-batch."""
+    if req.grpo is None:
+        return s
+    ks = steps_per_generation_options(req.grpo, s.micro_batch_size, s.grad_accum, s.gpus) or [s.grad_accum]
+    return replace(s, grpo=grpo_setup(req.grpo, ks[0]))
 
 
 __all__ = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from lowvram.plan.choose.request import PlanRequest
+from lowvram.plan.memory.grpo import GrpoRequest, grpo_setup
 from lowvram.plan.model.models import spec_from_dict
 from lowvram.plan.types import Plan
 
@@ -46,6 +47,7 @@ class Replanner:
             images_per_row=self.request.images_per_row,
             tiled_mlp=plan.tiled_mlp, tiled_mlp_shards=plan.tiled_mlp_shards,
             loss_chunk_tokens=plan.loss_chunk_tokens, objective=self.request.objective, precompute_ref=self.request.precompute_ref,
+            grpo=grpo_setup(self.request.grpo, plan.steps_per_generation) if self.request.grpo else None,
         )
         return dict(estimate_memory(setup).breakdown)
 
@@ -70,4 +72,5 @@ class Replanner:
         data = dict(data)
         model = spec_from_dict(data.pop("model"))
         data["lora_targets"] = tuple(data["lora_targets"])
+        data["grpo"] = GrpoRequest.from_dict(data.get("grpo"))
         return cls(PlanRequest(model=model, **data))

@@ -10,6 +10,7 @@ from lowvram.errors import LowvramError
 from lowvram.plan.choose.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.constants import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_BYTES
 from lowvram.plan.memory import lora_init, optimizers, preference, sharding
+from lowvram.plan.memory.grpo import GRPO_OBJECTIVES, GrpoRequest, grpo_request_problem
 from lowvram.plan.memory.images import IMAGE_HINT, image_problems
 from lowvram.plan.model import moe
 from lowvram.plan.model.models import ModelSpec
@@ -149,6 +150,9 @@ class PlanRequest:
     # objective plans 2 x micro_batch_size rows per forward, its own loss, DPO's reference
     objective: str = "sft"
     precompute_ref: bool = False
+    # training.objective grpo/rloo: the grpo section (lowvram.plan.memory.grpo); seq_len is then
+    # max_prompt_length + max_completion_length and batch_size counts completions
+    grpo: GrpoRequest | None = None
     # Where each fixed choice came from ("--optimizer", "the recipe"), for the reasons.
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -260,6 +264,11 @@ def validate_request(req: PlanRequest) -> None:
     packed = packing_problem(req.model.vision if req.model is not None else None, req.packing)
     if packed:
         raise LowvramError(packed, PACKING_HINT)
+    if (req.objective in GRPO_OBJECTIVES) != (req.grpo is not None):
+        raise LowvramError(f"objective {req.objective} {'needs' if req.grpo is None else 'takes no'} grpo settings",
+                           "plan grpo and rloo with their grpo section (training.objective grpo or rloo)")
+    if req.grpo is not None and (problem := grpo_request_problem(req.grpo, req.batch_size, req.gpus, req.offload)):
+        raise LowvramError(*problem)
     smallest = preference.min_micro_batch_size(req.objective)
     if smallest > 1 and (fixed_micro_batch_size(req) or req.batch_size // max(1, req.gpus)) < smallest:
         raise LowvramError(f"objective {req.objective} needs a micro-batch of at least {smallest} rows per GPU "

@@ -22,6 +22,12 @@ from lowvram.plan.choose.request import (
 )
 from lowvram.plan.memory import preference
 from lowvram.plan.memory.backward import CHUNK_TOKENS, MIN_CHUNK_TOKENS, chunk_resized, logits_bytes
+from lowvram.plan.memory.grpo import (
+    generation_rounds,
+    generation_rows,
+    grpo_setup,
+    steps_per_generation_options,
+)
 from lowvram.plan.memory.lora_init import is_svd_init
 from lowvram.plan.memory.optimizers import galore_targets, optimizer_problems
 from lowvram.plan.model import moe
@@ -185,8 +191,8 @@ def _vision(req: PlanRequest) -> bool:
 
 
 def _auto_offloads(req: PlanRequest, on_gpu: bool) -> list[str]:
-    if not on_gpu or _vision(req):
-        return ["none"]  # a CPU run (several processes: DDP over gloo)
+    if not on_gpu or _vision(req) or req.grpo is not None:
+        return ["none"]  # a CPU run (several processes: DDP over gloo); grpo: not modelled offloaded
     return MULTI_GPU_OFFLOADS if req.gpus > 1 else ["none", "optimizer", "full"]
 
 
@@ -217,7 +223,7 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
         # other hooks would step with scaled gradients (optimizers.scaled_gradient_problem)
         if optim in IN_BACKWARD_OPTIMIZERS and precision.startswith("fp16"):
             continue
-        out.append(RunSetup(
+        base = RunSetup(
             model=req.model, precision=precision, quantization=quant,
             lora=lora, lora_r=req.lora_r, lora_targets=req.lora_targets,
             lora_dropout=req.lora_dropout,
@@ -232,7 +238,12 @@ def candidate_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             activation_offload=act_off, packing=req.packing, images_per_row=req.images_per_row,
             tiled_mlp=tiled_mlp, tiled_mlp_shards=req.tiled_mlp_shards,
             objective=req.objective, precompute_ref=req.precompute_ref,
-        ))
+        )
+        if req.grpo is None:
+            out.append(base)
+        else:  # grpo/rloo: one setup per generation batch the request allows (plan/memory/grpo.py)
+            out += [replace(base, grpo=grpo_setup(req.grpo, k))
+                    for k in steps_per_generation_options(req.grpo, micro, per_gpu // micro, req.gpus)]
     if req.optimizer is None:  # GaLore on auto: only where it runs (a fixed one is refused with its reason)
         out = [s for s in out if s.optimizer not in FULL_ONLY_OPTIMIZERS or not optimizer_problems(s)]
     return out
@@ -324,7 +335,9 @@ def rank(c: Candidate, budget: Budget | None = None) -> tuple:
 def rank_order(setup: RunSetup, slowdown: float, budget: Budget | None = None) -> tuple:
     """:func:`rank` without the peak: known before the setup is estimated (plan/choose/pool.py)."""
     missing = bool(missing_extras(setup, budget)) if budget else False
-    return (plan_level(setup), optimizer_given_up(setup), missing, round(slowdown, 6), -setup.micro_batch_size)
+    # grpo/rloo: fewer generation rounds per optimizer step first (grpo.generation_rounds; 0 otherwise)
+    return (plan_level(setup), optimizer_given_up(setup), missing, generation_rounds(setup), round(slowdown, 6),
+            -setup.micro_batch_size)
 
 
 def describe_setup(s: RunSetup) -> str:
@@ -333,6 +346,8 @@ def describe_setup(s: RunSetup) -> str:
              ("LoRA" if s.lora else "full")]
     parts += technique_words(s)
     parts.append(f"micro-batch {s.micro_batch_size} x {s.grad_accum}")
+    if s.grpo is not None:  # the generation batch per GPU and the engine (plan/memory/grpo.py)
+        parts.append(f"generation batch {generation_rows(s) * s.gpus} ({s.grpo.engine})")
     return ", ".join(parts)
 
 

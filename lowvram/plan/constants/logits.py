@@ -55,3 +55,13 @@ SIMPO_LOGIT_BYTES = FittedConstant(
     "16.7 measured (a first count of 12 left 5 of 6 seeds up to 29% over their plan)",
     "held-out seeds 12-23, re-planned after TRL's disable_dropout: -2.7% to -0.3%; seeds 40-51: "
     "-1.4% to -0.2%")
+
+# grpo/rloo (plan/memory/grpo.py): the loss's per-token tensors over the completion
+GRPO_LOSS_TOKEN_BYTES = FittedConstant(
+    "GRPO_LOSS_TOKEN_BYTES", 48, "48 B / completion token",
+    "GRPO's and RLOO's loss beside the fused head at the start of the backward: fp32 per-token "
+    "tensors over the completion (log ratio, its exp and clamp, the two surrogate terms, their "
+    "minimum and the masked sums; TRL 1.16 GRPOTrainer._compute_loss L3020-3200)",
+    "grpo.loss_token_bytes", "counted in TRL's _compute_loss: 12 fp32 tensors of b x C",
+    "in-sample grpo/rloo runs through lowvram train (bench/plan_fuzz.py --grpo, seeds 100-111, 150-153)",
+    "held-out grpo/rloo seeds 200-217 (docs/accuracy.md)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowvram.plan.memory import dora, preference, tiled
+from lowvram.plan.memory import dora, grpo, preference, tiled
 from lowvram.plan.memory.activations import (
     activation_offloaded,
     eager_mask_bytes,
@@ -57,6 +57,8 @@ def model_states(setup: RunSetup) -> ModelStates:
     gathered, layer_grads, buckets = sharding_overhead_bytes(setup)
     if preference.is_preference(setup):  # DPO full fine-tuning: the frozen reference copy
         weights += shard(setup, preference.reference_weight_bytes(setup), 0, 0)[0]
+    if setup.grpo is not None:  # beta > 0 under full fine-tuning: the frozen reference copy; vLLM's share
+        weights += shard(setup, grpo.reference_weight_bytes(setup), 0, 0)[0] + grpo.engine_share(setup)
     return ModelStates(weights, grads, optim, host, gathered, layer_grads, buckets,
                        optimizer_step_temp_bytes(setup), model_numel(setup.model), trainable_parameters(setup),
                        gradient_bytes(setup))
@@ -113,6 +115,9 @@ def peak_floor_bytes(setup: RunSetup) -> int:
     if preference.is_preference(setup):
         core = preference.policy_setup(setup)
         logits = preference.objective_logits_bytes(setup)
+    elif setup.grpo is not None:  # grpo/rloo: the training phase's start of the backward
+        core = grpo.policy_setup(setup)
+        logits = grpo.logprob_bytes(setup)
     else:
         core = setup
         logits = logits_bytes(setup)

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan.memory import dora, images, lora_init, optimizers, preference, tiled
+from lowvram.plan.memory import dora, grpo, images, lora_init, optimizers, preference, tiled
 from lowvram.plan.memory.activations import (
     activation_offload_host_bytes,
     dtypes,
@@ -95,10 +95,12 @@ def _check(setup: RunSetup) -> None:
         problems.append("tiled_mlp_shards must be >= 1 (0: ceil(seq_len / hidden_size))")
     if setup.objective not in preference.OBJECTIVES:
         problems.append(f"objective {setup.objective!r} (known: {', '.join(preference.OBJECTIVES)})")
-    elif setup.objective in preference.RL_OBJECTIVES:  # until the GRPO terms land (issue 44, grpoplan)
-        problems.append(f"objective {setup.objective} is not planned yet (its generation phase is not modelled)")
-    elif preference.is_preference(setup) and setup.loss != "standard":
+    elif (preference.is_preference(setup) or setup.objective in grpo.GRPO_OBJECTIVES) and setup.loss != "standard":
         problems.append(f"loss {setup.loss} does not apply to objective {setup.objective}: TRL computes its own")
+    if (setup.objective in grpo.GRPO_OBJECTIVES) != (setup.grpo is not None):
+        problems.append(f"objective {setup.objective} with{'out' if setup.grpo is None else ''} the grpo settings")
+    elif setup.grpo is not None:
+        problems += grpo.grpo_problems(setup)
     if min(setup.micro_batch_size, setup.seq_len, setup.grad_accum, setup.gpus, setup.lora_r) < 1:
         problems.append("micro_batch_size, seq_len, grad_accum, gpus and lora_r must be >= 1")
     if problems:
@@ -340,16 +342,32 @@ def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> 
     return out
 
 
-def estimate_memory(setup: RunSetup) -> MemoryEstimate:
-    """Peak bytes of a steady-state step (optimizer state already allocated)."""
+def _generation_peak(setup: RunSetup, grads: int) -> tuple[Moment, int]:
+    """grpo/rloo: the highest moment of the generation phase (generate's prefill and last token,
+    the no-grad scoring forward), with the gradients alive when a round starts inside an
+    accumulation (grpo.grads_at_generation), and its bytes beside the weights and optimizer state."""
+    moments = grpo.generation_moments(setup)
+    scoring = grpo.scoring_moment(setup)
+    if scoring is not None:
+        moments.append(scoring)
+    kept = grads if grpo.grads_at_generation(setup) else 0
+    top = replace(max(moments, key=lambda m: m.bytes), gradients=kept)
+    return top, top.bytes
+
+
+def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate:
+    """Peak bytes of a steady-state step (optimizer state already allocated). ``phase``
+    (grpo/rloo): "generation" or "training" for that phase's peak alone (phase_estimates)."""
     _check(setup)
     st = model_states(setup)
     weights, grads, optim, host = st.weights, st.gradients, st.optimizer, st.host
     gathered, layer_grads, buckets = st.gathered, st.layer_gradients, st.buckets
     pref = preference.is_preference(setup)
-    core = preference.policy_setup(setup) if pref else setup  # chosen + rejected: 2b rows
+    rl = setup.grpo is not None  # grpo/rloo: the training forward of b completions (plan/memory/grpo.py)
+    core = preference.policy_setup(setup) if pref else grpo.policy_setup(setup) if rl else setup  # chosen + rejected: 2b rows
     acts = saved_activation_bytes(core)  # DoRA's saved tensors in every layer included
-    logits = preference.objective_logits_bytes(setup) if pref else logits_bytes(setup)
+    logits = (preference.objective_logits_bytes(setup) if pref else grpo.logprob_bytes(setup) if rl
+              else logits_bytes(setup))
     kept_grads = grads if setup.grad_accum > 1 else 0  # accumulation keeps grads across micro-steps
     kept_grads += buckets
     live_weights = weights + gathered  # FSDP: shards plus the units gathered for compute
@@ -376,7 +394,13 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     # activation (plan/memory/lora_init.py)
     # (its working tensors net of the adapters not yet made or still 16-bit: lora_init.init_bytes)
     init = Moment("lora_init", lora_init.init_bytes(setup)) if lora_init.is_svd_init(setup.lora_init) else None
-    if setup.lora and init is not None and weights + init.bytes > max(fb, step):
+    gen, generation = _generation_peak(setup, grads) if rl and phase != "training" else (None, 0)
+    if gen is not None and (phase == "generation" or weights + optim + generation > max(fb, step)):
+        phase, peak_moment = "generation", gen.name
+        # the generation round's cache and working tensors beside the model states (plan/memory/grpo.py)
+        parts = dict(weights=weights, gradients=gen.gradients, optimizer=optim, activations=gen.activations,
+                     logits=gen.logits)
+    elif setup.lora and init is not None and weights + init.bytes > max(fb, step):
         phase = peak_moment = init.name
         # the SVD's fp32 factors, product and residual: working copies of one weight
         parts = dict(weights=weights + init.bytes, gradients=0, optimizer=0, activations=0, logits=0)
@@ -428,6 +452,13 @@ def estimate_memory(setup: RunSetup) -> MemoryEstimate:
     )
 
 
+def phase_estimates(setup: RunSetup) -> dict[str, MemoryEstimate]:
+    """grpo/rloo: each phase's own peak (its binding moment, its breakdown); {} otherwise."""
+    if setup.grpo is None:
+        return {}
+    return {p: estimate_memory(setup, p) for p in ("generation", "training")}
+
+
 __all__ = [
-    "estimate_memory", "validate_setup",
+    "estimate_memory", "phase_estimates", "validate_setup",
 ]

@@ -152,6 +152,24 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "last hidden states and its fused log-prob head's tiles",
         "plan.preference.reference_forward_bytes; TRL 1.16 DPOTrainer._compute_loss, "
         "trl/kernels/chunked_logprob.py"),
+    "generation_prefill": (
+        "grpo/rloo: generate's prompt forward over the generation batch (micro_batch_size x "
+        "steps_per_generation rows x max_prompt_length), no grad, no autocast: the prompt's KV cache "
+        "and one layer's working tensors beside the weights, the optimizer state and, inside an "
+        "accumulation, the gradients",
+        "plan.grpo.generation_moments; TRL 1.16 GRPOTrainer._generate_single_turn, transformers "
+        "generation/utils.py, cache_utils.py DynamicLayer.update"),
+    "generation_decode": (
+        "grpo/rloo: generate's last token: the whole KV cache (rows x (prompt + completion)), the "
+        "last layer's torch.cat copy, its keys and values repeated to every head (repeat_kv) and the "
+        "sampling logits (fp32 copy, softmax); paged: the PagedAttentionCache the plan sized",
+        "plan.grpo.generation_moments, kv_cache_bytes, sampling_bytes; transformers "
+        "integrations/sdpa_attention.py use_gqa_in_sdpa, generation/utils.py _sample"),
+    "scoring_forward": (
+        "grpo/rloo: the no-grad log-prob forward of micro_batch_size rows after generation (old "
+        "log-probs when generation and optimizer steps do not line up, RLOO always; reference log-probs "
+        "where beta > 0): one layer's working tensors or the fused head's forward tiles",
+        "plan.grpo.scoring_moment; TRL 1.16 GRPOTrainer._generate_and_score_completions L2630-2740"),
 }
 
 

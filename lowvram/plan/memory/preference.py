@@ -63,7 +63,7 @@ REFERENCE_OBJECTIVES = ("dpo", "kto")
 # Online RL with generation through TRL (GRPOTrainer, RLOOTrainer): the recipe's grpo section,
 # lowvram.train.build.grpo; their memory is planned in lowvram.plan's GRPO terms.
 RL_OBJECTIVES = ("grpo", "rloo")
-OBJECTIVES = ("sft", *PREFERENCE_OBJECTIVES, *RL_OBJECTIVES)
+OBJECTIVES = ("sft", *PREFERENCE_OBJECTIVES, *RL_OBJECTIVES)  # grpo, rloo: lowvram.plan.memory.grpo
 
 # trl/kernels/chunked_logprob.py: TOKEN_CHUNK_SIZE (positions per tile) and the chunk_size the
 # fused head passes (trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE); mm_buf is always
@@ -74,7 +74,7 @@ TILE_COLUMNS = 32768
 # _forward_tile keeps z, exp(z - m) and e * z with the before-target mask (1 byte per element),
 # 3.25 fp32 tiles; _backward_tile keeps y, z, log_p, p, grad beside is_target, is_target.float()
 # and their difference: 7.25.
-_CPU_FORWARD_TILES = 3.25
+CPU_FORWARD_TILES = 3.25
 _CPU_BACKWARD_TILES = 7.25
 # Peak bytes per logit of the 2b rows in ORPO's and SimPO's loss path: TRL's own functions
 # (CPOTrainer.get_batch_logps, ORPO's cross_entropy_loss) run on fp32 logits under the live-bytes
@@ -126,7 +126,7 @@ def _positions(setup: RunSetup) -> int:
     return _rows(setup) * max(1, setup.seq_len - 1)
 
 
-def _tile_bytes(setup: RunSetup, n: int) -> tuple[int, int]:
+def tile_bytes(setup: RunSetup, n: int) -> tuple[int, int]:
     """(mm_buf, one fp32 tile of the torch fallback) for n positions (CUDA: no fallback)."""
     _, c, autocast = dtypes(setup)
     cc = 2 if autocast else c
@@ -137,22 +137,31 @@ def _tile_bytes(setup: RunSetup, n: int) -> tuple[int, int]:
 
 
 def dpo_saved_bytes(setup: RunSetup) -> int:
-    """What ChunkedLogProbFunction saves for the backward: the flattened hidden states (a copy),
-    int64 targets, fp32 log_z and entropy; plus its per-token outputs (log-probs, entropy, mean
-    logits: fp32; is_top1: bool) scattered to the batch's shape."""
+    """What ChunkedLogProbFunction saves for DPO's and KTO's rows (:func:`fused_saved_bytes`)."""
+    return fused_saved_bytes(setup, _positions(setup))
+
+
+def fused_saved_bytes(setup: RunSetup, n: int) -> int:
+    """What ChunkedLogProbFunction saves for the backward over n positions: the flattened hidden
+    states (a copy), int64 targets, fp32 log_z and entropy; plus its per-token outputs (log-probs,
+    entropy, mean logits: fp32; is_top1: bool) scattered to the batch's shape."""
     r, _, _ = dtypes(setup)
-    n = _positions(setup)
     return r * n * setup.model.hidden_size + (8 + 4 + 4) * n + (4 + 4 + 4 + 1) * n
 
 
 def dpo_logprob_bytes(setup: RunSetup) -> int:
-    """The fused head's bytes at the start of the backward (the SFT logits' place): what it saved,
-    and its backward's fp32 grad_hidden, mm_buf, the CPU fallback's tiles, and with a trainable
-    lm_head (full fine-tuning) the fp32 grad_weight (V x h) and its cast to the weight dtype."""
-    n = _positions(setup)
+    """DPO's and KTO's fused head at the start of the backward (:func:`fused_head_bytes`)."""
+    return fused_head_bytes(setup, _positions(setup))
+
+
+def fused_head_bytes(setup: RunSetup, n: int) -> int:
+    """The fused head's bytes over n positions at the start of the backward (the SFT logits'
+    place): what it saved, and its backward's fp32 grad_hidden, mm_buf, the CPU fallback's tiles,
+    and with a trainable lm_head (full fine-tuning) the fp32 grad_weight (V x h) and its cast to
+    the weight dtype."""
     h, v = setup.model.hidden_size, setup.model.vocab_size
-    mm_buf, tile = _tile_bytes(setup, n)
-    total = dpo_saved_bytes(setup) + 4 * n * h + mm_buf + int(_CPU_BACKWARD_TILES * tile)
+    mm_buf, tile = tile_bytes(setup, n)
+    total = fused_saved_bytes(setup, n) + 4 * n * h + mm_buf + int(_CPU_BACKWARD_TILES * tile)
     if not setup.lora:
         w, _ = dtype_bytes(setup)
         total += 4 * v * h + (w * v * h if w != 4 else 0)
@@ -176,8 +185,8 @@ def reference_forward_bytes(setup: RunSetup) -> int:
     r, _, _ = dtypes(setup)
     n = _positions(setup)
     t = _rows(setup) * setup.seq_len
-    mm_buf, tile = _tile_bytes(setup, n)
-    return r * t * setup.model.hidden_size + r * n * setup.model.hidden_size + mm_buf + int(_CPU_FORWARD_TILES * tile)
+    mm_buf, tile = tile_bytes(setup, n)
+    return r * t * setup.model.hidden_size + r * n * setup.model.hidden_size + mm_buf + int(CPU_FORWARD_TILES * tile)
 
 
 def full_logits_bytes(setup: RunSetup) -> int:
@@ -196,7 +205,8 @@ def objective_logits_bytes(setup: RunSetup) -> int:
 
 
 __all__ = [
-    "dpo_logprob_bytes", "dpo_saved_bytes", "full_logits_bytes", "is_preference", "objective_logits_bytes",
+    "CPU_FORWARD_TILES", "dpo_logprob_bytes", "dpo_saved_bytes", "full_logits_bytes", "fused_head_bytes",
+    "fused_saved_bytes", "tile_bytes", "is_preference", "objective_logits_bytes",
     "min_micro_batch_size", "OBJECTIVES", "RL_OBJECTIVES", "policy_setup", "PREFERENCE_OBJECTIVES", "REFERENCE_OBJECTIVES", "reference_forward_bytes",
     "reference_weight_bytes", "rows_per_example",
 ]

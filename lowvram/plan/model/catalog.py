@@ -41,6 +41,12 @@ def is_catalog_name(name: str) -> bool:
     return name.strip().lower() in _aliases()
 
 
+def catalog_hub_id(name: str) -> str | None:
+    """The hub id of a catalog name or alias (None when the name is not in the catalog)."""
+    canonical = _aliases().get(name.strip().lower())
+    return (_catalog()[canonical].get("hf_id") or None) if canonical else None
+
+
 def catalog_names() -> list[str]:
     """Canonical catalog names (aliases and hub ids resolve to these)."""
     return sorted(_catalog())

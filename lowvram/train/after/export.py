@@ -7,7 +7,9 @@ host memory anyway). Host RAM, the larger of the two phases, + the adapter:
   writing   the merged model in its dtype + the packed file (GGUFWriter holds every tensor until it
             writes them: gguf_writer.py add_tensor / write_tensors_to_file)
   checking  the merged model cast to float32 + the file read back dequantized to float32
-            (transformers' GGUF loader), i.e. 8 bytes per parameter.
+            (transformers' GGUF loader), i.e. 8 bytes per parameter, + the file's pages (the
+            reader memory-maps it and reads every tensor).
+The process itself (Python, torch, transformers: about 0.5 GB) is not counted, as for merge.
 Disk: the file (tensor bytes per GGML type, gguf.GGML_QUANT_SIZES, + the vocabulary: at most the
 size of tokenizer.json) written as ``NAME.partial`` beside it and renamed, + the Modelfile.
 """
@@ -153,11 +155,11 @@ def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path 
     tensors = sum(tensor_bytes(t.shape, t.kind) for t in planned_tensors(config, quantization))
     file_bytes = tensors + (Path(tok) / "tokenizer.json").stat().st_size + _HEADER_BYTES
     extra = adapter_bytes(p) if kind == "adapter" else 0
-    ram = max(n * DTYPE_BYTES[dtype] + file_bytes, n * 8) + extra
+    ram = max(n * DTYPE_BYTES[dtype] + file_bytes, n * 8 + file_bytes) + extra
     available = host_memory()[1]
     if ram > available:
         raise LowvramError(f"export needs {mem(ram)} of host RAM ({n:,} parameters: the model in {dtype} + the "
-                           f"{mem(file_bytes)} file while writing, 8 bytes per parameter while checking), "
+                           f"{mem(file_bytes)} file; 8 bytes per parameter + the file while checking), "
                            f"{mem(available)} available", "close other programs, or export on a machine with more RAM")
     folder = next((a for a in (out_file.parent, *out_file.parent.parents) if a.exists()), Path("/"))
     disk_free = shutil.disk_usage(folder).free
