@@ -358,3 +358,15 @@ def test_shipped_recipe_trains_two_steps(tmp_path, quickstart_model):
     r = load_recipe(GRPO_RECIPE, ["training.max_steps=2", f"training.output_dir={tmp_path / 'out'}"])
     m = run_training(r, resolve_fixed(r), TrainOptions(overwrite=True)).metrics
     assert m.steps == 2 and set(m.reward_functions) == {"correct", "brief"}
+
+
+def test_grpo_trains_through_the_cli_with_the_planners_plan(tmp_path, tiny_model_dir):
+    """`lowvram train` on a grpo recipe: planned by the GRPO terms (plan/memory/grpo.py), both phases
+    printed before the model loads, then TRL's trainer; the plan carries the generation engine."""
+    recipe = setup_run(tmp_path, tiny_model_dir)
+    result = CliRunner().invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["generation"] in ("generate", "paged") and plan["steps_per_generation"] >= 1
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["steps"] == 2 and len(m["reward_history"]) == 2 and m["predicted_peak_bytes"] > 0
