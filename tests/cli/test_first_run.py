@@ -112,3 +112,10 @@ def test_paths_in_messages_are_normalised(tmp_path, tiny_model_dir):
     result = CliRunner().invoke(app, ["validate", recipe])
     assert result.exit_code == 1
     assert f"data file not found: {tmp_path / 'missing.jsonl'}" in result.stderr and "/../" not in result.stderr
+
+
+def test_a_missing_quickstart_model_says_how_to_get_it(tmp_path):
+    recipe = write_recipe(tmp_path, "../models/SmolLM2-135M-Instruct")
+    result = CliRunner().invoke(app, ["validate", recipe])
+    assert result.exit_code == 1 and "model not found: ../models/SmolLM2-135M-Instruct" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("hint: run `make demo`")

@@ -148,11 +148,19 @@ def check_inputs(recipe: Recipe) -> None:
     if problems:
         raise LowvramError(
             f"{len(problems)} input{'s' if len(problems) != 1 else ''} of the recipe cannot be read:\n  "
-            + "\n  ".join(problems), _inputs_hint(problems))
+            + "\n  ".join(problems), _inputs_hint(problems, recipe))
 
 
-def _inputs_hint(problems: list[str]) -> str:
-    """The way out for what is wrong: a path (not found, a folder) or a file's content."""
+def _inputs_hint(problems: list[str], recipe: Recipe | None = None) -> str:
+    """The way out for what is wrong: a path (not found, a folder) or a file's content; a missing
+    model alone: the model finder's own hint (e.g. `make demo` links the quickstart model)."""
+    if recipe is not None and len(problems) == 1 and problems[0].startswith("model not found"):
+        from lowvram.train.build.model import resolve_model_location
+
+        try:
+            resolve_model_location(recipe)
+        except LowvramError as e:
+            return e.hint
     if any(p.startswith("no network") or "HF_HUB_OFFLINE is set" in p for p in problems):
         return "download the model where there is network (`hf download ORG/NAME`) and set model.name_or_path to its folder"
     content = ("the data file is empty", "not UTF-8 text", "invalid JSON", "is damaged", "is longer than")
