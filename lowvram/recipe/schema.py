@@ -452,7 +452,9 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _grpo_batch(self) -> Recipe:
-        problem = grpo_problem(self.grpo, self.training, "grpo" in self.model_fields_set, self.data.validation)
+        # written: a grpo section that says something (a resolved recipe.yaml of an sft run carries the defaults)
+        written = "grpo" in self.model_fields_set and self.grpo != GrpoSection()
+        problem = grpo_problem(self.grpo, self.training, written, self.data.validation)
         if problem:
             raise ValueError(problem)
         return self

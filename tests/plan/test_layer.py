@@ -60,4 +60,4 @@ def test_shared_expert_and_dense_view():
 
 @pytest.mark.parametrize("module", ["activations.py", "backward.py"])
 def test_terms_do_not_branch_on_model_type(module):
-    assert "model_type" not in (REPO / "lowvram" / "plan" / module).read_text()
+    assert "model_type" not in (REPO / "lowvram" / "plan" / "memory" / module).read_text()

@@ -13,11 +13,11 @@ from lowvram.plan.model.catalog import resolve_model
 from lowvram.plan.setup import RunSetup
 
 PLAN = Path(__file__).resolve().parents[2] / "lowvram" / "plan"
-MEMORY = PLAN / "memory.py"
+MEMORY = PLAN / "memory" / "memory.py"
 
 
 def test_every_moment_the_planner_builds_is_named_and_described():
-    source = MEMORY.read_text() + (PLAN / "tiled.py").read_text()  # tiled.tiled_mlp_moments
+    source = MEMORY.read_text() + (PLAN / "memory" / "tiled.py").read_text() + (PLAN / "memory" / "grpo.py").read_text()
     built = set(re.findall(r'Moment\(\s*"([a-z_]+)"', source))
     assert built == set(MOMENTS), (built ^ set(MOMENTS))
     for name, (what, source) in MOMENTS.items():
