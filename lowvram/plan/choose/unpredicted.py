@@ -66,7 +66,9 @@ def unpredicted_plan(req: PlanRequest, budget: Budget) -> Plan:
         raise LowvramError(f"optimizer {fixed.optimizer} needs the model's architecture (its target modules are "
                            "the decoder blocks' linear layers), and it cannot be read here",
                            "use a model folder with config.json or a catalog name, or techniques.optimizer: adamw")
-    (setup,) = candidate_setups(fixed, budget)
+    # one setup; grpo/rloo: one per generation batch, largest first (TRL's own default, steps per
+    # generation = the accumulation: search.steps_per_generation_options), which is the one taken
+    setup = candidate_setups(fixed, budget)[0]
     return plan_for_setup(setup, budget.device, req.lora_alpha, req.lora_use_rslora, req.galore_update_proj_gap,
                           req.galore_scale, reasons=unpredicted_reasons(setup, req, budget))
 
