@@ -96,10 +96,11 @@ def check_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase | None = None,
         except LowvramError as e:
             problems.append(e.message)
             continue
-        bad = [f"{row.where}: {msg}" for row in rows if (msg := row_problem(row.data, spec))]
+        found = [(row, row_problem(row.data, spec)) for row in rows]  # each row read once
+        bad = [f"{row.where}: {msg}" for row, msg in found if msg]
         problems += bad
         files.append(FileCheck(spec.path, spec.format, len(rows), len(bad), sampled))
-        good.append(_Rows(spec, [r for r in rows if not row_problem(r.data, spec)]))
+        good.append(_Rows(spec, [row for row, msg in found if not msg]))
     report = DataReport(tuple(files), tuple(problems), tuple(recipe.notes))
     if tokenizer is None or (problems and not recipe.data.skip_bad_rows):
         return report
