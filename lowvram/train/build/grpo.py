@@ -144,14 +144,11 @@ def grpo_config(recipe, plan, arguments: dict):
     passed explicitly from the Plan, as every other setting."""
     import warnings
 
+    from lowvram.train.build.preference import trl_config_kwargs
+
     objective = recipe.training.objective
-    if plan.loss != "standard":
-        raise LowvramError(f"loss {plan.loss} does not apply to training.objective {objective}",
-                           "TRL computes the policy loss itself; set techniques.loss: standard or auto")
+    kwargs = trl_config_kwargs(plan, objective, arguments, "policy")
     _, config_class = _classes(objective)
-    kwargs = {**arguments, "gradient_checkpointing": arguments.get("activation_checkpointing", False)}
-    kwargs.setdefault("bf16", False)
-    kwargs.setdefault("fp16", False)
     # TRL counts no input tokens of its own batches (prompt_ids/completion_ids, no input_ids)
     kwargs["include_num_input_tokens_seen"] = "no"
     with warnings.catch_warnings():

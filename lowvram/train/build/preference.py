@@ -67,19 +67,27 @@ def objective_settings(recipe) -> dict:
     return common  # orpo: beta is ORPO's lambda
 
 
+def trl_config_kwargs(plan, objective: str, arguments: dict, loss: str) -> dict:
+    """The keywords every TRL config of lowvram starts from: the SFT TrainingArguments keywords,
+    checkpointing and bf16/fp16 passed explicitly (TRL's configs default both on), and a loss other
+    than TRL's own refused (``loss``: whose loss TRL computes, for the message)."""
+    if plan.loss != "standard":
+        raise LowvramError(f"loss {plan.loss} does not apply to training.objective {objective}",
+                           f"TRL computes the {loss} loss itself; set techniques.loss: standard or auto")
+    kwargs = {**arguments, "gradient_checkpointing": arguments.get("activation_checkpointing", False)}
+    kwargs.setdefault("bf16", False)
+    kwargs.setdefault("fp16", False)
+    return kwargs
+
+
 def preference_config(recipe, plan, arguments: dict):
     """The TRL config (a TrainingArguments subclass) of ``arguments`` (the SFT TrainingArguments
     keywords, lowvram.train.build.trainer.training_arguments) plus the objective's own settings.
     TRL's configs default gradient checkpointing and bf16 on (trl/trainer/base_config.py): both
     are passed explicitly from the Plan, as every other setting."""
     objective = recipe.training.objective
-    if plan.loss != "standard":
-        raise LowvramError(f"loss {plan.loss} does not apply to training.objective {objective}",
-                           "TRL computes the preference loss itself; set techniques.loss: standard or auto")
+    kwargs = trl_config_kwargs(plan, objective, arguments, "preference")
     _, config_class = _classes(objective)
-    kwargs = {**arguments, "gradient_checkpointing": arguments.get("activation_checkpointing", False)}
-    kwargs.setdefault("bf16", False)
-    kwargs.setdefault("fp16", False)
     if objective in ("orpo", "simpo"):
         # ORPO/CPO batches hold chosen_input_ids and rejected_input_ids, no input_ids: the
         # Trainer's token count would warn at every step and count nothing
