@@ -34,7 +34,8 @@ def train(recipe: Path, run: Path) -> tuple[dict, float]:
     metrics = run / METRICS
     t0 = time.perf_counter()
     if not metrics.exists():
-        r = CliRunner().invoke(app, ["train", str(recipe), "--set", f"training.output_dir={run}", "--overwrite"])
+        r = CliRunner().invoke(app, ["train", str(recipe), "--set", f"training.output_dir={run}", "--overwrite",
+                                     "--no-track-memory"])
         if r.exit_code != 0:
             sys.exit(f"lowvram train failed ({r.exit_code}):\n{r.output[-3000:]}")
     return json.loads(metrics.read_text()), time.perf_counter() - t0
