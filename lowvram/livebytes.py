@@ -121,6 +121,27 @@ def _follow_inductor_buffers() -> None:
     guards._empty_strided_cpu = empty_strided_cpu
 
 
+def _follow_threads(tracker, base):
+    """Count what threads started inside the tracker allocate: a dispatch mode is thread-local,
+    and transformers' continuous batching (``generate_batch``, TRL's paged generation) runs its
+    forward passes in a thread of its own (generation/continuous_batching/continuous_api.py
+    ContinuousBatchingManager.start). Each new thread enters the same mode around its ``run``.
+    Returns the original ``Thread.run`` for ``__exit__`` to put back."""
+    import threading
+
+    original = threading.Thread.run
+
+    def run(thread):
+        base.__enter__(tracker)
+        try:
+            original(thread)
+        finally:
+            base.__exit__(tracker, None, None, None)
+
+    threading.Thread.run = run
+    return original
+
+
 def _make_tracker_class():
     base = _dispatch_base()
 
@@ -219,13 +240,17 @@ def _make_tracker_class():
             self._storage_resize = original
             torch.UntypedStorage.resize_ = resize_
             _follow_inductor_buffers()
+            self._thread_run = _follow_threads(self, base)
             _ACTIVE.append(self)
             return super().__enter__()
 
         def __exit__(self, *exc):
+            import threading
+
             import torch
 
             torch.UntypedStorage.resize_ = self._storage_resize
+            threading.Thread.run = self._thread_run
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
             return super().__exit__(*exc)

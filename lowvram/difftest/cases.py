@@ -103,6 +103,8 @@ class Case:
     completion_len: int = 0
     steps_per_generation: int = 0
     beta: float = 0.0
+    generation: str = "generate"  # grpo.generation: the engine (made_generation_bound draws paged)
+    head_dim: int = 0  # 0: hidden // heads (made_generation_bound's full fine-tuning: wider heads)
 
     def label(self) -> str:
         bits = [f"#{self.seed}", self.family, self.method]
@@ -112,7 +114,9 @@ class Case:
                         + (f" xattn{self.cross_layers}" if self.cross_layers else ""))
         if self.num_generations:
             bits.insert(2, f"{self.objective} G{self.num_generations} P{self.prompt_len} C{self.completion_len} "
-                        f"spg{self.steps_per_generation}" + (f" beta{self.beta:g}" if self.beta else ""))
+                        f"spg{self.steps_per_generation}" + (f" beta{self.beta:g}" if self.beta else "")
+                        + (f" {self.generation}" if self.generation != "generate" else "")
+                        + (f" hd{self.head_dim}" if self.head_dim else ""))
         elif self.objective != "sft":
             bits.insert(2, self.objective + (f" {self.loss_type}" if self.objective == "dpo" else "")
                         + (" precompute" if self.precompute_ref else "")
@@ -417,17 +421,29 @@ def grpo_case(seed: int, families: tuple[str, ...] = GRPO_FAMILIES) -> Case:
 
 def made_generation_bound(case: Case) -> Case:
     """The grpo case made one whose generation phase binds (bench/plan_fuzz.py --grpo-generation):
-    LoRA, one completion per micro-step, a generation batch of the whole step (16 rows), four
-    layers of wide keys and values (8 kv heads of 64), so the cache of 16 x (prompt + completion)
-    tokens outgrows the training forward's fused-head tile (4,096 x 32,768 entries at most, a
-    tiny model's largest tensor). Family, precision, optimizer, checkpointing and beta as drawn."""
+    one completion per micro-step and a generation batch of the whole step (16 rows of
+    num_generations 16), so the cache of 16 x (prompt + completion) tokens outgrows the training
+    forward's fused-head tile (4,096 x 32,768 entries at most, a tiny model's largest tensor).
+    LoRA and QLoRA: four layers of wide keys and values (8 kv heads of 64) on all linears. Full
+    fine-tuning, whose gradients are alive through the training phase: eight layers of 8 kv heads
+    of 64 on a hidden size of 64 (wide heads: head_dim beside hidden_size, as Gemma and Qwen3 have
+    it), so the cache outgrows the gradients (Phi-3 sets its head_dim from the hidden size: its
+    full cases become LoRA). The engine: transformers' paged (continuous batching) in a third of
+    the cases where TRL runs it without a 16-bit cast (fp32, or bf16 full fine-tuning:
+    train.build.grpo.paged_cast_problem), else generate. Family, precision, optimizer,
+    checkpointing, objective and beta as drawn."""
     rng = random.Random(f"grpo-generation-{case.seed}")
     prompt, completion = rng.choice([32, 64]), rng.choice([32, 64, 96])
-    method = case.method if case.method != "full" else "lora"
-    return replace(case, method=method, hidden=512, heads=8, kv_heads=8, layers=4, intermediate=1024,
+    more = random.Random(f"grpo-generation-engine-{case.seed}")
+    full = case.method == "full" and case.family != "phi3"
+    shape = (dict(hidden=64, heads=8, kv_heads=8, head_dim=64, layers=8, intermediate=128) if full
+             else dict(hidden=512, heads=8, kv_heads=8, layers=4, intermediate=1024))
+    paged_ok = case.precision == "fp32" or (full and case.precision == "bf16")
+    engine = "paged" if paged_ok and more.random() < 1 / 3 else "generate"
+    return replace(case, method=case.method if full or case.method == "qlora" else "lora", **shape,
                    micro_batch_size=1, grad_accum=16, num_generations=16, steps_per_generation=16,
                    prompt_len=prompt, completion_len=completion, seq_len=prompt + completion,
-                   lora_targets="all-linear")
+                   lora_targets="all-linear", generation=engine)
 
 
 def made_short_pairs(case: Case) -> Case:

@@ -19,7 +19,7 @@ def _config(case: Case, vocab: int, pad_id: int, eos_id: int, image_token_ids: d
     kw = dict(
         hidden_size=case.hidden, intermediate_size=case.intermediate, num_hidden_layers=case.layers,
         num_attention_heads=case.heads, num_key_value_heads=case.kv_heads,
-        head_dim=case.hidden // case.heads, vocab_size=vocab, max_position_embeddings=1024,
+        head_dim=case.head_dim or case.hidden // case.heads, vocab_size=vocab, max_position_embeddings=1024,
         tie_word_embeddings=case.tie, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None,
     )
     if case.family in MOE_FAMILIES:
@@ -233,6 +233,8 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
         t["grpo"] = {"num_generations": case.num_generations, "max_prompt_length": case.prompt_len,
                      "max_completion_length": case.completion_len, "beta": case.beta,
                      "steps_per_generation": case.steps_per_generation, "rewards": ["length"]}
+        if case.generation != "generate":
+            t["grpo"]["generation"] = case.generation
     elif case.objective != "sft":
         t["data"]["datasets"][0]["format"] = "preference"
         t["training"]["objective"] = case.objective

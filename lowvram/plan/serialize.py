@@ -167,7 +167,7 @@ def _grpo(choice: Choice) -> dict:
         "steps_per_generation": g.steps_per_generation, "generation_rounds_per_step": generation_rounds(s),
         "num_iterations": g.num_iterations, "beta": g.beta, "generation": g.engine,
         "old_logprobs": old_logprobs_computed(s),
-        "reference": ("none (beta 0)" if g.beta <= 0 else "the policy with its adapter disabled" if s.lora
+        "reference": ("none (beta 0)" if g.beta <= 0 else "a frozen copy of the adapter (TRL's \"ref\" adapter)" if s.lora
                       else "a frozen copy of the weights"),
         "phases": phases, "binds": binds, "other_phase_below_bytes": phases[binds]["peak_bytes"] - phases[other]["peak_bytes"],
         "engine_share": share,

@@ -63,6 +63,25 @@ def test_tracker_counts_live_bytes_and_frees():
     assert mode.peak_bytes == 8000 and mode.current_bytes == 0
 
 
+def test_tracker_counts_what_threads_started_inside_it_allocate():
+    # transformers' continuous batching (TRL's paged generation) runs its forwards in a thread of
+    # its own; a dispatch mode is thread-local, so the tracker enters each new thread too
+    import threading
+
+    from lowvram.livebytes import LiveBytes
+
+    kept = []
+    with LiveBytes() as mode:
+        t = threading.Thread(target=lambda: kept.append(torch.ones(1000)))
+        t.start()
+        t.join()
+        assert mode.current_bytes == 4000
+        kept.clear()
+        assert mode.current_bytes == 0
+    assert mode.peak_bytes == 4000
+    assert threading.Thread.run is threading.Thread.__dict__["run"]  # put back
+
+
 def test_emulated_card_raises_out_of_memory():
     from lowvram.livebytes import LiveBytes
 

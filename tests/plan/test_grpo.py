@@ -72,10 +72,14 @@ def test_generation_inside_an_accumulation_keeps_the_gradients():
     assert g_whole.breakdown["gradients"] == 0 and g_half.breakdown["gradients"] > 0
 
 
-def test_reference_is_a_copy_only_under_full_fine_tuning():
+def test_reference_is_a_copy_of_the_weights_or_of_the_adapter():
+    from lowvram.plan.memory.states import lora_parameters
+
     full = _setup(quantization="none", lora=False, grpo={"beta": 0.04})
     assert grpo.reference_weight_bytes(full) > 0
-    assert grpo.reference_weight_bytes(_setup(grpo={"beta": 0.04})) == 0  # LoRA: the adapter disabled
+    # LoRA: TRL adds a frozen "ref" adapter, a copy of the policy's (fp32), not the whole model
+    lora = _setup(grpo={"beta": 0.04})
+    assert grpo.reference_weight_bytes(lora) == 4 * lora_parameters(lora) > 0
     assert grpo.reference_weight_bytes(replace(full, grpo=replace(full.grpo, beta=0.0))) == 0
     assert estimate_memory(full).peak_bytes > estimate_memory(replace(full, grpo=replace(full.grpo, beta=0.0))).peak_bytes
 
@@ -162,3 +166,59 @@ def test_generation_table_rows_grow_with_the_card():
     assert all(r.setup is not None for r in rows)
     tokens = [r.num_generations * r.max_completion_length for r in rows]
     assert tokens[0] < tokens[1] and all(r.binds for r in rows)
+
+
+def _tiny(tmp_path, **config):
+    """A tiny local model as bench/plan_fuzz.py --grpo --grpo-generation draws it (4 layers of 8 kv
+    heads of 64, hidden 512, MLP 1024, vocabulary 2048)."""
+    base = dict(model_type="llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=8, head_dim=64, vocab_size=2048,
+                max_position_embeddings=1024, tie_word_embeddings=True)
+    base.update(config)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    return resolve_model(str(tmp_path))
+
+
+def _generation_bound(model, **kw) -> RunSetup:
+    g = GrpoSetup(num_generations=16, prompt_len=kw.pop("prompt_len", 64), completion_len=kw.pop("completion_len", 64),
+                  steps_per_generation=16, engine=kw.pop("engine", "generate"))
+    base = dict(model=model, precision="bf16", lora=True, lora_r=8, micro_batch_size=1, grad_accum=16, seq_len=128,
+                gradient_checkpointing=True, objective="grpo", device="cpu", grpo=g)
+    base.update(kw)
+    return RunSetup(**base)
+
+
+def _moment(setup: RunSetup, name: str) -> int:
+    return next(m.bytes for m in grpo.generation_moments(setup) if m.name == name)
+
+
+def test_prefill_counts_what_the_forward_holds_beside_the_layer(tmp_path):
+    # in-sample seed 150 (Gemma-3 LoRA bf16, 16 rows x 64 prompt tokens): generate added 27,803,808
+    # live bytes at its prefill's peak (the last layer's up_proj adapter), measured through
+    # lowvram train; the layer alone (25.5 MB) left out the embeddings, the layer's input and the
+    # rotary tables the model's forward holds
+    config = dict(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh", sliding_window=128,
+                  query_pre_attn_scalar=256)
+    s = _generation_bound(_tiny(tmp_path, **config))
+    measured = 27_803_808
+    assert measured <= _moment(s, "generation_prefill") <= 1.03 * measured
+
+
+def test_full_fine_tuning_generates_under_autocast(tmp_path):
+    # in-sample seed 165 (Llama full bf16-mixed, wide heads): fp32 keys, bf16 values, the bf16
+    # copies autocast caches; 43,217,168 bytes measured at the last token
+    model = _tiny(tmp_path, hidden_size=64, intermediate_size=128, num_hidden_layers=8)
+    s = _generation_bound(model, precision="bf16-mixed", lora=False, prompt_len=64, completion_len=32,
+                          gradient_checkpointing=False, seq_len=96)
+    assert grpo.kv_cache_bytes(s, 16, 96) == 8 * 16 * 8 * 64 * 96 * (4 + 2)
+    measured = 43_217_168
+    assert measured <= _moment(s, "generation_decode") <= 1.03 * measured
+
+
+def test_paged_holds_its_static_mask(tmp_path):
+    # transformers' continuous batching allocates [1, 1, max_batch_tokens, pages x 256 + max_batch_tokens]
+    # in the model's dtype (SDPA); in-sample seed 156 (SmolLM3 LoRA fp32, 16 rows x 32 + 96 tokens): 9.44 MB
+    s = _generation_bound(_tiny(tmp_path, model_type="smollm3"), precision="fp32", prompt_len=32,
+                          completion_len=96, engine="paged")
+    assert grpo.paged_max_batch_tokens(s) == 512
+    assert grpo.paged_mask_bytes(s) == 512 * (16 * 256 + 512) * 4 == 9_437_184

@@ -65,3 +65,17 @@ GRPO_LOSS_TOKEN_BYTES = FittedConstant(
     "grpo.loss_token_bytes", "counted in TRL's _compute_loss: 12 fp32 tensors of b x C",
     "in-sample grpo/rloo runs through lowvram train (bench/plan_fuzz.py --grpo, seeds 100-111, 150-153)",
     "held-out grpo/rloo seeds 200-217 (docs/accuracy.md)")
+
+# grpo/rloo's generation phase (plan/memory/nograd.py): peft's fp32 adapter path in generate's no-grad forward
+GENERATION_ADAPTER_OUT_BYTES = FittedConstant(
+    "GENERATION_ADAPTER_OUT_BYTES", 8, "8 B / adapted Linear output element",
+    "generate's no-grad forward under LoRA/QLoRA (no autocast, model in training mode): beside an adapted "
+    "Linear's base output, lora_B's fp32 output and its scaled copy (then the scaled copy and the fp32 sum); "
+    "peft 0.21 tuners/lora/layer.py Linear.forward ``result + lora_B(lora_A(dropout(x))) * scaling``, with "
+    "the fp32 input copy (_cast_input_dtype) and dropout's noise and output counted apart",
+    "grpo.generation_moments (nograd.attention_side_bytes, nograd.mlp_side_bytes)",
+    "counted in peft's code; checked with the live-bytes tracker inside generate through lowvram train "
+    "(bench/plan_fuzz.py --grpo --grpo-generation, the prefill's last MLP)",
+    "in-sample generation-bound seeds 150-153, 156, 162, 165: the generation transient -1.7% to -0.1% of the "
+    "measured (it was 5-12% under before the forward's held tensors, autocast and the paged mask were counted)",
+    "held-out generation-bound seeds 900+ (docs/accuracy.md)")

@@ -27,7 +27,8 @@ phases, each a set of named moments here (lowvram.plan.memory.moments.MOMENTS):
 - **Scoring** (``_generate_and_score_completions`` L2630-2740, under ``torch.no_grad``): the old
   log-probs where generation and optimizer steps do not line up (``gradient_accumulation_steps %
   (steps_per_generation x num_iterations) != 0``; RLOO always, rloo_trainer.py L1598-1610) and the
-  reference log-probs where beta > 0 (the adapter disabled under LoRA, ``use_adapter(model, None)``;
+  reference log-probs where beta > 0 (under LoRA a frozen copy of the adapter TRL adds as "ref",
+  ``use_adapter(model, "ref")``;
   else the frozen copy ``ref_model``, L986-1003). Each is a forward of micro_batch_size rows of
   prompt + completion through TRL's fused LM head (``_get_per_token_logps_and_entropies`` L1419-1508,
   ``batch_size = per_device_train_batch_size``): ``scoring_forward``.
@@ -52,10 +53,11 @@ import math
 from dataclasses import dataclass, replace
 
 from lowvram.plan import constants as fitted
-from lowvram.plan.memory import preference
+from lowvram.plan.memory import nograd, preference
 from lowvram.plan.memory.activations import dtypes
 from lowvram.plan.memory.moments import Moment
-from lowvram.plan.memory.states import dtype_bytes, weight_bytes
+from lowvram.plan.memory.states import dtype_bytes, lora_parameters, weight_bytes
+from lowvram.plan.model.layer import describe_layer
 from lowvram.plan.setup import GrpoSetup, RunSetup
 
 GRPO_OBJECTIVES = ("grpo", "rloo")
@@ -223,50 +225,31 @@ def logprob_bytes(setup: RunSetup) -> int:
 
 def reference_weight_bytes(setup: RunSetup) -> int:
     """beta > 0 under full fine-tuning: TRL loads a frozen copy (``create_model_from_path``,
-    grpo_trainer.py L1003), counted in the policy's dtype; LoRA disables the adapter instead."""
-    if setup.grpo.beta <= 0 or setup.lora:
+    grpo_trainer.py L1003), counted in the policy's dtype. Under LoRA/QLoRA lowvram hands TRL a
+    PeftModel, and with beta > 0 TRL adds a frozen "ref" adapter, a copy of the "default" one
+    (grpo_trainer.py L478-506, rloo_trainer.py L421: ``model.add_adapter("ref", ...)``, its
+    parameters copied), scored with ``use_adapter(model, "ref")``: the adapters once more, fp32
+    (measured: in-sample seed 151, OLMo-2 LoRA r16, 2.23 MB at the start of the run)."""
+    if setup.grpo.beta <= 0:
         return 0
+    if setup.lora:
+        return 4 * lora_parameters(setup)
     return weight_bytes(setup)
 
 
 def kv_cache_bytes(setup: RunSetup, rows: int, tokens: int) -> int:
-    """Keys and values of every layer for rows x tokens, in the weights' dtype (generate runs
-    without autocast)."""
+    """Keys and values of every layer for rows x tokens, in generate's dtypes (the weights' dtype,
+    or under a *-mixed full fine-tuning's autocast fp32 keys and 16-bit values:
+    nograd.generation_dtypes)."""
     m = setup.model
-    return 2 * m.num_layers * rows * m.num_kv_heads * m.head_dim * tokens * dtype_bytes(setup)[0]
-
-
-def _nograd_layer_bytes(setup: RunSetup, rows: int, tokens: int, cached: int) -> int:
-    """One decoder layer's working tensors in a no-grad forward of rows x tokens attending to
-    ``cached`` positions, in the weights' dtype: the residual and its norm, q and the new k/v,
-    keys and values repeated to every query head (repeat_kv, with a mask), the SDPA mask and
-    output, and the MLP's gate, up and their product (the larger of the attention and MLP sides
-    beside the residual)."""
-    m = setup.model
-    w = dtype_bytes(setup)[0]
-    t = rows * tokens
-    width = m.intermediate_size or 4 * m.hidden_size
-    residual = 2 * w * t * m.hidden_size
-    # repeat_kv copies keys and values only where heads share them (modeling_llama.repeat_kv:
-    # n_rep == 1 returns its input)
-    repeated = 2 * rows * m.num_heads * cached * m.head_dim if m.num_kv_heads < m.num_heads else 0
-    attention = w * (t * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2 + repeated) + rows * tokens * cached
-    if setup.attention == "eager":  # the scores and their fp32 softmax
-        attention += rows * m.num_heads * tokens * cached * (w + 4)
-    mlp = w * t * 3 * width
-    if setup.lora:
-        # peft's fp32 adapters (autocast_adapter_dtype) in an adapted MLP Linear: lora_B's fp32
-        # output beside the base output, and with 16-bit weights the fp32 sum they are promoted to
-        # (tuners/lora/layer.py Linear.forward: result + lora_B(lora_A(x)) * scaling); measured:
-        # in-sample grpo seeds 150-153 (generation-bound LoRA runs 1-10% over without it)
-        mlp += t * width * (8 if w < 4 else 4)
-    return residual + max(attention, mlp)
+    _, _, key, value = nograd.generation_dtypes(setup)
+    return m.num_layers * rows * m.num_kv_heads * m.head_dim * tokens * (key + value)
 
 
 def sampling_bytes(setup: RunSetup, rows: int) -> int:
     """The last position's logits (lm_head's dtype), their fp32 copy and the softmax."""
     v = setup.model.vocab_size
-    return rows * v * (dtype_bytes(setup)[0] + 4 + 4)
+    return rows * v * (nograd.generation_dtypes(setup)[1] + 4 + 4)
 
 
 def paged_cache_bytes(setup: RunSetup) -> int:
@@ -276,6 +259,26 @@ def paged_cache_bytes(setup: RunSetup) -> int:
     rows = generation_rows(setup)
     pages = rows * math.ceil((setup.grpo.prompt_len + setup.grpo.completion_len) / PAGE_SIZE) + 2
     return pages * 2 * m.num_layers * m.num_kv_heads * m.head_dim * PAGE_SIZE * dtype_bytes(setup)[0]
+
+
+def paged_max_batch_tokens(setup: RunSetup) -> int:
+    """ContinuousBatchingConfig.max_batch_tokens the plan passes: the whole generation batch's
+    prompts in one forward, as the generation_prefill moment counts them (transformers' default
+    8192 is the cap)."""
+    return min(8192, generation_rows(setup) * setup.grpo.prompt_len)
+
+
+def paged_mask_bytes(setup: RunSetup) -> int:
+    """The static attention mask continuous batching allocates once per layer type with SDPA or
+    eager attention (continuous_batching/input_outputs.py _setup_static_tensors: [1, 1,
+    max_batch_tokens, max_tokens_read + max_batch_tokens] in the model's dtype; async batching,
+    which would double it, is off whenever a mask is needed: initialization.py
+    decide_use_async_batching). Measured: in-sample seed 156, SmolLM3 LoRA fp32, 9.44 MB."""
+    if setup.attention not in ("sdpa", "eager"):
+        return 0
+    tokens = paged_max_batch_tokens(setup)
+    read = paged_num_blocks(setup) * PAGE_SIZE
+    return tokens * (read + tokens) * dtype_bytes(setup)[0] * describe_layer(setup.model).attention_types
 
 
 def paged_num_blocks(setup: RunSetup) -> int:
@@ -294,18 +297,22 @@ def generation_moments(setup: RunSetup) -> list[Moment]:
     buffers = 8 * 2 * rows * (p + c)
     if g.engine == "vllm":  # vLLM's share is held for the whole run (engine_share), not here
         return [Moment("generation_decode", buffers)]
-    if g.engine == "paged":
-        cache = paged_cache_bytes(setup)
-        prefill = Moment("generation_prefill", buffers + cache + _nograd_layer_bytes(setup, rows, p, p)
-                         + sampling_bytes(setup, rows))
-        return [prefill, Moment("generation_decode", buffers + cache + _nograd_layer_bytes(setup, rows, 1, p + c)
-                                + sampling_bytes(setup, rows))]
     m = setup.model
-    one_layer_kv = kv_cache_bytes(setup, rows, p + c) // m.num_layers
+    if g.engine == "paged":
+        # the cache and the static attention mask, allocated once for the round; the last
+        # token's attention reads one layer's keys and values of every row out of the pages
+        static = paged_cache_bytes(setup) + paged_mask_bytes(setup)
+        gathered = kv_cache_bytes(setup, rows, p + c) // m.num_layers
+        prefill = Moment("generation_prefill", buffers + static + nograd.layer_bytes(setup, rows, p, p)
+                         + sampling_bytes(setup, rows))
+        return [prefill, Moment("generation_decode", buffers + static + nograd.layer_bytes(setup, rows, 1, p + c, gathered)
+                                + sampling_bytes(setup, rows))]
+    # the last token's cat: one layer's old and new keys at once (then its values, no larger)
+    one_layer_key = rows * m.num_kv_heads * m.head_dim * (p + c) * nograd.generation_dtypes(setup)[2]
     prefill = Moment("generation_prefill", buffers + kv_cache_bytes(setup, rows, p)
-                     + _nograd_layer_bytes(setup, rows, p, p), sampling_bytes(setup, rows))
-    decode = Moment("generation_decode", buffers + kv_cache_bytes(setup, rows, p + c) + one_layer_kv // 2
-                    + _nograd_layer_bytes(setup, rows, 1, p + c), sampling_bytes(setup, rows))
+                     + nograd.layer_bytes(setup, rows, p, p), sampling_bytes(setup, rows))
+    decode = Moment("generation_decode", buffers + kv_cache_bytes(setup, rows, p + c)
+                    + nograd.layer_bytes(setup, rows, 1, p + c, one_layer_key), sampling_bytes(setup, rows))
     return [prefill, decode]
 
 
@@ -323,7 +330,7 @@ def scoring_moment(setup: RunSetup) -> Moment | None:
     mm_buf, tile = preference.tile_bytes(setup, n)
     head = 2 * r * b * s * setup.model.hidden_size + mm_buf + int(preference.CPU_FORWARD_TILES * tile)
     buffers = 8 * 2 * rows * s + 4 * 2 * rows * g.completion_len  # ids, masks; the log-probs kept
-    return Moment("scoring_forward", buffers + max(head, _nograd_layer_bytes(setup, b, s, s)))
+    return Moment("scoring_forward", buffers + max(head, nograd.layer_bytes(setup, b, s, s)))
 
 
 def engine_share(setup: RunSetup) -> int:
@@ -349,9 +356,7 @@ def generation_fields(setup: RunSetup, est, budget, req: GrpoRequest | None) -> 
            "generation_batch_size": generation_rows(setup) * setup.gpus}
     if g.engine == "paged":
         out["paged_num_blocks"] = paged_num_blocks(setup)
-        # the prefill's tokens per forward: the whole generation batch's prompts at once, as the
-        # generation_prefill moment counts them (transformers' default 8192 is the cap)
-        out["paged_max_batch_tokens"] = min(8192, generation_rows(setup) * g.prompt_len)
+        out["paged_max_batch_tokens"] = paged_max_batch_tokens(setup)
         out["generation_cache_bytes"] = paged_cache_bytes(setup)
     elif g.engine == "generate":
         out["generation_cache_bytes"] = kv_cache_bytes(setup, generation_rows(setup), g.prompt_len + g.completion_len)
@@ -368,7 +373,7 @@ def generation_fields(setup: RunSetup, est, budget, req: GrpoRequest | None) -> 
 __all__ = [
     "engine_share", "ENGINES", "generation_fields", "generation_moments", "generation_rows", "grads_at_generation", "GRPO_OBJECTIVES",
     "generation_rounds", "grpo_problems", "grpo_request_problem", "grpo_setup", "GrpoRequest", "GrpoSetup", "is_grpo", "kv_cache_bytes", "logprob_bytes", "loss_token_bytes", "old_logprobs_computed",
-    "paged_cache_bytes", "paged_num_blocks", "PAGE_SIZE", "policy_setup", "reference_weight_bytes", "resolved_engine",
+    "paged_cache_bytes", "paged_mask_bytes", "paged_max_batch_tokens", "paged_num_blocks", "PAGE_SIZE", "policy_setup", "reference_weight_bytes", "resolved_engine",
     "steps_per_generation_options",
     "sampling_bytes", "scoring_moment",
 ]
