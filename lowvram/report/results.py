@@ -15,11 +15,11 @@ def show_merge_plan(mp) -> None:
     """Printed before anything is loaded: what will be merged, where, and the memory it needs."""
     c = console(stderr=True)
     c.print(f"merge: {mp.run_dir} + base {mp.base.source} (found via {mp.base.found_via})", markup=False)
-    params = f"{mp.parameters:,} parameters" if mp.parameters is not None else "parameters unknown"
-    where = "GPU" if mp.device == "cuda" else "CPU"
-    c.print(f"needs {mem(mp.needed_bytes)} ({params} x {mp.dtype} + adapter {mem(mp.adapter_bytes)}) "
-            f"on the {where}; host RAM available {mem(mp.host_available_bytes)}"
-            + (f", GPU free {mem(mp.gpu_free_bytes)}" if mp.gpu_free_bytes is not None else ""), markup=False)
+    gpu = (f"{mem(mp.needed_bytes)} of GPU memory ({mem(mp.gpu_free_bytes or 0)} free) and "
+           if mp.device == "cuda" else "")
+    c.print(f"needs {gpu}{mem(mp.ram_bytes)} of host RAM ({mem(mp.host_available_bytes)} available) and "
+            f"{mem(mp.disk_bytes)} of disk in {mp.disk_folder} ({mem(mp.disk_free_bytes)} free); "
+            f"on the {'GPU' if mp.device == 'cuda' else 'CPU'}: {mp.counted}", markup=False)
     for note in mp.notes:
         c.print(f"note: {note}", markup=False)
 

@@ -5,8 +5,6 @@ transformers' own GGUF loader and agrees with the merged model; the Modelfile; t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -250,18 +248,6 @@ def test_modelfile_templates():
     assert 'TEMPLATE """' not in text and "neither ChatML nor Llama-3" in note and note in text
     text, _ = modelfile_text("m.gguf", CHAT_TEMPLATE, None, system="Be brief.")
     assert text.splitlines()[1] == "FROM ./m.gguf" and text.endswith('SYSTEM """Be brief."""\n')
-
-
-@pytest.fixture()
-def small_disk(tmp_path):
-    """A real 64 KiB tmpfs (root only)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_disk_too_small_refused_before_loading(run_dir, small_disk):

@@ -135,11 +135,11 @@ def _source(p: Path) -> tuple[str, str, str, str, bool, str, dict, tuple[str, ..
 
 def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path | None = None) -> ExportPlan:
     """Check the request and size it (RAM, disk) before anything is loaded; LowvramError if it cannot work."""
-    from lowvram.hardware import host_memory
     from lowvram.train.after.artifacts import (
         adapter_bytes,
         run_prompt_format,
     )
+    from lowvram.train.after.footprint import Usage, plan_footprint
     from lowvram.units import mem
 
     _refuse_quantization(quantization)
@@ -162,19 +162,15 @@ def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path 
     file_bytes = tensors + (Path(tok) / "tokenizer.json").stat().st_size + _HEADER_BYTES
     extra = adapter_bytes(p) if kind == "adapter" else 0
     ram = max(n * DTYPE_BYTES[dtype] + file_bytes, n * 8 + file_bytes) + extra
-    available = host_memory()[1]
-    if ram > available:
-        raise LowvramError(f"export needs {mem(ram)} of host RAM ({n:,} parameters: the model in {dtype} + the "
-                           f"{mem(file_bytes)} file; 8 bytes per parameter + the file while checking), "
-                           f"{mem(available)} available", "close other programs, or export on a machine with more RAM")
-    folder = next((a for a in (out_file.parent, *out_file.parent.parents) if a.exists()), Path("/"))
-    disk_free = shutil.disk_usage(folder).free
-    disk = file_bytes + 4096
-    if disk > disk_free:
-        raise LowvramError(f"export needs {mem(disk)} of disk in {folder} (the {quantization} file), "
-                           f"{mem(disk_free)} free", "free space there, or write elsewhere with --out PATH.gguf")
+    # on the CPU: GGUFWriter holds every packed tensor in host memory, so the GPU would save nothing
+    fp = plan_footprint("export", None, Usage(0, ram, f"{n:,} parameters: the model in {dtype} + the "
+                                                      f"{mem(file_bytes)} file; 8 bytes per parameter + the file while checking"),
+                        file_bytes + 4096, out_file.parent, f"the {quantization} file",
+                        ram_hint="close other programs, or export on a machine with more RAM",
+                        disk_hint="free space there, or write elsewhere with --out PATH.gguf")
     return ExportPlan(str(p), kind, source, tok, trust, dtype, quantization, str(out_file), str(modelfile), n,
-                      file_bytes, ram, available, disk, disk_free, run_prompt_format(p), notes)
+                      file_bytes, fp.ram_bytes, fp.ram_available_bytes, fp.disk_bytes, fp.disk_free_bytes,
+                      run_prompt_format(p), notes)
 
 
 # --------------------------------------------------------------------------------------------

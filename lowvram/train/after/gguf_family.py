@@ -186,19 +186,3 @@ def gguf_names(family: Family, config: dict, hf_shapes: dict[str, tuple[int, ...
             raise LowvramError(f"the GGUF writer has no name for the tensor {hf_name}", _CONVERT_HINT)
         out[hf_name] = new
     return out
-
-
-def meta_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], int]:
-    """Every tensor of the model config.json describes, with its shape, and its parameter count
-    (a tied embedding once): the model built on the meta device (no memory, no weights)."""
-    import contextlib
-    import io
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(**config)
-    with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return ({k: tuple(v.shape) for k, v in model.state_dict().items()},
-            sum(p.numel() for p in model.parameters()))

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lowvram.train.after.footprint import model_shapes
 from lowvram.train.after.gguf_family import (
     converted,
     family_of,
     gguf_names,
-    meta_shapes,
     write_metadata,
 )
 from lowvram.train.after.gguf_vocab import write_vocab
@@ -54,7 +54,7 @@ def planned_tensors(config: dict, quantization: str) -> tuple[list[TensorPlan], 
     (the model built on the meta device, no weights), for the plan. LowvramError for a family or
     tensor the writer cannot write."""
     family = family_of(config)
-    shapes, parameters = meta_shapes(config)
+    shapes, parameters = model_shapes(config)
     return [TensorPlan(new, shapes[hf], tensor_kind(new, shapes[hf], quantization))
             for hf, new in gguf_names(family, config, shapes).items()], parameters
 
