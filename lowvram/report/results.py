@@ -53,7 +53,7 @@ def stream_text(chunks) -> None:
     write_stream("\n")
 
 
-_STATUS_STYLE = {"finished": "green", "interrupted": "yellow", "failed": "red"}
+_STATUS_STYLE = {"finished": "green", "interrupted": "yellow", "failed": "red", "diverged": "red", "stopped": "red"}
 
 
 def show_runs(runs, folder, as_json: bool = False) -> None:
@@ -184,12 +184,18 @@ def show_run(r, as_json: bool = False) -> None:
     if r.eval_history:
         c.print("eval loss: " + ", ".join(f"step {s} {v:.3f}" for s, v in r.eval_history), markup=False)
     c.print(f"checkpoints: {', '.join(r.checkpoints) or 'none'}", markup=False)
-    if r.status == "interrupted":
+    if r.status in ("diverged", "stopped") and r.stop:
+        at = f" at step {r.stop['step']}" if r.stop.get("step") is not None else ""
+        c.print(f"stopped by lowvram{at}: {r.stop.get('message', '')}", markup=False)
+        if r.stop.get("hint"):
+            c.print(f"hint: {r.stop['hint']}", markup=False)
+    if r.status in ("interrupted", "stopped"):  # stopped: its cause mended (e.g. the reward code), it goes on
         from lowvram.past_runs import resume_command
 
         # The run's other --set flags are in its recipe.yaml; output_dir is the one that locates it.
         here = f"training.output_dir={Path(r.path).resolve()}"
-        c.print(f"resume with: {resume_command(r.recipe_path or 'RECIPE', [here])}", markup=False)
+        lead = "resume with" if r.status == "interrupted" else "once mended, resume with"
+        c.print(f"{lead}: {resume_command(r.recipe_path or 'RECIPE', [here])}", markup=False)
     if r.files:
         c.print(f"files: {', '.join(r.files)}", markup=False)
     from lowvram.report.exports import export_rows
