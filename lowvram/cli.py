@@ -14,10 +14,11 @@ from typing import Annotated
 
 import typer
 
-from lowvram import vocab
+from lowvram import cliparams, vocab
 from lowvram.errors import EXIT_USAGE, LowvramError
 from lowvram.report.console import print_error
 
+cliparams.install()  # Typer builds an option's pydantic adapter only for a value that needs one
 app = typer.Typer(
     name="lowvram",
     help="Fine-tune LLMs on the GPU you have: plan peak memory, pick memory techniques, train.",
