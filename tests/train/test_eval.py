@@ -248,3 +248,24 @@ def test_refused_when_memory_is_short(run_dir, monkeypatch):
 
 def test_not_a_run(tmp_path):
     assert_user_error(cli("eval", str(tmp_path)), "not a lowvram run")
+
+
+def test_docs_eval_commands(run_dir, tmp_path, monkeypatch):
+    """docs/eval.md's commands, run as written on a copy of the run at runs/quickstart."""
+    import re
+    import shlex
+    import shutil
+
+    text = (REPO / "docs" / "eval.md").read_text()
+    cmds = [line.split("  #", 1)[0].strip() for block in re.findall(r"```text\n(.*?)```", text, re.S)
+            for line in block.splitlines() if line.startswith("lowvram ")]
+    assert len(cmds) == 3 and all(c.split()[1] == "eval" for c in cmds), cmds
+    shutil.copytree(run_dir, tmp_path / "runs" / "quickstart")
+    shutil.copytree(REPO / "tests" / "data" / "lmeval", tmp_path / "tests" / "data" / "lmeval")
+    monkeypatch.chdir(tmp_path)
+    for cmd in cmds:
+        if "--tasks" in cmd and not HAS_LM_EVAL:
+            continue
+        result = cli(*shlex.split(cmd)[1:], "--max-new-tokens", "4")
+        assert result.exit_code == 0, (cmd, result.output)
+    assert len(json.loads((tmp_path / "runs" / "quickstart" / "evals.json").read_text())) >= 2
