@@ -15,10 +15,10 @@ def show_eval_plan(plan) -> None:
     c.print(f"eval: {what} against its base {plan.base_source}", markup=False)
     c.print(f"data: {plan.data}: {plan.rows} rows, {plan.tokens:,} trained tokens; {plan.answers} answered "
             f"by greedy generation" + (f"; lm-eval tasks: {', '.join(plan.tasks)}" if plan.tasks else ""), markup=False)
-    needs = (f"needs {mem(plan.needed_bytes)} (weights {mem(plan.weights_bytes)} + logits {mem(plan.logits_bytes)})"
-             if plan.needed_bytes is not None else "memory not checked")
+    context = " + the CUDA context" if plan.device == "cuda" else ""
     where = "GPU" if plan.device == "cuda" else "CPU"
-    c.print(f"{needs}; on the {where} ({mem(plan.available_bytes)} available)", markup=False)
+    c.print(f"needs {mem(plan.needed_bytes)} (weights {mem(plan.weights_bytes)} + logits {mem(plan.logits_bytes)}{context}); "
+            f"on the {where} ({mem(plan.available_bytes)} available)", markup=False)
     for note in plan.notes:
         c.print(f"note: {note}", markup=False)
 

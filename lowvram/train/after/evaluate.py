@@ -11,8 +11,9 @@ run's base is the same loaded model with its adapter disabled (peft's ``disable_
 run's base is loaded from the recipe's model after the trained one is freed. Memory is planned
 before anything loads: the weights (as generate counts them) + the float32 logits of the longest
 row and their log-softmax (transformers' ForCausalLMLoss upcasts the logits; our loss here does
-the same), on the GPU when that fits its free memory, else on the CPU when the host RAM holds it,
-else refused with the figures. The results are appended to the run's ``evals.json``.
+the same) and, on the GPU, the CUDA context; on the GPU when that fits its free memory, else on the
+CPU when the host RAM holds it (footprint.plan_footprint, as merge and export choose), else refused
+with the figures. The results are appended to the run's ``evals.json``.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ from lowvram.train.after.artifacts import (
     find_base_model,
     merge_dtype,
     read_adapter_run,
+    run_prompt_format,
     run_trusts_code,
     trained_size,
 )
 from lowvram.train.data.heldout import EvalSet
-from lowvram.units import mem
 
 DEFAULT_ANSWERS = 32  # held-out rows answered by generation (the loss reads every row)
 MAX_NEW_TOKENS = 256
-LOGIT_COPIES = 2  # float32 logits + their log-softmax in the cross-entropy
+LOGIT_COPIES = 2
+ALPACA_STOP = "\n### "  # float32 logits + their log-softmax in the cross-entropy
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,11 @@ class EvalPlan:
     max_new_tokens: int
     tasks: tuple[str, ...]
     task_dir: str | None
+    prompt_format: str | None  # the run's (artifacts.run_prompt_format): alpaca answers stop at the next "### "
     device: str  # cuda | cpu
-    weights_bytes: int | None
+    weights_bytes: int
     logits_bytes: int
-    needed_bytes: int | None
+    needed_bytes: int  # on the device chosen (on the GPU: with the CUDA context)
     available_bytes: int
     notes: tuple[str, ...] = ()
     eval_set: EvalSet | None = field(default=None, repr=False, compare=False)
@@ -124,7 +127,6 @@ def run_recipe(root: Path):
 def plan_eval(run_dir: str | Path, data: str | Path | None = None, tasks: tuple[str, ...] = (),
               task_dir: str | Path | None = None, answers: int = DEFAULT_ANSWERS,
               max_new_tokens: int = MAX_NEW_TOKENS, cpu: bool = False) -> EvalPlan:
-    from lowvram.hardware import detect_hardware
     from lowvram.train.after.artifacts import load_run_tokenizer
     from lowvram.train.build.model import quiet_libraries
     from lowvram.train.data.heldout import file_set, held_out_set
@@ -162,12 +164,14 @@ def plan_eval(run_dir: str | Path, data: str | Path | None = None, tasks: tuple[
     logits = max(len(r.input_ids) for r in eval_set.rows) * _vocab(base.source, tokenizer) * 4 * LOGIT_COPIES
     needed = weights.needed_bytes + logits if weights.needed_bytes is not None else None
     scored = [r for r in eval_set.rows if r.prompt_ids is not None and r.answer is not None]
-    device, available, notes = _choose_device(needed, weights, cpu, detect_hardware(gpus=1))
+    fp = _choose_device(needed, weights, base.source, cpu)
+    device, notes = fp.device, fp.notes
+    available = fp.gpu_free_bytes if device == "cuda" else fp.ram_available_bytes
     if kind == "full":
         notes = (*notes, "the base is loaded after the trained model is freed (one at a time)")
     return EvalPlan(str(p), kind, base.source, eval_set.source, len(eval_set.rows), _trained_tokens(eval_set),
                     min(answers, len(scored)), max_new_tokens, tuple(tasks), str(task_dir) if task_dir else None,
-                    device, weights.needed_bytes, logits, needed, available, notes, eval_set)
+                    run_prompt_format(p), device, weights.needed_bytes, logits, fp.gpu_bytes or fp.ram_bytes, available, notes, eval_set)
 
 
 def _adapter_size(base: BaseModel, recipe: dict, plan: dict, folder: Path) -> LoadSize:
@@ -198,26 +202,21 @@ def _trained_tokens(eval_set: EvalSet) -> int:
     return sum(sum(lab != IGNORE_INDEX for lab in r.labels[1:]) for r in eval_set.rows)
 
 
-def _choose_device(needed: int | None, weights: LoadSize, cpu: bool, hw) -> tuple[str, int, tuple[str, ...]]:
-    """The GPU when the weights and the logits fit its free memory, else the CPU when the host RAM
-    holds them; refused with the figures when neither does."""
-    notes: list[str] = []
+def _choose_device(needed: int | None, weights: LoadSize, source: str, cpu: bool):
+    """The GPU when the weights, the logits and the CUDA context fit its free memory, else the CPU
+    when the host RAM holds them (footprint.plan_footprint, merge's and export's choice); refused
+    with the figures when neither does, or when the model cannot be counted (never a guess)."""
+    from lowvram.plan.setup import cuda_overheads
+    from lowvram.train.after.footprint import Usage, plan_footprint
+
     if needed is None:
-        notes.append("the model's architecture is not known to the planner: its memory is not checked")
-    gpu = hw.devices[0] if hw.kind == "cuda" and hw.devices else None
-    if gpu is not None and not cpu:
-        free = gpu.free_bytes or 0
-        if needed is None or needed <= free:
-            return "cuda", free, tuple(notes)
-        notes.append(f"{gpu.name} has {mem(free)} free, {mem(needed)} needed: evaluating on the CPU")
-    ram = hw.host_available_bytes
-    if needed is not None and needed > ram:
-        where = f" or on {gpu.name} ({mem(gpu.free_bytes or 0)} free)" if gpu is not None else ""
-        raise LowvramError(
-            f"eval needs {mem(needed)} ({weights.counted} + the logits of the longest row), "
-            f"{mem(ram)} of host RAM available{where}",
-            "evaluate on shorter rows (--data FILE), close other programs, or use a machine with more memory")
-    return "cpu", ram, tuple(notes)
+        raise LowvramError(f"cannot count the parameters of {source}: the evaluation's memory cannot be planned",
+                           "eval needs the base's config.json in a folder lowvram can read (transformers' own model types)")
+    counted = f"{weights.counted} + the float32 logits of the longest row and their log-softmax"
+    on_gpu = Usage(needed + cuda_overheads().context_bytes, 0, counted + " + the CUDA context")
+    return plan_footprint("eval", on_gpu, Usage(0, needed, counted), 0, Path.cwd(), "nothing written but evals.json",
+                          "cpu" if cpu else "auto",
+                          ram_hint="evaluate shorter rows (--data FILE), close other programs, or use a machine with more memory")
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,6 +309,7 @@ def answer_scores(model, tokenizer, rows, plan: EvalPlan):
         return None, None, ()
     longest = max(len(tokenizer(r.answer, add_special_tokens=False)["input_ids"]) for r in scored)
     budget = min(plan.max_new_tokens, longest + 32)
+    stop = {"stop_strings": [ALPACA_STOP], "tokenizer": tokenizer} if plan.prompt_format == "alpaca" else {}
     eos = _stop_ids(model, tokenizer)
     exact = contains = 0
     samples = []
@@ -317,9 +317,11 @@ def answer_scores(model, tokenizer, rows, plan: EvalPlan):
         for r in scored:
             ids = torch.tensor([r.prompt_ids], device=model.device)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
-                                 do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, **stop)
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-            text = text.split("\n### ", 1)[0].strip()  # an Alpaca-trained model may go on with the next section
+            if stop:  # a model prompted with the Alpaca template may go on with the next section (as in generate)
+                text = text.split(ALPACA_STOP, 1)[0]
+            text = text.strip()
             s = score(text, r.answer)
             exact += s.exact
             contains += s.contains
