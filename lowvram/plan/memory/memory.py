@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan.memory import dora, grpo, images, lora_init, optimizers, preference, tiled
+from lowvram.plan.memory import cross_attention, dora, grpo, images, lora_init, optimizers, preference, tiled
 from lowvram.plan.memory.activations import (
     activation_offload_host_bytes,
     dtypes,
@@ -74,6 +74,8 @@ def _check(setup: RunSetup) -> None:
     problems += [p for p in (quantization_conflict(setup.quantization, setup.lora),
                              activation_offload_conflict(setup.activation_offload, setup.gradient_checkpointing),
                              tiled_mlp_conflict(setup.tiled_mlp, setup.model.is_moe)) if p]
+    if cross_attention.is_active(setup) and setup.attention == "eager":
+        problems.append("attention eager with Llama-3.2-Vision images (not modelled: plan/memory/images.py)")
     if setup.loss == "fused" and setup.device != "cuda":
         problems.append("loss fused needs CUDA (Liger Kernel's Triton kernels); use chunked")
     problems += moe.moe_problems(setup.model, setup.lora, setup.lora_r, setup.lora_targets,
@@ -265,6 +267,13 @@ def _with_images(setup: RunSetup, moment: Moment) -> Moment:
     w = dtype_bytes(setup)[0]  # the tower's weights: its residual stream and layer norms
     lin = 2 if autocast else w  # its Linear outputs
     kept = images.pixel_bytes(setup) + images.scattered_embedding_bytes(setup, r)
+    if setup.cross_layers:  # Llama-3.2-Vision: the tiles reach the text through cross-attention
+        kept += cross_attention.kept_bytes(setup, w, lin) + cross_attention.cross_params_left_bytes(setup, w)
+        forward = Moment("vision_encoder_forward", kept + images.text_embedding_bytes(setup, r)
+                         + cross_attention.tower_forward_bytes(setup, w, lin))
+        saved = cross_attention.saved_extra_bytes(setup, w, autocast)
+        moment = replace(moment, activations=moment.activations + kept + saved)
+        return max((moment, forward), key=lambda m: m.bytes)
     forward = Moment("vision_encoder_forward", kept + images.encoder_forward_bytes(setup, w, lin, r))
     moment = replace(moment, activations=moment.activations + kept)
     return max((moment, forward), key=lambda m: m.bytes)
@@ -359,6 +368,7 @@ def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate
     """Peak bytes of a steady-state step (optimizer state already allocated). ``phase``
     (grpo/rloo): "generation" or "training" for that phase's peak alone (phase_estimates)."""
     _check(setup)
+    setup = cross_attention.active_setup(setup)  # Llama-3.2-Vision with images: its cross layers train
     st = model_states(setup)
     weights, grads, optim, host = st.weights, st.gradients, st.optimizer, st.host
     gathered, layer_grads, buckets = st.gathered, st.layer_gradients, st.buckets
