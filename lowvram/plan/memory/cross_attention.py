@@ -71,17 +71,33 @@ def cross_params_left_bytes(setup: RunSetup, w: int) -> int:
     return setup.cross_layers * (2 * setup.model.head_dim + 2) * w
 
 
-def kept_bytes(setup: RunSetup, res: int, lin: int) -> int:
-    """Alive through the forward and backward beside the decoder layers' activations: the
-    collator's int64 cross_attention_mask (b x s x images x T) of this batch and the next
-    (images.BATCHES_ALIVE), cross_attention_states (b x V x h_text, the projector's output dtype
-    ``lin``) and the prepared b x 1 x s x V mask and b x s row mask (the model's dtype ``res``)."""
+def step_kept_bytes(setup: RunSetup, w: int) -> int:
+    """Alive through the whole step: the collator's int64 cross_attention_mask (b x s x images x
+    T) of this batch and of the next (images.BATCHES_ALIVE), and cross_params_left_bytes."""
     from lowvram.plan.memory.images import BATCHES_ALIVE
 
-    b, s, v = setup.micro_batch_size, setup.seq_len, setup.model.vision
-    collated = BATCHES_ALIVE * 8 * b * s * setup.images_per_row * v.max_num_tiles
-    tokens = vision_tokens(setup)
-    return collated + b * tokens * setup.model.hidden_size * lin + b * s * (tokens + 1) * res
+    v = setup.model.vision
+    collated = BATCHES_ALIVE * 8 * setup.micro_batch_size * setup.seq_len * setup.images_per_row * v.max_num_tiles
+    return collated + cross_params_left_bytes(setup, w)
+
+
+def late_bytes(setup: RunSetup, w: int, autocast: bool) -> tuple[int, int]:
+    """(alive until the backward has passed the cross-attention layers, the recomputed cross
+    layer's extra): cross_attention_states (b x V x h_text, the projector's output: 16-bit under
+    autocast), the prepared b x 1 x s x V mask and b x s row mask (the model's dtype ``w``), and
+    without checkpointing every cross layer's extra saved tensors (cross_layer_extra_bytes); with
+    it one layer's, in its recompute. The first decoder layers run before the first cross layer
+    (Llama-3.2-Vision's at index 3), so their backward, the last, sees none of it: memory's
+    first-layer moments leave it out."""
+    if not setup.cross_layers:
+        return 0, 0
+    b, s, tokens = setup.micro_batch_size, setup.seq_len, vision_tokens(setup)
+    lin = 2 if autocast else w
+    states = b * tokens * setup.model.hidden_size * lin + b * s * (tokens + 1) * w
+    extra = cross_layer_extra_bytes(setup, w, autocast)
+    if setup.gradient_checkpointing:
+        return states, extra
+    return states + setup.cross_layers * extra, 0
 
 
 def cross_layer_extra_bytes(setup: RunSetup, res: int, autocast: bool) -> int:
@@ -106,14 +122,6 @@ def cross_layer_extra_bytes(setup: RunSetup, res: int, autocast: bool) -> int:
     else:
         per_vision += kv * res
     return int(text + b * vision_tokens(setup) * per_vision)
-
-
-def saved_extra_bytes(setup: RunSetup, res: int, autocast: bool) -> int:
-    """The cross layers' extra saved tensors in the forward-backward: every layer's without
-    gradient checkpointing; with it one layer's (recomputed in the backward, the others keep
-    their input as every checkpointed layer does)."""
-    layers = 1 if setup.gradient_checkpointing else setup.cross_layers
-    return layers * cross_layer_extra_bytes(setup, res, autocast)
 
 
 def tower_forward_bytes(setup: RunSetup, res: int, lin: int) -> int:

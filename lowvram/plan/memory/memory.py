@@ -133,6 +133,11 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     Measured on CPU (bench/plan_accuracy.py, bench/multi_process_accuracy.py, tests).
     """
     spec = setup.model
+    # Llama-3.2-Vision with images (plan/memory/cross_attention.py): alive until the backward has
+    # passed its cross layers, so in every moment but the first decoder layer's
+    late, cross_rec = (cross_attention.late_bytes(setup, dtype_bytes(setup)[0], dtypes(setup)[2])
+                       if setup.cross_layers else (0, 0))
+    first_acts, acts = acts, acts + late
     total = model_states(setup).all_gradients
     # This process's share of each gradient (DDP all, FSDP 1/N, offloaded none); with
     # accumulation every gradient exists already (counted as kept gradients).
@@ -161,7 +166,8 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                                                     2 if autocast else c, dtype_bytes(setup)[0])
         sink_experts = moe.sink_experts_backward_bytes(spec, t, dtype_bytes(setup)[0], setup.lora)
     if setup.gradient_checkpointing:
-        checkpoints, one_layer = checkpoint_bytes(setup, acts)
+        checkpoints, one_layer = checkpoint_bytes(setup, first_acts)
+        checkpoints += late
         # gradients made when the backward reaches the last decoder layer, and the first
         last_grads = layer_grads + int(share * head_g)
         first_grads = late_layer_grads + int(share * late_g)
@@ -169,7 +175,7 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # (recomputed_mask_bytes: a full-attention layer between sliding ones makes none)
         mask_last, mask_first = recomputed_mask_bytes(setup, last=True), recomputed_mask_bytes(setup, last=False)
         rec = tiled.recompute_bytes(setup) - mask_last + dora.saved_layer_bytes(setup) + dora.recompute_backward_bytes(setup)
-        candidates += [Moment("last_layer_recompute", checkpoints + rec + mask_last, 0, last_grads),
+        candidates += [Moment("last_layer_recompute", checkpoints + rec + cross_rec + mask_last, 0, last_grads),
                        Moment("first_layer_recompute", one_layer + rec + mask_first, 0, first_grads, not_gathered)]
         if dora.dora_on(setup):  # an adapted Linear's magnitude backward in the recompute (plan/memory/dora.py)
             mag = tiled.layer_activation_bytes(setup) + hidden_grads + dora.magnitude_backward_bytes(setup)
@@ -268,11 +274,10 @@ def _with_images(setup: RunSetup, moment: Moment) -> Moment:
     lin = 2 if autocast else w  # its Linear outputs
     kept = images.pixel_bytes(setup) + images.scattered_embedding_bytes(setup, r)
     if setup.cross_layers:  # Llama-3.2-Vision: the tiles reach the text through cross-attention
-        kept += cross_attention.kept_bytes(setup, w, lin) + cross_attention.cross_params_left_bytes(setup, w)
+        kept += cross_attention.step_kept_bytes(setup, w)  # its late terms: _forward_backward_peak
         forward = Moment("vision_encoder_forward", kept + images.text_embedding_bytes(setup, r)
                          + cross_attention.tower_forward_bytes(setup, w, lin))
-        saved = cross_attention.saved_extra_bytes(setup, w, autocast)
-        moment = replace(moment, activations=moment.activations + kept + saved)
+        moment = replace(moment, activations=moment.activations + kept)
         return max((moment, forward), key=lambda m: m.bytes)
     forward = Moment("vision_encoder_forward", kept + images.encoder_forward_bytes(setup, w, lin, r))
     moment = replace(moment, activations=moment.activations + kept)
