@@ -61,8 +61,10 @@ def main() -> None:
     print("hidden kv_heads mode      text-token bytes per hidden element (cross - self)   vision-token bytes")
     for hidden, kv_heads in ((64, 2), (128, 4), (128, 1), (64, 4)):
         for dtype, autocast in (("fp32", False), ("bf16", False), ("fp32", True)):
-            def at(text, vision, cross):
-                return saved_bytes("sdpa", dtype, autocast, text, vision, cross, kv_heads, hidden)
+            args = ("sdpa", dtype, autocast)
+
+            def at(text, vision, cross, args=args, kv_heads=kv_heads, hidden=hidden):
+                return saved_bytes(*args, text, vision, cross, kv_heads, hidden)
 
             c1, c2, c3 = at(40, 24, True), at(80, 24, True), at(40, 48, True)
             s1, s2 = at(40, 24, False), at(80, 24, False)

@@ -187,7 +187,7 @@ def test_images_train_the_cross_attention_layers_and_are_planned():
     text = RunSetup(spec, lora=True, lora_r=4, device="cpu", precision="fp32", seq_len=64)
     images = replace(text, images_per_row=1)
     active = cross_attention.active_setup(images)
-    assert (active.model.num_layers, active.cross_layers, active.model.cross_attention_layers) == (5, 2, ())
+    assert (active.model.num_layers, active.cross_layers, active.model.cross_attention_layers) == (5, (1, 3), ())
     assert lora_parameters(active) == lora_parameters(text) * 5 // 3
     assert cross_attention.vision_tokens(active) == 4 * (16 + 1)  # 4 tiles of 32 px in 8 px patches + CLS
     assert estimate_memory(images).peak_bytes > estimate_memory(text).peak_bytes

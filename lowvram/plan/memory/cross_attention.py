@@ -48,14 +48,14 @@ def is_active(setup: RunSetup) -> bool:
 
 def active_setup(setup: RunSetup) -> RunSetup:
     """The setup with Mllama's cross-attention layers counted as decoder layers of the language
-    model (model.num_layers; cross_layers says how many of them are), for image data; the setup
+    model (model.num_layers; cross_layers says which of them they are), for image data; the setup
     itself otherwise."""
     spec = setup.model
     if not setup.images_per_row or not spec.cross_attention_layers:
         return setup
     n = len(spec.cross_attention_layers)
     return replace(setup, model=replace(spec, num_layers=spec.num_layers + n, cross_attention_layers=()),
-                   cross_layers=n)
+                   cross_layers=spec.cross_attention_layers)
 
 
 def vision_tokens(setup: RunSetup) -> int:
@@ -68,7 +68,7 @@ def cross_params_left_bytes(setup: RunSetup, w: int) -> int:
     """What the cross-attention layers hold beyond a self-attention layer's parameters (counted
     with the decoder layers): q_norm and k_norm (head_dim each) and the two one-element gates,
     in the weights' dtype (trained; their gradients and optimizer state, a few bytes, not counted)."""
-    return setup.cross_layers * (2 * setup.model.head_dim + 2) * w
+    return len(setup.cross_layers) * (2 * setup.model.head_dim + 2) * w
 
 
 def step_kept_bytes(setup: RunSetup, w: int) -> int:
@@ -81,23 +81,19 @@ def step_kept_bytes(setup: RunSetup, w: int) -> int:
     return collated + cross_params_left_bytes(setup, w)
 
 
-def late_bytes(setup: RunSetup, w: int, autocast: bool) -> tuple[int, int]:
-    """(alive until the backward has passed the cross-attention layers, the recomputed cross
-    layer's extra): cross_attention_states (b x V x h_text, the projector's output: 16-bit under
-    autocast), the prepared b x 1 x s x V mask and b x s row mask (the model's dtype ``w``), and
-    without checkpointing every cross layer's extra saved tensors (cross_layer_extra_bytes); with
-    it one layer's, in its recompute. The first decoder layers run before the first cross layer
-    (Llama-3.2-Vision's at index 3), so their backward, the last, sees none of it: memory's
-    first-layer moments leave it out."""
-    if not setup.cross_layers:
-        return 0, 0
+def late_parts(setup: RunSetup, w: int, autocast: bool) -> tuple[int, int]:
+    """(alive until the backward has passed the cross-attention layers, one cross layer's extra
+    saved tensors): cross_attention_states (b x V x h_text, the projector's output: 16-bit under
+    autocast) with the prepared b x 1 x s x V mask and b x s row mask (the model's dtype ``w``),
+    and cross_layer_extra_bytes. Without checkpointing every cross layer keeps its extra until its
+    backward; with it one layer's, in its recompute. The first decoder layers run before the first
+    cross layer (Llama-3.2-Vision's at index 3), so their backward, the last, sees none of it:
+    memory's first-layer moments leave it out, and a moment of its own counts the first cross
+    layer's backward (its recompute) with nearly every gradient made."""
     b, s, tokens = setup.micro_batch_size, setup.seq_len, vision_tokens(setup)
     lin = 2 if autocast else w
     states = b * tokens * setup.model.hidden_size * lin + b * s * (tokens + 1) * w
-    extra = cross_layer_extra_bytes(setup, w, autocast)
-    if setup.gradient_checkpointing:
-        return states, extra
-    return states + setup.cross_layers * extra, 0
+    return states, cross_layer_extra_bytes(setup, w, autocast)
 
 
 def cross_layer_extra_bytes(setup: RunSetup, res: int, autocast: bool) -> int:
@@ -131,7 +127,11 @@ def tower_forward_bytes(setup: RunSetup, res: int, lin: int) -> int:
     intermediate width, images.ATTENTION_SIDE_TENSORS / ACTIVATION_TENSORS of SigLIP's layer,
     which Mllama's matches), then the concatenated output (vision_output_dim wide) beside the
     projector's output."""
-    from lowvram.plan.memory.images import ACTIVATION_TENSORS, ATTENTION_SIDE_TENSORS, MLP_SIDE_TENSORS
+    from lowvram.plan.memory.images import (
+        ACTIVATION_TENSORS,
+        ATTENTION_SIDE_TENSORS,
+        MLP_SIDE_TENSORS,
+    )
 
     v = setup.model.vision
     n = setup.micro_batch_size * setup.images_per_row

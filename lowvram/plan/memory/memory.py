@@ -19,7 +19,16 @@ from dataclasses import replace
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan.memory import cross_attention, dora, grpo, images, lora_init, optimizers, preference, tiled
+from lowvram.plan.memory import (
+    cross_attention,
+    dora,
+    grpo,
+    images,
+    lora_init,
+    optimizers,
+    preference,
+    tiled,
+)
 from lowvram.plan.memory.activations import (
     activation_offload_host_bytes,
     dtypes,
@@ -135,8 +144,10 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     spec = setup.model
     # Llama-3.2-Vision with images (plan/memory/cross_attention.py): alive until the backward has
     # passed its cross layers, so in every moment but the first decoder layer's
-    late, cross_rec = (cross_attention.late_bytes(setup, dtype_bytes(setup)[0], dtypes(setup)[2])
-                       if setup.cross_layers else (0, 0))
+    states, cross_extra = (cross_attention.late_parts(setup, dtype_bytes(setup)[0], dtypes(setup)[2])
+                           if setup.cross_layers else (0, 0))
+    ckpt = setup.gradient_checkpointing
+    late = states + (0 if ckpt else len(setup.cross_layers) * cross_extra)
     first_acts, acts = acts, acts + late
     total = model_states(setup).all_gradients
     # This process's share of each gradient (DDP all, FSDP 1/N, offloaded none); with
@@ -175,7 +186,11 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # (recomputed_mask_bytes: a full-attention layer between sliding ones makes none)
         mask_last, mask_first = recomputed_mask_bytes(setup, last=True), recomputed_mask_bytes(setup, last=False)
         rec = tiled.recompute_bytes(setup) - mask_last + dora.saved_layer_bytes(setup) + dora.recompute_backward_bytes(setup)
-        candidates += [Moment("last_layer_recompute", checkpoints + rec + cross_rec + mask_last, 0, last_grads),
+        if setup.cross_layers:  # the first cross layer's recompute: the layers before it checkpointed
+            before = (setup.cross_layers[0] + 1) * one_layer
+            candidates.append(Moment("cross_layer_recompute", before + rec + cross_extra + states + mask_first, 0,
+                                     first_grads, not_gathered))
+        candidates += [Moment("last_layer_recompute", checkpoints + rec + cross_extra + mask_last, 0, last_grads),
                        Moment("first_layer_recompute", one_layer + rec + mask_first, 0, first_grads, not_gathered)]
         if dora.dora_on(setup):  # an adapted Linear's magnitude backward in the recompute (plan/memory/dora.py)
             mag = tiled.layer_activation_bytes(setup) + hidden_grads + dora.magnitude_backward_bytes(setup)
@@ -247,6 +262,11 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             done = tiled.layer_activation_bytes(setup) - tiled.layer_activation_bytes(setup, attention_side=True)
             candidates.append(Moment("last_layer_softmax_backward", acts - done + eager + hidden_grads, 0,
                                      int(share * head_g)))
+        if setup.cross_layers:  # the first cross layer's backward: the layers before it alive
+            before = first_layer + (setup.cross_layers[0] - 1) * tiled.layer_activation_bytes(setup)
+            candidates.append(Moment("cross_layer_backward", before + tiled.layer_activation_bytes(setup)
+                                     + cross_extra + states + tiled.layer_backward_bytes(setup), 0,
+                                     late_layer_grads + int(share * late_g), not_gathered))
         candidates.append(Moment("first_layer_backward", first_layer + tiled.layer_backward_bytes(setup)
                                  + dora.saved_layer_bytes(setup) + dora.backward_bytes(setup), 0,
                                  late_layer_grads + int(share * late_g), not_gathered))
