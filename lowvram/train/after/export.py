@@ -25,10 +25,10 @@ from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.runfiles import EXPORTS
+from lowvram.train.after.gguf_family import family_of
 from lowvram.train.after.gguf_file import (
     K_QUANTS,
     QUANTIZATIONS,
-    family_of,
     planned_tensors,
     tensor_bytes,
 )
@@ -91,6 +91,14 @@ def _refuse_quantization(quantization: str) -> None:
     raise LowvramError(f"unknown --quantization {quantization!r}", "use f16, bf16 or q8_0")
 
 
+def _refuse_tokenizer(path: Path) -> None:
+    from lowvram.train.after.gguf_vocab import pre_tokenizer_name, tokenizer_kind
+
+    tok_json = json.loads(path.read_text())
+    if tokenizer_kind(tok_json) == "gpt2":
+        pre_tokenizer_name(tok_json)
+
+
 def _source(p: Path) -> tuple[str, str, str, str, bool, str, dict, tuple[str, ...]]:
     """(kind, model source, tokenizer source, dtype, trust, run name, config, notes) of a run folder."""
     from lowvram.plan.model.catalog import local_config
@@ -127,12 +135,11 @@ def _source(p: Path) -> tuple[str, str, str, str, bool, str, dict, tuple[str, ..
 
 def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path | None = None) -> ExportPlan:
     """Check the request and size it (RAM, disk) before anything is loaded; LowvramError if it cannot work."""
-    from lowvram.hardware import host_memory
     from lowvram.train.after.artifacts import (
         adapter_bytes,
-        count_base_parameters,
         run_prompt_format,
     )
+    from lowvram.train.after.footprint import Usage, plan_footprint
     from lowvram.units import mem
 
     _refuse_quantization(quantization)
@@ -142,6 +149,7 @@ def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path 
     if not (Path(tok) / "tokenizer.json").is_file():
         raise LowvramError(f"no tokenizer.json in {tok}: the GGUF writer reads the fast tokenizer's file",
                            "save the tokenizer there with AutoTokenizer.from_pretrained(...).save_pretrained(...)")
+    _refuse_tokenizer(Path(tok) / "tokenizer.json")
     out_file = Path(out) if out is not None else p / f"gguf-{quantization}" / f"{name}-{quantization}.gguf"
     if out_file.suffix != ".gguf":
         raise LowvramError(f"--out {out_file} does not end in .gguf", "name the file, e.g. --out exports/model-q8_0.gguf")
@@ -149,26 +157,20 @@ def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path 
     for f in (out_file, modelfile):
         if f.exists():
             raise LowvramError(f"{f} exists", "choose another --out (nothing was overwritten)")
-    n = count_base_parameters(source)
-    if n is None:
-        raise LowvramError(f"cannot count the parameters of {source}", "export needs a config.json lowvram can read")
-    tensors = sum(tensor_bytes(t.shape, t.kind) for t in planned_tensors(config, quantization))
+    planned, n = planned_tensors(config, quantization)
+    tensors = sum(tensor_bytes(t.shape, t.kind) for t in planned)
     file_bytes = tensors + (Path(tok) / "tokenizer.json").stat().st_size + _HEADER_BYTES
     extra = adapter_bytes(p) if kind == "adapter" else 0
     ram = max(n * DTYPE_BYTES[dtype] + file_bytes, n * 8 + file_bytes) + extra
-    available = host_memory()[1]
-    if ram > available:
-        raise LowvramError(f"export needs {mem(ram)} of host RAM ({n:,} parameters: the model in {dtype} + the "
-                           f"{mem(file_bytes)} file; 8 bytes per parameter + the file while checking), "
-                           f"{mem(available)} available", "close other programs, or export on a machine with more RAM")
-    folder = next((a for a in (out_file.parent, *out_file.parent.parents) if a.exists()), Path("/"))
-    disk_free = shutil.disk_usage(folder).free
-    disk = file_bytes + 4096
-    if disk > disk_free:
-        raise LowvramError(f"export needs {mem(disk)} of disk in {folder} (the {quantization} file), "
-                           f"{mem(disk_free)} free", "free space there, or write elsewhere with --out PATH.gguf")
+    # on the CPU: GGUFWriter holds every packed tensor in host memory, so the GPU would save nothing
+    fp = plan_footprint("export", None, Usage(0, ram, f"{n:,} parameters: the model in {dtype} + the "
+                                                      f"{mem(file_bytes)} file; 8 bytes per parameter + the file while checking"),
+                        file_bytes + 4096, out_file.parent, f"the {quantization} file",
+                        ram_hint="close other programs, or export on a machine with more RAM",
+                        disk_hint="free space there, or write elsewhere with --out PATH.gguf")
     return ExportPlan(str(p), kind, source, tok, trust, dtype, quantization, str(out_file), str(modelfile), n,
-                      file_bytes, ram, available, disk, disk_free, run_prompt_format(p), notes)
+                      file_bytes, fp.ram_bytes, fp.ram_available_bytes, fp.disk_bytes, fp.disk_free_bytes,
+                      run_prompt_format(p), notes)
 
 
 # --------------------------------------------------------------------------------------------

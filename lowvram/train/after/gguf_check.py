@@ -1,5 +1,6 @@
 """Read an exported GGUF back with transformers' own GGUF loader and compare it with the model it
-was written from, on fixed prompts: the same token ids from both tokenizers, the largest logit
+was written from, on fixed prompts: the same token ids from both tokenizers (with and without
+the BOS/EOS each adds), the largest logit
 difference relative to the largest logit (its scale), and how often the top token agrees.
 
 Bounds (measured, docs/runs.md "Export to GGUF"): F16 and BF16 round each weight once (F16: 11
@@ -75,7 +76,9 @@ def compare(reference, tokenizer, gguf_path: Path, quantization: str) -> Agreeme
     same, worst, scale, agree, total = True, 0.0, 0.0, 0, 0
     for text in fixed_prompts(tokenizer):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        same = same and ids == loaded_tok(text, add_special_tokens=False)["input_ids"]
+        # with and without the tokenizer's own BOS/EOS (tokenizer.ggml.add_bos_token)
+        same = (same and ids == loaded_tok(text, add_special_tokens=False)["input_ids"]
+                and tokenizer(text)["input_ids"] == loaded_tok(text)["input_ids"])
         x = torch.tensor([ids])
         with torch.no_grad():
             a, b = reference(input_ids=x).logits[0], loaded(input_ids=x).logits[0]
