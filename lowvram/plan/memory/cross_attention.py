@@ -73,11 +73,12 @@ def cross_params_left_bytes(setup: RunSetup, w: int) -> int:
 
 def step_kept_bytes(setup: RunSetup, w: int) -> int:
     """Alive through the whole step: the collator's int64 cross_attention_mask (b x s x images x
-    T) of this batch and of the next (images.BATCHES_ALIVE), and cross_params_left_bytes."""
-    from lowvram.plan.memory.images import BATCHES_ALIVE
+    T) of the step's micro-batches and of the next (images.batches_alive), and
+    cross_params_left_bytes."""
+    from lowvram.plan.memory.images import batches_alive
 
     v = setup.model.vision
-    collated = BATCHES_ALIVE * 8 * setup.micro_batch_size * setup.seq_len * setup.images_per_row * v.max_num_tiles
+    collated = batches_alive(setup) * 8 * setup.micro_batch_size * setup.seq_len * setup.images_per_row * v.max_num_tiles
     return collated + cross_params_left_bytes(setup, w)
 
 

@@ -90,22 +90,26 @@ def images_per_micro_batch(setup: RunSetup) -> int:
     return setup.micro_batch_size * setup.images_per_row
 
 
-# Batches alive at once: the one trained on and the next, which accelerate's DataLoaderShard
-# fetches before yielding the current one (accelerate data_loader.py DataLoaderShard.__iter__,
-# to know the last batch); measured: seed 0 of the image draw, full bf16-mixed, two micro-batches'
-# pixels beside the plan's one (bench/results/plan_fuzz_images*.txt).
-BATCHES_ALIVE = 2
+# Batches alive at once: the step's micro-batches, which the Trainer fetches all before the first
+# (transformers trainer.py get_batch_samples: ``batch_samples`` holds grad_accum of them through
+# the step), and the next one, which accelerate's DataLoaderShard fetches before yielding the
+# current one (accelerate data_loader.py DataLoaderShard.__iter__, to know the last batch);
+# measured: seed 0 of the image draw, full bf16-mixed, two micro-batches' pixels beside the plan's
+# one (bench/results/plan_fuzz_images*.txt), and mllama image seed 1 (b1 x 2 accumulation, full
+# bf16): three micro-batches' tiles (+2.81% over a plan with two).
+def batches_alive(setup: RunSetup) -> int:
+    return setup.grad_accum + 1
 
 
 def pixel_bytes(setup: RunSetup) -> int:
-    """The pixel values of the micro-batch and of the next one (BATCHES_ALIVE), float32, alive
-    through the step; Llama-3.2-Vision's every image padded to max_num_tiles tiles
+    """The pixel values of the step's micro-batches and of the next one (batches_alive), float32,
+    alive through the step; Llama-3.2-Vision's every image padded to max_num_tiles tiles
     (plan/memory/cross_attention.py)."""
     v = setup.model.vision
     if not setup.images_per_row or v is None:
         return 0
     tiles = v.max_num_tiles if v.tower == "mllama" else 1
-    return BATCHES_ALIVE * 4 * images_per_micro_batch(setup) * tiles * v.num_channels * v.image_size ** 2
+    return batches_alive(setup) * 4 * images_per_micro_batch(setup) * tiles * v.num_channels * v.image_size ** 2
 
 
 def text_embedding_bytes(setup: RunSetup, text_bytes: int) -> int:
