@@ -206,3 +206,29 @@ def test_eager_attention_with_images_refused():
         validate_request(PlanRequest(model=resolve_model("llama-3.2-11b-vision"), images_per_row=1,
                                      attention="eager"))
     assert "attention sdpa" in e.value.hint
+
+
+def test_11b_plan_answers_with_images(tmp_path):
+    """Issue 47 item 5: `lowvram plan RECIPE` for Llama-3.2-11B-Vision QLoRA with image_chat data
+    answers on a 24 GB card: the cross-attention layers trained, more images a row more memory."""
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+    from lowvram.testing import write_image_chat
+
+    data = write_image_chat(tmp_path / "vqa.jsonl", rows=2)
+
+    def plan(images: int) -> dict:
+        recipe = tmp_path / f"r{images}.yaml"
+        recipe.write_text("model: {name_or_path: llama-3.2-11b-vision}\n"
+                          f"data: {{datasets: [{{path: {data}, format: image_chat}}], images_per_row: {images}}}\n"
+                          "training: {seq_len: 2048, batch_size: 8}\n"
+                          "techniques: {lora: on, quantization: nf4-dq}\n")
+        r = CliRunner().invoke(app, ["plan", str(recipe), "--vram", "24GB", "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    one, two = plan(1), plan(2)
+    assert one["fits"] and one["images_per_row"] == 1 and one["techniques"]["attention"] == "sdpa"
+    assert one["vision"]["cross_attention"]["trained"]
+    assert two["peak_bytes"] > one["peak_bytes"]
