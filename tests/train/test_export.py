@@ -5,6 +5,7 @@ transformers' own GGUF loader and agrees with the merged model; the Modelfile; t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -208,10 +209,38 @@ def test_families_the_loader_cannot_read_back_refused(tmp_path, model_type):
     assert_user_error(result, f"{model_type!r}", "cannot read the", "could not be checked", "convert_hf_to_gguf.py")
 
 
-def test_k_quant_refused_naming_what_can(run_dir, tmp_path):
+def test_k_quant_refused_naming_what_can(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no llama-quantize on it
     result = cli("export", str(run_dir), "--gguf", "--quantization", "q4_k_m", "--out", str(tmp_path / "m.gguf"))
-    assert_user_error(result, "f16, bf16 and q8_0", "llama-quantize")
+    assert_user_error(result, "none is on PATH", "f16, bf16 and q8_0", "--llama-quantize PATH",
+                      "llama-quantize MODEL-f16.gguf MODEL-q4_k_m.gguf Q4_K_M")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_llama_quantize_arguments_refused(run_dir, tmp_path):
+    result = cli("export", str(run_dir), "--gguf", "--quantization", "q4_k_m", "--llama-quantize", str(tmp_path / "nope"))
+    assert_user_error(result, "not an executable file", "lowvram builds nothing")
+    result = cli("export", str(run_dir), "--gguf", "--llama-quantize", "/bin/true")
+    assert_user_error(result, "--llama-quantize is for K-quants", "writes f16 itself")
+    result = cli("export", str(run_dir), "--gguf", "--quantization", "q3_x")
+    assert_user_error(result, "unknown --quantization 'q3_x'", "q4_k_m")
+
+
+@pytest.mark.parametrize(("program", "said"), [("false", "exited with 1"), ("true", "wrote no file")])
+def test_llama_quantize_that_fails_leaves_nothing(run_dir, tmp_path, monkeypatch, program, said):
+    """A real program that fails (false) or writes nothing (true), found on PATH as
+    llama-quantize: the f16 file is written and handed to it, its failure is said, no file is kept.
+    (No llama-quantize is on this machine and none is faked: a successful K-quant is not tested.)"""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "llama-quantize").symlink_to(shutil.which(program))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out = tmp_path / "exp" / "m-q4_k_m.gguf"
+    result = cli("export", str(run_dir), "--gguf", "--quantization", "q4_k_m", "--out", str(out))
+    assert_user_error(result, str(bin_dir / "llama-quantize"), said, "Q4_K_M", "lowvram kept no file")
+    assert list(out.parent.iterdir()) == []
 
 
 def test_unsupported_family_refused(tmp_path):

@@ -19,6 +19,15 @@ from pathlib import Path
 # (docs/runs.md "Export to GGUF" has the figures); set about 3x above the worst seen.
 RELATIVE_TOLERANCE = {"f16": 0.005, "bf16": 0.03, "q8_0": 0.15}
 TOP1_AT_LEAST = {"f16": 0.99, "bf16": 0.95, "q8_0": 0.90}
+# llama-quantize's types (llama_quantize.py): NOT measured here (no llama-quantize on the machine
+# that built this). Their rounding step is 4 (6-bit) to 60 (2-bit) times Q8_0's, so the logit
+# difference is reported, not bounded (1.0: the logit scale itself); what is checked is the
+# tokenization and a top-1 share far below a sound 2..6-bit file and far above a broken layout
+# (a wrong head order or norm agrees on a few percent of positions).
+for _q in ("q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1"):
+    RELATIVE_TOLERANCE[_q], TOP1_AT_LEAST[_q] = 1.0, 0.6
+for _q in ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l"):
+    RELATIVE_TOLERANCE[_q], TOP1_AT_LEAST[_q] = 1.0, 0.4
 
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",

@@ -22,8 +22,6 @@ from lowvram.train.after.gguf_family import (
 from lowvram.train.after.gguf_vocab import write_vocab
 
 QUANTIZATIONS = ("f16", "bf16", "q8_0")
-K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
-            "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 @dataclass(frozen=True)

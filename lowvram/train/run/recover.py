@@ -192,8 +192,8 @@ def _train_loop(recipe: Recipe, plan: Plan, out: Path, options: TrainOptions, re
                 raise _disk_full(e, out, resume_cmd) from None
             if is_read_only(e):
                 raise _read_only(e, out, resume_cmd) from None
-            if isinstance(e, LowvramError):  # lowvram stopped it (a diverged step, the user's reward code)
-                _record_stop(out, e)
+            if isinstance(e, LowvramError) and getattr(e, "step", None) is not None:
+                _record_stop(out, e)  # stopped mid-run (a diverged step, the user's reward code), not a refusal
             raise
         first = False
         _free_memory()  # err holds no frame now: the failed attempt's model, optimizer and Trainer go
@@ -331,6 +331,6 @@ def _record_stop(out: Path, e: LowvramError) -> None:
 
     status = "diverged" if isinstance(e, TrainingDiverged) else "stopped"
     try:
-        manifest.record_stop(out, status, e.message, e.hint or "", getattr(e, "step", None))
+        manifest.record_stop(out, status, e.message, e.hint or "", e.step)
     except OSError:
         pass
