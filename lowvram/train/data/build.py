@@ -32,6 +32,9 @@ class ImageInputs:
 
     processor: object
     image_token_id: int
+    # Llama-3.2-Vision (MllamaProcessor): one image token an image in the sequence, the tiles
+    # reach the language model through its cross-attention layers (data/images.py ImageCollator)
+    cross_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: I
 
     def samples(rows: list, spec) -> list:
         if spec.format == "image_chat":
-            return tokenize_image_rows(rows, spec, recipe, images.processor, images.image_token_id, counts)
+            return tokenize_image_rows(rows, spec, recipe, images.processor, images.image_token_id, counts,
+                                       expands=not images.cross_attention)
         out = tokenize_rows(rows, spec, recipe, tokenizer, counts)
         return [(ids, labels, []) for ids, labels in out] if with_images else out
 
