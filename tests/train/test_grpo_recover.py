@@ -201,7 +201,7 @@ def test_oom_after_a_checkpoint_resumes_and_the_rewards_go_on(tmp_path, tiny_mod
     recipe.write_text(auto_micro(recipe.read_text()))
     result = cli("train", str(recipe))
     assert result.exit_code == 0, result.output
-    assert re.search(r"OOM at step 3 \(measured [\d.]+ MiB\); retrying with micro-batch 2 x 2; resuming from "
+    assert re.search(r"OOM at step 3 \(measured [\d.]+ [MG]iB\); retrying with micro-batch 2 x 2; resuming from "
                      r"checkpoint-2 \(retry 1 of 3\)", result.output), result.output
     m = metrics(tmp_path / "out")
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 4
@@ -231,8 +231,8 @@ def test_a_retry_skips_a_checkpoint_inside_a_generation_round(tmp_path, tiny_mod
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory):
-    """Four layers of keys and values 256 wide: the cache of 32 rows x 40 tokens outgrows the
-    training phase's fused-head tile (40 positions x 32,768 at micro-batch 1)."""
+    """Four layers of keys and values 256 wide: the cache of 32 rows x 56 tokens outgrows the
+    training phase's fused-head tile (56 positions x 32,768 at micro-batch 1)."""
     from lowvram.testing import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("wide-llama"), hidden=256, layers=4, heads=4, kv_heads=4,
@@ -242,26 +242,27 @@ def wide_model_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_oom_in_the_generation_phase_retries_with_a_smaller_generation_batch(tmp_path, wide_model_dir, monkeypatch):
     """Batch 32 completions (8 prompts x 4), micro-batch 1: the first plan generates all 32 at once
-    (planned 22.1 MB at generation_decode; training 17.9 MB). On a 20 MiB card (21.0 MB) generation
-    runs out of memory; the re-plan halves the generation batch (two rounds of 16 per step, 16.4 MB)
-    and changes nothing else: not the micro-batch, not num_generations."""
+    (planned 26.8 MB at generation_decode; training 21.0 MB). On a 24 MiB card (25.2 MB) generation
+    runs out of memory (measured: at 25.2 MB); the re-plan halves the generation batch (two rounds
+    of 16 per step, planned 18.3 MB; the run then peaks at 20.4 MB, in training) and changes nothing
+    else: not the micro-batch, not num_generations."""
     from lowvram.train.run import oom
 
-    monkeypatch.setenv(oom.EMULATE_ENV, "20MiB")
+    monkeypatch.setenv(oom.EMULATE_ENV, "24MiB")
     recipe = setup(tmp_path, wide_model_dir, prompts=32, steps=1)
     recipe.write_text(recipe.read_text().replace("batch_size: 4, micro_batch_size: 2", "batch_size: 32, micro_batch_size: 1")
-                      .replace("num_generations: 2, max_completion_length: 6", "num_generations: 4, max_completion_length: 32")
+                      .replace("num_generations: 2, max_completion_length: 6", "num_generations: 4, max_completion_length: 48")
                       .replace("rewards: [rewards.py:short, exact_match]", "rewards: [rewards.py:short]"))
     result = cli("train", str(recipe))
     assert result.exit_code == 0, result.output
     assert "objective grpo: 32 completions per step (8 prompts x 4 generations); generation batch 32" in result.output
-    assert re.search(r"OOM at step 1 \(measured \d+\.\d MiB\); retrying with generation batch 16 \(2 rounds per "
+    assert re.search(r"OOM at step 1 \(measured 24\.\d MiB\); retrying with generation batch 16 \(2 rounds per "
                      r"step\); starting over \(retry 1 of 3\)", result.output), result.output
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert (plan["micro_batch_size"], plan["grad_accum"]) == (1, 32)
     assert (plan["generation_batch_size"], plan["steps_per_generation"]) == (16, 16)
     m = metrics(tmp_path / "out")
-    assert m["peak_memory_bytes"] <= 20 * 2**20 and m["steps"] == 1
+    assert m["peak_memory_bytes"] <= 24 * 2**20 and m["steps"] == 1
     assert [r["changed"] for r in m["oom_retries"]] == ["generation batch 16 (2 rounds per step)"]
 
 
