@@ -264,7 +264,8 @@ def validate_request(req: PlanRequest) -> None:
                                req.objective, req.optimizer, req.tiled_mlp)
     if problems:
         raise LowvramError("; ".join(problems), VISION_HINT)
-    if req.model is not None and (problems := image_problems(req.model, req.images_per_row, req.seq_len)):
+    if req.model is not None and (problems := image_problems(req.model, req.images_per_row, req.seq_len,
+                                                                  req.attention or "sdpa")):
         raise LowvramError("; ".join(problems), IMAGE_HINT)
     packed = packing_problem(req.model.vision if req.model is not None else None, req.packing)
     if packed:
