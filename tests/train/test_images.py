@@ -420,3 +420,25 @@ def test_mllama_images_make_the_cross_attention_layers_trainable():
         adapted = [n for n, p in model.named_parameters() if p.requires_grad and any(c in n for c in cross)]
         assert bool(adapted) == images, adapted
         assert not [n for n, p in model.named_parameters() if p.requires_grad and "vision_model" in n]
+
+
+def test_mllama_refuses_rows_and_datasets_without_images(tmp_path):
+    """Llama-3.2-Vision's image processor takes no row without an image: such a row is an error by
+    file and row (skipped with skip_bad_rows), a text dataset beside image_chat ones refused."""
+    tok = build_vision_tokenizer("mllama")
+    cfg = tiny_vision_config("mllama", tok)
+    images = ImageInputs(build_processor(cfg, tok), cfg.image_token_index, cross_attention=True)
+    data = write_image_chat(tmp_path / "vqa.jsonl", rows=2)
+    text_row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    with open(data, "a") as f:
+        f.write(json.dumps(text_row) + "\n")
+    with pytest.raises(DataError, match=r"vqa.jsonl:3: a row without an image"):
+        build_datasets(_recipe(data), tok, images)
+    assert len(build_datasets(_recipe(data, skip_bad_rows=True), tok, images).train) == 2
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps(text_row) + "\n")
+    mixed = Recipe.model_validate({"model": {"name_or_path": "unused"}, "training": {"seq_len": 256},
+                                   "data": {"datasets": [{"path": str(data), "format": "image_chat"},
+                                                         {"path": str(chat), "format": "chat"}]}})
+    with pytest.raises(DataError, match="cannot mix text datasets"):
+        build_datasets(mixed, tok, images)

@@ -203,6 +203,10 @@ class ImageChatTokenizer:
             raise BadImage(f"{placeholders} image placeholder(s) in the messages ({{type: image}} parts or "
                            f"'{self.placeholder}') but {len(paths)} image(s) in '{column}'",
                            "give one image file per {type: image} part, in order")
+        if not paths and not self.expands:  # MllamaImageProcessor takes no row without an image
+            raise BadImage("a row without an image: Llama-3.2-Vision's image processor takes none, and a batch "
+                           "cannot mix rows with and without images",
+                           "give the row an image, or train text rows in a run of their own (format chat)")
         if len(paths) > self.max_images:
             raise BadImage(f"{len(paths)} images in the row, more than data.images_per_row "
                            f"({self.max_images}), the number the plan counts",
@@ -306,7 +310,7 @@ class ImageCollator:
             get_cross_attention_token_mask,
         )
 
-        if not all(rows):  # MllamaImageProcessor takes no empty row
+        if not all(rows):  # refused up front (ImageChatTokenizer.sample, build_datasets)
             raise DataError("a batch mixes rows with and without images, which Llama-3.2-Vision's image "
                             "processor does not take", "give every image_chat row an image, or train the "
                             "text rows in a run of their own")
