@@ -47,13 +47,14 @@ def build_tokenizer(vocab_size: int = 512, chat_template: bool = True, extra_spe
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    named = {k: v for k, v in (extra_specials or {}).items() if k != "bos_token"}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=None,
+        bos_token=(extra_specials or {}).get("bos_token"),
         eos_token="<|im_end|>" if chat_template else "<|endoftext|>",
         pad_token="<pad>",
         unk_token=None,
-        **({"model_specific_special_tokens": dict(extra_specials)} if extra_specials else {}),
+        **({"model_specific_special_tokens": named} if named else {}),
     )
     if chat_template:
         fast.chat_template = CHAT_TEMPLATE
@@ -189,19 +190,25 @@ IMAGE_CHAT_TEMPLATE = (
 GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
                        "eoi_token": "<end_of_image>"}
 LLAVA_IMAGE_TOKENS = {"image_token": "<image>"}
+# Llama-3.2-Vision's (meta-llama/Llama-3.2-11B-Vision-Instruct tokenizer_config.json): one <|image|>
+# token an image, the <|begin_of_text|> bos MllamaProcessor puts after leading image tokens, and the
+# <|python_tag|> its __init__ looks up
+MLLAMA_IMAGE_TOKENS = {"image_token": "<|image|>", "bos_token": "<|begin_of_text|>",
+                       "python_token": "<|python_tag|>"}
+_FAMILY_IMAGE_TOKENS = {"gemma3": GEMMA3_IMAGE_TOKENS, "llava": LLAVA_IMAGE_TOKENS, "mllama": MLLAMA_IMAGE_TOKENS}
 
 
 def build_vision_tokenizer(family: str, vocab_size: int = 512):
-    """build_tokenizer() with the image special tokens of ``family`` (gemma3 or llava), as the
-    tokenizer attributes the family's processor reads."""
-    return build_tokenizer(vocab_size, extra_specials=GEMMA3_IMAGE_TOKENS if family == "gemma3" else LLAVA_IMAGE_TOKENS)
+    """build_tokenizer() with the image special tokens of ``family`` (gemma3, llava or mllama), as
+    the tokenizer attributes the family's processor reads."""
+    return build_tokenizer(vocab_size, extra_specials=_FAMILY_IMAGE_TOKENS.get(family, LLAVA_IMAGE_TOKENS))
 
 
 def image_token_config(family: str, tokenizer) -> dict:
     """The top-level config keys that name the tokenizer's image tokens (Gemma3Config /
     LlavaConfig image_token_index; Gemma-3's boi/eoi_token_index)."""
     ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in
-           (GEMMA3_IMAGE_TOKENS if family == "gemma3" else LLAVA_IMAGE_TOKENS).items()}
+           _FAMILY_IMAGE_TOKENS.get(family, LLAVA_IMAGE_TOKENS).items()}
     out = {"image_token_index": ids["image_token"]}
     if family == "gemma3":
         out.update(boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"])
@@ -213,7 +220,9 @@ def build_processor(config, tokenizer):
     build_vision_tokenizer() tokenizer: Gemma3Processor with a Gemma3ImageProcessor at the
     tower's image_size and mm_tokens_per_image tokens per image; LlavaProcessor with a
     CLIPImageProcessor (shortest edge and center crop at image_size) and the tower's patch size,
-    CLS counted (num_additional_image_tokens 1, dropped by the "default" select strategy)."""
+    CLS counted (num_additional_image_tokens 1, dropped by the "default" select strategy);
+    MllamaProcessor with a MllamaImageProcessor cutting images into tiles of image_size, at most
+    max_num_tiles of them."""
     side = config.vision_config.image_size
     if config.model_type == "gemma3":
         from transformers import Gemma3ImageProcessorPil, Gemma3Processor
@@ -229,7 +238,14 @@ def build_processor(config, tokenizer):
                               vision_feature_select_strategy=config.vision_feature_select_strategy,
                               num_additional_image_tokens=1,
                               chat_template=IMAGE_CHAT_TEMPLATE.replace("@IMAGE@", tokenizer.image_token))
-    raise ValueError(f"no tiny processor for model_type {config.model_type!r} (gemma3, llava)")
+    if config.model_type == "mllama":
+        from transformers import MllamaImageProcessorPil, MllamaProcessor
+
+        images = MllamaImageProcessorPil(size={"height": side, "width": side},
+                                         max_image_tiles=config.vision_config.max_num_tiles)
+        return MllamaProcessor(images, tokenizer,
+                               chat_template=IMAGE_CHAT_TEMPLATE.replace("@IMAGE@", tokenizer.image_token))
+    raise ValueError(f"no tiny processor for model_type {config.model_type!r} (gemma3, llava, mllama)")
 
 
 def write_images(folder: str | Path, count: int, side: int = 48, seed: int = 0) -> list[Path]:

@@ -36,8 +36,11 @@ VISION_FAMILIES = ("gemma3", "llava", "mistral3", "qwen2_5_vl")
 # drawn on its own (bench/plan_fuzz.py --families qwen3_vl) so the vision seeds keep their recipes
 MLLAMA_FAMILIES = ("mllama",)
 MULTIMODAL_FAMILIES = VISION_FAMILIES + ("qwen3_vl",) + MLLAMA_FAMILIES
-# the ones image + text recipes are drawn for (made_images; Mistral-3's image tokens are refused)
+# the ones image + text recipes are drawn for (made_images; Mistral-3's images need torchvision,
+# refused): bench/plan_fuzz.py --families images draws Gemma-3 and Llava (the seeds measured before
+# keep their recipes), --families mllama --images Llama-3.2-Vision alone
 IMAGE_FAMILIES = ("gemma3", "llava")
+IMAGE_CASE_FAMILIES = IMAGE_FAMILIES + MLLAMA_FAMILIES
 
 WORDS = ("the quick brown fox jumps over lazy dog gradient memory adapter train model plan "
          "peak tensor layer token batch sequence answer question").split()
@@ -274,7 +277,10 @@ def _with_vision(case: Case, rng: random.Random) -> Case:
 
 
 def image_tokens(case: Case) -> int:
-    """Tokens per image of a case's tower (as _multimodal sizes it, lowvram.plan.model.vision)."""
+    """Tokens per image of a case's tower in the language model's sequence (as _multimodal sizes
+    it, lowvram.plan.model.vision): Llama-3.2-Vision's one <|image|> token."""
+    if case.family == "mllama":
+        return 1
     patches = (case.vision_image // case.vision_patch) ** 2
     return max(1, patches // 4) if case.family in ("gemma3", "qwen2_5_vl", "qwen3_vl") else patches
 
@@ -282,15 +288,17 @@ def image_tokens(case: Case) -> int:
 def made_images(case: Case) -> Case:
     """The case as an image + text run (format image_chat): one or two images a row, drawn from a
     stream of its own; seq_len raised to hold the images' tokens and at least 32 of text; no
-    packing (refused with images). None-free: every IMAGE_FAMILIES case can be made one."""
-    if case.family not in IMAGE_FAMILIES:
-        raise ValueError(f"image recipes are drawn for {', '.join(IMAGE_FAMILIES)}, not {case.family}")
+    packing (refused with images). None-free: every IMAGE_CASE_FAMILIES case can be made one."""
+    if case.family not in IMAGE_CASE_FAMILIES:
+        raise ValueError(f"image recipes are drawn for {', '.join(IMAGE_CASE_FAMILIES)}, not {case.family}")
     rng = random.Random(f"images-{case.seed}")
     images = rng.choice([1, 1, 2])
     seq_len = case.seq_len
     while seq_len < images * image_tokens(case) + 64:
         seq_len *= 2
-    return replace(case, images=images, seq_len=seq_len, packing=False)
+    # Llama-3.2-Vision: SDPA (eager attention over its tiles is refused, plan/memory/images.py)
+    attention = "sdpa" if case.family == "mllama" else case.attention
+    return replace(case, images=images, seq_len=seq_len, packing=False, attention=attention)
 
 
 def _extend(case: Case, rng: random.Random) -> Case:

@@ -117,7 +117,9 @@ def _vision(s: RunSetup) -> dict:
         out["cross_attention"] = {"layers": len(s.model.cross_attention_layers),
                                   "parameters": cross_attention_numel(s.model),
                                   "weight_bytes": cross_attention_weight_bytes(s),
-                                  "quantized": s.quantization != "none"}
+                                  "quantized": s.quantization != "none",
+                                  # image data: the cross layers run and train (plan/memory/cross_attention.py)
+                                  **({"trained": True} if s.images_per_row else {})}
     return out
 
 

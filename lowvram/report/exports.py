@@ -23,7 +23,9 @@ def agreement_line(a: dict) -> str:
     same = "same tokenization" if a["same_tokenization"] else "DIFFERENT tokenization"
     return (f"{same} on {a['prompts']} prompts ({a['tokens']} tokens); largest logit difference "
             f"{a['max_abs_diff']:.4g} on logits up to {a['logit_scale']:.4g} ({a['relative_diff']:.3%}, "
-            f"bound {a['tolerance']:.2%}); top-1 agreement {a['top1_agreement']:.1%} (bound {a['top1_at_least']:.0%})")
+            f"bound {a['tolerance']:.2%}); top-1 agreement {a['top1_agreement']:.1%} (bound {a['top1_at_least']:.0%})"
+            + ({True: "; rope_freqs match transformers' llama3 rope", False: "; rope_freqs DIFFER from the llama3 rope"}
+               .get(a.get("rope_freqs_match"), "")))
 
 
 def show_export_result(result, as_json: bool = False) -> None:
@@ -32,7 +34,9 @@ def show_export_result(result, as_json: bool = False) -> None:
         return
     c = console()
     c.print(f"[green]exported[/green] {result.out_file} ({mem(result.file_bytes)}) in {result.seconds:.1f} s")
-    c.print("read back with transformers' GGUF loader: " + agreement_line(result.agreement), markup=False)
+    by = {"gguf": "gguf's reader and dequantizers (transformers cannot load this architecture)"}.get(
+        result.agreement.get("read_back_by"), "transformers' GGUF loader")
+    c.print(f"read back with {by}: " + agreement_line(result.agreement), markup=False)
     c.print(f"Modelfile: {result.modelfile}", markup=False)
     if result.modelfile_note:
         c.print(f"note: {result.modelfile_note}", markup=False)

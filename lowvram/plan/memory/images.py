@@ -55,7 +55,7 @@ MLP_SIDE_TENSORS = 2
 ACTIVATION_TENSORS = {"siglip": 2, "clip": 3}
 
 
-def image_problems(spec: ModelSpec, images_per_row: int, seq_len: int) -> list[str]:
+def image_problems(spec: ModelSpec, images_per_row: int, seq_len: int, attention: str = "sdpa") -> list[str]:
     """Why image data cannot be planned for this model (each named)."""
     if not images_per_row:
         return []
@@ -66,19 +66,17 @@ def image_problems(spec: ModelSpec, images_per_row: int, seq_len: int) -> list[s
         name = {"mistral3": "Mistral-3 (Pixtral)", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}[v.projector]
         return [f"format image_chat with {name} is not modelled: its image tokens depend on "
                 "each image's size, which the plan does not know"]
-    if v.projector == "mllama":
-        # MllamaModel.forward: the tiles' features go to the cross-attention layers as
-        # cross_attention_states (and a cross_attention_mask per token and tile), not into the
-        # sequence as image tokens; those layers' forward and backward are not modelled
-        return ["format image_chat with Llama-3.2-Vision is not modelled: its images reach the language "
-                "model through its cross-attention layers, not as image tokens in the sequence"]
+    if v.projector == "mllama" and attention == "eager":
+        # eager attention's scores over the vision tokens (b x heads x s x V) in every cross layer
+        return ["attention eager with Llama-3.2-Vision images is not modelled (its cross-attention "
+                "layers' scores over the tiles are not counted)"]
     if images_per_row * v.tokens_per_image >= seq_len:
         return [f"data.images_per_row {images_per_row} x {v.tokens_per_image} tokens per image leave no "
                 f"room for text in training.seq_len {seq_len}"]
     return []
 
 
-IMAGE_HINT = ("use a Gemma-3 (4B+) or Llava checkpoint for images (or train this one on text: format chat, "
+IMAGE_HINT = ("use a Gemma-3 (4B+), Llava or Llama-3.2-Vision checkpoint for images (attention sdpa) (or train this one on text: format chat, "
               "completion or text), raise training.seq_len, or lower data.images_per_row")
 
 
@@ -92,20 +90,31 @@ def images_per_micro_batch(setup: RunSetup) -> int:
     return setup.micro_batch_size * setup.images_per_row
 
 
-# Batches alive at once: the one trained on and the next, which accelerate's DataLoaderShard
-# fetches before yielding the current one (accelerate data_loader.py DataLoaderShard.__iter__,
-# to know the last batch); measured: seed 0 of the image draw, full bf16-mixed, two micro-batches'
-# pixels beside the plan's one (bench/results/plan_fuzz_images*.txt).
-BATCHES_ALIVE = 2
+# Batches alive at once: the step's micro-batches, which the Trainer fetches all before the first
+# (transformers trainer.py get_batch_samples: ``batch_samples`` holds grad_accum of them through
+# the step), and the next one, which accelerate's DataLoaderShard fetches before yielding the
+# current one (accelerate data_loader.py DataLoaderShard.__iter__, to know the last batch);
+# measured: seed 0 of the image draw, full bf16-mixed, two micro-batches' pixels beside the plan's
+# one (bench/results/plan_fuzz_images*.txt), and mllama image seed 1 (b1 x 2 accumulation, full
+# bf16): three micro-batches' tiles (+2.81% over a plan with two).
+def batches_alive(setup: RunSetup) -> int:
+    return setup.grad_accum + 1
 
 
 def pixel_bytes(setup: RunSetup) -> int:
-    """The pixel values of the micro-batch and of the next one (BATCHES_ALIVE), float32, alive
-    through the step."""
+    """The pixel values of the step's micro-batches and of the next one (batches_alive), float32,
+    alive through the step; Llama-3.2-Vision's every image padded to max_num_tiles tiles
+    (plan/memory/cross_attention.py)."""
     v = setup.model.vision
     if not setup.images_per_row or v is None:
         return 0
-    return BATCHES_ALIVE * 4 * images_per_micro_batch(setup) * v.num_channels * v.image_size ** 2
+    tiles = v.max_num_tiles if v.tower == "mllama" else 1
+    return batches_alive(setup) * 4 * images_per_micro_batch(setup) * tiles * v.num_channels * v.image_size ** 2
+
+
+def text_embedding_bytes(setup: RunSetup, text_bytes: int) -> int:
+    """The text embeddings (b x s x h), made before the vision tower runs."""
+    return setup.micro_batch_size * setup.seq_len * setup.model.hidden_size * text_bytes
 
 
 def scattered_embedding_bytes(setup: RunSetup, text_bytes: int) -> int:
