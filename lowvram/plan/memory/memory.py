@@ -261,13 +261,20 @@ def _with_images(setup: RunSetup, moment: Moment) -> Moment:
     image_outputs (the tower's hidden states, the image features) are freed with the output
     before the backward's peak: measured, a Gemma-3 run with a 256-wide tower was 7.9% below a plan
     that kept them."""
+    r, _, _ = dtypes(setup)
+    kept = images.pixel_bytes(setup) + images.scattered_embedding_bytes(setup, r)
+    moment = replace(moment, activations=moment.activations + kept)
+    return max((moment, vision_moment(setup)), key=lambda m: m.bytes)
+
+
+def vision_moment(setup: RunSetup) -> Moment:
+    """The frozen vision tower's forward (vision_encoder_forward): the pixels kept beside the
+    tower's and projector's working set (plan/memory/images.py), beside the weights."""
     r, _, autocast = dtypes(setup)
     w = dtype_bytes(setup)[0]  # the tower's weights: its residual stream and layer norms
     lin = 2 if autocast else w  # its Linear outputs
     kept = images.pixel_bytes(setup) + images.scattered_embedding_bytes(setup, r)
-    forward = Moment("vision_encoder_forward", kept + images.encoder_forward_bytes(setup, w, lin, r))
-    moment = replace(moment, activations=moment.activations + kept)
-    return max((moment, forward), key=lambda m: m.bytes)
+    return Moment("vision_encoder_forward", kept + images.encoder_forward_bytes(setup, w, lin, r))
 
 
 def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> list[Moment]:
