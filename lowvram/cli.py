@@ -14,10 +14,11 @@ from typing import Annotated
 
 import typer
 
-from lowvram import vocab
+from lowvram import cliparams, vocab
 from lowvram.errors import EXIT_USAGE, LowvramError
 from lowvram.report.console import print_error
 
+cliparams.install()  # Typer builds an option's pydantic adapter only for a value that needs one
 app = typer.Typer(
     name="lowvram",
     help="Fine-tune LLMs on the GPU you have: plan peak memory, pick memory techniques, train.",
@@ -351,8 +352,9 @@ def merge(
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A run folder (an adapter run is merged on the fly, a full run read as it is) or a checkpoint.", show_default=False, metavar="RUN_DIR")],
     gguf: Annotated[bool, typer.Option("--gguf", help="Write one GGUF file (llama.cpp, Ollama, LM Studio) and an Ollama Modelfile beside it.")] = False,
-    quantization: Annotated[str, _opt("--quantization", "f16 (default) | bf16 | q8_0. K-quants (q4_k_m...) need llama.cpp's llama-quantize on the f16 file.", "Q")] = "f16",
+    quantization: Annotated[str, _opt("--quantization", "f16 (default) | bf16 | q8_0; K-quants (q4_k_m...) through llama.cpp's llama-quantize when one is here.", "Q")] = "f16",
     out: Annotated[Path | None, _opt("--out", "The .gguf file to write (default: RUN_DIR/gguf-Q/NAME-Q.gguf; the Modelfile goes beside it).", "PATH")] = None,
+    llama_quantize: Annotated[Path | None, _opt("--llama-quantize", "llama.cpp's llama-quantize for a K-quant (default: the one on PATH); never downloaded or built.", "PATH")] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Export a run's model to GGUF, read it back and check it against the model, write an Ollama Modelfile."""
@@ -362,7 +364,7 @@ def export(
 
     if not gguf:
         raise UsageError("pass --gguf (the one export format so far)", "e.g. lowvram export runs/quickstart --gguf --quantization q8_0")
-    ep = plan_export(run_dir, quantization.lower(), out)
+    ep = plan_export(run_dir, quantization.lower(), out, llama_quantize)
     if not json_:
         show_export_plan(ep)
     show_export_result(export_run(ep), as_json=json_)

@@ -18,6 +18,7 @@ from lowvram.metrics import RunMetrics, metrics_problem, read_metrics
 from lowvram.runfiles import (
     CHECKPOINT_GLOB,
     EXPORTS,
+    MANIFEST,
     METRICS,
     PLAN,
     RECIPE,
@@ -36,7 +37,8 @@ class RunInfo:
     path: str
     name: str
     model: str
-    status: str  # running (its lock is held) | finished | interrupted (checkpoints, no metrics.json) | failed (neither)
+    status: str  # running (its lock is held) | finished | interrupted (checkpoints, no metrics.json) | failed
+    # (neither) | diverged / stopped (lowvram stopped it: a non-finite step, the user's reward code; ``stop``)
     recipe_path: str | None = None
     techniques: dict = field(default_factory=dict)
     predicted_peak_bytes: int | None = None
@@ -56,6 +58,7 @@ class RunInfo:
     recipe: dict = field(default_factory=dict)
     metrics: RunMetrics | None = None  # None: no readable metrics.json (not finished, or damaged)
     exports: tuple[dict, ...] = ()  # exports.json: the GGUF files `lowvram export` wrote from it
+    stop: dict = field(default_factory=dict)  # why lowvram stopped it (manifest's "stop": status, message, hint, step)
 
     @property
     def recipe_name(self) -> str:
@@ -115,11 +118,13 @@ def _checkpoints(path: Path) -> tuple[str, ...]:
     return tuple(p.name for p in sorted(path.glob(CHECKPOINT_GLOB), key=step) if p.is_dir())
 
 
-def _status(metrics: RunMetrics | None, checkpoints: tuple[str, ...]) -> str:
+def _status(metrics: RunMetrics | None, checkpoints: tuple[str, ...], stop: dict) -> str:
     if metrics is not None and metrics.status:
         return metrics.status
     if metrics is not None:
         return "finished"
+    if stop.get("status") in ("diverged", "stopped"):  # lowvram stopped it on purpose (train.run.manifest)
+        return stop["status"]
     return "interrupted" if checkpoints else "failed"
 
 
@@ -147,13 +152,15 @@ def read_run(path: str | Path) -> RunInfo:
     recipe = recipe if isinstance(recipe, dict) else {}
     ckpts = _checkpoints(p)
     damaged = _damaged_files(p)
+    stop = read_json(p / MANIFEST).get("stop")
+    stop = stop if isinstance(stop, dict) else {}
     techniques = plan.get("techniques") or {k: plan[k] for k in TECHNIQUE_KEYS if k in plan}
     m = metrics or RunMetrics()
     return RunInfo(
         path=str(p), name=p.name, recipe_path=recipe_path,
         model=str((recipe.get("model") or {}).get("name_or_path", "?")),
         # a process trains in it now (its lock): half-written files are not damage
-        status="running" if lock_holder(p) else "damaged" if damaged else _status(metrics, ckpts),
+        status="running" if lock_holder(p) else "damaged" if damaged else _status(metrics, ckpts, stop),
         techniques=techniques,
         predicted_peak_bytes=m.predicted_peak_bytes if m.predicted_peak_bytes is not None else plan.get("predicted_peak_bytes"),
         measured_peak_bytes=m.peak_memory_bytes,
@@ -165,7 +172,7 @@ def read_run(path: str | Path) -> RunInfo:
         reasons=dict(plan.get("reasons") or {}),
         files=tuple(n for n in ("loss.png", "runs", "adapter_model.safetensors", "model.safetensors",
                                 "model.safetensors.index.json") if (p / n).exists()),
-        recipe=recipe, metrics=metrics, damaged=damaged, exports=_exports(p),
+        recipe=recipe, metrics=metrics, damaged=damaged, exports=_exports(p), stop=stop,
     )
 
 

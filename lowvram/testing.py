@@ -6,6 +6,7 @@ second on a few sentences, the model is a random-init Llama built from a config.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # ChatML, the template SmolLM2 and Qwen use; generation prompt opens the assistant turn.
@@ -57,6 +58,59 @@ def build_tokenizer(vocab_size: int = 512, chat_template: bool = True, extra_spe
     if chat_template:
         fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+# Gemma's turn template (its tokenizer_config.json chat_template, without the system-prompt folding).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n'"
+    " + message['content'] + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def build_sentencepiece_tokenizer(style: str = "gemma", vocab_size: int = 600):
+    """A SentencePiece-style tokenizer (BPE over "▁"-marked words with byte fallback: the
+    layout of Gemma's and Llama-2/Phi-3's tokenizer.model as their fast tokenizers hold it),
+    trained here on the test corpus. ``style`` "gemma": GemmaTokenizer (<pad> <eos> <bos> <unk>,
+    no prefix space, the turn specials); "llama": LlamaTokenizer (<unk> <s> </s>, a prefix space,
+    Phi-3's <|user|> <|assistant|> <|end|> <|endoftext|> added after the vocabulary)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import GemmaTokenizer, LlamaTokenizer
+
+    tok = Tokenizer(models.BPE())
+    if style == "gemma":
+        head = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    else:
+        head = ["<unk>", "<s>", "</s>"]
+    # sentencepiece's split_by_whitespace: pieces never span two words
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first" if style == "llama" else "never")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    trained = json.loads(tok.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(head + [f"<0x{b:02X}>" for b in range(256)])}
+    for t in sorted(trained["vocab"], key=trained["vocab"].get):
+        vocab.setdefault(t, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    if style == "gemma":
+        for t in ("<start_of_turn>", "<end_of_turn>"):
+            vocab[t] = len(vocab)
+        out = GemmaTokenizer(vocab=vocab, merges=merges, mask_token=None, add_bos_token=True,
+                             additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+        out.chat_template = GEMMA_CHAT_TEMPLATE
+        return out
+    out = LlamaTokenizer(vocab=vocab, merges=merges, add_prefix_space=True, legacy=False, add_bos_token=True)
+    # Phi-3's tokenizer.json (the legacy Llama-2 layout): the ▁ prefix comes from a normalizer, so
+    # text after a special token gets one too, as llama.cpp's SentencePiece tokenizer does
+    out.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                             normalizers.Replace(" ", "\u2581")])
+    out.backend_tokenizer.pre_tokenizer = None
+    out.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]})
+    out.eos_token, out.pad_token = "<|end|>", "<|endoftext|>"
+    out.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+    return out
 
 
 def texts_of_exact_length(tokens: int, rows: int, rng, words: tuple[str, ...]) -> list[str]:

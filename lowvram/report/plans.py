@@ -61,7 +61,17 @@ def show_plan_brief(recipe, plan) -> None:
         c.print(f"note: {note}", markup=False)
     tokens = plan.effective_batch * recipe.training.seq_len
     objective = recipe.training.objective
-    if objective != "sft":  # preference pairs: chosen and rejected, two rows of seq_len each
+    if objective in ("grpo", "rloo"):  # batch_size counts completions; a row is prompt + completion
+        g = recipe.grpo
+        tokens = plan.effective_batch * (g.max_prompt_length + g.max_completion_length)
+        c.print(f"objective {objective}: {plan.effective_batch:,} completions per step "
+                f"({plan.effective_batch // g.num_generations:,} prompts x {g.num_generations} generations), "
+                f"generated, scored by the rewards, then trained on (TRL)", markup=False)
+    elif objective == "kto":  # unpaired rows, one forward each (TRL's KTOTrainer)
+        c.print(f"objective kto: {plan.effective_batch:,} unpaired completions per step, each labelled "
+                "desirable or not, one forward each, plus a no-grad KL forward of mismatched rows (TRL)",
+                markup=False)
+    elif objective != "sft":  # preference pairs: chosen and rejected, two rows of seq_len each
         tokens *= 2
         c.print(f"objective {objective}: {plan.effective_batch:,} pairs per step, each chosen + rejected "
                 "in one forward (TRL)", markup=False)

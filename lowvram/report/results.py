@@ -15,11 +15,11 @@ def show_merge_plan(mp) -> None:
     """Printed before anything is loaded: what will be merged, where, and the memory it needs."""
     c = console(stderr=True)
     c.print(f"merge: {mp.run_dir} + base {mp.base.source} (found via {mp.base.found_via})", markup=False)
-    params = f"{mp.parameters:,} parameters" if mp.parameters is not None else "parameters unknown"
-    where = "GPU" if mp.device == "cuda" else "CPU"
-    c.print(f"needs {mem(mp.needed_bytes)} ({params} x {mp.dtype} + adapter {mem(mp.adapter_bytes)}) "
-            f"on the {where}; host RAM available {mem(mp.host_available_bytes)}"
-            + (f", GPU free {mem(mp.gpu_free_bytes)}" if mp.gpu_free_bytes is not None else ""), markup=False)
+    gpu = (f"{mem(mp.needed_bytes)} of GPU memory ({mem(mp.gpu_free_bytes or 0)} free) and "
+           if mp.device == "cuda" else "")
+    c.print(f"needs {gpu}{mem(mp.ram_bytes)} of host RAM ({mem(mp.host_available_bytes)} available) and "
+            f"{mem(mp.disk_bytes)} of disk in {mp.disk_folder} ({mem(mp.disk_free_bytes)} free); "
+            f"on the {'GPU' if mp.device == 'cuda' else 'CPU'}: {mp.counted}", markup=False)
     for note in mp.notes:
         c.print(f"note: {note}", markup=False)
 
@@ -53,7 +53,7 @@ def stream_text(chunks) -> None:
     write_stream("\n")
 
 
-_STATUS_STYLE = {"finished": "green", "interrupted": "yellow", "failed": "red"}
+_STATUS_STYLE = {"finished": "green", "interrupted": "yellow", "failed": "red", "diverged": "red", "stopped": "red"}
 
 
 def show_runs(runs, folder, as_json: bool = False) -> None:
@@ -184,12 +184,18 @@ def show_run(r, as_json: bool = False) -> None:
     if r.eval_history:
         c.print("eval loss: " + ", ".join(f"step {s} {v:.3f}" for s, v in r.eval_history), markup=False)
     c.print(f"checkpoints: {', '.join(r.checkpoints) or 'none'}", markup=False)
-    if r.status == "interrupted":
+    if r.status in ("diverged", "stopped") and r.stop:
+        at = f" at step {r.stop['step']}" if r.stop.get("step") is not None else ""
+        c.print(f"stopped by lowvram{at}: {r.stop.get('message', '')}", markup=False)
+        if r.stop.get("hint"):
+            c.print(f"hint: {r.stop['hint']}", markup=False)
+    if r.status in ("interrupted", "stopped"):  # stopped: its cause mended (e.g. the reward code), it goes on
         from lowvram.past_runs import resume_command
 
         # The run's other --set flags are in its recipe.yaml; output_dir is the one that locates it.
         here = f"training.output_dir={Path(r.path).resolve()}"
-        c.print(f"resume with: {resume_command(r.recipe_path or 'RECIPE', [here])}", markup=False)
+        lead = "resume with" if r.status == "interrupted" else "once mended, resume with"
+        c.print(f"{lead}: {resume_command(r.recipe_path or 'RECIPE', [here])}", markup=False)
     if r.files:
         c.print(f"files: {', '.join(r.files)}", markup=False)
     from lowvram.report.exports import export_rows

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lowvram.cli import app
+from lowvram.errors import LowvramError
 from tests.train.test_e2e import write_recipe
 
 
@@ -118,6 +119,44 @@ def test_merge_refuses_when_host_ram_is_too_small(run_dir, tmp_path, monkeypatch
     assert not (tmp_path / "m").exists()
 
 
+def test_merge_disk_too_small_refused_before_loading(run_dir, small_disk):
+    """A real 64 KiB tmpfs: the merged folder (the model in float32 + the tokenizer) cannot fit."""
+    result = cli("merge", str(run_dir), "--out", str(small_disk / "m"))
+    assert_user_error(result, "merge needs", "of disk in", str(small_disk), "free", "--out")
+    assert list(small_disk.iterdir()) == []
+
+
+def _card(monkeypatch, free_bytes: int, host_bytes: int):
+    """The hardware merge reads, as a CUDA machine with one card of ``free_bytes`` free and
+    ``host_bytes`` of host RAM available (the planning is what is tested, not the card)."""
+    import lowvram.hardware as hardware
+
+    card = hardware.Device(0, "emulated card", 8 * 2**30, free_bytes)
+    monkeypatch.setattr(hardware, "detect_hardware",
+                        lambda *a, **k: hardware.Hardware("cuda", (card,), 2 * host_bytes, host_bytes))
+
+
+def test_merge_picks_the_device_by_what_fits(run_dir, tmp_path, monkeypatch):
+    from lowvram.plan.setup import cuda_overheads
+    from lowvram.train.after.merge import plan_merge
+
+    context = cuda_overheads().context_bytes
+    _card(monkeypatch, 4 * 2**30, 4 * 2**30)
+    mp = plan_merge(run_dir, tmp_path / "m")
+    model = 4 * mp.parameters
+    assert mp.device == "cuda" and mp.needed_bytes == model + mp.adapter_bytes + 128 * 64 * 8 + context
+    assert mp.ram_bytes == model  # safetensors copies a GPU model to host memory to save it
+
+    _card(monkeypatch, context, 4 * 2**30)  # the card cannot hold the model: the CPU
+    mp = plan_merge(run_dir, tmp_path / "m")
+    assert mp.device == "cpu" and mp.ram_bytes == model + mp.adapter_bytes + 128 * 64 * 8
+    assert any("on the CPU (slower)" in n for n in mp.notes)
+
+    _card(monkeypatch, 4 * 2**30, 100 * 2**10)  # neither: refused with both figures
+    with pytest.raises(LowvramError, match=r"merge needs .* of host RAM .* 0\.1 MiB available; on the GPU it needs"):
+        plan_merge(run_dir, tmp_path / "m")
+
+
 def test_merge_json_and_plan_numbers(run_dir, tmp_path):
     from lowvram.plan.model.catalog import resolve_model
     from lowvram.plan.model.models import count_parameters
@@ -127,7 +166,11 @@ def test_merge_json_and_plan_numbers(run_dir, tmp_path):
     n = count_parameters(resolve_model(mp.base.source))
     adapter = (run_dir / "adapter_model.safetensors").stat().st_size
     assert (mp.parameters, mp.dtype, mp.device) == (n, "float32", "cpu")
-    assert mp.needed_bytes == 4 * n + adapter
+    # the model, the adapter, and one layer's LoRA delta (float32 + its cast): the tiny Llama's
+    # largest adapted matrix is its 128 x 64 MLP
+    assert mp.needed_bytes == mp.ram_bytes == 4 * n + adapter + 128 * 64 * (4 + 4)
+    tokenizer = sum(f.stat().st_size for f in run_dir.glob("*token*") if f.is_file())
+    assert mp.disk_bytes == 4 * n + tokenizer + 64 * 1024
     assert mp.base.found_via == "adapter_config.json"
 
 
@@ -269,6 +312,13 @@ def test_merge_qlora_run_loads_the_base_dequantized(tmp_path, tiny_model_dir):
     result = cli("merge", str(run), "--out", str(tmp_path / "merged"))
     assert result.exit_code == 0, result.output
     assert "loaded dequantized in float32" in result.output
+    # the peak counted is the dequantized base (4 bytes per parameter here; 2 in bfloat16), never the 4-bit one
+    from lowvram.train.after.merge import plan_merge
+
+    fp32, bf16 = plan_merge(run, tmp_path / "m32"), plan_merge(run, tmp_path / "m16", dtype="bfloat16")
+    adapter = (run / "adapter_model.safetensors").stat().st_size
+    assert fp32.ram_bytes == 4 * fp32.parameters + adapter + 128 * 64 * 8
+    assert bf16.ram_bytes == 2 * fp32.parameters + adapter + 128 * 64 * 6
     assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
 
     ids = torch.tensor([[5, 17, 42, 99, 7, 300]])

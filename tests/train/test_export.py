@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -114,10 +113,134 @@ def test_export_full_run_of_each_family_with_chatml_modelfile(tmp_path, model_ty
     assert "tokenizer.chat_template" in reader.fields and "tokenizer.ggml.merges" in reader.fields
 
 
-def test_k_quant_refused_naming_what_can(run_dir, tmp_path):
+def spm_full_run(folder: Path, model_type: str) -> tuple[Path, object]:
+    """A full run of a tiny Gemma-2 / Gemma-3 (text) / Phi-3 with a SentencePiece-style tokenizer
+    (byte fallback, ▁ pieces; Gemma's or Phi-3's layout), its norms randomised (a zero-init
+    Gemma norm would hide a missing +1), Gemma's sliding window shorter than the prompts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lowvram.testing import build_sentencepiece_tokenizer
+
+    tok = build_sentencepiece_tokenizer("gemma" if model_type.startswith("gemma") else "llama")
+    extra = {"head_dim": 16, "sliding_window": 8} if model_type.startswith("gemma") else {
+        "original_max_position_embeddings": 256}
+    config = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (folder / "recipe.yaml").write_text("model: {name_or_path: x}\ndata:\n  datasets: [{path: d.jsonl, format: chat}]\n")
+    return folder, model
+
+
+def field(reader, key):
+    f = reader.fields[key]
+    value = f.parts[f.data[0]]
+    return bytes(value).decode() if f.types[0].name == "STRING" else value.tolist()[0]
+
+
+@pytest.mark.parametrize(("model_type", "quantization"), [("gemma2", "f16"), ("gemma3_text", "q8_0"), ("phi3", "bf16")])
+def test_export_sentencepiece_families(tmp_path, model_type, quantization):
+    """Gemma-2, Gemma-3 (text) and Phi-3 with SentencePiece vocabularies: read back by transformers'
+    GGUF loader and agreeing (with the BOS each adds); in the file, as llama.cpp's converter writes
+    them: the "llama" tokenizer model with scores and byte tokens, Gemma's norms stored + 1, its
+    softcapping and sliding window, Phi-3's fused qkv and gate_up."""
+    import gguf as gg
+    import numpy as np
+
+    run, model = spm_full_run(tmp_path / "run", model_type)
+    result = cli("export", str(run), "--gguf", "--quantization", quantization, "--json")
+    assert result.exit_code == 0, result.output
+    a = json.loads(result.output)["agreement"]
+    assert a["ok"] and a["same_tokenization"] and a["top1_agreement"] >= 0.95, a
+    assert a["relative_diff"] < {"f16": 0.002, "bf16": 0.01, "q8_0": 0.05}[quantization], a
+
+    reader = gg.GGUFReader(run / f"gguf-{quantization}" / f"run-{quantization}.gguf")
+    arch = field(reader, "general.architecture")
+    assert arch == {"gemma3_text": "gemma3"}.get(model_type, model_type)
+    assert field(reader, "tokenizer.ggml.model") == "llama"
+    types = reader.fields["tokenizer.ggml.token_type"]
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    byte_a = next(i for i, d in enumerate(tokens.data) if bytes(tokens.parts[d]) == b"<0x41>")
+    assert int(types.parts[types.data[byte_a]][0]) == gg.TokenType.BYTE
+    assert "tokenizer.ggml.scores" in reader.fields
+    assert bool(field(reader, "tokenizer.ggml.add_bos_token"))
+    assert bool(field(reader, "tokenizer.ggml.add_space_prefix")) == (model_type == "phi3")
+    tensors = {t.name: t for t in reader.tensors}
+    if model_type.startswith("gemma"):
+        stored = np.asarray(tensors["blk.0.attn_norm.weight"].data)
+        hf = model.model.layers[0].input_layernorm.weight.detach().numpy()
+        assert np.allclose(stored, hf + 1, atol=1e-6)
+        assert field(reader, f"{arch}.attention.sliding_window") == 8
+        assert "blk.0.post_ffw_norm.weight" in tensors and "output.weight" not in tensors
+    if model_type == "gemma2":
+        assert field(reader, "gemma2.attn_logit_softcapping") == 50.0
+        assert field(reader, "gemma2.final_logit_softcapping") == 30.0
+    if model_type == "phi3":
+        assert tuple(tensors["blk.0.attn_qkv.weight"].shape) == (64, 64 + 2 * 32)
+        assert tuple(tensors["blk.0.ffn_up.weight"].shape) == (64, 256)
+        assert field(reader, "phi3.rope.scaling.original_context_length") == 256
+
+
+def test_gemma_config_the_loader_cannot_read_back_refused(tmp_path):
+    """A Gemma-2 whose query_pre_attn_scalar is not the default: the file cannot carry it to
+    transformers' loader, so the export could not be checked: refused before loading."""
+    run, _ = spm_full_run(tmp_path / "run", "gemma2")
+    config = json.loads((run / "config.json").read_text())
+    config["query_pre_attn_scalar"] = 144
+    (run / "config.json").write_text(json.dumps(config))
+    result = cli("export", str(run), "--gguf")
+    assert_user_error(result, "query_pre_attn_scalar=144", "default 256", "convert_hf_to_gguf.py")
+    assert not (run / "gguf-f16").exists()
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "smollm3"])
+def test_families_the_loader_cannot_read_back_refused(tmp_path, model_type):
+    run = full_run(tmp_path / "run", model_type)
+    result = cli("export", str(run), "--gguf")
+    assert_user_error(result, f"{model_type!r}", "cannot read the", "could not be checked", "convert_hf_to_gguf.py")
+
+
+def test_k_quant_refused_naming_what_can(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no llama-quantize on it
     result = cli("export", str(run_dir), "--gguf", "--quantization", "q4_k_m", "--out", str(tmp_path / "m.gguf"))
-    assert_user_error(result, "f16, bf16 and q8_0", "llama-quantize")
+    assert_user_error(result, "none is on PATH", "f16, bf16 and q8_0", "--llama-quantize PATH",
+                      "llama-quantize MODEL-f16.gguf MODEL-q4_k_m.gguf Q4_K_M")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_llama_quantize_arguments_refused(run_dir, tmp_path):
+    result = cli("export", str(run_dir), "--gguf", "--quantization", "q4_k_m", "--llama-quantize", str(tmp_path / "nope"))
+    assert_user_error(result, "not an executable file", "lowvram builds nothing")
+    result = cli("export", str(run_dir), "--gguf", "--llama-quantize", "/bin/true")
+    assert_user_error(result, "--llama-quantize is for K-quants", "writes f16 itself")
+    result = cli("export", str(run_dir), "--gguf", "--quantization", "q3_x")
+    assert_user_error(result, "unknown --quantization 'q3_x'", "q4_k_m")
+
+
+@pytest.mark.parametrize(("program", "said"), [("false", "exited with 1"), ("true", "wrote no file")])
+def test_llama_quantize_that_fails_leaves_nothing(run_dir, tmp_path, monkeypatch, program, said):
+    """A real program that fails (false) or writes nothing (true), found on PATH as
+    llama-quantize: the f16 file is written and handed to it, its failure is said, no file is kept.
+    (No llama-quantize is on this machine and none is faked: a successful K-quant is not tested.)"""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "llama-quantize").symlink_to(shutil.which(program))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out = tmp_path / "exp" / "m-q4_k_m.gguf"
+    result = cli("export", str(run_dir), "--gguf", "--quantization", "q4_k_m", "--out", str(out))
+    assert_user_error(result, str(bin_dir / "llama-quantize"), said, "Q4_K_M", "lowvram kept no file")
+    assert list(out.parent.iterdir()) == []
 
 
 def test_unsupported_family_refused(tmp_path):
@@ -133,7 +256,8 @@ def test_unsupported_family_refused(tmp_path):
     tok.save_pretrained(run)
     (run / "recipe.yaml").write_text("model: {name_or_path: x}\n")
     result = cli("export", str(run), "--gguf")
-    assert_user_error(result, "'gpt2'", "llama, mistral, qwen2, qwen3", "convert_hf_to_gguf.py")
+    assert_user_error(result, "'gpt2'", "gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3",
+                      "convert_hf_to_gguf.py")
 
 
 def test_needs_gguf_flag(run_dir):
@@ -153,18 +277,6 @@ def test_modelfile_templates():
     assert 'TEMPLATE """' not in text and "neither ChatML nor Llama-3" in note and note in text
     text, _ = modelfile_text("m.gguf", CHAT_TEMPLATE, None, system="Be brief.")
     assert text.splitlines()[1] == "FROM ./m.gguf" and text.endswith('SYSTEM """Be brief."""\n')
-
-
-@pytest.fixture()
-def small_disk(tmp_path):
-    """A real 64 KiB tmpfs (root only)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_disk_too_small_refused_before_loading(run_dir, small_disk):

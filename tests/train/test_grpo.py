@@ -368,5 +368,8 @@ def test_grpo_trains_through_the_cli_with_the_planners_plan(tmp_path, tiny_model
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["generation"] in ("generate", "paged") and plan["steps_per_generation"] >= 1
+    # batch_size counts completions (2 prompts x 2 generations), each row prompt 8 + completion 6 tokens
+    assert "objective grpo: 4 completions per step (2 prompts x 2 generations)" in result.output
+    assert "tokens per optimizer step (at most): 56" in result.output and "pairs" not in result.output
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert m["steps"] == 2 and len(m["reward_history"]) == 2 and m["predicted_peak_bytes"] > 0

@@ -80,6 +80,13 @@ def test_a_nan_step_stops_keeps_the_last_finite_checkpoint_and_writes_no_model(t
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-3"]
     assert all(_finite_adapter(p) for p in complete_checkpoints(out))
     assert not (out / "adapter_model.safetensors").exists() and not (out / "metrics.json").exists()
+    # show and runs say it diverged (not "interrupted", with no resume offered that would diverge again)
+    shown = CliRunner().invoke(app, ["show", str(out)])
+    assert shown.exit_code == 0 and ": diverged" in shown.output, shown.output
+    assert "stopped by lowvram at step 4: the loss is nan at step 4" in shown.output
+    assert "hint: usually the learning rate is too high" in shown.output and "resume with" not in shown.output
+    listed = CliRunner().invoke(app, ["runs", str(out)], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and "diverged" in listed.output and "interrupted" not in listed.output
 
 
 def test_on_nonfinite_skip_skips_the_step_and_shows_no_nonfinite_loss(tmp_path, poisoned_model):

@@ -119,6 +119,8 @@ def _train(tmp_path: Path, text: str, paired: bool):
     result = CliRunner().invoke(app, ["train", str(tmp_path / "r.yaml")])
     assert "Traceback" not in result.output, result.output
     assert result.exit_code == 0, result.output
+    if not paired:  # unpaired rows: no "pairs" in what the run says of its batch
+        assert "unpaired completions per step" in result.output and "pairs per step" not in result.output
     return json.loads((tmp_path / "out" / "metrics.json").read_text())
 
 

@@ -11,27 +11,23 @@ host memory anyway). Host RAM, the larger of the two phases, + the adapter:
             reader memory-maps it and reads every tensor).
 The process itself (Python, torch, transformers: about 0.5 GB) is not counted, as for merge.
 Disk: the file (tensor bytes per GGML type, gguf.GGML_QUANT_SIZES, + the vocabulary: at most the
-size of tokenizer.json) written as ``NAME.partial`` beside it and renamed, + the Modelfile.
+size of tokenizer.json) written as ``NAME.partial`` beside it and renamed, + the Modelfile. A K-quant
+(llama_quantize.py): the f16/bf16 file, then llama-quantize's output beside it (no larger).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lowvram.errors import LowvramError
 from lowvram.runfiles import EXPORTS
-from lowvram.train.after.gguf_file import (
-    K_QUANTS,
-    QUANTIZATIONS,
-    family_of,
-    planned_tensors,
-    tensor_bytes,
-)
+from lowvram.train.after.gguf_family import family_of
+from lowvram.train.after.gguf_file import QUANTIZATIONS, planned_tensors, tensor_bytes
+from lowvram.train.after.llama_quantize import K_QUANTS
 from lowvram.vocab import DTYPE_BYTES
 
 _HEADER_BYTES = 64 * 1024  # GGUF header and the scalar metadata keys
@@ -56,6 +52,8 @@ class ExportPlan:
     disk_free_bytes: int
     prompt_format: str | None
     notes: tuple[str, ...] = ()
+    llama_quantize: str | None = None  # K-quants: llama.cpp's binary, run on the file written as ``written_as``
+    written_as: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,19 +74,27 @@ class ExportResult:
         return asdict(self)
 
 
-def _refuse_quantization(quantization: str) -> None:
+def _quantizer(quantization: str, llama_quantize: str | Path | None) -> str | None:
+    """The llama-quantize to run (a K-quant), None (lowvram writes it), or LowvramError."""
+    from lowvram.train.after.llama_quantize import find_llama_quantize
+
     if quantization in QUANTIZATIONS:
-        return
-    if quantization.lower() in K_QUANTS:
-        found = shutil.which("llama-quantize")
-        how = (f"llama.cpp's llama-quantize is on your PATH ({found}): export f16 here, then run "
-               f"`llama-quantize MODEL-f16.gguf MODEL-{quantization.lower()}.gguf {quantization.upper()}`"
-               if found else "export f16 here and quantize it with llama.cpp's llama-quantize "
-               f"(`llama-quantize MODEL-f16.gguf MODEL-{quantization.lower()}.gguf {quantization.upper()}`)")
-        raise LowvramError(f"--quantization {quantization}: lowvram writes f16, bf16 and q8_0 only "
-                           "(K-quants and Q4/Q5 need llama.cpp's compiled tools; lowvram downloads and "
-                           "compiles nothing, and checks every file it writes)", how)
-    raise LowvramError(f"unknown --quantization {quantization!r}", "use f16, bf16 or q8_0")
+        if llama_quantize is not None:
+            raise LowvramError(f"--llama-quantize is for K-quants (q4_k_m, ...): lowvram writes {quantization} itself",
+                               "leave --llama-quantize out, or ask for a K-quant with --quantization")
+        return None
+    if quantization in K_QUANTS:
+        return find_llama_quantize(quantization, llama_quantize)
+    raise LowvramError(f"unknown --quantization {quantization!r}",
+                       f"use f16, bf16 or q8_0, or a K-quant with llama.cpp's llama-quantize ({', '.join(K_QUANTS)})")
+
+
+def _refuse_tokenizer(path: Path) -> None:
+    from lowvram.train.after.gguf_vocab import pre_tokenizer_name, tokenizer_kind
+
+    tok_json = json.loads(path.read_text())
+    if tokenizer_kind(tok_json) == "gpt2":
+        pre_tokenizer_name(tok_json)
 
 
 def _source(p: Path) -> tuple[str, str, str, str, bool, str, dict, tuple[str, ...]]:
@@ -125,23 +131,28 @@ def _source(p: Path) -> tuple[str, str, str, str, bool, str, dict, tuple[str, ..
     return "adapter", base.source, tok, dtype, base.trust_remote_code, name, config, tuple(notes)
 
 
-def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path | None = None) -> ExportPlan:
+def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path | None = None,
+                llama_quantize: str | Path | None = None) -> ExportPlan:
     """Check the request and size it (RAM, disk) before anything is loaded; LowvramError if it cannot work."""
-    from lowvram.hardware import host_memory
     from lowvram.train.after.artifacts import (
         adapter_bytes,
-        count_base_parameters,
         run_prompt_format,
     )
+    from lowvram.train.after.footprint import Usage, plan_footprint
     from lowvram.units import mem
 
-    _refuse_quantization(quantization)
+    binary = _quantizer(quantization, llama_quantize)
     p = Path(run_dir)
     kind, source, tok, dtype, trust, name, config, notes = _source(p)
+    written_as = ("bf16" if dtype == "bfloat16" else "f16") if binary else quantization
+    if binary:
+        notes = (*notes, f"written as {written_as}, then quantized to {quantization.upper()} by {binary} "
+                         "(llama.cpp's llama-quantize); the quantized file is checked")
     family_of(config)  # refuses a family or rope scaling the writer cannot write
     if not (Path(tok) / "tokenizer.json").is_file():
         raise LowvramError(f"no tokenizer.json in {tok}: the GGUF writer reads the fast tokenizer's file",
                            "save the tokenizer there with AutoTokenizer.from_pretrained(...).save_pretrained(...)")
+    _refuse_tokenizer(Path(tok) / "tokenizer.json")
     out_file = Path(out) if out is not None else p / f"gguf-{quantization}" / f"{name}-{quantization}.gguf"
     if out_file.suffix != ".gguf":
         raise LowvramError(f"--out {out_file} does not end in .gguf", "name the file, e.g. --out exports/model-q8_0.gguf")
@@ -149,26 +160,22 @@ def plan_export(run_dir: str | Path, quantization: str = "f16", out: str | Path 
     for f in (out_file, modelfile):
         if f.exists():
             raise LowvramError(f"{f} exists", "choose another --out (nothing was overwritten)")
-    n = count_base_parameters(source)
-    if n is None:
-        raise LowvramError(f"cannot count the parameters of {source}", "export needs a config.json lowvram can read")
-    tensors = sum(tensor_bytes(t.shape, t.kind) for t in planned_tensors(config, quantization))
+    planned, n = planned_tensors(config, written_as)
+    tensors = sum(tensor_bytes(t.shape, t.kind) for t in planned)
     file_bytes = tensors + (Path(tok) / "tokenizer.json").stat().st_size + _HEADER_BYTES
     extra = adapter_bytes(p) if kind == "adapter" else 0
     ram = max(n * DTYPE_BYTES[dtype] + file_bytes, n * 8 + file_bytes) + extra
-    available = host_memory()[1]
-    if ram > available:
-        raise LowvramError(f"export needs {mem(ram)} of host RAM ({n:,} parameters: the model in {dtype} + the "
-                           f"{mem(file_bytes)} file; 8 bytes per parameter + the file while checking), "
-                           f"{mem(available)} available", "close other programs, or export on a machine with more RAM")
-    folder = next((a for a in (out_file.parent, *out_file.parent.parents) if a.exists()), Path("/"))
-    disk_free = shutil.disk_usage(folder).free
-    disk = file_bytes + 4096
-    if disk > disk_free:
-        raise LowvramError(f"export needs {mem(disk)} of disk in {folder} (the {quantization} file), "
-                           f"{mem(disk_free)} free", "free space there, or write elsewhere with --out PATH.gguf")
+    # on the CPU: GGUFWriter holds every packed tensor in host memory, so the GPU would save nothing
+    fp = plan_footprint("export", None, Usage(0, ram, f"{n:,} parameters: the model in {dtype} + the "
+                                                      f"{mem(file_bytes)} file; 8 bytes per parameter + the file while checking"),
+                        # a K-quant: the f16 file and the quantized one (no larger) side by side
+                        file_bytes * (2 if binary else 1) + 4096, out_file.parent,
+                        f"the {written_as} file" + (f" and the {quantization} one made from it" if binary else ""),
+                        ram_hint="close other programs, or export on a machine with more RAM",
+                        disk_hint="free space there, or write elsewhere with --out PATH.gguf")
     return ExportPlan(str(p), kind, source, tok, trust, dtype, quantization, str(out_file), str(modelfile), n,
-                      file_bytes, ram, available, disk, disk_free, run_prompt_format(p), notes)
+                      file_bytes, fp.ram_bytes, fp.ram_available_bytes, fp.disk_bytes, fp.disk_free_bytes,
+                      run_prompt_format(p), notes, binary, written_as)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,16 +216,27 @@ def export_run(plan: ExportPlan) -> ExportResult:
     out = Path(plan.out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
+    source = out.with_name(f"{out.stem}.{plan.written_as}.gguf.partial") if plan.llama_quantize else partial
     try:
-        write_gguf(model, tokenizer, Path(plan.tokenizer_source), partial, plan.quantization, out.stem)
+        write_gguf(model, tokenizer, Path(plan.tokenizer_source), source, plan.written_as or plan.quantization, out.stem)
+        if plan.llama_quantize:
+            from lowvram.train.after.llama_quantize import run_llama_quantize
+
+            run_llama_quantize(plan.llama_quantize, source, partial, plan.quantization)
+            source.unlink()
         os.replace(partial, out)
     except OSError as e:
         partial.unlink(missing_ok=True)
+        source.unlink(missing_ok=True)
         from lowvram.train.diskfull import is_disk_full
 
         if is_disk_full(e):
             raise LowvramError(f"disk full while writing {out} (nothing of it was kept)",
                                "free space on that disk, or write elsewhere with --out PATH.gguf") from None
+        raise
+    except LowvramError:
+        partial.unlink(missing_ok=True)
+        source.unlink(missing_ok=True)
         raise
     agreement = compare(model, tokenizer, out, plan.quantization)
     if not agreement.ok:

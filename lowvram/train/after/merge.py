@@ -6,9 +6,10 @@ dequantized, so the merged weights are ordinary tensors: merging into packed 4-b
 round the adapter away (peft docs, "Merge LoRA weights into the base model"). The saved config
 has no ``quantization_config``.
 
-Memory: the merged model is parameters x bytes of the dtype, plus the adapter (its file size).
-``plan_merge`` reads the parameter count from config.json (lowvram.plan.model.models, no weights) and
-refuses before anything is loaded when host RAM cannot hold it.
+Planned before anything is loaded (``plan_merge``, with footprint.py, the planning export shares):
+the GPU memory, host RAM and disk it needs, the device picked by what fits (the GPU when the
+model, the adapter and one layer's delta fit there and host RAM holds the model while it is saved;
+else the CPU), refused with the figures when nothing fits.
 """
 
 from __future__ import annotations
@@ -34,10 +35,8 @@ from lowvram.train.after.artifacts import (
     load_run_tokenizer,
     merge_dtype,
     read_adapter_run,
-    refuse_if_short,
     run_prompt_format,
 )
-from lowvram.units import mem as _size  # GiB, or MiB below 1 GiB
 from lowvram.vocab import DTYPE_BYTES
 
 
@@ -48,12 +47,17 @@ class MergePlan:
     base: BaseModel
     dtype: str
     device: str  # "cuda" | "cpu"
-    parameters: int | None
+    parameters: int
     adapter_bytes: int
-    needed_bytes: int | None
+    needed_bytes: int  # on the device it runs on (GPU memory, or host RAM on the CPU)
     host_available_bytes: int
     gpu_free_bytes: int | None
     notes: tuple[str, ...] = ()
+    ram_bytes: int = 0  # host RAM at the peak (on the GPU too: the model is copied to host memory to be saved)
+    disk_bytes: int = 0
+    disk_free_bytes: int = 0
+    disk_folder: str = ""
+    counted: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,7 +80,16 @@ class MergeResult:
 
 
 def plan_merge(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", device: str = "auto") -> MergePlan:
-    """Find the base, size the merge, pick the device; LowvramError if it cannot work."""
+    """Find the base, size the merge (GPU memory, host RAM, disk: footprint.py), pick the device by
+    what fits; LowvramError with the figures if it cannot work."""
+    from lowvram.plan.model.catalog import local_config
+    from lowvram.train.after.footprint import (
+        HEADER_BYTES,
+        largest_matrix,
+        merge_usage,
+        plan_footprint,
+    )
+
     p, adapter, recipe, plan = read_adapter_run(run_dir)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -85,33 +98,33 @@ def plan_merge(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", de
         raise LowvramError(f"unknown dtype {dtype!r}", "use auto, bfloat16, float16 or float32")
     base = find_base_model(p, adapter, recipe)
     dt = merge_dtype(recipe, plan, dtype)
-    size = dense_size(base, dt, p)
-    n, needed = size.parameters, size.needed_bytes
+    n = dense_size(base, dt, p).parameters
+    config = local_config(base.source) or {}
+    if n is None and config:
+        from lowvram.train.after.footprint import model_shapes
 
-    from lowvram.hardware import detect_hardware
-
-    hw = detect_hardware(gpus=1)  # merge uses the first card
-    gpu_free = hw.devices[0].free_bytes if hw.kind == "cuda" and hw.devices else None
+        try:
+            n = model_shapes(config)[1]
+        except Exception:  # noqa: BLE001 - remote code: not countable here
+            n = None
+    if n is None:
+        raise LowvramError(f"cannot count the parameters of {base.source}: the merge's memory cannot be planned",
+                           "merge needs the base's config.json in a folder lowvram can read (transformers' own model types)")
     notes = []
     if plan.get("quantization", "none") != "none":
-        notes.append(f"the run trained on a {plan['quantization']} base: the base is loaded dequantized in {dt} for the merge")
-    if n is None:
-        notes.append(f"cannot read the base's architecture from {base.source}: memory not checked")
-    chosen = device
-    if device == "auto":
-        if gpu_free is not None and needed is not None and needed <= gpu_free:
-            chosen = "cuda"
-        else:
-            chosen = "cpu"
-            if gpu_free is not None:
-                notes.append(f"the GPU has {_size(gpu_free)} free, the merge needs "
-                             f"{_size(needed or 0)}: merging on the CPU (slower)")
-    if chosen == "cpu":
-        half = " or --dtype bfloat16 (half the memory)" if dt == "float32" else ""
-        refuse_if_short("merge", size, hw.host_available_bytes, "host RAM",
-                        f"close other programs, or merge on a machine with more RAM{half}")
-    return MergePlan(str(p), str(out), base, dt, chosen, n, adapter_bytes(p), needed,
-                     hw.host_available_bytes, gpu_free, tuple(notes))
+        notes.append(f"the run trained on a {plan['quantization']} base: the base is loaded dequantized in {dt} for "
+                     f"the merge, counted at {DTYPE_BYTES[dt]} bytes per parameter")
+    on_gpu, on_cpu = merge_usage(n, dt, adapter_bytes(p), largest_matrix(config) if config else 0)
+    tok = p if (p / "tokenizer_config.json").is_file() else Path(base.source)
+    tok_bytes = sum(f.stat().st_size for f in tok.glob("*") if f.is_file() and "token" in f.name) if tok.is_dir() else 0
+    half = " or --dtype bfloat16 (half the memory)" if dt == "float32" else ""
+    fp = plan_footprint("merge", on_gpu, on_cpu, n * DTYPE_BYTES[dt] + tok_bytes + HEADER_BYTES, out.parent,
+                        f"the merged folder, written as .{out.name}.* beside it and renamed: no second copy",
+                        device, ram_hint=f"close other programs, or merge on a machine with more RAM{half}",
+                        disk_hint="free space there, or merge to a disk with room for it (--out)")
+    return MergePlan(str(p), str(out), base, dt, fp.device, n, adapter_bytes(p), fp.gpu_bytes or fp.ram_bytes,
+                     fp.ram_available_bytes, fp.gpu_free_bytes, (*notes, *fp.notes), fp.ram_bytes, fp.disk_bytes,
+                     fp.disk_free_bytes, fp.disk_folder, fp.counted)
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,7 +40,12 @@ CHARS_PER_TOKEN = 2  # length's default target: half of max_completion_length to
 
 
 class RewardError(LowvramError):
-    """A reward function that cannot be loaded, or failed on a sample or in a run."""
+    """A reward function that cannot be loaded, or failed on a sample or in a run (``step``: the
+    step of the run it failed in)."""
+
+    def __init__(self, message: str, hint: str = "", step: int | None = None) -> None:
+        super().__init__(message, hint)
+        self.step = step
 
 
 @dataclass(frozen=True)
@@ -316,10 +321,10 @@ def guarded(reward: Reward, resume_hint: str) -> Callable[..., list]:
             raise
         except Exception as e:  # noqa: BLE001 - the user's code: name it and the step
             raise RewardError(f"reward {reward.source} raised {type(e).__name__} at step {step}: {e}",
-                              resume_hint) from None
+                              resume_hint, step) from None
         problem = returned_problem(out, len(kwargs.get("completions", ())))
         if problem:
-            raise RewardError(f"reward {reward.source} {problem} at step {step}", resume_hint)
+            raise RewardError(f"reward {reward.source} {problem} at step {step}", resume_hint, step)
         return [None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in out]
 
     return call

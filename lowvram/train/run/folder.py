@@ -38,6 +38,7 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, recipe: Recipe 
         for tmp in out.glob(".final-*"):  # a final save the process did not finish: done again
             shutil.rmtree(tmp, ignore_errors=True)
         _unmark_newer(out, checkpoint)
+        manifest.clear_stop(out)  # a stopped run resumed (its cause mended): it runs again
         return checkpoint
     hashes = manifest.data_hashes(recipe) if recipe is not None else {}
     model = manifest.model_hashes(recipe) if recipe is not None else {}

@@ -78,6 +78,22 @@ def record(out: Path, *names: str) -> None:
         _write(out, data)
 
 
+def record_stop(out: Path, status: str, message: str, hint: str, step: int | None) -> None:
+    """A run that lowvram stopped on purpose (``status`` diverged: a non-finite or untrainable step;
+    stopped: its reward code or another user error mid-run): what `lowvram show` and `runs` say of
+    it instead of "interrupted, resume with ...". Cleared when the run is resumed."""
+    data = read(out)
+    if data is not None:
+        data["stop"] = {"status": status, "message": message, "hint": hint, "step": step}
+        _write(out, data)
+
+
+def clear_stop(out: Path) -> None:
+    data = read(out)
+    if data is not None and data.pop("stop", None) is not None:
+        _write(out, data)
+
+
 def set_data_hashes(out: Path, hashes: dict) -> None:
     data = read(out)
     if data is not None and data.get("data_sha256") != hashes:

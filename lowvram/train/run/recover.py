@@ -192,6 +192,8 @@ def _train_loop(recipe: Recipe, plan: Plan, out: Path, options: TrainOptions, re
                 raise _disk_full(e, out, resume_cmd) from None
             if is_read_only(e):
                 raise _read_only(e, out, resume_cmd) from None
+            if isinstance(e, LowvramError) and getattr(e, "step", None) is not None:
+                _record_stop(out, e)  # stopped mid-run (a diverged step, the user's reward code), not a refusal
             raise
         first = False
         _free_memory()  # err holds no frame now: the failed attempt's model, optimizer and Trainer go
@@ -318,3 +320,17 @@ def launch_with_recovery(recipe: Recipe, plan: Plan, options: TrainOptions, laun
                                  f"run here: {e.message}") from None
         _record_retry(err, plan, new, ckpts, retries, options.max_retries, notify)
         plan = new
+
+
+def _record_stop(out: Path, e: LowvramError) -> None:
+    """The run folder says why lowvram stopped the run (manifest.record_stop), so `show` does not
+    offer to resume a diverged run as if it had been interrupted. Best effort: the error itself
+    still reaches the user if the folder cannot be written."""
+    from lowvram.train.run import manifest
+    from lowvram.train.run.guard import TrainingDiverged
+
+    status = "diverged" if isinstance(e, TrainingDiverged) else "stopped"
+    try:
+        manifest.record_stop(out, status, e.message, e.hint or "", e.step)
+    except OSError:
+        pass
