@@ -403,6 +403,30 @@ def generate(
     stream_text(stream_reply(gen, [{"role": "user", "content": prompt}], settings))
 
 
+@app.command(name="eval")
+@handle_errors
+def eval_(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run folder or one of its checkpoints.", show_default=False, metavar="RUN_DIR")],
+    data: Annotated[Path | None, _opt("--data", "Rows to evaluate on, read in the recipe's data format (default: the rows training held out, data.validation).", "FILE")] = None,
+    tasks: Annotated[str | None, _opt("--tasks", "lm-eval tasks, comma-separated (the [eval] extra).", "NAME[,NAME]")] = None,
+    task_dir: Annotated[Path | None, _opt("--task-dir", "Folder of lm-eval task YAML files (default: lm-eval's own tasks).", "DIR")] = None,
+    answers: Annotated[int, typer.Option("--answers", min=0, help="Prompt-answer rows answered greedily for exact match / contains (0: loss only).")] = 32,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Most tokens per answer (at most the longest reference + 32).")] = 256,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Evaluate on the CPU even when the GPU holds the model.")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Score a trained run and its base side by side: held-out loss and perplexity, exact-match
+    answers, lm-eval tasks; recorded in the run's evals.json."""
+    from lowvram.report.evals import progress, show_eval_plan, show_eval_result
+    from lowvram.train.after.evaluate import plan_eval, run_eval
+
+    names = tuple(t.strip() for t in (tasks or "").split(",") if t.strip())
+    ep = plan_eval(run_dir, data, names, task_dir, answers=answers, max_new_tokens=max_new_tokens, cpu=cpu)
+    if not json_:
+        show_eval_plan(ep)
+    show_eval_result(run_eval(ep, None if json_ else progress), as_json=json_)
+
+
 @app.command()
 @handle_errors
 def runs(

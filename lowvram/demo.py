@@ -5,6 +5,8 @@
 2. Answers two prompts from the quickstart dataset with the base model (greedy).
 3. Runs exactly ``lowvram train recipes/quickstart.yaml --overwrite`` (the same CLI command).
 4. Answers the same prompts with base + the trained adapter, and shows the loss falling.
+5. Runs ``lowvram eval runs/quickstart --answers 8``: base vs trained on the rows training held
+   out (loss, perplexity, exact match / contains of 8 greedy answers), the table users get.
 
 The prompts are rendered as in training (``lowvram.train.data.format.format_example``: the Alpaca
 prompt the quickstart data uses), so before and after see the exact text the adapter learned on.
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 PROMPT_ROWS = (0, 1)  # rows of the quickstart dataset shown before/after training
 MAX_NEW_TOKENS = 48
+EVAL_ANSWERS = 8  # held-out rows the demo's eval answers (the loss reads all of them): keeps the demo short
 
 
 def find_gguf() -> Path:
@@ -160,7 +163,16 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     after = [answer(tuned, base.tokenizer, p) for p, _ in prompts]
     show_answers(c, "After training (base + adapter)" if plan.lora else "After training", prompts, after)
     show_loss(c, metrics.get("loss_history"))
-    return {"before": before, "after": after, "metrics": metrics}
+    del base, tuned
+
+    c.print(f"\n$ lowvram eval {_shown(out)} --answers {EVAL_ANSWERS}", markup=False)
+    rc = app(["eval", str(out), "--answers", str(EVAL_ANSWERS)], standalone_mode=False)
+    if rc:
+        raise SystemExit(rc)
+    from lowvram.runfiles import EVALS
+
+    evaluation = json.loads((out / EVALS).read_text())[-1]
+    return {"before": before, "after": after, "metrics": metrics, "eval": evaluation}
 
 
 def _shown(path: Path) -> str:

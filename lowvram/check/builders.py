@@ -102,8 +102,9 @@ def multimodal_config(text, v: VisionSpec, tie: bool, cross_attention_layers: tu
 def tiny_vision_config(family: str, tokenizer, hidden: int = 64, layers: int = 2, vision_layers: int = 1,
                        vision_hidden: int = 32, image_size: int = 32, patch_size: int = 8):
     """A tiny Gemma3Config (SigLIP tower, mm_tokens_per_image a quarter of the patches),
-    LlavaConfig (CLIP tower, Llama text) or Qwen2_5_VLConfig / Qwen3VLConfig (their towers, Qwen2 /
-    Qwen3 text) whose image tokens are the tokenizer's."""
+    LlavaConfig (CLIP tower, Llama text), MllamaConfig (its tower of four tiles, one gated global
+    layer; Llama text with one cross-attention layer after the first) or Qwen2_5_VLConfig /
+    Qwen3VLConfig (their towers, Qwen2 / Qwen3 text) whose image tokens are the tokenizer's."""
     from transformers import AutoConfig
 
     from lowvram.testing import QWEN_VL_FAMILIES, image_token_config
@@ -123,6 +124,12 @@ def tiny_vision_config(family: str, tokenizer, hidden: int = 64, layers: int = 2
                        position_embeddings=patches if family == "qwen3_vl" else 0,
                        deepstack_mergers=vision_layers if family == "qwen3_vl" else 0)
         return multimodal_config(text, v, False, **image_token_config(family, tokenizer))
+    if family == "mllama":
+        v = VisionSpec(tower="mllama", projector="mllama", num_layers=vision_layers, hidden_size=vision_hidden,
+                       intermediate_size=2 * vision_hidden, num_heads=2, patch_size=patch_size,
+                       image_size=image_size, num_channels=3, tokens_per_image=1, text_hidden_size=hidden,
+                       global_layers=1, max_num_tiles=4, aspect_ratios=8, output_dim=2 * vision_hidden)
+        return multimodal_config(text, v, False, cross_attention_layers=(1,), **image_token_config(family, tokenizer))
     v = VisionSpec(tower="siglip" if family == "gemma3" else "clip", projector=family, num_layers=vision_layers,
                    hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
                    patch_size=patch_size, image_size=image_size, num_channels=3,

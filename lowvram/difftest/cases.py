@@ -36,8 +36,11 @@ VISION_FAMILIES = ("gemma3", "llava", "mistral3", "qwen2_5_vl")
 # drawn on its own (bench/plan_fuzz.py --families qwen3_vl) so the vision seeds keep their recipes
 MLLAMA_FAMILIES = ("mllama",)
 MULTIMODAL_FAMILIES = VISION_FAMILIES + ("qwen3_vl",) + MLLAMA_FAMILIES
-# the ones image + text recipes are drawn for (made_images; Mistral-3's image tokens are refused)
+# the ones image + text recipes are drawn for (made_images; Mistral-3's images need torchvision,
+# refused): bench/plan_fuzz.py --families images draws Gemma-3 and Llava (the seeds measured before
+# keep their recipes), --families mllama --images Llama-3.2-Vision alone
 IMAGE_FAMILIES = ("gemma3", "llava")
+IMAGE_CASE_FAMILIES = IMAGE_FAMILIES + MLLAMA_FAMILIES
 # Qwen2.5-VL and Qwen3-VL with images (dynamic resolution: data.max_pixels sizes them), drawn on
 # their own (bench/plan_fuzz.py --families qwen_vl_images --images) so the image seeds above keep
 # their recipes
@@ -283,8 +286,12 @@ def _with_vision(case: Case, rng: random.Random) -> Case:
 
 
 def image_tokens(case: Case) -> int:
-    """Tokens per image of a case's tower (as _multimodal sizes it, lowvram.plan.model.vision)."""
-    if case.max_pixels:  # a Qwen-VL image case: the largest image data.max_pixels allows
+    """Tokens per image of a case's tower in the language model's sequence (as _multimodal sizes
+    it, lowvram.plan.model.vision): Llama-3.2-Vision's one <|image|> token; a Qwen-VL image case's
+    the largest image data.max_pixels allows."""
+    if case.family == "mllama":
+        return 1
+    if case.max_pixels:
         return case.max_pixels // (2 * case.vision_patch) ** 2
     patches = (case.vision_image // case.vision_patch) ** 2
     return max(1, patches // 4) if case.family in ("gemma3", "qwen2_5_vl", "qwen3_vl") else patches
@@ -293,9 +300,10 @@ def image_tokens(case: Case) -> int:
 def made_images(case: Case) -> Case:
     """The case as an image + text run (format image_chat): one or two images a row, drawn from a
     stream of its own; seq_len raised to hold the images' tokens and at least 32 of text; no
-    packing (refused with images). None-free: every IMAGE_FAMILIES case can be made one."""
-    if case.family not in IMAGE_FAMILIES + QWEN_VL_IMAGE_FAMILIES:
-        raise ValueError(f"image recipes are drawn for {', '.join(IMAGE_FAMILIES + QWEN_VL_IMAGE_FAMILIES)}, "
+    packing (refused with images). None-free: every IMAGE_CASE_FAMILIES and QWEN_VL_IMAGE_FAMILIES
+    case can be made one."""
+    if case.family not in IMAGE_CASE_FAMILIES + QWEN_VL_IMAGE_FAMILIES:
+        raise ValueError(f"image recipes are drawn for {', '.join(IMAGE_CASE_FAMILIES + QWEN_VL_IMAGE_FAMILIES)}, "
                          f"not {case.family}")
     rng = random.Random(f"images-{case.seed}")
     images = rng.choice([1, 1, 2])
@@ -306,7 +314,9 @@ def made_images(case: Case) -> Case:
     seq_len = case.seq_len
     while seq_len < images * image_tokens(case) + 64:
         seq_len *= 2
-    return replace(case, images=images, seq_len=seq_len, packing=False)
+    # Llama-3.2-Vision: SDPA (eager attention over its tiles is refused, plan/memory/images.py)
+    attention = "sdpa" if case.family == "mllama" else case.attention
+    return replace(case, images=images, seq_len=seq_len, packing=False, attention=attention)
 
 
 def _extend(case: Case, rng: random.Random) -> Case:

@@ -57,7 +57,7 @@ def _multimodal(case: Case, text, image_token_ids: dict | None = None):
     if case.family == "mllama":
         return multimodal_config(text, _mllama_tower(case, text), False,
                                  cross_attention_layers=mllama_cross_layers(case),
-                                 image_token_index=text.vocab_size - 1)
+                                 **(image_token_ids or {"image_token_index": text.vocab_size - 1}))
     tower, projector = {"gemma3": ("siglip", "gemma3"), "mistral3": ("pixtral", "mistral3"),
                         "llava": ("clip", "llava"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl"),
                         "qwen3_vl": ("qwen3_vl", "qwen3_vl")}[case.family]

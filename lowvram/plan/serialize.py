@@ -11,7 +11,8 @@ from lowvram.plan.memory.grpo import (
     generation_rows,
     old_logprobs_computed,
 )
-from lowvram.plan.memory.memory import phase_estimates, vision_moment
+from lowvram.plan.memory.image_moment import vision_moment
+from lowvram.plan.memory.memory import phase_estimates
 from lowvram.plan.memory.preference import REFERENCE_OBJECTIVES
 from lowvram.plan.memory.states import cross_attention_weight_bytes, vision_weight_bytes
 from lowvram.plan.model.image_size import patches_per_image, pixel_limits, pixel_values_bytes
@@ -127,7 +128,9 @@ def _vision(s: RunSetup, req) -> dict:
         out["cross_attention"] = {"layers": len(s.model.cross_attention_layers),
                                   "parameters": cross_attention_numel(s.model),
                                   "weight_bytes": cross_attention_weight_bytes(s),
-                                  "quantized": s.quantization != "none"}
+                                  "quantized": s.quantization != "none",
+                                  # image data: the cross layers run and train (plan/memory/cross_attention.py)
+                                  **({"trained": True} if s.images_per_row else {})}
     return out
 
 

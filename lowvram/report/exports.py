@@ -23,7 +23,9 @@ def agreement_line(a: dict) -> str:
     same = "same tokenization" if a["same_tokenization"] else "DIFFERENT tokenization"
     return (f"{same} on {a['prompts']} prompts ({a['tokens']} tokens); largest logit difference "
             f"{a['max_abs_diff']:.4g} on logits up to {a['logit_scale']:.4g} ({a['relative_diff']:.3%}, "
-            f"bound {a['tolerance']:.2%}); top-1 agreement {a['top1_agreement']:.1%} (bound {a['top1_at_least']:.0%})")
+            f"bound {a['tolerance']:.2%}); top-1 agreement {a['top1_agreement']:.1%} (bound {a['top1_at_least']:.0%})"
+            + ({True: "; rope_freqs match transformers' llama3 rope", False: "; rope_freqs DIFFER from the llama3 rope"}
+               .get(a.get("rope_freqs_match"), "")))
 
 
 def show_export_result(result, as_json: bool = False) -> None:

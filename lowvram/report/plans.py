@@ -161,7 +161,7 @@ def show_plan(data: dict, as_json: bool = False) -> None:
                 f"projector, {vision['parameters'] / 1e6:.1f}M params, loaded with the language model, "
                 f"frozen and not quantized: {gib(vision['weight_bytes'])} of the weights; "
                 + (f"{vision['tokens_per_image']} tokens per image" if not vision.get("cross_attention")
-                   else "its images reach the language model through cross-attention (not modelled: text data only)")
+                   else "its images reach the language model through cross-attention (one token an image)")
                 + (f"; {data['images_per_row']} image(s) per row (data.images_per_row): their tokens in "
                    "seq_len, their pixels and the tower's forward counted" if data.get("images_per_row") else ""),
                 markup=False)
@@ -176,10 +176,14 @@ def show_plan(data: dict, as_json: bool = False) -> None:
                     markup=False)
         cross = vision.get("cross_attention")
         if cross:  # Llama-3.2-Vision (lowvram.plan.model.models.ModelSpec.cross_attention_layers)
+            state = ("trained with the images (LoRA: adapters where lora.target_modules names their Linears), "
+                     "their activations and their keys and values over the tiles counted" if cross.get("trained")
+                     else "frozen, no adapters): {w} of the weights; skipped without images, so they hold no "
+                     "activations")
             c.print(f"cross-attention layers: {cross['layers']} of the language model, "
                     f"{cross['parameters'] / 1e6:.1f}M params, loaded ({'quantized, ' if cross['quantized'] else ''}"
-                    f"frozen, no adapters): {gib(cross['weight_bytes'])} of the weights; skipped without images, "
-                    "so they hold no activations", markup=False)
+                    + (f"{gib(cross['weight_bytes'])} of the weights): {state}" if cross.get("trained")
+                       else state.format(w=gib(cross['weight_bytes']))), markup=False)
     for note in data.get("notes", ()):
         c.print(f"note: {note}", markup=False)
 

@@ -210,6 +210,21 @@ def test_image_recipes_stay_within_their_plan(seed, tmp_path):
     _check(case, tmp_path, IMAGES[seed])
 
 
+# Llama-3.2-Vision image + text recipes (issue 47: bench/plan_fuzz.py --families mllama --images):
+# bench/results/plan_fuzz_mllama_images_*.txt.
+MLLAMA_IMAGES = {1: "full bf16, checkpointing, b1 x 2 accumulation: +2.81% while the plan counted two "
+                    "micro-batches' tiles; the Trainer holds the step's two and accelerate the next "
+                    "(plan/memory/images.py batches_alive)"}
+
+
+@pytest.mark.parametrize("seed", list(MLLAMA_IMAGES))
+def test_mllama_image_recipes_stay_within_their_plan(seed, tmp_path):
+    from lowvram.difftest import MLLAMA_FAMILIES, made_images
+
+    case = made_images(random_case(seed, families=MLLAMA_FAMILIES))
+    _check(case, tmp_path, MLLAMA_IMAGES[seed])
+
+
 # A 4/8-bit base with checkpointing at small widths, where the layer backward's terms are large
 # beside the activations (plan.backward.quantized_base_backward_bytes, dora.recompute_weight_norm_bytes).
 QLORA_RECOMPUTE = {

@@ -23,7 +23,7 @@ def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
     return tmp / "out"
 
 
-def full_run(folder: Path, model_type: str = "llama") -> Path:
+def full_run(folder: Path, model_type: str = "llama", **config_kwargs) -> Path:
     """A full fine-tune's run folder: a tiny model of ``model_type`` saved there with the ChatML
     tokenizer, and the recipe.yaml a run keeps (chat format)."""
     import torch
@@ -35,7 +35,7 @@ def full_run(folder: Path, model_type: str = "llama") -> Path:
     config = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=256, tie_word_embeddings=model_type == "qwen3",
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **config_kwargs)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -188,6 +188,61 @@ def test_export_sentencepiece_families(tmp_path, model_type, quantization):
         assert tuple(tensors["blk.0.attn_qkv.weight"].shape) == (64, 64 + 2 * 32)
         assert tuple(tensors["blk.0.ffn_up.weight"].shape) == (64, 256)
         assert field(reader, "phi3.rope.scaling.original_context_length") == 256
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def llama3_run(folder: Path) -> Path:
+    """full_run()'s Llama with Llama-3.1's rope scaling (its original context shrunk to 64, so the
+    scaled band falls inside a 16-wide head and the prompts see it)."""
+    return full_run(folder, "llama", rope_scaling=LLAMA3_ROPE)
+
+
+def test_export_llama3_rope_scaling_as_rope_freqs(tmp_path):
+    """Llama-3.1's rope scaling goes in as llama.cpp's rope_freqs tensor (F32, one factor per
+    frequency: 1 for the fast ones, the factor 8 for the slow ones, as convert_hf_to_gguf.py writes
+    it), matched against transformers' own llama3 rope, and the weights agree under it."""
+    import gguf as gg
+    import numpy as np
+
+    run = llama3_run(tmp_path / "run")
+    result = cli("export", str(run), "--gguf", "--json")
+    assert result.exit_code == 0, result.output
+    a = json.loads(result.output)["agreement"]
+    assert a["ok"] and a["rope_freqs_match"] is True and a["same_tokenization"] and a["relative_diff"] < 0.002, a
+    reader = gg.GGUFReader(run / "gguf-f16" / "run-f16.gguf")
+    freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    factors = np.asarray(freqs.data).reshape(-1)
+    assert freqs.tensor_type == gg.GGMLQuantizationType.F32 and factors.shape == (8,)
+    # head_dim 16, base 10000: wavelength 2 pi 10000^(2i/16); below 64/4 = 16 unscaled, above 64 x 8
+    wavelengths = 2 * np.pi * 10000 ** (np.arange(0, 16, 2) / 16)
+    assert np.allclose(factors[wavelengths < 16], 1.0) and np.allclose(factors[wavelengths > 64], 8.0)
+    assert ((factors > 1) & (factors < 8)).any()  # the smoothed band
+
+
+def test_wrong_rope_freqs_fail_the_check(tmp_path, monkeypatch):
+    """A writer that put no scaling in rope_freqs (all ones) is caught by the check."""
+    import torch
+
+    import lowvram.train.after.gguf_file as gguf_file
+
+    monkeypatch.setattr(gguf_file, "rope_factors", lambda config: torch.ones(8))
+    run = llama3_run(tmp_path / "run")
+    result = cli("export", str(run), "--gguf")
+    assert_user_error(result, "does not match the model", "rope_freqs differ from the llama3 rope", "the file was removed")
+    assert not (run / "gguf-f16" / "run-f16.gguf").exists()
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "yarn", "factor": 4.0}])
+def test_other_rope_scaling_refused(tmp_path, rope):
+    run = full_run(tmp_path / "run", "qwen2")
+    config = json.loads((run / "config.json").read_text())
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), **rope}
+    (run / "config.json").write_text(json.dumps(config))
+    result = cli("export", str(run), "--gguf")
+    assert_user_error(result, f"{rope['rope_type']!r} rope scaling", "could not be checked", "convert_hf_to_gguf.py")
 
 
 def test_gemma_config_the_loader_cannot_read_back_refused(tmp_path):

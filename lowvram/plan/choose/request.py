@@ -275,7 +275,8 @@ def validate_request(req: PlanRequest) -> None:
         raise LowvramError("; ".join(problems), VISION_HINT)
     if req.model is not None and (problem := image_size_problem(req.model.vision, req.max_pixels, req.min_pixels)):
         raise LowvramError(problem, IMAGE_SIZE_HINT)
-    if req.model is not None and (problems := image_problems(req.model, req.images_per_row, req.seq_len)):
+    if req.model is not None and (problems := image_problems(req.model, req.images_per_row, req.seq_len,
+                                                                  req.attention or "sdpa")):
         raise LowvramError("; ".join(problems), IMAGE_HINT)
     packed = packing_problem(req.model.vision if req.model is not None else None, req.packing)
     if packed:

@@ -245,7 +245,9 @@ def export_run(plan: ExportPlan) -> ExportResult:
             f"the GGUF read back does not match the model (tokenization same: {agreement.same_tokenization}; "
             f"largest logit difference {agreement.relative_diff:.2%} of the logit scale, bound "
             f"{agreement.tolerance:.2%}; top-1 agreement {agreement.top1_agreement:.1%}, bound "
-            f"{agreement.top1_at_least:.0%}): the file was removed",
+            f"{agreement.top1_at_least:.0%}"
+            + ("; rope_freqs differ from the llama3 rope" if agreement.rope_freqs_match is False else "")
+            + "): the file was removed",
             "try --quantization f16; if it persists, report it with the run's config.json")
     text, note = modelfile_text(out.name, tokenizer.chat_template, plan.prompt_format)
     Path(plan.modelfile).write_text(text)

@@ -10,9 +10,12 @@ significant bits, BF16: 8), Q8_0 stores blocks of 32 weights as int8 with one F1
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from lowvram.train.after.gguf_family import rope_factors, uses_llama3_rope
 
 # Largest |logit difference| / largest |logit| of the reference, per quantization; and the least
 # share of positions whose top token must agree. Measured on the tiny test Llama and SmolLM2-135M
@@ -47,11 +50,14 @@ class Agreement:
     tolerance: float
     top1_agreement: float
     top1_at_least: float
+    # Llama-3.1's rope scaling: the file's rope_freqs equal the factors of transformers' own
+    # llama3 rope (None: no rope scaling in the file)
+    rope_freqs_match: bool | None = None
 
     @property
     def ok(self) -> bool:
         return (self.same_tokenization and self.relative_diff <= self.tolerance
-                and self.top1_agreement >= self.top1_at_least)
+                and self.top1_agreement >= self.top1_at_least and self.rope_freqs_match is not False)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
@@ -77,11 +83,16 @@ def compare(reference, tokenizer, gguf_path: Path, quantization: str) -> Agreeme
 
     reference = reference.float().eval()
     folder, name = str(gguf_path.parent), gguf_path.name
+    # Llama-3.1's rope scaling: transformers' loader does not read the file's rope_freqs, so the
+    # factors are compared with transformers' own llama3 rope here, and the weights loaded under
+    # the model's config (its rope scaling) are compared as every file's are.
+    rope = rope_freqs_match(reference.config, gguf_path) if uses_llama3_rope(reference.config.to_dict()) else None
+    config = {"config": copy.deepcopy(reference.config)} if rope is not None else {}
     # transformers' GGUF reader draws a plain tqdm bar ("Converting and de-quantizing GGUF
     # tensors...", modeling_gguf_pytorch_utils.py) that its progress-bar switch does not reach.
     with contextlib.redirect_stderr(io.StringIO()):
         loaded_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **config).eval()
     same, worst, scale, agree, total = True, 0.0, 0.0, 0, 0
     for text in fixed_prompts(tokenizer):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -98,4 +109,17 @@ def compare(reference, tokenizer, gguf_path: Path, quantization: str) -> Agreeme
     del loaded
     return Agreement(len(fixed_prompts(tokenizer)), total, same, round(worst, 6), round(scale, 6),
                      round(worst / scale, 6) if scale else 0.0, RELATIVE_TOLERANCE[quantization],
-                     round(agree / total, 6) if total else 1.0, TOP1_AT_LEAST[quantization])
+                     round(agree / total, 6) if total else 1.0, TOP1_AT_LEAST[quantization], rope)
+
+
+def rope_freqs_match(config, gguf_path: Path) -> bool:
+    """The file's rope_freqs tensor (read with gguf's GGUFReader) against rope_factors(config)."""
+    import gguf
+    import numpy as np
+
+    stored = next((t for t in gguf.GGUFReader(gguf_path).tensors if t.name == "rope_freqs.weight"), None)
+    if stored is None:
+        return False
+    want = rope_factors(config).numpy()
+    got = np.asarray(stored.data, dtype=np.float32).reshape(-1)
+    return got.shape == want.shape and bool(np.allclose(got, want, rtol=1e-6, atol=0))

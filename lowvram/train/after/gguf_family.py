@@ -89,6 +89,8 @@ def family_of(config: dict) -> Family:
                            f"{_names()} (verified by reading the file back)", _CONVERT_HINT)
     for kind, params in rope_parameters(config).items():
         rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type == "llama3" and model_type == "llama":
+            continue  # written as rope_freqs and checked (rope_factors, gguf_check.py)
         if rope_type != "default":
             raise LowvramError(f"cannot export a model with {rope_type!r} rope scaling to GGUF yet: transformers' "
                                "GGUF loader cannot read it back, so the file could not be checked", _CONVERT_HINT)
@@ -117,6 +119,29 @@ def _refuse_unreadable(config: dict, model_type: str, family: Family) -> None:
         shown = ", ".join(f"{k}={config[k]!r} (default {default.get(k)!r})" for k in differ)
         raise LowvramError(f"cannot export this {model_type} model to GGUF with a check: transformers' GGUF loader "
                            f"takes {shown} from the defaults, so the file read back would differ", _CONVERT_HINT)
+
+
+def uses_llama3_rope(config: dict) -> bool:
+    return any((p.get("rope_type") or p.get("type")) == "llama3" for p in rope_parameters(config).values())
+
+
+def rope_factors(config):
+    """Llama-3.1's rope scaling as llama.cpp reads it: the rope_freqs tensor, one factor per
+    frequency that divides it (llama.cpp's rope: theta = pos * base^(-2i/d) / factor_i), i.e. the
+    default inverse frequencies over the ones transformers' own llama3 rope computes
+    (modeling_rope_utils._compute_llama3_parameters) - what convert_hf_to_gguf.py's
+    LlamaModel.generate_extra_tensors writes. ``config``: a transformers config object."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    if attention_factor != 1.0:
+        raise LowvramError("this llama3 rope scaling scales attention, which llama.cpp's rope_freqs cannot say",
+                           _CONVERT_HINT)
+    dim = head_dim(config.to_dict())
+    base = float(config.rope_parameters["rope_theta"])
+    default = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return (default / scaled.double()).float()
 
 
 def write_metadata(w, config: dict, family: Family) -> None:

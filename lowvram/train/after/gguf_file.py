@@ -17,6 +17,9 @@ from lowvram.train.after.gguf_family import (
     converted,
     family_of,
     gguf_names,
+    head_dim,
+    rope_factors,
+    uses_llama3_rope,
     write_metadata,
 )
 from lowvram.train.after.gguf_vocab import write_vocab
@@ -53,8 +56,11 @@ def planned_tensors(config: dict, quantization: str) -> tuple[list[TensorPlan], 
     tensor the writer cannot write."""
     family = family_of(config)
     shapes, parameters = model_shapes(config)
-    return [TensorPlan(new, shapes[hf], tensor_kind(new, shapes[hf], quantization))
-            for hf, new in gguf_names(family, config, shapes).items()], parameters
+    planned = [TensorPlan(new, shapes[hf], tensor_kind(new, shapes[hf], quantization))
+               for hf, new in gguf_names(family, config, shapes).items()]
+    if uses_llama3_rope(config):
+        planned.append(TensorPlan("rope_freqs.weight", (head_dim(config) // 2,), "f32"))
+    return planned, parameters
 
 
 def write_gguf(model, tokenizer, tokenizer_dir: Path, path: Path, quantization: str, name: str) -> None:
@@ -83,6 +89,8 @@ def write_gguf(model, tokenizer, tokenizer_dir: Path, path: Path, quantization: 
         kind = tensor_kind(new, data.shape, quantization)
         packed = gguf.quants.quantize(np.ascontiguousarray(data), qtype[kind])
         w.add_tensor(new, packed, raw_dtype=qtype[kind])
+    if uses_llama3_rope(config):  # F32, as llama.cpp's converter writes it
+        w.add_tensor("rope_freqs.weight", rope_factors(model.config).numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -303,7 +303,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     collator = make_collator(loaded.tokenizer, flash_varlen=is_flash_attention_requested(loaded.model.config),
                              rows=True)  # each step's rows, for its error (train/run/guard.py)
     if images is not None:  # pixel values per batch (data/images.py)
-        collator = make_image_collator(images.processor, images.image_token_id, collator)
+        collator = make_image_collator(images.processor, images.image_token_id, collator, images.cross_attention)
     if len(bundle.train) == 0:
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
     check_shape(recipe, train_rows=len(bundle.train))  # the rows (windows) as built: hub data, packing
