@@ -38,6 +38,7 @@ def vision_moment(setup: RunSetup) -> Moment:
     """The frozen vision tower's forward (vision_encoder_forward): what image data keeps beside
     the tower's and projector's working set (plan/memory/images.py; Llama-3.2-Vision's:
     cross_attention.py), beside the weights."""
+    setup = cross_attention.active_setup(setup)  # as estimate_memory sees it (a no-op once applied)
     r, _, autocast = dtypes(setup)
     w = dtype_bytes(setup)[0]  # the tower's weights: its residual stream and layer norms
     lin = 2 if autocast else w  # its Linear outputs
