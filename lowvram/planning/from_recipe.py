@@ -226,6 +226,8 @@ def pixel_fields(recipe: Recipe) -> dict:
         except (OSError, ValueError):
             cfg = {}
         cfg = cfg.get("image_processor", cfg) if isinstance(cfg, dict) else {}  # transformers 5 nests it
+        if not str(cfg.get("image_processor_type", "")).startswith("Qwen2VLImageProcessor"):
+            cfg = {}  # another family's sizes (CLIP's shortest_edge is a side, not pixels)
         size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
         own = {"max_pixels": cfg.get("max_pixels", size.get("longest_edge")),
                "min_pixels": cfg.get("min_pixels", size.get("shortest_edge"))}

@@ -116,17 +116,21 @@ def test_the_processor_config_is_the_default(tmp_path):
     from lowvram.planning.from_recipe import pixel_fields
     from lowvram.recipe import Recipe
 
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12845056}))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136, "max_pixels": 12845056}))
     recipe = Recipe.model_validate({"model": {"name_or_path": str(tmp_path)},
                                     "data": {"datasets": [{"path": "x.jsonl", "format": "image_chat"}]}})
     assert pixel_fields(recipe) == {"max_pixels": 12845056, "min_pixels": 3136}
     recipe.data.max_pixels = 401_408
     assert pixel_fields(recipe) == {"max_pixels": 401_408, "min_pixels": 3136}
     (tmp_path / "preprocessor_config.json").unlink()  # transformers 5 nests it in processor_config.json
-    (tmp_path / "processor_config.json").write_text(json.dumps(
-        {"image_processor": {"size": {"longest_edge": 1_000_000, "shortest_edge": 4096}}}))
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": {
+        "image_processor_type": "Qwen2VLImageProcessor", "size": {"longest_edge": 1_000_000, "shortest_edge": 4096}}}))
     recipe.data.max_pixels = None
     assert pixel_fields(recipe) == {"max_pixels": 1_000_000, "min_pixels": 4096}
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": {  # Llava's: a side, not pixels
+        "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 336}}}))
+    assert pixel_fields(recipe) == {}
 
 
 def test_pixels_alive_follow_the_accumulation():
