@@ -56,12 +56,15 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (fo
 
 @app.command()
 @handle_errors
-def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> None:
+def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False,
+             gpus: Annotated[int, typer.Option("--gpus", min=1, help="Processes the run will have (`train --gpus N`): grpo/rloo's generation batch is checked against them.")] = 1) -> None:
     """Check a recipe without loading anything heavy; report every problem at once."""
+    from lowvram.planning.from_recipe import check_grpo_processes
     from lowvram.recipe import load_recipe
     from lowvram.report.info import show_validated
 
     r = load_recipe(recipe, set_ or [])
+    check_grpo_processes(r, gpus)  # TRL's rule on the generation batch with that many processes
     from lowvram.train.run.preflight import check_inputs, check_seq_len, check_shape
 
     check_seq_len(r)  # seq_len past the model's positions (the catalog knows them with nothing downloaded)

@@ -235,6 +235,25 @@ def pixel_fields(recipe: Recipe) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def check_grpo_processes(recipe: Recipe, gpus: int) -> None:
+    """`lowvram validate --gpus N` on a grpo/rloo recipe: TRL's rule on the generation batch with N
+    processes (plan.memory.grpo.generation_batch_problem, the planner's own check), no model read."""
+    from lowvram.plan.memory.grpo import generation_batch_problem
+
+    t = recipe.training
+    if t.objective not in _grpo_objectives() or gpus <= 1:
+        return
+    if t.batch_size % gpus:
+        raise LowvramError(f"training.batch_size {t.batch_size} is not divisible by {gpus} processes",
+                           f"use a batch size that is a multiple of {gpus}")
+    fixed = recipe_choices(recipe)
+    micro = fixed.get("micro_batch_size") or (t.batch_size // gpus // fixed["grad_accum"]
+                                              if fixed.get("grad_accum") else None)
+    problem = generation_batch_problem(grpo_request(recipe, t.objective, {}), t.batch_size, gpus, micro)
+    if problem:
+        raise LowvramError(*problem)
+
+
 def lora_fields(recipe: Recipe) -> dict:
     """The recipe's lora section as PlanRequest / Plan fields."""
     lc = recipe.lora

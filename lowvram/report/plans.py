@@ -64,9 +64,11 @@ def show_plan_brief(recipe, plan) -> None:
     if objective in ("grpo", "rloo"):  # batch_size counts completions; a row is prompt + completion
         g = recipe.grpo
         tokens = plan.effective_batch * (g.max_prompt_length + g.max_completion_length)
+        rounds = max(1, plan.grad_accum // max(1, plan.steps_per_generation))
         c.print(f"objective {objective}: {plan.effective_batch:,} completions per step "
-                f"({plan.effective_batch // g.num_generations:,} prompts x {g.num_generations} generations), "
-                f"generated, scored by the rewards, then trained on (TRL)", markup=False)
+                f"({plan.effective_batch // g.num_generations:,} prompts x {g.num_generations} generations); "
+                f"generation batch {plan.generation_batch_size:,} ({rounds} round{'s' * (rounds > 1)} per step, "
+                f"engine {plan.generation}), generated, scored by the rewards, then trained on (TRL)", markup=False)
     elif objective == "kto":  # unpaired rows, one forward each (TRL's KTOTrainer)
         c.print(f"objective kto: {plan.effective_batch:,} unpaired completions per step, each labelled "
                 "desirable or not, one forward each, plus a no-grad KL forward of mismatched rows (TRL)",

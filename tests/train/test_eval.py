@@ -180,6 +180,32 @@ def test_scoring_normalises_as_users_expect():
     assert not score("", "x").exact and not score("anything", "").contains
 
 
+def test_full_run_and_its_checkpoint(tmp_path, tiny_model_dir):
+    """A full fine-tune: the trained folder and, after it is freed, the recipe's model as the base;
+    a checkpoint of the run is evaluated with the run's recipe (the folder above it)."""
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.train.data.build import build_datasets
+
+    recipe = write_recipe(tmp_path, tiny_model_dir, steps=2, save_steps=1, validation="0.25",
+                          techniques="lora: off, mixed_precision: fp32")
+    assert cli("train", str(recipe)).exit_code == 0
+    run = tmp_path / "out"
+    rec, tok = recipe_and_tokenizer(run)
+    ev = build_datasets(rec, tok).eval
+    samples = list(zip(ev["input_ids"], ev["labels"], strict=True))
+    for folder in (run, run / "checkpoint-1"):
+        result = cli("eval", str(folder), "--answers", "0", "--json")
+        assert result.exit_code == 0, result.output
+        out = json.loads(result.stdout)
+        assert out["plan"]["kind"] == "full" and out["base"]["exact_match"] is None
+        trained = AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert out["trained"]["loss"] == pytest.approx(plain_mean_loss(trained, samples), rel=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    assert out["base"]["loss"] == pytest.approx(plain_mean_loss(base, samples), rel=1e-5)
+    assert len(json.loads((run / "evals.json").read_text())) == 2  # the checkpoint's is the run's record too
+
+
 # --------------------------------------------------------------------------------------------
 # lm-eval
 

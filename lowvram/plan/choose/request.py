@@ -10,7 +10,12 @@ from lowvram.errors import LowvramError
 from lowvram.plan.choose.techniques import flash_attention_hint, flash_attention_unavailable
 from lowvram.plan.constants import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_BYTES
 from lowvram.plan.memory import lora_init, optimizers, preference, sharding
-from lowvram.plan.memory.grpo import GRPO_OBJECTIVES, GrpoRequest, grpo_request_problem
+from lowvram.plan.memory.grpo import (
+    GRPO_OBJECTIVES,
+    GrpoRequest,
+    generation_batch_problem,
+    grpo_request_problem,
+)
 from lowvram.plan.memory.images import IMAGE_HINT, image_problems
 from lowvram.plan.model import moe
 from lowvram.plan.model.image_size import IMAGE_SIZE_HINT, image_size_problem, sized_vision
@@ -348,6 +353,9 @@ def validate_request(req: PlanRequest) -> None:
                 f"!= batch_size {req.batch_size}",
                 "fix two of the three and let the planner derive the third",
             )
+    if req.grpo is not None and (problem := generation_batch_problem(req.grpo, req.batch_size, req.gpus,
+                                                                      fixed_micro_batch_size(req))):
+        raise LowvramError(*problem)
 
 
 def check_optimizer(req: PlanRequest, budget: Budget, precision: str | None = None) -> None:
