@@ -152,8 +152,7 @@ class PlanRequest:
     # data.images_per_row when a dataset is format image_chat (0: text data): the images each row
     # brings, their pixels and the vision tower's forward (lowvram.plan.memory.images)
     images_per_row: int = 0
-    # data.max_pixels / data.min_pixels (None: the processor's own): the largest image's tokens and
-    # the tower's sequence (lowvram.plan.model.image_size); __post_init__ sizes model.vision by them
+    # data.max_pixels / min_pixels (None: the processor's own): model.vision sized (plan/model/image_size.py)
     max_pixels: int | None = None
     min_pixels: int | None = None
     # training.objective and DPO's precompute_ref_log_probs (lowvram.plan.memory.preference): a preference
@@ -166,14 +165,11 @@ class PlanRequest:
     # Where each fixed choice came from ("--optimizer", "the recipe"), for the reasons.
     sources: dict[str, str] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        # the pixel limits size a dynamic-resolution tower's largest image (idempotent: the tokens
-        # follow from the limits, never from the spec's previous size)
+    def __post_init__(self) -> None:  # the pixel limits size a dynamic-resolution tower (idempotent)
         v = self.model.vision if isinstance(self.model, ModelSpec) else None
-        if v is not None and (self.max_pixels is not None or self.min_pixels is not None) \
-                and image_size_problem(v, self.max_pixels, self.min_pixels) is None:
-            object.__setattr__(self, "model", replace(self.model, vision=sized_vision(
-                v, self.max_pixels, self.min_pixels)))
+        if v is not None and (self.max_pixels or self.min_pixels) and not image_size_problem(v, self.max_pixels,
+                                                                                             self.min_pixels):
+            object.__setattr__(self, "model", replace(self.model, vision=sized_vision(v, self.max_pixels, self.min_pixels)))
 
     def fixed(self, name: str) -> bool:
         return getattr(self, name) is not None
