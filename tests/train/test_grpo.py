@@ -272,6 +272,21 @@ def test_rloo_paged_run_on_chat_prompts(tmp_path, tiny_model_dir):
     assert m["steps"] == 2 and m["reward"] <= 0 and m["peak_memory_bytes"] < 64 * 2**20  # no memory-share cache
 
 
+UNSCORED = REWARD_FILE + '''
+
+def never(prompts, completions, **kwargs):
+    return [None] * len(completions)
+'''
+
+
+def test_a_reward_that_scores_nothing_is_left_out_of_the_progress_and_metrics(tmp_path, tiny_model_dir):
+    """A reward returning None for every completion: TRL logs rewards/never/mean None (GRPOTrainer.log
+    L3311-3312), which ended the run in the progress line's format (a TypeError) before."""
+    _train(setup_run(tmp_path, tiny_model_dir, reward_code=UNSCORED, steps=1, rewards="[rewards.py:short, rewards.py:never]"))
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["steps"] == 1 and set(m["reward_functions"]) == {"short"} and m["reward"] < 0
+
+
 RAISES_AT_STEP_3 = REWARD_FILE + '''
 
 def fragile(prompts, completions, trainer_state, **kwargs):

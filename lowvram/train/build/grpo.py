@@ -235,8 +235,10 @@ _HISTORIES = ("reward", "completion_length", "clip_ratio")
 def rl_metrics(log_history: list[dict]) -> dict:
     """metrics.json's grpo/rloo part from the Trainer's log history: each logged value's last
     value (and history, for the reward, the completion length and the clip ratio), and each reward
-    function's mean, std and history (TRL's rewards/<name>/mean, /std); {} for other runs."""
-    logs = [e for e in log_history if "step" in e and "reward" in e]
+    function's mean, std and history (TRL's rewards/<name>/mean, /std); {} for other runs. TRL logs
+    None for a value with no number in its window (GRPOTrainer.log L3311-3312: a reward that
+    returned None for every completion): such a point is left out."""
+    logs = [_numbers(e) for e in log_history if "step" in e and "reward" in e]
     if not logs:
         return {}
     out: dict = {}
@@ -259,9 +261,16 @@ def rl_metrics(log_history: list[dict]) -> dict:
     return out
 
 
+def _numbers(logs: dict) -> dict:
+    """``logs`` without TRL's None values (a metric with no number since the last log)."""
+    return {k: v for k, v in logs.items() if v is not None}
+
+
 def rl_progress(logs: dict) -> str:
     """The progress line's grpo/rloo part of one log: the summed reward (mean +- std), each
-    function's mean, the completion length, the KL (beta > 0) and the clip ratio; "" otherwise."""
+    function's mean, the completion length, the KL (beta > 0) and the clip ratio; "" otherwise
+    (and for a log whose summed reward is None: no completion was scored)."""
+    logs = _numbers(logs)
     if "reward" not in logs:
         return ""
     parts = [f"reward {logs['reward']:+.3f}" + (f" ±{logs['reward_std']:.3f}" if "reward_std" in logs else "")]
