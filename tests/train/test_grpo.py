@@ -203,8 +203,11 @@ def test_trl_config_carries_the_plan(tmp_path, tiny_model_dir):
     assert not args.use_transformers_continuous_batching
     _, _, args = _config(tmp_path, tiny_model_dir, objective="rloo", grpo=", generation: paged")
     assert type(args) is RLOOConfig and args.use_transformers_continuous_batching
-    # the paged cache holds one generation batch's rows, no share of the free memory
-    assert args.transformers_continuous_batching_config == {"num_blocks": 4, "max_batch_tokens": 56}
+    # the paged cache holds one generation batch's rows, no share of the free memory; its footprint may
+    # reach all the free memory (transformers' _check_footprint raises above free x max_memory_percent,
+    # which TRL sets to 0.5 when unset: a cache planned into more than half the free memory would fail)
+    assert args.transformers_continuous_batching_config == {"num_blocks": 4, "max_batch_tokens": 56,
+                                                            "max_memory_percent": 1.0}
 
 
 @pytest.mark.parametrize("precision, lora, refused", [

@@ -100,7 +100,7 @@ def generation_settings(recipe, plan) -> dict:
                                    ("max_batch_tokens", getattr(plan, "paged_max_batch_tokens", None))) if v}
         out["use_transformers_continuous_batching"] = True
         if cache:
-            out["transformers_continuous_batching_config"] = cache
+            out["transformers_continuous_batching_config"] = {**cache, "max_memory_percent": PAGED_MEMORY_PERCENT}
     return out
 
 
@@ -165,6 +165,12 @@ def grpo_config(recipe, plan, arguments: dict):
     return config
 
 
+# The share of the free memory transformers lets the paged cache's footprint reach. A planned cache
+# (num_blocks, max_batch_tokens) is still checked against it (continuous_batching/cache.py
+# _check_footprint: MemoryError above free x max_memory_percent), and TRL sets 0.5 where none is given
+# (grpo_trainer.py L803-807, rloo_trainer.py L554-558): a cache the plan fitted in more than half the free
+# memory would fail at the first generation. The plan sized it, so all the free memory may hold it.
+PAGED_MEMORY_PERCENT = 1.0
 # transformers' ContinuousBatchingConfig defaults: tokens per page of the paged cache, and the most
 # tokens of one forward (generation/continuous_batching/cache.py _default_max_batch_tokens)
 PAGE_TOKENS = 256
@@ -178,7 +184,8 @@ def paged_cache(completions: int, g) -> dict:
     here), the forward's tokens at transformers' default or the whole batch if smaller."""
     row = g.max_prompt_length + g.max_completion_length
     pages = -(-row // PAGE_TOKENS)
-    return {"num_blocks": completions * pages, "max_batch_tokens": min(DEFAULT_MAX_BATCH_TOKENS, completions * row)}
+    return {"num_blocks": completions * pages, "max_batch_tokens": min(DEFAULT_MAX_BATCH_TOKENS, completions * row),
+            "max_memory_percent": PAGED_MEMORY_PERCENT}
 
 
 def is_rl_config(args) -> bool:
