@@ -112,6 +112,23 @@ def test_mixed_prompt_kinds_are_refused(tmp_path):
         _bundle(tmp_path, [GOOD, {"prompt": [{"role": "user", "content": "Q"}], "answer": "1"}])
 
 
+def test_chat_prompts_need_a_chat_template(tmp_path, tiny_tokenizer):
+    """TRL renders message prompts with apply_chat_template at the first generation: without a
+    template that was a ValueError mid-run; now error/hint when the data is built."""
+    import copy
+
+    from lowvram.recipe import load_recipe
+    from lowvram.train.data.build import build_datasets
+
+    recipe = load_recipe(setup_run(tmp_path, "m", chat=True))
+    assert build_datasets(recipe, tiny_tokenizer).stats.train_rows == 16
+    plain = copy.deepcopy(tiny_tokenizer)
+    plain.chat_template = None
+    with pytest.raises(LowvramError, match="no chat template") as e:
+        build_datasets(recipe, plain)
+    assert "model.tokenizer" in e.value.hint
+
+
 # ---------------------------------------------------------------------------------- rewards
 
 
