@@ -254,6 +254,36 @@ def test_paged_is_refused_where_trl_casts_trained_weights(tmp_path, tiny_model_d
         assert generation_settings(recipe, plan)["use_transformers_continuous_batching"] is True
 
 
+@pytest.mark.parametrize("objective", ["grpo", "rloo"])
+def test_trl_keeps_the_adapters_fp32_over_a_quantized_base(tmp_path, tiny_model_dir, monkeypatch, objective):
+    """GRPOTrainer/RLOOTrainer cast the trainable parameters to bf16 over a 4/8-bit base
+    (grpo_trainer.py L538-541, rloo_trainer.py L458-461); SFT of the same recipe and the plan's
+    states train fp32 adapters, as DPO's path restores (train/build/preference.py _restore_dtypes)."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.build.model import load_model
+    from lowvram.train.build.trainer import build_trainer, build_training_args
+    from lowvram.train.data.build import build_datasets
+
+    monkeypatch.chdir(tmp_path)
+    path = setup_run(tmp_path, tiny_model_dir, objective=objective, rewards="[rewards.py:short]")
+    path.write_text(path.read_text().replace("techniques: {lora: on}",
+                                             "techniques: {lora: on, quantization: nf4, mixed_precision: bf16-mixed}"))
+    recipe = load_recipe(path)
+    plan = resolve_fixed(recipe)
+    loaded = load_model(recipe, plan)
+    assert loaded.model.is_loaded_in_4bit  # what TRL tests before its cast
+    before = {n: p.dtype for n, p in loaded.model.named_parameters() if p.requires_grad}
+    assert set(before.values()) == {torch.float32}
+    trainer = build_trainer(loaded, build_datasets(recipe, loaded.tokenizer), build_training_args(recipe, plan),
+                            None, recipe=recipe)
+    assert type(trainer).__name__ == {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}[objective]
+    assert {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad} == before
+
+
 # ---------------------------------------------------------------------------------- runs
 
 

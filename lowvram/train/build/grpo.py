@@ -14,8 +14,11 @@ named in its config below; the recipe's grpo section says what (lowvram.recipe.g
   plan sized); ``vllm`` is refused (:func:`engine_problem`).
 - Prompts longer than grpo.max_prompt_length lose their start (:func:`_truncating`): TRL 1.16
   keeps whole prompts, TRL before 1.0 cut ``prompt_ids[:, -max_prompt_length:]``.
-- The reference model (beta > 0): with LoRA TRL disables the adapter for the reference forward,
-  full fine-tuning loads a second copy (GRPOTrainer.__init__); beta 0 loads none.
+- The reference model (beta > 0): full fine-tuning loads a second copy (GRPOTrainer.__init__
+  L986-1003); with LoRA the model arrives as a PEFT model, so TRL adds a frozen adapter "ref", a copy
+  of the starting adapter (L478-502), and scores the reference through it (L2722-2724): no copy of
+  the weights, one of the adapter, saved beside it in every checkpoint and the output (``ref/``);
+  beta 0 loads none.
 """
 
 from __future__ import annotations
@@ -216,10 +219,12 @@ def build_rl_trainer(loaded, bundle, args, recipe, callbacks=()):
     (lowvram.train.build.rewards.guarded: a failing reward names itself and the step)."""
     from transformers import PrinterCallback
 
+    from lowvram.train.build.preference import _restore_dtypes, _trainable_dtypes
     from lowvram.train.build.rewards import guarded, load_rewards
 
     trainer_class, _ = _classes(recipe.training.objective)
     rewards = [guarded(r, resume_hint(recipe)) for r in load_rewards(recipe)]
+    trained = _trainable_dtypes(loaded.model)
     trainer = _truncating(trainer_class, recipe.grpo.max_prompt_length)(
         model=loaded.model,
         reward_funcs=rewards,
@@ -229,11 +234,14 @@ def build_rl_trainer(loaded, bundle, args, recipe, callbacks=()):
         callbacks=list(callbacks),
     )
     trainer.remove_callback(PrinterCallback)  # progress.py reports, as for SFT
+    # over a 4/8-bit base GRPOTrainer and RLOOTrainer cast every trainable parameter to bf16 in
+    # __init__ (grpo_trainer.py L538-541, rloo_trainer.py L458-461), as DPO does: back to SFT's fp32 adapters
+    _restore_dtypes(trainer.model, trained)
     return trainer
 
 
 # TRL 1.16's log keys (GRPOTrainer/RLOOTrainer.log: the means over the completions since the last
-# log) -> metrics.json's (lowvram.metrics.RunMetrics); clip_ratio/region_mean is GRPO's only.
+# log) -> metrics.json's (lowvram.metrics.RunMetrics).
 _RL_LOG_KEYS = {"reward": "reward", "reward_std": "reward_std", "completions/mean_length": "completion_length",
                 "completions/clipped_ratio": "truncated_completions", "clip_ratio/region_mean": "clip_ratio"}
 _HISTORIES = ("reward", "completion_length", "clip_ratio")
