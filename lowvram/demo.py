@@ -5,8 +5,8 @@
 2. Answers two prompts from the quickstart dataset with the base model (greedy).
 3. Runs exactly ``lowvram train recipes/quickstart.yaml --overwrite`` (the same CLI command).
 4. Answers the same prompts with base + the trained adapter, and shows the loss falling.
-5. Runs ``lowvram eval runs/quickstart --answers 8``: base vs trained on the rows training held
-   out (loss, perplexity, exact match / contains of 8 greedy answers), the table users get.
+5. Runs ``lowvram eval runs/quickstart --answers 4``: base vs trained on the rows training held
+   out (loss, perplexity, exact match / contains of 4 greedy answers), the table users get.
 
 The prompts are rendered as in training (``lowvram.train.data.format.format_example``: the Alpaca
 prompt the quickstart data uses), so before and after see the exact text the adapter learned on.
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 PROMPT_ROWS = (0, 1)  # rows of the quickstart dataset shown before/after training
 MAX_NEW_TOKENS = 48
-EVAL_ANSWERS = 8  # held-out rows the demo's eval answers (the loss reads all of them): keeps the demo short
+EVAL_ANSWERS = 4  # held-out rows the demo's eval answers (the loss reads all of them): keeps the demo short
 
 
 def find_gguf() -> Path:

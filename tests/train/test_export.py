@@ -346,7 +346,14 @@ def test_modelfile_templates():
     assert note is None and 'PARAMETER stop "<|eot_id|>"' in text
     assert "<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>" in text
     text, note = modelfile_text("m.gguf", "{{ '[INST] ' + m['content'] + ' [/INST]' }}", "chat")
-    assert 'TEMPLATE """' not in text and "neither ChatML nor Llama-3" in note and note in text
+    assert 'TEMPLATE """' not in text and "none of ChatML, Llama-3, Gemma, Phi-3" in note and note in text
+    from lowvram.testing import GEMMA_CHAT_TEMPLATE, build_sentencepiece_tokenizer
+
+    text, note = modelfile_text("m.gguf", GEMMA_CHAT_TEMPLATE, "chat")
+    assert note is None and 'PARAMETER stop "<end_of_turn>"' in text
+    assert "<start_of_turn>{{ if eq $m.Role \"assistant\" }}model{{ else }}user{{ end }}" in text
+    text, note = modelfile_text("m.gguf", build_sentencepiece_tokenizer("llama").chat_template, "chat")
+    assert note is None and "<|{{ .Role }}|>\n{{ .Content }}<|end|>" in text and 'PARAMETER stop "<|end|>"' in text
     text, _ = modelfile_text("m.gguf", CHAT_TEMPLATE, None, system="Be brief.")
     assert text.splitlines()[1] == "FROM ./m.gguf" and text.endswith('SYSTEM """Be brief."""\n')
 

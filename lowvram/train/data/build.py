@@ -66,7 +66,7 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: I
     ``images``: the model's processor and image token, for format image_chat (data/images.py);
     every sample then carries its image paths (none for a text dataset beside it)."""
     if recipe.training.objective in RL_OBJECTIVES:
-        return _prompt_bundle(recipe)
+        return _prompt_bundle(recipe, tokenizer)
     if recipe.training.objective != "sft":
         return _preference_bundle(recipe)
     data = recipe.data
@@ -139,11 +139,11 @@ def _preference_bundle(recipe: Recipe) -> DataBundle:
     return DataBundle(train=pairs.train, eval=pairs.eval, stats=stats)
 
 
-def _prompt_bundle(recipe: Recipe) -> DataBundle:
+def _prompt_bundle(recipe: Recipe, tokenizer: PreTrainedTokenizerBase | None) -> DataBundle:
     """grpo, rloo: the checked prompts, which TRL tokenizes at each generation (data/prompts.py)."""
     from lowvram.train.data.prompts import build_prompt_dataset
 
-    prompts = build_prompt_dataset(recipe)
+    prompts = build_prompt_dataset(recipe, tokenizer)
     stats = DataStats(train_rows=prompts.prompts, eval_rows=0, skipped_bad_rows=prompts.skipped_bad_rows,
                       truncated=0, train_tokens=0, response_tokens=0, packed=False, train_samples=prompts.prompts)
     return DataBundle(train=prompts.train, eval=None, stats=stats)
