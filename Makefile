@@ -36,6 +36,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	# TRL (the [preference] extra) for training.objective dpo/orpo/simpo; its own requirements
 	# (accelerate, datasets, transformers, ...) are lowvram's already, so --no-deps.
 	$(BIN)/pip install -q --no-deps trl==1.16.0
+	# the [eval] extra (lowvram eval --tasks): lm-eval and its own requirements, with torch,
+	# transformers and datasets held at what is installed (lm-eval 0.4.13 needs none of them moved)
+	$(BIN)/pip freeze | grep -E '^(torch|transformers|datasets)==' > $(VENV)/eval-constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/eval-constraints.txt lm-eval==0.4.13
 	touch $(STAMP)
 
 install: $(STAMP)

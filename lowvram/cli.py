@@ -56,12 +56,15 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (fo
 
 @app.command()
 @handle_errors
-def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False) -> None:
+def validate(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False,
+             gpus: Annotated[int, typer.Option("--gpus", min=1, help="Processes the run will have (`train --gpus N`): grpo/rloo's generation batch is checked against them.")] = 1) -> None:
     """Check a recipe without loading anything heavy; report every problem at once."""
+    from lowvram.planning.from_recipe import check_grpo_processes
     from lowvram.recipe import load_recipe
     from lowvram.report.info import show_validated
 
     r = load_recipe(recipe, set_ or [])
+    check_grpo_processes(r, gpus)  # TRL's rule on the generation batch with that many processes
     from lowvram.train.run.preflight import check_inputs, check_seq_len, check_shape
 
     check_seq_len(r)  # seq_len past the model's positions (the catalog knows them with nothing downloaded)
@@ -165,6 +168,9 @@ def plan(
     activation_offload: Annotated[bool | None, typer.Option("--activation-offload/--no-activation-offload", help="Fix activation offloading (checkpointed layer inputs in pinned host RAM; needs checkpointing, a GPU) on or off.", show_default=False)] = None,
     tiled_mlp: Annotated[str | None, _opt("--tiled-mlp", "auto | on | off | N: each layer's MLP over the sequence in N shards, recomputed shard by shard (on: ceil(seq_len / hidden_size)); ~20% slower.", "T")] = None,
     packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="Plan for data.packing: several samples per seq_len window (SDPA then keeps a b x s x s mask per layer).", show_default=False)] = None,
+    images_per_row: Annotated[int | None, _opt("--images-per-row", "Plan image + text rows of up to N images (data.images_per_row; a vision model).", "N")] = None,
+    max_pixels: Annotated[int | None, _opt("--max-pixels", "Qwen-VL: the largest image in pixels (data.max_pixels; default the processor's, 1003520): bounds each image's tokens. Implies --images-per-row 1.", "N")] = None,
+    min_pixels: Annotated[int | None, _opt("--min-pixels", "Qwen-VL: the smallest image in pixels (data.min_pixels).", "N")] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
     offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,
     objective: Annotated[str | None, _opt("--objective", "sft | dpo | orpo | simpo | kto | grpo | rloo (training.objective; preference: 2 rows per pair, kto 1 row, DPO and KTO a reference; grpo/rloo: generation, then training on the completions).", "OBJ")] = None,
@@ -254,7 +260,8 @@ def plan(
         gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,
         activation_offload=activation_offload, packing=packing, gpus=gpus, offload=offload,
         tiled_mlp=None if tiled_mlp == "auto" else tiled_mlp,
-        objective=objective, host_ram=host_ram, **grpo_flags,
+        objective=objective, host_ram=host_ram, images_per_row=images_per_row, max_pixels=max_pixels,
+        min_pixels=min_pixels, **grpo_flags,
     )
     from lowvram.plan.choose.request import Choice
     from lowvram.plan.serialize import choice_to_dict
@@ -397,6 +404,30 @@ def generate(
         chat_loop(gen, settings, input, write_stream)
         return
     stream_text(stream_reply(gen, [{"role": "user", "content": prompt}], settings))
+
+
+@app.command(name="eval")
+@handle_errors
+def eval_(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run folder or one of its checkpoints.", show_default=False, metavar="RUN_DIR")],
+    data: Annotated[Path | None, _opt("--data", "Rows to evaluate on, read in the recipe's data format (default: the rows training held out, data.validation).", "FILE")] = None,
+    tasks: Annotated[str | None, _opt("--tasks", "lm-eval tasks, comma-separated (the [eval] extra).", "NAME[,NAME]")] = None,
+    task_dir: Annotated[Path | None, _opt("--task-dir", "Folder of lm-eval task YAML files (default: lm-eval's own tasks).", "DIR")] = None,
+    answers: Annotated[int, typer.Option("--answers", min=0, help="Prompt-answer rows answered greedily for exact match / contains (0: loss only).")] = 32,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Most tokens per answer (at most the longest reference + 32).")] = 256,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Evaluate on the CPU even when the GPU holds the model.")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Score a trained run and its base side by side: held-out loss and perplexity, exact-match
+    answers, lm-eval tasks; recorded in the run's evals.json."""
+    from lowvram.report.evals import progress, show_eval_plan, show_eval_result
+    from lowvram.train.after.evaluate import plan_eval, run_eval
+
+    names = tuple(t.strip() for t in (tasks or "").split(",") if t.strip())
+    ep = plan_eval(run_dir, data, names, task_dir, answers=answers, max_new_tokens=max_new_tokens, cpu=cpu)
+    if not json_:
+        show_eval_plan(ep)
+    show_eval_result(run_eval(ep, None if json_ else progress), as_json=json_)
 
 
 @app.command()

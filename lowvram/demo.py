@@ -5,6 +5,8 @@
 2. Answers two prompts from the quickstart dataset with the base model (greedy).
 3. Runs exactly ``lowvram train recipes/quickstart.yaml --overwrite`` (the same CLI command).
 4. Answers the same prompts with base + the trained adapter, and shows the loss falling.
+5. Runs ``lowvram eval runs/quickstart --answers 4``: base vs trained on the rows training held
+   out (loss, perplexity, exact match / contains of 4 greedy answers), the table users get.
 
 The prompts are rendered as in training (``lowvram.train.data.format.format_example``: the Alpaca
 prompt the quickstart data uses), so before and after see the exact text the adapter learned on.
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 PROMPT_ROWS = (0, 1)  # rows of the quickstart dataset shown before/after training
 MAX_NEW_TOKENS = 48
+EVAL_ANSWERS = 4  # held-out rows the demo's eval answers (the loss reads all of them): keeps the demo short
 
 
 def find_gguf() -> Path:
@@ -121,7 +124,7 @@ def show_loss(c, history) -> None:
     c.print(f"  loss {first:.3f} -> {last:.3f} ({(last - first) / first:+.0%})", markup=False)
 
 
-def run_demo(recipe_path: Path = QUICKSTART) -> dict:
+def run_demo(recipe_path: Path = QUICKSTART, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
     from lowvram.cli import app
     from lowvram.planning.entry import plan_for_recipe
     from lowvram.recipe import load_recipe
@@ -140,7 +143,7 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     base = load_model(recipe, replace(plan, lora=False))
     cache = "from the GGUF cache" if base.gguf_cache_hit else "GGUF converted once, cached for next time"
     c.print(f"loaded {MODEL_NAME} in {base.load_s:.1f} s ({cache})", markup=False)
-    before = [answer(base.model, base.tokenizer, p) for p, _ in prompts]
+    before = [answer(base.model, base.tokenizer, p, max_new_tokens) for p, _ in prompts]
     show_answers(c, "Before training (base model)", prompts, before)
     del base
 
@@ -157,10 +160,19 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     metrics = json.loads((out / METRICS).read_text())
     base = load_model(recipe, replace(plan, lora=False))
     tuned = PeftModel.from_pretrained(base.model, out) if plan.lora else base.model
-    after = [answer(tuned, base.tokenizer, p) for p, _ in prompts]
+    after = [answer(tuned, base.tokenizer, p, max_new_tokens) for p, _ in prompts]
     show_answers(c, "After training (base + adapter)" if plan.lora else "After training", prompts, after)
     show_loss(c, metrics.get("loss_history"))
-    return {"before": before, "after": after, "metrics": metrics}
+    del base, tuned
+
+    c.print(f"\n$ lowvram eval {_shown(out)} --answers {EVAL_ANSWERS}", markup=False)
+    rc = app(["eval", str(out), "--answers", str(EVAL_ANSWERS)], standalone_mode=False)
+    if rc:
+        raise SystemExit(rc)
+    from lowvram.runfiles import EVALS
+
+    evaluation = json.loads((out / EVALS).read_text())[-1]
+    return {"before": before, "after": after, "metrics": metrics, "eval": evaluation}
 
 
 def _shown(path: Path) -> str:

@@ -17,6 +17,7 @@ from lowvram.errors import LowvramError
 from lowvram.metrics import RunMetrics, metrics_problem, read_metrics
 from lowvram.runfiles import (
     CHECKPOINT_GLOB,
+    EVALS,
     EXPORTS,
     MANIFEST,
     METRICS,
@@ -58,6 +59,7 @@ class RunInfo:
     recipe: dict = field(default_factory=dict)
     metrics: RunMetrics | None = None  # None: no readable metrics.json (not finished, or damaged)
     exports: tuple[dict, ...] = ()  # exports.json: the GGUF files `lowvram export` wrote from it
+    evals: tuple[dict, ...] = ()  # evals.json: base vs trained scores of each `lowvram eval`
     stop: dict = field(default_factory=dict)  # why lowvram stopped it (manifest's "stop": status, message, hint, step)
 
     @property
@@ -172,12 +174,14 @@ def read_run(path: str | Path) -> RunInfo:
         reasons=dict(plan.get("reasons") or {}),
         files=tuple(n for n in ("loss.png", "runs", "adapter_model.safetensors", "model.safetensors",
                                 "model.safetensors.index.json") if (p / n).exists()),
-        recipe=recipe, metrics=metrics, damaged=damaged, exports=_exports(p), stop=stop,
+        recipe=recipe, metrics=metrics, damaged=damaged, exports=_rows(p / EXPORTS), stop=stop,
+        evals=_rows(p / EVALS),
     )
 
 
-def _exports(p: Path) -> tuple[dict, ...]:
-    rows = read_json_value(p / EXPORTS)
+def _rows(path: Path) -> tuple[dict, ...]:
+    """The records of a JSON list file (exports.json, evals.json); none when it does not parse."""
+    rows = read_json_value(path)
     return tuple(r for r in rows if isinstance(r, dict)) if isinstance(rows, list) else ()
 
 

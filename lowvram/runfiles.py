@@ -19,6 +19,7 @@ METRICS = "metrics.json"  # written last: the run finished
 PLAN = "plan.json"
 RECIPE = "recipe.yaml"
 EXPORTS = "exports.json"  # one row per `lowvram export` of the run (train/after/export.py)
+EVALS = "evals.json"  # one row per `lowvram eval` of the run: base and trained scores (train/after/evaluate.py)
 MANIFEST = "lowvram-run.json"  # every path the run writes (manifest.py)
 MARKER = "lowvram-checkpoint.json"  # in a checkpoint folder: it is whole (checkpoints.py)
 # The Trainer's checkpoint folders (transformers' PREFIX_CHECKPOINT_DIR + "-" + the global step).

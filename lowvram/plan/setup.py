@@ -136,6 +136,9 @@ class RunSetup:
     padded: bool = False
     # data.images_per_row with image_chat data (0: text): lowvram.plan.memory.images
     images_per_row: int = 0
+    # Llama-3.2-Vision with images: which of model.num_layers are its cross-attention layers
+    # (set by lowvram.plan.memory.cross_attention.active_setup; () otherwise)
+    cross_layers: tuple[int, ...] = ()
     # techniques.tiled_mlp: each decoder layer's MLP computed over the sequence in shards and
     # recomputed shard by shard in the backward (DeepSpeed's TiledMLP, lowvram.plan.memory.tiled);
     # tiled_mlp_shards 0 = DeepSpeed's rule, ceil(seq_len / hidden_size) (tiled.tiled_mlp_shards)

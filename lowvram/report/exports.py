@@ -34,7 +34,9 @@ def show_export_result(result, as_json: bool = False) -> None:
         return
     c = console()
     c.print(f"[green]exported[/green] {result.out_file} ({mem(result.file_bytes)}) in {result.seconds:.1f} s")
-    c.print("read back with transformers' GGUF loader: " + agreement_line(result.agreement), markup=False)
+    by = {"gguf": "gguf's reader and dequantizers (transformers cannot load this architecture)"}.get(
+        result.agreement.get("read_back_by"), "transformers' GGUF loader")
+    c.print(f"read back with {by}: " + agreement_line(result.agreement), markup=False)
     c.print(f"Modelfile: {result.modelfile}", markup=False)
     if result.modelfile_note:
         c.print(f"note: {result.modelfile_note}", markup=False)

@@ -64,9 +64,11 @@ def show_plan_brief(recipe, plan) -> None:
     if objective in ("grpo", "rloo"):  # batch_size counts completions; a row is prompt + completion
         g = recipe.grpo
         tokens = plan.effective_batch * (g.max_prompt_length + g.max_completion_length)
+        rounds = max(1, plan.grad_accum // max(1, plan.steps_per_generation))
         c.print(f"objective {objective}: {plan.effective_batch:,} completions per step "
-                f"({plan.effective_batch // g.num_generations:,} prompts x {g.num_generations} generations), "
-                f"generated, scored by the rewards, then trained on (TRL)", markup=False)
+                f"({plan.effective_batch // g.num_generations:,} prompts x {g.num_generations} generations); "
+                f"generation batch {plan.generation_batch_size:,} ({rounds} round{'s' * (rounds > 1)} per step, "
+                f"engine {plan.generation}), generated, scored by the rewards, then trained on (TRL)", markup=False)
     elif objective == "kto":  # unpaired rows, one forward each (TRL's KTOTrainer)
         c.print(f"objective kto: {plan.effective_batch:,} unpaired completions per step, each labelled "
                 "desirable or not, one forward each, plus a no-grad KL forward of mismatched rows (TRL)",
@@ -161,16 +163,29 @@ def show_plan(data: dict, as_json: bool = False) -> None:
                 f"projector, {vision['parameters'] / 1e6:.1f}M params, loaded with the language model, "
                 f"frozen and not quantized: {gib(vision['weight_bytes'])} of the weights; "
                 + (f"{vision['tokens_per_image']} tokens per image" if not vision.get("cross_attention")
-                   else "its images reach the language model through cross-attention (not modelled: text data only)")
+                   else "its images reach the language model through cross-attention (one token an image)")
                 + (f"; {data['images_per_row']} image(s) per row (data.images_per_row): their tokens in "
                    "seq_len, their pixels and the tower's forward counted" if data.get("images_per_row") else ""),
                 markup=False)
+        image = vision.get("image")
+        if image:  # the largest image the plan sizes for (lowvram.plan.model.image_size)
+            limit = (f"data.max_pixels {image['max_pixels']:,} (min {image['min_pixels']:,}): " if image.get("max_pixels")
+                     else "")
+            binds = " (binds: the peak)" if data.get("peak_moment") == "vision_encoder_forward" else ""
+            c.print(f"images: {limit}up to {image['tokens_per_image']:,} tokens an image ({image['patches_per_image']:,} "
+                    f"patches in the tower, {gib(image['pixel_values_bytes'])} of pixel values); the tower's forward "
+                    f"(vision_encoder_forward) {gib(image['encoder_forward_bytes'])} beside the weights{binds}",
+                    markup=False)
         cross = vision.get("cross_attention")
         if cross:  # Llama-3.2-Vision (lowvram.plan.model.models.ModelSpec.cross_attention_layers)
+            state = ("trained with the images (LoRA: adapters where lora.target_modules names their Linears), "
+                     "their activations and their keys and values over the tiles counted" if cross.get("trained")
+                     else "frozen, no adapters): {w} of the weights; skipped without images, so they hold no "
+                     "activations")
             c.print(f"cross-attention layers: {cross['layers']} of the language model, "
                     f"{cross['parameters'] / 1e6:.1f}M params, loaded ({'quantized, ' if cross['quantized'] else ''}"
-                    f"frozen, no adapters): {gib(cross['weight_bytes'])} of the weights; skipped without images, "
-                    "so they hold no activations", markup=False)
+                    + (f"{gib(cross['weight_bytes'])} of the weights): {state}" if cross.get("trained")
+                       else state.format(w=gib(cross['weight_bytes']))), markup=False)
     for note in data.get("notes", ()):
         c.print(f"note: {note}", markup=False)
 

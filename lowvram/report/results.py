@@ -87,7 +87,8 @@ def show_runs(runs, folder, as_json: bool = False) -> None:
                   + (f" (reward {reward:+.3f})" if reward is not None else ""),
                   f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
                   (f"[{style}]{r.status}[/{style}]" if style else r.status)
-                  + (f", {len(r.exports)} export(s)" if r.exports else ""))
+                  + (f", {len(r.exports)} export(s)" if r.exports else "")
+                  + (f", {len(r.evals)} eval(s)" if r.evals else ""))
     c.print(t)
 
 
@@ -202,6 +203,10 @@ def show_run(r, as_json: bool = False) -> None:
 
     for row in export_rows(list(r.exports)):
         c.print(f"export: {row}", markup=False)
+    from lowvram.report.evals import eval_lines
+
+    for line in eval_lines(list(r.evals)):
+        c.print(f"eval: {line}", markup=False)
 
 
 def _rl_rows(m) -> list[tuple[str, str | None]]:

@@ -170,13 +170,65 @@ def test_flash_attention_refused():
     assert lines[1].startswith("hint: ")
 
 
-def test_images_refused():
-    """Its images reach the language model through the cross-attention layers, not as image
-    tokens in the sequence: format image_chat is refused, with the hint to train on text."""
+def test_images_train_the_cross_attention_layers_and_are_planned():
+    """Issue 47: with images the cross-attention layers run and train: planned as decoder layers
+    of the language model (LoRA adapts their Linears, full fine-tuning their weights), plus their
+    vision-token terms; the 11B plan answers, and more images a row plan more."""
+    from dataclasses import replace
+
+    from lowvram.plan.choose.request import PlanRequest, validate_request
+    from lowvram.plan.memory import cross_attention
+    from lowvram.plan.memory.memory import estimate_memory
+    from lowvram.plan.memory.states import lora_parameters
+    from lowvram.plan.model.catalog import resolve_model
+    from lowvram.plan.setup import RunSetup
+
+    spec = spec_from_config(_TINY, "tiny-mllama")
+    text = RunSetup(spec, lora=True, lora_r=4, device="cpu", precision="fp32", seq_len=64)
+    images = replace(text, images_per_row=1)
+    active = cross_attention.active_setup(images)
+    assert (active.model.num_layers, active.cross_layers, active.model.cross_attention_layers) == (5, (1, 3), ())
+    assert lora_parameters(active) == lora_parameters(text) * 5 // 3
+    assert cross_attention.vision_tokens(active) == 4 * (16 + 1)  # 4 tiles of 32 px in 8 px patches + CLS
+    assert estimate_memory(images).peak_bytes > estimate_memory(text).peak_bytes
+    two = estimate_memory(replace(images, images_per_row=2)).peak_bytes
+    assert two > estimate_memory(images).peak_bytes
+    validate_request(PlanRequest(model=resolve_model("llama-3.2-11b-vision"), images_per_row=1))
+
+
+def test_eager_attention_with_images_refused():
+    """Eager attention's scores over the tiles in every cross layer are not counted: refused."""
     from lowvram.errors import LowvramError
     from lowvram.plan.choose.request import PlanRequest, validate_request
     from lowvram.plan.model.catalog import resolve_model
 
-    with pytest.raises(LowvramError, match="Llama-3.2-Vision is not modelled: its images reach") as e:
-        validate_request(PlanRequest(model=resolve_model("llama-3.2-11b-vision"), images_per_row=1))
-    assert "train this one on text" in e.value.hint
+    with pytest.raises(LowvramError, match="attention eager with Llama-3.2-Vision images is not modelled") as e:
+        validate_request(PlanRequest(model=resolve_model("llama-3.2-11b-vision"), images_per_row=1,
+                                     attention="eager"))
+    assert "attention sdpa" in e.value.hint
+
+
+def test_11b_plan_answers_with_images(tmp_path):
+    """Issue 47 item 5: `lowvram plan RECIPE` for Llama-3.2-11B-Vision QLoRA with image_chat data
+    answers on a 24 GB card: the cross-attention layers trained, more images a row more memory."""
+    from typer.testing import CliRunner
+
+    from lowvram.cli import app
+    from lowvram.testing import write_image_chat
+
+    data = write_image_chat(tmp_path / "vqa.jsonl", rows=2)
+
+    def plan(images: int) -> dict:
+        recipe = tmp_path / f"r{images}.yaml"
+        recipe.write_text("model: {name_or_path: llama-3.2-11b-vision}\n"
+                          f"data: {{datasets: [{{path: {data}, format: image_chat}}], images_per_row: {images}}}\n"
+                          "training: {seq_len: 2048, batch_size: 8}\n"
+                          "techniques: {lora: on, quantization: nf4-dq}\n")
+        r = CliRunner().invoke(app, ["plan", str(recipe), "--vram", "24GB", "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    one, two = plan(1), plan(2)
+    assert one["fits"] and one["images_per_row"] == 1 and one["techniques"]["attention"] == "sdpa"
+    assert one["vision"]["cross_attention"]["trained"]
+    assert two["peak_bytes"] > one["peak_bytes"]

@@ -342,7 +342,7 @@ def readme_after_training_commands() -> list[str]:
 
 def test_readme_using_the_result(run_dir, tmp_path, monkeypatch):
     cmds = readme_after_training_commands()
-    assert {c.split()[1] for c in cmds} == {"runs", "show", "generate", "merge", "export"}
+    assert {c.split()[1] for c in cmds} == {"runs", "show", "generate", "merge", "export", "eval"}
     shutil.copytree(run_dir, tmp_path / "runs" / "quickstart")
     monkeypatch.chdir(tmp_path)
     for cmd in cmds:

@@ -32,10 +32,11 @@ def full_run(folder: Path, model_type: str = "llama", **config_kwargs) -> Path:
     from lowvram.testing import build_tokenizer
 
     tok = build_tokenizer()
-    config = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=256, tie_word_embeddings=model_type == "qwen3",
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **config_kwargs)
+    sizes = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+             "tie_word_embeddings": model_type == "qwen3", "eos_token_id": tok.eos_token_id,
+             "pad_token_id": tok.pad_token_id}
+    config = AutoConfig.for_model(model_type, **{**sizes, **config_kwargs})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -91,14 +92,17 @@ def test_export_adapter_run_reads_back_and_agrees(run_dir, tmp_path, quantizatio
     assert f"export: {out} ({quantization}" in shown.output, shown.output
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3"])
 def test_export_full_run_of_each_family_with_chatml_modelfile(tmp_path, model_type):
+    """Each byte-level BPE family; OLMo-2 and SmolLM3, which transformers' GGUF loader does not
+    know, are read back through gguf's reader and dequantizers (gguf_readback.py)."""
     run = full_run(tmp_path / "run", model_type)
     result = cli("export", str(run), "--gguf", "--json")
     assert result.exit_code == 0, result.output
     r = json.loads(result.output)
     assert r["agreement"]["ok"] and r["agreement"]["same_tokenization"] and r["plan"]["kind"] == "full"
     assert r["agreement"]["top1_agreement"] == 1.0
+    assert r["agreement"]["read_back_by"] == ("gguf" if model_type in ("olmo2", "smollm3") else "transformers")
     gguf = run / "gguf-f16" / "run-f16.gguf"
     assert r["out_file"] == str(gguf) and gguf.is_file()
     modelfile = (run / "gguf-f16" / "Modelfile").read_text()
@@ -257,11 +261,24 @@ def test_gemma_config_the_loader_cannot_read_back_refused(tmp_path):
     assert not (run / "gguf-f16").exists()
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "smollm3"])
-def test_families_the_loader_cannot_read_back_refused(tmp_path, model_type):
-    run = full_run(tmp_path / "run", model_type)
+def test_smollm3_without_its_default_no_rope_layers_refused(tmp_path):
+    """llama.cpp's smollm3 takes every 4th layer as the one without rope; the file cannot say
+    otherwise, so another layout is refused before loading."""
+    run = full_run(tmp_path / "run", "smollm3", num_hidden_layers=4, no_rope_layers=[1, 0, 1, 1])
     result = cli("export", str(run), "--gguf")
-    assert_user_error(result, f"{model_type!r}", "cannot read the", "could not be checked", "convert_hf_to_gguf.py")
+    assert_user_error(result, "no_rope_layers=[1, 0, 1, 1]", "default [1, 1, 1, 0]", "convert_hf_to_gguf.py")
+
+
+def test_own_read_back_catches_a_writer_mistake(tmp_path, monkeypatch):
+    """SmolLM3 written without llama.cpp's q/k permutation: gguf_readback.py undoes the
+    permutation llama.cpp's converter makes (transformers' LlamaTensorProcessor), not the writer's
+    own table, so the mistake shows as a logit difference and the export fails."""
+    import lowvram.train.after.gguf_family as gguf_family
+
+    monkeypatch.setitem(gguf_family.FAMILIES, "smollm3", gguf_family.Family("smollm3"))
+    run = full_run(tmp_path / "run", "smollm3")
+    result = cli("export", str(run), "--gguf")
+    assert_user_error(result, "does not match the model", "the file was removed")
 
 
 def test_k_quant_refused_naming_what_can(run_dir, tmp_path, monkeypatch):
@@ -311,7 +328,7 @@ def test_unsupported_family_refused(tmp_path):
     tok.save_pretrained(run)
     (run / "recipe.yaml").write_text("model: {name_or_path: x}\n")
     result = cli("export", str(run), "--gguf")
-    assert_user_error(result, "'gpt2'", "gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3",
+    assert_user_error(result, "'gpt2'", "gemma2, gemma3_text, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3",
                       "convert_hf_to_gguf.py")
 
 
@@ -329,7 +346,14 @@ def test_modelfile_templates():
     assert note is None and 'PARAMETER stop "<|eot_id|>"' in text
     assert "<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>" in text
     text, note = modelfile_text("m.gguf", "{{ '[INST] ' + m['content'] + ' [/INST]' }}", "chat")
-    assert 'TEMPLATE """' not in text and "neither ChatML nor Llama-3" in note and note in text
+    assert 'TEMPLATE """' not in text and "none of ChatML, Llama-3, Gemma, Phi-3" in note and note in text
+    from lowvram.testing import GEMMA_CHAT_TEMPLATE, build_sentencepiece_tokenizer
+
+    text, note = modelfile_text("m.gguf", GEMMA_CHAT_TEMPLATE, "chat")
+    assert note is None and 'PARAMETER stop "<end_of_turn>"' in text
+    assert "<start_of_turn>{{ if eq $m.Role \"assistant\" }}model{{ else }}user{{ end }}" in text
+    text, note = modelfile_text("m.gguf", build_sentencepiece_tokenizer("llama").chat_template, "chat")
+    assert note is None and "<|{{ .Role }}|>\n{{ .Content }}<|end|>" in text and 'PARAMETER stop "<|end|>"' in text
     text, _ = modelfile_text("m.gguf", CHAT_TEMPLATE, None, system="Be brief.")
     assert text.splitlines()[1] == "FROM ./m.gguf" and text.endswith('SYSTEM """Be brief."""\n')
 

@@ -112,6 +112,23 @@ def test_mixed_prompt_kinds_are_refused(tmp_path):
         _bundle(tmp_path, [GOOD, {"prompt": [{"role": "user", "content": "Q"}], "answer": "1"}])
 
 
+def test_chat_prompts_need_a_chat_template(tmp_path, tiny_tokenizer):
+    """TRL renders message prompts with apply_chat_template at the first generation: without a
+    template that was a ValueError mid-run; now error/hint when the data is built."""
+    import copy
+
+    from lowvram.recipe import load_recipe
+    from lowvram.train.data.build import build_datasets
+
+    recipe = load_recipe(setup_run(tmp_path, "m", chat=True))
+    assert build_datasets(recipe, tiny_tokenizer).stats.train_rows == 16
+    plain = copy.deepcopy(tiny_tokenizer)
+    plain.chat_template = None
+    with pytest.raises(LowvramError, match="no chat template") as e:
+        build_datasets(recipe, plain)
+    assert "model.tokenizer" in e.value.hint
+
+
 # ---------------------------------------------------------------------------------- rewards
 
 
@@ -203,8 +220,11 @@ def test_trl_config_carries_the_plan(tmp_path, tiny_model_dir):
     assert not args.use_transformers_continuous_batching
     _, _, args = _config(tmp_path, tiny_model_dir, objective="rloo", grpo=", generation: paged")
     assert type(args) is RLOOConfig and args.use_transformers_continuous_batching
-    # the paged cache holds one generation batch's rows, no share of the free memory
-    assert args.transformers_continuous_batching_config == {"num_blocks": 4, "max_batch_tokens": 56}
+    # the paged cache holds one generation batch's rows, no share of the free memory; its footprint may
+    # reach all the free memory (transformers' _check_footprint raises above free x max_memory_percent,
+    # which TRL sets to 0.5 when unset: a cache planned into more than half the free memory would fail)
+    assert args.transformers_continuous_batching_config == {"num_blocks": 4, "max_batch_tokens": 56,
+                                                            "max_memory_percent": 1.0}
 
 
 @pytest.mark.parametrize("precision, lora, refused", [
@@ -232,6 +252,36 @@ def test_paged_is_refused_where_trl_casts_trained_weights(tmp_path, tiny_model_d
         assert "use_transformers_continuous_batching" not in generation_settings(recipe, planned)
     else:
         assert generation_settings(recipe, plan)["use_transformers_continuous_batching"] is True
+
+
+@pytest.mark.parametrize("objective", ["grpo", "rloo"])
+def test_trl_keeps_the_adapters_fp32_over_a_quantized_base(tmp_path, tiny_model_dir, monkeypatch, objective):
+    """GRPOTrainer/RLOOTrainer cast the trainable parameters to bf16 over a 4/8-bit base
+    (grpo_trainer.py L538-541, rloo_trainer.py L458-461); SFT of the same recipe and the plan's
+    states train fp32 adapters, as DPO's path restores (train/build/preference.py _restore_dtypes)."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.build.model import load_model
+    from lowvram.train.build.trainer import build_trainer, build_training_args
+    from lowvram.train.data.build import build_datasets
+
+    monkeypatch.chdir(tmp_path)
+    path = setup_run(tmp_path, tiny_model_dir, objective=objective, rewards="[rewards.py:short]")
+    path.write_text(path.read_text().replace("techniques: {lora: on}",
+                                             "techniques: {lora: on, quantization: nf4, mixed_precision: bf16-mixed}"))
+    recipe = load_recipe(path)
+    plan = resolve_fixed(recipe)
+    loaded = load_model(recipe, plan)
+    assert loaded.model.is_loaded_in_4bit  # what TRL tests before its cast
+    before = {n: p.dtype for n, p in loaded.model.named_parameters() if p.requires_grad}
+    assert set(before.values()) == {torch.float32}
+    trainer = build_trainer(loaded, build_datasets(recipe, loaded.tokenizer), build_training_args(recipe, plan),
+                            None, recipe=recipe)
+    assert type(trainer).__name__ == {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}[objective]
+    assert {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad} == before
 
 
 # ---------------------------------------------------------------------------------- runs
@@ -270,6 +320,21 @@ def test_rloo_paged_run_on_chat_prompts(tmp_path, tiny_model_dir):
                      rewards="[rewards.py:short]"))
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert m["steps"] == 2 and m["reward"] <= 0 and m["peak_memory_bytes"] < 64 * 2**20  # no memory-share cache
+
+
+UNSCORED = REWARD_FILE + '''
+
+def never(prompts, completions, **kwargs):
+    return [None] * len(completions)
+'''
+
+
+def test_a_reward_that_scores_nothing_is_left_out_of_the_progress_and_metrics(tmp_path, tiny_model_dir):
+    """A reward returning None for every completion: TRL logs rewards/never/mean None (GRPOTrainer.log
+    L3311-3312), which ended the run in the progress line's format (a TypeError) before."""
+    _train(setup_run(tmp_path, tiny_model_dir, reward_code=UNSCORED, steps=1, rewards="[rewards.py:short, rewards.py:never]"))
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["steps"] == 1 and set(m["reward_functions"]) == {"short"} and m["reward"] < 0
 
 
 RAISES_AT_STEP_3 = REWARD_FILE + '''

@@ -172,11 +172,11 @@ def _case(family: str, method: str, **kw) -> Case:
     base = dict(seed=11, family=family, hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128,
                 vocab=512, tie=family == "gemma3", method=method, lora_r=8, precision="fp32",
                 seq_len=128, micro_batch_size=2, vision_layers=1, vision_hidden=32, vision_image=32,
-                vision_patch=8)
+                vision_patch=8, cross_layers=1 if family == "mllama" else 0)
     return made_images(Case(**{**base, **kw}))
 
 
-@pytest.mark.parametrize("family, method", [("gemma3", "lora"), ("llava", "full")])
+@pytest.mark.parametrize("family, method", [("gemma3", "lora"), ("llava", "full"), ("mllama", "lora")])
 def test_image_recipe_trains_end_to_end_at_its_plan(tmp_path, family, method):
     """`lowvram train` on image + text rows of a tiny Gemma-3 / Llava: the run's peak within the
     plan-truth target, the plan counting the images (images_per_row in plan.json)."""
@@ -209,11 +209,18 @@ def test_the_planner_refuses_what_it_cannot_count():
     qwen = spec_from_config(dict(llama, model_type="qwen2_5_vl",
                                  vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                     patch_size=16, out_hidden_size=64)), "q")
-    assert "Qwen2.5-VL is not modelled" in image_problems(qwen, 1, 512)[0]  # dynamic resolution
+    assert image_problems(qwen, 1, 2048) == []  # dynamic resolution: sized by data.max_pixels (image_size.py)
+    assert "the largest image data.max_pixels allows" in image_problems(qwen, 1, 512)[0]  # 16 px patches: 980 tokens
     qwen3 = spec_from_config(dict(model_type="qwen3_vl", text_config={**llama, "model_type": "qwen3_vl_text"},
                                   vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                      patch_size=16, out_hidden_size=64)), "q3")
-    assert "Qwen3-VL is not modelled" in image_problems(qwen3, 1, 512)[0]  # dynamic resolution too
+    assert image_problems(qwen3, 1, 2048) == []
+    mllama = spec_from_config(dict(model_type="mllama", text_config={**llama, "model_type": "mllama_text_model",
+                                                                     "cross_attention_layers": [1]},
+                                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      attention_heads=2, image_size=32, patch_size=8)), "ml")
+    assert image_problems(mllama, 2, 512) == []  # issue 47: its cross-attention layers are planned
+    assert "attention eager" in image_problems(mllama, 1, 512, "eager")[0]
     llava = spec_from_config(dict(model_type="llava", text_config=llama,
                                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                      num_attention_heads=2, image_size=64, patch_size=16)), "l")
@@ -362,3 +369,77 @@ def test_a_wide_tower_under_lora_and_checkpointing_stays_at_its_plan(tmp_path):
     out = run_case(case, tmp_path)
     assert out.error is None, out.error
     assert out.ok, (out.measured_bytes, out.predicted_bytes, out.ratio)
+
+
+def test_mllama_collator_makes_tiles_and_the_cross_attention_mask(tmp_path):
+    """Llama-3.2-Vision: one <|image|> token an image (never a label), the tiles and the
+    cross_attention_mask from MllamaProcessor's own functions, and the LoRA run trains the
+    cross-attention layers (adapters on them, a gradient in the step)."""
+    tok = build_vision_tokenizer("mllama")
+    cfg = tiny_vision_config("mllama", tok)
+    processor = build_processor(cfg, tok)
+    data = write_image_chat(tmp_path / "vqa.jsonl", rows=4, side=48)
+    images = ImageInputs(processor, cfg.image_token_index, cross_attention=True)
+    bundle = build_datasets(_recipe(data), tok, images)
+    ids = bundle.train[0]["input_ids"]
+    assert ids.count(cfg.image_token_index) == 1
+    labels = bundle.train[0]["labels"]
+    assert labels[ids.index(cfg.image_token_index)] == IGNORE_INDEX
+    collate = make_image_collator(processor, cfg.image_token_index, make_collator(tok), cross_attention=True)
+    batch = collate([dict(r) for r in bundle.train.select(range(2))])
+    tiles = cfg.vision_config.max_num_tiles
+    assert tuple(batch["pixel_values"].shape) == (2, 1, tiles, 3, 32, 32)
+    assert tuple(batch["cross_attention_mask"].shape) == (2, batch["input_ids"].shape[1], 1, tiles)
+    start = batch["input_ids"][0].tolist().index(cfg.image_token_index)
+    assert batch["cross_attention_mask"][0, :start].sum() == 0 and batch["cross_attention_mask"][0, start:, 0, 0].all()
+    model = transformers_model(cfg)
+    out = model(**{k: v for k, v in batch.items() if k != "rows"})
+    assert out.loss is not None and torch.isfinite(out.loss)
+
+
+def transformers_model(cfg):
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(cfg)
+
+
+def test_mllama_images_make_the_cross_attention_layers_trainable():
+    """Text data: the cross-attention layers stay frozen, no adapters; image data: they train."""
+    from types import SimpleNamespace
+
+    from lowvram.train.build.model import prepare_model
+
+    tok = build_vision_tokenizer("mllama")
+    cfg = tiny_vision_config("mllama", tok)
+    plan = SimpleNamespace(lora=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_use_dora=False,
+                           lora_use_rslora=False, lora_init="default", lora_targets=("all-linear",),
+                           quantization="none", gradient_checkpointing=False, tiled_mlp=False)
+    cross = [f"layers.{i}." for i in cfg.text_config.cross_attention_layers]
+    for images in (False, True):
+        model = prepare_model(transformers_model(cfg), plan, seed=0, images=images)
+        adapted = [n for n, p in model.named_parameters() if p.requires_grad and any(c in n for c in cross)]
+        assert bool(adapted) == images, adapted
+        assert not [n for n, p in model.named_parameters() if p.requires_grad and "vision_model" in n]
+
+
+def test_mllama_refuses_rows_and_datasets_without_images(tmp_path):
+    """Llama-3.2-Vision's image processor takes no row without an image: such a row is an error by
+    file and row (skipped with skip_bad_rows), a text dataset beside image_chat ones refused."""
+    tok = build_vision_tokenizer("mllama")
+    cfg = tiny_vision_config("mllama", tok)
+    images = ImageInputs(build_processor(cfg, tok), cfg.image_token_index, cross_attention=True)
+    data = write_image_chat(tmp_path / "vqa.jsonl", rows=2)
+    text_row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    with open(data, "a") as f:
+        f.write(json.dumps(text_row) + "\n")
+    with pytest.raises(DataError, match=r"vqa.jsonl:3: a row without an image"):
+        build_datasets(_recipe(data), tok, images)
+    assert len(build_datasets(_recipe(data, skip_bad_rows=True), tok, images).train) == 2
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps(text_row) + "\n")
+    mixed = Recipe.model_validate({"model": {"name_or_path": "unused"}, "training": {"seq_len": 256},
+                                   "data": {"datasets": [{"path": str(data), "format": "image_chat"},
+                                                         {"path": str(chat), "format": "chat"}]}})
+    with pytest.raises(DataError, match="cannot mix text datasets"):
+        build_datasets(mixed, tok, images)

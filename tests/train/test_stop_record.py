@@ -1,6 +1,6 @@
 """A run lowvram stopped on purpose mid-run says so in its folder (lowvram-run.json's "stop"), so
 `show` and `runs` tell it from an interrupted run: a reward that raised is "stopped" with the
-error, its hint and the resume command once mended; resuming clears it. (The diverged case: 
+error, its hint and the resume command once mended; resuming clears it. (The diverged case:
 tests/train/test_guard.py.)"""
 
 from __future__ import annotations

@@ -27,6 +27,12 @@ from lowvram.plan.setup import RunSetup, offload_conflict
 # The ladder: what each technique saves and costs, applied one after another
 
 
+def _plain_attention(req: PlanRequest) -> str:
+    """The plain run's attention: eager, but SDPA for Llama-3.2-Vision with images (eager over its
+    tiles is not modelled: plan/memory/images.py image_problems)."""
+    return "sdpa" if req.images_per_row and req.model.cross_attention_layers else "eager"
+
+
 def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimate_memory) -> tuple[Rung, ...]:
     """Peaks from the plain run (fp32, eager, full batch, AdamW, full fine-tuning) up the ladder.
 
@@ -37,7 +43,7 @@ def build_ladder(req: PlanRequest, budget: Budget, estimate: Estimator = estimat
         model=req.model, precision=req.mixed_precision or "fp32", quantization=req.quantization or "none",
         lora=bool(req.lora) or (req.quantization not in (None, "none")), lora_r=req.lora_r,
         lora_targets=req.lora_targets, lora_dropout=req.lora_dropout, optimizer=req.optimizer or "adamw",
-        gradient_checkpointing=bool(req.gradient_checkpointing), attention=req.attention or "eager",
+        gradient_checkpointing=bool(req.gradient_checkpointing), attention=req.attention or _plain_attention(req),
         loss=loss_options(req, budget)[0] if req.loss else "standard", micro_batch_size=largest,
         seq_len=req.seq_len,
         grad_accum=largest_micro_batch_size(req) // largest, gpus=req.gpus, offload=req.offload or "none",

@@ -183,3 +183,26 @@ DORA_RECOMPUTE_INPUT_BYTES = FittedConstant(
     "attributed)", "6 attributed tensor by tensor; 8 brings seed 111 from +4.31% to +0.29%",
     "extended seeds 100-169 in sample (bench/results/plan_fuzz_extended_100-169_dora.txt), held "
     "out 170-199 and 230-259 (plan_fuzz_extended_heldout_*.txt)")
+
+
+# --------------------------------------------------------------------------------------------
+# Llama-3.2-Vision's cross-attention layer with images (cross_attention.cross_layer_extra_bytes)
+
+_CROSS_FITTED_ON = ("saved tensors (torch.autograd.graph.saved_tensors_hooks) of one "
+                    "MllamaCrossAttentionDecoderLayer against one MllamaSelfAttentionDecoderLayer, "
+                    "transformers 5, SDPA, hidden 64/128, 4 heads, 1/2/4 kv heads, 40/80 text and "
+                    "24/48 vision tokens (bench/mllama_cross_layer.py)")
+
+CROSS_LAYER_TEXT_TOKEN = FittedConstant(
+    "CROSS_LAYER_TEXT_TOKEN", 1, "fp32 15, bf16 9.5, autocast 7 bytes per hidden element; 17 per head",
+    "a cross-attention layer's saved bytes per text token beyond a self-attention layer's (its "
+    "q_norm, its two tanh gates' saved inputs, no rotary; less the self-attention's two kv-wide "
+    "keys and values), per hidden element by precision, plus per-head statistics: the table "
+    "CROSS_LAYER_TEXT_BYTES (1: the table is used as is)",
+    "cross_attention.cross_layer_extra_bytes",
+    _CROSS_FITTED_ON + "; the per-head bytes are the largest of the three fits (5, 4.5, 17)",
+    "exact at the four fitted shapes (per-head term: within 12 bytes a head a token)",
+    "held-out mllama image seeds (bench/results/plan_fuzz_mllama_images_heldout_*.txt)")
+
+# bytes per text token: (per hidden element, per kv element subtracted, per head) by precision mode
+CROSS_LAYER_TEXT_BYTES = {"fp32": (15, 8, 17), "bf16": (9.5, 4, 17), "autocast": (7, 4, 17)}

@@ -111,6 +111,41 @@ def steps_per_generation_options(req: GrpoRequest, micro: int, grad_accum: int, 
     return [k for k in ks if k >= 1 and (micro * k * gpus) % req.num_generations == 0]
 
 
+def generation_batch_problem(req: GrpoRequest, batch_size: int, gpus: int, micro: int | None) -> tuple[str, str] | None:
+    """(message, hint) when no micro-batch of the per-GPU batch gives a generation batch TRL
+    takes with ``gpus`` processes, None when one does (``micro``: the recipe's fixed micro-batch;
+    None: any divisor of the per-GPU batch, as the search tries them). TRL's rules
+    (GRPOConfig.__post_init__ L1098-1135): generation_batch_size = per_device_train_batch_size x
+    processes x steps_per_generation, divisible by num_generations; a fixed one divisible by
+    per_device_train_batch_size x processes. The processes share each generation batch (the
+    sampler gives each prompt's group to every rank, the rewards are gathered)."""
+    if batch_size % gpus:
+        return None  # validate_request's own error (batch_size is not divisible by the GPUs)
+    per_gpu = batch_size // gpus
+    micros = [micro] if micro else [m for m in range(per_gpu, 0, -1) if per_gpu % m == 0]
+    if any(steps_per_generation_options(req, m, per_gpu // m, gpus) for m in micros if per_gpu % m == 0):
+        return None
+    shown = f"micro_batch_size {micro}" if micro else f"any micro-batch of its {per_gpu} completions per process"
+    m = micro or 1
+    whole = math.lcm(m * gpus, req.num_generations)
+    if req.generation_batch_size is not None:
+        what = f"grpo.generation_batch_size {req.generation_batch_size}"
+        rule = (f"it divisible by micro-batch x processes ({m} x {gpus} = {m * gpus}) and by num_generations "
+                f"{req.num_generations}")
+        hint = f"use a generation_batch_size that is a multiple of {whole}, or leave it auto"
+    elif req.steps_per_generation is not None:
+        what = f"grpo.steps_per_generation {req.steps_per_generation}"
+        rule = (f"micro-batch x {gpus} processes x {req.steps_per_generation} steps (the generation batch) "
+                f"divisible by num_generations {req.num_generations}")
+        hint = f"use a steps_per_generation that makes that product a multiple of {req.num_generations}, or leave it auto"
+    else:
+        what = f"training.batch_size {batch_size}"
+        rule = (f"a generation batch (micro-batch x {gpus} processes x steps dividing the accumulation) "
+                f"divisible by num_generations {req.num_generations}")
+        hint = f"use a training.batch_size that is a multiple of {whole}, or fewer processes"
+    return f"{what} does not split over {gpus} processes at {shown}: TRL needs {rule}", hint
+
+
 def grpo_setup(req: GrpoRequest, steps_per_generation: int) -> GrpoSetup:
     return GrpoSetup(num_generations=req.num_generations, prompt_len=req.prompt_len,
                      completion_len=req.completion_len, steps_per_generation=steps_per_generation,
@@ -372,7 +407,7 @@ def generation_fields(setup: RunSetup, est, budget, req: GrpoRequest | None) -> 
 
 __all__ = [
     "engine_share", "ENGINES", "generation_fields", "generation_moments", "generation_rows", "grads_at_generation", "GRPO_OBJECTIVES",
-    "generation_rounds", "grpo_problems", "grpo_request_problem", "grpo_setup", "GrpoRequest", "GrpoSetup", "is_grpo", "kv_cache_bytes", "logprob_bytes", "loss_token_bytes", "old_logprobs_computed",
+    "generation_batch_problem", "generation_rounds", "grpo_problems", "grpo_request_problem", "grpo_setup", "GrpoRequest", "GrpoSetup", "is_grpo", "kv_cache_bytes", "logprob_bytes", "loss_token_bytes", "old_logprobs_computed",
     "paged_cache_bytes", "paged_mask_bytes", "paged_max_batch_tokens", "paged_num_blocks", "PAGE_SIZE", "policy_setup", "reference_weight_bytes", "resolved_engine",
     "steps_per_generation_options",
     "sampling_bytes", "scoring_moment",

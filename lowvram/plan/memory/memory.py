@@ -19,7 +19,15 @@ from dataclasses import replace
 
 from lowvram.errors import LowvramError
 from lowvram.plan import constants as fitted
-from lowvram.plan.memory import dora, grpo, images, lora_init, optimizers, preference, tiled
+from lowvram.plan.memory import (
+    cross_attention,
+    dora,
+    grpo,
+    lora_init,
+    optimizers,
+    preference,
+    tiled,
+)
 from lowvram.plan.memory.activations import (
     activation_offload_host_bytes,
     dtypes,
@@ -36,6 +44,7 @@ from lowvram.plan.memory.backward import (
     mlp_backward_floor_bytes,
 )
 from lowvram.plan.memory.floor import checkpoint_bytes, model_states, saved_activation_bytes
+from lowvram.plan.memory.image_moment import with_images
 from lowvram.plan.memory.moments import Moment
 from lowvram.plan.memory.sharding import layer_weight_bytes
 from lowvram.plan.memory.states import (
@@ -74,6 +83,8 @@ def _check(setup: RunSetup) -> None:
     problems += [p for p in (quantization_conflict(setup.quantization, setup.lora),
                              activation_offload_conflict(setup.activation_offload, setup.gradient_checkpointing),
                              tiled_mlp_conflict(setup.tiled_mlp, setup.model.is_moe)) if p]
+    if cross_attention.is_active(setup) and setup.attention == "eager":
+        problems.append("attention eager with Llama-3.2-Vision images (not modelled: plan/memory/images.py)")
     if setup.loss == "fused" and setup.device != "cuda":
         problems.append("loss fused needs CUDA (Liger Kernel's Triton kernels); use chunked")
     problems += moe.moe_problems(setup.model, setup.lora, setup.lora_r, setup.lora_targets,
@@ -131,6 +142,13 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     Measured on CPU (bench/plan_accuracy.py, bench/multi_process_accuracy.py, tests).
     """
     spec = setup.model
+    # Llama-3.2-Vision with images (plan/memory/cross_attention.py): alive until the backward has
+    # passed its cross layers, so in every moment but the first decoder layer's
+    states, cross_extra = (cross_attention.late_parts(setup, dtype_bytes(setup)[0], dtypes(setup)[2])
+                           if setup.cross_layers else (0, 0))
+    ckpt = setup.gradient_checkpointing
+    late = states + (0 if ckpt else len(setup.cross_layers) * cross_extra)
+    first_acts, acts = acts, acts + late
     total = model_states(setup).all_gradients
     # This process's share of each gradient (DDP all, FSDP 1/N, offloaded none); with
     # accumulation every gradient exists already (counted as kept gradients).
@@ -159,7 +177,8 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
                                                     2 if autocast else c, dtype_bytes(setup)[0])
         sink_experts = moe.sink_experts_backward_bytes(spec, t, dtype_bytes(setup)[0], setup.lora)
     if setup.gradient_checkpointing:
-        checkpoints, one_layer = checkpoint_bytes(setup, acts)
+        checkpoints, one_layer = checkpoint_bytes(setup, first_acts)
+        checkpoints += late
         # gradients made when the backward reaches the last decoder layer, and the first
         last_grads = layer_grads + int(share * head_g)
         first_grads = late_layer_grads + int(share * late_g)
@@ -167,7 +186,11 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
         # (recomputed_mask_bytes: a full-attention layer between sliding ones makes none)
         mask_last, mask_first = recomputed_mask_bytes(setup, last=True), recomputed_mask_bytes(setup, last=False)
         rec = tiled.recompute_bytes(setup) - mask_last + dora.saved_layer_bytes(setup) + dora.recompute_backward_bytes(setup)
-        candidates += [Moment("last_layer_recompute", checkpoints + rec + mask_last, 0, last_grads),
+        if setup.cross_layers:  # the first cross layer's recompute: the layers before it checkpointed
+            before = (setup.cross_layers[0] + 1) * one_layer
+            candidates.append(Moment("cross_layer_recompute", before + rec + cross_extra + states + mask_first, 0,
+                                     first_grads, not_gathered))
+        candidates += [Moment("last_layer_recompute", checkpoints + rec + cross_extra + mask_last, 0, last_grads),
                        Moment("first_layer_recompute", one_layer + rec + mask_first, 0, first_grads, not_gathered)]
         if dora.dora_on(setup):  # an adapted Linear's magnitude backward in the recompute (plan/memory/dora.py)
             mag = tiled.layer_activation_bytes(setup) + hidden_grads + dora.magnitude_backward_bytes(setup)
@@ -239,6 +262,11 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
             done = tiled.layer_activation_bytes(setup) - tiled.layer_activation_bytes(setup, attention_side=True)
             candidates.append(Moment("last_layer_softmax_backward", acts - done + eager + hidden_grads, 0,
                                      int(share * head_g)))
+        if setup.cross_layers:  # the first cross layer's backward: the layers before it alive
+            before = first_layer + (setup.cross_layers[0] - 1) * tiled.layer_activation_bytes(setup)
+            candidates.append(Moment("cross_layer_backward", before + tiled.layer_activation_bytes(setup)
+                                     + cross_extra + states + tiled.layer_backward_bytes(setup), 0,
+                                     late_layer_grads + int(share * late_g), not_gathered))
         candidates.append(Moment("first_layer_backward", first_layer + tiled.layer_backward_bytes(setup)
                                  + dora.saved_layer_bytes(setup) + dora.backward_bytes(setup), 0,
                                  late_layer_grads + int(share * late_g), not_gathered))
@@ -251,23 +279,6 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     if optimizers.in_backward(setup):
         candidates = _layerwise_moments(setup, candidates, acts)
     return max(candidates, key=lambda m: m.bytes)  # the first of equals, as listed
-
-
-def _with_images(setup: RunSetup, moment: Moment) -> Moment:
-    """Image data: the batch's pixel values (and, under LoRA with checkpointing, the embedding leaf)
-    beside every moment, and the frozen vision tower's forward as a moment of its own
-    (plan/memory/images.py; only the text embeddings made before it, no saved activation, no gradient
-    made yet; with accumulation the kept gradients are counted by the caller). The model output's
-    image_outputs (the tower's hidden states, the image features) are freed with the output
-    before the backward's peak: measured, a Gemma-3 run with a 256-wide tower was 7.9% below a plan
-    that kept them."""
-    r, _, autocast = dtypes(setup)
-    w = dtype_bytes(setup)[0]  # the tower's weights: its residual stream and layer norms
-    lin = 2 if autocast else w  # its Linear outputs
-    kept = images.pixel_bytes(setup) + images.scattered_embedding_bytes(setup, r)
-    forward = Moment("vision_encoder_forward", kept + images.encoder_forward_bytes(setup, w, lin, r))
-    moment = replace(moment, activations=moment.activations + kept)
-    return max((moment, forward), key=lambda m: m.bytes)
 
 
 def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> list[Moment]:
@@ -359,6 +370,7 @@ def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate
     """Peak bytes of a steady-state step (optimizer state already allocated). ``phase``
     (grpo/rloo): "generation" or "training" for that phase's peak alone (phase_estimates)."""
     _check(setup)
+    setup = cross_attention.active_setup(setup)  # Llama-3.2-Vision with images: its cross layers train
     st = model_states(setup)
     weights, grads, optim, host = st.weights, st.gradients, st.optimizer, st.host
     gathered, layer_grads, buckets = st.gathered, st.layer_gradients, st.buckets
@@ -374,7 +386,7 @@ def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate
     persistent = weights + optim + kept_grads  # what lives across steps
     moment = _forward_backward_peak(core, acts, logits, grads, layer_grads)
     if setup.images_per_row:  # format image_chat (plan/memory/images.py)
-        moment = _with_images(setup, moment)
+        moment = with_images(setup, moment)
     if pref and preference.reference_forward_bytes(setup):
         # DPO: the reference forward (no_grad) after the policy's, every saved activation alive
         # (lowvram.plan.memory.preference; TRL DPOTrainer._compute_loss)

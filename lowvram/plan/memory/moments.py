@@ -50,6 +50,15 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "checkpointing: the first decoder layer recomputed and its backward, nearly every gradient made "
         "(its SDPA mask as above)",
         "backward.recompute_bytes, backward.backward_gradient_bytes; measured as above"),
+    "cross_layer_recompute": (
+        "Llama-3.2-Vision with images and checkpointing: the first cross-attention layer recomputed "
+        "and its backward, the layers before it checkpointed, cross_attention_states and its mask "
+        "alive, nearly every gradient made",
+        "cross_attention.late_parts; measured: bench/results/plan_fuzz_mllama_images_*.txt"),
+    "cross_layer_backward": (
+        "Llama-3.2-Vision with images: the first cross-attention layer's backward, the layers before "
+        "it and its own saved tensors (its vision-token keys and values) alive, nearly every gradient made",
+        "cross_attention.late_parts; measured as above"),
     "last_layer_softmax_backward": (
         "eager attention: the last layer's softmax backward, its s x s gradients beside its "
         "attention-side activations (gpt-oss: its sink backward)",

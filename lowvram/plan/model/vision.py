@@ -63,8 +63,8 @@ Sources (transformers 5):
   buffers. P patches a tile, T = max_num_tiles, A = len(supported_aspect_ratios).
   multi_modal_projector Linear(vision_output_dim, h_text) with bias (MllamaModel). Its images
   reach the language model through the cross-attention layers (lowvram.plan.model.models
-  ModelSpec.cross_attention_layers), one <|image|> token in the sequence: not modelled
-  (images.image_problems).
+  ModelSpec.cross_attention_layers), one <|image|> token in the sequence (with images:
+  plan/memory/cross_attention.py).
 Defaults left out of config.json: SiglipVisionConfig / CLIPVisionConfig class defaults
 (configuration_siglip.py, configuration_clip.py).
 """
@@ -305,7 +305,7 @@ def _qwen_vl_spec(tower: str, vc: dict) -> VisionSpec:
 def _mllama_spec(vc: dict) -> VisionSpec:
     """Llama-3.2-Vision's tower from its vision_config (MllamaVisionConfig's key names). Its
     language model's sequence holds one <|image|> token an image (processing_mllama.py); the
-    tiles reach it through cross-attention (images not modelled: images.image_problem)."""
+    tiles reach it through cross-attention (plan/memory/cross_attention.py)."""
     return VisionSpec(
         tower="mllama", projector="mllama", num_layers=int(vc["num_hidden_layers"]),
         hidden_size=int(vc["hidden_size"]), intermediate_size=int(vc["intermediate_size"]),

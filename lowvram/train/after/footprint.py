@@ -60,6 +60,9 @@ def model_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], int]:
     import contextlib
     import io
 
+    from lowvram.train.build.quiet import quiet_libraries
+
+    quiet_libraries()  # before torch: torchao's import lines (planning runs before any load)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -15,7 +15,13 @@ import io
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lowvram.train.after.gguf_family import rope_factors, uses_llama3_rope
+from lowvram.train.after.gguf_family import (
+    FAMILIES,
+    READ_BY_TRANSFORMERS,
+    rope_factors,
+    uses_llama3_rope,
+)
+from lowvram.train.after.gguf_readback import load_back
 
 # Largest |logit difference| / largest |logit| of the reference, per quantization; and the least
 # share of positions whose top token must agree. Measured on the tiny test Llama and SmolLM2-135M
@@ -53,6 +59,9 @@ class Agreement:
     # Llama-3.1's rope scaling: the file's rope_freqs equal the factors of transformers' own
     # llama3 rope (None: no rope scaling in the file)
     rope_freqs_match: bool | None = None
+    # "transformers" (its GGUF loader), or "gguf" (gguf_readback.py: gguf's reader and
+    # dequantizers, the config from the file's keys) for an architecture transformers does not read
+    read_back_by: str = "transformers"
 
     @property
     def ok(self) -> bool:
@@ -90,9 +99,14 @@ def compare(reference, tokenizer, gguf_path: Path, quantization: str) -> Agreeme
     config = {"config": copy.deepcopy(reference.config)} if rope is not None else {}
     # transformers' GGUF reader draws a plain tqdm bar ("Converting and de-quantizing GGUF
     # tensors...", modeling_gguf_pytorch_utils.py) that its progress-bar switch does not reach.
+    model_type = reference.config.model_type
+    by = "transformers" if FAMILIES[model_type].arch in READ_BY_TRANSFORMERS else "gguf"
     with contextlib.redirect_stderr(io.StringIO()):
-        loaded_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **config).eval()
+        if by == "gguf":
+            loaded, loaded_tok = load_back(gguf_path, model_type)
+        else:
+            loaded_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **config).eval()
     same, worst, scale, agree, total = True, 0.0, 0.0, 0, 0
     for text in fixed_prompts(tokenizer):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -109,7 +123,7 @@ def compare(reference, tokenizer, gguf_path: Path, quantization: str) -> Agreeme
     del loaded
     return Agreement(len(fixed_prompts(tokenizer)), total, same, round(worst, 6), round(scale, 6),
                      round(worst / scale, 6) if scale else 0.0, RELATIVE_TOLERANCE[quantization],
-                     round(agree / total, 6) if total else 1.0, TOP1_AT_LEAST[quantization], rope)
+                     round(agree / total, 6) if total else 1.0, TOP1_AT_LEAST[quantization], rope, by)
 
 
 def rope_freqs_match(config, gguf_path: Path) -> bool:

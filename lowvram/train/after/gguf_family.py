@@ -2,9 +2,9 @@
 keys and tensor changes llama.cpp's convert_hf_to_gguf.py writes for it (its LlamaModel,
 Qwen2Model, Qwen3Model, Gemma2Model, Gemma3Model, Phi3MiniModel), and what is refused.
 
-Every family here is one transformers' GGUF loader reads back (transformers/integrations/ggml.py
-GGUF_CONFIG_MAPPING, modeling_gguf_pytorch_utils.TENSOR_PROCESSORS), so each file is checked by
-loading it (gguf_check.py). The loader rebuilds the config from the file's keys and takes the
+Every family here is read back and checked (gguf_check.py): by transformers' GGUF loader where it
+knows the architecture (transformers/integrations/ggml.py GGUF_CONFIG_MAPPING,
+modeling_gguf_pytorch_utils.TENSOR_PROCESSORS), else by gguf_readback.py (olmo2, smollm3). The loader rebuilds the config from the file's keys and takes the
 config class's defaults for the rest: a model whose config differs from those defaults in a key
 the file does not carry back (``Family.defaults_only``) could not be checked, and is refused.
 """
@@ -37,14 +37,19 @@ FAMILIES = {
         "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation",
         "layer_types", "use_bidirectional_attention")),
     "phi3": Family("phi3", defaults_only=("hidden_act",)),
+    # Read back by gguf_readback.py (transformers' loader does not know these architectures).
+    "olmo2": Family("olmo2"),
+    # llama.cpp's smollm3 takes every 4th layer as the one without rope (SmolLM3's default
+    # no_rope_layer_interval); the file cannot say otherwise
+    "smollm3": Family("smollm3", permute_qk=True, defaults_only=("no_rope_layers", "no_rope_layer_interval",
+                                                                 "use_sliding_window", "layer_types")),
 }
+# The architectures transformers' GGUF loader reads back (integrations/ggml.py GGUF_CONFIG_MAPPING);
+# the others are read back by gguf_readback.py.
+READ_BY_TRANSFORMERS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 # Families llama.cpp defines that the writer does not handle, and why.
-_NOT_CHECKABLE = ("transformers' GGUF loader cannot read the {arch} architecture back, so the file could "
-                  "not be checked")
 REFUSED = {
-    "olmo2": _NOT_CHECKABLE.format(arch="olmo2"),
-    "smollm3": _NOT_CHECKABLE.format(arch="smollm3"),
     "gemma3": "a Gemma-3 with its vision tower (Gemma3ForConditionalGeneration): the writer handles the "
               "text-only Gemma-3 (gemma3_text)",
 }

@@ -14,8 +14,11 @@ named in its config below; the recipe's grpo section says what (lowvram.recipe.g
   plan sized); ``vllm`` is refused (:func:`engine_problem`).
 - Prompts longer than grpo.max_prompt_length lose their start (:func:`_truncating`): TRL 1.16
   keeps whole prompts, TRL before 1.0 cut ``prompt_ids[:, -max_prompt_length:]``.
-- The reference model (beta > 0): with LoRA TRL disables the adapter for the reference forward,
-  full fine-tuning loads a second copy (GRPOTrainer.__init__); beta 0 loads none.
+- The reference model (beta > 0): full fine-tuning loads a second copy (GRPOTrainer.__init__
+  L986-1003); with LoRA the model arrives as a PEFT model, so TRL adds a frozen adapter "ref", a copy
+  of the starting adapter (L478-502), and scores the reference through it (L2722-2724): no copy of
+  the weights, one of the adapter, saved beside it in every checkpoint and the output (``ref/``);
+  beta 0 loads none.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def generation_settings(recipe, plan) -> dict:
                                    ("max_batch_tokens", getattr(plan, "paged_max_batch_tokens", None))) if v}
         out["use_transformers_continuous_batching"] = True
         if cache:
-            out["transformers_continuous_batching_config"] = cache
+            out["transformers_continuous_batching_config"] = {**cache, "max_memory_percent": PAGED_MEMORY_PERCENT}
     return out
 
 
@@ -165,6 +168,12 @@ def grpo_config(recipe, plan, arguments: dict):
     return config
 
 
+# The share of the free memory transformers lets the paged cache's footprint reach. A planned cache
+# (num_blocks, max_batch_tokens) is still checked against it (continuous_batching/cache.py
+# _check_footprint: MemoryError above free x max_memory_percent), and TRL sets 0.5 where none is given
+# (grpo_trainer.py L803-807, rloo_trainer.py L554-558): a cache the plan fitted in more than half the free
+# memory would fail at the first generation. The plan sized it, so all the free memory may hold it.
+PAGED_MEMORY_PERCENT = 1.0
 # transformers' ContinuousBatchingConfig defaults: tokens per page of the paged cache, and the most
 # tokens of one forward (generation/continuous_batching/cache.py _default_max_batch_tokens)
 PAGE_TOKENS = 256
@@ -178,7 +187,8 @@ def paged_cache(completions: int, g) -> dict:
     here), the forward's tokens at transformers' default or the whole batch if smaller."""
     row = g.max_prompt_length + g.max_completion_length
     pages = -(-row // PAGE_TOKENS)
-    return {"num_blocks": completions * pages, "max_batch_tokens": min(DEFAULT_MAX_BATCH_TOKENS, completions * row)}
+    return {"num_blocks": completions * pages, "max_batch_tokens": min(DEFAULT_MAX_BATCH_TOKENS, completions * row),
+            "max_memory_percent": PAGED_MEMORY_PERCENT}
 
 
 def is_rl_config(args) -> bool:
@@ -209,10 +219,12 @@ def build_rl_trainer(loaded, bundle, args, recipe, callbacks=()):
     (lowvram.train.build.rewards.guarded: a failing reward names itself and the step)."""
     from transformers import PrinterCallback
 
+    from lowvram.train.build.preference import _restore_dtypes, _trainable_dtypes
     from lowvram.train.build.rewards import guarded, load_rewards
 
     trainer_class, _ = _classes(recipe.training.objective)
     rewards = [guarded(r, resume_hint(recipe)) for r in load_rewards(recipe)]
+    trained = _trainable_dtypes(loaded.model)
     trainer = _truncating(trainer_class, recipe.grpo.max_prompt_length)(
         model=loaded.model,
         reward_funcs=rewards,
@@ -222,11 +234,14 @@ def build_rl_trainer(loaded, bundle, args, recipe, callbacks=()):
         callbacks=list(callbacks),
     )
     trainer.remove_callback(PrinterCallback)  # progress.py reports, as for SFT
+    # over a 4/8-bit base GRPOTrainer and RLOOTrainer cast every trainable parameter to bf16 in
+    # __init__ (grpo_trainer.py L538-541, rloo_trainer.py L458-461), as DPO does: back to SFT's fp32 adapters
+    _restore_dtypes(trainer.model, trained)
     return trainer
 
 
 # TRL 1.16's log keys (GRPOTrainer/RLOOTrainer.log: the means over the completions since the last
-# log) -> metrics.json's (lowvram.metrics.RunMetrics); clip_ratio/region_mean is GRPO's only.
+# log) -> metrics.json's (lowvram.metrics.RunMetrics).
 _RL_LOG_KEYS = {"reward": "reward", "reward_std": "reward_std", "completions/mean_length": "completion_length",
                 "completions/clipped_ratio": "truncated_completions", "clip_ratio/region_mean": "clip_ratio"}
 _HISTORIES = ("reward", "completion_length", "clip_ratio")
@@ -235,8 +250,10 @@ _HISTORIES = ("reward", "completion_length", "clip_ratio")
 def rl_metrics(log_history: list[dict]) -> dict:
     """metrics.json's grpo/rloo part from the Trainer's log history: each logged value's last
     value (and history, for the reward, the completion length and the clip ratio), and each reward
-    function's mean, std and history (TRL's rewards/<name>/mean, /std); {} for other runs."""
-    logs = [e for e in log_history if "step" in e and "reward" in e]
+    function's mean, std and history (TRL's rewards/<name>/mean, /std); {} for other runs. TRL logs
+    None for a value with no number in its window (GRPOTrainer.log L3311-3312: a reward that
+    returned None for every completion): such a point is left out."""
+    logs = [_numbers(e) for e in log_history if "step" in e and "reward" in e]
     if not logs:
         return {}
     out: dict = {}
@@ -259,9 +276,16 @@ def rl_metrics(log_history: list[dict]) -> dict:
     return out
 
 
+def _numbers(logs: dict) -> dict:
+    """``logs`` without TRL's None values (a metric with no number since the last log)."""
+    return {k: v for k, v in logs.items() if v is not None}
+
+
 def rl_progress(logs: dict) -> str:
     """The progress line's grpo/rloo part of one log: the summed reward (mean +- std), each
-    function's mean, the completion length, the KL (beta > 0) and the clip ratio; "" otherwise."""
+    function's mean, the completion length, the KL (beta > 0) and the clip ratio; "" otherwise
+    (and for a log whose summed reward is None: no completion was scored)."""
+    logs = _numbers(logs)
     if "reward" not in logs:
         return ""
     parts = [f"reward {logs['reward']:+.3f}" + (f" ±{logs['reward_std']:.3f}" if "reward_std" in logs else "")]

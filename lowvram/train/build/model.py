@@ -193,9 +193,16 @@ def load_image_inputs(recipe, source: str, model):
                         "use a multimodal checkpoint (Gemma-3 4B+, Llava) or format: chat")
     from transformers import AutoProcessor
 
+    model_type = getattr(model.config, "model_type", "")
     try:
-        processor = AutoProcessor.from_pretrained(source, revision=recipe.model.revision,
-                                                  trust_remote_code=recipe.model.trust_remote_code)
+        if model_type in QWEN_VL_MODEL_TYPES:  # its processor without the video one (needs torchvision)
+            from lowvram.processors import load_image_only_processor
+
+            processor = load_image_only_processor(source, model_type, recipe.model.revision,
+                                                  recipe.model.trust_remote_code)
+        else:
+            processor = AutoProcessor.from_pretrained(source, revision=recipe.model.revision,
+                                                      trust_remote_code=recipe.model.trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         processor = None
         why = _first_line(e)
@@ -205,7 +212,17 @@ def load_image_inputs(recipe, source: str, model):
         raise ModelError(f"format image_chat needs the model's processor and {source} has none usable ({why})",
                          "a multimodal checkpoint folder holds processor_config.json and "
                          "preprocessor_config.json beside the tokenizer files")
-    return ImageInputs(processor, int(model.config.image_token_id))
+    if model_type in QWEN_VL_MODEL_TYPES:  # data.max_pixels / min_pixels: the plan sized the images by them
+        own = processor.image_processor.size  # a SizeDict (or a dict) with shortest_edge / longest_edge
+        size = {k: own[k] if isinstance(own, dict) else getattr(own, k) for k in ("shortest_edge", "longest_edge")}
+        size.update({k: n for k, n in (("longest_edge", recipe.data.max_pixels),
+                                        ("shortest_edge", recipe.data.min_pixels)) if n is not None})
+        processor.image_processor.size = size
+    return ImageInputs(processor, int(model.config.image_token_id), cross_attention=model_type == "mllama")
+
+
+# multimodal families whose processor sizes each image within min/max_pixels (dynamic resolution)
+QWEN_VL_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 
 
 def _first_line(e: BaseException) -> str:
@@ -304,24 +321,26 @@ def no_kv_cache(model) -> None:
     text.use_cache = False
 
 
-def prepare_model(model, plan, seed: int | None = None):
+def prepare_model(model, plan, seed: int | None = None, images: bool = False):
     """What training does to a loaded base before the Trainer gets it, in the Trainer's order:
     no KV cache, k-bit preparation and LoRA adapters (``seed``: their random init), then gradient
     checkpointing (non-reentrant), which the Trainer also switches on in ``train()``, and the
     tiled MLP (lowvram.train.build.tiled_mlp). The order
     matters: peft registers an input-requires-grad hook on the embedding when it wraps a model
     that is already checkpointing (and not quantized), which changes what the first layer keeps.
-    lowvram.check.builders and the simulator prepare their models with this same function."""
+    lowvram.check.builders and the simulator prepare their models with this same function.
+    ``images``: image + text data (format image_chat): Mllama's cross-attention layers train
+    (lowvram.train.build.vision.frozen_modules)."""
     no_kv_cache(model)
     if has_vision(model.config):
-        freeze_vision(model)
+        freeze_vision(model, images)
         text_input_grads_only(model)  # before peft's wrapping and checkpointing call it
     if plan.lora:
         if seed is not None:
             from transformers import set_seed
 
             set_seed(seed)  # the adapters' random init: same seed, same run
-        model = apply_lora(model, plan)
+        model = apply_lora(model, plan, images)
     if plan.gradient_checkpointing:
         enable_checkpointing(model, plan)
     if getattr(plan, "tiled_mlp", False):
@@ -355,7 +374,7 @@ def prepare_kbit_model(model, gradient_checkpointing: bool, plan=None):
     return model
 
 
-def apply_lora(model, plan):
+def apply_lora(model, plan, images: bool = False):
     """k-bit preparation (if quantized) and LoRA adapters with the plan's lora settings."""
     from peft import LoraConfig
 
@@ -373,7 +392,7 @@ def apply_lora(model, plan):
         init_lora_weights=peft_init_lora_weights(plan.lora_init),  # lowvram.plan.memory.lora_init
         target_modules=targets[0] if targets == ("all-linear",) else list(targets),
         # the language model's Linears only: the tower's q_proj/fc1 share their names
-        exclude_modules=vision_pattern(model.config) if has_vision(model.config) else None,
+        exclude_modules=vision_pattern(model.config, images) if has_vision(model.config) else None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -475,6 +494,7 @@ def load_model(recipe, plan) -> LoadedModel:
         folder, cache_hit = gguf_folder(source, recipe.model.gguf_file, recipe.model.trust_remote_code)
         source = str(folder)
     tokenizer = load_tokenizer(recipe, source)
-    model = prepare_model(load_base_model(recipe, plan, source), plan, seed=recipe.training.seed)
+    images = any(d.format == "image_chat" for d in recipe.data.datasets)
+    model = prepare_model(load_base_model(recipe, plan, source), plan, seed=recipe.training.seed, images=images)
     trainable, total = count_params(model)
     return LoadedModel(model, tokenizer, source, time.perf_counter() - t0, cache_hit, trainable, total)

@@ -177,7 +177,8 @@ def preference_metrics(log_history: list[dict]) -> dict:
     its last value, from the Trainer's log history; {} for an SFT run (no such keys logged)."""
     out: dict = {}
     for key in REWARD_METRICS + OBJECTIVE_METRICS:
-        points = [[e["step"], float(e[key])] for e in log_history if key in e and "step" in e]
+        points = [[e["step"], float(e[key])] for e in log_history
+                  if e.get(key) is not None and "step" in e]  # TRL logs None for a window without a value
         if points:
             name = key.replace("/", "_")  # rewards_margins
             out[f"{name}_history"] = points

@@ -14,20 +14,24 @@ VISION_MODULES = ("model.vision_tower", "model.multi_modal_projector",
 
 def cross_attention_modules(config) -> tuple[str, ...]:
     """Llama-3.2-Vision's cross-attention decoder layers (MllamaTextModel.layers at
-    text_config.cross_attention_layers). Without images the forward skips them (modeling_mllama.py:
-    ``continue`` when there are no cross_attention_states and no cache), so on text data they would
-    get no gradient: lowvram freezes them and gives them no LoRA adapters (dead adapters, and
-    trainable parameters DDP would wait for), and leaves them in bitsandbytes' 4-bit like the
-    other language-model Linears (lowvram.plan.memory.states.cross_attention_weight_bytes)."""
+    text_config.cross_attention_layers)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else None
     layers = getattr(text, "cross_attention_layers", None) if getattr(config, "model_type", "") == "mllama" else None
     return tuple(f"model.language_model.layers.{i}" for i in layers or ())
 
 
-def frozen_modules(config) -> tuple[str, ...]:
+def frozen_modules(config, images: bool = False) -> tuple[str, ...]:
     """What training never updates in a multimodal checkpoint: the vision tower and projector,
-    and Mllama's cross-attention layers."""
-    return VISION_MODULES + cross_attention_modules(config)
+    and, on text data (``images`` False), Mllama's cross-attention layers. Without images the
+    forward skips them (modeling_mllama.py: ``continue`` when there are no cross_attention_states
+    and no cache), so they would get no gradient: lowvram freezes them and gives them no LoRA
+    adapters (dead adapters, and trainable parameters DDP would wait for), and leaves them in
+    bitsandbytes' 4-bit like the other language-model Linears
+    (lowvram.plan.memory.states.cross_attention_weight_bytes). With images (format image_chat) they
+    are the language model's only path to the image: trained like the self-attention layers (full
+    fine-tuning: their weights; LoRA: adapters on the Linears lora.target_modules names, which
+    share the self-attention layers' names, q/k/v/o_proj and the MLP's)."""
+    return VISION_MODULES + (() if images else cross_attention_modules(config))
 
 
 def has_vision(config) -> bool:
@@ -49,10 +53,10 @@ def model_class(vision: bool):
     return AutoModelForCausalLM
 
 
-def freeze_vision(model) -> None:
+def freeze_vision(model, images: bool = False) -> None:
     """No gradient for the vision tower and projector (full fine-tuning trains the language
-    model; text data never reaches the tower)."""
-    for name in frozen_modules(model.config):
+    model; text data never reaches the tower), nor for Mllama's cross-attention layers on text."""
+    for name in frozen_modules(model.config, images):
         try:
             model.get_submodule(name).requires_grad_(False)
         except AttributeError:
@@ -80,9 +84,9 @@ def text_input_grads_only(model) -> None:
     model.enable_input_require_grads = enable_input_require_grads
 
 
-def vision_pattern(config) -> str:
+def vision_pattern(config, images: bool = False) -> str:
     """peft's exclude_modules (a regex matched in full against each module name) for
     frozen_modules and everything under them."""
     import re
 
-    return "|".join(r"(.*\.)?" + re.escape(name) + r"(\..*)?" for name in frozen_modules(config))
+    return "|".join(r"(.*\.)?" + re.escape(name) + r"(\..*)?" for name in frozen_modules(config, images))

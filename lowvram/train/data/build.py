@@ -32,6 +32,9 @@ class ImageInputs:
 
     processor: object
     image_token_id: int
+    # Llama-3.2-Vision (MllamaProcessor): one image token an image in the sequence, the tiles
+    # reach the language model through its cross-attention layers (data/images.py ImageCollator)
+    cross_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: I
     ``images``: the model's processor and image token, for format image_chat (data/images.py);
     every sample then carries its image paths (none for a text dataset beside it)."""
     if recipe.training.objective in RL_OBJECTIVES:
-        return _prompt_bundle(recipe)
+        return _prompt_bundle(recipe, tokenizer)
     if recipe.training.objective != "sft":
         return _preference_bundle(recipe)
     data = recipe.data
@@ -76,9 +79,15 @@ def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, images: I
         raise DataError("format image_chat needs a model with a vision tower and its processor",
                         "use a multimodal checkpoint (Gemma-3 4B+, Llava) or format: chat")
 
+    if with_images and images.cross_attention and not all(spec.format == "image_chat" for spec in data.datasets):
+        raise DataError("Llama-3.2-Vision cannot mix text datasets with image_chat ones: its image processor "
+                        "takes no row without an image, and a batch would mix them",
+                        "train the text datasets in a run of their own, or give their rows images")
+
     def samples(rows: list, spec) -> list:
         if spec.format == "image_chat":
-            return tokenize_image_rows(rows, spec, recipe, images.processor, images.image_token_id, counts)
+            return tokenize_image_rows(rows, spec, recipe, images.processor, images.image_token_id, counts,
+                                       expands=not images.cross_attention)
         out = tokenize_rows(rows, spec, recipe, tokenizer, counts)
         return [(ids, labels, []) for ids, labels in out] if with_images else out
 
@@ -130,11 +139,11 @@ def _preference_bundle(recipe: Recipe) -> DataBundle:
     return DataBundle(train=pairs.train, eval=pairs.eval, stats=stats)
 
 
-def _prompt_bundle(recipe: Recipe) -> DataBundle:
+def _prompt_bundle(recipe: Recipe, tokenizer: PreTrainedTokenizerBase | None) -> DataBundle:
     """grpo, rloo: the checked prompts, which TRL tokenizes at each generation (data/prompts.py)."""
     from lowvram.train.data.prompts import build_prompt_dataset
 
-    prompts = build_prompt_dataset(recipe)
+    prompts = build_prompt_dataset(recipe, tokenizer)
     stats = DataStats(train_rows=prompts.prompts, eval_rows=0, skipped_bad_rows=prompts.skipped_bad_rows,
                       truncated=0, train_tokens=0, response_tokens=0, packed=False, train_samples=prompts.prompts)
     return DataBundle(train=prompts.train, eval=None, stats=stats)

@@ -132,8 +132,9 @@ def load_prompts(recipe: Recipe, first: int | None = None) -> tuple[list[dict], 
     return rows, counts[0]
 
 
-def build_prompt_dataset(recipe: Recipe) -> PromptBundle:
-    """The recipe's prompts as TRL's train dataset."""
+def build_prompt_dataset(recipe: Recipe, tokenizer: Any = None) -> PromptBundle:
+    """The recipe's prompts as TRL's train dataset (``tokenizer``: the run's, whose chat template
+    message prompts need; None: not checked)."""
     import datasets
 
     rows, skipped = load_prompts(recipe)
@@ -143,6 +144,13 @@ def build_prompt_dataset(recipe: Recipe) -> PromptBundle:
     if len({isinstance(r["prompt"], str) for r in rows}) > 1:
         raise DataError("the prompts mix text and messages",
                         "give every row a text prompt, or every row a list of messages")
+    # TRL renders message prompts with the tokenizer's chat template at the first generation
+    # (grpo_trainer.py _tokenize_prompts: apply_chat_template, a ValueError mid-run without one)
+    if tokenizer is not None and not isinstance(rows[0]["prompt"], str) and not getattr(tokenizer, "chat_template", None):
+        where = ", ".join(spec.path for spec in recipe.data.datasets)
+        raise DataError(f"{where}: the prompts are chat messages and the tokenizer has no chat template to render "
+                        "them with", "use a chat model's tokenizer (model.tokenizer), or give text prompts "
+                        "(format prompt with text, or format alpaca)")
     keys = set(rows[0])
     for r in rows:
         if set(r) != keys:

@@ -37,16 +37,20 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer: PreTrainedTokenizerBase,
-                   counts: Counts, lengths: list[int] | None = None) -> list[tuple[list[int], list[int]]]:
+                   counts: Counts, lengths: list[int] | None = None,
+                   kept: list[Row] | None = None) -> list[tuple[list[int], list[int]]]:
     """(input_ids, labels) of each row, cut to seq_len; ``lengths`` collects each sample's tokens
-    before the cut (the data check's statistics)."""
+    before the cut (the data check's statistics), ``kept`` the row of each sample returned (`lowvram
+    eval` scores the held-out rows' answers)."""
     check_fields(spec)
     chat = (ChatRenderer(tokenizer, spec, last_only=recipe.data.train_on == "last")
             if spec.format in CHAT_FORMATS else None)
     all_segments: list[Segments] = []
+    sources: list[Row] = []
     for row in rows:
         try:
             all_segments.append(segments(row.data, spec, chat))
+            sources.append(row)
         except BadRow as e:
             if recipe.data.skip_bad_rows:
                 counts.skipped += 1
@@ -68,7 +72,7 @@ def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer:
     seq_len = recipe.training.seq_len
     train_all = trains_all(recipe)
     out = []
-    for segs in all_segments:
+    for segs, row in zip(all_segments, sources, strict=True):
         ids, labels = list(prefix), [IGNORE_INDEX] * len(prefix)
         for text, trained in segs:
             piece = ids_of[text]
@@ -85,7 +89,22 @@ def tokenize_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, tokenizer:
                 counts.dropped += 1
                 continue
         out.append((ids, labels))
+        if kept is not None:
+            kept.append(row)
     return out
+
+
+def prompt_ids(segs: Segments, tokenizer: PreTrainedTokenizerBase, chat: bool) -> list[int] | None:
+    """The tokens before the last trained segment, tokenized as tokenize_rows does (each segment
+    alone, the default prefix for non-chat formats): the prompt a model answers at inference.
+    None when nothing comes before it (format text)."""
+    last = max((i for i, (_, trained) in enumerate(segs) if trained), default=None)
+    if not last:
+        return None
+    ids = [] if chat else _special_prefix(tokenizer)
+    for text, _ in segs[:last]:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    return ids
 
 
 def trains_all(recipe: Recipe) -> bool:

@@ -12,6 +12,7 @@ copy that went wrong, an editor). No torch here.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -149,3 +150,37 @@ def checkpoint_step(folder: Path) -> tuple[int, int | None]:
         return int(state["global_step"]), (int(state["max_steps"]) if state.get("max_steps") else None)
     except (OSError, ValueError, KeyError, TypeError):
         return _step(folder), None
+
+
+def mid_generation_cycle(checkpoint: Path, grad_accum: int, steps_per_generation: int, num_iterations: int) -> str | None:
+    """grpo/rloo: why ``checkpoint`` cannot be resumed exactly (None: it can). TRL regenerates once
+    every steps_per_generation x num_iterations micro-steps and keeps the completions in memory
+    between (GRPOTrainer._prepare_inputs: ``self._step % generate_every``, ``_buffered_inputs``);
+    neither is in a checkpoint, so a resume starts a new generation round. At a step that ends a
+    round that is what the uninterrupted run does; inside one (num_iterations > 1, or a generation
+    batch spanning optimizer steps) the resumed run would generate again for prompts it had
+    completions of, and its rounds would fall out of step with TRL's sampler: another training."""
+    every = steps_per_generation * num_iterations
+    step, _ = checkpoint_step(checkpoint)
+    if not every or (step * grad_accum) % every == 0:
+        return None
+    per = every // math.gcd(every, grad_accum)  # optimizer steps per generation round, reused num_iterations times
+    return (f"{checkpoint.name} is inside a generation round: TRL regenerates every {every} micro-steps "
+            f"(steps_per_generation {steps_per_generation} x num_iterations {num_iterations}), every {per} "
+            f"optimizer steps here, and keeps that round's completions only in memory")
+
+
+def check_generation_round(checkpoint: Path, grad_accum: int, steps_per_generation: int, num_iterations: int) -> None:
+    """`--resume` from a grpo/rloo checkpoint inside a generation round (:func:`mid_generation_cycle`):
+    refused, naming the last checkpoint that can be resumed."""
+    def why(c: Path) -> str | None:
+        return mid_generation_cycle(c, grad_accum, steps_per_generation, num_iterations)
+
+    problem = why(checkpoint)
+    if problem is None:
+        return
+    good = [c.name for c in complete_checkpoints(checkpoint.parent) if why(c) is None]
+    then = (f"resume from {good[-1]} (a round's end) by removing the checkpoints after it" if good
+            else "start over with --overwrite")
+    raise LowvramError(f"--resume cannot continue the run exactly: {problem}",
+                       f"{then}; a training.save_steps that is a multiple of the round keeps every checkpoint resumable")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lowvram.errors import LowvramError
+from lowvram.plan.memory.preference import RL_OBJECTIVES
 
 if TYPE_CHECKING:
     from lowvram.recipe import Recipe
@@ -189,6 +190,8 @@ def check_shape(recipe: Recipe, train_rows: int | None = None) -> None:
 
 def _check_batch(recipe: Recipe, rows: int | None) -> None:
     batch = recipe.training.batch_size
+    if recipe.training.objective in RL_OBJECTIVES:
+        return _check_prompts(recipe, rows)
     if rows is None or rows >= batch:
         return
     what = "packed windows" if recipe.data.packing else "rows"
@@ -197,6 +200,22 @@ def _check_batch(recipe: Recipe, rows: int | None) -> None:
         f"training.batch_size {batch:,} is more than the training data holds: one optimizer step takes "
         f"{batch:,} samples, the data has {rows:,} training {what}{held}",
         f"lower training.batch_size to {rows:,} or less, or add rows to the data",
+    )
+
+
+def _check_prompts(recipe: Recipe, rows: int | None) -> None:
+    """grpo/rloo: a row is a prompt, completed num_generations times; TRL's sampler draws whole
+    generation batches of prompts (RepeatSampler, batch_size = generation_batch_size /
+    num_generations), so the data must hold one generation batch's prompts."""
+    g, batch = recipe.grpo, recipe.training.batch_size
+    completions = max(batch, g.generation_batch_size if isinstance(g.generation_batch_size, int) else 0)
+    prompts = completions // g.num_generations
+    if rows is None or rows >= prompts:
+        return
+    raise LowvramError(
+        f"the data holds {rows:,} prompts, fewer than one generation batch needs: {completions:,} completions "
+        f"are {prompts:,} prompts x {g.num_generations} generations",
+        f"add prompts, or lower training.batch_size to {rows * g.num_generations:,} or less",
     )
 
 

@@ -33,7 +33,11 @@ from lowvram.plan.choose.replan import Replanner
 from lowvram.plan.types import Plan
 from lowvram.runfiles import CHECKPOINT_GLOB, OOM_REPORT, is_read_only
 from lowvram.train.diskfull import is_disk_full, written_file
-from lowvram.train.run.checkpoints import complete_checkpoints, partial_checkpoints
+from lowvram.train.run.checkpoints import (
+    complete_checkpoints,
+    mid_generation_cycle,
+    partial_checkpoints,
+)
 from lowvram.train.run.oom import EXTRA_METRICS_ENV, REPORT_ENV, TrainingOOM, collect_oom_reports
 from lowvram.train.run.signals import TrainingInterrupted
 from lowvram.train.types import RetryLog, RunResult, TrainOptions
@@ -72,7 +76,20 @@ def describe_change(old: Plan, new: Plan) -> str:
         parts.append(f"{name} {shown}")
     if (old.micro_batch_size, old.grad_accum) != (new.micro_batch_size, new.grad_accum):
         parts.append(f"micro-batch {new.micro_batch_size} x {new.grad_accum}")
+    parts += _generation_change(old, new)
     return ", ".join(parts) or "the same settings"
+
+
+def _generation_change(old: Plan, new: Plan) -> list[str]:
+    """grpo/rloo: the generation batch (completions generated at once, all processes) and the
+    engine, where the re-plan changed them (num_generations it never changes: the algorithm)."""
+    parts = []
+    if old.generation and old.generation != new.generation:
+        parts.append(f"generation {new.generation}")
+    if old.generation_batch_size != new.generation_batch_size and new.generation_batch_size:
+        rounds = max(1, new.grad_accum // max(1, new.steps_per_generation))
+        parts.append(f"generation batch {new.generation_batch_size} ({rounds} round{'s' * (rounds > 1)} per step)")
+    return parts
 
 
 def _carries_over(old: Plan, new: Plan) -> bool:
@@ -207,7 +224,8 @@ def _train_loop(recipe: Recipe, plan: Plan, out: Path, options: TrainOptions, re
             return (f"the next cheaper plan offloads (offload {new.offload}), which runs through "
                     f"accelerate: {resume_cmd or 'lowvram train RECIPE'} --set techniques.offload={new.offload}")
 
-        new, ckpts = _next_attempt(replanner, err, plan, retries, out, options, refuse=through_accelerate)
+        new, ckpts = _next_attempt(replanner, err, plan, retries, out, options, refuse=through_accelerate,
+                                   num_iterations=recipe.grpo.num_iterations)
         _record_retry(err, plan, new, ckpts, retries, options.max_retries, notify)
         del err
         plan, options = new, dataclasses.replace(options, resume=True, overwrite=False)
@@ -239,11 +257,13 @@ def _retry_log(retries: list[Retry], plan: Plan) -> RetryLog:
 
 
 def _next_attempt(replanner: Replanner | None, err: TrainingOOM, plan: Plan, retries: list[Retry], out: Path,
-                  options: TrainOptions, refuse: Callable[[Plan], str | None] | None = None
-                  ) -> tuple[Plan, list[Path]]:
+                  options: TrainOptions, refuse: Callable[[Plan], str | None] | None = None,
+                  num_iterations: int = 1) -> tuple[Plan, list[Path]]:
     """(next cheaper plan, checkpoints to resume from) after ``err``, or the final error when
     recovery is off, spent or impossible (``refuse(new)``: why this caller cannot run the plan).
-    Checkpoints that cannot carry over to the new plan are removed: the retry starts over."""
+    Checkpoints that cannot carry over to the new plan are removed: the retry starts over; so are
+    grpo/rloo checkpoints inside a generation round of the new plan (``num_iterations``: the
+    recipe's grpo.num_iterations), back to the last that ends one."""
     if not options.recover:
         raise _final_failure(err, [], "automatic recovery is off (--no-recover)")
     if len(retries) >= options.max_retries:
@@ -259,6 +279,9 @@ def _next_attempt(replanner: Replanner | None, err: TrainingOOM, plan: Plan, ret
         for p in out.glob(CHECKPOINT_GLOB):  # written for another optimizer/weights/engine: start over
             shutil.rmtree(p, ignore_errors=True)
         ckpts = []
+    while ckpts and new.generation and mid_generation_cycle(ckpts[-1], new.grad_accum, new.steps_per_generation,
+                                                            num_iterations):
+        shutil.rmtree(ckpts.pop(), ignore_errors=True)  # inside a generation round: not resumable exactly
     return new, ckpts
 
 
@@ -311,7 +334,8 @@ def launch_with_recovery(recipe: Recipe, plan: Plan, options: TrainOptions, laun
         if options.recover and spec.nodes > 1:
             raise _final_failure(err, retries, "automatic recovery runs on one node only (every node would "
                                  "have to agree on the new plan)")
-        new, ckpts = _next_attempt(replanner, err, plan, retries, out, options)
+        new, ckpts = _next_attempt(replanner, err, plan, retries, out, options,
+                                   num_iterations=recipe.grpo.num_iterations)
         try:
             again = dataclasses.replace(options, resume=bool(ckpts), overwrite=False, print_launch=False)
             launched = launch.prepare_launch(recipe, new, again, check_output=False, replanner=replanner)

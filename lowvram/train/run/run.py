@@ -268,7 +268,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     from lowvram.train.build.trainer import output_dir
 
     out = output_dir(recipe)
-    from lowvram.train.run.checkpoints import complete_checkpoints
+    from lowvram.train.run.checkpoints import check_generation_round, complete_checkpoints
 
     if prepared:
         found = complete_checkpoints(out) if options.resume and out.is_dir() else []
@@ -278,6 +278,8 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
 
         checkpoint = prepare_output_dir(out, options.resume, options.overwrite, recipe=recipe, plan=plan)
     at_end = checkpoint is not None and _finished_at(checkpoint, recipe)
+    if checkpoint is not None and plan.generation and not at_end:  # grpo/rloo: at a generation round's end
+        check_generation_round(checkpoint, plan.grad_accum, plan.steps_per_generation, recipe.grpo.num_iterations)
 
     from lowvram.train.build.model import resolve_model_location
     from lowvram.train.run.preflight import check_shape, model_files
@@ -303,7 +305,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     collator = make_collator(loaded.tokenizer, flash_varlen=is_flash_attention_requested(loaded.model.config),
                              rows=True)  # each step's rows, for its error (train/run/guard.py)
     if images is not None:  # pixel values per batch (data/images.py)
-        collator = make_image_collator(images.processor, images.image_token_id, collator)
+        collator = make_image_collator(images.processor, images.image_token_id, collator, images.cross_attention)
     if len(bundle.train) == 0:
         raise LowvramError("no training rows left after formatting", "check data.datasets and data.skip_bad_rows")
     check_shape(recipe, train_rows=len(bundle.train))  # the rows (windows) as built: hub data, packing
