@@ -51,6 +51,7 @@ from lowvram.difftest import (  # noqa: E402
     IMAGE_FAMILIES,
     MLLAMA_FAMILIES,
     OVER_LIMIT,
+    QWEN_VL_IMAGE_FAMILIES,
     TEN_FAMILIES,
     VISION_FAMILIES,
     grpo_case,
@@ -77,10 +78,11 @@ from lowvram.difftest import (  # noqa: E402
 # tower), text recipes; "qwen2_5_vl": Qwen2.5-VL alone (adding it to "vision" changed what the vision
 # seeds draw: seeds measured before name other recipes now); "qwen3_vl": Qwen3-VL alone (kept out of
 # "vision" for the same reason); "mllama": Llama-3.2-Vision alone (a tiny local + gated global
-# tower, Llama text with cross-attention layers the text forward skips), text recipes
+# tower, Llama text with cross-attention layers the text forward skips), text recipes;
+# "qwen_vl_images": Qwen2.5-VL and Qwen3-VL, drawn for --images (data.max_pixels sizes their images)
 FAMILY_SETS = {"seven": FIRST_FAMILIES, "ten": TEN_FAMILIES, "all": FAMILIES, "gpt_oss": ("gpt_oss",),
                "vision": VISION_FAMILIES, "images": IMAGE_FAMILIES, "qwen2_5_vl": ("qwen2_5_vl",),
-               "qwen3_vl": ("qwen3_vl",), "mllama": MLLAMA_FAMILIES}
+               "qwen3_vl": ("qwen3_vl",), "mllama": MLLAMA_FAMILIES, "qwen_vl_images": QWEN_VL_IMAGE_FAMILIES}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

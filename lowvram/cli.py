@@ -168,6 +168,9 @@ def plan(
     activation_offload: Annotated[bool | None, typer.Option("--activation-offload/--no-activation-offload", help="Fix activation offloading (checkpointed layer inputs in pinned host RAM; needs checkpointing, a GPU) on or off.", show_default=False)] = None,
     tiled_mlp: Annotated[str | None, _opt("--tiled-mlp", "auto | on | off | N: each layer's MLP over the sequence in N shards, recomputed shard by shard (on: ceil(seq_len / hidden_size)); ~20% slower.", "T")] = None,
     packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="Plan for data.packing: several samples per seq_len window (SDPA then keeps a b x s x s mask per layer).", show_default=False)] = None,
+    images_per_row: Annotated[int | None, _opt("--images-per-row", "Plan image + text rows of up to N images (data.images_per_row; a vision model).", "N")] = None,
+    max_pixels: Annotated[int | None, _opt("--max-pixels", "Qwen-VL: the largest image in pixels (data.max_pixels; default the processor's, 1003520): bounds each image's tokens. Implies --images-per-row 1.", "N")] = None,
+    min_pixels: Annotated[int | None, _opt("--min-pixels", "Qwen-VL: the smallest image in pixels (data.min_pixels).", "N")] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
     offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,
     objective: Annotated[str | None, _opt("--objective", "sft | dpo | orpo | simpo | kto | grpo | rloo (training.objective; preference: 2 rows per pair, kto 1 row, DPO and KTO a reference; grpo/rloo: generation, then training on the completions).", "OBJ")] = None,
@@ -257,7 +260,8 @@ def plan(
         gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,
         activation_offload=activation_offload, packing=packing, gpus=gpus, offload=offload,
         tiled_mlp=None if tiled_mlp == "auto" else tiled_mlp,
-        objective=objective, host_ram=host_ram, **grpo_flags,
+        objective=objective, host_ram=host_ram, images_per_row=images_per_row, max_pixels=max_pixels,
+        min_pixels=min_pixels, **grpo_flags,
     )
     from lowvram.plan.choose.request import Choice
     from lowvram.plan.serialize import choice_to_dict

@@ -124,7 +124,7 @@ def show_loss(c, history) -> None:
     c.print(f"  loss {first:.3f} -> {last:.3f} ({(last - first) / first:+.0%})", markup=False)
 
 
-def run_demo(recipe_path: Path = QUICKSTART) -> dict:
+def run_demo(recipe_path: Path = QUICKSTART, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
     from lowvram.cli import app
     from lowvram.planning.entry import plan_for_recipe
     from lowvram.recipe import load_recipe
@@ -143,7 +143,7 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     base = load_model(recipe, replace(plan, lora=False))
     cache = "from the GGUF cache" if base.gguf_cache_hit else "GGUF converted once, cached for next time"
     c.print(f"loaded {MODEL_NAME} in {base.load_s:.1f} s ({cache})", markup=False)
-    before = [answer(base.model, base.tokenizer, p) for p, _ in prompts]
+    before = [answer(base.model, base.tokenizer, p, max_new_tokens) for p, _ in prompts]
     show_answers(c, "Before training (base model)", prompts, before)
     del base
 
@@ -160,7 +160,7 @@ def run_demo(recipe_path: Path = QUICKSTART) -> dict:
     metrics = json.loads((out / METRICS).read_text())
     base = load_model(recipe, replace(plan, lora=False))
     tuned = PeftModel.from_pretrained(base.model, out) if plan.lora else base.model
-    after = [answer(tuned, base.tokenizer, p) for p, _ in prompts]
+    after = [answer(tuned, base.tokenizer, p, max_new_tokens) for p, _ in prompts]
     show_answers(c, "After training (base + adapter)" if plan.lora else "After training", prompts, after)
     show_loss(c, metrics.get("loss_history"))
     del base, tuned

@@ -195,12 +195,19 @@ LLAVA_IMAGE_TOKENS = {"image_token": "<image>"}
 # <|python_tag|> its __init__ looks up
 MLLAMA_IMAGE_TOKENS = {"image_token": "<|image|>", "bos_token": "<|begin_of_text|>",
                        "python_token": "<|python_tag|>"}
-_FAMILY_IMAGE_TOKENS = {"gemma3": GEMMA3_IMAGE_TOKENS, "llava": LLAVA_IMAGE_TOKENS, "mllama": MLLAMA_IMAGE_TOKENS}
+# Qwen2.5-VL's and Qwen3-VL's (Qwen/Qwen2.5-VL-7B-Instruct tokenizer_config.json added tokens):
+# an image renders as <|vision_start|><|image_pad|><|vision_end|>, the processor expanding
+# <|image_pad|> into the image's tokens
+QWEN_VL_IMAGE_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                        "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
+QWEN_VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+_FAMILY_IMAGE_TOKENS = {"gemma3": GEMMA3_IMAGE_TOKENS, "llava": LLAVA_IMAGE_TOKENS, "mllama": MLLAMA_IMAGE_TOKENS,
+                        **dict.fromkeys(QWEN_VL_FAMILIES, QWEN_VL_IMAGE_TOKENS)}
 
 
 def build_vision_tokenizer(family: str, vocab_size: int = 512):
-    """build_tokenizer() with the image special tokens of ``family`` (gemma3, llava or mllama), as
-    the tokenizer attributes the family's processor reads."""
+    """build_tokenizer() with the image special tokens of ``family`` (gemma3, llava, mllama,
+    qwen2_5_vl or qwen3_vl), as the tokenizer attributes the family's processor reads."""
     return build_tokenizer(vocab_size, extra_specials=_FAMILY_IMAGE_TOKENS.get(family, LLAVA_IMAGE_TOKENS))
 
 
@@ -209,6 +216,8 @@ def image_token_config(family: str, tokenizer) -> dict:
     LlavaConfig image_token_index; Gemma-3's boi/eoi_token_index)."""
     ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in
            _FAMILY_IMAGE_TOKENS.get(family, LLAVA_IMAGE_TOKENS).items()}
+    if family in QWEN_VL_FAMILIES:  # Qwen2_5_VLConfig / Qwen3VLConfig: *_token_id
+        return {f"{k}_id": i for k, i in ids.items()}
     out = {"image_token_index": ids["image_token"]}
     if family == "gemma3":
         out.update(boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"])
@@ -222,7 +231,9 @@ def build_processor(config, tokenizer):
     CLIPImageProcessor (shortest edge and center crop at image_size) and the tower's patch size,
     CLS counted (num_additional_image_tokens 1, dropped by the "default" select strategy);
     MllamaProcessor with a MllamaImageProcessor cutting images into tiles of image_size, at most
-    max_num_tiles of them."""
+    max_num_tiles of them; Qwen-VL: qwen_vl_processor."""
+    if config.model_type in QWEN_VL_FAMILIES:
+        return qwen_vl_processor(config, tokenizer)
     side = config.vision_config.image_size
     if config.model_type == "gemma3":
         from transformers import Gemma3ImageProcessorPil, Gemma3Processor
@@ -245,7 +256,27 @@ def build_processor(config, tokenizer):
                                          max_image_tiles=config.vision_config.max_num_tiles)
         return MllamaProcessor(images, tokenizer,
                                chat_template=IMAGE_CHAT_TEMPLATE.replace("@IMAGE@", tokenizer.image_token))
-    raise ValueError(f"no tiny processor for model_type {config.model_type!r} (gemma3, llava, mllama)")
+    raise ValueError(f"no tiny processor for model_type {config.model_type!r} (gemma3, llava, mllama, qwen2_5_vl, qwen3_vl)")
+
+
+def qwen_vl_processor(config, tokenizer, min_pixels: int | None = None, max_pixels: int | None = None):
+    """Qwen2_5_VLProcessor / Qwen3VLProcessor around a build_vision_tokenizer() tokenizer, without a
+    video processor (lowvram.processors): the image processor the checkpoints use
+    (Qwen2VLImageProcessor, PIL backend) at the tower's patch, merge and temporal sizes, its pixel
+    limits the class defaults unless given, the chat template rendering an image part as
+    <|vision_start|><|image_pad|><|vision_end|> like the real one. Saved, it is what a checkpoint
+    holds: preprocessor_config.json, the tokenizer and its chat template."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from lowvram.processors import image_only_processor
+
+    v = config.vision_config
+    size = dict(Qwen2VLImageProcessorPil.size)
+    size.update({k: n for k, n in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)) if n is not None})
+    images = Qwen2VLImageProcessorPil(size=size, patch_size=v.patch_size, merge_size=v.spatial_merge_size,
+                                      temporal_patch_size=v.temporal_patch_size)
+    tokenizer.chat_template = IMAGE_CHAT_TEMPLATE.replace("@IMAGE@", "<|vision_start|><|image_pad|><|vision_end|>")
+    return image_only_processor(config.model_type, images, tokenizer, tokenizer.chat_template)
 
 
 def write_images(folder: str | Path, count: int, side: int = 48, seed: int = 0) -> list[Path]:

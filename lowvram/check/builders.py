@@ -102,19 +102,28 @@ def multimodal_config(text, v: VisionSpec, tie: bool, cross_attention_layers: tu
 def tiny_vision_config(family: str, tokenizer, hidden: int = 64, layers: int = 2, vision_layers: int = 1,
                        vision_hidden: int = 32, image_size: int = 32, patch_size: int = 8):
     """A tiny Gemma3Config (SigLIP tower, mm_tokens_per_image a quarter of the patches),
-    LlavaConfig (CLIP tower, Llama text) or MllamaConfig (its tower of four tiles, one gated global
-    layer; Llama text with one cross-attention layer after the first) whose image tokens are the
-    tokenizer's."""
+    LlavaConfig (CLIP tower, Llama text), MllamaConfig (its tower of four tiles, one gated global
+    layer; Llama text with one cross-attention layer after the first) or Qwen2_5_VLConfig /
+    Qwen3VLConfig (their towers, Qwen2 / Qwen3 text) whose image tokens are the tokenizer's."""
     from transformers import AutoConfig
 
-    from lowvram.testing import image_token_config
+    from lowvram.testing import QWEN_VL_FAMILIES, image_token_config
 
+    text_type = {"gemma3": "gemma3_text", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}.get(family, "llama")
     text = AutoConfig.for_model(
-        "gemma3_text" if family == "gemma3" else "llama", hidden_size=hidden, intermediate_size=2 * hidden,
+        text_type, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
         vocab_size=len(tokenizer), max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     patches = (image_size // patch_size) ** 2
+    if family in QWEN_VL_FAMILIES:  # a Qwen-VL tower (the image size is the processor's, per image)
+        v = VisionSpec(tower=family, projector=family, num_layers=vision_layers, hidden_size=vision_hidden,
+                       intermediate_size=2 * vision_hidden, num_heads=2, patch_size=patch_size,
+                       image_size=image_size, num_channels=3, tokens_per_image=max(1, patches // 4),
+                       text_hidden_size=hidden, merge_size=2, temporal_patch_size=2,
+                       position_embeddings=patches if family == "qwen3_vl" else 0,
+                       deepstack_mergers=vision_layers if family == "qwen3_vl" else 0)
+        return multimodal_config(text, v, False, **image_token_config(family, tokenizer))
     if family == "mllama":
         v = VisionSpec(tower="mllama", projector="mllama", num_layers=vision_layers, hidden_size=vision_hidden,
                        intermediate_size=2 * vision_hidden, num_heads=2, patch_size=patch_size,

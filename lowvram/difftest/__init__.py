@@ -26,6 +26,7 @@ from lowvram.difftest.cases import (
     MLLAMA_FAMILIES,
     MULTIMODAL_FAMILIES,
     OVER_LIMIT,
+    QWEN_VL_IMAGE_FAMILIES,
     TEN_FAMILIES,
     VISION_FAMILIES,
     Case,
@@ -57,7 +58,7 @@ from lowvram.difftest.run import (
 )
 
 __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_CASE_FAMILIES", "IMAGE_FAMILIES",
-           "MLLAMA_FAMILIES",
+           "QWEN_VL_IMAGE_FAMILIES", "MLLAMA_FAMILIES",
            "MULTIMODAL_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
            "made_apollo", "made_chunked", "made_galore", "made_images", "made_in_backward", "made_lomo",
            "made_pissa", "mllama_cross_layers", "grpo_case", "GRPO_FAMILIES", "made_generation_bound", "made_short_pairs", "made_tiled", "made_torchao",

@@ -41,6 +41,10 @@ MULTIMODAL_FAMILIES = VISION_FAMILIES + ("qwen3_vl",) + MLLAMA_FAMILIES
 # keep their recipes), --families mllama --images Llama-3.2-Vision alone
 IMAGE_FAMILIES = ("gemma3", "llava")
 IMAGE_CASE_FAMILIES = IMAGE_FAMILIES + MLLAMA_FAMILIES
+# Qwen2.5-VL and Qwen3-VL with images (dynamic resolution: data.max_pixels sizes them), drawn on
+# their own (bench/plan_fuzz.py --families qwen_vl_images --images) so the image seeds above keep
+# their recipes
+QWEN_VL_IMAGE_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 WORDS = ("the quick brown fox jumps over lazy dog gradient memory adapter train model plan "
          "peak tensor layer token batch sequence answer question").split()
@@ -92,6 +96,10 @@ class Case:
     vision_patch: int = 0
     cross_layers: int = 0  # mllama: cross-attention layers among the text layers (skipped on text)
     images: int = 0  # format image_chat: images per row (data.images_per_row), made_images
+    # Qwen-VL images (made_images): data.max_pixels, (k x patch x merge)^2 + patch x merge, so the
+    # processor resizes each (larger, square) image to exactly k x k tokens, the plan's bound
+    max_pixels: int = 0
+    image_side: int = 0  # the generated images' side (px); 0: the data's own draw
 
     # training.objective (dpo/orpo/simpo: preference pairs through TRL; preference_case)
     objective: str = "sft"
@@ -112,6 +120,7 @@ class Case:
         if self.vision_layers:
             bits.insert(2, f"vit{self.vision_layers}x{self.vision_hidden} {self.vision_image}px/{self.vision_patch}"
                         + (f" {self.images}img" if self.images else "")
+                        + (f" max{self.max_pixels}px" if self.max_pixels else "")
                         + (f" xattn{self.cross_layers}" if self.cross_layers else ""))
         if self.num_generations:
             bits.insert(2, f"{self.objective} G{self.num_generations} P{self.prompt_len} C{self.completion_len} "
@@ -278,9 +287,12 @@ def _with_vision(case: Case, rng: random.Random) -> Case:
 
 def image_tokens(case: Case) -> int:
     """Tokens per image of a case's tower in the language model's sequence (as _multimodal sizes
-    it, lowvram.plan.model.vision): Llama-3.2-Vision's one <|image|> token."""
+    it, lowvram.plan.model.vision): Llama-3.2-Vision's one <|image|> token; a Qwen-VL image case's
+    the largest image data.max_pixels allows."""
     if case.family == "mllama":
         return 1
+    if case.max_pixels:
+        return case.max_pixels // (2 * case.vision_patch) ** 2
     patches = (case.vision_image // case.vision_patch) ** 2
     return max(1, patches // 4) if case.family in ("gemma3", "qwen2_5_vl", "qwen3_vl") else patches
 
@@ -288,11 +300,17 @@ def image_tokens(case: Case) -> int:
 def made_images(case: Case) -> Case:
     """The case as an image + text run (format image_chat): one or two images a row, drawn from a
     stream of its own; seq_len raised to hold the images' tokens and at least 32 of text; no
-    packing (refused with images). None-free: every IMAGE_CASE_FAMILIES case can be made one."""
-    if case.family not in IMAGE_CASE_FAMILIES:
-        raise ValueError(f"image recipes are drawn for {', '.join(IMAGE_CASE_FAMILIES)}, not {case.family}")
+    packing (refused with images). None-free: every IMAGE_CASE_FAMILIES and QWEN_VL_IMAGE_FAMILIES
+    case can be made one."""
+    if case.family not in IMAGE_CASE_FAMILIES + QWEN_VL_IMAGE_FAMILIES:
+        raise ValueError(f"image recipes are drawn for {', '.join(IMAGE_CASE_FAMILIES + QWEN_VL_IMAGE_FAMILIES)}, "
+                         f"not {case.family}")
     rng = random.Random(f"images-{case.seed}")
     images = rng.choice([1, 1, 2])
+    if case.family in QWEN_VL_IMAGE_FAMILIES:  # k x k tokens an image, from larger square images
+        unit = case.vision_patch * 2  # spatial_merge_size 2
+        k = rng.choice([2, 3, 4, 6])
+        case = replace(case, max_pixels=(k * unit) ** 2 + unit, image_side=k * unit * rng.choice([2, 3]))
     seq_len = case.seq_len
     while seq_len < images * image_tokens(case) + 64:
         seq_len *= 2

@@ -74,8 +74,8 @@ def _multimodal(case: Case, text, image_token_ids: dict | None = None):
                    # per tower layer (the published 27-layer tower feeds three)
                    position_embeddings=patches if tower == "qwen3_vl" else 0,
                    deepstack_mergers=case.vision_layers if tower == "qwen3_vl" else 0)
-    if qwen:  # Qwen2_5_VLConfig's / Qwen3VLConfig's name for it
-        return multimodal_config(text, v, case.tie, image_token_id=text.vocab_size - 1)
+    if qwen:  # Qwen2_5_VLConfig's / Qwen3VLConfig's name for it (an image case: the tokenizer's)
+        return multimodal_config(text, v, case.tie, **(image_token_ids or {"image_token_id": text.vocab_size - 1}))
 
     return multimodal_config(text, v, case.tie, **(image_token_ids or {"image_token_index": text.vocab_size - 1}))
 
@@ -182,7 +182,7 @@ def _write_image_data(case: Case, path: Path, rng: random.Random, rows: int) -> 
     from lowvram.testing import write_images
 
     files = write_images(path.parent / "images", rows * case.images, seed=case.seed,
-                         side=rng.choice([24, 48, 96]))
+                         side=case.image_side or rng.choice([24, 48, 96]))
     with open(path, "w") as f:
         for i in range(rows):
             names = [f"images/{p.name}" for p in files[i * case.images:(i + 1) * case.images]]
@@ -224,6 +224,9 @@ def recipe_text(case: Case, model_dir: Path, data: Path, out: Path) -> str:
     if case.images:
         t["data"]["datasets"][0]["format"] = "image_chat"
         t["data"]["images_per_row"] = case.images
+        if case.max_pixels:  # and the processor's floor down to one token (min_pixels <= max_pixels)
+            t["data"]["max_pixels"] = case.max_pixels
+            t["data"]["min_pixels"] = (2 * case.vision_patch) ** 2
     if case.tiled_mlp:
         t["techniques"]["tiled_mlp"] = case.tiled_mlp_shards or "on"
     if case.num_generations:

@@ -11,10 +11,13 @@ from lowvram.plan.memory.grpo import (
     generation_rows,
     old_logprobs_computed,
 )
+from lowvram.plan.memory.image_moment import vision_moment
 from lowvram.plan.memory.memory import phase_estimates
 from lowvram.plan.memory.preference import REFERENCE_OBJECTIVES
 from lowvram.plan.memory.states import cross_attention_weight_bytes, vision_weight_bytes
+from lowvram.plan.model.image_size import patches_per_image, pixel_limits, pixel_values_bytes
 from lowvram.plan.model.models import cross_attention_numel, vision_numel
+from lowvram.plan.model.vision import QWEN_VL_TOWERS
 from lowvram.plan.setup import MemoryEstimate, RunSetup, cuda_overheads
 
 # --------------------------------------------------------------------------------------------
@@ -96,7 +99,7 @@ def choice_to_dict(choice: Choice) -> dict:
         ],
         "notes": list(choice.notes),
         # a multimodal checkpoint's vision tower (lowvram.plan.model.vision); absent for a text model
-        **({"vision": _vision(c.setup)} if req.model.vision is not None else {}),
+        **({"vision": _vision(c.setup, req)} if req.model.vision is not None else {}),
         # the allocator term's named parts (setup.CudaOverheads); absent off CUDA
         **({"allocator": _allocator(c.setup, est)} if est.allocator_parts else {}),
         # training.objective dpo/orpo/simpo (lowvram.plan.memory.preference); absent for SFT
@@ -106,13 +109,21 @@ def choice_to_dict(choice: Choice) -> dict:
     }
 
 
-def _vision(s: RunSetup) -> dict:
-    """The vision tower and projector as loaded: frozen, in the weights (states.vision_weight_bytes)."""
+def _vision(s: RunSetup, req) -> dict:
+    """The vision tower and projector as loaded: frozen, in the weights (states.vision_weight_bytes);
+    with images, the largest image the plan sizes for and its vision_encoder_forward moment."""
     v = s.model.vision
+    min_pixels, max_pixels = (pixel_limits(v, req.max_pixels, req.min_pixels) if v.tower in QWEN_VL_TOWERS
+                              else (None, None))
     out = {"tower": v.tower, "projector": v.projector, "layers": v.num_layers + v.global_layers,
            "parameters": vision_numel(s.model), "weight_bytes": vision_weight_bytes(s),
            "trainable": False, "tokens_per_image": v.tokens_per_image,
            "quantized": False}
+    if s.images_per_row:  # format image_chat: the largest image the plan sizes for (plan/model/image_size.py)
+        out["image"] = {"tokens_per_image": v.tokens_per_image, "patches_per_image": patches_per_image(v),
+                        "max_pixels": max_pixels, "min_pixels": min_pixels,
+                        "pixel_values_bytes": pixel_values_bytes(v),
+                        "encoder_forward_bytes": vision_moment(s).bytes}
     if s.model.cross_attention_layers:  # Mllama: loaded, frozen, skipped on text (models.ModelSpec)
         out["cross_attention"] = {"layers": len(s.model.cross_attention_layers),
                                   "parameters": cross_attention_numel(s.model),

@@ -96,6 +96,8 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
         "lora_targets": ("lora_targets", "--lora-targets"), "packing": ("packing", "--packing"),
         "tiled_mlp": ("tiled_mlp", "--tiled-mlp"),
         "objective": ("objective", "--objective"),
+        "images_per_row": ("images_per_row", "--images-per-row"),
+        "max_pixels": ("max_pixels", "--max-pixels"), "min_pixels": ("min_pixels", "--min-pixels"),
         # grpo/rloo: the grpo section's keys (build_request gathers them into PlanRequest.grpo)
         **{k: ("grpo." + k, "--" + k.replace("_", "-")) for k in GRPO_FLAGS},
     }
@@ -159,6 +161,9 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
         fields["packing"] = recipe.data.packing
         if any(d.format == "image_chat" for d in recipe.data.datasets):  # lowvram.plan.memory.images
             fields["images_per_row"] = recipe.data.images_per_row
+            fields.update(pixel_fields(recipe))
+        elif recipe.data.max_pixels or recipe.data.min_pixels:  # --set data.max_pixels=N without a recipe
+            fields.update({k: v for k in ("max_pixels", "min_pixels") if (v := getattr(recipe.data, k))})
         fields["objective"] = recipe.training.objective
         fields["precompute_ref"] = recipe.preference.precompute_ref_log_probs
         fixed = recipe_choices(recipe)
@@ -167,6 +172,8 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     for key, value in (flags or {}).items():
         fields[key] = value
     sources.update(flag_sources or {})
+    if (fields.get("max_pixels") or fields.get("min_pixels")) and not fields.get("images_per_row"):
+        fields["images_per_row"] = 1  # --max-pixels asks for an image plan: one image a row unless told
     grpo = {k.removeprefix("grpo."): fields.pop(k) for k in list(fields) if k.startswith("grpo.")}
     if fields.get("objective") in _grpo_objectives():  # seq_len: the training forward's prompt + completion
         fields["grpo"] = grpo_request(recipe, fields["objective"], grpo)
@@ -199,6 +206,33 @@ def grpo_request(recipe: Recipe | None, objective: str, flags: dict):
     renamed = {"max_prompt_length": "prompt_len", "max_completion_length": "completion_len", "generation": "engine"}
     fields = {renamed.get(k, k): v for k, v in values.items()}
     return GrpoRequest(rloo=objective == "rloo", **fields)
+
+
+def pixel_fields(recipe: Recipe) -> dict:
+    """data.max_pixels / data.min_pixels, each defaulting to the model folder's own processor's
+    (its preprocessor_config.json, or processor_config.json's image_processor: min_pixels /
+    max_pixels, or size shortest_edge / longest_edge, as Qwen2VLImageProcessor reads them);
+    absent when neither says (the class default applies)."""
+    from pathlib import Path
+
+    out = {"max_pixels": recipe.data.max_pixels, "min_pixels": recipe.data.min_pixels}
+    folder = Path(recipe.model.name_or_path).expanduser()
+    files = [p for p in (folder / "preprocessor_config.json", folder / "processor_config.json") if p.is_file()]
+    if None in out.values() and files:
+        import json
+
+        try:
+            cfg = json.loads(files[0].read_text())
+        except (OSError, ValueError):
+            cfg = {}
+        cfg = cfg.get("image_processor", cfg) if isinstance(cfg, dict) else {}  # transformers 5 nests it
+        if not str(cfg.get("image_processor_type", "")).startswith("Qwen2VLImageProcessor"):
+            cfg = {}  # another family's sizes (CLIP's shortest_edge is a side, not pixels)
+        size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+        own = {"max_pixels": cfg.get("max_pixels", size.get("longest_edge")),
+               "min_pixels": cfg.get("min_pixels", size.get("shortest_edge"))}
+        out = {k: v if v is not None else (own[k] if isinstance(own[k], int) else None) for k, v in out.items()}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def check_grpo_processes(recipe: Recipe, gpus: int) -> None:
@@ -237,7 +271,7 @@ def galore_fields(recipe: Recipe) -> dict:
 # what `lowvram plan --model M --set KEY=VALUE` may set without a recipe: every key the request
 # reads except the model and the data files themselves (--model names the model; a plan reads no data)
 _SETTABLE_WITHOUT_RECIPE = ("training.", "lora.", "galore.", "preference.", "grpo.", "techniques.", "model.dtype",
-                            "data.packing", "data.images_per_row")
+                            "data.packing", "data.images_per_row", "data.max_pixels", "data.min_pixels")
 
 
 def recipe_from_sets(model: str | None, overrides: list[str] | tuple) -> Recipe:

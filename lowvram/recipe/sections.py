@@ -133,6 +133,16 @@ class DataSection(Section):
     skip_bad_rows: bool = Field(
         False, description="Skip and count malformed rows instead of stopping with an error."
     )
+    max_pixels: int | None = Field(
+        None, ge=1, description="The largest image, in pixels (width x height), the processor resizes an "
+        "image_chat image to (Qwen2.5-VL, Qwen3-VL: the image processor's max_pixels, size.longest_edge); "
+        "the plan bounds each image's tokens by it. Default: the processor's own (Qwen-VL: 1003520, or its "
+        "preprocessor_config.json's). Not for fixed-size towers (Gemma-3, Llava).",
+    )
+    min_pixels: int | None = Field(
+        None, ge=1, description="The smallest image, in pixels, the processor resizes to (Qwen-VL: min_pixels, "
+        "size.shortest_edge). Default: the processor's own.",
+    )
 
     @field_validator("validation")
     @classmethod

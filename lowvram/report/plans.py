@@ -167,6 +167,15 @@ def show_plan(data: dict, as_json: bool = False) -> None:
                 + (f"; {data['images_per_row']} image(s) per row (data.images_per_row): their tokens in "
                    "seq_len, their pixels and the tower's forward counted" if data.get("images_per_row") else ""),
                 markup=False)
+        image = vision.get("image")
+        if image:  # the largest image the plan sizes for (lowvram.plan.model.image_size)
+            limit = (f"data.max_pixels {image['max_pixels']:,} (min {image['min_pixels']:,}): " if image.get("max_pixels")
+                     else "")
+            binds = " (binds: the peak)" if data.get("peak_moment") == "vision_encoder_forward" else ""
+            c.print(f"images: {limit}up to {image['tokens_per_image']:,} tokens an image ({image['patches_per_image']:,} "
+                    f"patches in the tower, {gib(image['pixel_values_bytes'])} of pixel values); the tower's forward "
+                    f"(vision_encoder_forward) {gib(image['encoder_forward_bytes'])} beside the weights{binds}",
+                    markup=False)
         cross = vision.get("cross_attention")
         if cross:  # Llama-3.2-Vision (lowvram.plan.model.models.ModelSpec.cross_attention_layers)
             state = ("trained with the images (LoRA: adapters where lora.target_modules names their Linears), "

@@ -101,7 +101,9 @@ TILED = {
         "recompute at down_proj's adapter holds the product itself and down_proj's outputs beside "
         "peft's fp32 cast (+10.28%; +2.51%)",
 }
-SLOW_TILED = {50, 66}  # b2 s1024 with checkpointing: ~30 s each (make test-all)
+# b2 s1024 with checkpointing: ~30 s each (make test-all); and 5, full bf16 fine-tuning with checkpointing
+# as 1 is (16 shards as 3)
+SLOW_TILED = {5, 50, 66}
 # One-adapter recipes the random draw rarely makes (found by varying held-out seed 272's targets,
 # precision and method on a 2-layer Llama with checkpointing), each once above its plan.
 ADAPTER_OVERRIDES = {
@@ -130,7 +132,12 @@ def _check(case, tmp_path, why):
     return out
 
 
-@pytest.mark.parametrize("seed", list(SEEDS))
+# 11 runs in make test-all only: 188's recipe (Phi-3 LoRA on the four fused layers, fp32, paged 8-bit
+# AdamW) with dropout and checkpointing, each of which runs in make test on other families (3, 14, 206)
+SLOW_SEEDS = {11}
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SEEDS else s for s in SEEDS])
 def test_run_stays_within_its_plan(seed, tmp_path):
     _check(random_case(seed, families=FIRST_FAMILIES), tmp_path, SEEDS[seed])  # the recipes these seeds were kept for
 

@@ -209,11 +209,12 @@ def test_the_planner_refuses_what_it_cannot_count():
     qwen = spec_from_config(dict(llama, model_type="qwen2_5_vl",
                                  vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                     patch_size=16, out_hidden_size=64)), "q")
-    assert "Qwen2.5-VL is not modelled" in image_problems(qwen, 1, 512)[0]  # dynamic resolution
+    assert image_problems(qwen, 1, 2048) == []  # dynamic resolution: sized by data.max_pixels (image_size.py)
+    assert "the largest image data.max_pixels allows" in image_problems(qwen, 1, 512)[0]  # 16 px patches: 980 tokens
     qwen3 = spec_from_config(dict(model_type="qwen3_vl", text_config={**llama, "model_type": "qwen3_vl_text"},
                                   vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                      patch_size=16, out_hidden_size=64)), "q3")
-    assert "Qwen3-VL is not modelled" in image_problems(qwen3, 1, 512)[0]  # dynamic resolution too
+    assert image_problems(qwen3, 1, 2048) == []
     mllama = spec_from_config(dict(model_type="mllama", text_config={**llama, "model_type": "mllama_text_model",
                                                                      "cross_attention_layers": [1]},
                                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,

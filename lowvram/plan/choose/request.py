@@ -4,7 +4,7 @@ the ladder and the Choice; the levels a plan gives up (plan_level) and the extra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lowvram.errors import LowvramError
 from lowvram.plan.choose.techniques import flash_attention_hint, flash_attention_unavailable
@@ -18,6 +18,7 @@ from lowvram.plan.memory.grpo import (
 )
 from lowvram.plan.memory.images import IMAGE_HINT, image_problems
 from lowvram.plan.model import moe
+from lowvram.plan.model.image_size import IMAGE_SIZE_HINT, image_size_problem, sized_vision
 from lowvram.plan.model.models import ModelSpec
 from lowvram.plan.model.vision import PACKING_HINT, VISION_HINT, packing_problem, vision_problems
 from lowvram.plan.setup import (
@@ -151,6 +152,9 @@ class PlanRequest:
     # data.images_per_row when a dataset is format image_chat (0: text data): the images each row
     # brings, their pixels and the vision tower's forward (lowvram.plan.memory.images)
     images_per_row: int = 0
+    # data.max_pixels / min_pixels (None: the processor's own): model.vision sized (plan/model/image_size.py)
+    max_pixels: int | None = None
+    min_pixels: int | None = None
     # training.objective and DPO's precompute_ref_log_probs (lowvram.plan.memory.preference): a preference
     # objective plans 2 x micro_batch_size rows per forward, its own loss, DPO's reference
     objective: str = "sft"
@@ -160,6 +164,12 @@ class PlanRequest:
     grpo: GrpoRequest | None = None
     # Where each fixed choice came from ("--optimizer", "the recipe"), for the reasons.
     sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # the pixel limits size a dynamic-resolution tower (idempotent)
+        v = self.model.vision if isinstance(self.model, ModelSpec) else None
+        if v is not None and (self.max_pixels or self.min_pixels) and not image_size_problem(v, self.max_pixels,
+                                                                                             self.min_pixels):
+            object.__setattr__(self, "model", replace(self.model, vision=sized_vision(v, self.max_pixels, self.min_pixels)))
 
     def fixed(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -264,6 +274,8 @@ def validate_request(req: PlanRequest) -> None:
                                req.objective, req.optimizer, req.tiled_mlp)
     if problems:
         raise LowvramError("; ".join(problems), VISION_HINT)
+    if req.model is not None and (problem := image_size_problem(req.model.vision, req.max_pixels, req.min_pixels)):
+        raise LowvramError(problem, IMAGE_SIZE_HINT)
     if req.model is not None and (problems := image_problems(req.model, req.images_per_row, req.seq_len,
                                                                   req.attention or "sdpa")):
         raise LowvramError("; ".join(problems), IMAGE_HINT)

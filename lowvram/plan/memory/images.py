@@ -27,15 +27,20 @@ Sources (transformers 5.25):
   packed data does (activations.masked_layers, _checkpointed_mask_bytes).
 - Mistral-3's image tokens depend on each image's size (PixtralProcessor resizes to fit
   image_size with the aspect ratio kept, then side x (side + 1) tokens), which the plan does not
-  know from the recipe: image data is refused for it with a hint. So are Qwen2.5-VL's and
-  Qwen3-VL's (dynamic resolution: Qwen2VLImageProcessor resizes each image to a multiple of
-  patch * merge within min/max_pixels, so its tokens follow its size; Qwen3-VL also adds its
-  deepstack features to the first language layers, only with images).
+  know from the recipe: image data is refused for it with a hint.
+- Qwen2.5-VL and Qwen3-VL (dynamic resolution): Qwen2VLImageProcessor resizes each image to a
+  multiple of patch * merge within min/max_pixels, so the plan sizes the largest image from
+  data.max_pixels (plan/model/image_size.py: PlanRequest sizes model.vision's tokens_per_image);
+  their pixel values are one row per patch, and the tower's forward is qwen_tower.py's.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from lowvram.plan.memory.qwen_tower import qwen_tower_forward_bytes
+from lowvram.plan.model.image_size import pixel_values_bytes
+from lowvram.plan.model.vision import QWEN_VL_TOWERS
 
 if TYPE_CHECKING:
     from lowvram.plan.model.models import ModelSpec
@@ -62,22 +67,23 @@ def image_problems(spec: ModelSpec, images_per_row: int, seq_len: int, attention
     v = spec.vision
     if v is None:
         return ["format image_chat needs a model with a vision tower (this model has none)"]
-    if v.projector in ("mistral3", "qwen2_5_vl", "qwen3_vl"):
-        name = {"mistral3": "Mistral-3 (Pixtral)", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}[v.projector]
-        return [f"format image_chat with {name} is not modelled: its image tokens depend on "
+    if v.projector == "mistral3":
+        return ["format image_chat with Mistral-3 (Pixtral) is not modelled: its image tokens depend on "
                 "each image's size, which the plan does not know"]
     if v.projector == "mllama" and attention == "eager":
         # eager attention's scores over the vision tokens (b x heads x s x V) in every cross layer
         return ["attention eager with Llama-3.2-Vision images is not modelled (its cross-attention "
                 "layers' scores over the tiles are not counted)"]
     if images_per_row * v.tokens_per_image >= seq_len:
-        return [f"data.images_per_row {images_per_row} x {v.tokens_per_image} tokens per image leave no "
+        sized = " (the largest image data.max_pixels allows)" if v.tower in QWEN_VL_TOWERS else ""
+        return [f"data.images_per_row {images_per_row} x {v.tokens_per_image} tokens per image{sized} leave no "
                 f"room for text in training.seq_len {seq_len}"]
     return []
 
 
-IMAGE_HINT = ("use a Gemma-3 (4B+), Llava or Llama-3.2-Vision checkpoint for images (attention sdpa) (or train this one on text: format chat, "
-              "completion or text), raise training.seq_len, or lower data.images_per_row")
+IMAGE_HINT = ("use a Gemma-3 (4B+), Llava, Llama-3.2-Vision (attention sdpa), Qwen2.5-VL or Qwen3-VL checkpoint "
+              "for images (or train this one on text: format chat, completion or text), raise training.seq_len, "
+              "lower data.images_per_row, or (Qwen-VL) lower data.max_pixels")
 
 
 def bidirectional_image_masks(setup: RunSetup) -> bool:
@@ -95,21 +101,24 @@ def images_per_micro_batch(setup: RunSetup) -> int:
 # the step), and the next one, which accelerate's DataLoaderShard fetches before yielding the
 # current one (accelerate data_loader.py DataLoaderShard.__iter__, to know the last batch);
 # measured: seed 0 of the image draw, full bf16-mixed, two micro-batches' pixels beside the plan's
-# one (bench/results/plan_fuzz_images*.txt), and mllama image seed 1 (b1 x 2 accumulation, full
-# bf16): three micro-batches' tiles (+2.81% over a plan with two).
+# one (bench/results/plan_fuzz_images*.txt), mllama image seed 1 (b1 x 2 accumulation, full
+# bf16): three micro-batches' tiles (+2.81% over a plan with two), and in-sample Qwen2.5-VL image
+# seeds 1, 3, 4 (accumulation 2: one fp32 micro-batch of pixel values more than a plan of two, at
+# every precision, with or without checkpointing).
 def batches_alive(setup: RunSetup) -> int:
     return setup.grad_accum + 1
 
 
 def pixel_bytes(setup: RunSetup) -> int:
     """The pixel values of the step's micro-batches and of the next one (batches_alive), float32,
-    alive through the step; Llama-3.2-Vision's every image padded to max_num_tiles tiles
-    (plan/memory/cross_attention.py)."""
+    alive through the step (a Qwen-VL image: one row of channels x temporal_patch_size x patch^2
+    per patch of the largest image, image_size.pixel_values_bytes); Llama-3.2-Vision's every image
+    padded to max_num_tiles tiles (plan/memory/cross_attention.py)."""
     v = setup.model.vision
     if not setup.images_per_row or v is None:
         return 0
     tiles = v.max_num_tiles if v.tower == "mllama" else 1
-    return batches_alive(setup) * 4 * images_per_micro_batch(setup) * tiles * v.num_channels * v.image_size ** 2
+    return batches_alive(setup) * images_per_micro_batch(setup) * tiles * pixel_values_bytes(v)
 
 
 def text_embedding_bytes(setup: RunSetup, text_bytes: int) -> int:
@@ -141,6 +150,8 @@ def tower_forward_bytes(setup: RunSetup, res_bytes: int, lin_bytes: int) -> int:
     n = images_per_micro_batch(setup)
     if not n or v is None:
         return 0
+    if v.tower in QWEN_VL_TOWERS:
+        return qwen_tower_forward_bytes(setup, res_bytes, lin_bytes)
     tokens = v.patches + (1 if v.tower == "clip" else 0)  # CLIP: + the class token
     state = n * tokens * v.hidden_size  # elements of one hidden state of the tower
     unit = state * res_bytes

@@ -23,7 +23,6 @@ from lowvram.plan.memory import (
     cross_attention,
     dora,
     grpo,
-    images,
     lora_init,
     optimizers,
     preference,
@@ -45,6 +44,7 @@ from lowvram.plan.memory.backward import (
     mlp_backward_floor_bytes,
 )
 from lowvram.plan.memory.floor import checkpoint_bytes, model_states, saved_activation_bytes
+from lowvram.plan.memory.image_moment import with_images
 from lowvram.plan.memory.moments import Moment
 from lowvram.plan.memory.sharding import layer_weight_bytes
 from lowvram.plan.memory.states import (
@@ -281,29 +281,6 @@ def _forward_backward_peak(setup: RunSetup, acts: int, logits: int, grads: int,
     return max(candidates, key=lambda m: m.bytes)  # the first of equals, as listed
 
 
-def _with_images(setup: RunSetup, moment: Moment) -> Moment:
-    """Image data: the batch's pixel values (and, under LoRA with checkpointing, the embedding leaf)
-    beside every moment, and the frozen vision tower's forward as a moment of its own
-    (plan/memory/images.py; only the text embeddings made before it, no saved activation, no gradient
-    made yet; with accumulation the kept gradients are counted by the caller). The model output's
-    image_outputs (the tower's hidden states, the image features) are freed with the output
-    before the backward's peak: measured, a Gemma-3 run with a 256-wide tower was 7.9% below a plan
-    that kept them."""
-    r, _, autocast = dtypes(setup)
-    w = dtype_bytes(setup)[0]  # the tower's weights: its residual stream and layer norms
-    lin = 2 if autocast else w  # its Linear outputs
-    kept = images.pixel_bytes(setup) + images.scattered_embedding_bytes(setup, r)
-    if setup.cross_layers:  # Llama-3.2-Vision: the tiles reach the text through cross-attention
-        kept += cross_attention.step_kept_bytes(setup, w)  # its late terms: _forward_backward_peak
-        forward = Moment("vision_encoder_forward", kept + images.text_embedding_bytes(setup, r)
-                         + cross_attention.tower_forward_bytes(setup, w, lin))
-        moment = replace(moment, activations=moment.activations + kept)
-        return max((moment, forward), key=lambda m: m.bytes)
-    forward = Moment("vision_encoder_forward", kept + images.encoder_forward_bytes(setup, w, lin, r))
-    moment = replace(moment, activations=moment.activations + kept)
-    return max((moment, forward), key=lambda m: m.bytes)
-
-
 def _layerwise_moments(setup: RunSetup, candidates: list[Moment], acts: int) -> list[Moment]:
     """Layerwise GaLore (plan/memory/optimizers/): each parameter is stepped and its gradient dropped
     in its post-accumulate-grad hook (transformers _setup_low_rank_optimizer ``optimizer_hook``),
@@ -409,7 +386,7 @@ def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate
     persistent = weights + optim + kept_grads  # what lives across steps
     moment = _forward_backward_peak(core, acts, logits, grads, layer_grads)
     if setup.images_per_row:  # format image_chat (plan/memory/images.py)
-        moment = _with_images(setup, moment)
+        moment = with_images(setup, moment)
     if pref and preference.reference_forward_bytes(setup):
         # DPO: the reference forward (no_grad) after the policy's, every saved activation alive
         # (lowvram.plan.memory.preference; TRL DPOTrainer._compute_loss)

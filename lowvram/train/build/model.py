@@ -193,9 +193,16 @@ def load_image_inputs(recipe, source: str, model):
                         "use a multimodal checkpoint (Gemma-3 4B+, Llava) or format: chat")
     from transformers import AutoProcessor
 
+    model_type = getattr(model.config, "model_type", "")
     try:
-        processor = AutoProcessor.from_pretrained(source, revision=recipe.model.revision,
-                                                  trust_remote_code=recipe.model.trust_remote_code)
+        if model_type in QWEN_VL_MODEL_TYPES:  # its processor without the video one (needs torchvision)
+            from lowvram.processors import load_image_only_processor
+
+            processor = load_image_only_processor(source, model_type, recipe.model.revision,
+                                                  recipe.model.trust_remote_code)
+        else:
+            processor = AutoProcessor.from_pretrained(source, revision=recipe.model.revision,
+                                                      trust_remote_code=recipe.model.trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         processor = None
         why = _first_line(e)
@@ -205,8 +212,17 @@ def load_image_inputs(recipe, source: str, model):
         raise ModelError(f"format image_chat needs the model's processor and {source} has none usable ({why})",
                          "a multimodal checkpoint folder holds processor_config.json and "
                          "preprocessor_config.json beside the tokenizer files")
-    return ImageInputs(processor, int(model.config.image_token_id),
-                       cross_attention=getattr(model.config, "model_type", "") == "mllama")
+    if model_type in QWEN_VL_MODEL_TYPES:  # data.max_pixels / min_pixels: the plan sized the images by them
+        own = processor.image_processor.size  # a SizeDict (or a dict) with shortest_edge / longest_edge
+        size = {k: own[k] if isinstance(own, dict) else getattr(own, k) for k in ("shortest_edge", "longest_edge")}
+        size.update({k: n for k, n in (("longest_edge", recipe.data.max_pixels),
+                                        ("shortest_edge", recipe.data.min_pixels)) if n is not None})
+        processor.image_processor.size = size
+    return ImageInputs(processor, int(model.config.image_token_id), cross_attention=model_type == "mllama")
+
+
+# multimodal families whose processor sizes each image within min/max_pixels (dynamic resolution)
+QWEN_VL_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 
 
 def _first_line(e: BaseException) -> str:

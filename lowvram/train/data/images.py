@@ -88,6 +88,10 @@ def image_messages(row: dict, spec: DatasetSpec) -> list[dict]:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     continue
+                if kind == "video":
+                    raise BadImage(f"field '{column}', message {j}, part {k}: video is not supported (format "
+                                   "image_chat trains on still images)",
+                                   "drop the video parts, or give a few of its frames as images")
                 if kind != "image":
                     raise BadRow(f"field '{column}', message {j}, part {k}: expected {{type: text, text}} "
                                  f"or {{type: image}}, got {short_repr(part)}")
@@ -195,6 +199,9 @@ class ImageChatTokenizer:
         if not isinstance(row, dict):
             raise BadRow(f"expected an object with fields, got {type(row).__name__} {short_repr(row)}")
         messages = image_messages(row, self.spec)
+        if row.get("videos"):
+            raise BadImage("the row has videos: video is not supported (format image_chat trains on still images)",
+                           "drop the videos column, or give a few of each video's frames as images")
         paths = image_paths(row, self.spec)
         segs = self.chat.segments_of(messages)
         placeholders = sum(text.count(self.placeholder) for text, _ in segs)
@@ -222,6 +229,7 @@ class ImageChatTokenizer:
             n = text.count(self.placeholder)
             if n and self.expands:
                 piece = self.processor(text=[text], images=[images[used:used + n]], add_special_tokens=False)
+                self._check_grid(piece, shown[used:used + n])
                 piece = [int(i) for i in piece["input_ids"][0]]
                 used += n
             else:
@@ -230,6 +238,32 @@ class ImageChatTokenizer:
             labels += [IGNORE_INDEX if (not (trained or self.train_all) or i == self.image_token_id) else i
                        for i in piece]
         return ids, labels, resolved
+
+    def _check_grid(self, piece, shown: list[str]) -> None:
+        """A Qwen-VL image over the plan's bound (a sliver: smart_resize keeps one unit for its
+        short side and floors the long one, past max_pixels): refused by file and row."""
+        grids = piece.get("image_grid_thw")
+        bound = image_token_bound(self.processor) if grids is not None else None
+        if bound is None:
+            return
+        merge = int(self.processor.image_processor.merge_size) ** 2
+        for grid, name in zip(grids, shown, strict=True):
+            tokens = int(grid[0]) * int(grid[1]) * int(grid[2]) // merge
+            if tokens > bound:
+                raise BadImage(f"image {name} costs {tokens} tokens, more than the {bound} the plan counts at "
+                               f"data.max_pixels (its aspect ratio keeps it over max_pixels after resizing)",
+                               "crop or pad the image nearer to a square, or raise data.max_pixels")
+
+
+def image_token_bound(processor) -> int | None:
+    """The most tokens a Qwen-VL image may cost, the plan's bound (plan/model/image_size.py):
+    size.longest_edge (max_pixels) // (patch * merge)^2; None for a fixed-size processor."""
+    images = getattr(processor, "image_processor", None)
+    size, merge = getattr(images, "size", None), getattr(images, "merge_size", None)
+    longest = (size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None))
+    if not longest or not merge:
+        return None
+    return int(longest) // (int(images.patch_size) * int(merge)) ** 2
 
 
 def tokenize_image_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, processor, image_token_id: int,
@@ -274,6 +308,10 @@ class ImageCollator:
     batch's images in row order, as the model's get_image_features takes them) and, for a model
     whose processor returns them (Gemma-3), token_type_ids: 1 on image tokens, which makes
     Gemma-3's attention bidirectional within an image (modeling_gemma3 create_masks_for_vision_model).
+    Qwen2.5-VL / Qwen3-VL: also each image's image_grid_thw (its patch grid, which the tower and the
+    merger read) and mm_token_type_ids (1 on image tokens), from which the model computes its
+    M-RoPE position ids (modeling_qwen2_5_vl.py compute_3d_position_ids: only with both, and no
+    position_ids in the batch: lowvram never packs image rows).
 
     ``cross_attention`` (Llama-3.2-Vision): the images per row as MllamaImageProcessor takes them
     (a list per row: pixel_values b x images x max_image_tiles x 3 x side x side, aspect_ratio_ids,
@@ -287,6 +325,7 @@ class ImageCollator:
     image_token_id: int
     token_type_ids: bool
     cross_attention: bool = False
+    mm_token_type_ids: bool = False
 
     def __call__(self, features: list[dict]) -> dict:
         rows = [list(f.get("images") or []) for f in features]
@@ -298,9 +337,14 @@ class ImageCollator:
         paths = [p for row in rows for p in row]
         if paths:
             images = [open_image(Path(p), p) for p in paths]
-            batch["pixel_values"] = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+            pixels = self.image_processor(images=images, return_tensors="pt")
+            batch["pixel_values"] = pixels["pixel_values"]
+            if "image_grid_thw" in pixels:
+                batch["image_grid_thw"] = pixels["image_grid_thw"]
         if self.token_type_ids:
             batch["token_type_ids"] = (batch["input_ids"] == self.image_token_id).long()
+        if self.mm_token_type_ids:
+            batch["mm_token_type_ids"] = (batch["input_ids"] == self.image_token_id).int()
         return batch
 
     def _tiles(self, rows: list[list[str]], input_ids) -> dict:
@@ -324,6 +368,7 @@ class ImageCollator:
 
 
 def make_image_collator(processor, image_token_id: int, pad: PadCollator, cross_attention: bool = False) -> ImageCollator:
-    types = "token_type_ids" in getattr(processor, "model_input_names", [])
-    return ImageCollator(pad, processor.image_processor, image_token_id, types and not cross_attention,
-                         cross_attention)
+    names = getattr(processor, "model_input_names", [])
+    return ImageCollator(pad, processor.image_processor, image_token_id,
+                         "token_type_ids" in names and not cross_attention, cross_attention,
+                         "mm_token_type_ids" in names)
