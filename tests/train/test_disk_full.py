@@ -134,9 +134,14 @@ def test_disk_full_on_every_write_on_a_real_tmpfs(tmp_path, tiny_model_dir, monk
     _full_disk_then_resume(tmp_path, tiny_model_dir, monkeypatch, tmpfs, target, final)
 
 
-def test_disk_full_while_merging_on_a_real_tmpfs_is_an_error_and_keeps_nothing(tmp_path, tiny_model_dir, tmpfs):
+def test_disk_full_while_merging_on_a_real_tmpfs_is_an_error_and_keeps_nothing(tmp_path, tiny_model_dir, tmpfs,
+                                                                                  monkeypatch):
     """`lowvram merge --out` on a disk without room for the merged weights (the tiny model's
-    model.safetensors is ~0.4 MiB; 4 MiB minus a filler leaves 64 KiB)."""
+    model.safetensors is ~0.4 MiB; 4 MiB minus a filler leaves 64 KiB): refused by merge's plan
+    before anything loads, with the figures; and where the disk fills between the plan and the
+    write (another program writing: the plan's free-space reading is made to predate the filler),
+    the real write's ENOSPC is the disk-full error, and nothing of it is kept."""
+    from lowvram.train.after import footprint
     from tests.train.test_after_training import cli
 
     run = tmp_path / "run"
@@ -145,6 +150,13 @@ def test_disk_full_while_merging_on_a_real_tmpfs_is_an_error_and_keeps_nothing(t
     assert train(str(recipe), *NO_TENSORBOARD).exit_code == 0
     _fill(tmpfs, 64 * 1024)
     merged = tmpfs / "merged"
+    planned = cli("merge", str(run / "out"), "--out", str(merged))
+    assert planned.exit_code == 1 and isinstance(planned.exception, SystemExit), planned.output
+    assert f"error: merge needs 0.6 MiB of disk in {tmpfs}" in planned.output and "0.1 MiB free" in planned.output
+    assert "hint: free space there, or merge to a disk with room for it (--out)" in planned.output
+    assert sorted(p.name for p in tmpfs.iterdir()) == ["filler"]
+
+    monkeypatch.setattr(footprint, "disk_free", lambda path: (tmpfs, 4 * 1024 * 1024))  # read before the filler
     result = cli("merge", str(run / "out"), "--out", str(merged))
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     lines = [line for line in result.output.splitlines() if line.startswith(("error:", "hint:"))]

@@ -196,14 +196,37 @@ class LoadSize:
 
 
 def count_base_parameters(source: str) -> int | None:
-    """Exact count from config.json (no weights); None if the architecture cannot be read."""
+    """Exact count from config.json (no weights); for an architecture the planner cannot read (a
+    model with its own code), the elements in its safetensors files' headers (no code runs, no
+    tensor is read); None if neither can be read."""
     from lowvram.plan.model.catalog import resolve_model
     from lowvram.plan.model.models import model_numel
 
     try:
         return model_numel(resolve_model(source))
     except LowvramError:
+        return _weight_file_elements(Path(source))
+
+
+def _weight_file_elements(folder: Path) -> int | None:
+    """The elements of every tensor in the folder's *.safetensors files, from their headers."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
         return None
+    from safetensors import safe_open
+
+    total = 0
+    try:
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    n = 1
+                    for d in st.get_slice(name).get_shape():
+                        n *= int(d)
+                    total += n
+    except (OSError, ValueError, RuntimeError):
+        return None
+    return total
 
 
 def adapter_bytes(folder: Path) -> int:
