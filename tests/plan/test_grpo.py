@@ -222,3 +222,17 @@ def test_paged_holds_its_static_mask(tmp_path):
                           completion_len=96, engine="paged")
     assert grpo.paged_max_batch_tokens(s) == 512
     assert grpo.paged_mask_bytes(s) == 512 * (16 * 256 + 512) * 4 == 9_437_184
+
+
+def test_paged_with_eager_attention_is_refused_not_guessed():
+    """Held-out seed 905 (paged engine, eager attention) measured 39.7% above its plan: a request
+    that fixes both is refused; the search itself never picks eager."""
+    req = GrpoRequest(engine="paged")
+    problem = grpo.grpo_request_problem(req, 16, 1, None, "eager")
+    assert problem is not None and "paged with attention eager is not modelled" in problem[0]
+    assert "techniques.attention: sdpa" in problem[1]
+    assert grpo.grpo_request_problem(req, 16, 1, None, "sdpa") is None
+    assert grpo.grpo_request_problem(GrpoRequest(engine="generate"), 16, 1, None, "eager") is None
+    r = runner.invoke(app, ["plan", "--objective", "grpo", "--model", "qwen2.5-1.5b", "--method", "qlora", "--vram",
+                            "8GB", "--generation", "paged", "--attention", "eager"])
+    assert r.exit_code == 1 and "paged with attention eager is not modelled" in r.output, r.output

@@ -285,7 +285,8 @@ def validate_request(req: PlanRequest) -> None:
     if (req.objective in GRPO_OBJECTIVES) != (req.grpo is not None):
         raise LowvramError(f"objective {req.objective} {'needs' if req.grpo is None else 'takes no'} grpo settings",
                            "plan grpo and rloo with their grpo section (training.objective grpo or rloo)")
-    if req.grpo is not None and (problem := grpo_request_problem(req.grpo, req.batch_size, req.gpus, req.offload)):
+    if req.grpo is not None and (problem := grpo_request_problem(req.grpo, req.batch_size, req.gpus, req.offload,
+                                                                          req.attention)):
         raise LowvramError(*problem)
     smallest = preference.min_micro_batch_size(req.objective)
     if smallest > 1 and (fixed_micro_batch_size(req) or req.batch_size // max(1, req.gpus)) < smallest:

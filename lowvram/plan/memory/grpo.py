@@ -161,7 +161,8 @@ def generation_rounds(setup: RunSetup) -> int:
     return max(1, setup.grad_accum // setup.grpo.steps_per_generation)
 
 
-def grpo_request_problem(req: GrpoRequest, batch_size: int, gpus: int, offload: str | None) -> tuple[str, str] | None:
+def grpo_request_problem(req: GrpoRequest, batch_size: int, gpus: int, offload: str | None,
+                         attention: str | None = None) -> tuple[str, str] | None:
     """(message, hint) for a grpo request TRL would refuse at start, or lowvram cannot plan;
     None when it plans (GRPOConfig.__post_init__ L1098-1140: the generation batch holds whole
     groups of num_generations, and divides into micro-batches x processes)."""
@@ -186,6 +187,9 @@ def grpo_request_problem(req: GrpoRequest, batch_size: int, gpus: int, offload: 
     if offload not in (None, "none"):
         return (f"offload {offload} with grpo/rloo is not modelled (DeepSpeed and FSDP gather the weights "
                 "for generation)", "use offload none (LoRA or QLoRA for a model too big to train whole)")
+    if req.engine == "paged" and attention == "eager":  # held-out seed 905: measured 39.7% above its plan
+        return ("grpo.generation paged with attention eager is not modelled: a held-out run measured 39.7% above "
+                "its plan (docs/accuracy.md)", "use grpo.generation: generate, or techniques.attention: sdpa")
     return None
 
 
