@@ -17,7 +17,7 @@ MEMORY = PLAN / "memory" / "memory.py"
 
 
 def test_every_moment_the_planner_builds_is_named_and_described():
-    source = MEMORY.read_text() + (PLAN / "memory" / "tiled.py").read_text() + (PLAN / "memory" / "grpo.py").read_text()
+    source = "".join(f.read_text() for f in sorted((PLAN / "memory").rglob("*.py")))  # every memory term's module
     built = set(re.findall(r'Moment\(\s*"([a-z_]+)"', source))
     assert built == set(MOMENTS), (built ^ set(MOMENTS))
     for name, (what, source) in MOMENTS.items():
