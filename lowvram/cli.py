@@ -253,8 +253,13 @@ def plan(
         from lowvram.check.configs import register_for_simulation
 
         register_for_simulation(model_ref)
+    images = None  # format image_chat: the recipe's own data measured, unless flags change the model or images
+    if r is not None and model is None and all(v is None for v in (max_pixels, min_pixels, images_per_row)):
+        from lowvram.train.run.preflight import measured_images
+
+        images = measured_images(r)
     result = entry.make_plan(
-        r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
+        r, model=model, vram=vram, images=images, method=method, lora_r=lora_r, lora_targets=lora_targets,
         mixed_precision=mixed_precision, quantization=quantization, optimizer=optimizer, loss=loss,
         attention=attention, batch_size=batch_size, seq_len=seq_len,
         gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,
