@@ -164,6 +164,37 @@ def context_table(recipe: Recipe | None = None, model: str | None = None, method
     return req, table(req, budgets, estimate_memory), budgets[0][1]
 
 
+def image_table(recipe: Recipe | None = None, model: str | None = None, method: str | None = None,
+                cards: tuple[int, ...] | None = None, host_ram: str | None = None, **flags) -> dict:
+    """`lowvram plan --image-table`: per card (8 to 80 GB), the largest data.max_pixels over every
+    plan at seq_len text tokens beside images_per_row images (lowvram.plan.choose.image_table)."""
+    from lowvram.plan.choose.image_table import TOKEN_LADDER, image_table_to_dict
+    from lowvram.plan.choose.image_table import image_table as table
+    from lowvram.plan.choose.limits import CARD_SIZES_GB
+    from lowvram.plan.choose.request import validate_request
+    from lowvram.plan.memory.memory import estimate_memory
+    from lowvram.plan.model.catalog import resolve_model
+
+    flags = {k: v for k, v in flags.items() if v is not None}
+    text = flags.pop("seq_len", None) or (recipe.training.seq_len if recipe else None) or 1024
+    images = flags.pop("images_per_row", None) or (recipe.data.images_per_row if recipe else None) or 1
+    spec = resolve_model(model) if model is not None else recipe_model(recipe)
+    fields, sources = _checked_flags(recipe, model, method, flags)
+    from lowvram.plan.choose.image_table import IMAGE_TABLE_HINT, image_table_problem
+
+    if problem := image_table_problem(spec.vision):
+        raise LowvramError(problem, IMAGE_TABLE_HINT)
+    unit2 = (spec.vision.patch_size * spec.vision.merge_size) ** 2
+    fields.update(seq_len=text + images * TOKEN_LADDER[0], images_per_row=images,
+                  max_pixels=max(TOKEN_LADDER[0] * unit2, fields.get("min_pixels") or 0))
+    req = build_request(spec, recipe, fields, sources)
+    validate_request(req)  # at the smallest rung: every other rung differs in the image's size only
+    gpus = fields.get("gpus") or 1
+    machine = read_machine(None, gpus, host_ram, cards=False)
+    budgets = [(f"{n} GB", make_budget(f"{n}GB", gpus=gpus, machine=machine)) for n in (cards or CARD_SIZES_GB)]
+    return image_table_to_dict(req, table(req, budgets, estimate_memory, text), text)
+
+
 def generation_table(recipe: Recipe | None = None, model: str | None = None, method: str | None = None,
                      cards: tuple[int, ...] | None = None, **flags) -> dict:
     """`lowvram plan --generation-table`: per card (8 to 80 GB), the largest num_generations x
