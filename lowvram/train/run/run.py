@@ -242,7 +242,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
         check_grpo(recipe)
     args, loaded = _arguments_then_model(recipe, plan)
 
-    from lowvram.train.build.model import load_image_inputs
+    from lowvram.train.build.processor import load_image_inputs
     from lowvram.train.data.build import build_datasets
     from lowvram.train.data.collate import make_collator
     from lowvram.train.data.images import make_image_collator
