@@ -235,3 +235,27 @@ def test_eager_attention_sizes_each_image_as_the_costliest(tmp_path, qwen_dir):
 
     path = write_recipe(qwen_dir, tmp_path, seq_len=2048)
     assert measured_images(load_recipe(path, ["techniques.attention=eager"])) == (2, 391)
+
+
+@pytest.mark.slow
+def test_a_run_peaks_where_the_data_sized_plan_says(tmp_path, qwen_dir):
+    """`lowvram train` on rows of the 640 x 480 image (391 tokens): planned for 1 image of 391
+    tokens a row (not the limits' 1280), and the CPU run's live tensor peak is the plan's at the
+    longest row (measured: 45.1 MiB both, 2026-12-06)."""
+    rows = (qwen_dir / "vqa.jsonl").read_text().splitlines()
+    (tmp_path / "images").symlink_to(qwen_dir / "images")
+    (tmp_path / "big.jsonl").write_text((rows[2] + "\n") * 8)
+    doc = {"model": {"name_or_path": str(qwen_dir / "model")},
+           "data": {"datasets": [{"path": "big.jsonl", "format": "image_chat"}], "images_per_row": 2},
+           "training": {"seq_len": 1024, "batch_size": 2, "max_steps": 2, "save_steps": 100,
+                        "output_dir": str(tmp_path / "run")},
+           "techniques": {"lora": "off", "gradient_checkpointing": "off"}}
+    path = tmp_path / "r.yaml"
+    path.write_text(json.dumps(doc))
+    result = cli("train", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["reasons"]["images"].startswith("sized on the data, measured under the model's processor: up to 1 "
+                                                "image(s) a row, 391 tokens each")
+    assert abs(m["peak_memory_bytes"] / m["predicted_peak_bytes_at_data"] - 1) < 0.03
