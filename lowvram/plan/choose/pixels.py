@@ -58,12 +58,13 @@ def at_tokens(req: PlanRequest, tokens: int) -> PlanRequest:
 
 def auto_ceiling(req: PlanRequest) -> PlanRequest:
     """auto: the processor's own max_pixels, lowered on the grid only as far as a row of
-    images_per_row images needs to keep a token of text in seq_len (else unchanged)."""
+    images_per_row images (of the tokens the plan counts: the bound, or the data's where measured)
+    needs to keep a token of text in seq_len (else unchanged)."""
     if not lowerable(req):
         return req
-    lo, hi = token_grid(req.model.vision, req.max_pixels, req.min_pixels)
+    lo, _ = token_grid(req.model.vision, req.max_pixels, req.min_pixels)
     room = (req.seq_len - 1) // req.images_per_row
-    return at_tokens(req, room) if lo <= room < hi else req
+    return at_tokens(req, room) if lo <= room < req.model.vision.tokens_per_image else req
 
 
 def largest_fitting(req: PlanRequest, budget: Budget, estimate: Estimator, pool: CandidatePool) -> PlanRequest:
@@ -110,7 +111,6 @@ def auto_pixels(asked: PlanRequest, chosen: PlanRequest, fits: bool) -> tuple[di
         return ({"applies": False, "lowered": False, "reason": f"no pixel limit: {size}"},
                 {"max_pixels": f"auto: the fixed size, no pixel limit to lower ({size})"})
     unit2 = pixels_per_token(v)
-    _, own = token_grid(v, asked.max_pixels, asked.min_pixels)
     _, t = token_grid(v, chosen.max_pixels, chosen.min_pixels)
     own_px = pixel_limits(v, asked.max_pixels, asked.min_pixels)[1]
     lo_px, px = pixel_limits(v, chosen.max_pixels, chosen.min_pixels)
@@ -123,8 +123,8 @@ def auto_pixels(asked: PlanRequest, chosen: PlanRequest, fits: bool) -> tuple[di
     if px == own_px:
         return data, {"max_pixels": f"auto: the processor's own {at}, {tokens:,} tokens an image: a plan fits at it"}
     room = (asked.seq_len - 1) // asked.images_per_row
-    why = (f"{asked.images_per_row} image(s) of {own:,} tokens leave no text in seq_len {asked.seq_len}"
-           if room < own and t == room else "no plan fits at it")
+    why = (f"{asked.images_per_row} image(s) of {own_tokens:,} tokens leave no text in seq_len {asked.seq_len}"
+           if room < own_tokens and t == room else "no plan fits at it")
     cost = (f"{own_tokens:,} -> {tokens:,} tokens an image: images larger than {side} x {side} are scaled down "
             "(less detail)")
     if not fits:
