@@ -68,11 +68,20 @@ IMAGE_CASES: list[tuple[str, dict]] = [
 ]
 
 
+def compare(setup: RunSetup):
+    """(analytic estimate, simulated estimate, seconds the simulation took, analytic error)."""
+    from lowvram.check.simulate import simulate_memory
+
+    est = estimate_memory(setup)
+    t0 = time.perf_counter()
+    sim = simulate_memory(setup)
+    return est, sim, time.perf_counter() - t0, (est.peak_bytes - sim.peak_bytes) / sim.peak_bytes
+
+
 def image_rows() -> int:
     """--images: full-size vision configs with images in the batch, analytic vs simulated."""
     from dataclasses import replace
 
-    from lowvram.check.simulate import simulate_memory
     from lowvram.plan.model.image_size import sized_vision
 
     gib = 2**30
@@ -85,11 +94,7 @@ def image_rows() -> int:
             spec = replace(spec, vision=sized_vision(spec.vision, max_pixels, None))
         for label, kw in IMAGE_CASES:
             setup = RunSetup(spec, device="cpu", attention="sdpa", **{"micro_batch_size": 1, "seq_len": 2048, **kw})
-            est = estimate_memory(setup)
-            t0 = time.perf_counter()
-            sim = simulate_memory(setup)
-            dt = time.perf_counter() - t0
-            diff = (est.peak_bytes - sim.peak_bytes) / sim.peak_bytes
+            est, sim, dt, diff = compare(setup)
             worst = max(worst, abs(diff))
             print(f"{name:<22} {setup.seq_len:>5} {label:<32} {est.peak_bytes / gib:>9.2f} {sim.peak_bytes / gib:>9.2f} "
                   f"{100 * diff:>+6.2f}%  {est.peak_moment:<24} {dt:>4.0f}s", flush=True)
@@ -104,8 +109,6 @@ MOE_CASES = [c for c in CASES if "adamw_8bit" not in c[0]]
 
 def main(quick: bool = False, moe: bool = False, families: bool = False,
          gpt_oss: bool = False, vision: bool = False, only: tuple[str, ...] = ()) -> int:
-    from lowvram.check.simulate import simulate_memory
-
     gib = 2**30
     models, cases = (MOE_MODELS, MOE_CASES) if moe else (MODELS, CASES)
     if families:
@@ -125,11 +128,7 @@ def main(quick: bool = False, moe: bool = False, families: bool = False,
             for label, kw in cases:
                 setup = RunSetup(spec, seq_len=seq, micro_batch_size=1, device="cpu",
                                  attention=default_attention(spec), **kw)
-                est = estimate_memory(setup)
-                t0 = time.perf_counter()
-                sim = simulate_memory(setup)
-                dt = time.perf_counter() - t0
-                diff = (est.peak_bytes - sim.peak_bytes) / sim.peak_bytes
+                est, sim, dt, diff = compare(setup)
                 worst = max(worst, abs(diff))
                 print(f"{name:<14} {seq:>5} {label:<32} {est.peak_bytes / gib:>9.2f} "
                       f"{sim.peak_bytes / gib:>9.2f} {100 * diff:>+6.2f}%  {sim.peak_phase:<16} "
