@@ -269,8 +269,11 @@ def plan(
         from lowvram.check.configs import register_for_simulation
 
         register_for_simulation(model_ref)
+    from lowvram.train.run.preflight import measured_images
+
+    images = measured_images(r) if r and not model and {max_pixels, min_pixels, images_per_row} == {None} else None  # image_chat data
     result = entry.make_plan(
-        r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
+        r, model=model, vram=vram, images=images, method=method, lora_r=lora_r, lora_targets=lora_targets,
         mixed_precision=mixed_precision, quantization=quantization, optimizer=optimizer, loss=loss,
         attention=attention, batch_size=batch_size, seq_len=seq_len,
         gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,

@@ -482,3 +482,22 @@ def test_grpo_trains_through_the_cli_with_the_planners_plan(tmp_path, tiny_model
     assert "tokens per optimizer step (at most): 56" in result.output and "pairs" not in result.output
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert m["steps"] == 2 and len(m["reward_history"]) == 2 and m["predicted_peak_bytes"] > 0
+
+
+def test_run_is_compared_with_the_plan_at_its_longest_prompt(tmp_path, tiny_model_dir, tiny_tokenizer):
+    """TRL pads each generation batch to its longest prompt, not to max_prompt_length: on prompts
+    shorter than it the run is compared with the plan at the data's longest prompt (as TRL
+    tokenizes it) + max_completion_length (the shipped CPU recipe's 47-token prompts under a
+    max_prompt_length of 64 measured 22% below the plan at 64)."""
+    recipe = setup_run(tmp_path, tiny_model_dir)
+    recipe.write_text(recipe.read_text().replace("max_prompt_length: 8", "max_prompt_length: 48"))
+    result = CliRunner().invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 0, result.output
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    longest = max(len(ids) for ids in tiny_tokenizer(text=prompts)["input_ids"])
+    assert longest < 48 and m["data_longest_tokens"] == longest + 6
+    assert m["predicted_peak_bytes_at_data"] < m["predicted_peak_bytes"]
+    assert m["peak_memory_bytes"] <= m["predicted_peak_bytes_at_data"] * 1.03
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert f"the longest prompt is {longest} tokens" in plan["reasons"]["data_length"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lowvram.errors import LowvramError
-from lowvram.plan.choose.explain import Estimator, technique_reasons
+from lowvram.plan.choose.explain import Estimator, data_images_reason, technique_reasons
 from lowvram.plan.choose.ladder import build_ladder
 from lowvram.plan.choose.limits import (
     limits_over_plans,
@@ -96,7 +96,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     if req.seq_len > req.model.max_position_embeddings:
         notes.append(f"seq_len {req.seq_len} is longer than the model's max_position_embeddings "
                      f"{req.model.max_position_embeddings}")
-    reasons = technique_reasons(chosen, req, budget, estimate, largest_micro_batch_size(req))
+    reasons = technique_reasons(chosen, req, budget, estimate, largest_micro_batch_size(req)) | data_images_reason(req)
     plan = _to_plan(chosen, req, budget, reasons)
     return Choice(
         plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,

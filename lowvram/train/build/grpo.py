@@ -221,6 +221,23 @@ def _truncating(trainer_class, max_prompt_length: int):
     return Trainer
 
 
+def longest_prompt_tokens(trainer, chunk: int = 256) -> int | None:
+    """The longest prompt of ``trainer``'s training data as TRL tokenizes it for generation (the
+    trainer's own ``_tokenize_prompts``: the chat template with the generation prompt for
+    messages, the tokenizer for text; cut to max_prompt_length by :func:`_truncating`). TRL pads
+    each generation batch to its longest prompt (grpo_trainer.py _generate_and_score_completions
+    L2441-2451, ``pad(prompt_ids, padding_side="left")``; the generate path likewise, L1814-1826),
+    not to max_prompt_length. None for a vision-language model (its prompts carry images)."""
+    if getattr(trainer, "_is_vlm", False):
+        return None
+    prompts = trainer.train_dataset["prompt"]
+    longest = 0
+    for start in range(0, len(prompts), chunk):
+        ids, _, _ = trainer._tokenize_prompts(list(prompts[start:start + chunk]))
+        longest = max(longest, *(len(x) for x in ids))
+    return longest or None
+
+
 def resume_hint(recipe) -> str:
     return (f"fix the reward; the checkpoints in {recipe.training.output_dir} are whole: "
             "`lowvram train RECIPE --resume` goes on from the last one")
