@@ -212,7 +212,7 @@ class MemoryEstimate:
     trainable_parameters: int
     peak_bytes: int
     breakdown: dict[str, int]  # BREAKDOWN_KEYS, bytes at the peak moment, summing to peak_bytes
-    peak_phase: str  # "forward_backward" or "optimizer_step"
+    peak_phase: str  # "forward_backward", "optimizer_step" (or "between_steps", "generation", "lora_init")
     cpu_ram_bytes: int
     persistent_bytes: int
     # the moment that binds (a key of lowvram.plan.memory.moments.MOMENTS, or "optimizer_step")

@@ -76,3 +76,38 @@ FSDP_LAYER_GRADIENTS = FittedConstant(
     "bench/multi_process_accuracy.py (gloo, CPU)", "+0.4% to +7.9%",
     "FSDP1 2-GPU Trainer rows (in the fitting source): full -5% to -11%, LoRA -7% to -11%, "
     "QLoRA +21% to +23%")
+
+
+# --------------------------------------------------------------------------------------------
+# The Trainer's batches (images.batches_alive, images.batches_between_steps): counts read off the
+# code, measured exactly with the live-bytes tracker; image data's pixel values make them matter
+
+_BATCHES_MEASURED = ("the live-bytes tracker (lowvram.livebytes, snapshot at the peak) through `lowvram train` "
+                     "on a tiny Qwen2.5-VL, one 640 x 480 image a row (1564 x 1176 float32 pixel values a "
+                     "micro-batch), full fp32: at the peak 3 micro-batches' pixels at 1 x 1, 5 at 1 x 2, "
+                     "9 at 1 x 4 (tests/train/test_accumulation_batches.py)")
+
+PREFETCHED_BATCHES = FittedConstant(
+    "PREFETCHED_BATCHES", 1, "1 micro-batch",
+    "the micro-batch accelerate's DataLoaderShard fetches before it yields the current one "
+    "(accelerate 1.16 data_loader.py L573-590: ``next_batch = next(dataloader_iter)`` before "
+    "``yield current_batch``, to know the last batch), beside the step's grad_accum micro-batches "
+    "the Trainer holds in ``batch_samples`` (transformers 5.25 trainer.py L1918, L2332-2336 "
+    "get_batch_samples). On a CUDA run the prefetched batch is still on the host (send_to_device "
+    "runs on it only at its turn, L583-585): an upper bound there by one micro-batch",
+    "images.batches_alive, images.batches_between_steps",
+    "read off the code; " + _BATCHES_MEASURED,
+    "exact on the CPU", "held-out image seeds (bench/results/plan_fuzz_*images*.txt)")
+
+STEP_BATCH_LISTS = FittedConstant(
+    "STEP_BATCH_LISTS", 2, "2 x grad_accum micro-batches (+ PREFETCHED_BATCHES)",
+    "between two optimizer steps, while the Trainer fetches the next step's micro-batches: the "
+    "step before's ``batch_samples`` list is rebound only when get_batch_samples returns "
+    "(transformers 5.25 trainer.py L1918; its loop variable ``inputs`` holds the last of them too, "
+    "L1932), so its grad_accum micro-batches live beside the next step's grad_accum and the one "
+    "prefetched after them; the gradients are gone by then (``model.zero_grad()``, L1991: "
+    "set_to_none, torch nn/modules/module.py L2948), the weights and optimizer state are not",
+    "image_moment.between_steps_bytes (the moment next_step_batches)",
+    "read off the code; " + _BATCHES_MEASURED,
+    "exact on the CPU (before: 1 x 2 +19.2% to +25.9% above the plan, 1 x 4 +30.7%)",
+    "held-out image seeds with micro-batch 1 and accumulation (bench/results/)")

@@ -1,6 +1,8 @@
 """Image data's place in a step (format image_chat): what images keep beside every moment of the
-forward and backward, and the frozen vision tower's forward as a moment of its own,
-vision_encoder_forward (its terms: images.py, qwen_tower.py, cross_attention.py)."""
+forward and backward and through the optimizer step, the frozen vision tower's forward as a
+moment of its own, vision_encoder_forward (its terms: images.py, qwen_tower.py,
+cross_attention.py), and the moment between two steps when the Trainer has fetched the next
+step's micro-batches beside the last step's, next_step_batches."""
 
 from __future__ import annotations
 
@@ -47,3 +49,32 @@ def vision_moment(setup: RunSetup) -> Moment:
         return Moment("vision_encoder_forward", kept + images.text_embedding_bytes(setup, r)
                       + cross_attention.tower_forward_bytes(setup, w, lin))
     return Moment("vision_encoder_forward", kept + images.encoder_forward_bytes(setup, w, lin, r))
+
+
+def step_kept_bytes(setup: RunSetup) -> int:
+    """What image data keeps through the optimizer step: the collated inputs of the step's
+    micro-batches and of the next (images.batches_alive; Llama-3.2-Vision's cross_attention_mask
+    too, and its cross layers' extra parameters: cross_attention.step_kept_bytes); the embedding
+    leaf (scattered_embedding_bytes) is an activation, gone by then."""
+    if not setup.images_per_row:
+        return 0
+    kept = images.pixel_bytes(setup)
+    if setup.cross_layers:
+        kept += cross_attention.step_kept_bytes(setup, dtype_bytes(setup)[0])
+    return kept
+
+
+def between_steps_bytes(setup: RunSetup) -> int:
+    """Image data between two optimizer steps (the moment next_step_batches): the collated inputs
+    of images.batches_between_steps micro-batches (the step before's, the next step's and the
+    one prefetched: constants.STEP_BATCH_LISTS), beside the weights and the optimizer state, no
+    gradient (zero_grad set them to None) and no activation. Llama-3.2-Vision: each micro-batch's
+    int64 cross_attention_mask too (images.cross_mask_bytes) and its cross layers' extra parameters."""
+    if not setup.images_per_row:
+        return 0
+    batches = images.batches_between_steps(setup)
+    kept = batches * images.micro_batch_pixel_bytes(setup)
+    if setup.cross_layers:
+        kept += batches * images.cross_mask_bytes(setup)
+        kept += cross_attention.cross_params_left_bytes(setup, dtype_bytes(setup)[0])
+    return kept

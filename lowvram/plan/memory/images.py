@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lowvram.plan import constants as fitted
 from lowvram.plan.memory.qwen_tower import qwen_tower_forward_bytes
 from lowvram.plan.model.image_size import pixel_values_bytes
 from lowvram.plan.model.vision import QWEN_VL_TOWERS
@@ -96,29 +97,51 @@ def images_per_micro_batch(setup: RunSetup) -> int:
     return setup.micro_batch_size * setup.images_per_row
 
 
-# Batches alive at once: the step's micro-batches, which the Trainer fetches all before the first
-# (transformers trainer.py get_batch_samples: ``batch_samples`` holds grad_accum of them through
-# the step), and the next one, which accelerate's DataLoaderShard fetches before yielding the
-# current one (accelerate data_loader.py DataLoaderShard.__iter__, to know the last batch);
-# measured: seed 0 of the image draw, full bf16-mixed, two micro-batches' pixels beside the plan's
-# one (bench/results/plan_fuzz_images*.txt), mllama image seed 1 (b1 x 2 accumulation, full
-# bf16): three micro-batches' tiles (+2.81% over a plan with two), and in-sample Qwen2.5-VL image
-# seeds 1, 3, 4 (accumulation 2: one fp32 micro-batch of pixel values more than a plan of two, at
-# every precision, with or without checkpointing).
+# Batches alive at once through a step: the step's micro-batches, which the Trainer fetches all
+# before the first (transformers trainer.py get_batch_samples: ``batch_samples`` holds grad_accum
+# of them through the step), and the next one, which accelerate's DataLoaderShard fetches before
+# yielding the current one (constants.PREFETCHED_BATCHES); measured: seed 0 of the image draw,
+# full bf16-mixed, two micro-batches' pixels beside the plan's one
+# (bench/results/plan_fuzz_images*.txt), mllama image seed 1 (b1 x 2 accumulation, full bf16):
+# three micro-batches' tiles (+2.81% over a plan with two), and in-sample Qwen2.5-VL image seeds 1,
+# 3, 4 (accumulation 2: one fp32 micro-batch of pixel values more than a plan of two, at every
+# precision, with or without checkpointing).
 def batches_alive(setup: RunSetup) -> int:
-    return setup.grad_accum + 1
+    return setup.grad_accum + fitted.PREFETCHED_BATCHES.value
 
 
-def pixel_bytes(setup: RunSetup) -> int:
-    """The pixel values of the step's micro-batches and of the next one (batches_alive), float32,
-    alive through the step (a Qwen-VL image: one row of channels x temporal_patch_size x patch^2
-    per patch of the largest image, image_size.pixel_values_bytes); Llama-3.2-Vision's every image
-    padded to max_num_tiles tiles (plan/memory/cross_attention.py)."""
+def batches_between_steps(setup: RunSetup) -> int:
+    """Batches alive while the Trainer fetches the next step's (constants.STEP_BATCH_LISTS): the
+    step before's grad_accum micro-batches (its ``batch_samples``, rebound only when
+    get_batch_samples returns), the next step's grad_accum, and the one prefetched after them."""
+    return fitted.STEP_BATCH_LISTS.value * setup.grad_accum + fitted.PREFETCHED_BATCHES.value
+
+
+def micro_batch_pixel_bytes(setup: RunSetup) -> int:
+    """One micro-batch's float32 pixel values (a Qwen-VL image: one row of channels x
+    temporal_patch_size x patch^2 per patch of the largest image, image_size.pixel_values_bytes);
+    Llama-3.2-Vision's every image padded to max_num_tiles tiles (plan/memory/cross_attention.py)."""
     v = setup.model.vision
     if not setup.images_per_row or v is None:
         return 0
     tiles = v.max_num_tiles if v.tower == "mllama" else 1
-    return batches_alive(setup) * images_per_micro_batch(setup) * tiles * pixel_values_bytes(v)
+    return images_per_micro_batch(setup) * tiles * pixel_values_bytes(v)
+
+
+def cross_mask_bytes(setup: RunSetup) -> int:
+    """Llama-3.2-Vision: one micro-batch's int64 cross_attention_mask, b x s x images x T
+    (lowvram.train.data.images.ImageCollator, MllamaProcessor's
+    convert_sparse_cross_attention_mask_to_dense); 0 for the other families."""
+    v = setup.model.vision
+    if not setup.images_per_row or v is None or v.tower != "mllama":
+        return 0
+    return 8 * setup.micro_batch_size * setup.seq_len * setup.images_per_row * v.max_num_tiles
+
+
+def pixel_bytes(setup: RunSetup) -> int:
+    """The pixel values of the step's micro-batches and of the next one (batches_alive), alive
+    through the step."""
+    return batches_alive(setup) * micro_batch_pixel_bytes(setup)
 
 
 def text_embedding_bytes(setup: RunSetup, text_bytes: int) -> int:

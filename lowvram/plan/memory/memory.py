@@ -44,7 +44,7 @@ from lowvram.plan.memory.backward import (
     mlp_backward_floor_bytes,
 )
 from lowvram.plan.memory.floor import checkpoint_bytes, model_states, saved_activation_bytes
-from lowvram.plan.memory.image_moment import with_images
+from lowvram.plan.memory.image_moment import between_steps_bytes, step_kept_bytes, with_images
 from lowvram.plan.memory.moments import Moment
 from lowvram.plan.memory.sharding import layer_weight_bytes
 from lowvram.plan.memory.states import (
@@ -401,21 +401,28 @@ def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate
     # AcceleratedOptimizer.step returns for it), every gradient was applied and dropped in the
     # backward (plan/memory/optimizers/)
     step_grads = 0 if optimizers.in_backward(setup) else grads
-    step = weights + optim + step_grads + buckets + st.step_temp
+    step_images = step_kept_bytes(setup)  # images: the batches the Trainer holds through the step
+    step = weights + optim + step_grads + buckets + st.step_temp + step_images
+    # images: between two steps, the last step's micro-batches beside the next step's (image_moment.py)
+    between = weights + optim + buckets + between_steps_bytes(setup) if setup.images_per_row else 0
     # lora.init pissa: an SVD per adapted Linear at model build, before any optimizer state or
     # activation (plan/memory/lora_init.py)
     # (its working tensors net of the adapters not yet made or still 16-bit: lora_init.init_bytes)
     init = Moment("lora_init", lora_init.init_bytes(setup)) if lora_init.is_svd_init(setup.lora_init) else None
     gen, generation = _generation_peak(setup, grads) if rl and phase != "training" else (None, 0)
-    if gen is not None and (phase == "generation" or weights + optim + generation > max(fb, step)):
+    if gen is not None and (phase == "generation" or weights + optim + generation > max(fb, step, between)):
         phase, peak_moment = "generation", gen.name
         # the generation round's cache and working tensors beside the model states (plan/memory/grpo.py)
         parts = dict(weights=weights, gradients=gen.gradients, optimizer=optim, activations=gen.activations,
                      logits=gen.logits)
-    elif setup.lora and init is not None and weights + init.bytes > max(fb, step):
+    elif setup.lora and init is not None and weights + init.bytes > max(fb, step, between):
         phase = peak_moment = init.name
         # the SVD's fp32 factors, product and residual: working copies of one weight
         parts = dict(weights=weights + init.bytes, gradients=0, optimizer=0, activations=0, logits=0)
+    elif between > max(fb, step):
+        phase, peak_moment = "between_steps", "next_step_batches"
+        parts = dict(weights=weights, gradients=buckets, optimizer=optim,
+                     activations=between - weights - optim - buckets, logits=0)
     elif fb >= step:
         phase, peak_moment = "forward_backward", moment.name
         parts = dict(weights=live_weights, gradients=kept_grads, optimizer=optim, activations=acts,
@@ -424,8 +431,8 @@ def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate
         phase = peak_moment = "optimizer_step"
         # step temporaries are working memory of the optimizer: reported under "optimizer"
         parts = dict(weights=weights, gradients=step_grads + buckets,
-                     optimizer=step - weights - step_grads - buckets,
-                     activations=0, logits=0)
+                     optimizer=step - weights - step_grads - buckets - step_images,
+                     activations=step_images, logits=0)
     tensors = sum(parts.values())
     slack = {}
     once = min(weights + optim, tensors)

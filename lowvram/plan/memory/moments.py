@@ -155,6 +155,15 @@ MOMENTS: dict[str, tuple[str, str]] = {
         "images.tower_forward_bytes, images.encoder_forward_bytes; transformers 5.25 "
         "modeling_siglip.py, modeling_clip.py, LlavaModel.get_image_features, Gemma3Model.forward; "
         "measured: exact on 1-4 layer towers (tests/plan/test_images.py), bench/results/plan_fuzz_images*.txt"),
+    "next_step_batches": (
+        "format image_chat, between two optimizer steps (the phase between_steps): the Trainer has "
+        "fetched the next step's micro-batches while the last step's are still held, so their "
+        "pixel values (Llama-3.2-Vision: and cross-attention masks) of 2 x grad_accum + 1 "
+        "micro-batches beside the weights and the optimizer state; no gradient, no activation",
+        "image_moment.between_steps_bytes, constants.STEP_BATCH_LISTS, PREFETCHED_BATCHES; "
+        "transformers 5.25 trainer.py _run_epoch L1918 get_batch_samples, L1991 zero_grad; "
+        "accelerate data_loader.py DataLoaderShard.__iter__; measured: "
+        "tests/train/test_accumulation_batches.py"),
     "reference_forward": (
         "DPO without precomputed reference log-probs: the reference's no-grad forward after the "
         "policy's, every saved activation of the 2b concatenated rows alive beside the reference's "
