@@ -32,7 +32,7 @@ def test_every_constant_has_its_source():
         assert isinstance(c.value, (int, float, Fraction)) and c.value > 0, c.name
         assert c.used_in.split(".")[0] in {"setup", "states", "activations", "backward", "memory", "moe",
                                            "sharding", "request", "dora", "preference", "cards", "tiled", "grpo",
-                                           "cross_attention"}, c.name
+                                           "cross_attention", "images"}, c.name
 
 
 def test_docs_constants_is_generated_from_the_table():

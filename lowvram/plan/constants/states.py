@@ -107,7 +107,7 @@ STEP_BATCH_LISTS = FittedConstant(
     "L1932), so its grad_accum micro-batches live beside the next step's grad_accum and the one "
     "prefetched after them; the gradients are gone by then (``model.zero_grad()``, L1991: "
     "set_to_none, torch nn/modules/module.py L2948), the weights and optimizer state are not",
-    "image_moment.between_steps_bytes (the moment next_step_batches)",
+    "images.batches_between_steps (image_moment.between_steps_bytes: the moment next_step_batches)",
     "read off the code; " + _BATCHES_MEASURED,
     "exact on the CPU (before: 1 x 2 +19.2% to +25.9% above the plan, 1 x 4 +30.7%)",
     "held-out image seeds with micro-batch 1 and accumulation (bench/results/)")

@@ -78,3 +78,9 @@ def between_steps_bytes(setup: RunSetup) -> int:
         kept += batches * images.cross_mask_bytes(setup)
         kept += cross_attention.cross_params_left_bytes(setup, dtype_bytes(setup)[0])
     return kept
+
+
+def between_steps_moment(setup: RunSetup) -> Moment:
+    """next_step_batches: between_steps_bytes beside the weights, the optimizer state (and the
+    gradient buckets of a distributed engine), which the caller adds."""
+    return Moment("next_step_batches", between_steps_bytes(setup))

@@ -44,7 +44,7 @@ from lowvram.plan.memory.backward import (
     mlp_backward_floor_bytes,
 )
 from lowvram.plan.memory.floor import checkpoint_bytes, model_states, saved_activation_bytes
-from lowvram.plan.memory.image_moment import between_steps_bytes, step_kept_bytes, with_images
+from lowvram.plan.memory.image_moment import between_steps_moment, step_kept_bytes, with_images
 from lowvram.plan.memory.moments import Moment
 from lowvram.plan.memory.sharding import layer_weight_bytes
 from lowvram.plan.memory.states import (
@@ -404,7 +404,8 @@ def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate
     step_images = step_kept_bytes(setup)  # images: the batches the Trainer holds through the step
     step = weights + optim + step_grads + buckets + st.step_temp + step_images
     # images: between two steps, the last step's micro-batches beside the next step's (image_moment.py)
-    between = weights + optim + buckets + between_steps_bytes(setup) if setup.images_per_row else 0
+    nb = between_steps_moment(setup)
+    between = weights + optim + buckets + nb.bytes if setup.images_per_row else 0
     # lora.init pissa: an SVD per adapted Linear at model build, before any optimizer state or
     # activation (plan/memory/lora_init.py)
     # (its working tensors net of the adapters not yet made or still 16-bit: lora_init.init_bytes)
@@ -420,9 +421,8 @@ def estimate_memory(setup: RunSetup, phase: str | None = None) -> MemoryEstimate
         # the SVD's fp32 factors, product and residual: working copies of one weight
         parts = dict(weights=weights + init.bytes, gradients=0, optimizer=0, activations=0, logits=0)
     elif between > max(fb, step):
-        phase, peak_moment = "between_steps", "next_step_batches"
-        parts = dict(weights=weights, gradients=buckets, optimizer=optim,
-                     activations=between - weights - optim - buckets, logits=0)
+        phase, peak_moment = "between_steps", nb.name
+        parts = dict(weights=weights, gradients=buckets, optimizer=optim, activations=nb.bytes, logits=0)
     elif fb >= step:
         phase, peak_moment = "forward_backward", moment.name
         parts = dict(weights=live_weights, gradients=kept_grads, optimizer=optim, activations=acts,
