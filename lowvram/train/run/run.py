@@ -254,7 +254,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     from lowvram.train.data.collate import make_collator
     from lowvram.train.data.images import make_image_collator
 
-    images = load_image_inputs(recipe, loaded.source, loaded.model)  # format image_chat
+    images = load_image_inputs(recipe, loaded.source, loaded.model, plan.max_pixels)  # format image_chat
     bundle = build_datasets(recipe, loaded.tokenizer, images)
     from transformers.utils.generic import is_flash_attention_requested
 
