@@ -164,3 +164,22 @@ def test_the_recipe_key_takes_auto(tmp_path):
         doc["data"]["max_pixels"] = bad
         with pytest.raises(ValidationError):
             Recipe.model_validate(doc)
+
+
+def test_nothing_fits_suggests_smaller_images():
+    """Without auto (max_pixels fixed or the processor's own), a plan that does not fit names
+    data.max_pixels: auto and the size where it would fit, with what it costs."""
+    req = fixed(auto("qwen2.5-vl-7b"), None)
+    choice = choose_plan(req, make_budget("9GB"))
+    assert not choice.fits
+    assert ("smaller images: data.max_pixels: auto (--max-pixels auto) lowers it to 627,984 (about 792 x 792; "
+            "1,280 -> 801 tokens an image), where it fits") in choice.suggestions[0]
+    assert not any("smaller images" in s for s in choose_plan(req, make_budget("8GB")).suggestions)
+
+
+def test_a_start_at_the_grids_floor_is_not_lowered():
+    """max_pixels already the smallest the grid allows above min_pixels: nothing to lower, said so."""
+    req = auto("qwen2.5-vl-7b", max_pixels=4 * 784, min_pixels=4 * 784)
+    choice = choose_plan(req, make_budget("8GB"))
+    assert not choice.fits and choice.plan.max_pixels == 4 * 784 and choice.ladder[-1].technique != "max_pixels"
+    assert choice.plan.reasons["max_pixels"].endswith("no plan fits, and it is the smallest the grid allows (min_pixels)")

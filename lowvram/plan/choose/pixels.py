@@ -79,6 +79,8 @@ def largest_fitting(req: PlanRequest, budget: Budget, estimate: Estimator, pool:
         return models[t]
 
     best = lo - 1
+    if hi <= lo:
+        return req  # already the smallest on the grid
     for o in sorted(pool.options, key=lambda o: (o.floor, o.index)):  # the leanest setups first
         def fits(t: int, s=o.setup) -> bool:
             return _fits(replace(s, model=model_at(t)), budget, estimate)
@@ -121,7 +123,8 @@ def auto_pixels(asked: PlanRequest, chosen: PlanRequest, fits: bool) -> tuple[di
             "tokens_per_image": tokens, "lowered": px < own_px, "fits": fits, "changes": CHANGES}
     at = f"max_pixels {px:,} (about {side} x {side})"
     if px == own_px:
-        return data, {"max_pixels": f"auto: the processor's own {at}, {tokens:,} tokens an image: a plan fits at it"}
+        verdict = "a plan fits at it" if fits else "no plan fits, and it is the smallest the grid allows (min_pixels)"
+        return data, {"max_pixels": f"auto: the processor's own {at}, {tokens:,} tokens an image: {verdict}"}
     room = (asked.seq_len - 1) // asked.images_per_row
     why = (f"{asked.images_per_row} image(s) of {own_tokens:,} tokens leave no text in seq_len {asked.seq_len}"
            if room < own_tokens and t == room else "no plan fits at it")
