@@ -1,5 +1,5 @@
 """Wall time of `lowvram plan` (the README's examples: under 0.5 s median; the context table
-under 1.5 s; no torch on this path), the memory estimates each makes, and the import time a
+and the image table under 1.5 s; no torch on this path), the memory estimates each makes, and the import time a
 command pays before it plans.
 
 Runs the real console command in fresh processes (median and max wall, median CPU of the child)
@@ -42,6 +42,8 @@ CASES = [
 ]
 TABLE = ["--model", "llama-3.1-8b", "--method", "qlora", "--lora-r", "32", "--offload", "none", "--context-table",
          "--host-ram", "160GiB"]
+IMAGE_TABLE = ["--model", "qwen2.5-vl-7b", "--method", "qlora", "--image-table", "--seq-len", "1024", "--host-ram",
+               "160GiB"]
 
 
 def _cli() -> list[str]:
@@ -97,7 +99,7 @@ def main() -> int:
             ("python -c 'import <the plan path>'",
              *_time(py + ["import lowvram.cli, lowvram.planning.entry, lowvram.plan.choose.choose, lowvram.report.plans"],
                     args.runs), None, None)]
-    for case, limit in [(c, LIMIT_S) for c in CASES] + [(TABLE, TABLE_LIMIT_S)]:
+    for case, limit in [(c, LIMIT_S) for c in CASES] + [(TABLE, TABLE_LIMIT_S), (IMAGE_TABLE, TABLE_LIMIT_S)]:
         rows.append(("lowvram plan " + " ".join(case), *_time(_cli() + ["plan", *case], args.runs),
                      _estimates(case), limit))
     width = max(len(r[0]) for r in rows)

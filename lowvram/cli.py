@@ -188,6 +188,7 @@ def plan(
     check: Annotated[bool, typer.Option("--check", help="Exit 0 if the plan fits, 1 if not.")] = False,
     list_models: Annotated[bool, typer.Option("--list-models", help="List the models known without a download.")] = False,
     context_table: Annotated[bool, typer.Option("--context-table", help="The longest seq_len over every plan on 8, 12, 16, 24, 40, 48 and 80 GB cards (batch 1), the plan that reaches it and what binds.")] = False,
+    image_table: Annotated[bool, typer.Option("--image-table", help="Qwen-VL: the largest max_pixels on 8-80 GB cards for --images-per-row images (default 1) beside --seq-len text tokens (batch 1), the plan that reaches it and what binds.")] = False,
     simulate: Annotated[bool, typer.Option("--simulate", help="Also run the chosen plan's real training step on fake tensors (exact peak, no allocation; imports torch, ~5-15 s for 7B). Accepts any config.json transformers can build.")] = False,
 ) -> None:
     """Predict peak memory and pick the cheapest memory techniques that fit the budget.
@@ -231,6 +232,21 @@ def plan(
             attention=attention, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
             gpus=gpus, objective=objective, **grpo_flags), as_json=json_)
         return
+    if image_table:
+        from lowvram.errors import UsageError
+        from lowvram.report.image_table import show_image_table
+
+        if given := next((f for f, on in (("--vram", vram), ("--simulate", simulate), ("--check", check),
+                                          ("--context-table", context_table), ("--max-pixels", max_pixels)) if on), None):
+            raise UsageError(f"--image-table plans every card and image size itself: {given} does not apply",
+                             "drop it, or run `lowvram plan --max-pixels N --vram SIZE` for one card and size")
+        show_image_table(entry.image_table(
+            r, model=model, method=method, lora_r=lora_r, lora_targets=lora_targets,
+            mixed_precision=mixed_precision, quantization=quantization, optimizer=optimizer, loss=loss,
+            attention=attention, seq_len=seq_len, images_per_row=images_per_row, min_pixels=min_pixels,
+            gradient_checkpointing=gradient_checkpointing, activation_offload=activation_offload, gpus=gpus,
+            offload=offload, host_ram=host_ram), as_json=json_)
+        return
     if context_table:
         from lowvram.errors import UsageError
         from lowvram.plan.serialize import context_table_to_dict
@@ -253,8 +269,11 @@ def plan(
         from lowvram.check.configs import register_for_simulation
 
         register_for_simulation(model_ref)
+    from lowvram.train.run.preflight import measured_images
+
+    images = measured_images(r) if r and not model and {max_pixels, min_pixels, images_per_row} == {None} else None  # image_chat data
     result = entry.make_plan(
-        r, model=model, vram=vram, method=method, lora_r=lora_r, lora_targets=lora_targets,
+        r, model=model, vram=vram, images=images, method=method, lora_r=lora_r, lora_targets=lora_targets,
         mixed_precision=mixed_precision, quantization=quantization, optimizer=optimizer, loss=loss,
         attention=attention, batch_size=batch_size, seq_len=seq_len,
         gradient_accumulation=gradient_accumulation, gradient_checkpointing=gradient_checkpointing,

@@ -87,7 +87,10 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
         check_model_download(recipe)  # a hub model not cached, with no network: said now, not after retries
     asked = options.processes.several or options.print_launch  # the flags ask for accelerate
     spec, hardware = _processes(options, asked)
-    plan = plan_for_recipe(recipe, vram=options.vram, hardware=hardware, gpus=spec.world_size)
+    from lowvram.train.run.preflight import measured_images
+
+    images = measured_images(recipe)  # format image_chat: the plan is sized for the data's images
+    plan = plan_for_recipe(recipe, vram=options.vram, hardware=hardware, gpus=spec.world_size, images=images)
     launched = asked or (plan.offload != "none" and not options.dry_run)  # FSDP/DeepSpeed on one GPU too
     if launched and not asked:
         spec = _one_launched_process(spec, hardware)
@@ -104,12 +107,12 @@ def train_recipe(options: TrainOptions, started: Started | None = None) -> Train
         require_fit(plan, options.recipe_path)
     options = dataclasses.replace(options, processes=spec)
     if launched:
-        return _launch(recipe, plan, options, started or _quiet)
+        return _launch(recipe, plan, options, started or _quiet, images)
     (started or _quiet)(planned)
     from lowvram.planning.entry import replanner_for
     from lowvram.train.run.recover import train_with_recovery
 
-    result = train_with_recovery(recipe, plan, options, replanner=replanner_for(recipe))
+    result = train_with_recovery(recipe, plan, options, replanner=replanner_for(recipe, images))
     return TrainOutcome(planned, result=result)
 
 
@@ -171,7 +174,8 @@ def _one_launched_process(spec: LaunchSpec, hardware: Hardware) -> LaunchSpec:
     return spec
 
 
-def _launch(recipe: Recipe, plan: Plan, options: TrainOptions, started: Started) -> TrainOutcome:
+def _launch(recipe: Recipe, plan: Plan, options: TrainOptions, started: Started,
+            images: tuple[int, int] | None = None) -> TrainOutcome:
     """`accelerate launch` the worker on each process, with the plan made here."""
     from lowvram.train.run import launch
 
@@ -185,7 +189,7 @@ def _launch(recipe: Recipe, plan: Plan, options: TrainOptions, started: Started)
     from lowvram.train.run.lock import run_lock
     from lowvram.train.run.recover import launch_with_recovery
 
-    replanner = replanner_for(recipe)
+    replanner = replanner_for(recipe, images)
     with run_lock(output_dir(recipe), "lowvram train --gpus"):
         prepared = launch.prepare_launch(recipe, plan, options, replanner=replanner)
         planned = PlannedRun(recipe, plan, options.processes, prepared)

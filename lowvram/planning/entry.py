@@ -32,15 +32,19 @@ if TYPE_CHECKING:  # the recipe's pydantic schema is imported only where a recip
     from lowvram.recipe import Recipe
 
 
-def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus: int = 1) -> Plan:
+def plan_for_recipe(recipe: Recipe, vram: str | None = None, hardware=None, gpus: int = 1,
+                    images: tuple[int, int] | None = None) -> Plan:
     """The plan `lowvram train` runs with (and `lowvram plan RECIPE` shows).
 
-    ``gpus``: data-parallel processes in all (``--gpus`` x ``--nodes``); memory is per GPU."""
+    ``gpus``: data-parallel processes in all (``--gpus`` x ``--nodes``); memory is per GPU.
+    ``images``: format image_chat measured on the data (images per row, the costliest image's
+    tokens: lowvram.train.run.preflight.measured_images), which the plan is sized for."""
     machine = read_machine(vram, gpus, hardware=hardware, cards=True)  # only the cards the run uses
     check_card(recipe, machine.hardware, vram)
     budget = make_budget(vram, gpus=gpus, machine=machine)
     hardware = machine.hardware
     flags, sources = ({"gpus": gpus}, {"gpus": f"--gpus {gpus}"}) if gpus > 1 else ({}, {})
+    flags.update(measured_image_fields(images))
     try:
         spec = recipe_model(recipe)
     except LowvramError as err:
@@ -62,14 +66,20 @@ def require_fit(plan: Plan, recipe_path) -> None:
     )
 
 
-def replanner_for(recipe: Recipe) -> Replanner:
+def replanner_for(recipe: Recipe, images: tuple[int, int] | None = None) -> Replanner:
     """The Replanner for a run of ``recipe`` (its request without command-line flags, as the
-    chooser's OOM re-plan has always used it)."""
+    chooser's OOM re-plan has always used it; ``images``: as plan_for_recipe's)."""
     try:
         spec = recipe_model(recipe)
     except LowvramError:
         return Replanner()
-    return Replanner(build_request(spec, recipe))
+    return Replanner(build_request(spec, recipe, measured_image_fields(images)))
+
+
+def measured_image_fields(images: tuple[int, int] | None) -> dict:
+    """The request fields of format image_chat measured on the data: the images per row it holds
+    (at least one) and its costliest image's tokens (PlanRequest.image_tokens)."""
+    return {} if images is None else {"images_per_row": max(1, images[0]), "image_tokens": images[1]}
 
 
 # the flag of each choice is its name with "-" for "_" (--mixed-precision, --quantization, ...)
@@ -112,12 +122,15 @@ def _checked_flags(recipe: Recipe | None, model: str | None, method: str | None,
 
 
 def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,
-              method: str | None = None, hardware=None, host_ram: str | None = None, **flags):
-    """The plan `lowvram plan` shows: a Choice, or a fixed Plan if the model cannot be read."""
+              method: str | None = None, hardware=None, host_ram: str | None = None,
+              images: tuple[int, int] | None = None, **flags):
+    """The plan `lowvram plan` shows: a Choice, or a fixed Plan if the model cannot be read.
+    ``images``: as plan_for_recipe's (the flags win over it)."""
     from lowvram.plan.choose.choose import choose_plan
     from lowvram.plan.model.catalog import resolve_model
 
     fields, sources = _checked_flags(recipe, model, method, flags)
+    fields = measured_image_fields(images) | fields
     if model is not None:
         spec = resolve_model(model)
     else:
@@ -149,6 +162,37 @@ def context_table(recipe: Recipe | None = None, model: str | None = None, method
     machine = read_machine(None, gpus, host_ram, cards=False)  # once for every card; no card read
     budgets = [(f"{n} GB", make_budget(f"{n}GB", gpus=gpus, machine=machine)) for n in (cards or CARD_SIZES_GB)]
     return req, table(req, budgets, estimate_memory), budgets[0][1]
+
+
+def image_table(recipe: Recipe | None = None, model: str | None = None, method: str | None = None,
+                cards: tuple[int, ...] | None = None, host_ram: str | None = None, **flags) -> dict:
+    """`lowvram plan --image-table`: per card (8 to 80 GB), the largest data.max_pixels over every
+    plan at seq_len text tokens beside images_per_row images (lowvram.plan.choose.image_table)."""
+    from lowvram.plan.choose.image_table import TOKEN_LADDER, image_table_to_dict
+    from lowvram.plan.choose.image_table import image_table as table
+    from lowvram.plan.choose.limits import CARD_SIZES_GB
+    from lowvram.plan.choose.request import validate_request
+    from lowvram.plan.memory.memory import estimate_memory
+    from lowvram.plan.model.catalog import resolve_model
+
+    flags = {k: v for k, v in flags.items() if v is not None}
+    text = flags.pop("seq_len", None) or (recipe.training.seq_len if recipe else None) or 1024
+    images = flags.pop("images_per_row", None) or (recipe.data.images_per_row if recipe else None) or 1
+    spec = resolve_model(model) if model is not None else recipe_model(recipe)
+    fields, sources = _checked_flags(recipe, model, method, flags)
+    from lowvram.plan.choose.image_table import IMAGE_TABLE_HINT, image_table_problem
+
+    if problem := image_table_problem(spec.vision):
+        raise LowvramError(problem, IMAGE_TABLE_HINT)
+    unit2 = (spec.vision.patch_size * spec.vision.merge_size) ** 2
+    fields.update(seq_len=text + images * TOKEN_LADDER[0], images_per_row=images,
+                  max_pixels=max(TOKEN_LADDER[0] * unit2, fields.get("min_pixels") or 0))
+    req = build_request(spec, recipe, fields, sources)
+    validate_request(req)  # at the smallest rung: every other rung differs in the image's size only
+    gpus = fields.get("gpus") or 1
+    machine = read_machine(None, gpus, host_ram, cards=False)
+    budgets = [(f"{n} GB", make_budget(f"{n}GB", gpus=gpus, machine=machine)) for n in (cards or CARD_SIZES_GB)]
+    return image_table_to_dict(req, table(req, budgets, estimate_memory, text), text)
 
 
 def generation_table(recipe: Recipe | None = None, model: str | None = None, method: str | None = None,

@@ -37,7 +37,54 @@ def data_lines(report) -> list[str]:
         lines.append(f"tokens: not counted ({report.skipped_tokens})")
     if report.tokens is not None and report.skipped_tokens:
         lines.append(report.skipped_tokens)
+    if report.images is not None:
+        lines += image_lines(report.images)
     return lines
+
+
+OUTCOMES = {"cut": "cut after its images (as text rows are cut)", "dropped": "dropped (no trained token left "
+            "after the cut)", "refused": "refused: the cut would fall inside its images", "skipped": "skipped "
+            "(the cut would fall inside its images; data.skip_bad_rows)"}
+
+
+def image_lines(im) -> list[str]:
+    """format image_chat measured (train/data/image_check.py ImageReport): tokens per image, the
+    longest row, the rows over seq_len by file and row."""
+    limits = (f", min_pixels {im.min_pixels:,}, max_pixels {im.max_pixels:,}" if im.max_pixels else "")
+    lines = [f"images: {len(im.images)} in {im.rows} rows; tokens per image under {im.processor}{limits}: "
+             f"min {im.min_image_tokens}, median {im.median_image_tokens}, max {im.max_image_tokens}; "
+             f"up to {im.max_images_per_row} image(s) a row"]
+    r = im.longest_row
+    if r is not None:
+        lines.append(f"longest image row: {r.where}, {r.tokens} tokens ({r.image_tokens} image + "
+                     f"{r.tokens - r.image_tokens} text, {r.images} image(s)); seq_len {im.seq_len}")
+    for o in im.over_seq_len[:MAX_ROWS]:
+        lines.append(f"over seq_len {im.seq_len}: {o.where}, {o.tokens} tokens ({o.image_tokens} image): "
+                     f"{OUTCOMES[o.outcome]}")
+    if len(im.over_seq_len) > MAX_ROWS:
+        lines.append(f"over seq_len {im.seq_len}: ... and {len(im.over_seq_len) - MAX_ROWS} more rows (--json lists all)")
+    return lines
+
+
+MAX_ROWS = 20  # images and rows listed by name; --json lists every one
+
+
+def print_image_table(c, report) -> None:
+    """The costliest images (MAX_ROWS), each with its row, size and tokens, as a rich table."""
+    im = report.images
+    if im is None or not im.images:
+        return
+    from rich.table import Table
+
+    shown = sorted(im.images, key=lambda i: -i.tokens)[:MAX_ROWS]
+    more = len(im.images) - len(shown)
+    t = Table(title=f"Image tokens under {im.processor} (costliest first)"
+              + (f"; {more} more in --json" if more else ""))
+    for name, justify in (("row", "left"), ("image", "left"), ("size (px)", "right"), ("tokens", "right")):
+        t.add_column(name, justify=justify)
+    for i in shown:
+        t.add_row(i.where, i.image, f"{i.width} x {i.height}", f"{i.tokens:,}")
+    c.print(t)
 
 
 def show_data(report, as_json: bool = False) -> None:
@@ -58,5 +105,6 @@ def show_data(report, as_json: bool = False) -> None:
             for text, trained in s.pieces:
                 out.append(text, style="bold green" if trained else "dim")
             c.print(out)
+    print_image_table(c, report)
     for line in data_lines(report):
         c.print(line, markup=False)

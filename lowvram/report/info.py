@@ -31,8 +31,9 @@ def show_validated(recipe, path: Path, data=None, as_json: bool = False) -> None
         shape = f"seq_len {t.seq_len}, batch {t.batch_size}"
     c.print(f"[green]ok[/green] {path}: model {recipe.model.name_or_path}; data {ds}; {shape}", markup=True)
     if data is not None:
-        from lowvram.report.data import data_lines
+        from lowvram.report.data import data_lines, print_image_table
 
+        print_image_table(c, data)
         for line in data_lines(data):
             c.print(f"  {line}", markup=False)
 

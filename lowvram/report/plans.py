@@ -20,6 +20,8 @@ def _plan_table(plan):
     t.add_row("micro_batch_size", str(plan.micro_batch_size), f"x {plan.grad_accum} accumulation x {plan.gpus} GPU(s)")
     if "memory" in plan.reasons:  # the architecture could not be read: no prediction
         t.add_row("memory", "not predicted", plan.reasons["memory"])
+    if "images" in plan.reasons:  # format image_chat sized on the data (plan/choose/explain.py)
+        t.add_row("images", "measured", plan.reasons["images"])
     if plan.predicted_peak_bytes is not None:
         budget = gib(plan.budget_bytes) if plan.budget_bytes else "no budget"
         verdict = "does not fit: over the budget" if plan.fits is False else "budget"
@@ -164,13 +166,17 @@ def show_plan(data: dict, as_json: bool = False) -> None:
                 f"frozen and not quantized: {gib(vision['weight_bytes'])} of the weights; "
                 + (f"{vision['tokens_per_image']} tokens per image" if not vision.get("cross_attention")
                    else "its images reach the language model through cross-attention (one token an image)")
-                + (f"; {data['images_per_row']} image(s) per row (data.images_per_row): their tokens in "
-                   "seq_len, their pixels and the tower's forward counted" if data.get("images_per_row") else ""),
+                + (f"; {data['images_per_row']} image(s) per row ("
+                   + ("measured on the data" if data["reasons"].get("images") else "data.images_per_row")
+                   + "): their tokens in seq_len, their pixels and the tower's forward counted"
+                   if data.get("images_per_row") else ""),
                 markup=False)
+        if data["reasons"].get("images"):  # sized on the data's images (plan/choose/explain.py)
+            c.print(f"images: {data['reasons']['images']}", markup=False)
         image = vision.get("image")
         if image:  # the largest image the plan sizes for (lowvram.plan.model.image_size)
-            limit = (f"data.max_pixels {image['max_pixels']:,} (min {image['min_pixels']:,}): " if image.get("max_pixels")
-                     else "")
+            limit = (f"data.max_pixels {image['max_pixels']:,} (min {image['min_pixels']:,}): "
+                     if image.get("max_pixels") and not data["reasons"].get("images") else "")
             binds = " (binds: the peak)" if data.get("peak_moment") == "vision_encoder_forward" else ""
             c.print(f"images: {limit}up to {image['tokens_per_image']:,} tokens an image ({image['patches_per_image']:,} "
                     f"patches in the tower, {gib(image['pixel_values_bytes'])} of pixel values); the tower's forward "

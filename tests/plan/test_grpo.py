@@ -143,8 +143,9 @@ def test_plan_cli_answers_with_both_phases_and_the_engine_share():
     assert r.exit_code == 0, r.output
     assert "generation phase: peak" in r.output and "training phase: peak" in r.output
     assert "<- binds" in r.output and "engine share:" in r.output
+    # paged runs in fp32 only (TRL 1.16: plan.memory.grpo.paged_precision_problem)
     d = json.loads(runner.invoke(app, [*args, "--json", "--num-generations", "4", "--max-completion-length",
-                                       "512", "--generation", "paged"]).stdout)
+                                       "512", "--generation", "paged", "--mixed-precision", "fp32"]).stdout)
     g = d["grpo"]
     assert g["num_generations"] == 4 and g["max_completion_length"] == 512 and d["seq_len"] == 1024
     assert set(g["phases"]) == {"generation", "training"} and g["binds"] in g["phases"]
@@ -236,3 +237,19 @@ def test_paged_with_eager_attention_is_refused_not_guessed():
     r = runner.invoke(app, ["plan", "--objective", "grpo", "--model", "qwen2.5-1.5b", "--method", "qlora", "--vram",
                             "8GB", "--generation", "paged", "--attention", "eager"])
     assert r.exit_code == 1 and "paged with attention eager is not modelled" in r.output, r.output
+
+
+@pytest.mark.parametrize("precision, method, words", [
+    ("bf16", "full", "calls .float() on the PagedAttentionCache"),  # held-out seed 908
+    ("fp16", "full", "calls .float() on the PagedAttentionCache"),
+    ("bf16", "qlora", "casts the whole model to bf16"), ("bf16-mixed", "full", "fp32 master weights")])
+def test_paged_in_16_bit_is_refused_at_the_plan(precision, method, words):
+    """TRL 1.16's paged engine runs in fp32 only: under LoRA or *-mixed it casts trained fp32
+    weights to 16 bits; in pure bf16/fp16 full fine-tuning accelerate's output conversion fails on
+    the paged cache and every request fails (held-out seed 908 crashed with IndexError in the run
+    its plan let through). The plan refuses it; fp32 plans; generate plans in 16 bits."""
+    args = ["plan", "--objective", "grpo", "--model", "qwen2.5-1.5b", "--method", method, "--vram", "24GB"]
+    r = runner.invoke(app, [*args, "--generation", "paged", "--mixed-precision", precision])
+    assert r.exit_code == 1 and words in r.stderr and "mixed_precision: fp32" in r.stderr, r.output
+    assert runner.invoke(app, [*args, "--generation", "paged", "--mixed-precision", "fp32"]).exit_code == 0
+    assert runner.invoke(app, [*args, "--generation", "generate", "--mixed-precision", precision]).exit_code == 0

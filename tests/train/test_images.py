@@ -151,7 +151,7 @@ def test_a_model_without_a_vision_tower_is_refused(tmp_path, tiny_model_dir):
 
     from transformers import AutoConfig
 
-    from lowvram.train.build.model import load_image_inputs
+    from lowvram.train.build.processor import load_image_inputs
 
     r = _recipe(write_image_chat(tmp_path / "vqa.jsonl", rows=1))
     model = SimpleNamespace(config=AutoConfig.from_pretrained(tiny_model_dir))

@@ -88,9 +88,9 @@ def test_the_collator_carries_the_grid_and_the_image_token_types(tmp_path, proce
 
 
 def test_max_pixels_shrinks_the_images(tmp_path, processor_of):
-    """data.max_pixels reaches the processor (as train.build.model.load_image_inputs sets it): a
+    """data.max_pixels reaches the processor (as train.build.processor.image_inputs sets it): a
     120 px image under one merged unit's square (28^2 / 32^2 px) costs one token."""
-    from lowvram.train.build.model import QWEN_VL_MODEL_TYPES
+    from lowvram.train.build.processor import QWEN_VL_MODEL_TYPES
 
     processor, cfg = processor_of
     assert cfg.model_type in QWEN_VL_MODEL_TYPES

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lowvram.plan.choose.explain import Estimator, technique_reasons
+from lowvram.errors import LowvramError
+from lowvram.plan.choose.explain import Estimator, data_images_reason, technique_reasons
 from lowvram.plan.choose.ladder import build_ladder
 from lowvram.plan.choose.limits import (
     limits_over_plans,
@@ -52,7 +53,11 @@ from lowvram.plan.choose.search import (
     plan_for_setup,
 )
 from lowvram.plan.choose.suggestions import suggest_changes
-from lowvram.plan.memory.grpo import generation_fields
+from lowvram.plan.memory.grpo import (
+    PAGED_PRECISION_HINT,
+    generation_fields,
+    paged_precision_problem,
+)
 from lowvram.plan.memory.memory import estimate_memory
 from lowvram.plan.types import Plan
 from lowvram.units import gib, mem
@@ -67,6 +72,10 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     precision = req.mixed_precision or auto_precision(budget, req.weight_dtype)
     check_attention(req, budget, precision)
     check_optimizer(req, budget, precision)
+    if req.grpo is not None and req.grpo.engine == "paged":  # TRL 1.16's paged engine runs in fp32 only
+        lora = True if req.quantization not in (None, "none") else req.lora
+        if problem := paged_precision_problem(precision, lora):
+            raise LowvramError(problem, PAGED_PRECISION_HINT)
     estimate = Estimates.of(estimate)  # each setup estimated once in this choice
     cands = CandidatePool(req, budget, estimate)
     best = cands.best_fitting()
@@ -87,7 +96,7 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     if req.seq_len > req.model.max_position_embeddings:
         notes.append(f"seq_len {req.seq_len} is longer than the model's max_position_embeddings "
                      f"{req.model.max_position_embeddings}")
-    reasons = technique_reasons(chosen, req, budget, estimate, largest_micro_batch_size(req))
+    reasons = technique_reasons(chosen, req, budget, estimate, largest_micro_batch_size(req)) | data_images_reason(req)
     plan = _to_plan(chosen, req, budget, reasons)
     return Choice(
         plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,

@@ -15,6 +15,8 @@ from lowvram.plan.choose import techniques as tq
 from lowvram.plan.choose.request import fits_budget
 from lowvram.plan.memory import activations, backward, optimizers, states, tiled
 from lowvram.plan.model import moe
+from lowvram.plan.model.image_size import image_geometry
+from lowvram.plan.model.vision import QWEN_VL_TOWERS
 from lowvram.plan.setup import DEEPSPEED_CPU_OPTIMIZER, FSDP_OFFLOADS, MemoryEstimate, RunSetup
 from lowvram.units import gib, percent
 from lowvram.vocab import FULL_ONLY_OPTIMIZERS, TORCHAO_OPTIMIZERS
@@ -287,3 +289,17 @@ def _shard_reason(c, estimate: Estimator, limit: int) -> str:
     if base == "fsdp":
         text += "; needs nothing beyond torch (zero3 would need deepspeed)"
     return text
+
+
+def data_images_reason(req) -> dict[str, str]:
+    """Format image_chat sized on the data (``req.image_tokens``: `lowvram train` and `lowvram
+    plan RECIPE` measured it under the model's processor, lowvram.train.run.preflight.
+    measured_images): what the plan counts, beside the bound the pixel limits alone give."""
+    v = req.model.vision
+    if not req.image_tokens or not req.images_per_row or v is None:
+        return {}
+    bound = image_geometry(v, req.max_pixels, req.min_pixels).tokens
+    n, t = req.images_per_row, v.tokens_per_image
+    limits = (f"; data.max_pixels alone allows {bound:,} an image" if v.tower in QWEN_VL_TOWERS and bound > t else "")
+    return {"images": f"sized on the data, measured under the model's processor: up to {n} image(s) a row, "
+                      f"{t:,} tokens each ({n * t:,} a row: the most image tokens a row of the data holds){limits}"}

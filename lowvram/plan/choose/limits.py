@@ -80,6 +80,11 @@ def _limit_setups(req: PlanRequest, budget: Budget) -> list[RunSetup]:
             for s in candidate_setups(replace(one, loss=loss), budget)]
 
 
+def plan_speed(s: RunSetup) -> tuple:
+    """The order the limits search plans in: what the plan gives up, then the faster."""
+    return (plan_level(s), optimizer_given_up(s), round(tq.setup_slowdown(s, 1), 6))
+
+
 def limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator, top: int | None = None
                        ) -> tuple[tuple[int, RunSetup | None], tuple[int, RunSetup | None]]:
     """(longest seq_len, the plan), (largest micro-batch at req.seq_len, the plan), over every
@@ -88,17 +93,13 @@ def limits_over_plans(req: PlanRequest, budget: Budget, estimate: Estimator, top
     whose measured step is a little faster than AdamW's, never wins a tie against AdamW itself).
     ``top``: the longest seq_len searched (max_fitting_seq_len's default when None)."""
     estimate = Estimates.of(estimate)
-
-    def speed(s: RunSetup) -> tuple:
-        return (plan_level(s), optimizer_given_up(s), round(tq.setup_slowdown(s, 1), 6))
-
     # Each plan in speed order that fits the best limit so far is searched (from 1: the same
     # probes as alone) and kept if it goes further; a search is cut short once its upper end is
     # at the best (its answer can only be below the upper end), and setups whose floor is over
     # the budget are never estimated (_fits).
     best_seq: tuple[int, RunSetup | None] = (0, None)
     best_micro: tuple[int, RunSetup | None] = (0, None)
-    for s in sorted(_limit_setups(req, budget), key=speed):
+    for s in sorted(_limit_setups(req, budget), key=plan_speed):
         if best_seq[1] is None or _fits(replace(s, seq_len=max(best_seq[0], 1)), budget, estimate):
             n = max_fitting_seq_len(s, budget, estimate, top, beyond=best_seq[0])
             if n > best_seq[0]:
@@ -153,5 +154,5 @@ def context_table(req: PlanRequest, cards: list[tuple[str, Budget]], estimate: E
 
 __all__ = [
     "CARD_SIZES_GB", "ContextRow", "context_table", "limits_over_plans", "max_fitting_micro_batch",
-    "max_fitting_seq_len",
+    "max_fitting_seq_len", "plan_speed",
 ]

@@ -30,12 +30,16 @@ class Replanner:
 
     def breakdown_at(self, plan: Plan, seq_len: int, packing: bool | None = None) -> dict[str, int] | None:
         """The parts of :meth:`peak_at` (the plan's breakdown keys, summing to it). ``packing``:
-        whether windows hold several samples (None: as the request, i.e. data.packing)."""
+        whether windows hold several samples (None: as the request, i.e. data.packing). grpo/rloo:
+        ``seq_len`` is the row, the prompt + max_completion_length."""
         from lowvram.plan.memory.memory import estimate_memory
         from lowvram.plan.setup import RunSetup
 
         if self.request is None:
             return None
+        grpo = self.request.grpo
+        if grpo is not None:  # grpo/rloo: the row is the prompt (padded to the longest) + max_completion_length
+            grpo = replace(grpo, prompt_len=max(1, seq_len - grpo.completion_len))
         setup = RunSetup(
             model=self.request.model, precision=plan.mixed_precision, quantization=plan.quantization,
             lora=plan.lora, lora_r=plan.lora_r, lora_targets=plan.lora_targets, lora_dropout=plan.lora_dropout,
@@ -47,7 +51,7 @@ class Replanner:
             images_per_row=self.request.images_per_row,
             tiled_mlp=plan.tiled_mlp, tiled_mlp_shards=plan.tiled_mlp_shards,
             loss_chunk_tokens=plan.loss_chunk_tokens, objective=self.request.objective, precompute_ref=self.request.precompute_ref,
-            grpo=grpo_setup(self.request.grpo, plan.steps_per_generation) if self.request.grpo else None,
+            grpo=grpo_setup(grpo, plan.steps_per_generation) if grpo else None,
         )
         return dict(estimate_memory(setup).breakdown)
 

@@ -4,7 +4,7 @@ the ladder and the Choice; the levels a plan gives up (plan_level) and the extra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from lowvram.errors import LowvramError
 from lowvram.plan.choose.techniques import flash_attention_hint, flash_attention_unavailable
@@ -18,7 +18,7 @@ from lowvram.plan.memory.grpo import (
 )
 from lowvram.plan.memory.images import IMAGE_HINT, image_problems
 from lowvram.plan.model import moe
-from lowvram.plan.model.image_size import IMAGE_SIZE_HINT, image_size_problem, sized_vision
+from lowvram.plan.model.image_size import IMAGE_SIZE_HINT, image_size_problem, sized_model
 from lowvram.plan.model.models import ModelSpec
 from lowvram.plan.model.vision import PACKING_HINT, VISION_HINT, packing_problem, vision_problems
 from lowvram.plan.setup import (
@@ -155,6 +155,7 @@ class PlanRequest:
     # data.max_pixels / min_pixels (None: the processor's own): model.vision sized (plan/model/image_size.py)
     max_pixels: int | None = None
     min_pixels: int | None = None
+    image_tokens: int | None = None  # the data's costliest image, measured (lowvram train): sizes it below the limits
     # training.objective and DPO's precompute_ref_log_probs (lowvram.plan.memory.preference): a preference
     # objective plans 2 x micro_batch_size rows per forward, its own loss, DPO's reference
     objective: str = "sft"
@@ -165,11 +166,8 @@ class PlanRequest:
     # Where each fixed choice came from ("--optimizer", "the recipe"), for the reasons.
     sources: dict[str, str] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:  # the pixel limits size a dynamic-resolution tower (idempotent)
-        v = self.model.vision if isinstance(self.model, ModelSpec) else None
-        if v is not None and (self.max_pixels or self.min_pixels) and not image_size_problem(v, self.max_pixels,
-                                                                                             self.min_pixels):
-            object.__setattr__(self, "model", replace(self.model, vision=sized_vision(v, self.max_pixels, self.min_pixels)))
+    def __post_init__(self) -> None:  # the pixel limits (and the data's images) size a Qwen-VL tower
+        object.__setattr__(self, "model", sized_model(self.model, self.max_pixels, self.min_pixels, self.image_tokens))
 
     def fixed(self, name: str) -> bool:
         return getattr(self, name) is not None

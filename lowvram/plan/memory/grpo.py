@@ -193,6 +193,42 @@ def grpo_request_problem(req: GrpoRequest, batch_size: int, gpus: int, offload: 
     return None
 
 
+PAGED_PRECISION_HINT = "set grpo.generation: generate (or auto), or techniques.mixed_precision: fp32"
+
+
+def paged_precision_problem(precision: str, lora: bool | None) -> str | None:
+    """Why TRL 1.16's paged engine cannot run a 16-bit ``precision`` (None where it can: fp32;
+    ``lora`` None: the method is the search's). LoRA's adapters and the master weights of
+    ``*-mixed``: TRL's continuous-batching path casts the whole model to the run's 16-bit dtype
+    before each generation (grpo_trainer.py _generate_single_turn L1796-1800,
+    ``unwrapped_model.to(torch.bfloat16)``), turning those fp32 weights into 16-bit ones for the
+    rest of the run. Full fine-tuning in pure bf16/fp16: accelerate's mixed precision wraps the
+    model's forward in ``convert_outputs_to_fp32`` (accelerate/utils/operations.py convert_to_fp32:
+    anything with a 16-bit ``.dtype`` is taken for a tensor), and the continuous-batching forward
+    returns transformers' PagedAttentionCache (continuous_batching/cache.py: ``self.dtype``, the
+    model's) in its output (``cache=cache``): ``.float()`` raises inside the generation loop
+    (continuous_api.py _run_generation_loop logs it), every request fails and TRL indexes the empty
+    result (held-out seed 908: ``IndexError: list index out of range``)."""
+    if not precision.startswith(("bf16", "fp16")):
+        return None
+    def cast(trained: str) -> str:
+        return (f"TRL 1.16 casts the whole model to {precision[:4]} before each paged generation (grpo_trainer.py "
+                f"_generate_single_turn), which would turn {trained} into 16-bit weights for the rest of the run")
+
+    crash = (f"accelerate's {precision[:4]} output conversion (utils/operations.py convert_to_fp32) calls .float() on "
+             "the PagedAttentionCache the paged forward returns, so every generation request fails (TRL 1.16 then "
+             "raises IndexError)")
+    if lora:
+        why = cast("LoRA's fp32 adapters")
+    elif precision.endswith("mixed"):
+        why = cast("the fp32 master weights" + (" (or LoRA's adapters)" if lora is None else ""))
+    elif lora is None:
+        why = f"with LoRA, {cast('the fp32 adapters')}; full fine-tuning: {crash}"
+    else:
+        why = crash
+    return f"grpo.generation paged with mixed_precision {precision}: {why}"
+
+
 def grpo_problems(setup: RunSetup) -> list[str]:
     """What the grpo terms cannot plan (lowvram.plan.memory.memory's checks)."""
     g = setup.grpo
@@ -412,7 +448,7 @@ def generation_fields(setup: RunSetup, est, budget, req: GrpoRequest | None) -> 
 __all__ = [
     "engine_share", "ENGINES", "generation_fields", "generation_moments", "generation_rows", "grads_at_generation", "GRPO_OBJECTIVES",
     "generation_batch_problem", "generation_rounds", "grpo_problems", "grpo_request_problem", "grpo_setup", "GrpoRequest", "GrpoSetup", "is_grpo", "kv_cache_bytes", "logprob_bytes", "loss_token_bytes", "old_logprobs_computed",
-    "paged_cache_bytes", "paged_mask_bytes", "paged_max_batch_tokens", "paged_num_blocks", "PAGE_SIZE", "policy_setup", "reference_weight_bytes", "resolved_engine",
+    "paged_cache_bytes", "paged_mask_bytes", "PAGED_PRECISION_HINT", "paged_precision_problem", "paged_max_batch_tokens", "paged_num_blocks", "PAGE_SIZE", "policy_setup", "reference_weight_bytes", "resolved_engine",
     "steps_per_generation_options",
     "sampling_bytes", "scoring_moment",
 ]

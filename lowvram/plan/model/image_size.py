@@ -101,13 +101,26 @@ def pixel_values_bytes(v: VisionSpec) -> int:
     return 4 * v.num_channels * v.image_size ** 2
 
 
-def sized_vision(v: VisionSpec, max_pixels: int | None, min_pixels: int | None) -> VisionSpec:
+def sized_vision(v: VisionSpec, max_pixels: int | None, min_pixels: int | None,
+                 image_tokens: int | None = None) -> VisionSpec:
     """The VisionSpec at these limits: a Qwen-VL tower's tokens_per_image (the largest image's)
     and image_size (the largest square side within max_pixels, as vision._qwen_vl_spec sizes
-    it); others unchanged."""
+    it); others unchanged. ``image_tokens``: the costliest image the data really has (measured
+    under the processor by lowvram.train.data.image_check), which the plan sizes for when it is
+    under the limits' bound."""
     if v.tower not in QWEN_VL_TOWERS:
         return v
     g = image_geometry(v, max_pixels, min_pixels)
     unit = v.patch_size * v.merge_size
     side = max(unit, int(g.max_pixels ** 0.5) // unit * unit)
-    return replace(v, tokens_per_image=g.tokens, image_size=side)
+    tokens = min(g.tokens, image_tokens) if image_tokens else g.tokens
+    return replace(v, tokens_per_image=max(1, tokens), image_size=side)
+
+
+def sized_model(model, max_pixels: int | None, min_pixels: int | None, image_tokens: int | None = None):
+    """``model`` (a ModelSpec) with its Qwen-VL tower sized (sized_vision); unchanged without
+    limits or measured images, or where the limits do not apply (idempotent)."""
+    v = getattr(model, "vision", None)
+    if v is None or not (max_pixels or min_pixels or image_tokens) or image_size_problem(v, max_pixels, min_pixels):
+        return model
+    return replace(model, vision=sized_vision(v, max_pixels, min_pixels, image_tokens))

@@ -63,6 +63,11 @@ def check_grpo(recipe) -> list:
     problem = engine_problem(recipe.grpo.generation)
     if problem:
         raise LowvramError(problem, ENGINE_HINT)
+    problem = paged_recipe_problem(recipe)
+    if problem:
+        from lowvram.plan.memory.grpo import PAGED_PRECISION_HINT
+
+        raise LowvramError(problem, PAGED_PRECISION_HINT)
     return check_rewards(recipe)
 
 
@@ -94,7 +99,9 @@ def generation_settings(recipe, plan) -> dict:
     if engine == "auto" or (engine == "paged" and g.generation == "auto" and cast):
         engine = "generate"  # auto: the plan's paged only where TRL's cast changes nothing
     if engine == "paged" and cast:
-        raise LowvramError(cast, "set grpo.generation: generate (or auto)")
+        from lowvram.plan.memory.grpo import PAGED_PRECISION_HINT
+
+        raise LowvramError(cast, PAGED_PRECISION_HINT)
     problem = engine_problem(engine)
     if problem:
         raise LowvramError(problem, ENGINE_HINT)
@@ -108,18 +115,24 @@ def generation_settings(recipe, plan) -> dict:
 
 
 def paged_cast_problem(plan) -> str | None:
-    """Why the paged engine would change the run (None when it would not): TRL 1.16's continuous-
-    batching path casts the whole model to the run's 16-bit dtype before each generation
-    (grpo_trainer.py _generate_single_turn: ``unwrapped_model.to(torch.bfloat16)`` when bf16, fp16
-    likewise), which turns fp32 trainable weights (LoRA's adapters, *-mixed master weights) into
-    16-bit ones for the rest of the run."""
-    mp = plan.mixed_precision
-    if not (mp.startswith("bf16") or mp.startswith("fp16")) or (mp in ("bf16", "fp16") and not plan.lora):
-        return None
-    what = "LoRA's fp32 adapters" if plan.lora else f"the fp32 master weights of {mp}"
-    return (f"grpo.generation paged with mixed_precision {mp}: TRL 1.16 casts the whole model to "
-            f"{mp[:4]} before each generation (grpo_trainer.py _generate_single_turn), which would turn {what} "
-            "into 16-bit weights for the rest of the run")
+    """Why the paged engine cannot run the plan's precision (None where it can: fp32):
+    lowvram.plan.memory.grpo.paged_precision_problem (TRL 1.16's 16-bit cast of trained fp32
+    weights; accelerate's output conversion failing on the paged cache in pure bf16/fp16)."""
+    from lowvram.plan.memory.grpo import paged_precision_problem
+
+    return paged_precision_problem(plan.mixed_precision, plan.lora)
+
+
+def paged_recipe_problem(recipe) -> str | None:
+    """``lowvram validate``: a recipe that asks for the paged engine and fixes a 16-bit
+    mixed_precision (auto: the plan's precision, checked when it plans)."""
+    from lowvram.plan.memory.grpo import paged_precision_problem
+
+    t = recipe.techniques
+    if recipe.grpo.generation != "paged" or t.mixed_precision in ("auto", "on", "off"):
+        return None  # on: bf16 where the card has it, else fp16 (the plan's check)
+    lora = True if t.lora == "on" or t.quantization not in ("auto", "off") else (False if t.lora == "off" else None)
+    return paged_precision_problem(t.mixed_precision, lora)
 
 
 def objective_settings(recipe, plan) -> dict:
@@ -206,6 +219,23 @@ def _truncating(trainer_class, max_prompt_length: int):
 
     Trainer.__name__ = Trainer.__qualname__ = trainer_class.__name__
     return Trainer
+
+
+def longest_prompt_tokens(trainer, chunk: int = 256) -> int | None:
+    """The longest prompt of ``trainer``'s training data as TRL tokenizes it for generation (the
+    trainer's own ``_tokenize_prompts``: the chat template with the generation prompt for
+    messages, the tokenizer for text; cut to max_prompt_length by :func:`_truncating`). TRL pads
+    each generation batch to its longest prompt (grpo_trainer.py _generate_and_score_completions
+    L2441-2451, ``pad(prompt_ids, padding_side="left")``; the generate path likewise, L1814-1826),
+    not to max_prompt_length. None for a vision-language model (its prompts carry images)."""
+    if getattr(trainer, "_is_vlm", False):
+        return None
+    prompts = trainer.train_dataset["prompt"]
+    longest = 0
+    for start in range(0, len(prompts), chunk):
+        ids, _, _ = trainer._tokenize_prompts(list(prompts[start:start + chunk]))
+        longest = max(longest, *(len(x) for x in ids))
+    return longest or None
 
 
 def resume_hint(recipe) -> str:

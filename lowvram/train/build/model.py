@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowvram.errors import DataError, LowvramError, ModelError
+from lowvram.errors import LowvramError, ModelError
 from lowvram.hub import HUB_ID
 from lowvram.plan.memory.lora_init import is_svd_init
 from lowvram.train.build.checkpointing import enable_checkpointing
@@ -178,51 +178,6 @@ def load_tokenizer(recipe, source: str):
         # Padding positions carry label -100 and attention 0, so reusing EOS here is safe.
         tok.pad_token = tok.eos_token
     return tok
-
-
-def load_image_inputs(recipe, source: str, model):
-    """Format image_chat: the checkpoint's processor (AutoProcessor: image processor, tokenizer
-    and chat template) and the config's image token; None when no dataset is image_chat."""
-    if not any(d.format == "image_chat" for d in recipe.data.datasets):
-        return None
-    from lowvram.train.data.build import ImageInputs
-
-    if not has_vision(model.config):
-        raise DataError(f"format image_chat needs a model with a vision tower; {source} has none "
-                        f"(model_type {getattr(model.config, 'model_type', '?')})",
-                        "use a multimodal checkpoint (Gemma-3 4B+, Llava) or format: chat")
-    from transformers import AutoProcessor
-
-    model_type = getattr(model.config, "model_type", "")
-    try:
-        if model_type in QWEN_VL_MODEL_TYPES:  # its processor without the video one (needs torchvision)
-            from lowvram.processors import load_image_only_processor
-
-            processor = load_image_only_processor(source, model_type, recipe.model.revision,
-                                                  recipe.model.trust_remote_code)
-        else:
-            processor = AutoProcessor.from_pretrained(source, revision=recipe.model.revision,
-                                                      trust_remote_code=recipe.model.trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:
-        processor = None
-        why = _first_line(e)
-    else:
-        why = f"AutoProcessor gave a {type(processor).__name__}"
-    if processor is None or not hasattr(processor, "image_processor") or not hasattr(processor, "image_token"):
-        raise ModelError(f"format image_chat needs the model's processor and {source} has none usable ({why})",
-                         "a multimodal checkpoint folder holds processor_config.json and "
-                         "preprocessor_config.json beside the tokenizer files")
-    if model_type in QWEN_VL_MODEL_TYPES:  # data.max_pixels / min_pixels: the plan sized the images by them
-        own = processor.image_processor.size  # a SizeDict (or a dict) with shortest_edge / longest_edge
-        size = {k: own[k] if isinstance(own, dict) else getattr(own, k) for k in ("shortest_edge", "longest_edge")}
-        size.update({k: n for k, n in (("longest_edge", recipe.data.max_pixels),
-                                        ("shortest_edge", recipe.data.min_pixels)) if n is not None})
-        processor.image_processor.size = size
-    return ImageInputs(processor, int(model.config.image_token_id), cross_attention=model_type == "mllama")
-
-
-# multimodal families whose processor sizes each image within min/max_pixels (dynamic resolution)
-QWEN_VL_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 
 
 def _first_line(e: BaseException) -> str:

@@ -24,6 +24,9 @@ from lowvram.train.data.read import BadRow, Row, concrete_spec, is_local, jsonl_
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from lowvram.train.data.build import ImageInputs
+    from lowvram.train.data.image_check import ImageReport
+
 FULL_CHECK_BYTES = 64 << 20  # files up to 64 MiB: every row checked (a few seconds at most)
 SPREAD_ROWS = 2000  # larger JSON Lines files: this many rows, spread evenly over the file
 MAX_LISTED = 20  # problems printed; the rest are counted
@@ -71,6 +74,7 @@ class DataReport:
     samples: tuple[RenderedSample, ...] = ()
     tokenizer: str | None = None  # what tokenized the rows, or why nothing did
     skipped_tokens: str | None = None
+    images: ImageReport | None = None  # format image_chat measured under the processor (image_check.py)
 
 
 @dataclass
@@ -79,9 +83,11 @@ class _Rows:
     rows: list[Row] = field(default_factory=list)
 
 
-def check_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase | None = None, samples: int = 0) -> DataReport:
+def check_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase | None = None, samples: int = 0,
+               images: ImageInputs | None = None) -> DataReport:
     """Every local data file's rows against its format and fields; with ``tokenizer``, the token
-    statistics and ``samples`` rendered samples. Raises nothing for bad rows: they are listed."""
+    statistics and ``samples`` rendered samples; with ``images`` (the model's processor), the
+    image_chat rows measured too (image_check.py). Raises nothing for bad rows: they are listed."""
     files: list[FileCheck] = []
     problems: list[str] = []
     good: list[_Rows] = []
@@ -104,7 +110,7 @@ def check_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase | None = None,
     report = DataReport(tuple(files), tuple(problems), tuple(recipe.notes))
     if tokenizer is None or (problems and not recipe.data.skip_bad_rows):
         return report
-    return _with_tokens(report, recipe, tokenizer, good, samples)
+    return _with_tokens(report, recipe, tokenizer, good, samples, images)
 
 
 def _read(recipe: Recipe, spec: DatasetSpec, path: Path) -> tuple[list[Row], bool]:
@@ -166,12 +172,14 @@ def row_problem(row: object, spec: DatasetSpec) -> str | None:
     return None
 
 
-def _with_tokens(report: DataReport, recipe: Recipe, tokenizer, good: list[_Rows], n_samples: int) -> DataReport:
+def _with_tokens(report: DataReport, recipe: Recipe, tokenizer, good: list[_Rows], n_samples: int,
+                 images: ImageInputs | None = None) -> DataReport:
     from lowvram.train.data.tokenize import Counts, tokenize_rows
 
     sft = recipe.training.objective == "sft"  # TRL tokenizes the rows of the other objectives itself
     text = [g for g in good if sft and g.spec.format not in (*PREFERENCE_FORMATS, "image_chat")]
-    skipped = sorted({g.spec.format for g in good} - {g.spec.format for g in text})
+    pictured = [g for g in good if sft and images is not None and g.spec.format == "image_chat"]
+    skipped = sorted({g.spec.format for g in good} - {g.spec.format for g in text + pictured})
     counts = Counts()
     lengths: list[int] = []
     samples: list[RenderedSample] = []
@@ -183,6 +191,16 @@ def _with_tokens(report: DataReport, recipe: Recipe, tokenizer, good: list[_Rows
         for row in g.rows[:max(0, n_samples - len(samples))]:  # each as training cuts it
             samples += [_render(tokenizer, ids, labels, row.where)
                         for ids, labels in tokenize_rows([row], g.spec, recipe, tokenizer, Counts())]
+    measured, problems = _measure_images(recipe, images, pictured)
+    if measured is not None:
+        lengths += measured.lengths
+        counts.truncated += sum(r.outcome in ("cut", "dropped") for r in measured.rows)
+        counts.dropped += sum(r.outcome == "dropped" for r in measured.rows)
+        for where, ids, labels in measured.samples:
+            trained += sum(lab != -100 for lab in labels)
+            total += len(ids)
+            if len(samples) < n_samples:
+                samples.append(_render(images.processor.tokenizer, ids, labels, where, images.image_token_id))
     stats = None
     if lengths:
         ordered = sorted(lengths)
@@ -193,17 +211,38 @@ def _with_tokens(report: DataReport, recipe: Recipe, tokenizer, good: list[_Rows
             total_tokens=total)
     note = (f"format {', '.join(skipped)}" + ("" if sft else f" under training.objective {recipe.training.objective}")
             + ": tokenized at train time (TRL, or the processor for images), not counted here" if skipped else None)
-    return DataReport(report.files, report.problems, report.notes, stats, tuple(samples),
-                      getattr(tokenizer, "name_or_path", None), note)
+    return DataReport(report.files, report.problems + problems, report.notes, stats, tuple(samples),
+                      getattr(tokenizer, "name_or_path", None), note,
+                      measured.report() if measured is not None else None)
 
 
-def _render(tokenizer, ids: list[int], labels: list[int], where: str) -> RenderedSample:
-    """The sample as decoded text, in runs of trained / untrained tokens."""
+def _measure_images(recipe: Recipe, images: ImageInputs | None, groups: list[_Rows]):
+    """The image_chat groups' rows measured under the processor (image_check.ImageMeasure), and
+    the rows training refuses, by file and row; (None, ()) without image rows."""
+    if not groups or images is None:
+        return None, ()
+    from lowvram.train.data.image_check import ImageMeasure
+
+    measure = ImageMeasure(recipe, images.processor, images.image_token_id, expands=not images.cross_attention)
+    for g in groups:
+        measure.add(g.rows, g.spec)
+    return measure, tuple(measure.problems)
+
+
+def _render(tokenizer, ids: list[int], labels: list[int], where: str, image_token: int | None = None) -> RenderedSample:
+    """The sample as decoded text, in runs of trained / untrained tokens; a run of image tokens
+    is shown as one "<N image tokens>" piece."""
     pieces: list[tuple[str, bool]] = []
+
+    def kind(i: int) -> tuple[bool, bool]:
+        return labels[i] != -100, ids[i] == image_token
+
     start = 0
     for i in range(1, len(ids) + 1):
-        if i == len(ids) or (labels[i] != -100) != (labels[start] != -100):
-            pieces.append((tokenizer.decode(ids[start:i]), labels[start] != -100))
+        if i == len(ids) or kind(i) != kind(start):
+            text = (f"<{i - start} image tokens>" if ids[start] == image_token
+                    else tokenizer.decode(ids[start:i]))
+            pieces.append((text, labels[start] != -100))
             start = i
     trained = sum(lab != -100 for lab in labels)
     return RenderedSample(where, tuple(pieces), len(ids), trained)

@@ -266,38 +266,56 @@ def image_token_bound(processor) -> int | None:
     return int(longest) // (int(images.patch_size) * int(merge)) ** 2
 
 
+def image_tokenizer(spec: DatasetSpec, recipe: Recipe, processor, image_token_id: int,
+                    expands: bool = True) -> ImageChatTokenizer:
+    """The ImageChatTokenizer training renders a dataset's rows with (the data check's too)."""
+    return ImageChatTokenizer(processor, spec, image_token_id, recipe.resolve_path(spec.path).parent,
+                              recipe.data.images_per_row, train_all=trains_all(recipe),
+                              last_only=recipe.data.train_on == "last", expands=expands)
+
+
+def fit_to_seq_len(ids: list[int], labels: list[int], seq_len: int, image_token_id: int):
+    """(ids, labels, outcome) of a sample cut to seq_len: outcome None (it fits), "cut" (text
+    after its images cut off) or "dropped" (no trained token left: training drops it); a cut
+    into its image tokens is a BadImage (the images would not match their tokens)."""
+    if len(ids) <= seq_len:
+        return ids, labels, None
+    n_image = ids.count(image_token_id)
+    if ids[:seq_len].count(image_token_id) != n_image:
+        raise BadImage(f"the row is {len(ids)} tokens, and training.seq_len {seq_len} would cut "
+                       f"into its images' {n_image} tokens",
+                       "raise training.seq_len, or put the images before the long text")
+    ids, labels = ids[:seq_len], labels[:seq_len]
+    return ids, labels, "dropped" if all(lab == IGNORE_INDEX for lab in labels) else "cut"
+
+
+def bad_image_row(row: Row, e: BadRow) -> DataError:
+    """A row training cannot read, by file and row, with its own hint or the data one."""
+    hint = getattr(e, "hint", None) or ("fix the row, map your column names with fields: {...}, or set "
+                                        "data.skip_bad_rows: true to skip and count bad rows")
+    return DataError(f"{row.where}: {e}", hint)
+
+
 def tokenize_image_rows(rows: list[Row], spec: DatasetSpec, recipe: Recipe, processor, image_token_id: int,
                         counts, expands: bool = True) -> list[ImageSample]:
     """The (input_ids, labels, image paths) samples of an image_chat dataset, cut to seq_len;
-    a row whose image tokens would be cut is an error (the images would not match their tokens)."""
+    a row whose image tokens would be cut is an error (fit_to_seq_len)."""
     check_fields(spec)
-    base = recipe.resolve_path(spec.path).parent
-    tok = ImageChatTokenizer(processor, spec, image_token_id, base, recipe.data.images_per_row,
-                             train_all=trains_all(recipe), last_only=recipe.data.train_on == "last",
-                             expands=expands)
-    seq_len = recipe.training.seq_len
+    tok = image_tokenizer(spec, recipe, processor, image_token_id, expands)
     out: list[ImageSample] = []
     for row in rows:
         try:
             ids, labels, paths = tok.sample(row.data)
-            if len(ids) > seq_len:
-                n_image = ids.count(image_token_id)
-                if ids[:seq_len].count(image_token_id) != n_image:
-                    raise BadImage(f"the row is {len(ids)} tokens, and training.seq_len {seq_len} would cut "
-                                   f"into its images' {n_image} tokens",
-                                   "raise training.seq_len, or put the images before the long text")
-                counts.truncated += 1
-                ids, labels = ids[:seq_len], labels[:seq_len]
-                if all(lab == IGNORE_INDEX for lab in labels):
-                    counts.dropped += 1
-                    continue
+            ids, labels, outcome = fit_to_seq_len(ids, labels, recipe.training.seq_len, image_token_id)
         except BadRow as e:
             if recipe.data.skip_bad_rows:
                 counts.skipped += 1
                 continue
-            hint = getattr(e, "hint", None) or ("fix the row, map your column names with fields: {...}, or set "
-                                                "data.skip_bad_rows: true to skip and count bad rows")
-            raise DataError(f"{row.where}: {e}", hint) from None
+            raise bad_image_row(row, e) from None
+        counts.truncated += outcome is not None
+        if outcome == "dropped":
+            counts.dropped += 1
+            continue
         out.append((ids, labels, paths))
     return out
 

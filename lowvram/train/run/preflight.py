@@ -317,26 +317,46 @@ def _rope_scaled(cfg: dict) -> bool:
 
 
 def check_recipe_data(recipe: Recipe, samples: int = 0, tokens: bool = True):
-    """check_data with the recipe's local tokenizer (when there is one and ``tokens``); a
-    DataError listing every bad row (the first MAX_LISTED, then a count) when any row would stop
-    training."""
-    from lowvram.errors import DataError
-    from lowvram.train.data.check import MAX_LISTED, DataReport, check_data
+    """check_data with the recipe's local tokenizer (when there is one and ``tokens``), and its
+    processor for format image_chat (image tokens measured); a DataError listing every bad row (the
+    first MAX_LISTED, then a count) when any row would stop training."""
+    from lowvram.train.data.check import DataReport, check_data
 
     structure = check_data(recipe)
-    if structure.problems and not recipe.data.skip_bad_rows:
-        shown = list(structure.problems[:MAX_LISTED])
-        more = len(structure.problems) - len(shown)
-        raise DataError(
-            shown[0] if len(shown) == 1 else f"{len(structure.problems)} problems in the data:\n  "
-            + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""),
-            "fix the rows, set the dataset's format: and map your column names with fields: {...} (and "
-            "roles: {...} for chat speakers), or set data.skip_bad_rows: true to skip and count bad rows",
-        )
+    _refuse_bad_rows(recipe, structure.problems)
     tokenizer, why = local_tokenizer(recipe) if tokens else (None, None)
     if tokenizer is None:
         return DataReport(structure.files, structure.problems, structure.notes, tokenizer=None, skipped_tokens=why)
-    return check_data(recipe, tokenizer, samples)
+    images, why_images = None, None
+    if any(d.format == "image_chat" for d in recipe.data.datasets):
+        from lowvram.train.build.processor import local_image_inputs
+
+        images, why_images = local_image_inputs(recipe)
+    report = check_data(recipe, tokenizer, samples, images)
+    _refuse_bad_rows(recipe, report.problems)
+    if why_images:  # image_chat rows not measured: say why
+        import dataclasses
+
+        report = dataclasses.replace(report, skipped_tokens=f"format image_chat: image tokens not counted ({why_images})")
+    return report
+
+
+def _refuse_bad_rows(recipe: Recipe, problems: tuple[str, ...]) -> None:
+    from lowvram.errors import DataError
+    from lowvram.train.data.check import MAX_LISTED
+
+    if not problems or recipe.data.skip_bad_rows:
+        return
+    shown = list(problems[:MAX_LISTED])
+    more = len(problems) - len(shown)
+    cut = any("would cut into its images" in p for p in problems)  # image_check: a row over seq_len
+    raise DataError(
+        shown[0] if len(shown) == 1 else f"{len(problems)} problems in the data:\n  "
+        + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""),
+        ("raise training.seq_len, or put the images before the long text; " if cut else "")
+        + "fix the rows, set the dataset's format: and map your column names with fields: {...} (and "
+        "roles: {...} for chat speakers), or set data.skip_bad_rows: true to skip and count bad rows",
+    )
 
 
 def local_tokenizer(recipe: Recipe):
@@ -364,3 +384,30 @@ def local_tokenizer(recipe: Recipe):
         return load_tokenizer(recipe, source), None
     except LowvramError as e:
         return None, e.message
+
+
+def measured_images(recipe: Recipe) -> tuple[int, int] | None:
+    """Format image_chat under objective sft: (images per row, tokens an image) the plan of
+    `lowvram train` and `lowvram plan RECIPE` is sized for, from the recipe's local data under the
+    model's own processor (image_check.data_image_extent): the most images a row holds, and
+    tokens an image such that a row of them holds as many image tokens as the data's fullest row
+    (the pixels and the tower's forward follow the batch's patches in all; its images of other
+    sizes the plan need not tell apart). Eager attention (the recipe's: the search never picks
+    it) also sizes each image as the costliest, whose tower attention scores it counts. None
+    where the data or the model folder is not on this machine, or cannot be read: the plan then
+    bounds from data.images_per_row and the pixel limits (the data check names the problem)."""
+    if recipe.training.objective != "sft" or not any(d.format == "image_chat" for d in recipe.data.datasets):
+        return None
+    from lowvram.train.build.processor import local_image_inputs
+    from lowvram.train.data.image_check import data_image_extent
+
+    try:
+        inputs, _ = local_image_inputs(recipe)
+        extent = inputs and data_image_extent(recipe, inputs.processor, expands=not inputs.cross_attention)
+    except LowvramError:
+        return None
+    if not extent:
+        return None
+    per_row, row_tokens, largest = extent
+    tokens = -(-row_tokens // per_row)  # ceil: per_row x tokens >= the fullest row's image tokens
+    return per_row, max(tokens, largest if recipe.techniques.attention == "eager" else 0)

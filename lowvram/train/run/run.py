@@ -28,6 +28,11 @@ from lowvram.plan.memory.preference import RL_OBJECTIVES
 from lowvram.plan.types import Plan
 from lowvram.recipe import Recipe
 from lowvram.runfiles import METRICS, PLAN, RECIPE, require_intact, write_atomic
+from lowvram.train.run.data_length import (
+    longest_row,
+    prediction_at_data_length,
+    with_data_length_reason,
+)
 from lowvram.train.types import RetryLog, RunResult, TrainOptions
 
 if TYPE_CHECKING:
@@ -35,7 +40,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
     from lowvram.gpumemory import MemoryComparison
-    from lowvram.train.data.build import DataBundle
 
 _ONE_RUN = TrainOptions(track_memory=None)  # a call from code: LOWVRAM_TRACK_MEMORY, default on
 
@@ -198,60 +202,6 @@ def _distribution(trainer: Trainer) -> dict:
     return {"distributed_type": kind, "sharded_parameters": sharded}
 
 
-def _longest_row(recipe: Recipe, bundle: DataBundle, trainer: Trainer) -> int | None:
-    """The longest row a batch of the training data reaches: SFT's tokenized rows (or packed
-    windows), or the longest tokenized pair TRL made (train/build/preference.py)."""
-    from lowvram.train.build.grpo import is_rl_config
-    from lowvram.train.build.preference import is_preference_config, longest_tokenized_row
-
-    if is_rl_config(trainer.args):
-        return None  # grpo/rloo: the plan's rows are max_prompt_length + max_completion_length
-    if is_preference_config(trainer.args):
-        return longest_tokenized_row(trainer.train_dataset, recipe.training.objective, recipe.training.seq_len)
-    if "input_ids" not in bundle.train.column_names:
-        return None
-    return max((len(ids) for ids in bundle.train["input_ids"]), default=0)
-
-
-def _prediction_at_data_length(recipe: Recipe, plan: Plan, bundle: DataBundle, replanner: Replanner | None,
-                               longest: int | None) -> tuple[dict, dict[str, int]]:
-    """Batches are padded to their longest row: on data shorter than seq_len the run peaks below
-    the plan (made for full seq_len batches). Predict the peak at the longest row as well
-    (``longest``: _longest_row), so the measured peak is compared with what this data can reach:
-    (metrics, the breakdown the measured peak is compared with, part by part). Packed data: the
-    plan takes every window to hold several samples (SDPA's block-diagonal mask in every layer);
-    where none does (samples as long as seq_len), the windows are plain rows."""
-    if plan.predicted_peak_bytes is None or replanner is None or longest is None:
-        return {}, dict(plan.breakdown)
-    several = bundle.stats.packed and bundle.stats.train_samples > bundle.stats.train_rows
-    one_sample_windows = bundle.stats.packed and not several  # packing on, no window holds two
-    if not 0 < longest <= recipe.training.seq_len or (longest == recipe.training.seq_len
-                                                      and not one_sample_windows):
-        return {}, dict(plan.breakdown)  # the data reaches what the plan was made for
-    breakdown = replanner.breakdown_at(plan, longest, packing=several)
-    if not breakdown:
-        return {}, dict(plan.breakdown)
-    metrics = {"data_longest_tokens": longest, "predicted_peak_bytes_at_data": sum(breakdown.values())}
-    if one_sample_windows:
-        metrics["data_windows_one_sample"] = True
-    return metrics, breakdown
-
-
-def _with_data_length_reason(plan: Plan, recipe: Recipe, at_data: dict) -> Plan:
-    """A preference run on pairs shorter than seq_len: the plan the run folder keeps says where
-    the run peaks (TRL pads each batch to its longest pair, not to max_length)."""
-    if recipe.training.objective == "sft" or not at_data:
-        return plan
-    from lowvram.units import gib
-
-    n = at_data["data_longest_tokens"]
-    reason = (f"the longest tokenized pair is {n} tokens (the prompt with the chosen or the rejected, "
-              f"truncated to max_length {recipe.training.seq_len} as TRL does): TRL pads each batch to its "
-              f"longest row, so the run peaks at {gib(at_data['predicted_peak_bytes_at_data'])}, predicted at "
-              f"{n} tokens (the plan's {gib(plan.predicted_peak_bytes)} is at {recipe.training.seq_len})")
-    return dataclasses.replace(plan, reasons={**plan.reasons, "data_length": reason})
-
-
 def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, callbacks: Sequence[TrainerCallback] = (),
                  prepared: bool = False, retries: RetryLog | None = None,
                  replanner: Replanner | None = None) -> RunResult:
@@ -292,7 +242,7 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
         check_grpo(recipe)
     args, loaded = _arguments_then_model(recipe, plan)
 
-    from lowvram.train.build.model import load_image_inputs
+    from lowvram.train.build.processor import load_image_inputs
     from lowvram.train.data.build import build_datasets
     from lowvram.train.data.collate import make_collator
     from lowvram.train.data.images import make_image_collator
@@ -327,9 +277,9 @@ def run_training(recipe: Recipe, plan: Plan, options: TrainOptions = _ONE_RUN, c
     )
     guard.attach(trainer)
 
-    at_data, compared_with = _prediction_at_data_length(recipe, plan, bundle, replanner,
-                                                        _longest_row(recipe, bundle, trainer))
-    plan = _with_data_length_reason(plan, recipe, at_data)
+    at_data, compared_with = prediction_at_data_length(recipe, plan, bundle, replanner,
+                                                       longest_row(recipe, bundle, trainer))
+    plan = with_data_length_reason(plan, recipe, at_data)
     from lowvram.train.run.worst_batch import worst_batch_first
 
     worst = None if at_end else worst_batch_first(recipe, plan, trainer, bundle.train, at_data)  # OOM: re-plan
