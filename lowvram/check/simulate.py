@@ -10,7 +10,8 @@ tracker. On a small Llama it equals the real Trainer step measured on a CPU
 (:func:`lowvram.check.step.measure_setup`) to within a few KiB (tests/check/test_simulate.py);
 at full size it checks the analytic model (bench/simulate_full_size.py).
 
-FakeTensorMode needs seven workarounds, each explained where it is applied below as [W1]..[W7].
+FakeTensorMode needs eight workarounds, each explained where it is applied below as [W1]..[W7]
+(and [W8], image inputs whose values the model reads: lowvram.check.simulate_images).
 CUDA is not simulated [W7]: the tensors are the same on CUDA, and the context and allocator
 slack come from :func:`lowvram.plan.setup.cuda_overheads`, as in the analytic model.
 
@@ -50,6 +51,10 @@ def unsupported(setup: RunSetup) -> list[str]:
                    "simulation runs one device (the offload is modelled analytically only)")
     if setup.quantization == "int8":
         out.append("quantization 'int8': bitsandbytes Int8Params cannot wrap a fake tensor")
+    from lowvram.check.simulate_images import image_problem
+
+    if problem := image_problem(setup):
+        out.append(problem)
     return out
 
 
@@ -226,7 +231,7 @@ def _build_model(setup: RunSetup, config, mode):
                 "model alone by saving its text_config as a config.json and passing that folder") from None
         if setup.quantization != "none":
             _quantize_4bit(model, setup, dtype, precision_compute_dtype(setup.precision))
-        model = prepare_model(model, plan)  # what lowvram train does after loading
+        model = prepare_model(model, plan, images=bool(setup.images_per_row))  # as lowvram train after loading
     return model
 
 
@@ -277,16 +282,16 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
                            "use `lowvram plan` without --simulate for the analytic estimate")
     from dataclasses import replace
 
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lowvram.check.builders import autocast_dtype, build_optimizer, make_batch
+    from lowvram.check.builders import autocast_dtype, build_optimizer
     from lowvram.check.step import measure_training_step
     from lowvram.train.build.model import quiet_libraries
 
     quiet_libraries()
     # From the second micro-step on, every micro-step holds the same tensors (the gradients of
     # the first are alive): two micro-steps give the peak of any accumulation count.
+    kept = _kept_batches(setup)  # as many as the Trainer holds at the asked accumulation
     setup = replace(setup, grad_accum=min(setup.grad_accum, 2))
 
     if setup.optimizer in OPTIMIZERS_8BIT or setup.quantization == "nf4-dq":
@@ -308,15 +313,50 @@ def simulate_memory(setup: RunSetup, config=None) -> MemoryEstimate:
         if hasattr(opt, "fill_qmap"):
             opt.fill_qmap()
         vocab = model.get_output_embeddings().out_features
-        with mode, torch.no_grad():
-            batch = make_batch(_with_vocab(setup, vocab))
-        with mode:
+        with _batches(setup, model, mode, vocab, kept) as (batch, kept):
             # [W6] measure_training_step warms the optimizer state up before tracking
             step = measure_training_step(model, opt, batch, autocast_dtype=autocast_dtype(setup),
                                          grad_accum=setup.grad_accum, breakdown=True,
-                                         logits_dim=vocab)
-        del model, opt, batch
+                                         logits_dim=vocab, kept=kept)
+        del model, opt, batch, kept
     return _estimate(setup, step, parameters, trainable)
+
+
+def _kept_batches(setup: RunSetup) -> int:
+    """Image data: the micro-batches the Trainer holds beside the one in the step (the rest of
+    the step's and the next: plan/memory/images.py batches_alive); text: none (its ids are small)."""
+    from lowvram.plan.memory.images import batches_alive
+
+    return batches_alive(setup) - 1 if setup.images_per_row else 0
+
+
+@contextmanager
+def _batches(setup: RunSetup, model, mode, vocab: int, kept: int):
+    """(the step's batch, ``kept`` more the Trainer holds beside it) as fake tensors, inside ``mode``:
+    text (builders.make_batch), or image + text (simulate_images: the run's ImageCollator; [W8])."""
+    import torch
+
+    from lowvram.check.builders import make_batch
+
+    if not setup.images_per_row:
+        with mode, torch.no_grad():
+            batch = make_batch(_with_vocab(setup, vocab))
+        with mode:
+            yield batch, ()
+        return
+    import tempfile
+    from pathlib import Path
+
+    from lowvram.check import simulate_images as si
+
+    with tempfile.TemporaryDirectory() as folder:
+        real = si.image_batch(setup, model.config, Path(folder))
+    real.update(si.precomputed_inputs(model, real))
+    with si.valued_constants(), mode:
+        batch = si.fake_batch(mode, real)
+        kept = tuple(si.fake_batch(mode, {k: t.clone() for k, t in real.items()})
+                     for _ in range(kept))
+        yield batch, kept
 
 
 def _with_vocab(setup: RunSetup, vocab: int) -> RunSetup:
@@ -365,8 +405,8 @@ def _estimate(setup: RunSetup, step, parameters: int, trainable: int) -> MemoryE
 def simulable(setup: RunSetup) -> tuple[RunSetup, tuple[str, ...]]:
     """The setup the simulation can run in place of ``setup``, and a note for each change: the
     standard loss for the chunked or fused one, no activation offload, sdpa for flash attention,
-    text rows for image + text data, one process without sharding or CPU offload (each of those
-    is modelled analytically only)."""
+    one process without sharding or CPU offload (each of those is modelled analytically only).
+    Image + text data is simulated with its images (simulate_images)."""
     from dataclasses import replace
 
     changes, notes = {}, []
@@ -380,10 +420,6 @@ def simulable(setup: RunSetup) -> tuple[RunSetup, tuple[str, ...]]:
     if setup.attention == "flash_attention_2":
         changes["attention"] = "sdpa"
         notes.append("simulated with sdpa attention, which stores the same tensors as flash_attention_2")
-    if setup.images_per_row:
-        changes["images_per_row"] = 0
-        notes.append("simulated on text rows of seq_len: the images' pixels, the vision tower's forward "
-                     "and Gemma-3's image masks are modelled analytically (plan/memory/images.py)")
     if setup.gpus > 1 or setup.offload != "none":
         changes.update(gpus=1, offload="none")
         notes.append(f"simulated as one process with nothing offloaded: offload {setup.offload!r} "

@@ -79,6 +79,7 @@ def measure_training_step(
     logits_dim: int | None = None,
     chunked_loss: bool = False,
     chunk_tokens: int = CHUNK_TOKENS,
+    kept: tuple = (),
 ) -> StepMemory:
     """Peak live tensor bytes of one steady-state step: model.train(), loss from the model with
     labels, backward, clip, optimizer.step(), zero_grad(set_to_none=True), as the transformers
@@ -88,7 +89,8 @@ def measure_training_step(
 
     ``warmup`` runs one untracked step first so the optimizer state exists (else the peak is low).
     ``breakdown`` also sorts the bytes alive at the peak by kind (``logits_dim``: the vocabulary
-    size, to recognise logits by their last dimension).
+    size, to recognise logits by their last dimension). ``kept``: more batches alive beside the
+    step (the Trainer's other micro-batches), counted as inputs.
     """
     if warmup:
         one_step(model, optimizer, batch, autocast_dtype, max_grad_norm, grad_accum,
@@ -97,7 +99,7 @@ def measure_training_step(
     tracker = LiveBytes(cap_bytes, snapshot=breakdown, logits_dim=logits_dim)
     tracker.register(model, tag="weights")
     tracker.register(optimizer, tag="optimizer")
-    tracker.register(batch, tag="inputs")
+    tracker.register(batch, *kept, tag="inputs")
     hooks = []
     if breakdown:
         for p in model.parameters():
