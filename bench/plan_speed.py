@@ -39,6 +39,8 @@ CASES = [
     ["--model", "llama-3.1-8b", "--method", "full", "--vram", "24GiB", "--seq-len", "2048", "--batch-size", "1",
      "--offload", "none"],
     ["--model", "llama-2-70b", "--vram", "8GB", "--offload", "none"],  # nothing fits: suggestions
+    # data.max_pixels auto lowering the images (plan/choose/pixels.py: the grid bisected)
+    ["--model", "qwen2.5-vl-7b", "--vram", "9GB", "--seq-len", "2048", "--max-pixels", "auto"],
 ]
 TABLE = ["--model", "llama-3.1-8b", "--method", "qlora", "--lora-r", "32", "--offload", "none", "--context-table",
          "--host-ram", "160GiB"]

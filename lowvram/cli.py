@@ -169,7 +169,7 @@ def plan(
     tiled_mlp: Annotated[str | None, _opt("--tiled-mlp", "auto | on | off | N: each layer's MLP over the sequence in N shards, recomputed shard by shard (on: ceil(seq_len / hidden_size)); ~20% slower.", "T")] = None,
     packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="Plan for data.packing: several samples per seq_len window (SDPA then keeps a b x s x s mask per layer).", show_default=False)] = None,
     images_per_row: Annotated[int | None, _opt("--images-per-row", "Plan image + text rows of up to N images (data.images_per_row; a vision model).", "N")] = None,
-    max_pixels: Annotated[int | None, _opt("--max-pixels", "Qwen-VL: the largest image in pixels (data.max_pixels; default the processor's, 1003520): bounds each image's tokens. Implies --images-per-row 1.", "N")] = None,
+    max_pixels: Annotated[str | None, _opt("--max-pixels", "Qwen-VL: the largest image in pixels (data.max_pixels; default the processor's, 1003520): bounds each image's tokens; auto: lowered on the processor's grid only if nothing fits. Implies --images-per-row 1.", "N|auto")] = None,
     min_pixels: Annotated[int | None, _opt("--min-pixels", "Qwen-VL: the smallest image in pixels (data.min_pixels).", "N")] = None,
     gpus: Annotated[int | None, _opt("--gpus", "Data-parallel GPUs (default 1).", "N")] = None,
     offload: Annotated[str | None, _opt("--offload", _values(vocab.OFFLOADS, "the last six: several GPUs"), "KIND")] = None,

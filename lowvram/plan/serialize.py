@@ -100,6 +100,8 @@ def choice_to_dict(choice: Choice) -> dict:
         "notes": list(choice.notes),
         # a multimodal checkpoint's vision tower (lowvram.plan.model.vision); absent for a text model
         **({"vision": _vision(c.setup, req)} if req.model.vision is not None else {}),
+        # data.max_pixels auto (plan/choose/pixels.py): the size chosen, the processor's own, what it costs
+        **({"max_pixels_auto": dict(choice.max_pixels_auto)} if choice.max_pixels_auto else {}),
         # the allocator term's named parts (setup.CudaOverheads); absent off CUDA
         **({"allocator": _allocator(c.setup, est)} if est.allocator_parts else {}),
         # training.objective dpo/orpo/simpo (lowvram.plan.memory.preference); absent for SFT

@@ -91,6 +91,9 @@ class Plan:
     paged_max_batch_tokens: int | None = None
     generation_cache_bytes: int | None = None
     vllm_gpu_memory_utilization: float | None = None
+    # data.max_pixels auto (plan/choose/pixels.py): the image processor's max_pixels the chooser
+    # chose, which training gives the processor; None: the recipe's own (or the processor's)
+    max_pixels: int | None = None
     reasons: dict[str, str] = field(default_factory=dict)
     predicted_peak_bytes: int | None = None
     budget_bytes: int | None = None

@@ -115,10 +115,24 @@ def _checked_flags(recipe: Recipe | None, model: str | None, method: str | None,
     for name in ("mixed_precision", "quantization", "optimizer", "loss", "attention", "offload", "objective"):
         check_choice(name, flags.get(name))
     check_choice("method", method)
+    if isinstance(flags.get("max_pixels"), str):  # --max-pixels N | auto
+        flags = {**flags, "max_pixels": _pixels_flag(flags["max_pixels"])}
     if recipe is None and model is None:
         raise LowvramError("nothing to plan: give a recipe or --model",
                            "e.g. lowvram plan --model llama-2-7b --vram 24GB, or lowvram plan recipes/quickstart.yaml")
     return flag_choices(method, **flags)
+
+
+def _pixels_flag(value: str) -> int | str:
+    """--max-pixels: a number of pixels (at least 1) or auto."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    if value.strip().isdigit() and int(value) >= 1:
+        return int(value)
+    from lowvram.errors import UsageError
+
+    raise UsageError(f"--max-pixels takes a number of pixels or auto, got {value!r}",
+                     "e.g. --max-pixels 1003520, or --max-pixels auto (the planner lowers it only if nothing fits)")
 
 
 def make_plan(recipe: Recipe | None = None, model: str | None = None, vram: str | None = None,

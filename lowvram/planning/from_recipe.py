@@ -126,9 +126,11 @@ def flag_choices(method: str | None = None, **flags) -> tuple[dict, dict]:
             flag = flag if value else flag.replace("--", "--no-", 1)
         if key == "optimizer" and value == ANY_OPTIMIZER:
             field, value = "optimizer_any", True
+        if key == "max_pixels" and value == "auto":  # the processor's own, lowered by the chooser if need be
+            field, value = "max_pixels_auto", True
         out[field] = value
         switch = key in ("lora_targets", "gradient_checkpointing", "activation_offload", "packing")
-        sources[field] = flag if switch else f"{flag} {_shown(value)}"
+        sources[field] = flag if switch else f"{flag} {'auto' if field == 'max_pixels_auto' else _shown(value)}"
     return out, sources
 
 
@@ -164,6 +166,9 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
             fields.update(pixel_fields(recipe))
         elif recipe.data.max_pixels or recipe.data.min_pixels:  # --set data.max_pixels=N without a recipe
             fields.update({k: v for k in ("max_pixels", "min_pixels") if (v := getattr(recipe.data, k))})
+            if fields.get("max_pixels") == "auto":
+                fields["max_pixels_auto"] = True
+                del fields["max_pixels"]
         fields["objective"] = recipe.training.objective
         fields["precompute_ref"] = recipe.preference.precompute_ref_log_probs
         fixed = recipe_choices(recipe)
@@ -172,7 +177,13 @@ def build_request(model, recipe: Recipe | None = None, flags: dict | None = None
     for key, value in (flags or {}).items():
         fields[key] = value
     sources.update(flag_sources or {})
-    if (fields.get("max_pixels") or fields.get("min_pixels")) and not fields.get("images_per_row"):
+    if isinstance((flags or {}).get("max_pixels"), int):  # a flag's own max_pixels is fixed
+        fields["max_pixels_auto"] = False
+    elif fields.get("max_pixels_auto"):  # auto starts from the processor's own (plan/choose/pixels.py)
+        fields.pop("max_pixels", None)
+        fields.update({k: v for k, v in own_pixels(recipe).items() if k == "max_pixels"})
+    if (fields.get("max_pixels") or fields.get("min_pixels") or fields.get("max_pixels_auto")) \
+            and not fields.get("images_per_row"):
         fields["images_per_row"] = 1  # --max-pixels asks for an image plan: one image a row unless told
     grpo = {k.removeprefix("grpo."): fields.pop(k) for k in list(fields) if k.startswith("grpo.")}
     if fields.get("objective") in _grpo_objectives():  # seq_len: the training forward's prompt + completion
@@ -213,26 +224,38 @@ def pixel_fields(recipe: Recipe) -> dict:
     (its preprocessor_config.json, or processor_config.json's image_processor: min_pixels /
     max_pixels, or size shortest_edge / longest_edge, as Qwen2VLImageProcessor reads them);
     absent when neither says (the class default applies)."""
+    auto = recipe.data.max_pixels == "auto"  # the processor's own, which the chooser may lower
+    out = {"max_pixels": None if auto else recipe.data.max_pixels, "min_pixels": recipe.data.min_pixels}
+    own = own_pixels(recipe) if None in out.values() else {}
+    out = {k: v if v is not None else own.get(k) for k, v in out.items()}
+    return {k: v for k, v in out.items() if v is not None} | ({"max_pixels_auto": True} if auto else {})
+
+
+def own_pixels(recipe: Recipe | None) -> dict:
+    """The model folder's own processor's max_pixels / min_pixels (its preprocessor_config.json, or
+    processor_config.json's image_processor: min_pixels / max_pixels, or size shortest_edge /
+    longest_edge, as Qwen2VLImageProcessor reads them); those it does not say are left out."""
     from pathlib import Path
 
-    out = {"max_pixels": recipe.data.max_pixels, "min_pixels": recipe.data.min_pixels}
+    if recipe is None:
+        return {}
     folder = Path(recipe.model.name_or_path).expanduser()
     files = [p for p in (folder / "preprocessor_config.json", folder / "processor_config.json") if p.is_file()]
-    if None in out.values() and files:
-        import json
+    if not files:
+        return {}
+    import json
 
-        try:
-            cfg = json.loads(files[0].read_text())
-        except (OSError, ValueError):
-            cfg = {}
-        cfg = cfg.get("image_processor", cfg) if isinstance(cfg, dict) else {}  # transformers 5 nests it
-        if not str(cfg.get("image_processor_type", "")).startswith("Qwen2VLImageProcessor"):
-            cfg = {}  # another family's sizes (CLIP's shortest_edge is a side, not pixels)
-        size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
-        own = {"max_pixels": cfg.get("max_pixels", size.get("longest_edge")),
-               "min_pixels": cfg.get("min_pixels", size.get("shortest_edge"))}
-        out = {k: v if v is not None else (own[k] if isinstance(own[k], int) else None) for k, v in out.items()}
-    return {k: v for k, v in out.items() if v is not None}
+    try:
+        cfg = json.loads(files[0].read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    cfg = cfg.get("image_processor", cfg) if isinstance(cfg, dict) else {}  # transformers 5 nests it
+    if not str(cfg.get("image_processor_type", "")).startswith("Qwen2VLImageProcessor"):
+        return {}  # another family's sizes (CLIP's shortest_edge is a side, not pixels)
+    size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+    own = {"max_pixels": cfg.get("max_pixels", size.get("longest_edge")),
+           "min_pixels": cfg.get("min_pixels", size.get("shortest_edge"))}
+    return {k: v for k, v in own.items() if isinstance(v, int)}
 
 
 def check_grpo_processes(recipe: Recipe, gpus: int) -> None:

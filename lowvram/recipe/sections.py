@@ -133,16 +133,26 @@ class DataSection(Section):
     skip_bad_rows: bool = Field(
         False, description="Skip and count malformed rows instead of stopping with an error."
     )
-    max_pixels: int | None = Field(
-        None, ge=1, description="The largest image, in pixels (width x height), the processor resizes an "
+    max_pixels: int | Literal["auto"] | None = Field(
+        None, description="The largest image, in pixels (width x height), the processor resizes an "
         "image_chat image to (Qwen2.5-VL, Qwen3-VL: the image processor's max_pixels, size.longest_edge); "
         "the plan bounds each image's tokens by it. Default: the processor's own (Qwen-VL: 1003520, or its "
-        "preprocessor_config.json's). Not for fixed-size towers (Gemma-3, Llava).",
+        "preprocessor_config.json's). auto: the processor's own, lowered by the planner on its grid "
+        "(multiples of (patch x merge)^2 px, not under min_pixels) to the largest that fits only when no "
+        "plan fits at it, after every memory technique (it changes the data: larger images lose detail); "
+        "the plan says the size chosen. Not for fixed-size towers (Gemma-3, Llava: auto is their size).",
     )
     min_pixels: int | None = Field(
         None, ge=1, description="The smallest image, in pixels, the processor resizes to (Qwen-VL: min_pixels, "
         "size.shortest_edge). Default: the processor's own.",
     )
+
+    @field_validator("max_pixels")
+    @classmethod
+    def _pixels(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("max_pixels must be at least 1 (or auto)")
+        return v
 
     @field_validator("validation")
     @classmethod

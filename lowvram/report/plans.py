@@ -22,6 +22,8 @@ def _plan_table(plan):
         t.add_row("memory", "not predicted", plan.reasons["memory"])
     if "images" in plan.reasons:  # format image_chat sized on the data (plan/choose/explain.py)
         t.add_row("images", "measured", plan.reasons["images"])
+    if "max_pixels" in plan.reasons:  # data.max_pixels auto (plan/choose/pixels.py)
+        t.add_row("max_pixels", f"{plan.max_pixels:,}" if plan.max_pixels else "fixed size", plan.reasons["max_pixels"])
     if plan.predicted_peak_bytes is not None:
         budget = gib(plan.budget_bytes) if plan.budget_bytes else "no budget"
         verdict = "does not fit: over the budget" if plan.fits is False else "budget"
@@ -201,6 +203,10 @@ def show_plan(data: dict, as_json: bool = False) -> None:
     t.add_column("why")
     for name, value in data["techniques"].items():
         t.add_row(name, setting_cell(value), data["reasons"].get(name, ""))
+    auto = data.get("max_pixels_auto")
+    if auto:  # data.max_pixels auto (plan/choose/pixels.py): the size chosen and what it costs
+        t.add_row("max_pixels", f"{auto['max_pixels']:,}" if auto["applies"] else "fixed size",
+                  data["reasons"].get("max_pixels", ""))
     c.print(t)
 
     peak = data["peak_bytes"]

@@ -169,6 +169,21 @@ def test_generation_table_rows_grow_with_the_card():
     assert tokens[0] < tokens[1] and all(r.binds for r in rows)
 
 
+def test_longest_completion_is_the_full_searchs_answer():
+    """longest_completion stops at the first plan that fits (sized_fits, the last winner tried
+    first): its answer is the one every candidate's estimate gives, a plan at it and none a step longer."""
+    from lowvram.plan.choose.grpo_table import COMPLETION_STEP, _best, longest_completion
+    from lowvram.plan.choose.grpo_table import _request as sized
+    from lowvram.planning.budget import make_budget
+
+    req = _request(model=resolve_model("qwen2.5-1.5b"), batch_size=8)
+    budget = make_budget("12GB", None, 1, None)
+    n = longest_completion(req, budget, estimate_memory, 16)
+    assert n > 0 and n % COMPLETION_STEP == 0
+    assert _best(sized(req, 16, n), budget, estimate_memory)[0] is not None
+    assert _best(sized(req, 16, n + COMPLETION_STEP), budget, estimate_memory)[0] is None
+
+
 def _tiny(tmp_path, **config):
     """A tiny local model as bench/plan_fuzz.py --grpo --grpo-generation draws it (4 layers of 8 kv
     heads of 64, hidden 512, MLP 1024, vocabulary 2048)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lowvram.errors import LowvramError
+from lowvram.plan.choose import pixels
 from lowvram.plan.choose.explain import Estimator, data_images_reason, technique_reasons
 from lowvram.plan.choose.ladder import build_ladder
 from lowvram.plan.choose.limits import (
@@ -68,6 +69,8 @@ from lowvram.units import gib, mem
 
 def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate_memory) -> Choice:
     """The cheapest plan that fits ``budget``; if none does, the closest one and what would help."""
+    asked = req
+    req = pixels.auto_ceiling(req)  # data.max_pixels auto: a row's images leave room for text
     validate_request(req)
     precision = req.mixed_precision or auto_precision(budget, req.weight_dtype)
     check_attention(req, budget, precision)
@@ -79,6 +82,11 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     estimate = Estimates.of(estimate)  # each setup estimated once in this choice
     cands = CandidatePool(req, budget, estimate)
     best = cands.best_fitting()
+    start = req
+    if best is None and pixels.lowerable(req):  # the last resort: the images smaller (plan/choose/pixels.py)
+        req = pixels.largest_fitting(req, budget, estimate, cands)
+        cands = CandidatePool(req, budget, estimate)
+        best = cands.best_fitting()
     lowest = cands.lowest()
     chosen = best or lowest
     fits = best is not None
@@ -96,11 +104,18 @@ def choose_plan(req: PlanRequest, budget: Budget, estimate: Estimator = estimate
     if req.seq_len > req.model.max_position_embeddings:
         notes.append(f"seq_len {req.seq_len} is longer than the model's max_position_embeddings "
                      f"{req.model.max_position_embeddings}")
+    auto, why = pixels.auto_pixels(asked, req, fits)
     reasons = technique_reasons(chosen, req, budget, estimate, largest_micro_batch_size(req)) | data_images_reason(req)
-    plan = _to_plan(chosen, req, budget, reasons)
+    plan = _to_plan(chosen, req, budget, reasons | why)
+    if auto.get("applies"):  # the processor's max_pixels in the run is the one planned (train/build/processor.py)
+        plan = replace(plan, max_pixels=auto["max_pixels"])
+    ladder = build_ladder(req, budget, estimate)
+    if req is not start:  # the ladder from the processor's own size, then max_pixels lowered
+        start_ladder = build_ladder(start, budget, estimate)
+        ladder = start_ladder + (pixels.pixels_rung(start_ladder, ladder, f"{auto['max_pixels']:,}"),)
     return Choice(
-        plan=plan, request=req, budget=budget, chosen=chosen, fits=fits,
-        alternatives=cands.alternatives(chosen), ladder=build_ladder(req, budget, estimate),
+        plan=plan, request=req, budget=budget, chosen=chosen, fits=fits, max_pixels_auto=auto,
+        alternatives=cands.alternatives(chosen), ladder=ladder,
         max_seq_len=max_seq, max_micro_batch_size=max_micro,
         min_vram_bytes=vram_needed_bytes(lowest.peak_bytes, budget.min_margin_bytes), longest=longest, largest_micro=largest,
         suggestion=suggestions[0] if suggestions else None, suggestions=suggestions,
@@ -163,6 +178,8 @@ def next_cheaper(plan: Plan, req: PlanRequest, measured_peak_bytes: int | None,
     seen = min(plan.predicted_peak_bytes, measured_peak_bytes or plan.predicted_peak_bytes)
     limit = int(STEP_DOWN * seen)
     pinned = replace(req, mixed_precision=plan.mixed_precision, attention=plan.attention, gpus=plan.gpus)
+    if plan.max_pixels is not None:  # data.max_pixels auto: a retry keeps the images the run has
+        pinned = replace(pinned, max_pixels=plan.max_pixels, max_pixels_auto=False)
     budget = Budget(vram_needed_bytes(limit), device=plan.device, bf16=plan.mixed_precision.startswith("bf16"),
                     expandable_segments=plan.expandable_segments,
                     source="re-plan after out of memory",
@@ -175,7 +192,7 @@ def next_cheaper(plan: Plan, req: PlanRequest, measured_peak_bytes: int | None,
     reasons = {**choice.plan.reasons,
                "retry": f"out of memory with the previous plan ({shown}, predicted "
                         f"{mem(plan.predicted_peak_bytes)}): re-planned for {mem(limit)}"}
-    return replace(choice.plan, reasons=reasons)
+    return replace(choice.plan, reasons=reasons, max_pixels=plan.max_pixels)
 
 
 __all__ = [

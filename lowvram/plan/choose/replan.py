@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 
 from lowvram.plan.choose.request import PlanRequest
 from lowvram.plan.memory.grpo import GrpoRequest, grpo_setup
+from lowvram.plan.model.image_size import sized_model
 from lowvram.plan.model.models import spec_from_dict
 from lowvram.plan.types import Plan
 
@@ -40,8 +41,11 @@ class Replanner:
         grpo = self.request.grpo
         if grpo is not None:  # grpo/rloo: the row is the prompt (padded to the longest) + max_completion_length
             grpo = replace(grpo, prompt_len=max(1, seq_len - grpo.completion_len))
+        model = self.request.model
+        if plan.max_pixels is not None:  # data.max_pixels auto: the images at the size the plan chose
+            model = sized_model(model, plan.max_pixels, self.request.min_pixels, self.request.image_tokens)
         setup = RunSetup(
-            model=self.request.model, precision=plan.mixed_precision, quantization=plan.quantization,
+            model=model, precision=plan.mixed_precision, quantization=plan.quantization,
             lora=plan.lora, lora_r=plan.lora_r, lora_targets=plan.lora_targets, lora_dropout=plan.lora_dropout,
             lora_use_dora=plan.lora_use_dora, lora_init=plan.lora_init, galore_rank=plan.galore_rank,
             optimizer=plan.optimizer, gradient_checkpointing=plan.gradient_checkpointing,

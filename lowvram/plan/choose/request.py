@@ -153,8 +153,9 @@ class PlanRequest:
     # brings, their pixels and the vision tower's forward (lowvram.plan.memory.images)
     images_per_row: int = 0
     # data.max_pixels / min_pixels (None: the processor's own): model.vision sized (plan/model/image_size.py)
-    max_pixels: int | None = None
+    max_pixels: int | None = None  # with max_pixels_auto: the start, the processor's own (plan/choose/pixels.py)
     min_pixels: int | None = None
+    max_pixels_auto: bool = False  # data.max_pixels auto: the chooser may lower max_pixels, last of all
     image_tokens: int | None = None  # the data's costliest image, measured (lowvram train): sizes it below the limits
     # training.objective and DPO's precompute_ref_log_probs (lowvram.plan.memory.preference): a preference
     # objective plans 2 x micro_batch_size rows per forward, its own loss, DPO's reference
@@ -221,6 +222,7 @@ class Choice:
     suggestion: str | None = None  # when nothing fits: the single change that helps most
     suggestions: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    max_pixels_auto: dict = field(default_factory=dict)  # data.max_pixels auto: what it chose (choose/pixels.py)
 
 
 # --------------------------------------------------------------------------------------------

@@ -50,6 +50,9 @@ def suggest_changes(req: PlanRequest, budget: Budget, lowest: Candidate, estimat
     # 1b. The optimizers that change the algorithm, which auto never picks unasked.
     if opt_in := _any_optimizer_fits(req, budget, estimate):
         out.append(opt_in)
+    # 1b'. Smaller images (data.max_pixels auto), which change the data: never lowered unasked
+    if smaller := _smaller_images_fit(req, budget, estimate):
+        out.append(smaller)
     # 1c. The method released, on the smallest card of the usual sizes where it fits.
     if req.fixed("lora") and not any(s.startswith(f"drop {req.sources.get('lora', '--method')}") for s in out):
         if bigger := _larger_card_fits(replace(req, lora=None, quantization=None), budget, estimate):
@@ -95,6 +98,25 @@ def _any_optimizer_fits(req: PlanRequest, budget: Budget, estimate: Estimator) -
             "AdamW moments from a random projection (APOLLO)")
     return (f"techniques.optimizer: {ANY_OPTIMIZER} (--optimizer {ANY_OPTIMIZER}): {o} fits (peak "
             f"{gib(best.peak_bytes)}), but it changes the training algorithm: {what}")
+
+
+def _smaller_images_fit(req: PlanRequest, budget: Budget, estimate: Estimator) -> str | None:
+    """Qwen-VL images not on auto: the largest max_pixels on the processor's grid at which a plan
+    fits (plan/choose/pixels.py), when one does."""
+    from lowvram.plan.choose import pixels
+
+    asked = replace(req, max_pixels_auto=True)
+    if req.max_pixels_auto or not pixels.lowerable(asked):
+        return None
+    lower = pixels.largest_fitting(asked, budget, estimate, CandidatePool(asked, budget, estimate))
+    best = _best_fit(lower, budget, estimate)
+    if best is None:
+        return None
+    v = lower.model.vision
+    px = lower.max_pixels
+    return (f"smaller images: data.max_pixels: auto (--max-pixels auto) lowers it to {px:,} (about "
+            f"{int(px ** 0.5)} x {int(px ** 0.5)}; {req.model.vision.tokens_per_image:,} -> {v.tokens_per_image:,} "
+            f"tokens an image), where it fits (peak {gib(best.peak_bytes)}), but larger images lose detail")
 
 
 def _larger_card_fits(req: PlanRequest, budget: Budget, estimate: Estimator) -> str | None:

@@ -17,6 +17,8 @@ One key for every family, each mapping it to its processor's rule:
   do not depend on max_pixels (refused with a hint: the key does not apply).
 - Llama-3.2-Vision (tiles) and Mistral-3 (longest edge) map the same key through their own
   knobs (:func:`image_geometry` names them not sized yet).
+
+``data.max_pixels: auto`` lets the chooser lower max_pixels on this grid (plan/choose/pixels.py).
 """
 
 from __future__ import annotations
@@ -87,6 +89,28 @@ def image_geometry(v: VisionSpec, max_pixels: int | None = None, min_pixels: int
         return ImageGeometry(hi, lo, patches, tokens, 4 * patches * row)
     side = v.image_size
     return ImageGeometry(side * side, side * side, v.patches, v.tokens_per_image, 4 * c * side * side)
+
+
+def pixels_per_token(v: VisionSpec) -> int:
+    """The processor's grid: one image token is (patch x merge)^2 pixels (Qwen2.5-VL 784, Qwen3-VL
+    1,024), so max_pixels = tokens x this is the largest image of that many tokens."""
+    return (v.patch_size * v.merge_size) ** 2
+
+
+def token_grid(v: VisionSpec, max_pixels: int | None, min_pixels: int | None) -> tuple[int, int]:
+    """(fewest, most) tokens an image may be limited to on the grid between the pixel limits: the
+    smallest max_pixels on the grid not under min_pixels (never below one token), and the tokens
+    max_pixels itself allows (image_geometry)."""
+    lo, hi = pixel_limits(v, max_pixels, min_pixels)
+    unit2 = pixels_per_token(v)
+    return max(1, -(-lo // unit2)), max(1, hi // unit2)
+
+
+def square_side(max_pixels: int) -> int:
+    """The side of a square image of max_pixels pixels (an image larger than it is scaled down)."""
+    from math import isqrt
+
+    return isqrt(max_pixels)
 
 
 def patches_per_image(v: VisionSpec) -> int:

@@ -15,17 +15,19 @@ from lowvram.train.build.vision import has_vision
 QWEN_VL_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 
 
-def load_image_inputs(recipe, source: str, model):
+def load_image_inputs(recipe, source: str, model, max_pixels: int | None = None):
     """Format image_chat: the checkpoint's processor and the config's image token (image_inputs);
-    None when no dataset is image_chat."""
+    None when no dataset is image_chat. ``max_pixels``: the plan's (data.max_pixels auto)."""
     if not any(d.format == "image_chat" for d in recipe.data.datasets):
         return None
-    return image_inputs(recipe, source, model.config)
+    return image_inputs(recipe, source, model.config, max_pixels)
 
 
-def image_inputs(recipe, source: str, config):
+def image_inputs(recipe, source: str, config, max_pixels: int | None = None):
     """The processor of ``source`` (AutoProcessor: image processor, tokenizer and chat template;
-    Qwen-VL's without its video processor) and ``config``'s image token."""
+    Qwen-VL's without its video processor) and ``config``'s image token. Its max_pixels: the
+    recipe's data.max_pixels, or under auto ``max_pixels`` (the size the plan chose:
+    Plan.max_pixels), or without either the processor's own."""
     from lowvram.train.data.build import ImageInputs
 
     if not has_vision(config):
@@ -56,7 +58,8 @@ def image_inputs(recipe, source: str, config):
     if model_type in QWEN_VL_MODEL_TYPES:  # data.max_pixels / min_pixels: the plan sized the images by them
         own = processor.image_processor.size  # a SizeDict (or a dict) with shortest_edge / longest_edge
         size = {k: own[k] if isinstance(own, dict) else getattr(own, k) for k in ("shortest_edge", "longest_edge")}
-        size.update({k: n for k, n in (("longest_edge", recipe.data.max_pixels),
+        asked = max_pixels if recipe.data.max_pixels == "auto" else recipe.data.max_pixels
+        size.update({k: n for k, n in (("longest_edge", asked),
                                         ("shortest_edge", recipe.data.min_pixels)) if n is not None})
         processor.image_processor.size = size
     return ImageInputs(processor, int(config.image_token_id), cross_attention=model_type == "mllama")
