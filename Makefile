@@ -44,13 +44,19 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# The suite runs in one pytest-xdist worker per core (at most 4: each worker holds its own tiny
+# models), a test file per worker at a time (--dist loadfile: a file's fixtures are built once);
+# tests/conftest.py gives each worker one torch thread. JOBS=1 runs it in one process.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST = $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile,)
+
 # lint-imports: the layers and no-circle contracts in .importlinter (fails on an upward import).
 test: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST)
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -m "slow or not slow"
+	$(BIN)/python -m pytest $(XDIST) -m "slow or not slow"
 
 demo: $(STAMP)
 	$(BIN)/python -m lowvram.demo

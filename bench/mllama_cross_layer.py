@@ -1,6 +1,9 @@
 """What one Llama-3.2-Vision cross-attention layer saves for its backward beyond a self-attention
-layer's: the measurement behind lowvram/plan/memory/cross_attention.py (cross_layer_extra_bytes,
-constants.CROSS_LAYER_TEXT_TOKEN).
+layer's, every parameter trained (full fine-tuning): the measurement the fitted
+CROSS_LAYER_TEXT_TOKEN came from. lowvram/plan/memory/cross_attention.py now derives the count
+from the source (the gates and norms save only where they train) and
+tests/plan/test_cross_attention_saved.py checks it against a real model's layers under LoRA and
+full fine-tuning; this script stays as the isolated-layer probe.
 
 One MllamaCrossAttentionDecoderLayer and one MllamaSelfAttentionDecoderLayer (transformers 5,
 SDPA) run forward under torch.autograd.graph.saved_tensors_hooks; the bytes of the distinct
@@ -26,7 +29,7 @@ def saved_bytes(attn: str, dtype: str, autocast: bool, text: int, vision: int, c
 
     cfg = MllamaTextConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=4,
                            num_key_value_heads=kv_heads, num_hidden_layers=2, cross_attention_layers=[1],
-                           vocab_size=100, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                           vocab_size=100, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg._attn_implementation = attn
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     layer = (MllamaCrossAttentionDecoderLayer(cfg, 1) if cross else MllamaSelfAttentionDecoderLayer(cfg, 0)).to(dt)

@@ -13,6 +13,10 @@ os.environ.setdefault("NO_COLOR", "1")
 # (--host-ram, LOWVRAM_HOST_RAM): tests plan for a machine with enough of it, the same on every
 # machine CI runs on (tests/planning/test_host_ram.py checks the default and the refusal).
 os.environ.setdefault("LOWVRAM_HOST_RAM", "1TiB")
+# `make test` runs the suite in one worker per core (pytest-xdist): one torch thread per worker, so
+# two workers on two cores do not each spin two threads (set before torch is imported).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 

@@ -115,6 +115,25 @@ def test_the_simulated_image_step_equals_the_real_one(tmp_path, name):
     assert abs(est.peak_bytes - sim.peak_bytes) <= 0.05 * sim.peak_bytes, (est.peak_bytes, sim.peak_bytes)
 
 
+MLLAMA_LORA = {
+    "lora q/v bf16": dict(precision="bf16", lora=True, lora_targets=("q_proj", "v_proj")),
+    "lora all-linear bf16": dict(precision="bf16", lora=True),
+    "lora all-linear fp32": dict(precision="fp32", lora=True),
+    "full bf16": dict(precision="bf16"),
+}
+
+
+@pytest.mark.parametrize("name", list(MLLAMA_LORA))
+def test_the_mllama_image_plan_is_within_one_percent_of_the_real_step(tmp_path, name):
+    """Under LoRA the cross layers' tanh gates are frozen, so the tensors they scale are not saved
+    (plan/memory/cross_attention.py); the count fitted on trained gates planned these LoRA steps
+    4-6% above the real one."""
+    setup, cfg = _setup(tmp_path, _mllama_config, None, MLLAMA_LORA[name])
+    real = _real_step(setup, cfg, tmp_path)
+    est = estimate_memory(setup).peak_bytes
+    assert abs(est - real) <= 0.01 * real, f"{name}: planned {est:,} real {real:,} ({est / real - 1:+.2%})"
+
+
 def test_cli_simulates_the_plan_with_its_images(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_qwen2_5_vl()))
     text = ["plan", "--model", str(tmp_path), "--vram", "1GB", "--method", "lora", "--seq-len", "256",
@@ -143,11 +162,13 @@ FULL_SIZE = [
     ("qwen2.5-vl-7b", 1280 * 28 * 28, dict(lora=True, quantization="nf4-dq", gradient_checkpointing=True)),
     ("qwen3-vl-8b", 1280 * 32 * 32, dict(lora=True)),
     ("llama-3.2-11b-vision", None, dict(lora=True, quantization="nf4-dq", gradient_checkpointing=True)),
+    ("llama-3.2-11b-vision", None, dict(lora=True)),  # the frozen tanh gates (was +2.58%)
 ]
 
 
 @pytest.mark.slow  # 40-150 s each on 2 shared cores (bench/simulate_full_size.py --images: every case)
-@pytest.mark.parametrize(("name", "max_pixels", "kw"), FULL_SIZE, ids=[f[0] for f in FULL_SIZE])
+@pytest.mark.parametrize(("name", "max_pixels", "kw"), FULL_SIZE,
+                         ids=[f[0] + (" lora" if f[2] == dict(lora=True) else "") for f in FULL_SIZE])
 def test_full_size_image_plans_agree_with_the_simulation(name, max_pixels, kw):
     spec = resolve_model(name)
     if max_pixels:

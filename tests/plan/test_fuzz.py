@@ -20,6 +20,7 @@ from lowvram.difftest import (  # noqa: E402
     FIRST_FAMILIES,
     OVER_LIMIT,
     TEN_FAMILIES,
+    grpo_case,
     made_short_pairs,
     preference_case,
     random_case,
@@ -201,6 +202,18 @@ def test_preference_recipes_stay_within_their_plan(seed, tmp_path):
     case = preference_case(seed, TEN_FAMILIES)
     out = _check(made_short_pairs(case) if short else case, tmp_path, why)
     assert bool(out.details["data_longest_tokens"]) == short  # short pairs: predicted at their length
+
+
+# GRPO/RLOO regressions (bench/plan_fuzz.py --grpo): bench/results/plan_fuzz_grpo_heldout_960-979.txt.
+GRPO = {977: "Llama GRPO full fine-tuning bf16-mixed, beta 0.04, checkpointing: -18.10% before the run "
+             "registered TRL's reference model (loaded in GRPOTrainer.__init__) with the tracker"}
+
+
+@pytest.mark.slow  # a generation round and 16 micro-steps: ~1 min of CPU (make test-all)
+@pytest.mark.parametrize("seed", list(GRPO))
+def test_grpo_recipes_stay_within_their_plan(seed, tmp_path):
+    pytest.importorskip("trl")
+    _check(grpo_case(seed), tmp_path, GRPO[seed])
 
 
 # Image + text recipes (issue 29 item 3: difftest.made_images, bench/plan_fuzz.py --families images

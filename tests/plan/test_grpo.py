@@ -169,6 +169,21 @@ def test_generation_table_rows_grow_with_the_card():
     assert tokens[0] < tokens[1] and all(r.binds for r in rows)
 
 
+def test_longest_completion_is_the_full_searchs_answer():
+    """longest_completion stops at the first plan that fits (sized_fits, the last winner tried
+    first): its answer is the one every candidate's estimate gives, a plan at it and none a step longer."""
+    from lowvram.plan.choose.grpo_table import COMPLETION_STEP, _best, longest_completion
+    from lowvram.plan.choose.grpo_table import _request as sized
+    from lowvram.planning.budget import make_budget
+
+    req = _request(model=resolve_model("qwen2.5-1.5b"), batch_size=8)
+    budget = make_budget("12GB", None, 1, None)
+    n = longest_completion(req, budget, estimate_memory, 16)
+    assert n > 0 and n % COMPLETION_STEP == 0
+    assert _best(sized(req, 16, n), budget, estimate_memory)[0] is not None
+    assert _best(sized(req, 16, n + COMPLETION_STEP), budget, estimate_memory)[0] is None
+
+
 def _tiny(tmp_path, **config):
     """A tiny local model as bench/plan_fuzz.py --grpo --grpo-generation draws it (4 layers of 8 kv
     heads of 64, hidden 512, MLP 1024, vocabulary 2048)."""
@@ -253,3 +268,39 @@ def test_paged_in_16_bit_is_refused_at_the_plan(precision, method, words):
     assert r.exit_code == 1 and words in r.stderr and "mixed_precision: fp32" in r.stderr, r.output
     assert runner.invoke(app, [*args, "--generation", "paged", "--mixed-precision", "fp32"]).exit_code == 0
     assert runner.invoke(app, [*args, "--generation", "generate", "--mixed-precision", precision]).exit_code == 0
+
+
+def _config_spec(model_type: str, **extra):
+    from lowvram.plan.model.readers import spec_from_config
+
+    cfg = dict(model_type=model_type, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=8, vocab_size=512, **extra)
+    return spec_from_config(cfg, model_type)
+
+
+def test_sliding_window_caches_are_read_as_transformers_builds_them():
+    """transformers' DynamicCache makes a DynamicSlidingWindowLayer from layer_types, or for every
+    layer of a config with a sliding_window where the config class derives no layer_types
+    (cache_utils.py get_layer_types_and_kwargs): Mistral's default 4096 whatever the length."""
+    assert _config_spec("mistral", sliding_window=4096).sliding_cache
+    assert not _config_spec("mistral", sliding_window=None).sliding_cache
+    assert not _config_spec("llama").sliding_cache
+    assert not _config_spec("qwen2", sliding_window=32768, use_sliding_window=False).sliding_cache
+    assert _config_spec("qwen2", sliding_window=4096, use_sliding_window=True).sliding_cache
+    assert _config_spec("gemma3_text", sliding_window=128).sliding_cache
+    assert not _config_spec("mistral", layer_types=["full_attention"] * 4, sliding_window=4096).sliding_cache
+
+
+def test_the_last_token_holds_a_sliding_layers_old_keys_and_values():
+    """Held-out seed 962 (Mistral RLOO LoRA bf16, 16 rows of 32 + 96 tokens) measured 7.27% above its
+    plan: DynamicSlidingWindowLayer.update (cache_utils.py L242-247) cats the values while the old
+    keys are still the layer's, so the last token holds one layer's old keys AND values (4.13 MB
+    measured: two (16, 8, 126, 64) bf16 tensors), where DynamicLayer frees the keys first."""
+    full = _setup(model=_config_spec("mistral", sliding_window=None), lora=True, quantization="none",
+                  micro_batch_size=1, grad_accum=16, grpo={"prompt_len": 32, "completion_len": 96,
+                                                          "steps_per_generation": 16})
+    sliding = replace(full, model=_config_spec("mistral", sliding_window=4096))
+    decode = {s: next(m for m in grpo.generation_moments(s) if m.name == "generation_decode").bytes
+              for s in (full, sliding)}
+    one_layer_values = 16 * 8 * 64 * 128 * 2
+    assert decode[sliding] - decode[full] == one_layer_values

@@ -53,15 +53,13 @@ def test_tower_forward_is_exact(family, layers, hidden, intermediate, attention,
         assert measured == predicted
 
 
-def test_simulate_runs_image_plans_on_text_rows_with_a_note():
-    """--simulate never refuses an image + text plan: it simulates the text step and says so."""
-    from dataclasses import replace
-
+def test_simulate_keeps_an_image_plans_images():
+    """--simulate no longer swaps images for text rows (issue 47 item 5): simulable leaves an image +
+    text setup as it is and adds no note (tests/check/test_simulate_images.py runs the step)."""
     from lowvram.check.simulate import simulable
 
     cfg = tiny_vision_config("llava", build_vision_tokenizer("llava"))
     setup = RunSetup(model=spec_from_config(cfg.to_dict(), "tiny"), images_per_row=2, seq_len=128, device="cpu")
     simulated, notes = simulable(setup)
-    assert simulated == replace(setup, images_per_row=0)
-    assert notes == ("simulated on text rows of seq_len: the images' pixels, the vision tower's forward and "
-                     "Gemma-3's image masks are modelled analytically (plan/memory/images.py)",)
+    assert simulated == setup and simulated.images_per_row == 2
+    assert notes == ()

@@ -501,3 +501,21 @@ def test_run_is_compared_with_the_plan_at_its_longest_prompt(tmp_path, tiny_mode
     assert m["peak_memory_bytes"] <= m["predicted_peak_bytes_at_data"] * 1.03
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert f"the longest prompt is {longest} tokens" in plan["reasons"]["data_length"]
+
+
+
+def test_reference_model_is_measured_with_the_weights(tmp_path, tiny_model_dir):
+    """Full fine-tuning with beta > 0: TRL loads a frozen reference copy in GRPOTrainer.__init__,
+    before the run's live-bytes tracker starts; the run registers it like the weights (held-out
+    seed 977 measured 18% under its plan, which counts the copy, when it did not; the case itself:
+    tests/plan/test_fuzz.py test_grpo_recipes_stay_within_their_plan, slow)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.train.run.run import _memory_tracker
+
+    _, plan, _ = _config(tmp_path, tiny_model_dir)
+    model, ref = (AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32) for _ in range(2))
+    size = _memory_tracker(plan, model, True).current_bytes  # its parameters and buffers
+    assert size >= sum(p.numel() * 4 for p in model.parameters())
+    assert _memory_tracker(plan, model, True, ref).current_bytes == 2 * size

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from lowvram.plan.choose.explain import Estimator
 from lowvram.plan.choose.request import Budget, PlanRequest
-from lowvram.plan.choose.search import candidate, candidate_setups, describe_setup, rank
+from lowvram.plan.choose.search import candidate, candidate_setups, describe_setup, rank, sized_fits
 from lowvram.plan.setup import RunSetup
 
 NUM_GENERATIONS = (8, 16, 32, 64)
@@ -51,7 +51,19 @@ def _best(req: PlanRequest, budget: Budget, estimate: Estimator):
 def longest_completion(req: PlanRequest, budget: Budget, estimate: Estimator, ng: int) -> int:
     """The longest completion (a multiple of COMPLETION_STEP) some plan fits at ``ng`` generations."""
     top = max(0, req.model.max_position_embeddings - req.grpo.prompt_len) // COMPLETION_STEP
-    fits = lambda n: _best(_request(req, ng, n * COMPLETION_STEP), budget, estimate)[0] is not None  # noqa: E731
+    hint = [0]  # where the last fitting setup stood in candidate_setups' order: tried first next time
+
+    def fits(n: int) -> bool:
+        """Whether some plan fits (= _best(...)[0] is not None, without estimating every setup:
+        sized_fits, stopping at the first that fits)."""
+        setups = candidate_setups(_request(req, ng, n * COMPLETION_STEP), budget)
+        first = min(hint[0], len(setups) - 1) if setups else 0
+        for i in [first, *(j for j in range(len(setups)) if j != first)]:
+            if sized_fits(setups[i], budget, estimate):
+                hint[0] = i
+                return True
+        return False
+
     if top < 1 or not fits(1):
         return 0
     lo, hi = 1, 2

@@ -186,23 +186,10 @@ DORA_RECOMPUTE_INPUT_BYTES = FittedConstant(
 
 
 # --------------------------------------------------------------------------------------------
-# Llama-3.2-Vision's cross-attention layer with images (cross_attention.cross_layer_extra_bytes)
-
-_CROSS_FITTED_ON = ("saved tensors (torch.autograd.graph.saved_tensors_hooks) of one "
-                    "MllamaCrossAttentionDecoderLayer against one MllamaSelfAttentionDecoderLayer, "
-                    "transformers 5, SDPA, hidden 64/128, 4 heads, 1/2/4 kv heads, 40/80 text and "
-                    "24/48 vision tokens (bench/mllama_cross_layer.py)")
-
-CROSS_LAYER_TEXT_TOKEN = FittedConstant(
-    "CROSS_LAYER_TEXT_TOKEN", 1, "fp32 15, bf16 9.5, autocast 7 bytes per hidden element; 17 per head",
-    "a cross-attention layer's saved bytes per text token beyond a self-attention layer's (its "
-    "q_norm, its two tanh gates' saved inputs, no rotary; less the self-attention's two kv-wide "
-    "keys and values), per hidden element by precision, plus per-head statistics: the table "
-    "CROSS_LAYER_TEXT_BYTES (1: the table is used as is)",
-    "cross_attention.cross_layer_extra_bytes",
-    _CROSS_FITTED_ON + "; the per-head bytes are the largest of the three fits (5, 4.5, 17)",
-    "exact at the four fitted shapes (per-head term: within 12 bytes a head a token)",
-    "held-out mllama image seeds (bench/results/plan_fuzz_mllama_images_heldout_*.txt)")
-
-# bytes per text token: (per hidden element, per kv element subtracted, per head) by precision mode
-CROSS_LAYER_TEXT_BYTES = {"fp32": (15, 8, 17), "bf16": (9.5, 4, 17), "autocast": (7, 4, 17)}
+# Llama-3.2-Vision's cross-attention layer with images: no fitted constant. What one cross layer
+# saves beside a self-attention layer's is derived tensor by tensor from the source lines
+# (modeling_mllama.py 391-394, 441-449, 711, 717-718, 1356, 1369; peft lora/layer.py 1100-1102;
+# sdpa_attention.py 127-128), cited in lowvram/plan/memory/cross_attention.py and checked against
+# a real step's saved tensors (tests/plan/test_cross_attention_saved.py). It replaced the fitted
+# CROSS_LAYER_TEXT_TOKEN (fitted on fully trained layers: under LoRA the frozen tanh gates save
+# nothing, and the plan of Llama-3.2-11B-Vision LoRA bf16 was 2.6% above its simulated step).

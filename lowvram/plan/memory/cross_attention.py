@@ -18,16 +18,33 @@ Sources (transformers 5, modeling_mllama.py / processing_mllama.py / image_proce
 - MllamaCrossAttentionDecoderLayer has a self-attention layer's Linears (q/k/v/o and the MLP:
   lowvram trains them with images, lowvram.train.build.vision.frozen_modules), so the planner
   counts each as one more decoder layer (its weights, gradients, optimizer state, adapters,
-  checkpoint and a layer's saved activations: active_setup), plus what differs from a
-  self-attention layer: its q/k RMSNorms over a head (q_norm, k_norm), its two tanh gates (each
-  saves the tensor it scales), no rotary, and keys and values over the V vision tokens (k_norm's
-  input, float32 statistics and output; SDPA's keys and values, repeated to every head by
-  repeat_kv with a mask unless one kv head; under autocast bf16 copies of
-  cross_attention_states and of the mask). cross_layer_extra_bytes counts them, per text token
-  and per vision token, from the saved tensors of one MllamaCrossAttentionDecoderLayer against one
-  MllamaSelfAttentionDecoderLayer (torch.autograd.graph.saved_tensors_hooks, four shapes of
-  h, heads and kv heads, fp32 / bf16 / bf16 autocast: bench/mllama_cross_layer.py; exact at
-  those shapes; the per-text-token term is the fitted constants.CROSS_LAYER_TEXT_TOKEN).
+  checkpoint and a layer's saved activations: active_setup), plus what it saves beside a
+  self-attention layer's (cross_layer_extra_bytes). That is derived, not fitted: autograd saves
+  a product's operand only for the other operand's gradient (PyTorch derivatives.yaml), and F.linear
+  its input for the weight's gradient and its weight for the input's, so what a cross layer
+  saves follows from what trains. The source lines (transformers 5.25 modeling_mllama.py, peft
+  0.21 tuners/lora/layer.py, transformers integrations/sdpa_attention.py):
+  - 711 ``residual + self.cross_attn_attn_gate.tanh() * hidden_states`` and 718 (the MLP's, after
+    717 ``full_text_row_masked_out_mask[:, 0] * hidden_states``): the gated tensor is saved for
+    the gate's gradient only. Full fine-tuning trains the gates; LoRA freezes them (no adapter on
+    a one-element Parameter), so under LoRA neither tanh gate saves anything but its scalar.
+  - 441 ``self.q_norm(query_states)`` and 449 ``self.k_norm(key_states)`` (MllamaTextRMSNorm,
+    391-394): the float32 upcast and the rsqrt per head where the input needs a gradient, and the
+    cast-back output (394 ``self.weight * hidden_states.to(input_dtype)``) where the weight trains.
+    q always needs one (the text hidden states do); k only where k_proj trains or is adapted: it
+    reads 444 ``self.k_proj(cross_attention_states)``, the frozen projector's output.
+  - 444/445 k_proj and v_proj read the vision tokens: their trained weights (or lora_A, peft
+    layer.py 1100-1102 ``lora_B(lora_A(dropout(x)))`` on x cast to the fp32 adapter) save
+    vision-token inputs, no autocast copy of the weight (the input needs no gradient), and the
+    self-attention layer's text-side keys, values and k/v adapter tensors are not there;
+    sdpa_attention.py 127/128 ``repeat_kv`` with a mask: keys and values at every head.
+  - 1356 ``cross_attention_states = self.multi_modal_projector(...)`` (16-bit under autocast)
+    outlives the forward only where a Linear saves it (states_saved), and the prepared mask
+    (1369) only where SDPA saves it itself rather than its bf16 copy (late_parts).
+  Checked against the live bytes of a real step on tiny configs (tests/plan/
+  test_cross_attention_saved.py: each cross layer's saved tensors equal the plan's, LoRA q/v and
+  all-linear, full, fp32 / bf16 / bf16-mixed) and the simulated step at full size
+  (bench/simulate_full_size.py --images).
 """
 
 from __future__ import annotations
@@ -35,7 +52,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from lowvram.plan import constants as fitted
+from lowvram.plan.memory.states import target_linears
 
 if TYPE_CHECKING:
     from lowvram.plan.setup import RunSetup
@@ -93,32 +110,85 @@ def late_parts(setup: RunSetup, w: int, autocast: bool) -> tuple[int, int]:
     layer's backward (its recompute) with nearly every gradient made."""
     b, s, tokens = setup.micro_batch_size, setup.seq_len, vision_tokens(setup)
     lin = 2 if autocast else w
-    states = b * tokens * setup.model.hidden_size * lin + b * s * (tokens + 1) * w
-    return states, cross_layer_extra_bytes(setup, w, autocast)
+    states = b * tokens * setup.model.hidden_size * lin if states_saved(setup, autocast) else 0
+    # the prepared mask: under autocast over fp32 weights SDPA saves its bf16 copy instead
+    # (cross_layer_extra_bytes), and the fp32 mask is freed with the forward, unless a
+    # checkpoint keeps it as its layer's input
+    mask_saved = setup.gradient_checkpointing or not (autocast and w == 4)
+    masks = b * s * (tokens * mask_saved + 1) * w
+    return states + masks, cross_layer_extra_bytes(setup, w, autocast)
+
+
+def states_saved(setup: RunSetup, autocast: bool) -> bool:
+    """Whether cross_attention_states itself outlives the forward: a checkpoint keeps its
+    layer's inputs; otherwise only a Linear reading it keeps it, to make its weight's gradient:
+    k_proj / v_proj trained (full fine-tuning; under autocast the states are 16-bit already, no
+    cast), or their adapters' lora_A without autocast or dropout (peft hands x itself to lora_A
+    when its dtype is the adapter's). Under LoRA with autocast lora_A saves its own bf16 cast
+    (cross_layer_extra_bytes), and with no adapter on k_proj / v_proj nothing reads it for a
+    gradient: it is freed when the forward ends."""
+    if setup.gradient_checkpointing or not setup.lora:
+        return True
+    adapted = {x.name for x in target_linears(setup)}
+    return not autocast and not setup.lora_dropout and bool(adapted & {"k_proj", "v_proj"})
 
 
 def cross_layer_extra_bytes(setup: RunSetup, res: int, autocast: bool) -> int:
-    """One cross-attention layer's saved tensors beyond a self-attention layer's (module
-    docstring): per text token constants.CROSS_LAYER_TEXT_TOKEN's bytes per hidden element
-    less the self-attention's keys and values (per kv element), plus per-head statistics; per
-    vision token k_norm's float32 input and statistics and its output, SDPA's keys and values
-    (every head's, unless one kv head), and under autocast three bf16 copies of
-    cross_attention_states and the mask's bf16 copy."""
+    """One cross-attention layer's saved tensors beyond a self-attention layer's, in the same
+    run: what autograd saves follows from which operands need a gradient (PyTorch saves a
+    product's operand only for the other operand's gradient), so it depends on what trains
+    (the source lines: the module docstring).
+
+    Per text token: q_norm's float32 input and rsqrt per head, and its cast-back output where its
+    weight trains (full fine-tuning); the two tanh gates save the tensor they scale only where
+    the gate trains (full fine-tuning: LoRA freezes them and gives them no adapter); the row mask
+    saved by its product; less what the self-attention layer saves there that the cross layer
+    saves over the vision tokens instead: SDPA's keys and values, and k_proj's / v_proj's
+    trained paths (full fine-tuning under autocast over fp32 weights: their bf16 input casts;
+    LoRA: each targeted adapter's cast input, lora_A output and dropout). Per vision token:
+    SDPA's keys and values (every head's, repeated by repeat_kv with a mask, unless one kv
+    head); k_norm's float32 input and rsqrt where k needs a gradient (k_proj trained or
+    adapted), its output where its weight trains; the k/v adapters' saved tensors; under
+    autocast over fp32 weights SDPA's bf16 copy of the fp32 mask (per text token too)."""
+    from lowvram.plan.memory.activations import _lora_dropout_bytes
+
     spec = setup.model
     b, s, h, heads = setup.micro_batch_size, setup.seq_len, spec.hidden_size, spec.num_heads
-    kv_heads = spec.num_kv_heads
-    kv = kv_heads * spec.head_dim
-    mode = "autocast" if autocast else ("fp32" if res == 4 else "bf16")
-    per_h, per_kv, per_head = fitted.layers.CROSS_LAYER_TEXT_BYTES[mode]  # constants CROSS_LAYER_TEXT_TOKEN
-    text = b * s * (per_h * h - per_kv * kv + per_head * heads)
+    kv_heads, q, kv = spec.num_kv_heads, spec.q_dim, spec.kv_dim
+    lin = 2 if autocast else res  # matmul outputs
+    full = not setup.lora
+    adapted = {x.name for x in target_linears(setup)} if setup.lora else set()
+    kv_adapters = len(adapted & {"k_proj", "v_proj"})
+    r = setup.lora_r
+    # text side: q_norm (fp32 input, rsqrt per head, trained weight: its cast-back output)
+    text = 4 * q + 4 * heads + (lin * q if full else 0)
+    if full:  # the gates' products save the attention output and the row-masked MLP output
+        text += lin * h + res * h
+    text -= lin * 2 * kv  # the self-attention's SDPA keys and values over the text
+    if full and autocast and res == 4:
+        text -= 2 * 2 * h  # its k_proj / v_proj bf16 casts of the fp32 normed input
+    # the self-attention's k/v adapters over the text (activations.layer_activation_bytes' terms)
+    per_adapter = _lora_dropout_bytes(setup, h, autocast) + (2 * h + 2 * r if autocast else lin * r)
+    text -= kv_adapters * per_adapter
+    if setup.lora and not autocast and not setup.lora_dropout and kv_adapters and "q_proj" not in adapted:
+        text -= lin * h  # lora_A's shared x: the cross layer's q_proj, unadapted, saves none
+    # vision side
     width = spec.head_dim if kv_heads == 1 else heads * spec.head_dim  # repeat_kv with a mask
-    lin = 2 if autocast else res
-    per_vision = 4 * kv + 4 * kv_heads + 2 * width * lin
-    if autocast:
-        per_vision += 3 * h * 2 + s * 2
-    else:
-        per_vision += kv * res
-    return int(text + b * vision_tokens(setup) * per_vision)
+    vision = 2 * width * lin
+    if full or "k_proj" in adapted:  # k_norm on a k that needs a gradient
+        vision += 4 * kv + 4 * kv_heads + (lin * kv if full else 0)
+    vision += kv_adapters * (_lora_dropout_bytes(setup, h, autocast, mask=False)
+                             + (2 * h + 2 * r if autocast else lin * r))
+    if autocast and res == 4:
+        vision += 2 * s  # SDPA's bf16 copy of the fp32 b x 1 x s x V mask
+    # per layer: F.linear saves its weight only for its input's gradient, and the vision tokens
+    # need none: no autocast bf16 copy of k_proj's / v_proj's fp32 weights, nor of their lora_A's
+    fixed = 0
+    if autocast and res == 4 and setup.quantization == "none":
+        fixed -= 2 * 2 * h * kv
+    if autocast and setup.lora:
+        fixed -= kv_adapters * 2 * r * h
+    return int(b * s * text + b * vision_tokens(setup) * vision + fixed)
 
 
 def tower_forward_bytes(setup: RunSetup, res: int, lin: int) -> int:

@@ -382,8 +382,11 @@ def generation_moments(setup: RunSetup) -> list[Moment]:
                          + sampling_bytes(setup, rows))
         return [prefill, Moment("generation_decode", buffers + static + nograd.layer_bytes(setup, rows, 1, p + c, gathered)
                                 + sampling_bytes(setup, rows))]
-    # the last token's cat: one layer's old and new keys at once (then its values, no larger)
-    one_layer_key = rows * m.num_kv_heads * m.head_dim * (p + c) * nograd.generation_dtypes(setup)[2]
+    # the last token's cat: one layer's old and new keys at once (then its values, no larger);
+    # a DynamicSlidingWindowLayer cats the values with the old keys still held (ModelSpec.sliding_cache,
+    # transformers cache_utils.py L242-247): its old keys and values at once
+    _, _, key, value = nograd.generation_dtypes(setup)
+    one_layer_key = rows * m.num_kv_heads * m.head_dim * (p + c) * (key + (value if m.sliding_cache else 0))
     prefill = Moment("generation_prefill", buffers + kv_cache_bytes(setup, rows, p)
                      + nograd.layer_bytes(setup, rows, p, p), sampling_bytes(setup, rows))
     decode = Moment("generation_decode", buffers + kv_cache_bytes(setup, rows, p + c)

@@ -66,6 +66,13 @@ class ModelSpec:
     # gpt-oss layers, end with a full-attention one (readers: from layer_types)
     first_layer_sliding: bool = True
     last_layer_sliding: bool = True
+    # transformers' DynamicCache (generate) gives some layer a DynamicSlidingWindowLayer: the
+    # config's layer_types name a sliding or chunked layer, or a sliding_window is set where the
+    # config class derives no layer_types (cache_utils.py get_layer_types_and_kwargs: Mistral's
+    # default 4096, whatever the length). Its update cats the keys and then the values while the
+    # old ones are still the layer's (DynamicSlidingWindowLayer.update L242-247): one layer's old
+    # keys and values alive at once (readers: _sliding_cache)
+    sliding_cache: bool = False
     # Mixture of experts (every decoder layer sparse; 0 = dense). transformers 5 stores a layer's
     # experts fused in two 3-D parameters (experts.gate_up_proj [E, 2I, h], experts.down_proj
     # [E, h, I]) and the router as a bare [E, h] weight: none of them is an nn.Linear.

@@ -164,6 +164,7 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     if mt in ("gemma3_text", "gpt_oss") and types:
         arch["first_layer_sliding"] = types[0] == "sliding_attention"
         arch["last_layer_sliding"] = types[-1] == "sliding_attention"
+    arch["sliding_cache"] = _sliding_cache(mt, cfg, arch)
     if mt == "gpt2":
         arch["learned_positions"] = positions
     if mt == "opt":
@@ -178,6 +179,26 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         rope_theta=cfg.get("rope_theta"),
         partial_rotary_factor=cfg.get("partial_rotary_factor", 1.0), **arch,
     )
+
+
+# Config classes that derive layer_types from use_sliding_window (transformers 5
+# configuration_qwen2.py / qwen3 / qwen3_moe / smollm3): a sliding_window in their config.json
+# makes no sliding layer unless use_sliding_window is on
+_USE_SLIDING_WINDOW = ("qwen2", "qwen3", "qwen3_moe", "smollm3")
+
+
+def _sliding_cache(mt: str, cfg: dict, arch: dict) -> bool:
+    """ModelSpec.sliding_cache: whether transformers' DynamicCache makes a DynamicSlidingWindowLayer
+    for some layer (cache_utils.py get_layer_types_and_kwargs: layer_types with a sliding or
+    chunked layer; without layer_types, every layer of a config with a sliding_window)."""
+    types = cfg.get("layer_types")
+    if types:
+        return any(t in ("sliding_attention", "chunked_attention") for t in types)
+    if arch.get("sliding_layers"):
+        return True
+    if mt in _USE_SLIDING_WINDOW:
+        return bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+    return cfg.get("sliding_window") is not None or cfg.get("attention_chunk_size") is not None
 
 
 def _gemma3_layer_types(cfg: dict, layers: int) -> list[str]:

@@ -196,16 +196,27 @@ class LoadSize:
 
 
 def count_base_parameters(source: str) -> int | None:
-    """Exact count from config.json (no weights); for an architecture the planner cannot read (a
-    model with its own code), the elements in its safetensors files' headers (no code runs, no
-    tensor is read); None if neither can be read."""
-    from lowvram.plan.model.catalog import resolve_model
+    """Exact count from config.json (no weights); for an architecture the planner cannot read, the
+    elements in its safetensors files' headers (no code runs, no tensor is read), else the model
+    transformers builds from config.json on the meta device (its own model types only: no remote
+    code runs); None if none of these can be read."""
+    from lowvram.plan.model.catalog import local_config, resolve_model
     from lowvram.plan.model.models import model_numel
 
     try:
         return model_numel(resolve_model(source))
     except LowvramError:
-        return _weight_file_elements(Path(source))
+        pass
+    n = _weight_file_elements(Path(source))
+    config = local_config(source) if n is None else None
+    if config:
+        from lowvram.train.after.footprint import model_shapes
+
+        try:
+            n = model_shapes(config)[1]
+        except Exception:  # noqa: BLE001 - an unknown model_type or remote code: not countable here
+            n = None
+    return n
 
 
 def _weight_file_elements(folder: Path) -> int | None:

@@ -100,13 +100,6 @@ def plan_merge(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", de
     dt = merge_dtype(recipe, plan, dtype)
     n = dense_size(base, dt, p).parameters
     config = local_config(base.source) or {}
-    if n is None and config:
-        from lowvram.train.after.footprint import model_shapes
-
-        try:
-            n = model_shapes(config)[1]
-        except Exception:  # noqa: BLE001 - remote code: not countable here
-            n = None
     if n is None:
         raise LowvramError(f"cannot count the parameters of {base.source}: the merge's memory cannot be planned",
                            "merge needs the base's config.json in a folder lowvram can read (transformers' own model types)")
