@@ -354,3 +354,21 @@ def autocast_dtype(setup):
     from lowvram.train.build.model import autocast_dtype as for_precision
 
     return for_precision(setup.precision)
+
+
+def write_one_image_rows(root: str | Path, size: tuple[int, int], rows: int) -> Path:
+    """A tiny Qwen2.5-VL (patches of 14 px) in ``root/model`` and ``root/big.jsonl``: ``rows`` rows,
+    each the same ``size`` (width, height) image of one colour, a question and a short answer, for
+    runs whose peak the image's pixels decide. Returns ``root``."""
+    import json
+
+    from PIL import Image
+
+    root = Path(root)
+    save_tiny_vision_model(root / "model", "qwen2_5_vl", patch_size=14)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (40, 100, 200)).save(root / "images" / "big.png")
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+                        {"role": "assistant", "content": "A big thing. " * 5}], "images": ["images/big.png"]}
+    (root / "big.jsonl").write_text((json.dumps(row) + "\n") * rows)
+    return root

@@ -30,18 +30,9 @@ ROWS = 12  # more than 2 steps x 4 micro-batches + the prefetched one: the data 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from PIL import Image
+    from lowvram.check.builders import write_one_image_rows
 
-    from lowvram.check.builders import save_tiny_vision_model
-
-    root = tmp_path_factory.mktemp("qwen-vl-accumulation")
-    save_tiny_vision_model(root / "model", "qwen2_5_vl", patch_size=14)
-    (root / "images").mkdir()
-    Image.new("RGB", SIDE, (40, 100, 200)).save(root / "images" / "big.png")
-    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
-                        {"role": "assistant", "content": "A big thing. " * 5}], "images": ["images/big.png"]}
-    (root / "big.jsonl").write_text((json.dumps(row) + "\n") * ROWS)
-    return root
+    return write_one_image_rows(tmp_path_factory.mktemp("qwen-vl-accumulation"), SIDE, ROWS)
 
 
 def _run(root: Path, micro: int, accumulation: int) -> tuple[dict, dict]:

@@ -28,17 +28,9 @@ VRAM = "302MiB"
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    from PIL import Image
+    from lowvram.check.builders import write_one_image_rows
 
-    from lowvram.check.builders import save_tiny_vision_model
-
-    root = tmp_path_factory.mktemp("qwen-vl-auto")
-    save_tiny_vision_model(root / "model", "qwen2_5_vl", patch_size=14)
-    (root / "images").mkdir()
-    Image.new("RGB", SIDE, (40, 100, 200)).save(root / "images" / "big.png")
-    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
-                        {"role": "assistant", "content": "A big thing. " * 5}], "images": ["images/big.png"]}
-    (root / "big.jsonl").write_text((json.dumps(row) + "\n") * 8)
+    root = write_one_image_rows(tmp_path_factory.mktemp("qwen-vl-auto"), SIDE, 8)
     doc = {"model": {"name_or_path": str(root / "model")},
            "data": {"datasets": [{"path": str(root / "big.jsonl"), "format": "image_chat"}], "images_per_row": 1,
                     "max_pixels": "auto"},
