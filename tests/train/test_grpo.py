@@ -328,6 +328,41 @@ def test_trl_keeps_the_adapters_fp32_over_a_quantized_base(tmp_path, tiny_model_
     assert {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad} == before
 
 
+@pytest.mark.parametrize("objective,beta,library_ref,kept_ref", [
+    ("rloo", 0.0, True, False), ("rloo", 0.04, True, True), ("grpo", 0.0, False, False), ("grpo", 0.04, True, True)])
+def test_the_reference_adapter_exists_only_where_it_is_read(tmp_path, tiny_model_dir, monkeypatch, objective, beta,
+                                                            library_ref, kept_ref):
+    """TRL 1.16's RLOOTrainer adds a frozen "ref" copy of a PEFT model's adapter whatever beta
+    (rloo_trainer.py L398-421; GRPOTrainer only with beta != 0), and reads it only with beta != 0:
+    lowvram deletes it at beta 0 (held-out seed 982: the copy was 2.23 MB the plan did not count).
+    ``library_ref`` pins TRL's own behaviour: when RLOO stops adding it at beta 0, the deletion can go."""
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.build import grpo as build_grpo
+    from lowvram.train.build.model import load_model
+    from lowvram.train.build.trainer import build_trainer, build_training_args
+    from lowvram.train.data.build import build_datasets
+
+    monkeypatch.chdir(tmp_path)
+    path = setup_run(tmp_path, tiny_model_dir, objective=objective, rewards="[rewards.py:short]", grpo=f", beta: {beta}")
+    recipe = load_recipe(path)
+    plan = resolve_fixed(recipe)
+
+    def adapters(drop: bool):
+        if not drop:
+            monkeypatch.setattr(build_grpo, "_drop_unused_reference_adapter", lambda trainer: None)
+        loaded = load_model(recipe, plan)
+        trainer = build_trainer(loaded, build_datasets(recipe, loaded.tokenizer), build_training_args(recipe, plan),
+                                None, recipe=recipe)
+        names = {n.split(".")[-2] for n, _ in trainer.model.named_parameters() if "lora_" in n}
+        return set(trainer.model.peft_config), names, trainer.model.active_adapters
+
+    configs, names, active = adapters(drop=True)
+    assert ("ref" in configs) == kept_ref and ("ref" in names) == kept_ref
+    assert "default" in names and active == ["default"]
+    assert ("ref" in adapters(drop=False)[0]) == library_ref
+
+
 # ---------------------------------------------------------------------------------- runs
 
 
