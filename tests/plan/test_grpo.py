@@ -196,8 +196,10 @@ def _tiny(tmp_path, **config):
 
 
 def _generation_bound(model, **kw) -> RunSetup:
-    g = GrpoSetup(num_generations=16, prompt_len=kw.pop("prompt_len", 64), completion_len=kw.pop("completion_len", 64),
-                  steps_per_generation=16, engine=kw.pop("engine", "generate"))
+    rows = kw.pop("grpo_rows", 16)  # micro_batch_size x steps_per_generation
+    g = GrpoSetup(num_generations=min(16, rows), prompt_len=kw.pop("prompt_len", 64),
+                  completion_len=kw.pop("completion_len", 64), steps_per_generation=rows // kw.get("micro_batch_size", 1),
+                  engine=kw.pop("engine", "generate"))
     base = dict(model=model, precision="bf16", lora=True, lora_r=8, micro_batch_size=1, grad_accum=16, seq_len=128,
                 gradient_checkpointing=True, objective="grpo", device="cpu", grpo=g)
     base.update(kw)
@@ -238,6 +240,46 @@ def test_paged_holds_its_static_mask(tmp_path):
                           completion_len=96, engine="paged")
     assert grpo.paged_max_batch_tokens(s) == 512
     assert grpo.paged_mask_bytes(s) == 512 * (16 * 256 + 512) * 4 == 9_437_184
+
+
+_GEMMA3 = dict(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh", sliding_window=128,
+               query_pre_attn_scalar=256)
+
+
+@pytest.mark.parametrize("config,rows_tokens", [
+    ({}, (16, 96)),  # one group of 4 full layers
+    ({**_GEMMA3, "layer_types": ["sliding_attention", "full_attention"] * 2}, (16, 64)),  # held-out seed 1012
+    ({**_GEMMA3, "num_hidden_layers": 6}, (16, 600)),  # Gemma-3's pattern: 5 sliding, 1 full
+    ({**_GEMMA3, "num_hidden_layers": 8, "num_key_value_heads": 2}, (6, 300)),  # 5 + 1, 1 + 1
+    ({"model_type": "gpt_oss", "num_hidden_layers": 6, "num_local_experts": 4, "num_experts_per_tok": 2,
+      "sliding_window": 128}, (8, 64)),  # alternating, 3 + 3
+])
+def test_paged_cache_and_masks_are_what_transformers_allocates(tmp_path, config, rows_tokens):
+    """The paged engine's cache and static masks against transformers' own PagedAttentionCache and
+    the mask shape continuous batching allocates (input_outputs.py: [1, 1, M, max_tokens_read + M]
+    per attention group), built on the CPU for the num_blocks and max_batch_tokens the plan passes.
+    Two attention groups make a sector the least common multiple of their blocks, and each group may
+    read the whole cache: held-out seed 1012 (Gemma-3) measured two masks of 512 x 8,704 where the
+    plan had counted 512 x 4,608 (+10.8%)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    rows, tokens = rows_tokens
+    model = _tiny(tmp_path, **config)
+    s = _generation_bound(model, precision="fp32", prompt_len=32, completion_len=tokens - 32, engine="paged",
+                          micro_batch_size=rows // 16 or 1, grpo_rows=rows)
+    assert grpo.generation_rows(s) == rows
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    cb = ContinuousBatchingConfig(num_blocks=grpo.paged_num_blocks(s), max_batch_tokens=grpo.paged_max_batch_tokens(s),
+                                  max_memory_percent=0.9)
+    cache = PagedAttentionCache(cfg, cb, "cpu", DistributedHelper(None, None), dtype=torch.float32)
+    assert grpo.paged_cache_bytes(s) == cache.cache_tensor.numel()
+    assert len(grpo.paged_groups(s)) == len(cache.cache_allocators)
+    m = grpo.paged_max_batch_tokens(s)
+    assert grpo.paged_mask_bytes(s) == len(cache.cache_allocators) * m * (cache.max_tokens_read + m) * 4
 
 
 def test_paged_with_eager_attention_is_refused_not_guessed():

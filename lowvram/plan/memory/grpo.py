@@ -57,7 +57,6 @@ from lowvram.plan.memory import nograd, preference
 from lowvram.plan.memory.activations import dtypes
 from lowvram.plan.memory.moments import Moment
 from lowvram.plan.memory.states import dtype_bytes, lora_parameters, weight_bytes
-from lowvram.plan.model.layer import describe_layer
 from lowvram.plan.setup import GrpoSetup, RunSetup
 
 GRPO_OBJECTIVES = ("grpo", "rloo")
@@ -327,13 +326,41 @@ def sampling_bytes(setup: RunSetup, rows: int) -> int:
     return rows * v * (nograd.generation_dtypes(setup)[1] + 4 + 4)
 
 
-def paged_cache_bytes(setup: RunSetup) -> int:
-    """The PagedAttentionCache the plan asks transformers for: whole pages of PAGE_SIZE tokens, every
-    row its own (cache.py PagedAttentionCache; the two trash sectors counted as pages)."""
+def paged_groups(setup: RunSetup) -> tuple[int, ...]:
+    """The layers of each attention type continuous batching gives a cache allocator of its own
+    (continuous_batching/cache.py group_layers_by_attn_type): sliding and full layers apart where a
+    model has both (Gemma-3, gpt-oss), else one group of every layer."""
     m = setup.model
-    rows = generation_rows(setup)
-    pages = rows * math.ceil((setup.grpo.prompt_len + setup.grpo.completion_len) / PAGE_SIZE) + 2
-    return pages * 2 * m.num_layers * m.num_kv_heads * m.head_dim * PAGE_SIZE * dtype_bytes(setup)[0]
+    s = m.sliding_layers
+    return (s, m.num_layers - s) if 0 < s < m.num_layers else (m.num_layers,)
+
+
+def _paged_geometry(setup: RunSetup) -> tuple[int, int, int]:
+    """(bytes of a sector, data sectors, max_tokens_read) of the PagedAttentionCache transformers
+    builds for ContinuousBatchingConfig.num_blocks = :func:`paged_num_blocks` (cache.py
+    PagedAttentionCache.__init__, PagedAttentionMemoryHandler.num_sectors_from_config): a page is
+    PAGE_SIZE tokens of one layer's keys and values; an allocator's block is a page of each of its
+    layers; a sector is the least common multiple of the allocators' blocks (and 128 bytes); the
+    capacity target, num_blocks whole-model blocks, is rounded up to sectors; each allocator may
+    read every page of the cache as its own blocks, so the tokens read are bounded by the smallest
+    group's (allocator num_blocks x tokens_per_page, the largest). One group: a sector is a
+    whole-model block, num_blocks sectors, num_blocks x PAGE_SIZE tokens read. Measured: held-out
+    seed 1012 (Gemma-3, two sliding and two full layers), 34 sectors of 2 MiB and 8,192 tokens read
+    for 16 blocks."""
+    m = setup.model
+    page = 2 * m.num_kv_heads * m.head_dim * PAGE_SIZE * dtype_bytes(setup)[0]
+    groups = paged_groups(setup)
+    sector = math.lcm(*(page * n for n in groups), 128)
+    sectors = max(1, math.ceil(paged_num_blocks(setup) * page * m.num_layers / sector))
+    return sector, sectors, PAGE_SIZE * (sectors * sector // page) // min(groups)
+
+
+def paged_cache_bytes(setup: RunSetup) -> int:
+    """The PagedAttentionCache the plan asks transformers for: the data sectors that hold every
+    row's whole prompt + completion in pages of PAGE_SIZE tokens, and the two trash sectors
+    (cache.py: ``torch.zeros(non_trash_bytes + trash_bytes)``)."""
+    sector, sectors, _ = _paged_geometry(setup)
+    return (sectors + 2) * sector
 
 
 def paged_max_batch_tokens(setup: RunSetup) -> int:
@@ -344,16 +371,19 @@ def paged_max_batch_tokens(setup: RunSetup) -> int:
 
 
 def paged_mask_bytes(setup: RunSetup) -> int:
-    """The static attention mask continuous batching allocates once per layer type with SDPA or
-    eager attention (continuous_batching/input_outputs.py _setup_static_tensors: [1, 1,
-    max_batch_tokens, max_tokens_read + max_batch_tokens] in the model's dtype; async batching,
-    which would double it, is off whenever a mask is needed: initialization.py
-    decide_use_async_batching). Measured: in-sample seed 156, SmolLM3 LoRA fp32, 9.44 MB."""
+    """The static attention mask continuous batching allocates once per attention group with SDPA
+    or eager attention (continuous_batching/input_outputs.py _setup_static_tensors: [1, 1,
+    max_batch_tokens, max_tokens_read + max_batch_tokens] in the model's dtype, one per layer type
+    of the cache; async batching, which would double it, is off whenever a mask is needed:
+    initialization.py decide_use_async_batching). With two groups each may read the whole cache
+    as its own (:func:`_paged_geometry`), so each mask is wider than the rows' tokens. Measured:
+    in-sample seed 156, SmolLM3 LoRA fp32, 9.44 MB; held-out seed 1012, Gemma-3 QLoRA fp32, two
+    masks of 512 x 8,704 (35.65 MB; planned 18.9 MB before)."""
     if setup.attention not in ("sdpa", "eager"):
         return 0
     tokens = paged_max_batch_tokens(setup)
-    read = paged_num_blocks(setup) * PAGE_SIZE
-    return tokens * (read + tokens) * dtype_bytes(setup)[0] * describe_layer(setup.model).attention_types
+    read = _paged_geometry(setup)[2]
+    return tokens * (read + tokens) * dtype_bytes(setup)[0] * len(paged_groups(setup))
 
 
 def paged_num_blocks(setup: RunSetup) -> int:
@@ -451,7 +481,7 @@ def generation_fields(setup: RunSetup, est, budget, req: GrpoRequest | None) -> 
 __all__ = [
     "engine_share", "ENGINES", "generation_fields", "generation_moments", "generation_rows", "grads_at_generation", "GRPO_OBJECTIVES",
     "generation_batch_problem", "generation_rounds", "grpo_problems", "grpo_request_problem", "grpo_setup", "GrpoRequest", "GrpoSetup", "is_grpo", "kv_cache_bytes", "logprob_bytes", "loss_token_bytes", "old_logprobs_computed",
-    "paged_cache_bytes", "paged_mask_bytes", "PAGED_PRECISION_HINT", "paged_precision_problem", "paged_max_batch_tokens", "paged_num_blocks", "PAGE_SIZE", "policy_setup", "reference_weight_bytes", "resolved_engine",
+    "paged_cache_bytes", "paged_groups", "paged_mask_bytes", "PAGED_PRECISION_HINT", "paged_precision_problem", "paged_max_batch_tokens", "paged_num_blocks", "PAGE_SIZE", "policy_setup", "reference_weight_bytes", "resolved_engine",
     "steps_per_generation_options",
     "sampling_bytes", "scoring_moment",
 ]
