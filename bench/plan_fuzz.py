@@ -61,6 +61,7 @@ from lowvram.difftest import (  # noqa: E402
     made_images,
     made_in_backward,
     made_lomo,
+    made_paged,
     made_pissa,
     made_short_pairs,
     made_torchao,
@@ -136,6 +137,8 @@ def main() -> int:
                          "of max_prompt_length tokens, dense text families)")
     ap.add_argument("--grpo-generation", action="store_true",
                     help="with --grpo: cases whose generation phase binds (difftest.made_generation_bound)")
+    ap.add_argument("--grpo-paged", action="store_true",
+                    help="with --grpo: generation-bound cases on transformers' paged engine, fp32 (difftest.made_paged)")
     ap.add_argument("--kto", action="store_true",
                     help="with --preference: every case is training.objective kto (preference_case(kto=True))")
     ap.add_argument("--short-pairs", action="store_true",
@@ -157,6 +160,7 @@ def main() -> int:
     families += " --preference" if args.preference else ""
     families += " --grpo" if args.grpo else ""
     families += " --grpo-generation" if args.grpo_generation else ""
+    families += " --grpo-paged" if args.grpo_paged else ""
     families += " --kto" if args.kto else ""
     families += " --short-pairs" if args.short_pairs else ""
     families += f" --galore {args.galore}" if args.galore else ""
@@ -169,7 +173,9 @@ def main() -> int:
     for seed in seeds:
         if args.grpo:
             case = grpo_case(seed)
-            if args.grpo_generation:
+            if args.grpo_paged:
+                case = made_paged(case)
+            elif args.grpo_generation:
                 case = made_generation_bound(case)
         elif args.preference:
             case = preference_case(seed, FAMILY_SETS[args.families], kto=args.kto)

@@ -39,6 +39,7 @@ from lowvram.difftest.cases import (
     made_images,
     made_in_backward,
     made_lomo,
+    made_paged,
     made_pissa,
     made_short_pairs,
     made_tiled,
@@ -61,7 +62,7 @@ __all__ = ["ANY_LIMIT", "Case", "FAMILIES", "FIRST_FAMILIES", "IMAGE_CASE_FAMILI
            "QWEN_VL_IMAGE_FAMILIES", "MLLAMA_FAMILIES",
            "MULTIMODAL_FAMILIES", "TEN_FAMILIES", "VISION_FAMILIES", "OVER_LIMIT", "Outcome", "chunk_budget",
            "made_apollo", "made_chunked", "made_galore", "made_images", "made_in_backward", "made_lomo",
-           "made_pissa", "mllama_cross_layers", "grpo_case", "GRPO_FAMILIES", "made_generation_bound", "made_short_pairs", "made_tiled", "made_torchao",
+           "made_pissa", "mllama_cross_layers", "grpo_case", "GRPO_FAMILIES", "made_generation_bound", "made_paged", "made_short_pairs", "made_tiled", "made_torchao",
            "preference_case",
            "random_case", "recipe_text",
            "run_case", "write_data", "write_model"]

@@ -473,6 +473,16 @@ def made_generation_bound(case: Case) -> Case:
                    lora_targets="all-linear", generation=engine)
 
 
+def made_paged(case: Case) -> Case:
+    """made_generation_bound's case on transformers' paged engine (bench/plan_fuzz.py --grpo-paged):
+    the draw otherwise reaches it in a third of its fp32 cases only. fp32 (TRL 1.16 runs it in fp32
+    only: plan.memory.grpo.paged_precision_problem; model.dtype as drawn where it agrees) and SDPA
+    (paged with eager attention is refused: grpo_request_problem)."""
+    dtype = case.model_dtype if case.model_dtype in ("auto", "float32") else "float32"
+    return replace(made_generation_bound(replace(case, precision="fp32", model_dtype=dtype)), generation="paged",
+                   attention="sdpa")
+
+
 def made_short_pairs(case: Case) -> Case:
     """The preference case on pairs shorter than seq_len (bench/plan_fuzz.py --short-pairs): every
     prompt 8 tokens, every chosen 30-70% of seq_len tokens (drawn from the seed's own stream), every

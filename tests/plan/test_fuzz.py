@@ -21,6 +21,7 @@ from lowvram.difftest import (  # noqa: E402
     OVER_LIMIT,
     TEN_FAMILIES,
     grpo_case,
+    made_generation_bound,
     made_short_pairs,
     preference_case,
     random_case,
@@ -214,6 +215,24 @@ GRPO = {977: "Llama GRPO full fine-tuning bf16-mixed, beta 0.04, checkpointing: 
 def test_grpo_recipes_stay_within_their_plan(seed, tmp_path):
     pytest.importorskip("trl")
     _check(grpo_case(seed), tmp_path, GRPO[seed])
+
+
+# Generation-bound GRPO/RLOO regressions (bench/plan_fuzz.py --grpo --grpo-generation):
+# bench/results/plan_fuzz_grpo_gen_heldout_980-989.txt, _990-1039.txt. The fast checks of the same
+# fixes run in make test (tests/train/test_grpo.py the reference adapter, tests/plan/test_grpo.py
+# the paged cache against transformers' own).
+GRPO_GENERATION = {
+    982: "Qwen2 RLOO QLoRA bf16: +5.93% while TRL's RLOOTrainer kept a frozen 'ref' adapter at beta 0",
+    1012: "Gemma-3 RLOO QLoRA fp32, paged engine: +10.82% before the paged cache's sectors and the masks of "
+          "two attention groups were planned as transformers sizes them",
+}
+
+
+@pytest.mark.slow  # a generation round of 16 completions and 16 micro-steps each (make test-all)
+@pytest.mark.parametrize("seed", list(GRPO_GENERATION))
+def test_generation_bound_grpo_recipes_stay_within_their_plan(seed, tmp_path):
+    pytest.importorskip("trl")
+    _check(made_generation_bound(grpo_case(seed)), tmp_path, GRPO_GENERATION[seed])
 
 
 # Image + text recipes (issue 29 item 3: difftest.made_images, bench/plan_fuzz.py --families images
