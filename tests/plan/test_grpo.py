@@ -346,3 +346,20 @@ def test_the_last_token_holds_a_sliding_layers_old_keys_and_values():
               for s in (full, sliding)}
     one_layer_values = 16 * 8 * 64 * 128 * 2
     assert decode[sliding] - decode[full] == one_layer_values
+
+
+@pytest.mark.parametrize("spg,iterations,accumulation,rounds,grads", [
+    (8, 1, 8, 1, False),  # one round at each step's first micro-step
+    (2, 1, 8, 4, True),  # rounds inside the accumulation
+    (2, 2, 8, 2, True),  # TRL generates every 2 x 2 micro-steps: at 0 and 4
+    (2, 2, 4, 1, False),  # every 4 micro-steps: each step's first
+    (4, 2, 4, 1, False),  # every 8: every other step's first
+])
+def test_rounds_follow_trls_generation_cadence(spg, iterations, accumulation, rounds, grads):
+    """TRL generates once every steps_per_generation x num_iterations micro-steps (grpo_trainer.py
+    _prepare_inputs L1538): the rounds per step the search ranks by, and whether a round starts
+    with gradients alive."""
+    s = _setup(grad_accum=accumulation, micro_batch_size=2,
+               grpo={"steps_per_generation": spg, "num_iterations": iterations})
+    assert grpo.generation_rounds(s) == rounds
+    assert grpo.grads_at_generation(s) == grads

@@ -83,6 +83,8 @@ GOOD = {"prompt": "2+2?", "answer": "4"}
     ({"prompt": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "answer": "4"},
      "the messages end with an assistant turn"),
     ({"prompt": "Q", "answer": "4", "trainer_state": 1}, "column 'trainer_state' has a name TRL gives"),
+    # TRL leaves a "completion" column out of the rewards' arguments (grpo_trainer.py L1584)
+    ({"prompt": "Q", "completion": "4"}, "column 'completion' has a name TRL gives"),
 ])
 def test_bad_prompt_rows_are_named_by_file_and_line(tmp_path, bad, words):
     with pytest.raises(LowvramError) as e:
@@ -361,6 +363,50 @@ def test_the_reference_adapter_exists_only_where_it_is_read(tmp_path, tiny_model
     assert ("ref" in configs) == kept_ref and ("ref" in names) == kept_ref
     assert "default" in names and active == ["default"]
     assert ("ref" in adapters(drop=False)[0]) == library_ref
+
+
+@pytest.mark.parametrize("objective,beta", [("rloo", 0.0), ("grpo", 0.04)])
+def test_pissa_base_weights_are_decomposed_once(tmp_path, tiny_model_dir, monkeypatch, objective, beta):
+    """TRL adds its "ref" adapter with the default adapter's config (rloo_trainer.py L421: RLOO
+    always, GRPO with beta > 0), so under lora.init pissa peft ran PiSSA a second time and took a
+    second slice out of the base weights the adapter was fitted to. lowvram builds the trainer with
+    that init off for "ref": the base weights are those the model builder made, and "ref" is
+    the starting adapter (TRL's copy). Without it (the library's behaviour) the base changes."""
+    import contextlib
+
+    import torch
+
+    from lowvram.planning.fixed import resolve_fixed
+    from lowvram.recipe import load_recipe
+    from lowvram.train.build import grpo as build_grpo
+    from lowvram.train.build.model import load_model
+    from lowvram.train.build.trainer import build_trainer, build_training_args
+    from lowvram.train.data.build import build_datasets
+
+    monkeypatch.chdir(tmp_path)
+    path = setup_run(tmp_path, tiny_model_dir, objective=objective, rewards="[rewards.py:short]", grpo=f", beta: {beta}")
+    path.write_text(path.read_text().replace("lora: {r: 8, alpha: 16}", "lora: {r: 8, alpha: 16, init: pissa}"))
+    recipe = load_recipe(path)
+    plan = resolve_fixed(recipe)
+
+    def build(guarded: bool):
+        if not guarded:
+            monkeypatch.setattr(build_grpo, "_reference_adapter_not_reinitialised", lambda m: contextlib.nullcontext())
+        loaded = load_model(recipe, plan)
+        base = {n: p.detach().clone() for n, p in loaded.model.named_parameters() if "base_layer" in n}
+        trainer = build_trainer(loaded, build_datasets(recipe, loaded.tokenizer), build_training_args(recipe, plan),
+                                None, recipe=recipe)
+        params = dict(trainer.model.named_parameters())
+        changed = [n for n, w in base.items() if not torch.equal(params[n], w)]
+        return trainer, changed
+
+    trainer, changed = build(guarded=True)
+    assert changed == [] and trainer.model.peft_config["default"].init_lora_weights == "pissa"
+    params = dict(trainer.model.named_parameters())
+    refs = [n for n in params if ".ref." in n]
+    assert bool(refs) == (beta > 0)
+    assert all(torch.equal(params[n], params[n.replace(".ref.", ".default.")]) for n in refs)
+    assert build(guarded=False)[1], "TRL no longer re-initialises 'ref' with PiSSA: the guard can go"
 
 
 # ---------------------------------------------------------------------------------- runs

@@ -154,10 +154,12 @@ def grpo_setup(req: GrpoRequest, steps_per_generation: int) -> GrpoSetup:
 def generation_rounds(setup: RunSetup) -> int:
     """Generation rounds per optimizer step (1: TRL's default, one round per accumulation); the
     search ranks plans with fewer rounds first (search.rank): each round decodes max_completion_length
-    tokens one after another, whatever its rows, so more rounds cost about that much more time."""
+    tokens one after another, whatever its rows, so more rounds cost about that much more time.
+    TRL generates once every steps_per_generation x num_iterations micro-steps (grpo_trainer.py
+    _prepare_inputs L1538, rloo_trainer.py L1107)."""
     if setup.grpo is None:
         return 0
-    return max(1, setup.grad_accum // setup.grpo.steps_per_generation)
+    return max(1, setup.grad_accum // (setup.grpo.steps_per_generation * setup.grpo.num_iterations))
 
 
 def grpo_request_problem(req: GrpoRequest, batch_size: int, gpus: int, offload: str | None,
@@ -263,10 +265,13 @@ def old_logprobs_computed(setup: RunSetup) -> bool:
 
 
 def grads_at_generation(setup: RunSetup) -> bool:
-    """A generation round inside an accumulation (steps_per_generation < gradient_accumulation)
-    starts with the gradients of the micro-steps before it alive; one at an optimizer step's
-    first micro-step has none (the Trainer's zero_grad sets them to None)."""
-    return setup.grpo.steps_per_generation % setup.grad_accum != 0
+    """A generation round inside an accumulation starts with the gradients of the micro-steps
+    before it alive; one at an optimizer step's first micro-step has none (the Trainer's zero_grad
+    sets them to None). TRL generates every steps_per_generation x num_iterations micro-steps
+    (grpo_trainer.py L1538), so the rounds start steps only where that is a multiple of the
+    accumulation."""
+    g = setup.grpo
+    return (g.steps_per_generation * g.num_iterations) % setup.grad_accum != 0
 
 
 def policy_setup(setup: RunSetup) -> RunSetup:

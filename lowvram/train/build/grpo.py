@@ -24,6 +24,8 @@ named in its config below; the recipe's grpo section says what (lowvram.recipe.g
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from lowvram.errors import LowvramError
 
 # Each objective's TRL trainer, as (module, trainer class, config class).
@@ -256,20 +258,43 @@ def build_rl_trainer(loaded, bundle, args, recipe, callbacks=()):
     trainer_class, _ = _classes(recipe.training.objective)
     rewards = [guarded(r, resume_hint(recipe)) for r in load_rewards(recipe)]
     trained = _trainable_dtypes(loaded.model)
-    trainer = _truncating(trainer_class, recipe.grpo.max_prompt_length)(
-        model=loaded.model,
-        reward_funcs=rewards,
-        args=args,
-        train_dataset=bundle.train,
-        processing_class=loaded.tokenizer,
-        callbacks=list(callbacks),
-    )
+    with _reference_adapter_not_reinitialised(loaded.model):
+        trainer = _truncating(trainer_class, recipe.grpo.max_prompt_length)(
+            model=loaded.model,
+            reward_funcs=rewards,
+            args=args,
+            train_dataset=bundle.train,
+            processing_class=loaded.tokenizer,
+            callbacks=list(callbacks),
+        )
     trainer.remove_callback(PrinterCallback)  # progress.py reports, as for SFT
     # over a 4/8-bit base GRPOTrainer and RLOOTrainer cast every trainable parameter to bf16 in
     # __init__ (grpo_trainer.py L538-541, rloo_trainer.py L458-461), as DPO does: back to SFT's fp32 adapters
     _restore_dtypes(trainer.model, trained)
     _drop_unused_reference_adapter(trainer)
     return trainer
+
+
+@contextmanager
+def _reference_adapter_not_reinitialised(model):
+    """TRL adds its "ref" adapter with the default adapter's own config (rloo_trainer.py L421,
+    grpo_trainer.py L502: ``model.add_adapter("ref", default_config)``), then copies the default
+    adapter's weights into it. Under lora.init pissa peft would run PiSSA again for "ref"
+    (tuners/lora/layer.py pissa_init: ``base_layer.weight = W - s·B·A``), taking a second slice out
+    of the base weights the default adapter was fitted to, with a second full SVD per Linear.
+    While TRL builds, the config says init True (B zeros: the base untouched; TRL's copy then makes
+    "ref" the starting adapter); the recipe's init is restored after, for the final save's PiSSA
+    conversion (train/run/run.py _as_plain_lora)."""
+    config = getattr(model, "peft_config", {}).get("default")
+    init = getattr(config, "init_lora_weights", True)
+    if config is None or init in (True, False, "gaussian"):
+        yield
+        return
+    config.init_lora_weights = True
+    try:
+        yield
+    finally:
+        config.init_lora_weights = init
 
 
 def _drop_unused_reference_adapter(trainer) -> None:

@@ -23,10 +23,11 @@ from lowvram.recipe import DatasetSpec, Recipe
 from lowvram.train.data.format import check_fields, format_example, message_list, short_repr
 from lowvram.train.data.read import BadRow, Row, load_rows
 
-# Keyword arguments TRL 1.16 passes to every reward itself (grpo_trainer.py _calculate_rewards):
-# a column of one of these names would collide with it.
-TRL_REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
-                     "environments")
+# Keyword arguments TRL 1.16 passes to every reward itself (grpo_trainer.py _calculate_rewards), and
+# the columns it leaves out of the rewards' arguments ("completion", L1584; rloo_trainer.py L1153):
+# a column of one of these names would collide with it, or never reach the rewards.
+TRL_REWARD_KWARGS = ("prompts", "completions", "completion", "completion_ids", "trainer_state", "log_extra",
+                     "log_metric", "environments")
 # Columns TRL reads as images (a vision-language prompt): not lowvram's text prompts.
 _IMAGE_COLUMNS = ("image", "images")
 
