@@ -178,6 +178,16 @@ def test_validate_names_the_bad_reward_before_any_model(tmp_path, tiny_model_dir
     assert "hint:" in result.output
 
 
+def test_validate_names_every_bad_reward_at_once(tmp_path, tiny_model_dir):
+    """Two broken rewards (a missing function, a missing module) and a good one: both problems under
+    one error, each with its own hint, so one edit fixes both."""
+    result = validate(setup_run(tmp_path, tiny_model_dir, rewards="[rewards.py:shrt, rewards.py:short, no_such_pkg_xyz:f]"))
+    assert result.exit_code == 1, result.output
+    assert "error: 2 rewards cannot be used:" in result.output, result.output
+    assert "has no function 'shrt'" in result.output and "no module named 'no_such_pkg_xyz'" in result.output
+    assert "hint: fix each reward above" in result.output and "Traceback" not in result.output
+
+
 def test_validate_accepts_good_rewards(tmp_path, tiny_model_dir):
     result = validate(setup_run(tmp_path, tiny_model_dir,
                                 rewards="[rewards.py:short, rewards.py:says_answer, exact_match, "

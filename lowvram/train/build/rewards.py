@@ -188,19 +188,23 @@ def load_rewards(recipe: Recipe) -> list[Reward]:
     """The recipe's rewards, imported (a file relative to the recipe, a module, a built-in)."""
     out: list[Reward] = []
     for item in recipe.grpo.rewards:
-        spec = _spec(item)
-        builtin = spec.function in BUILTIN_REWARDS
-        if not builtin and (spec.pattern is not None or spec.target is not None):
-            raise RewardError(f"reward {spec.function}: pattern and target are the built-ins' settings "
-                              "(format's and length's)", "remove them, or read your own settings in your function")
-        function = _builtin(spec, recipe) if builtin else _user_function(spec.function, recipe)
-        name = getattr(function, "__name__", spec.function.rpartition(":")[2])
-        if any(r.name == name for r in out):
-            raise RewardError(f"two rewards are named {name!r}: TRL logs each reward by its function's name",
-                              "rename one of the functions")
-        out.append(Reward(name=name, function=function, weight=spec.weight, source=spec.function,
-                          settings={k: v for k, v in (("pattern", spec.pattern), ("target", spec.target)) if v}))
+        out.append(_load_reward(item, recipe, out))
     return out
+
+
+def _load_reward(item: str | RewardSpec, recipe: Recipe, loaded: list[Reward]) -> Reward:
+    spec = _spec(item)
+    builtin = spec.function in BUILTIN_REWARDS
+    if not builtin and (spec.pattern is not None or spec.target is not None):
+        raise RewardError(f"reward {spec.function}: pattern and target are the built-ins' settings "
+                          "(format's and length's)", "remove them, or read your own settings in your function")
+    function = _builtin(spec, recipe) if builtin else _user_function(spec.function, recipe)
+    name = getattr(function, "__name__", spec.function.rpartition(":")[2])
+    if any(r.name == name for r in loaded):
+        raise RewardError(f"two rewards are named {name!r}: TRL logs each reward by its function's name",
+                          "rename one of the functions")
+    return Reward(name=name, function=function, weight=spec.weight, source=spec.function,
+                  settings={k: v for k, v in (("pattern", spec.pattern), ("target", spec.target)) if v})
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,20 +288,36 @@ def returned_problem(out: Any, expected: int) -> str | None:
 
 def check_rewards(recipe: Recipe) -> list[Reward]:
     """Import every reward, check its signature against the data's columns and call it once on the
-    first row (``lowvram validate``, and ``lowvram train`` before the model loads)."""
+    first row (``lowvram validate``, and ``lowvram train`` before the model loads). Every reward's
+    problem at once: one is its own error and hint; several are listed under one error."""
     from lowvram.train.data.prompts import load_prompts
 
-    rewards = load_rewards(recipe)
+    problems: list[RewardError] = []
+    rewards: list[Reward] = []
+    for item in recipe.grpo.rewards:
+        try:
+            rewards.append(_load_reward(item, recipe, rewards))
+        except RewardError as e:
+            problems.append(e)
     rows, _ = load_prompts(recipe, first=1)
     if not rows:
         raise RewardError("no prompt row to try the rewards on", "check the data files")
     row = rows[0]
     columns = tuple(k for k in row if k != "prompt")
     for reward in rewards:
-        problem = signature_problem(reward.function, columns)
-        if problem:
-            raise RewardError(f"reward {reward.source} {problem}", SIGNATURE_HINT)
-        _sample_call(reward, row, recipe)
+        try:
+            problem = signature_problem(reward.function, columns)
+            if problem:
+                raise RewardError(f"reward {reward.source} {problem}", SIGNATURE_HINT)
+            _sample_call(reward, row, recipe)
+        except RewardError as e:
+            problems.append(e)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise RewardError(f"{len(problems)} rewards cannot be used:\n" + "\n".join(
+            f"  {p.message}" + (f" ({p.hint})" if p.hint else "") for p in problems),
+            "fix each reward above and run `lowvram validate RECIPE` again")
     return rewards
 
 
