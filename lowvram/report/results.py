@@ -64,8 +64,21 @@ def show_runs(runs, folder, as_json: bool = False) -> None:
     if not runs:
         c.print(f"no runs in {folder} (a run folder holds recipe.yaml and plan.json)", markup=False)
         return
+    from rich.markup import escape
     from rich.table import Table
 
+    rows = [_run_cells(r, folder) for r in runs]
+    if c.width < NARROW_COLUMNS:  # the table's eight columns would collapse: a block per run
+        from rich.text import Text
+
+        c.print(f"Runs in {folder} (peak memory: predicted / measured)", markup=False)
+        for r, cells in zip(runs, rows, strict=True):
+            line = Text(cells["run"] + "  ")
+            line.append(cells["status"], style=_STATUS_STYLE.get(r.status, ""))
+            line.append(f"  {cells['time']}  peak {cells['peak']}  loss {cells['loss']}")
+            c.print(line)
+            c.print(Text(f"  {cells['techniques']} · {cells['model']} · recipe {cells['recipe']}"))
+        return
     t = Table(title=f"Runs in {folder} (peak memory: predicted / measured)")
     t.add_column("run", no_wrap=True)
     t.add_column("recipe")
@@ -75,21 +88,34 @@ def show_runs(runs, folder, as_json: bool = False) -> None:
     t.add_column("loss", justify="right", no_wrap=True)
     t.add_column("time", justify="right", no_wrap=True)
     t.add_column("status", no_wrap=True)
-    for r in runs:
+    for r, cells in zip(runs, rows, strict=True):
         style = _STATUS_STYLE.get(r.status, "")
-        objective = (r.recipe.get("training") or {}).get("objective", "sft")
-        margin = r.metrics.get("rewards_margins") if r.metrics is not None else None
-        reward = r.metrics.get("reward") if r.metrics is not None else None  # grpo/rloo
-        t.add_row(_relative(r.path, folder), r.recipe_name, Path(r.model).name or r.model,
-                  ("" if objective == "sft" else f"{objective}, ") + techniques_label(r.techniques),
-                  f"{mem(r.predicted_peak_bytes)} / {mem(r.measured_peak_bytes)}",
-                  number_cell(r.final_loss, 3) + (f" (margin {margin:+.3f})" if margin is not None else "")
-                  + (f" (reward {reward:+.3f})" if reward is not None else ""),
-                  f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
-                  (f"[{style}]{r.status}[/{style}]" if style else r.status)
-                  + (f", {len(r.exports)} export(s)" if r.exports else "")
-                  + (f", {len(r.evals)} eval(s)" if r.evals else ""))
+        status = escape(cells["status"])
+        t.add_row(*(escape(cells[k]) for k in ("run", "recipe", "model", "techniques", "peak", "loss", "time")),
+                  f"[{style}]{status}[/{style}]" if style else status)
     c.print(t)
+
+
+# `lowvram runs` below this console width lists a block of two lines per run (an 80-column
+# terminal would squeeze the table's recipe, model, techniques and peak columns to nothing)
+NARROW_COLUMNS = 100
+
+
+def _run_cells(r, folder) -> dict[str, str]:
+    """One run's cells in `lowvram runs` (plain text)."""
+    objective = (r.recipe.get("training") or {}).get("objective", "sft")
+    margin = r.metrics.get("rewards_margins") if r.metrics is not None else None
+    reward = r.metrics.get("reward") if r.metrics is not None else None  # grpo/rloo
+    return {
+        "run": _relative(r.path, folder), "recipe": r.recipe_name, "model": Path(r.model).name or r.model,
+        "techniques": ("" if objective == "sft" else f"{objective}, ") + techniques_label(r.techniques),
+        "peak": f"{mem(r.predicted_peak_bytes)} / {mem(r.measured_peak_bytes)}",
+        "loss": number_cell(r.final_loss, 3) + (f" (margin {margin:+.3f})" if margin is not None else "")
+        + (f" (reward {reward:+.3f})" if reward is not None else ""),
+        "time": f"{r.runtime_s:.0f} s" if r.runtime_s is not None else "-",
+        "status": r.status + (f", {len(r.exports)} export(s)" if r.exports else "")
+        + (f", {len(r.evals)} eval(s)" if r.evals else ""),
+    }
 
 
 def _relative(path: str, folder) -> str:

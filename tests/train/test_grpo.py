@@ -448,6 +448,13 @@ def test_grpo_run_shows_the_rewards(tmp_path, tiny_model_dir, capsys):
     assert shown.exit_code == 0 and "reward short (last)" in shown.output and "completion length" in shown.output
     listed = CliRunner().invoke(app, ["runs", str(tmp_path)], env={"COLUMNS": "200"})
     assert listed.exit_code == 0 and f"(reward {m['reward']:+.3f})" in listed.output
+    # an 80-column terminal: a block of two lines per run, nothing squeezed out (the table's
+    # recipe, model, techniques and peak columns had no width left beside the reward)
+    narrow = CliRunner().invoke(app, ["runs", str(tmp_path)], env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0 and f"(reward {m['reward']:+.3f})" in narrow.output, narrow.output
+    line = next(x for x in narrow.output.splitlines() if x.startswith("out  finished"))
+    assert " peak " in line and " / " in line and len(line) <= 80, line
+    assert "grpo, " in narrow.output and "┃" not in narrow.output
 
 
 def test_rloo_paged_run_on_chat_prompts(tmp_path, tiny_model_dir):
