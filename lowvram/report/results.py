@@ -147,7 +147,11 @@ def show_run(r, as_json: bool = False) -> None:
     tr = rec.get("training") or {}
     ds = ", ".join(f"{d.get('path')} ({d.get('format')})" for d in (rec.get("data") or {}).get("datasets", []))
     c.print(f"recipe: {r.recipe_path or '(not recorded)'}", markup=False)
-    c.print(f"model: {r.model}; data: {ds or '-'}; seq_len {tr.get('seq_len', '-')}, batch {tr.get('batch_size', '-')}, "
+    g = rec.get("grpo")  # grpo/rloo: the row is the prompt + the completion, not training.seq_len
+    rows = (f"prompt {g.get('max_prompt_length', '-')} + completion {g.get('max_completion_length', '-')} tokens, "
+            f"{g.get('num_generations', '-')} per prompt" if tr.get("objective") in ("grpo", "rloo") and g
+            else f"seq_len {tr.get('seq_len', '-')}")
+    c.print(f"model: {r.model}; data: {ds or '-'}; {rows}, batch {tr.get('batch_size', '-')}, "
             f"lr {tr.get('learning_rate', '-')}, max_steps {tr.get('max_steps') or '-'}"
             + (f"; objective {tr['objective']}" if tr.get("objective", "sft") != "sft" else ""), markup=False)
     p = Table(title="Plan")

@@ -446,6 +446,7 @@ def test_grpo_run_shows_the_rewards(tmp_path, tiny_model_dir, capsys):
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file() and result.metrics.steps == 2
     shown = CliRunner().invoke(app, ["show", str(tmp_path / "out")])
     assert shown.exit_code == 0 and "reward short (last)" in shown.output and "completion length" in shown.output
+    assert "prompt 8 + completion 6 tokens, 2 per prompt" in shown.output  # the row, not training.seq_len
     listed = CliRunner().invoke(app, ["runs", str(tmp_path)], env={"COLUMNS": "200"})
     assert listed.exit_code == 0 and f"(reward {m['reward']:+.3f})" in listed.output
     # an 80-column terminal: a block of two lines per run, nothing squeezed out (the table's
