@@ -70,7 +70,8 @@ def main() -> int:
         m, wall = train(Path(args.recipe), Path(args.run) if args.run else Path(tmp) / "run")
     lines = [f"{Path(args.recipe).name}: {m.get('steps')} steps in {wall:.0f} s wall (load average "
              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores), peak {m.get('peak_memory_bytes', 0) / 2**30:.2f} GiB "
-             f"measured, {(m.get('predicted_peak_bytes') or 0) / 2**30:.2f} GiB planned", *table(m)]
+             f"({m.get('peak_memory_kind') or 'measured'}), {(m.get('predicted_peak_bytes') or 0) / 2**30:.2f} GiB planned "
+             "(tensors)", *table(m)]
     if m.get("reward_history"):
         first, last = rise(m["reward_history"])
         lines.append(f"mean reward: first quarter {first:+.3f}, last quarter {last:+.3f}, rise {last - first:+.3f}")

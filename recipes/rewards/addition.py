@@ -17,11 +17,12 @@ def _text(completion) -> str:
 
 
 def correct(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 where the reply's first number is the sum, else 0.0."""
+    """1.0 where the reply's last number is the sum ("4 + 11 = 15" and "15" both count), else 0.0:
+    the base model answers "A + B = C", so its first number is A, not its answer."""
     out = []
     for completion, expected in zip(completions, answer):
-        found = NUMBER.search(_text(completion))
-        out.append(float(found is not None and found.group() == expected))
+        found = NUMBER.findall(_text(completion))
+        out.append(float(bool(found) and found[-1] == expected))
     return out
 
 

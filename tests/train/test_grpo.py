@@ -539,9 +539,11 @@ def test_shipped_recipe_validates_with_its_rewards(quickstart_model):
     from lowvram.train.build.rewards import load_rewards
 
     rewards = {r.name: r.function for r in load_rewards(load_recipe(GRPO_RECIPE))}
-    done = [[{"role": "assistant", "content": t}] for t in ("15", "It is 15.", "16", "The sum of 4 and 11 is 15.")]
-    assert rewards["correct"](None, done, answer=["15"] * 4) == [1.0, 1.0, 0.0, 0.0]
-    assert rewards["brief"](None, done) == [1.0, 1 - 2 / 15, 1.0, 1 - 7 / 15]
+    done = [[{"role": "assistant", "content": t}] for t in ("15", "It is 15.", "16", "The sum of 4 and 11 is 15.",
+                                                             "4 + 11 = 15", "15, or 4 + 11 = 16", "")]
+    # the last number is the answer: the base model writes "A + B = C"
+    assert rewards["correct"](None, done, answer=["15"] * 7) == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert rewards["brief"](None, done[:4]) == [1.0, 1 - 2 / 15, 1.0, 1 - 7 / 15]
 
 
 def test_shipped_prompts_are_what_the_generator_writes():
