@@ -73,6 +73,10 @@ class ModelSpec:
     # old ones are still the layer's (DynamicSlidingWindowLayer.update L242-247): one layer's old
     # keys and values alive at once (readers: _sliding_cache)
     sliding_cache: bool = False
+    # with sliding_cache: the window of those DynamicSlidingWindowLayers, which keep only the last
+    # window tokens (L244-247; 0: unknown, every token counted). Only generate's cache reads it
+    # (plan/memory/grpo.py); sliding_window above is the attention's, for Gemma-3 and gpt-oss
+    cache_window: int = 0
     # Mixture of experts (every decoder layer sparse; 0 = dense). transformers 5 stores a layer's
     # experts fused in two 3-D parameters (experts.gate_up_proj [E, 2I, h], experts.down_proj
     # [E, h, I]) and the router as a bare [E, h] weight: none of them is an nn.Linear.
@@ -321,4 +325,9 @@ def spec_from_dict(data: dict) -> ModelSpec:
     data = dict(data)
     vision = data.pop("vision", None)
     data["cross_attention_layers"] = tuple(data.get("cross_attention_layers") or ())
+    if "sliding_cache" not in data and data.get("sliding_layers"):
+        # a catalog entry (catalog.json holds config fields only): layer_types with sliding layers
+        # give generate's cache DynamicSlidingWindowLayers of the attention's window, as
+        # readers._sliding_cache reads a config.json
+        data.update(sliding_cache=True, cache_window=data.get("sliding_window") or 0)
     return ModelSpec(**data, vision=VisionSpec(**vision) if vision else None)

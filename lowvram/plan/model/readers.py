@@ -165,6 +165,9 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         arch["first_layer_sliding"] = types[0] == "sliding_attention"
         arch["last_layer_sliding"] = types[-1] == "sliding_attention"
     arch["sliding_cache"] = _sliding_cache(mt, cfg, arch)
+    window = arch.get("sliding_window") or cfg.get("sliding_window")
+    if arch["sliding_cache"] and isinstance(window, int) and window > 0:
+        arch["cache_window"] = window
     if mt == "gpt2":
         arch["learned_positions"] = positions
     if mt == "opt":
