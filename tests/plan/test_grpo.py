@@ -401,3 +401,17 @@ def test_generate_cache_is_what_transformers_keeps(tmp_path, config, prompt, com
     for _ in range(completion):
         feed(1)
     assert held() == grpo.kv_cache_bytes(s, 2, prompt + completion)
+
+
+@pytest.mark.parametrize("config,window", [
+    ({**_GEMMA3, "num_hidden_layers": 6, "sliding_window": 16}, 16),  # its sliding layers counted
+    ({"model_type": "mistral", "sliding_window": 16}, 16),  # every layer sliding
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+      "layer_types": ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]}, 0),
+    ({}, 0),  # no sliding layer
+])
+def test_the_cache_window_caps_only_known_sliding_layers(tmp_path, config, window):
+    """The window caps generate's cache only where the spec knows which layers slide; a family whose
+    layer_types mix kinds without the spec counting them keeps every token (an over-count, never
+    a cap on a full layer)."""
+    assert _tiny(tmp_path, **config).cache_window == window

@@ -15,7 +15,8 @@ PAGE_SIZE = 256
 
 
 def _rows(setup: RunSetup) -> int:
-    """The generation batch's rows per GPU (grpo.generation_rows): micro-batch x steps_per_generation."""
+    """The generation batch's rows per GPU: grpo.generation_rows, which this module cannot import
+    (grpo.py imports it; import-linter holds plan/memory acyclic)."""
     return setup.micro_batch_size * setup.grpo.steps_per_generation
 
 

@@ -166,7 +166,11 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         arch["last_layer_sliding"] = types[-1] == "sliding_attention"
     arch["sliding_cache"] = _sliding_cache(mt, cfg, arch)
     window = arch.get("sliding_window") or cfg.get("sliding_window")
-    if arch["sliding_cache"] and isinstance(window, int) and window > 0:
+    # the window caps generate's cache only where the spec knows which layers slide: counted
+    # (sliding_layers: Gemma-3, gpt-oss) or every one (no layer_types, Mistral); layer_types that
+    # mix kinds in another family (Qwen2's use_sliding_window) keep every token counted
+    known = bool(arch.get("sliding_layers")) or not cfg.get("layer_types")
+    if arch["sliding_cache"] and known and isinstance(window, int) and window > 0:
         arch["cache_window"] = window
     if mt == "gpt2":
         arch["learned_positions"] = positions

@@ -96,8 +96,9 @@ def prompt_row(row: Any, spec: DatasetSpec) -> dict:
         used = {spec.fields.get(f, f) for f in ("instruction", "input", "output")}
     clash = sorted(c for c in row if c not in used and c in (*TRL_REWARD_KWARGS, *_IMAGE_COLUMNS, "prompt"))
     if clash:
-        raise BadRow(f"column '{clash[0]}' has a name TRL gives the rewards itself or reads as the prompt or "
-                     f"images (rename it with fields, or in the data): {', '.join(TRL_REWARD_KWARGS)}")
+        raise BadRow(f"column '{clash[0]}' has a name TRL gives the rewards itself (or leaves out of them, or "
+                     f"reads as the prompt or images; rename it with fields, or in the data): "
+                     f"{', '.join(TRL_REWARD_KWARGS)}")
     out = {"prompt": prompt, **{k: v for k, v in row.items() if k not in used}}
     if answer is not None:
         out.setdefault("answer", answer)
